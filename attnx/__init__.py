@@ -1,0 +1,7 @@
+"""attnx: the mathematics of attention in JAX/Flax.
+
+``attnx.core`` — pure functional kernels with pluggable score s and weighting F;
+``attnx.nn`` — Flax modules; ``attnx.data`` — datasets; ``attnx.train`` — experiment machinery.
+"""
+
+__version__ = "0.1.0"

@@ -1,0 +1,233 @@
+"""``attention``: out_i = Σ_j w_ij v_j with w_ij = F(s(q_i, k_j)) normalized, F and s pluggable.
+
+Same layout and mask/bias semantics as ``jax.nn.dot_product_attention``: ``q`` is
+``[batch..., T, N, H]``, ``k`` and ``v`` are ``[batch..., S, K, H]`` with ``N`` a multiple of
+``K`` (grouped-query attention), ``mask`` is boolean (True = attend) and ``bias`` additive, both
+broadcastable to ``[batch..., N, T, S]``.
+
+Two implementations:
+
+* ``"dense"`` materializes the ``[N, T, S]`` weights; every weighting and score works.
+* ``"blocked"`` streams key tiles flash-style with O(T) memory and a recomputing custom VJP;
+  it runs every :class:`~attnx.core.weightings.Pointwise` weighting with every score that is a
+  dot product of transformed vectors (all built-in scores but ``additive``).
+
+One deliberate difference from ``jax.nn``: a query row with no valid key (fully masked, or where
+every F(s) is 0) returns a zero output instead of an average of all values.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from attnx.core import scores as scores_lib
+from attnx.core import weightings as weightings_lib
+
+Array = jax.Array
+IMPLEMENTATIONS = ("dense", "blocked")
+
+# Above this many score entries per (batch, head), the blocked kernel is used by default. The
+# kernel benchmark (experiments/kernel_benchmark.py) shows where blocked overtakes dense.
+BLOCKED_MIN_SCORES = 512 * 512
+
+
+def _fail(msg: str) -> None:
+  raise ValueError(msg)
+
+
+def _check_inputs(q: Array, k: Array, v: Array, bias: Array | None, mask: Array | None,
+                  score: scores_lib.Score) -> None:
+  """Shape/dtype checks on static shapes, before anything is traced."""
+  shapes = f"query {q.shape}, key {k.shape}, value {v.shape}"
+  if q.ndim < 3 or k.ndim < 3 or v.ndim < 3:
+    _fail(f"attention expects [batch..., T, N, H] arrays; got {shapes}.")
+  if not (q.ndim == k.ndim == v.ndim):
+    _fail(f"query, key and value must have the same rank; got {shapes}.")
+  if not (q.shape[:-3] == k.shape[:-3] == v.shape[:-3]):
+    _fail(f"query, key and value must have the same batch dims; got {shapes}.")
+  if k.shape[-3] != v.shape[-3] or k.shape[-2] != v.shape[-2]:
+    _fail(f"key and value must have the same length S and kv heads K; got {shapes}.")
+  n, kh = q.shape[-2], k.shape[-2]
+  if kh == 0 or n % kh:
+    _fail(f"query heads N={n} must be a multiple of key/value heads K={kh}; got {shapes}.")
+  if score.name in ("dot", "scaled_dot", "cosine", "neg_sq_dist") and q.shape[-1] != k.shape[-1]:
+    _fail(f"score {score.name!r} needs equal query/key head dims; got {shapes}.")
+  for name, x in (("query", q), ("key", k), ("value", v)):
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+      _fail(f"{name} must be floating point, got dtype {x.dtype}.")
+  full = (*q.shape[:-3], n, q.shape[-3], k.shape[-3])
+  for name, x in (("bias", bias), ("mask", mask)):
+    if x is None:
+      continue
+    if x.ndim > len(full):
+      _fail(f"{name} of shape {x.shape} has more dims than [batch..., N, T, S] = {full}.")
+    try:
+      if jnp.broadcast_shapes(x.shape, full) != full:
+        raise ValueError
+    except ValueError:
+      _fail(f"{name} of shape {x.shape} does not broadcast to [batch..., N, T, S] = {full} "
+            f"({shapes}).")
+  if mask is not None and mask.dtype != jnp.bool_:
+    _fail(f"mask must be boolean (True = attend), got dtype {mask.dtype}.")
+
+
+def _to_4d(x: Array | None, batch: tuple[int, ...]) -> Array | None:
+  """[batch..., N, T, S]-broadcastable -> [B or 1, N or 1, T or 1, S or 1]."""
+  if x is None:
+    return None
+  x = x.reshape((1,) * (len(batch) + 3 - x.ndim) + x.shape)
+  lead = x.shape[:len(batch)]
+  if all(d == 1 for d in lead):
+    return x.reshape((1,) + x.shape[len(batch):])
+  x = jnp.broadcast_to(x, batch + x.shape[len(batch):])
+  return x.reshape((-1,) + x.shape[len(batch):])
+
+
+def causal_mask(t: int, s: int) -> Array:
+  """Boolean [T, S] lower-triangular mask: query i attends key j ≤ i (jax.nn convention)."""
+  return jnp.tril(jnp.ones((t, s), dtype=jnp.bool_))
+
+
+def _combined_mask(mask: Array | None, is_causal: bool, t: int, s: int) -> Array | None:
+  if is_causal:
+    c = causal_mask(t, s)
+    return c if mask is None else jnp.logical_and(mask, c)
+  return mask
+
+
+def _resolve(weighting, score, scale, score_params, head_dim):
+  w = weightings_lib.get_weighting(weighting)
+  sc = scores_lib.get_score(score)
+  params = {**scores_lib.score_params_from_name(score), **(score_params or {})}
+  unknown = set(params) - set(sc.params)
+  custom = not isinstance(score, (str, scores_lib.Score))  # a user callable takes any params
+  if unknown and not custom:
+    raise ValueError(f"Unknown parameters {sorted(unknown)} for score {sc.name!r}; it accepts "
+                     f"{list(sc.params) or 'none'}.")
+  missing = [p for p in sc.params if p not in params and p != "temperature"]
+  if missing:
+    raise ValueError(f"score {sc.name!r} needs score_params {missing} (e.g. "
+                     f"score_params={{{missing[0]!r}: array}}).")
+  if scale is None:
+    scale = 1.0 / math.sqrt(head_dim) if sc.scaled else 1.0
+  return w, sc, params, float(scale) if not isinstance(scale, jax.Array) else scale
+
+
+def _choose_implementation(implementation, w, sc, t: int, s: int) -> str:
+  blocked_ok = isinstance(w, weightings_lib.Pointwise) and sc.to_dot is not None
+  if implementation is None:
+    return "blocked" if blocked_ok and t * s >= BLOCKED_MIN_SCORES else "dense"
+  if implementation not in IMPLEMENTATIONS:
+    raise ValueError(f"Unknown implementation {implementation!r}; valid: "
+                     f"{', '.join(IMPLEMENTATIONS)} or None (automatic).")
+  if implementation == "blocked" and not blocked_ok:
+    if not isinstance(w, weightings_lib.Pointwise):
+      raise ValueError(
+          f"Weighting {w.name!r} normalizes whole rows and cannot stream; use "
+          "implementation='dense' (or None). Streamable weightings: "
+          f"{', '.join(weightings_lib.list_weightings('pointwise'))}.")
+    raise ValueError(f"Score {sc.name!r} is not a dot product of transformed vectors and "
+                     "cannot stream; use implementation='dense' (or None).")
+  return implementation
+
+
+def _dense_scores(q, k, bias, sc, params, scale):
+  """[B, N, T, S] float32 scores (scale and bias applied); k already has N heads."""
+  s = sc.dense(q, k, **params) * scale
+  if bias is not None:
+    s = s + bias.astype(s.dtype)
+  return s
+
+
+def _repeat_kv(x: Array, n: int) -> Array:
+  return jnp.repeat(x, n // x.shape[-2], axis=-2) if x.shape[-2] != n else x
+
+
+def _prepare(query, key, value, bias, mask, weighting, score, scale, score_params):
+  q, k, v = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
+  bias = None if bias is None else jnp.asarray(bias)
+  mask = None if mask is None else jnp.asarray(mask)
+  sc = scores_lib.get_score(score)
+  _check_inputs(q, k, v, bias, mask, sc)
+  w, sc, params, scale = _resolve(weighting, score, scale, score_params, q.shape[-1])
+  return q, k, v, bias, mask, w, sc, params, scale
+
+
+def attention_weights(query: Array, key: Array, bias: Array | None = None,
+                      mask: Array | None = None, *, weighting: Any = "softmax",
+                      score: Any = "scaled_dot", is_causal: bool = False,
+                      scale: float | None = None,
+                      score_params: dict[str, Any] | None = None) -> Array:
+  """The attention weights w [batch..., N, T, S] (float32) of :func:`attention`.
+
+  Always dense: it materializes the T×S weights. Arguments as in :func:`attention`.
+  """
+  q, k = jnp.asarray(query), jnp.asarray(key)
+  q, k, _, bias, mask, w, sc, params, scale = _prepare(
+      q, k, k, bias, mask, weighting, score, scale, score_params)
+  batch, (t, n), s = q.shape[:-3], q.shape[-3:-1], k.shape[-3]
+  scores = _dense_scores(q, _repeat_kv(k, n), bias, sc, params, scale)
+  valid = _combined_mask(mask, is_causal, t, s)
+  return weightings_lib.weights(scores, w, axis=-1, where=valid)
+
+
+def attention(query: Array, key: Array, value: Array, bias: Array | None = None,
+              mask: Array | None = None, *, weighting: Any = "softmax",
+              score: Any = "scaled_dot", is_causal: bool = False, scale: float | None = None,
+              implementation: str | None = None, score_params: dict[str, Any] | None = None,
+              block_q: int | None = None, block_k: int | None = None) -> Array:
+  """Attention with a pluggable score s and weighting F.
+
+  Args:
+    query: ``[batch..., T, N, H]``.
+    key: ``[batch..., S, K, H]``; ``N`` must be a multiple of ``K`` (GQA).
+    value: ``[batch..., S, K, Hv]``.
+    bias: optional additive score bias broadcastable to ``[batch..., N, T, S]``.
+    mask: optional boolean mask broadcastable to ``[batch..., N, T, S]``; True = attend.
+    weighting: F — a name from ``list_weightings()``, ``"name:k=v"`` (``"power:p=3"``,
+      ``"entmax:alpha=1.5"``), a Weighting, or a callable F(z) (sum-normalized).
+    score: s — a name from ``list_scores()``, ``"cosine:temperature=0.1"``, or a callable
+      ``(q, k) -> [batch..., N, T, S]``.
+    is_causal: query i attends keys j ≤ i (top-left aligned, as in jax.nn).
+    scale: multiplies the score; default 1/√H for ``scaled_dot`` and 1 for the others.
+    implementation: ``"dense"``, ``"blocked"`` (flash-style, O(T) memory) or None (the blocked
+      kernel for large streamable problems, dense otherwise).
+    score_params: arrays for parametrized scores: ``bilinear`` (W), ``metric`` (L),
+      ``additive`` (Wq, Wk, v); scalars for ``cosine`` (temperature).
+    block_q, block_k: tile sizes of the blocked kernel (default: chosen by the kernel).
+
+  Returns:
+    ``[batch..., T, N, Hv]`` in the query's dtype. Math is float32 for bf16/f16 inputs.
+  """
+  q, k, v, bias, mask, w, sc, params, scale = _prepare(
+      query, key, value, bias, mask, weighting, score, scale, score_params)
+  batch, (t, n), s = q.shape[:-3], q.shape[-3:-1], k.shape[-3]
+  impl = _choose_implementation(implementation, w, sc, t, s)
+  out_dtype = q.dtype
+  if impl == "blocked":
+    from attnx.core.blocked import blocked_attention  # noqa: PLC0415 (keeps import light)
+    qd, kd = sc.to_dot(q, k, **params)
+    flat = lambda x: x.reshape((-1,) + x.shape[len(batch):])
+    kw = {}
+    if block_q is not None:
+      kw["block_q"] = block_q
+    if block_k is not None:
+      kw["block_k"] = block_k
+    # Scores that transform q/k in float32 (distances, cosine) upcast v too: one dtype.
+    compute = jnp.result_type(qd.dtype, kd.dtype, v.dtype)
+    out = blocked_attention(flat(qd.astype(compute)), flat(kd.astype(compute)),
+                            flat(v.astype(compute)), weighting=w, scale=scale, bias=_to_4d(bias, batch),
+                            mask=_to_4d(mask, batch), is_causal=is_causal, **kw)
+    return out.reshape(batch + out.shape[1:]).astype(out_dtype)
+  scores = _dense_scores(q, _repeat_kv(k, n), bias, sc, params, scale)
+  valid = _combined_mask(mask, is_causal, t, s)
+  probs = weightings_lib.weights(scores, w, axis=-1, where=valid)
+  vv = _repeat_kv(v, n)
+  out = jnp.einsum("...nts,...snh->...tnh", probs.astype(vv.dtype), vv,
+                   preferred_element_type=jnp.promote_types(vv.dtype, jnp.float32))
+  return out.astype(out_dtype)
+

@@ -1,0 +1,72 @@
+"""``flax_attention_fn``: attnx attention as a drop-in ``attention_fn`` for Flax.
+
+Works with ``flax.linen.MultiHeadDotProductAttention(attention_fn=...)`` (which passes only the
+keyword arguments the function declares) and ``flax.nnx.MultiHeadAttention(attention_fn=...)``
+(which passes all of them), so any Flax model can swap softmax for another weighting F.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from attnx.core import attention as attention_lib
+from attnx.core import scores as scores_lib
+from attnx.core import weightings as weightings_lib
+
+Array = jax.Array
+
+
+def flax_attention_fn(weighting: Any = "softmax", score: Any = "scaled_dot", *,
+                      implementation: str | None = None,
+                      score_params: dict[str, Any] | None = None,
+                      scale: float | None = None) -> Callable[..., Array]:
+  """Returns ``attention_fn(query, key, value, bias=None, mask=None, **flax_kwargs)``.
+
+  Flax's conventions are kept: masks may be float 0/1 (as ``flax.linen.make_attention_mask``
+  builds them), attention dropout follows ``flax.linen.dot_product_attention`` (same RNG use,
+  so with ``weighting="softmax"`` the result equals the stock module even with dropout), and
+  when Flax passes ``module`` (``sow_weights=True``) the weights are sown into
+  ``intermediates/attention_weights``. Weightings and scores are validated here, at
+  construction, so a typo fails before any model is built.
+  """
+  weightings_lib.get_weighting(weighting)  # fail early on unknown names
+  scores_lib.get_score(score)
+
+  def attention_fn(query: Array, key: Array, value: Array, bias: Array | None = None,
+                   mask: Array | None = None, broadcast_dropout: bool = True,
+                   dropout_rng: jax.Array | None = None, dropout_rate: float = 0.0,
+                   deterministic: bool = False, dtype: Any = None, precision: Any = None,
+                   module: Any = None, **unused: Any) -> Array:
+    del precision, unused  # attnx picks its own precision: f32 math for low-precision inputs
+    if mask is not None:
+      mask = jnp.asarray(mask).astype(jnp.bool_)
+    if dtype is not None:
+      query, key, value = (jnp.asarray(x, dtype) for x in (query, key, value))
+    dropout = not deterministic and dropout_rate > 0.0
+    common = dict(weighting=weighting, score=score, scale=scale, score_params=score_params)
+    if not dropout and module is None:
+      return attention_lib.attention(query, key, value, bias, mask,
+                                     implementation=implementation, **common)
+    # Dropout on weights and sowing both need the weights themselves: dense path.
+    n, kh = query.shape[-2], key.shape[-2]
+    w = attention_lib.attention_weights(query, key, bias, mask, **common)
+    if module is not None:
+      module.sow("intermediates", "attention_weights", w)
+    if dropout:
+      if dropout_rng is None:
+        raise ValueError("attention dropout needs dropout_rng (deterministic=False).")
+      keep_prob = 1.0 - dropout_rate
+      shape = ((1,) * (key.ndim - 2) + w.shape[-2:]) if broadcast_dropout else w.shape
+      keep = jax.random.bernoulli(dropout_rng, keep_prob, shape)
+      w = w * (keep.astype(w.dtype) / jnp.asarray(keep_prob, w.dtype))
+    v = jnp.repeat(value, n // kh, axis=-2) if n != kh else value
+    out = jnp.einsum("...nts,...snh->...tnh", w.astype(v.dtype), v,
+                     preferred_element_type=jnp.promote_types(v.dtype, jnp.float32))
+    return out.astype(query.dtype)
+
+  attention_fn.__name__ = f"attnx_attention_{getattr(weighting, '__name__', weighting)}"
+  return attention_fn

@@ -1,0 +1,391 @@
+"""Weightings: how a row of scores s_j becomes attention weights w_j.
+
+Two families (see ``../shared/REFERENCES.md``):
+
+* :class:`Pointwise` — ``w_j = F(s_j) / N`` with an elementwise F and a normalizer N chosen by
+  ``normalization``: ``"sum"`` (N = Σ_l F(s_l) + offset, the attention formula of seed 000),
+  ``"length"`` (N = number of valid keys, ReLU attention of Wortsman et al. 2023) or ``"none"``
+  (N = 1, sigmoid attention of Ramapuram et al. 2024). Pointwise weightings stream: the blocked
+  kernel accumulates numerator and denominator tile by tile.
+* :class:`RowNormalizer` — anything that needs the whole row at once (sparsemax, entmax,
+  stick-breaking, softpick, SSMax). These run only in the dense implementation.
+
+Masked entries (``where=False``) never reach F: they are replaced by a safe value before F is
+applied and their weight is set to exactly 0, so fully masked rows give all-zero weights with
+finite gradients (the "double where" trick).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+Normalization = str  # "sum" | "length" | "none"
+NORMALIZATIONS = ("sum", "length", "none")
+
+
+@dataclasses.dataclass(frozen=True)
+class Pointwise:
+  """An elementwise weighting F with a normalization mode.
+
+  Attributes:
+    name: registry name (with parameters, e.g. ``"power:p=3"``).
+    fn: ``F(z, num_keys) -> array``, elementwise on float32 scores; ``num_keys`` is the static
+      number of keys S (used by e.g. sigmoid's default bias −log S).
+    normalization: ``"sum"``, ``"length"`` or ``"none"``.
+    exp_alpha: if not None, ``F(z) = exp(exp_alpha * z)`` and, with ``normalization="sum"``,
+      kernels subtract a running row maximum (online softmax), which makes the weights exactly
+      invariant to a shift of all scores (seed 000) and overflow-free.
+    denominator_offset: a constant added to the denominator (``softmax_plus_one`` uses 1). For
+      online-max weightings it acts like a virtual key with score 0: kernels start the running
+      max at 0 and the running denominator at ``denominator_offset``.
+  """
+
+  name: str
+  fn: Callable[[Array, int], Array]
+  normalization: Normalization = "sum"
+  exp_alpha: float | None = None
+  denominator_offset: float = 0.0
+
+  kind = "pointwise"
+
+  @property
+  def online_max(self) -> bool:
+    """Whether kernels should stream this weighting with a running maximum (softmax-like)."""
+    return self.exp_alpha is not None and self.normalization == "sum"
+
+  def __call__(self, z: Array, num_keys: int) -> Array:
+    return self.fn(z, num_keys)
+
+  def derivative(self, z: Array, num_keys: int) -> Array:
+    """F'(z), elementwise, via a forward-mode JVP (exact for any differentiable F)."""
+    return jax.jvp(lambda t: self.fn(t, num_keys), (z,), (jnp.ones_like(z),))[1]
+
+
+@dataclasses.dataclass(frozen=True)
+class RowNormalizer:
+  """A weighting that needs the whole row: ``fn(scores, where, axis) -> weights``."""
+
+  name: str
+  fn: Callable[[Array, Array | None, int], Array]
+
+  kind = "row"
+  online_max = False
+
+
+Weighting = Pointwise | RowNormalizer
+WeightingLike = str | Weighting | Callable[[Array], Array]
+
+# --------------------------------------------------------------------------------------------
+# Registry.
+# --------------------------------------------------------------------------------------------
+
+_REGISTRY: dict[str, Callable[..., Weighting]] = {}
+_DOCS: dict[str, str] = {}
+
+
+def register_weighting(name: str, factory: Callable[..., Weighting] | None = None, *,
+                       doc: str = "", overwrite: bool = False):
+  """Registers a weighting factory under ``name``.
+
+  ``factory(**params)`` must return a :class:`Pointwise` or :class:`RowNormalizer`; parameters
+  come from the name string (``"name:p=3,normalization=length"``). Usable as a decorator.
+  After registration the weighting is usable by name everywhere: ``core.attention``,
+  ``attnx.nn`` modules and ``--config.weightings=`` on the command line.
+  """
+  def _register(f):
+    if not overwrite and name in _REGISTRY:
+      raise ValueError(f"Weighting {name!r} is already registered; pass overwrite=True.")
+    if ":" in name or "," in name or "=" in name:
+      raise ValueError(f"Weighting names may not contain ':', ',' or '=': {name!r}")
+    _REGISTRY[name] = f
+    _DOCS[name] = doc or (f.__doc__ or "").strip().split("\n")[0]
+    return f
+  return _register(factory) if factory is not None else _register
+
+
+def list_weightings(kind: str | None = None) -> list[str]:
+  """Names of all registered weightings (``kind="pointwise"``/``"row"`` to filter)."""
+  names = sorted(_REGISTRY)
+  if kind is None:
+    return names
+  if kind not in ("pointwise", "row"):
+    raise ValueError(f"kind must be 'pointwise', 'row' or None, got {kind!r}")
+  return [n for n in names if get_weighting(n).kind == kind]
+
+
+def describe_weightings() -> dict[str, str]:
+  """``{name: one-line description}`` for every registered weighting."""
+  return {n: _DOCS[n] for n in sorted(_REGISTRY)}
+
+
+def _parse_value(text: str) -> Any:
+  low = text.lower()
+  if low in ("true", "false"):
+    return low == "true"
+  for cast in (int, float):
+    try:
+      return cast(text)
+    except ValueError:
+      pass
+  return text
+
+
+def parse_weighting_name(spec: str) -> tuple[str, dict[str, Any]]:
+  """``"entmax:alpha=1.5"`` -> ``("entmax", {"alpha": 1.5})``."""
+  name, _, rest = spec.strip().partition(":")
+  params: dict[str, Any] = {}
+  if rest:
+    for item in rest.split(","):
+      key, eq, value = item.partition("=")
+      if not eq or not key.strip():
+        raise ValueError(
+            f"Bad weighting parameter {item!r} in {spec!r}: expected 'name:key=value,...'.")
+      params[key.strip()] = _parse_value(value.strip())
+  return name.strip(), params
+
+
+def get_weighting(weighting: WeightingLike, **overrides: Any) -> Weighting:
+  """Resolves a name, a ``"name:k=v"`` string, a Weighting or a callable F to a Weighting.
+
+  A plain callable ``F(z)`` becomes a sum-normalized :class:`Pointwise`.
+  Raises ValueError listing the valid names for an unknown name, and naming the accepted
+  parameters for an unknown parameter.
+  """
+  if isinstance(weighting, (Pointwise, RowNormalizer)):
+    if overrides:
+      return dataclasses.replace(weighting, **overrides)
+    return weighting
+  if isinstance(weighting, str):
+    name, params = parse_weighting_name(weighting)
+    params.update(overrides)
+    if name not in _REGISTRY:
+      raise ValueError(
+          f"Unknown weighting {name!r}. Valid weightings: {', '.join(sorted(_REGISTRY))} "
+          "(or pass a callable F(z)).")
+    try:
+      return _REGISTRY[name](**params)
+    except TypeError as e:
+      raise ValueError(f"Bad parameters {params} for weighting {name!r}: {e}") from None
+  if callable(weighting):
+    fn = weighting
+    label = getattr(fn, "__name__", "custom")
+    normalization = overrides.pop("normalization", "sum")
+    _check_normalization(normalization, label)
+    return Pointwise(name=label, fn=lambda z, n: fn(z), normalization=normalization, **overrides)
+  raise TypeError(
+      f"weighting must be a name, a Weighting or a callable, got {type(weighting).__name__}")
+
+
+def _check_normalization(normalization: str, name: str) -> None:
+  if normalization not in NORMALIZATIONS:
+    raise ValueError(f"Unknown normalization {normalization!r} for weighting {name!r}; valid: "
+                     f"{', '.join(NORMALIZATIONS)}.")
+
+
+def _label(base: str, **params: Any) -> str:
+  shown = ",".join(f"{k}={v}" for k, v in params.items() if v is not None)
+  return f"{base}:{shown}" if shown else base
+
+
+# --------------------------------------------------------------------------------------------
+# Applying a weighting to a dense score array.
+# --------------------------------------------------------------------------------------------
+
+def pointwise_weights(scores: Array, w: Pointwise, axis: int = -1,
+                      where: Array | None = None, num_keys: int | None = None) -> Array:
+  """Dense reference implementation of a :class:`Pointwise` weighting (float32 math)."""
+  s = scores.astype(jnp.promote_types(scores.dtype, jnp.float32))
+  n = s.shape[axis] if num_keys is None else num_keys
+  valid = jnp.ones(s.shape, bool) if where is None else jnp.broadcast_to(where, s.shape)
+  if w.online_max:
+    z = w.exp_alpha * s
+    m = jnp.max(jnp.where(valid, z, -jnp.inf), axis=axis, keepdims=True)
+    floor = 0.0 if w.denominator_offset > 0 else -jnp.inf
+    m = jnp.maximum(m, floor)
+    m = jax.lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))
+    e = jnp.where(valid, jnp.exp(jnp.where(valid, z, m) - m), 0.0)
+    denom = jnp.sum(e, axis=axis, keepdims=True) + w.denominator_offset * jnp.exp(-m)
+  else:
+    f = w.fn(jnp.where(valid, s, 0.0), n)
+    e = jnp.where(valid, f, 0.0)
+    if w.normalization == "sum":
+      denom = jnp.sum(e, axis=axis, keepdims=True) + w.denominator_offset
+    elif w.normalization == "length":
+      denom = jnp.sum(valid, axis=axis, keepdims=True).astype(s.dtype)
+    else:
+      return e
+  safe = denom > 0
+  return jnp.where(safe, e / jnp.where(safe, denom, 1.0), 0.0)
+
+
+def weights(scores: Array, weighting: WeightingLike = "softmax", axis: int = -1,
+            where: Array | None = None) -> Array:
+  """Turns scores into attention weights along ``axis``, like ``jax.nn.softmax``.
+
+  Args:
+    scores: array of scores s (any float dtype; math is done in float32 or wider).
+    weighting: a registered name (``core.list_weightings()``), ``"name:k=v"``, a
+      :class:`Pointwise`/:class:`RowNormalizer`, or a callable F (sum-normalized).
+    axis: the axis to normalize over.
+    where: optional boolean mask broadcastable to ``scores``; False entries get weight 0.
+      A row with no valid entry (or where every F is 0) gets all-zero weights.
+
+  Returns:
+    float32 (or wider) weights with the shape of ``scores``.
+  """
+  w = get_weighting(weighting)
+  scores = jnp.asarray(scores)
+  if where is not None:
+    where = jnp.asarray(where)
+    try:
+      jnp.broadcast_shapes(where.shape, scores.shape)
+    except ValueError:
+      raise ValueError(f"where of shape {where.shape} does not broadcast to scores of shape "
+                       f"{scores.shape}") from None
+    if where.dtype != jnp.bool_:
+      raise ValueError(f"where must be boolean, got dtype {where.dtype}")
+  if isinstance(w, Pointwise):
+    return pointwise_weights(scores, w, axis=axis, where=where)
+  s = scores.astype(jnp.promote_types(scores.dtype, jnp.float32))
+  return w.fn(s, where, axis)
+
+
+# --------------------------------------------------------------------------------------------
+# The built-in pointwise weightings.
+# --------------------------------------------------------------------------------------------
+
+def _pointwise(name, fn, normalization="sum", **kw) -> Pointwise:
+  _check_normalization(normalization, name)
+  return Pointwise(name=name, fn=fn, normalization=normalization, **kw)
+
+
+def _exp_like(name: str, alpha: float, normalization: str, offset: float = 0.0) -> Pointwise:
+  if normalization != "sum":
+    raise ValueError(
+        f"{name!r} is defined only with normalization='sum' (exp overflows unnormalized); "
+        "use 'sigmoid' or 'gaussian' for unnormalized weights.")
+  if not alpha > 0:
+    raise ValueError(f"{name!r} needs a temperature alpha > 0, got {alpha}")
+  a = float(alpha)
+  return _pointwise(_label(name, alpha=None if a == 1.0 else a),
+                    lambda z, n: jnp.exp(a * z), "sum", exp_alpha=a, denominator_offset=offset)
+
+
+@register_weighting("softmax", doc="exp(alpha*s)/Σexp(alpha*s) (seed 000: the only shift-invariant F)")
+def _softmax(alpha: float = 1.0, normalization: str = "sum") -> Pointwise:
+  return _exp_like("softmax", alpha, normalization)
+
+
+@register_weighting("exp", doc="alias of softmax: F(z)=exp(alpha*z), sum-normalized")
+def _exp(alpha: float = 1.0, normalization: str = "sum") -> Pointwise:
+  return _exp_like("exp", alpha, normalization)
+
+
+@register_weighting("softmax_plus_one",
+                    doc="exp(s)/(1+Σexp(s)), 'quiet' softmax (Evan Miller 2023)")
+def _softmax_plus_one(alpha: float = 1.0, normalization: str = "sum") -> Pointwise:
+  return _exp_like("softmax_plus_one", alpha, normalization, offset=1.0)
+
+
+def _simple(name: str, fn: Callable[[Array], Array], doc: str) -> None:
+  def factory(normalization: str = "sum") -> Pointwise:
+    return _pointwise(_label(name, normalization=None if normalization == "sum"
+                             else normalization), lambda z, n: fn(z), normalization)
+  register_weighting(name, factory, doc=doc)
+
+
+def _elu_plus_one(z: Array) -> Array:
+  # where(z>=0, z+1, exp(min(z,0))): exact in bf16 far below 0 (REFERENCES.md pitfall).
+  return jnp.where(z >= 0, z + 1.0, jnp.exp(jnp.minimum(z, 0.0)))
+
+
+_simple("relu", jax.nn.relu, "max(s, 0) (Wortsman et al. 2023 use normalization=length)")
+_simple("relu2", lambda z: jnp.square(jax.nn.relu(z)), "max(s, 0)^2 (squared ReLU)")
+_simple("softplus", jax.nn.softplus, "log(1 + exp(s))")
+_simple("elu_plus_one", _elu_plus_one, "elu(s) + 1 (the linear-attention feature map as F)")
+_simple("taylor_exp", lambda z: 1.0 + z + 0.5 * z * z,
+        "1 + s + s^2/2, second-order Taylor expansion of exp (always > 0)")
+
+
+@register_weighting("power", doc="max(s, 0)^p")
+def _power(p: float = 2.0, normalization: str = "sum") -> Pointwise:
+  if not p > 0:
+    raise ValueError(f"power needs p > 0, got {p}")
+  return _pointwise(_label("power", p=p), lambda z, n: jnp.power(jax.nn.relu(z), p),
+                    normalization)
+
+
+@register_weighting("sigmoid", doc="σ(s + b); b = −log n by default when unnormalized "
+                    "(Ramapuram et al. 2024)")
+def _sigmoid(bias: float | None = None, normalization: str = "sum") -> Pointwise:
+  def fn(z, n):
+    b = (-math.log(max(n, 1)) if normalization == "none" else 0.0) if bias is None else bias
+    return jax.nn.sigmoid(z + b)
+  return _pointwise(_label("sigmoid", bias=bias, normalization=None if normalization == "sum"
+                           else normalization), fn, normalization)
+
+
+# Distance kernels take the score to be s = −‖q − k‖² (score="neg_sq_dist") and a bandwidth h,
+# u = sqrt(max(−s, 0)) / h.
+
+def _dist_u(z: Array, h: float) -> Array:
+  # sqrt has an infinite derivative at 0: differentiate u² instead where possible.
+  d2 = jnp.maximum(-z, 0.0)
+  safe = d2 > 0
+  return jnp.where(safe, jnp.sqrt(jnp.where(safe, d2, 1.0)), 0.0) / h
+
+
+def _check_h(name: str, h: float) -> float:
+  if not h > 0:
+    raise ValueError(f"{name!r} needs a bandwidth h > 0, got {h}")
+  return float(h)
+
+
+@register_weighting("gaussian", doc="exp(−‖q−k‖²/(2h²)) on score neg_sq_dist (bandwidth h)")
+def _gaussian(h: float = 1.0, normalization: str = "sum") -> Pointwise:
+  h = _check_h("gaussian", h)
+  alpha = 1.0 / (2.0 * h * h)
+  if normalization == "sum":
+    # Normalized Gaussian kernel == softmax(s / 2h²); streamed with the running max.
+    return _pointwise(_label("gaussian", h=h), lambda z, n: jnp.exp(alpha * z), "sum",
+                      exp_alpha=alpha)
+  return _pointwise(_label("gaussian", h=h, normalization=normalization),
+                    lambda z, n: jnp.exp(alpha * jnp.minimum(z, 0.0)), normalization)
+
+
+@register_weighting("boxcar", doc="1[‖q−k‖ ≤ h] on score neg_sq_dist")
+def _boxcar(h: float = 1.0, normalization: str = "sum") -> Pointwise:
+  h2 = _check_h("boxcar", h) ** 2
+  # Written as a function of s so that its derivative is 0 almost everywhere.
+  return _pointwise(_label("boxcar", h=h, normalization=None if normalization == "sum"
+                           else normalization),
+                    lambda z, n: (z >= -h2).astype(z.dtype), normalization)
+
+
+@register_weighting("triangular", doc="max(0, 1 − ‖q−k‖/h) on score neg_sq_dist "
+                    "(what seed 004 and d2l call 'Epanechnikov')")
+def _triangular(h: float = 1.0, normalization: str = "sum") -> Pointwise:
+  h = _check_h("triangular", h)
+  return _pointwise(_label("triangular", h=h, normalization=None if normalization == "sum"
+                           else normalization),
+                    lambda z, n: jax.nn.relu(1.0 - _dist_u(z, h)), normalization)
+
+
+@register_weighting("epanechnikov", doc="3/4 (1 − u²)₊, u = ‖q−k‖/h, on score neg_sq_dist "
+                    "(the textbook kernel; seed 004's 'Epanechnikov' is 'triangular')")
+def _epanechnikov(h: float = 1.0, normalization: str = "sum") -> Pointwise:
+  h2 = _check_h("epanechnikov", h) ** 2
+  # u² = −s/h²: polynomial in s, so smooth inside the support.
+  return _pointwise(_label("epanechnikov", h=h, normalization=None if normalization == "sum"
+                           else normalization),
+                    lambda z, n: 0.75 * jax.nn.relu(1.0 + z / h2), normalization)
+
+
+POINTWISE_KERNELS = ("gaussian", "boxcar", "triangular", "epanechnikov")

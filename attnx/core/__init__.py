@@ -5,7 +5,7 @@
 Imports only jax/numpy; every function works under jit, vmap, grad and shard_map.
 """
 
-from attnx.core.attention import (
+from attnx.core.dispatch import (
     BLOCKED_MIN_SCORES,
     IMPLEMENTATIONS,
     attention,

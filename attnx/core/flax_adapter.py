@@ -13,7 +13,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from attnx.core import attention as attention_lib
+from attnx.core import dispatch as attention_lib
 from attnx.core import scores as scores_lib
 from attnx.core import weightings as weightings_lib
 

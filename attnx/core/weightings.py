@@ -110,6 +110,13 @@ def register_weighting(name: str, factory: Callable[..., Weighting] | None = Non
   return _register(factory) if factory is not None else _register
 
 
+def unregister_weighting(name: str) -> None:
+  """Removes a registered weighting (for tests and interactive experimentation)."""
+  if name not in _REGISTRY:
+    raise ValueError(f"Weighting {name!r} is not registered.")
+  del _REGISTRY[name], _DOCS[name]
+
+
 def list_weightings(kind: str | None = None) -> list[str]:
   """Names of all registered weightings (``kind="pointwise"``/``"row"`` to filter)."""
   names = sorted(_REGISTRY)

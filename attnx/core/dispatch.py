@@ -1,4 +1,4 @@
-"""``attention``: out_i = Σ_j w_ij v_j with w_ij = F(s(q_i, k_j)) normalized, F and s pluggable.
+"""The attention dispatcher: `attention` (dense or blocked), `attention_weights`, masks.
 
 Same layout and mask/bias semantics as ``jax.nn.dot_product_attention``: ``q`` is
 ``[batch..., T, N, H]``, ``k`` and ``v`` are ``[batch..., S, K, H]`` with ``N`` a multiple of

@@ -1,0 +1,237 @@
+"""core.attention / core.attention_weights against jax.nn and flax.linen, edge cases, errors."""
+
+import functools
+
+import chex
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from absl.testing import parameterized
+
+from attnx import core
+
+KERNELS = set(core.weightings.POINTWISE_KERNELS)
+
+
+def _score_for(weighting: str) -> str:
+  return "neg_sq_dist" if weighting.split(":")[0] in KERNELS else "scaled_dot"
+
+
+def _inputs(b=2, t=7, s=9, n=4, k=2, h=8, dtype=jnp.float32, seed=0):
+  ks = jax.random.split(jax.random.PRNGKey(seed), 5)
+  q = jax.random.normal(ks[0], (b, t, n, h), dtype)
+  kk = jax.random.normal(ks[1], (b, s, k, h), dtype)
+  v = jax.random.normal(ks[2], (b, s, k, h), dtype)
+  bias = jax.random.normal(ks[3], (b, n, t, s), jnp.float32)
+  mask = jax.random.bernoulli(ks[4], 0.7, (b, n, t, s)).at[..., 0].set(True)
+  return q, kk, v, bias, mask
+
+
+CASES = [
+    dict(testcase_name="plain"),
+    dict(testcase_name="mask", use_mask=True),
+    dict(testcase_name="bias", use_bias=True),
+    dict(testcase_name="causal", is_causal=True),
+    dict(testcase_name="causal_mask_bias", is_causal=True, use_mask=True, use_bias=True),
+    dict(testcase_name="gqa_cross", n=6, k=2, t=5, s=11, use_mask=True),
+    dict(testcase_name="mha_cross", n=3, k=3, t=13, s=4, use_bias=True),
+]
+
+
+class SoftmaxMatchesReferences(parameterized.TestCase):
+
+  @parameterized.named_parameters(*CASES)
+  def test_matches_jax_nn(self, use_mask=False, use_bias=False, is_causal=False, n=4, k=2,
+                          t=7, s=9):
+    if is_causal:
+      t = s = max(t, s)
+    q, kk, v, bias, mask = _inputs(n=n, k=k, t=t, s=s)
+    kw = dict(bias=bias if use_bias else None, mask=mask if use_mask else None,
+              is_causal=is_causal)
+    ref = jax.nn.dot_product_attention(q, kk, v, **kw)
+    for impl in ("dense", "blocked", None):
+      out = core.attention(q, kk, v, implementation=impl, **kw)
+      chex.assert_trees_all_close(out, ref, atol=1e-5, rtol=1e-5)
+
+  @parameterized.named_parameters(*CASES)
+  def test_matches_flax_linen(self, use_mask=False, use_bias=False, is_causal=False, n=4, k=2,
+                              t=7, s=9):
+    if is_causal:
+      t = s = max(t, s)
+    q, kk, v, bias, mask = _inputs(n=n, k=n, t=t, s=s)  # flax has no GQA
+    m = mask if use_mask else None
+    if is_causal:
+      c = core.causal_mask(t, s)
+      m = c if m is None else m & c
+    ref = nn.dot_product_attention(q, kk, v, bias=bias if use_bias else None, mask=m)
+    out = core.attention(q, kk, v, bias=bias if use_bias else None, mask=mask if use_mask else
+                         None, is_causal=is_causal)
+    chex.assert_trees_all_close(out, ref, atol=1e-5, rtol=1e-5)
+
+  @parameterized.parameters("dense", "blocked")
+  def test_bf16_close_to_jax_nn(self, impl):
+    q, kk, v, bias, mask = _inputs(dtype=jnp.bfloat16, t=16, s=16)
+    ref = jax.nn.dot_product_attention(q, kk, v, mask=mask, is_causal=True)
+    out = core.attention(q, kk, v, mask=mask, is_causal=True, implementation=impl)
+    self.assertEqual(out.dtype, jnp.bfloat16)
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32),
+                               atol=3e-2, rtol=3e-2)
+
+  def test_extra_batch_dims(self):
+    q, kk, v, bias, mask = _inputs(b=6)
+    r = lambda x: x.reshape((2, 3) + x.shape[1:])
+    out = core.attention(r(q), r(kk), r(v), bias=bias[:1], mask=r(mask))
+    ref = core.attention(q, kk, v, bias=bias[:1], mask=mask)
+    chex.assert_trees_all_close(out, r(ref), atol=1e-6)
+
+
+class Variants(chex.TestCase):
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_jit_and_nojit_agree_with_reference(self):
+    q, kk, v, bias, mask = _inputs()
+    f = self.variant(functools.partial(core.attention, weighting="relu",
+                                       implementation="dense"))
+    out = f(q, kk, v, bias, mask)
+    w = core.weights(jnp.einsum("btnh,bsnh->bnts", q, jnp.repeat(kk, 2, 2)) / np.sqrt(8) + bias,
+                     "relu", where=mask)
+    ref = jnp.einsum("bnts,bsnh->btnh", w, jnp.repeat(v, 2, 2))
+    chex.assert_trees_all_close(out, ref, atol=1e-5)
+
+  def test_vmap_and_grad_compose(self):
+    q, kk, v, _, _ = _inputs()
+    loss = lambda q, k, v: jnp.sum(core.attention(q, k, v, weighting="sigmoid") ** 2)
+    per_example = jax.vmap(jax.grad(loss), in_axes=(0, 0, 0))(q[:, None], kk[:, None],
+                                                              v[:, None])
+    whole = jax.grad(loss)(q, kk, v)
+    chex.assert_trees_all_close(per_example[:, 0], whole, atol=1e-5)
+
+
+class Weights(parameterized.TestCase):
+
+  def test_attention_weights_softmax_rows(self):
+    q, kk, _, bias, mask = _inputs()
+    w = core.attention_weights(q, kk, bias=bias, mask=mask, is_causal=False)
+    chex.assert_shape(w, (2, 4, 7, 9))
+    logits = jnp.einsum("btnh,bsnh->bnts", q, jnp.repeat(kk, 2, 2)) / np.sqrt(8) + bias
+    ref = jax.nn.softmax(jnp.where(mask, logits, -1e30), axis=-1)
+    chex.assert_trees_all_close(w, ref, atol=1e-6)
+
+  def test_shift_invariance_only_for_softmax(self):
+    """Seed 000: adding M to every score leaves exp-weights unchanged, and only them."""
+    s = jax.random.normal(jax.random.PRNGKey(1), (16, 12))
+    for name in core.list_weightings("pointwise"):
+      w = core.get_weighting(name)
+      for shift in (0.5, 3.0):
+        diff = float(jnp.max(jnp.abs(core.weights(s + shift, w) - core.weights(s, w))))
+        if w.online_max and w.denominator_offset == 0:  # softmax, exp, gaussian: all exp(αs)
+          self.assertLess(diff, 1e-6, name)
+        else:  # including softmax_plus_one, whose +1 breaks the invariance
+          self.assertGreater(diff, 1e-3, f"{name} should not be shift invariant")
+
+
+class EdgeCases(parameterized.TestCase):
+
+  @parameterized.product(impl=["dense", "blocked"],
+                         weighting=["softmax", "relu", "sigmoid", "softmax_plus_one"])
+  def test_fully_masked_rows_are_zero_with_finite_grads(self, impl, weighting):
+    q, kk, v, _, mask = _inputs()
+    mask = mask.at[:, :, 2, :].set(False)
+    f = lambda q, k, v: core.attention(q, k, v, mask=mask, weighting=weighting,
+                                       implementation=impl)
+    out = f(q, kk, v)
+    chex.assert_trees_all_close(out[:, 2], jnp.zeros_like(out[:, 2]))
+    grads = jax.grad(lambda *a: jnp.sum(f(*a) ** 2), argnums=(0, 1, 2))(q, kk, v)
+    chex.assert_tree_all_finite(grads)
+
+  @parameterized.parameters("dense", "blocked")
+  def test_all_zero_relu_rows(self, impl):
+    q, kk, v, _, _ = _inputs()
+    bias = jnp.full((1, 1, 7, 9), -1e3)  # every score negative: relu gives F = 0 everywhere
+    f = lambda q, k, v: core.attention(q, k, v, bias=bias, weighting="relu",
+                                       implementation=impl)
+    chex.assert_trees_all_close(f(q, kk, v), jnp.zeros((2, 7, 4, 8)))
+    chex.assert_tree_all_finite(jax.grad(lambda *a: jnp.sum(f(*a)), argnums=(0, 1, 2))(q, kk, v))
+
+  def test_boxcar_with_no_key_in_range(self):
+    xq, xt, y = jnp.array([100.0]), jnp.linspace(0, 1, 5), jnp.arange(5.0)
+    pred = core.nadaraya_watson(xq, xt, y, kernel="boxcar", bandwidth=0.5)
+    np.testing.assert_array_equal(pred, [0.0])
+
+  @parameterized.product(dtype=[jnp.float32, jnp.bfloat16],
+                         weighting=core.list_weightings())
+  def test_huge_scores_stay_finite(self, dtype, weighting):
+    q, kk, v, _, _ = _inputs(dtype=dtype)
+    bias = jnp.where(jax.random.bernoulli(jax.random.PRNGKey(3), 0.5, (2, 4, 7, 9)), 1e4, -1e4)
+    f = lambda q, k, v: core.attention(q, k, v, bias=bias, weighting=weighting,
+                                       score=_score_for(weighting))
+    chex.assert_tree_all_finite(f(q, kk, v))
+    chex.assert_tree_all_finite(
+        jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), argnums=(0, 1, 2))(q, kk, v))
+
+
+class Errors(parameterized.TestCase):
+
+  def test_unknown_weighting_lists_valid_names(self):
+    q, kk, v, _, _ = _inputs()
+    with pytest.raises(ValueError, match=r"Unknown weighting 'sofmax'.*relu.*softmax"):
+      core.attention(q, kk, v, weighting="sofmax")
+
+  def test_unknown_score_and_implementation(self):
+    q, kk, v, _, _ = _inputs()
+    with pytest.raises(ValueError, match=r"Unknown score 'cos'.*cosine"):
+      core.attention(q, kk, v, score="cos")
+    with pytest.raises(ValueError, match=r"Unknown implementation 'flash'.*dense, blocked"):
+      core.attention(q, kk, v, implementation="flash")
+
+  def test_bad_weighting_parameter(self):
+    with pytest.raises(ValueError, match="power"):
+      core.get_weighting("power:q=3")
+    with pytest.raises(ValueError, match="expected 'name:key=value"):
+      core.get_weighting("power:3")
+    with pytest.raises(ValueError, match="normalization"):
+      core.get_weighting("relu:normalization=max")
+
+  @parameterized.named_parameters(
+      dict(testcase_name="head_dim", shapes=((2, 7, 4, 8), (2, 9, 4, 6), (2, 9, 4, 6)),
+           match=r"head dims.*\(2, 7, 4, 8\)"),
+      dict(testcase_name="gqa", shapes=((2, 7, 4, 8), (2, 9, 3, 8), (2, 9, 3, 8)),
+           match=r"multiple of key/value heads K=3"),
+      dict(testcase_name="kv_len", shapes=((2, 7, 4, 8), (2, 9, 4, 8), (2, 8, 4, 8)),
+           match=r"same length S"),
+      dict(testcase_name="batch", shapes=((2, 7, 4, 8), (3, 9, 4, 8), (3, 9, 4, 8)),
+           match=r"batch dims"),
+      dict(testcase_name="rank", shapes=((7, 8), (9, 8), (9, 8)), match=r"\[batch\.\.\., T, N, H\]"),
+  )
+  def test_shape_errors_name_the_shapes(self, shapes, match):
+    arrays = [jnp.zeros(s) for s in shapes]
+    with pytest.raises(ValueError, match=match):
+      core.attention(*arrays)
+
+  def test_mask_errors(self):
+    q, kk, v, _, mask = _inputs()
+    with pytest.raises(ValueError, match=r"mask of shape \(2, 4, 7, 8\)"):
+      core.attention(q, kk, v, mask=mask[..., :8])
+    with pytest.raises(ValueError, match="mask must be boolean"):
+      core.attention(q, kk, v, mask=mask.astype(jnp.float32))
+    with pytest.raises(ValueError, match="floating point"):
+      core.attention(q.astype(jnp.int32), kk, v)
+
+  def test_unsupported_combinations_say_what_to_use(self):
+    q, kk, v, _, _ = _inputs(n=2, k=2)
+    with pytest.raises(ValueError, match=r"implementation='dense'"):
+      core.attention(q, kk, v, weighting="sparsemax", implementation="blocked")
+    params = dict(Wq=jnp.ones((8, 3)), Wk=jnp.ones((8, 3)), v=jnp.ones(3))
+    with pytest.raises(ValueError, match=r"implementation='dense'"):
+      core.attention(q, kk, v, score="additive", score_params=params, implementation="blocked")
+    with pytest.raises(ValueError, match=r"needs score_params \['W'\]"):
+      core.attention(q, kk, v, score="bilinear")
+    with pytest.raises(ValueError, match="only with normalization='sum'"):
+      core.get_weighting("softmax:normalization=none")
+
+  def test_auto_implementation_handles_row_normalizers(self):
+    q, kk, v, _, _ = _inputs(t=600, s=600, b=1, n=1, k=1)  # large: auto picks blocked if it can
+    out = core.attention(q, kk, v, weighting="sparsemax")
+    chex.assert_tree_all_finite(out)

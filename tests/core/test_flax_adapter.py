@@ -1,0 +1,63 @@
+"""flax_attention_fn as a drop-in attention_fn for linen and nnx multi-head attention."""
+
+import chex
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+
+from attnx import core
+
+X = jax.random.normal(jax.random.PRNGKey(0), (2, 6, 16))
+MASK = nn.make_attention_mask(jnp.ones((2, 6)), jnp.arange(6)[None].repeat(2, 0) < 5)  # float
+
+
+def _linen(attention_fn=None, **kw):
+  extra = {} if attention_fn is None else {"attention_fn": attention_fn}
+  return nn.MultiHeadDotProductAttention(num_heads=4, qkv_features=16, **extra, **kw)
+
+
+def test_linen_softmax_equals_stock_module_with_float_mask():
+  params = _linen().init(jax.random.PRNGKey(1), X, X, mask=MASK)
+  ref = _linen().apply(params, X, X, mask=MASK)
+  out = _linen(core.flax_attention_fn("softmax")).apply(params, X, X, mask=MASK)
+  chex.assert_trees_all_close(out, ref, atol=1e-5)
+
+
+def test_linen_softmax_equals_stock_module_with_dropout():
+  params = _linen().init(jax.random.PRNGKey(1), X, X)
+  rngs = {"dropout": jax.random.PRNGKey(5)}
+  kw = dict(deterministic=False, rngs=rngs)
+  ref = _linen(dropout_rate=0.3).apply(params, X, X, **kw)
+  out = _linen(core.flax_attention_fn("softmax"), dropout_rate=0.3).apply(params, X, X, **kw)
+  chex.assert_trees_all_close(out, ref, atol=1e-5)
+
+
+def test_linen_relu_runs_differs_and_sows_weights():
+  params = _linen().init(jax.random.PRNGKey(1), X, X)
+  ref = _linen().apply(params, X, X)
+  model = _linen(core.flax_attention_fn("relu"))
+  out, state = model.apply(params, X, X, sow_weights=True, mutable=["intermediates"])
+  assert jnp.max(jnp.abs(out - ref)) > 1e-3
+  (w,) = state["intermediates"]["attention_weights"]
+  chex.assert_shape(w, (2, 4, 6, 6))
+  rows = w.sum(-1)
+  assert jnp.all((jnp.abs(rows - 1) < 1e-5) | (rows == 0))
+
+
+def test_nnx_softmax_equals_stock_and_sigmoid_runs():
+  make = lambda fn=None: nnx.MultiHeadAttention(
+      num_heads=4, in_features=16, qkv_features=16, decode=False, rngs=nnx.Rngs(0),
+      **({} if fn is None else {"attention_fn": fn}))
+  stock, ours = make(), make(core.flax_attention_fn("softmax"))
+  chex.assert_trees_all_close(ours(X, mask=MASK), stock(X, mask=MASK), atol=1e-5)
+  sig = make(core.flax_attention_fn("sigmoid:normalization=none"))
+  out = sig(X)
+  chex.assert_tree_all_finite(out)
+  assert jnp.max(jnp.abs(out - stock(X))) > 1e-3
+
+
+def test_unknown_weighting_fails_at_construction():
+  with pytest.raises(ValueError, match="Unknown weighting"):
+    core.flax_attention_fn("softmaxx")

@@ -1,0 +1,111 @@
+"""The weighting registry and each pointwise F against its closed form."""
+
+import math
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from absl.testing import parameterized
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from attnx import core
+
+Z = np.linspace(-3, 3, 13).astype(np.float32)
+SIG = lambda x: 1 / (1 + np.exp(-x))
+CLOSED_FORMS = {  # F(z) in float64 numpy, independent of the implementation
+    "softmax": np.exp,
+    "exp": np.exp,
+    "softmax_plus_one": np.exp,
+    "relu": lambda z: np.maximum(z, 0),
+    "relu2": lambda z: np.maximum(z, 0) ** 2,
+    "softplus": lambda z: np.log1p(np.exp(z)),
+    "elu_plus_one": lambda z: np.where(z > 0, z + 1, np.exp(z)),
+    "taylor_exp": lambda z: 1 + z + z * z / 2,
+    "power": lambda z: np.maximum(z, 0) ** 2,
+    "sigmoid": SIG,
+    "gaussian": lambda z: np.exp(z / 2),  # h = 1, z = −d²
+    "boxcar": lambda z: (np.sqrt(np.maximum(-z, 0)) <= 1).astype(float),
+    "triangular": lambda z: np.maximum(0, 1 - np.sqrt(np.maximum(-z, 0))),
+    "epanechnikov": lambda z: 0.75 * np.maximum(0, 1 - (-z)),
+}
+
+
+class RegistryTest(parameterized.TestCase):
+
+  def test_every_pointwise_weighting_has_a_closed_form_test(self):
+    self.assertEqual(set(core.list_weightings("pointwise")), set(CLOSED_FORMS))
+
+  @parameterized.parameters(*sorted(CLOSED_FORMS))
+  def test_sum_normalized_matches_closed_form(self, name):
+    z = Z - (3.0 if name in core.weightings.POINTWISE_KERNELS else 0.0)  # distances: z ≤ 0
+    f = CLOSED_FORMS[name](z.astype(np.float64))
+    denom = f.sum() + (1.0 if name == "softmax_plus_one" else 0.0)
+    np.testing.assert_allclose(core.weights(z, name), f / denom, rtol=1e-5, atol=1e-7)
+
+  def test_normalization_modes(self):
+    z = jnp.asarray(Z)
+    where = jnp.asarray(np.arange(13) % 3 != 0)
+    f = np.maximum(Z, 0) * np.asarray(where)
+    np.testing.assert_allclose(core.weights(z, "relu:normalization=length", where=where),
+                               f / np.asarray(where).sum(), rtol=1e-6)
+    np.testing.assert_allclose(core.weights(z, "relu:normalization=none", where=where), f,
+                               rtol=1e-6)
+    # Unnormalized sigmoid: default bias −log n (Ramapuram et al. 2024), n = number of keys.
+    np.testing.assert_allclose(core.weights(z, "sigmoid:normalization=none"),
+                               SIG(Z - math.log(13)), rtol=1e-5)
+    np.testing.assert_allclose(core.weights(z, "sigmoid:normalization=none,bias=0.5"),
+                               SIG(Z + 0.5), rtol=1e-5)
+
+  def test_parameters_parse(self):
+    self.assertEqual(core.parse_weighting_name("entmax:alpha=1.5,n_iter=30"),
+                     ("entmax", {"alpha": 1.5, "n_iter": 30}))
+    np.testing.assert_allclose(core.weights(Z, "power:p=3"),
+                               np.maximum(Z, 0) ** 3 / (np.maximum(Z, 0) ** 3).sum(), rtol=1e-5)
+    np.testing.assert_allclose(core.weights(Z, "softmax:alpha=2"), jax.nn.softmax(2 * Z),
+                               rtol=1e-5)
+
+  def test_callable_and_register(self):
+    np.testing.assert_allclose(core.weights(Z, lambda z: z * z), Z**2 / (Z**2).sum(), rtol=1e-5)
+    core.register_weighting(
+        "cube_test", lambda normalization="sum": core.Pointwise(
+            "cube_test", lambda z, n: jax.nn.relu(z) ** 3, normalization), overwrite=True)
+    try:
+      self.assertIn("cube_test", core.list_weightings())
+      np.testing.assert_allclose(core.weights(Z, "cube_test"), core.weights(Z, "power:p=3"),
+                                 rtol=1e-5)
+      with pytest.raises(ValueError, match="already registered"):
+        core.register_weighting("cube_test", lambda: None)
+    finally:
+      core.weightings.unregister_weighting("cube_test")
+    self.assertNotIn("cube_test", core.list_weightings())
+    with pytest.raises(ValueError, match="may not contain"):
+      core.register_weighting("a:b", lambda: None)
+
+  def test_unknown_name_lists_valid(self):
+    with pytest.raises(ValueError, match=r"Valid weightings: .*entmax15.*sparsemax"):
+      core.weights(Z, "reluu")
+    with pytest.raises(ValueError, match=r"where of shape \(3,\)"):
+      core.weights(Z, "relu", where=jnp.ones(3, bool))
+
+  def test_derivative_matches_autodiff(self):
+    for name in core.list_weightings("pointwise"):
+      w = core.get_weighting(name)
+      z = jnp.asarray(Z) - 3.5  # keep away from kinks of the kernels
+      d = w.derivative(z, 13)
+      ref = jax.vmap(jax.grad(lambda t: w.fn(t, 13)))(z)
+      chex.assert_trees_all_close(d, ref, atol=1e-6)
+
+
+@settings(max_examples=40, deadline=None)
+@given(hnp.arrays(np.float32, st.integers(1, 12),
+                  elements=st.floats(-30, 30, width=32)),
+       st.sampled_from(["softmax", "relu", "sigmoid", "softplus", "taylor_exp", "relu2"]))
+def test_weights_are_a_distribution_or_zero(s, name):
+  w = np.asarray(core.weights(jnp.asarray(s), name))
+  assert np.all(w >= 0) and np.all(np.isfinite(w))
+  total = w.sum()
+  assert abs(total - 1) < 1e-4 or (total == 0 and name in ("relu", "relu2"))

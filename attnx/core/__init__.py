@@ -5,6 +5,8 @@
 Imports only jax/numpy; every function works under jit, vmap, grad and shard_map.
 """
 
+from attnx.core import rownorm as _rownorm  # noqa: F401  (registers ssmax, softpick, ...)
+from attnx.core import simplex as _simplex  # noqa: F401  (registers sparsemax, entmax, ...)
 from attnx.core.dispatch import (
     BLOCKED_MIN_SCORES,
     IMPLEMENTATIONS,
@@ -12,8 +14,16 @@ from attnx.core.dispatch import (
     attention_weights,
     causal_mask,
 )
+from attnx.core.blocked import blocked_attention
 from attnx.core.flax_adapter import flax_attention_fn
+from attnx.core.linear import (
+    elu_plus_one_features,
+    favor_features,
+    favor_plus_features,
+    linear_attention,
+)
 from attnx.core.nadaraya_watson import nadaraya_watson
+from attnx.core.rownorm import softpick, ssmax, stick_breaking
 from attnx.core.scores import (
     Score,
     additive,
@@ -26,6 +36,7 @@ from attnx.core.scores import (
     neg_sq_dist,
     scaled_dot,
 )
+from attnx.core.simplex import entmax15, entmax_bisect, sparsemax
 from attnx.core.weightings import (
     Pointwise,
     RowNormalizer,
@@ -46,12 +57,3 @@ __all__ = [
     "neg_sq_dist", "parse_weighting_name", "register_weighting", "scaled_dot", "softpick",
     "sparsemax", "ssmax", "stick_breaking", "weights",
 ]
-
-# DEV-ONLY guard while sibling modules are written (replaced before commit).
-import importlib as _il
-for _m in ("rownorm", "simplex", "blocked", "linear"):
-  try:
-    _mod = _il.import_module(f"attnx.core.{_m}")
-    globals().update({k: getattr(_mod, k) for k in __all__ if hasattr(_mod, k)})
-  except Exception as _e:  # noqa: BLE001
-    print(f"[attnx dev] attnx.core.{_m} not available yet: {_e!r}")

@@ -1,0 +1,323 @@
+"""Sparse projections onto the probability simplex: sparsemax and α-entmax.
+
+Attention weights as a regularized argmax over the simplex Δ (seed 002; Blondel, Martins &
+Niculae 2020, "Learning with Fenchel-Young losses"):
+
+    p*(z) = argmax_{p ∈ Δ} ⟨p, z⟩ − Ω(p).
+
+* Ω = −Shannon entropy gives softmax.
+* Ω = ½‖p‖² − ½ (Gini) gives **sparsemax** = [z − τ]₊ (Martins & Astudillo 2016).
+* Ω = −Tsallis α-entropy, H^T_α(p) = (1 − Σ p^α)/(α(α−1)), gives **α-entmax**
+  = [(α−1) z − τ]₊^{1/(α−1)} (Peters, Niculae & Martins 2019); α → 1 is softmax, α = 2 is
+  sparsemax, α = 1.5 has an exact sort-based solution (:func:`entmax15`).
+
+τ is the unique threshold making the weights sum to one. All three are shift invariant
+(p*(z + c) = p*(z)), which we exploit: rows are shifted by their (valid) maximum before any
+other math, so scores of ±1e4 stay exact in float32. Gradients are exact, via ``jax.custom_jvp``
+(Peters et al. 2019, Prop. 2): with s = p^{2−α} on the support and 0 elsewhere,
+
+    dp = s ⊙ dz − (⟨s, dz⟩ / Σ s) s,
+
+which for sparsemax (α = 2, s = 1[p > 0]) is dz − mean_S(dz) on the support S.
+
+Masking: ``where=False`` entries never take part in the sort or the bisection. They are replaced
+by a finite value that lies provably below the threshold τ (never −inf, which makes the sort
+arithmetic produce NaN — a known failure of reference entmax15 on fully masked rows), and their
+weight is then set to exactly 0. Scores equal to −inf are treated as masked too. A fully masked
+row returns all zeros with zero gradients.
+
+Importing this module registers the ``RowNormalizer`` weightings ``"sparsemax"``,
+``"entmax15"`` and ``"entmax"`` (``"entmax:alpha=1.3,n_iter=40"``).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+
+from attnx.core import weightings as weightings_lib
+
+Array = jax.Array
+
+DEFAULT_N_ITER = 30  # bisection steps; 24 already reach float32 resolution (REFERENCES.md)
+
+
+# --------------------------------------------------------------------------------------------
+# Shared plumbing: float32, move the axis last, shift by the valid row max, fill masked entries.
+# --------------------------------------------------------------------------------------------
+
+def _prepare(x: Array, where: Array | None, axis: int, fill: float) -> tuple[Array, Array]:
+  """Returns (z, valid) with the normalized axis last and max(z over valid) = 0.
+
+  Masked entries become ``fill`` (a value below any possible threshold τ after the shift);
+  fully masked rows become all zeros, so the core solvers always see a regular row.
+  """
+  z = jnp.moveaxis(jnp.asarray(x).astype(jnp.float32), axis, -1)
+  # −inf scores (a common way to mask) are treated exactly like where=False.
+  valid = z != -jnp.inf
+  if where is not None:
+    where = jnp.broadcast_to(jnp.asarray(where, bool), jnp.shape(x))
+    valid = valid & jnp.moveaxis(where, axis, -1)
+  any_valid = jnp.any(valid, axis=-1, keepdims=True)
+  m = jnp.max(jnp.where(valid, z, -jnp.inf), axis=-1, keepdims=True)
+  # Shift invariance makes the gradient through m exactly zero; stop it to keep grads finite.
+  m = jax.lax.stop_gradient(jnp.where(any_valid, m, 0.0))
+  z = jnp.where(valid, z - m, jnp.where(any_valid, fill, 0.0))
+  return z, valid
+
+
+def _finish(p: Array, valid: Array, axis: int) -> Array:
+  p = jnp.where(valid, p, 0.0)
+  return jnp.moveaxis(p, -1, axis)
+
+
+def _simplex_jvp(p: Array, s: Array, dz: Array) -> Array:
+  """dp = s·dz − (⟨s, dz⟩/Σs)·s, the Jacobian-vector product of α-entmax (s = p^{2−α})."""
+  ssum = jnp.sum(s, axis=-1, keepdims=True)
+  ssum = jnp.where(ssum > 0, ssum, 1.0)
+  return s * dz - (jnp.sum(s * dz, axis=-1, keepdims=True) / ssum) * s
+
+
+# --------------------------------------------------------------------------------------------
+# sparsemax.
+# --------------------------------------------------------------------------------------------
+
+@jax.custom_jvp
+def _sparsemax_last(z: Array) -> Array:
+  """Sparsemax over the last axis (Martins & Astudillo 2016, Algorithm 1)."""
+  n = z.shape[-1]
+  zs = jnp.flip(jnp.sort(z, axis=-1), axis=-1)  # descending
+  k = jnp.arange(1, n + 1, dtype=z.dtype)
+  cs = jnp.cumsum(zs, axis=-1)
+  # Support size k(z) = max{k : 1 + k z_(k) > Σ_{j≤k} z_(j)}; always ≥ 1.
+  k_z = jnp.sum(1.0 + k * zs > cs, axis=-1, keepdims=True)
+  tau = (jnp.take_along_axis(cs, k_z - 1, axis=-1) - 1.0) / k_z.astype(z.dtype)
+  return jnp.maximum(z - tau, 0.0)
+
+
+@_sparsemax_last.defjvp
+def _sparsemax_last_jvp(primals, tangents):
+  (z,), (dz,) = primals, tangents
+  p = _sparsemax_last(z)
+  return p, _simplex_jvp(p, (p > 0).astype(p.dtype), dz)
+
+
+@functools.partial(jax.jit, static_argnames=("axis",))
+def sparsemax(x: Array, axis: int = -1, where: Array | None = None) -> Array:
+  """Sparsemax, the Euclidean projection of ``x`` onto the simplex (Martins & Astudillo 2016).
+
+  sparsemax(z) = argmax_{p∈Δ} ⟨p, z⟩ − ½‖p‖² = [z − τ]₊ with Σ = 1. Exact (sort-based).
+
+  Args:
+    x: scores, any float dtype (computed in float32).
+    axis: the axis to normalize over.
+    where: optional boolean mask broadcastable to ``x``; False entries get weight exactly 0,
+      fully masked rows get all zeros.
+
+  Returns:
+    float32 weights of ``x``'s shape; each (non-fully-masked) row sums to one.
+  """
+  # After the shift the max is 0 and τ ≥ max − 1 = −1, so −2 is always outside the support.
+  z, valid = _prepare(x, where, axis, fill=-2.0)
+  return _finish(_sparsemax_last(z), valid, axis)
+
+
+# --------------------------------------------------------------------------------------------
+# 1.5-entmax (exact).
+# --------------------------------------------------------------------------------------------
+
+@jax.custom_jvp
+def _entmax15_last(z: Array) -> Array:
+  """1.5-entmax over the last axis: [z/2 − τ]₊² (Peters et al. 2019, Algorithm 2)."""
+  n = z.shape[-1]
+  zs = jnp.flip(jnp.sort(z / 2.0, axis=-1), axis=-1)  # the (α−1) z scaling, descending
+  k = jnp.arange(1, n + 1, dtype=z.dtype)
+  mean = jnp.cumsum(zs, axis=-1) / k
+  mean_sq = jnp.cumsum(zs * zs, axis=-1) / k
+  ss = k * (mean_sq - mean * mean)
+  # τ_k solves Σ_{j≤k} (z_(j) − τ)² = 1; a negative discriminant means k is past the support.
+  delta = jnp.maximum((1.0 - ss) / k, 0.0)
+  tau = mean - jnp.sqrt(delta)
+  k_z = jnp.sum(tau <= zs, axis=-1, keepdims=True)
+  tau_star = jnp.take_along_axis(tau, jnp.maximum(k_z, 1) - 1, axis=-1)
+  return jnp.square(jnp.maximum(z / 2.0 - tau_star, 0.0))
+
+
+@_entmax15_last.defjvp
+def _entmax15_last_jvp(primals, tangents):
+  (z,), (dz,) = primals, tangents
+  p = _entmax15_last(z)
+  pos = p > 0  # safe sqrt: keeps second derivatives finite at the support boundary
+  return p, _simplex_jvp(p, jnp.where(pos, jnp.sqrt(jnp.where(pos, p, 1.0)), 0.0), dz)
+
+
+@functools.partial(jax.jit, static_argnames=("axis",))
+def entmax15(x: Array, axis: int = -1, where: Array | None = None) -> Array:
+  """1.5-entmax (Peters, Niculae & Martins 2019), exact via sorting.
+
+  entmax15(z) = argmax_{p∈Δ} ⟨p, z⟩ + H^T_{1.5}(p) = [z/2 − τ]₊². Sparse like sparsemax but
+  smoother; e.g. [−2, 0, 0.5] ↦ [0, 0.326, 0.674].
+
+  Args:
+    x: scores, any float dtype (computed in float32).
+    axis: the axis to normalize over.
+    where: optional boolean mask broadcastable to ``x``; False entries get weight exactly 0,
+      fully masked rows get all zeros (never NaN).
+
+  Returns:
+    float32 weights of ``x``'s shape.
+  """
+  # After the shift τ ≥ max/2 − 1 = −1, so z = −3 (z/2 = −1.5) is always outside the support.
+  z, valid = _prepare(x, where, axis, fill=-3.0)
+  return _finish(_entmax15_last(z), valid, axis)
+
+
+# --------------------------------------------------------------------------------------------
+# α-entmax by bisection.
+# --------------------------------------------------------------------------------------------
+# We write (α−1) z − τ = 1 + (α−1)(y − δ) with y = z − max z ≤ 0 and bisect on δ ≥ 0, so
+# p = exp(log1p((α−1)(y − δ)) / (α−1)). This is the usual τ-bisection (Blondel et al. 2019,
+# Peters et al. 2019) reparametrized so that α → 1 degrades gracefully to exp(y − δ) (softmax,
+# δ = logsumexp y) instead of raising a number near 1 to a huge power.
+
+def _entmax_log_p(y: Array, delta: Array, alpha: float) -> tuple[Array, Array]:
+  """(log p, in_support) for p = [1 + (α−1)(y − δ)]₊^{1/(α−1)}."""
+  a = (alpha - 1.0) * (y - delta)
+  pos = a > -1.0
+  return jnp.log1p(jnp.where(pos, a, 0.0)) / (alpha - 1.0), pos
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2))
+def _entmax_bisect_last(y: Array, alpha: float, n_iter: int) -> Array:
+  n = y.shape[-1]
+  am1 = alpha - 1.0
+  # δ = 0 gives p_max = 1 (Σp ≥ 1); δ_hi gives p_max = 1/n (Σp ≤ 1).
+  lo = jnp.zeros(y.shape[:-1] + (1,), y.dtype)
+  hi = jnp.full_like(lo, -math.expm1(-am1 * math.log(n)) / am1 if n > 1 else 0.0)
+
+  def mass(delta):
+    log_p, pos = _entmax_log_p(y, delta, alpha)
+    return jnp.sum(jnp.where(pos, jnp.exp(log_p), 0.0), axis=-1, keepdims=True)
+
+  def body(_, bounds):
+    lo, hi = bounds
+    mid = 0.5 * (lo + hi)
+    too_much = mass(mid) >= 1.0  # mass decreases in δ
+    return jnp.where(too_much, mid, lo), jnp.where(too_much, hi, mid)
+
+  lo, hi = jax.lax.fori_loop(0, n_iter, body, (lo, hi))
+  log_p, pos = _entmax_log_p(y, 0.5 * (lo + hi), alpha)
+  p = jnp.where(pos, jnp.exp(log_p), 0.0)
+  total = jnp.sum(p, axis=-1, keepdims=True)
+  return p / jnp.where(total > 0, total, 1.0)  # remove the residual bisection error
+
+
+@_entmax_bisect_last.defjvp
+def _entmax_bisect_last_jvp(alpha, n_iter, primals, tangents):
+  (y,), (dy,) = primals, tangents
+  p = _entmax_bisect_last(y, alpha, n_iter)
+  # s = p^{2−α} on the support (0^0 must be 0 here, not 1).
+  pos = p > 0
+  s = jnp.where(pos, jnp.exp((2.0 - alpha) * jnp.log(jnp.where(pos, p, 1.0))), 0.0)
+  return p, _simplex_jvp(p, s, dy)
+
+
+def _check_alpha(alpha: float) -> float:
+  try:
+    alpha = float(alpha)
+  except TypeError:
+    raise TypeError("entmax alpha must be a concrete Python number (it selects the "
+                    f"algorithm), got {type(alpha).__name__}") from None
+  if not math.isfinite(alpha):
+    raise ValueError(f"entmax alpha must be finite, got {alpha}")
+  if alpha <= 1.0:
+    raise ValueError(f"entmax needs alpha > 1, got {alpha}; alpha = 1 is softmax: use "
+                     "jax.nn.softmax or the 'softmax' weighting.")
+  return alpha
+
+
+@functools.partial(jax.jit, static_argnames=("alpha", "axis", "n_iter"))
+def entmax_bisect(x: Array, alpha: float = 1.5, axis: int = -1, where: Array | None = None,
+                  n_iter: int = DEFAULT_N_ITER) -> Array:
+  """α-entmax for any α > 1 by bisection on the threshold (Peters et al. 2019).
+
+  entmax_α(z) = argmax_{p∈Δ} ⟨p, z⟩ + H^T_α(p) = [(α−1) z − τ]₊^{1/(α−1)},
+  H^T_α(p) = (1 − Σ p_j^α)/(α(α−1)). α → 1⁺ tends to softmax, α = 1.5 equals
+  :func:`entmax15`, α = 2 equals :func:`sparsemax`; larger α is sparser.
+
+  Args:
+    x: scores, any float dtype (computed in float32).
+    alpha: a concrete Python float > 1 (ValueError otherwise; use softmax for α = 1).
+    axis: the axis to normalize over.
+    where: optional boolean mask broadcastable to ``x``; False entries get weight exactly 0,
+      fully masked rows get all zeros.
+    n_iter: bisection steps; the bracket has width ≤ log n, so 30 reach float32 resolution.
+
+  Returns:
+    float32 weights of ``x``'s shape.
+  """
+  alpha = _check_alpha(alpha)
+  n_iter = int(n_iter)
+  if n_iter < 1:
+    raise ValueError(f"n_iter must be ≥ 1, got {n_iter}")
+  # Entries with y ≤ −1/(α−1) have weight 0 for every δ ≥ 0.
+  z, valid = _prepare(x, where, axis, fill=-1.0 / (alpha - 1.0) - 1.0)
+  return _finish(_entmax_bisect_last(z, alpha, n_iter), valid, axis)
+
+
+# --------------------------------------------------------------------------------------------
+# Registry.
+# --------------------------------------------------------------------------------------------
+
+def _check_scale(name: str, scale: float) -> float:
+  scale = float(scale)
+  if not (math.isfinite(scale) and scale > 0):
+    raise ValueError(f"{name!r} needs a finite scale > 0, got {scale}")
+  return scale
+
+
+def _row(base: str, fn, scale: float, **params) -> weightings_lib.RowNormalizer:
+  name = weightings_lib._label(base, **params, scale=None if scale == 1.0 else scale)
+  if scale == 1.0:
+    return weightings_lib.RowNormalizer(name=name, fn=lambda s, w, ax: fn(s, axis=ax, where=w))
+  return weightings_lib.RowNormalizer(name=name,
+                                      fn=lambda s, w, ax: fn(scale * s, axis=ax, where=w))
+
+
+def _make_sparsemax(scale: float = 1.0) -> weightings_lib.RowNormalizer:
+  """sparsemax(scale·s) = [scale·s − τ]₊ (Martins & Astudillo 2016)."""
+  return _row("sparsemax", sparsemax, _check_scale("sparsemax", scale))
+
+
+def _make_entmax15(scale: float = 1.0) -> weightings_lib.RowNormalizer:
+  """1.5-entmax(scale·s), exact (Peters et al. 2019)."""
+  return _row("entmax15", entmax15, _check_scale("entmax15", scale))
+
+
+def _make_entmax(alpha: float = 1.5, n_iter: int | None = None,
+                 scale: float = 1.0) -> weightings_lib.RowNormalizer:
+  """α-entmax(scale·s) (Peters et al. 2019); exact algorithms for α ∈ {1.5, 2} unless n_iter."""
+  alpha = _check_alpha(alpha)
+  scale = _check_scale("entmax", scale)
+  if n_iter is None and alpha == 2.0:
+    fn = sparsemax
+  elif n_iter is None and alpha == 1.5:
+    fn = entmax15
+  else:
+    fn = functools.partial(entmax_bisect, alpha=alpha,
+                           n_iter=DEFAULT_N_ITER if n_iter is None else int(n_iter))
+  return _row("entmax", fn, scale, alpha=alpha, n_iter=n_iter)
+
+
+weightings_lib.register_weighting(
+    "sparsemax", _make_sparsemax, overwrite=True,
+    doc="[s − τ]₊, Euclidean projection onto the simplex (Martins & Astudillo 2016)")
+weightings_lib.register_weighting(
+    "entmax15", _make_entmax15, overwrite=True,
+    doc="[s/2 − τ]₊², exact 1.5-entmax (Peters et al. 2019)")
+weightings_lib.register_weighting(
+    "entmax", _make_entmax, overwrite=True,
+    doc="[(α−1)s − τ]₊^{1/(α−1)}, α-entmax by bisection (param alpha>1, n_iter)")

@@ -1,0 +1,334 @@
+"""attnx.core.blocked: the flash-style kernel against the dense pointwise_weights reference.
+
+Compilation dominates the runtime of these tests, so each group of cases is compiled once as a
+single jitted program (shared through functools.cache) and the parametrized tests index it.
+"""
+
+import functools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from absl.testing import parameterized
+
+from attnx.core import weightings as wlib
+from attnx.core.blocked import blocked_attention, default_block_sizes
+
+POINTWISE = [n for n in wlib.list_weightings() if isinstance(wlib.get_weighting(n), wlib.Pointwise)]
+VARIANTS = ["relu:normalization=length", "sigmoid:normalization=none",
+            "gaussian:normalization=none", "softmax:alpha=0.5", "power:p=3"]
+ALL = POINTWISE + VARIANTS
+BLOCK = 16
+SCALE = 0.35
+
+
+def _dense(q, k, v, w, scale, bias=None, mask=None, is_causal=False):
+  """The reference: pointwise_weights on the full [B, N, T, S] scores, then weights @ v."""
+  n, kh = q.shape[2], k.shape[2]
+  kk, vv = jnp.repeat(k, n // kh, axis=2), jnp.repeat(v, n // kh, axis=2)
+  s = jnp.einsum("btnh,bsnh->bnts", q, kk, preferred_element_type=jnp.float32) * scale
+  if bias is not None:
+    s = s + bias
+  t, sl = q.shape[1], k.shape[1]
+  valid = jnp.ones((1, 1, t, sl), bool)
+  if mask is not None:
+    valid = valid & mask
+  if is_causal:
+    valid = valid & jnp.tril(jnp.ones((t, sl), bool))
+  p = wlib.pointwise_weights(s, w, where=valid)
+  out = jnp.einsum("bnts,bsnh->btnh", p.astype(vv.dtype), vv, preferred_element_type=jnp.float32)
+  return out.astype(q.dtype)
+
+
+def _blocked(q, k, v, w, scale, bias=None, mask=None, is_causal=False, block=BLOCK):
+  return blocked_attention(q, k, v, weighting=w, scale=scale, bias=bias, mask=mask,
+                           is_causal=is_causal, block_q=block, block_k=block)
+
+
+def _inputs(b=2, t=37, s=53, n=4, kh=2, h=8, dtype=jnp.float32, seed=0, bias_shape=None):
+  ks = jax.random.split(jax.random.PRNGKey(seed), 6)
+  q = jax.random.normal(ks[0], (b, t, n, h), dtype)
+  k = jax.random.normal(ks[1], (b, s, kh, h), dtype)
+  v = jax.random.normal(ks[2], (b, s, kh, h), dtype)
+  bias = jax.random.normal(ks[3], bias_shape or (1, n, t, s), jnp.float32)
+  # Row 3 of batch 0 is fully masked; the rest keeps ~70 % of the keys.
+  mask = jax.random.bernoulli(ks[4], 0.7, (b, 1, t, s)).at[0, :, 3, :].set(False)
+  ct = jax.random.normal(ks[5], (b, t, n, h), jnp.float32)
+  return q, k, v, bias, mask, ct
+
+
+def _out_and_grads(attn, q, k, v, bias, ct, **kw):
+  """Output and d<out, ct>/d(q, k, v, bias) (a random linear functional of the output)."""
+  def f(q, k, v, bias):
+    o = attn(q, k, v, bias=bias, **kw)
+    return jnp.sum(o.astype(jnp.float32) * ct), o
+  (_, o), g = jax.value_and_grad(f, argnums=(0, 1, 2, 3), has_aux=True)(q, k, v, bias)
+  return o, g
+
+
+def _assert_close(actual, desired, rtol=1e-5, atol=1e-5):
+  for a, d in zip(jax.tree.leaves(actual), jax.tree.leaves(desired), strict=True):
+    a, d = np.asarray(a, np.float32), np.asarray(d, np.float32)
+    assert np.all(np.isfinite(a)), "non-finite values"
+    tol = atol * max(1.0, float(np.max(np.abs(d))))
+    np.testing.assert_allclose(a, d, rtol=rtol, atol=tol)
+
+
+def _tol(name):
+  # triangular's F' = −1/(2h√−s) amplifies rounding of scores near 0.
+  return 2e-4 if name.startswith("triangular") else 2e-5
+
+
+# --------------------------------------------------------------------------------------------
+# Every pointwise weighting: odd lengths (T=37, S=53, block 16), GQA, mask with a fully masked
+# row, per-head bias; outputs and gradients for q, k, v and bias.
+# --------------------------------------------------------------------------------------------
+
+@functools.cache
+def _all_weightings():
+  q, k, v, bias, mask, ct = _inputs()
+
+  @jax.jit
+  def run(q, k, v, bias, mask, ct):
+    res = {}
+    for name in ALL:
+      w = wlib.get_weighting(name)
+      kw = dict(w=w, scale=SCALE, mask=mask)
+      res[name] = (_out_and_grads(_blocked, q, k, v, bias, ct, **kw),
+                   _out_and_grads(_dense, q, k, v, bias, ct, **kw))
+    return res
+
+  return jax.device_get(run(q, k, v, bias, mask, ct))
+
+
+def test_registry_has_the_expected_pointwise_weightings():
+  expected = {"softmax", "exp", "softmax_plus_one", "relu", "relu2", "softplus", "elu_plus_one",
+              "taylor_exp", "power", "sigmoid", "gaussian", "boxcar", "triangular",
+              "epanechnikov"}
+  assert expected <= set(POINTWISE)
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_matches_dense_every_weighting(name):
+  (ob, gb), (od, gd) = _all_weightings()[name]
+  _assert_close(ob, od, atol=1e-5)
+  _assert_close(gb, gd, atol=_tol(name))
+  # The fully masked row (batch 0, query 3) is exactly zero, and its query gets no gradient.
+  np.testing.assert_array_equal(ob[0, 3], 0.0)
+  np.testing.assert_array_equal(gb[0][0, 3], 0.0)
+
+
+# --------------------------------------------------------------------------------------------
+# Causal (with T == S, T > S and T < S), broadcast bias shapes, MHA and GQA.
+# --------------------------------------------------------------------------------------------
+
+CAUSAL_SHAPES = {  # name: (t, s, n, kh, bias_shape, weightings)
+    "square_gqa": (45, 45, 4, 2, (2, 1, 1, 45),
+                   ("softmax", "relu:normalization=length", "sigmoid:normalization=none")),
+    "more_queries_mha": (40, 24, 2, 2, (1, 1, 40, 1), ("softmax_plus_one",)),
+    "more_keys_mqa": (24, 40, 3, 1, (2, 3, 24, 40), ("softmax", "gaussian:h=2")),
+}
+CAUSAL_CASES = [(shape, name) for shape, c in CAUSAL_SHAPES.items() for name in c[-1]]
+
+
+@functools.cache
+def _causal():
+  res = {}
+  for shape_name, (t, s, n, kh, bias_shape, names) in CAUSAL_SHAPES.items():
+    q, k, v, bias, mask, ct = _inputs(t=t, s=s, n=n, kh=kh, bias_shape=bias_shape, seed=1)
+    use_mask = shape_name == "more_keys_mqa"
+
+    @jax.jit
+    def run(q, k, v, bias, mask, ct, use_mask=use_mask, names=names):
+      out = {}
+      for name in names:
+        kw = dict(w=wlib.get_weighting(name), scale=SCALE, is_causal=True,
+                  mask=mask if use_mask else None)
+        out[name] = (_out_and_grads(_blocked, q, k, v, bias, ct, **kw),
+                     _out_and_grads(_dense, q, k, v, bias, ct, **kw))
+      return out
+
+    res[shape_name] = jax.device_get(run(q, k, v, bias, mask, ct))
+  return res
+
+
+@pytest.mark.parametrize("shape_name,name", CAUSAL_CASES)
+def test_causal_and_bias_broadcast(shape_name, name):
+  (ob, gb), (od, gd) = _causal()[shape_name][name]
+  _assert_close(ob, od)
+  _assert_close(gb, gd, atol=2e-5)
+  assert gb[3].shape == CAUSAL_SHAPES[shape_name][4]
+
+
+def test_causal_skips_tiles_above_the_diagonal():
+  # NaN values in the last key tile: query tiles that skip it stay finite; a kernel that
+  # computed and masked that tile would give 0 · NaN = NaN everywhere.
+  q, k, v, *_ = _inputs(b=1, t=64, s=64, n=2, kh=2)
+  v = v.at[:, 48:].set(jnp.nan)
+  for name in ("softmax", "relu"):
+    out = _blocked(q, k, v, wlib.get_weighting(name), SCALE, is_causal=True)
+    assert np.all(np.isfinite(out[:, :48])), name
+    assert np.all(np.isnan(out[:, 48:])), name
+
+
+# --------------------------------------------------------------------------------------------
+# bfloat16, extreme scores, empty rows.
+# --------------------------------------------------------------------------------------------
+
+BF16_NAMES = ["softmax", "sigmoid:normalization=none"]
+
+
+@functools.cache
+def _bf16():
+  q, k, v, bias, mask, ct = _inputs(dtype=jnp.bfloat16, seed=2)
+
+  @jax.jit
+  def run(q, k, v, bias, mask, ct):
+    res = {}
+    for name in BF16_NAMES:
+      kw = dict(w=wlib.get_weighting(name), scale=SCALE, mask=mask)
+      f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+      res[name] = (_out_and_grads(_blocked, q, k, v, bias, ct, **kw),
+                   _out_and_grads(_dense, *f32, bias, ct, **kw))
+    return res
+
+  return jax.device_get(run(q, k, v, bias, mask, ct))
+
+
+@pytest.mark.parametrize("name", BF16_NAMES)
+def test_bf16_runs_and_is_close(name):
+  (ob, gb), (od, gd) = _bf16()[name]
+  assert ob.dtype == jnp.bfloat16 and gb[0].dtype == jnp.bfloat16
+  _assert_close(ob, od, rtol=3e-2, atol=3e-2)
+  _assert_close(gb, gd, rtol=5e-2, atol=5e-2)
+
+
+EXTREME_NAMES = ["softmax_plus_one", "relu2", "sigmoid:normalization=none"]
+
+
+@functools.cache
+def _extreme(dtype_name):
+  dtype = jnp.dtype(dtype_name)
+  q, k, v, bias, mask, ct = _inputs(t=20, s=24, seed=3)
+  q = (q * 60.0).astype(dtype)  # |s| ~ 1e4
+  k, v = k.astype(dtype), v.astype(dtype)
+
+  @jax.jit
+  def run(q, k, v, bias, mask, ct):
+    res = {}
+    for name in EXTREME_NAMES:
+      kw = dict(w=wlib.get_weighting(name), scale=1.0, mask=mask)
+      res[name] = (_out_and_grads(_blocked, q, k, v, bias, ct, **kw),
+                   _dense(q, k, v, bias=bias, **kw))
+    return res
+
+  return q, jax.device_get(run(q, k, v, bias, mask, ct))
+
+
+@pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])
+def test_extreme_scores_stay_finite(dtype_name):
+  q, res = _extreme(dtype_name)
+  assert float(jnp.max(jnp.abs(q.astype(jnp.float32)))) > 100
+  for name, ((ob, gb), od) in res.items():
+    for x in (ob, *gb):
+      assert np.all(np.isfinite(np.asarray(x, np.float32))), name
+    if name.startswith("softmax"):
+      # Online max: no overflow, and the same answer as the dense max-shifted reference.
+      _assert_close(ob, od, rtol=3e-2, atol=3e-2)
+
+
+# Fully masked rows are checked for every weighting in test_matches_dense_every_weighting.
+ZERO_F_NAMES = ["relu", "relu:normalization=length"]
+
+
+@functools.cache
+def _all_zero_f():
+  q, k, v, bias, _, ct = _inputs(t=20, s=24, seed=4)
+  neg_bias = jnp.full_like(bias, -20.0)  # every score < 0, so every F(s) = relu(s) = 0
+
+  @jax.jit
+  def run(q, k, v, bias, ct):
+    return {name: _out_and_grads(_blocked, q * 0.1, k, v, bias, ct, w=wlib.get_weighting(name),
+                                 scale=SCALE) for name in ZERO_F_NAMES}
+
+  return jax.device_get(run(q, k, v, neg_bias, ct))
+
+
+@pytest.mark.parametrize("name", ZERO_F_NAMES)
+def test_all_zero_f_gives_zero_output_and_finite_grads(name):
+  out, grads = _all_zero_f()[name]
+  np.testing.assert_array_equal(out, 0.0)
+  for g in grads:
+    np.testing.assert_array_equal(g, 0.0)  # also finite: no 0/0 in the backward pass
+
+
+# --------------------------------------------------------------------------------------------
+# Transformations and API.
+# --------------------------------------------------------------------------------------------
+
+class VariantsTest(chex.TestCase):
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_softmax_matches_jax_nn(self):
+    q, k, v, _, mask, _ = _inputs(t=21, s=19, seed=5)
+    fn = self.variant(lambda q, k, v, m: _blocked(q, k, v, wlib.get_weighting("softmax"),
+                                                  q.shape[-1] ** -0.5, mask=m, block=8))
+    m = mask.at[0, :, 3].set(True)  # jax.nn averages over empty rows; keep none empty
+    ref = jax.nn.dot_product_attention(q, k, v, mask=m)
+    chex.assert_trees_all_close(fn(q, k, v, m), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_vmap_and_grad_compose():
+  q, k, v, bias, mask, ct = _inputs(t=19, s=23, seed=6)
+  stack = lambda x: jnp.stack([x, -0.5 * x])
+  qs, ks, vs = stack(q), stack(k), stack(v)
+  w = wlib.get_weighting("relu2")
+
+  def loss(attn, q, k, v):
+    o = jax.vmap(lambda a, b, c: attn(a, b, c, w, SCALE, mask=mask, is_causal=True))(q, k, v)
+    return jnp.sum(o * ct)
+
+  grads = lambda attn: jax.grad(functools.partial(loss, attn), argnums=(0, 1, 2))(qs, ks, vs)
+  got, want = jax.jit(lambda: (grads(_blocked), grads(_dense)))()
+  _assert_close(got, want)
+
+
+def test_scale_gradient():
+  q, k, v, bias, mask, ct = _inputs(t=17, s=29, seed=7)
+  names = ("softmax:alpha=2",)
+
+  @jax.jit
+  def run(c):
+    res = []
+    for name in names:
+      w = wlib.get_weighting(name)
+      f = lambda attn, c, w=w: jnp.sum(attn(q, k, v, w, c, bias=bias, mask=mask) * ct)
+      res.append((jax.grad(functools.partial(f, _blocked))(c),
+                  jax.grad(functools.partial(f, _dense))(c)))
+    return res
+
+  for name, (got, want) in zip(names, run(jnp.float32(0.4)), strict=True):
+    assert abs(float(want)) > 1e-3, name
+    np.testing.assert_allclose(got, want, rtol=1e-4, err_msg=name)
+
+
+class ApiTest(parameterized.TestCase):
+
+  @parameterized.parameters((5, 7, 8, 8), (512, 512, 512, 512), (4096, 100, 512, 104))
+  def test_default_block_sizes(self, t, s, bq, bk):
+    self.assertEqual(default_block_sizes(t, s), (bq, bk))
+
+  def test_default_blocks_match_small_blocks(self):
+    q, k, v, *_ = _inputs(t=37, s=53)
+    w = wlib.get_weighting("softmax")
+    a = blocked_attention(q, k, v, weighting=w, scale=SCALE)
+    _assert_close(a, _blocked(q, k, v, w, SCALE, block=8))
+
+  def test_rejects_bad_inputs(self):
+    q, k, v, *_ = _inputs(n=3, kh=2)
+    with self.assertRaisesRegex(ValueError, "incompatible"):
+      blocked_attention(q, k, v, weighting=wlib.get_weighting("softmax"), scale=1.0)
+    with self.assertRaisesRegex(TypeError, "Pointwise"):
+      blocked_attention(q, k, v, weighting=wlib.get_weighting("sparsemax"), scale=1.0)

@@ -1,0 +1,94 @@
+"""Small shared helpers for attnx.nn modules (validation, masks, weight dropout)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from attnx import core
+
+Array = jax.Array
+
+# Scores whose parameters an attention module owns (created as params by the module).
+PARAMETRIZED_SCORES = ("bilinear", "metric", "additive")
+
+
+def score_name(score: Any) -> str | None:
+  """The registry name of a score spec (None for a user callable)."""
+  if isinstance(score, str):
+    return score.partition(":")[0]
+  if isinstance(score, core.Score):
+    return score.name
+  return None
+
+
+def validate_attention_config(weighting: Any, score: Any, implementation: str | None,
+                              where: str) -> None:
+  """Raises a clear ValueError for an unknown or incompatible weighting/score/implementation."""
+  try:
+    w = core.get_weighting(weighting)
+  except ValueError as e:
+    raise ValueError(f"{where}: {e}") from None
+  try:
+    sc = core.get_score(score)
+  except ValueError as e:
+    raise ValueError(f"{where}: {e}") from None
+  if implementation is None:
+    return
+  if implementation not in core.IMPLEMENTATIONS:
+    raise ValueError(f"{where}: unknown implementation {implementation!r}; valid: "
+                     f"{', '.join(core.IMPLEMENTATIONS)} or None (automatic).")
+  if implementation == "blocked":
+    if w.kind != "pointwise":
+      raise ValueError(
+          f"{where}: weighting {w.name!r} normalizes whole rows and cannot run with "
+          "implementation='blocked'; use 'dense' or None. Streamable weightings: "
+          f"{', '.join(core.list_weightings('pointwise'))}.")
+    if sc.to_dot is None:
+      raise ValueError(
+          f"{where}: score {sc.name!r} is not a dot product of transformed vectors and cannot "
+          "run with implementation='blocked'; use 'dense' or None.")
+
+
+def check_heads(features: int, num_heads: int, num_kv_heads: int | None, where: str) -> None:
+  """Heads must divide the features and kv heads must divide the query heads."""
+  if num_heads <= 0:
+    raise ValueError(f"{where}: num_heads must be positive, got {num_heads}.")
+  if features % num_heads:
+    raise ValueError(f"{where}: qkv_features={features} is not divisible by "
+                     f"num_heads={num_heads}.")
+  if num_kv_heads is not None and (num_kv_heads <= 0 or num_heads % num_kv_heads):
+    raise ValueError(f"{where}: num_heads={num_heads} must be a multiple of "
+                     f"num_kv_heads={num_kv_heads}.")
+
+
+def as_bool_mask(mask: Array | None) -> Array | None:
+  """Flax builds float 0/1 masks (``nn.make_attention_mask``); core wants booleans."""
+  return None if mask is None else jnp.asarray(mask).astype(jnp.bool_)
+
+
+def padding_mask(valid_q: Array, valid_kv: Array) -> Array:
+  """[B, Tq] and [B, Tk] booleans -> [B, 1, Tq, Tk] attention mask (True = attend)."""
+  return valid_q[:, None, :, None] & valid_kv[:, None, None, :]
+
+
+def dropout_weights(w: Array, rng: Array, rate: float, broadcast: bool, key_ndim: int) -> Array:
+  """Dropout on attention weights [batch..., N, T, S], with flax's RNG use and shapes.
+
+  ``broadcast`` shares the mask over batch and heads, as ``flax.linen.dot_product_attention``.
+  """
+  keep_prob = 1.0 - rate
+  shape = ((1,) * (key_ndim - 2) + w.shape[-2:]) if broadcast else w.shape
+  keep = jax.random.bernoulli(rng, keep_prob, shape)
+  return w * (keep.astype(w.dtype) / jnp.asarray(keep_prob, w.dtype))
+
+
+def weighted_values(w: Array, value: Array, out_dtype: Any) -> Array:
+  """Weights [batch..., N, T, S] times values [batch..., S, K, Hv] -> [batch..., T, N, Hv]."""
+  n, kh = w.shape[-3], value.shape[-2]
+  v = jnp.repeat(value, n // kh, axis=-2) if n != kh else value
+  out = jnp.einsum("...nts,...snh->...tnh", w.astype(v.dtype), v,
+                   preferred_element_type=jnp.promote_types(v.dtype, jnp.float32))
+  return out.astype(out_dtype)

@@ -1,0 +1,193 @@
+"""Multi-head attention with a pluggable score s and weighting F.
+
+``MultiHeadAttention`` has exactly the parameter layout of
+``flax.linen.MultiHeadDotProductAttention`` (DenseGeneral ``query``/``key``/``value`` with
+features ``(heads, head_dim)``, ``out`` over axes ``(-2, -1)``, optional ``query_ln``/``key_ln``),
+so linen checkpoints load verbatim and, with ``weighting="softmax"``, the outputs agree.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import chex
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from attnx import core
+from attnx.nn import _util
+
+Array = jax.Array
+
+
+class MultiHeadAttention(nn.Module):
+  """Multi-head attention, ``w_ij = F(s(q_i, k_j)) / Σ_l F(s(q_i, k_l))`` per head.
+
+  Attributes:
+    num_heads: query heads N.
+    qkv_features: total q/k/v width (default: input features); must be divisible by N.
+    out_features: output width (default: input features).
+    num_kv_heads: key/value heads K for grouped-query attention (default N); N % K == 0.
+    weighting: F, any ``core.get_weighting`` spec (``"relu"``, ``"entmax:alpha=1.5"``, callable).
+    score: s, any ``core.list_scores()`` name or callable. ``bilinear``/``metric``/``additive``
+      get learned per-head parameters (``score_W``/``score_L``/``score_Wq``...) owned here.
+    score_dim: rank R of ``metric``'s L or hidden width A of ``additive`` (default head_dim).
+    scale: score multiplier (default 1/√H for ``scaled_dot``, 1 otherwise).
+    implementation: ``None`` | ``"dense"`` | ``"blocked"`` (see ``core.attention``).
+    is_causal: query i attends keys j ≤ i.
+    dropout_rate: dropout on the attention weights (uses the dense weights when active).
+    broadcast_dropout: share the dropout mask across batch and heads (as flax).
+    use_bias: biases in the q/k/v/out projections.
+    qk_norm: LayerNorm (no bias) on projected queries and keys (flax ``normalize_qk``).
+    sow_weights: sow the weights [B..., N, T, S] into ``intermediates/attention_weights``.
+    dtype, param_dtype, kernel_init, bias_init: as in flax.
+  """
+
+  num_heads: int
+  qkv_features: int | None = None
+  out_features: int | None = None
+  num_kv_heads: int | None = None
+  weighting: Any = "softmax"
+  score: Any = "scaled_dot"
+  score_dim: int | None = None
+  scale: float | None = None
+  implementation: str | None = None
+  is_causal: bool = False
+  dropout_rate: float = 0.0
+  broadcast_dropout: bool = True
+  use_bias: bool = True
+  qk_norm: bool = False
+  sow_weights: bool = False
+  dtype: Any = None
+  param_dtype: Any = jnp.float32
+  kernel_init: Any = nn.linear.default_kernel_init
+  bias_init: Any = nn.initializers.zeros_init()
+
+  def __post_init__(self):
+    where = type(self).__name__
+    _util.validate_attention_config(self.weighting, self.score, self.implementation, where)
+    _util.check_heads(self.qkv_features or self.num_heads, self.num_heads, self.num_kv_heads,
+                      where)
+    if not 0.0 <= self.dropout_rate < 1.0:
+      raise ValueError(f"{where}: dropout_rate must be in [0, 1), got {self.dropout_rate}.")
+    super().__post_init__()
+
+  def _score_params(self, head_dim: int) -> dict[str, Array] | None:
+    """Learned per-head parameters of parametrized scores (None for the others)."""
+    name = _util.score_name(self.score)
+    n, r = self.num_heads, self.score_dim or head_dim
+    if name == "bilinear":
+      # Identity start: the score begins as the plain dot product.
+      eye = lambda key, shape, dtype: jnp.broadcast_to(jnp.eye(shape[-1], dtype=dtype), shape)
+      return {"W": self.param("score_W", eye, (n, head_dim, head_dim), self.param_dtype)}
+    if name == "metric":
+      init = nn.initializers.normal(stddev=head_dim ** -0.5)
+      return {"L": self.param("score_L", init, (n, head_dim, r), self.param_dtype)}
+    if name == "additive":
+      init = nn.initializers.lecun_normal()
+      return {"Wq": self.param("score_Wq", init, (n, head_dim, r), self.param_dtype),
+              "Wk": self.param("score_Wk", init, (n, head_dim, r), self.param_dtype),
+              "v": self.param("score_v", nn.initializers.normal(r ** -0.5), (r,), self.param_dtype)}
+    return None
+
+  @nn.compact
+  def __call__(self, inputs_q: Array, inputs_kv: Array | None = None, *,
+               mask: Array | None = None, bias: Array | None = None,
+               deterministic: bool = True, decode: bool = False,
+               return_weights: bool = False) -> Array | tuple[Array, Array]:
+    """Self attention (``inputs_kv=None``) or cross attention.
+
+    Args:
+      inputs_q: ``[B..., T, Dq]``.
+      inputs_kv: ``[B..., S, Dkv]`` (default ``inputs_q``).
+      mask: boolean (or 0/1 float) mask broadcastable to ``[B..., N, T, S]``; True = attend.
+      bias: additive score bias broadcastable to ``[B..., N, T, S]``.
+      deterministic: disables attention dropout.
+      decode: autoregressive decoding with a KV cache in the ``"cache"`` collection (like
+        linen MHA's ``decode``): initialize with the full-length input, then feed one token
+        ``[B..., 1, Dq]`` per call with ``mutable=["cache"]``.
+      return_weights: also return the weights ``[B..., N, T, S]`` (dense path).
+
+    Returns:
+      ``[B..., T, out_features]``, and the weights if ``return_weights``.
+    """
+    if inputs_kv is None:
+      inputs_kv = inputs_q
+    chex.assert_rank(inputs_q, inputs_kv.ndim)
+    if inputs_q.ndim < 2:
+      raise ValueError(f"inputs_q must be [B..., T, D], got shape {inputs_q.shape}.")
+    chex.assert_equal_shape_prefix([inputs_q, inputs_kv], inputs_q.ndim - 2)
+    features = self.out_features or inputs_q.shape[-1]
+    qkv_features = self.qkv_features or inputs_q.shape[-1]
+    where = type(self).__name__
+    _util.check_heads(qkv_features, self.num_heads, self.num_kv_heads, where)
+    head_dim = qkv_features // self.num_heads
+    kv_heads = self.num_kv_heads or self.num_heads
+    dense = functools.partial(
+        nn.DenseGeneral, axis=-1, dtype=self.dtype, param_dtype=self.param_dtype,
+        kernel_init=self.kernel_init, bias_init=self.bias_init, use_bias=self.use_bias)
+    query = dense(features=(self.num_heads, head_dim), name="query")(inputs_q)
+    key = dense(features=(kv_heads, head_dim), name="key")(inputs_kv)
+    value = dense(features=(kv_heads, head_dim), name="value")(inputs_kv)
+    if self.qk_norm:
+      # Same names/config as flax's normalize_qk (ViT-22B, arXiv 2302.05442).
+      ln = functools.partial(nn.LayerNorm, use_bias=False, dtype=self.dtype,
+                             param_dtype=self.param_dtype)
+      query = ln(name="query_ln")(query)
+      key = ln(name="key_ln")(key)
+
+    mask = _util.as_bool_mask(mask)
+    is_causal = self.is_causal
+    if decode:
+      key, value, mask, is_causal = self._update_cache(query, key, value, mask, is_causal)
+
+    score_params = self._score_params(head_dim)
+    common = dict(weighting=self.weighting, score=self.score, is_causal=is_causal,
+                  scale=self.scale, score_params=score_params)
+    dropout = self.dropout_rate > 0.0 and not deterministic
+    if dropout or return_weights or self.sow_weights:
+      # Weights are needed explicitly: dense path.
+      w = core.attention_weights(query, key, bias, mask, **common)
+      if return_weights or self.sow_weights:
+        self.sow("intermediates", "attention_weights", w)
+      if dropout:
+        w_used = _util.dropout_weights(w, self.make_rng("dropout"), self.dropout_rate,
+                                       self.broadcast_dropout, key.ndim)
+      else:
+        w_used = w
+      x = _util.weighted_values(w_used, value, query.dtype)
+    else:
+      w = None
+      x = core.attention(query, key, value, bias, mask, implementation=self.implementation,
+                         **common)
+    out = nn.DenseGeneral(features=features, axis=(-2, -1), kernel_init=self.kernel_init,
+                          bias_init=self.bias_init, use_bias=self.use_bias, dtype=self.dtype,
+                          param_dtype=self.param_dtype, name="out")(x)
+    return (out, w) if return_weights else out
+
+  def _update_cache(self, query, key, value, mask, is_causal):
+    """Linen-MHA-style KV cache: write this step's k/v, mask positions not yet generated."""
+    initialized = self.has_variable("cache", "cached_key")
+    cached_key = self.variable("cache", "cached_key", jnp.zeros, key.shape, key.dtype)
+    cached_value = self.variable("cache", "cached_value", jnp.zeros, value.shape, value.dtype)
+    cache_index = self.variable("cache", "cache_index", lambda: jnp.array(0, jnp.int32))
+    if not initialized:  # init call with the full-length input: plain forward pass
+      return key, value, mask, is_causal
+    *batch, max_length, kv_heads, head_dim = cached_key.value.shape
+    if query.shape[-3] != 1 or tuple(key.shape) != (*batch, 1, kv_heads, head_dim):
+      raise ValueError(f"decode=True feeds one position at a time: expected key shape "
+                       f"{(*batch, 1, kv_heads, head_dim)} for the cache "
+                       f"{cached_key.value.shape}, got query {query.shape}, key {key.shape}.")
+    i = cache_index.value
+    zero = jnp.zeros((), i.dtype)
+    idx = (zero,) * len(batch) + (i, zero, zero)
+    key = jax.lax.dynamic_update_slice(cached_key.value, key, idx)
+    value = jax.lax.dynamic_update_slice(cached_value.value, value, idx)
+    cached_key.value, cached_value.value = key, value
+    cache_index.value = i + 1
+    # The single query at position i sees cached positions ≤ i (this replaces is_causal).
+    step = jnp.broadcast_to(jnp.arange(max_length) <= i, (*batch, 1, 1, max_length))
+    mask = step if mask is None else jnp.logical_and(mask, step)
+    return key, value, mask, False

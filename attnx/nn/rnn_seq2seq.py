@@ -1,0 +1,148 @@
+"""RNN encoder-decoder with Bahdanau or Luong attention (seed 001's translation example).
+
+The decoder attends over the encoder states at every target step; the weights form the
+alignment matrix ``[B, T_tgt, T_src]`` (seed 001's "je t'aime" example). Any weighting F can
+replace softmax by name.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import chex
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from attnx.nn import _util
+from attnx.nn.additive import AdditiveAttention, LuongAttention
+
+Array = jax.Array
+
+ATTENTION_TYPES = ("bahdanau", "luong_dot", "luong_general", "luong_concat", "none")
+CELLS = ("gru", "lstm")
+PAD_ID = 0
+
+
+def _make_cell(cell: str, features: int, dtype: Any, param_dtype: Any, name: str | None = None):
+  cls = nn.GRUCell if cell == "gru" else nn.LSTMCell
+  return cls(features=features, dtype=dtype, param_dtype=param_dtype, name=name)
+
+
+def _hidden(carry: Any, cell: str) -> Array:
+  return carry[1] if cell == "lstm" else carry  # LSTM carry is (c, h)
+
+
+class _BahdanauStep(nn.Module):
+  """One decoder step: c_t = Attn(s_{t-1}, H); s_t = Cell(s_{t-1}, [y_{t-1}; c_t])."""
+
+  cell: str
+  hidden_dim: int
+  attention_dim: int | None
+  weighting: Any
+  dtype: Any
+  param_dtype: Any
+
+  @nn.compact
+  def __call__(self, carry, y_emb: Array, memory: Array, mask: Array):
+    attn = AdditiveAttention(self.attention_dim, self.weighting, self.dtype, self.param_dtype,
+                             name="attention")
+    ctx, w = attn(_hidden(carry, self.cell), memory, mask=mask, return_weights=True)
+    cell = _make_cell(self.cell, self.hidden_dim, self.dtype, self.param_dtype, name="cell")
+    carry, s = cell(carry, jnp.concatenate([y_emb, ctx.astype(y_emb.dtype)], -1))
+    return carry, (jnp.concatenate([s, ctx.astype(s.dtype)], -1), w)
+
+
+class RNNSeq2Seq(nn.Module):
+  """GRU/LSTM encoder-decoder with attention; teacher forcing in ``__call__``.
+
+  * ``"bahdanau"``: additive score on the previous decoder state, context fed to the cell,
+    output from [s_t; c_t] (Bahdanau et al. 2015).
+  * ``"luong_dot"`` / ``"luong_general"`` / ``"luong_concat"``: global attention on the current
+    state s_t, h̃_t = tanh(W_c [c_t; s_t]), output from h̃_t (Luong et al. 2015, no input
+    feeding, so all steps attend in parallel).
+  * ``"none"``: plain encoder-decoder from the final encoder state (Sutskever et al. 2014).
+
+  Source token 0 is PAD (right padding): masked out of attention; the encoder's final state is
+  taken at each row's last real token.
+
+  Attributes:
+    src_vocab_size, tgt_vocab_size: vocabularies (target defaults to source).
+    embed_dim, hidden_dim: embedding and RNN widths (Luong dot needs equal enc/dec widths:
+      both are ``hidden_dim``).
+    cell: ``"gru"`` or ``"lstm"``.
+    attention_type: one of ``ATTENTION_TYPES``.
+    weighting: F for the attention weights (any ``core.get_weighting`` spec).
+    attention_dim: hidden width of additive/concat scores (default hidden_dim).
+    dtype, param_dtype: as in flax.
+  """
+
+  src_vocab_size: int
+  tgt_vocab_size: int | None = None
+  embed_dim: int = 32
+  hidden_dim: int = 64
+  cell: str = "gru"
+  attention_type: str = "bahdanau"
+  weighting: Any = "softmax"
+  attention_dim: int | None = None
+  dtype: Any = None
+  param_dtype: Any = jnp.float32
+
+  def __post_init__(self):
+    where = type(self).__name__
+    if self.attention_type not in ATTENTION_TYPES:
+      raise ValueError(f"{where}: unknown attention_type {self.attention_type!r}; valid: "
+                       f"{', '.join(ATTENTION_TYPES)}.")
+    if self.cell not in CELLS:
+      raise ValueError(f"{where}: unknown cell {self.cell!r}; valid: {', '.join(CELLS)}.")
+    _util.validate_attention_config(self.weighting, "dot", None, where)
+    super().__post_init__()
+
+  @nn.compact
+  def __call__(self, src_tokens: Array, tgt_in_tokens: Array, *,
+               return_alignment: bool = False,
+               deterministic: bool = True) -> Array | tuple[Array, Array]:
+    """``src_tokens [B, S]``, ``tgt_in_tokens [B, T]`` -> logits ``[B, T, V_tgt]``.
+
+    With ``return_alignment=True`` also returns the alignment (attention weights)
+    ``[B, T, S]``; rows sum to one for normalized weightings. ``deterministic`` is accepted
+    for a uniform model interface (the model has no dropout).
+    """
+    del deterministic
+    chex.assert_rank([src_tokens, tgt_in_tokens], 2)
+    chex.assert_type([src_tokens, tgt_in_tokens], int)
+    chex.assert_equal_shape_prefix([src_tokens, tgt_in_tokens], 1)
+    if return_alignment and self.attention_type == "none":
+      raise ValueError("attention_type='none' has no alignment to return.")
+    tgt_vocab = self.tgt_vocab_size or self.src_vocab_size
+    kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
+    valid = src_tokens != PAD_ID
+    lengths = jnp.sum(valid, axis=-1)
+    src = nn.Embed(self.src_vocab_size, self.embed_dim, name="src_embed", **kw)(src_tokens)
+    tgt = nn.Embed(tgt_vocab, self.embed_dim, name="tgt_embed", **kw)(tgt_in_tokens)
+    enc_cell = _make_cell(self.cell, self.hidden_dim, self.dtype, self.param_dtype)
+    carry, memory = nn.RNN(enc_cell, return_carry=True, name="encoder")(
+        src, seq_lengths=lengths)  # memory [B, S, H]
+
+    alignment = None
+    if self.attention_type == "bahdanau":
+      scan = nn.scan(_BahdanauStep, variable_broadcast="params", split_rngs={"params": False},
+                     in_axes=(1, nn.broadcast, nn.broadcast), out_axes=1)
+      _, (feats, alignment) = scan(self.cell, self.hidden_dim, self.attention_dim,
+                                   self.weighting, self.dtype, self.param_dtype,
+                                   name="decoder")(carry, tgt, memory, valid)
+    else:
+      dec_cell = _make_cell(self.cell, self.hidden_dim, self.dtype, self.param_dtype)
+      states = nn.RNN(dec_cell, name="decoder")(tgt, initial_carry=carry)  # [B, T, H]
+      feats = states
+      if self.attention_type != "none":
+        attn = LuongAttention(self.attention_type.removeprefix("luong_"), self.attention_dim,
+                              self.weighting, name="attention", **kw)
+        ctx, alignment = attn(states, memory, mask=valid[:, None, :], return_weights=True)
+        feats = jnp.tanh(nn.Dense(self.hidden_dim, use_bias=False, name="combine", **kw)(
+            jnp.concatenate([ctx.astype(states.dtype), states], -1)))
+    logits = nn.Dense(tgt_vocab, name="head", **kw)(feats)
+    if return_alignment:
+      chex.assert_shape(alignment, (*tgt_in_tokens.shape, src_tokens.shape[1]))
+      return logits, alignment
+    return logits

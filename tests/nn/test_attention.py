@@ -1,0 +1,139 @@
+"""MultiHeadAttention: flax equivalence, KV cache, causality, weights, parametrized scores."""
+
+import chex
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import pytest
+
+from attnx import core
+from attnx.nn import MultiHeadAttention
+
+KEY = jax.random.PRNGKey(0)
+X = jax.random.normal(jax.random.PRNGKey(1), (2, 4, 8))
+Y = jax.random.normal(jax.random.PRNGKey(2), (2, 3, 6))
+PAD = nn.make_attention_mask(jnp.ones((2, 4)), jnp.arange(3)[None].repeat(2, 0) < 2)  # float
+
+
+def _pair(**kw):
+  ours = MultiHeadAttention(num_heads=2, qkv_features=8, **kw)
+  ref_kw = {"normalize_qk": kw.pop("qk_norm")} if "qk_norm" in kw else {}
+  ref = nn.MultiHeadDotProductAttention(num_heads=2, qkv_features=8, **kw, **ref_kw)
+  return ours, ref
+
+
+@pytest.mark.parametrize("cross", [False, True])
+def test_softmax_equals_flax_linen_on_copied_params(cross):
+  # Self attention with a causal mask; cross attention with qk-norm and a padding mask.
+  ours, ref = _pair(qk_norm=cross, out_features=5)
+  kv = Y if cross else None
+  params = ref.init(KEY, X, kv)
+  # Identical layout: our init builds the same tree, and flax's params load verbatim.
+  chex.assert_trees_all_equal_shapes(ours.init(KEY, X, kv), params)
+  mask = PAD if cross else nn.make_causal_mask(jnp.ones((2, 4)))
+  for m in (None, mask):
+    chex.assert_trees_all_close(ours.apply(params, X, kv, mask=m),
+                                ref.apply(params, X, kv, mask=m), atol=1e-5)
+
+
+def test_is_causal_equals_flax_causal_mask():
+  ours, ref = _pair()
+  params = ref.init(KEY, X)
+  causal = nn.make_causal_mask(jnp.ones((2, 4)))
+  out = MultiHeadAttention(num_heads=2, qkv_features=8, is_causal=True).apply(params, X)
+  chex.assert_trees_all_close(out, ref.apply(params, X, mask=causal), atol=1e-5)
+
+
+def test_dropout_equals_flax_with_same_rng():
+  ours, ref = _pair(dropout_rate=0.3)
+  params = ref.init(KEY, X, deterministic=True)
+  rngs = {"dropout": jax.random.PRNGKey(7)}
+  a = ours.apply(params, X, deterministic=False, rngs=rngs)
+  b = ref.apply(params, X, deterministic=False, rngs=rngs)
+  chex.assert_trees_all_close(a, b, atol=1e-5)
+  assert jnp.max(jnp.abs(a - ours.apply(params, X))) > 1e-3  # dropout did something
+
+
+def test_kv_cache_decoding_equals_full_causal_pass():
+  model = MultiHeadAttention(num_heads=4, qkv_features=8, num_kv_heads=2, is_causal=True,
+                             weighting="relu")
+  variables = model.init(KEY, X, decode=True)
+  full = model.apply(variables, X)
+  cache = variables["cache"]
+  chex.assert_shape(cache["cached_key"], (2, 4, 2, 2))
+  steps = []
+  for t in range(X.shape[1]):
+    out, mut = model.apply({"params": variables["params"], "cache": cache}, X[:, t:t + 1],
+                           decode=True, mutable=["cache"])
+    cache = mut["cache"]
+    steps.append(out)
+  chex.assert_trees_all_close(jnp.concatenate(steps, axis=1), full, atol=1e-5)
+
+
+def test_kv_cache_rejects_multi_token_step():
+  model = MultiHeadAttention(num_heads=2, is_causal=True)
+  variables = model.init(KEY, X, decode=True)
+  with pytest.raises(ValueError, match="one position at a time"):
+    model.apply(variables, X[:, :2], decode=True, mutable=["cache"])
+
+
+@pytest.mark.parametrize("weighting", ["softmax", "sparsemax", "sigmoid:normalization=none"])
+def test_causality_through_gradients(weighting):
+  model = MultiHeadAttention(num_heads=2, is_causal=True, weighting=weighting)
+  params = model.init(KEY, X)
+  for t in (0, 2):
+    g = jax.grad(lambda x, t=t: jnp.sum(model.apply(params, x)[:, t]))(X)
+    assert jnp.all(g[:, t + 1:] == 0), weighting
+    assert jnp.all(jnp.any(g[:, t] != 0, axis=-1)), weighting  # the query itself matters
+
+
+def test_return_and_sow_weights():
+  model = MultiHeadAttention(num_heads=2, sow_weights=True, weighting="sparsemax")
+  params = model.init(KEY, X)
+  (out, w), state = model.apply(params, X, return_weights=True, mutable=["intermediates"])
+  chex.assert_shape(w, (2, 2, 4, 4))
+  chex.assert_trees_all_close(w.sum(-1), jnp.ones((2, 2, 4)), atol=1e-5)
+  chex.assert_trees_all_equal(state["intermediates"]["attention_weights"][0], w)
+  chex.assert_trees_all_close(out, model.apply(params, X), atol=1e-5)
+
+
+SCORE_PARAMS = {"bilinear": ["score_W"], "metric": ["score_L"],
+                "additive": ["score_Wq", "score_Wk", "score_v"], "cosine": []}
+
+
+def test_scores_with_learned_params():
+  for score, names in SCORE_PARAMS.items():
+    model = MultiHeadAttention(num_heads=2, qkv_features=8, score=score, score_dim=3)
+    params = model.init(KEY, X)
+    assert set(names) <= set(params["params"]), (score, params["params"].keys())
+    out, grads = jax.value_and_grad(lambda p, m=model: jnp.sum(m.apply(p, X) ** 2))(params)
+    chex.assert_tree_all_finite((out, grads))
+    for n in names:
+      assert jnp.any(grads["params"][n] != 0), (score, n)
+
+
+def test_bilinear_identity_init_equals_dot_score():
+  dot = MultiHeadAttention(num_heads=2, score="dot")
+  bil = MultiHeadAttention(num_heads=2, score="bilinear")
+  params = bil.init(KEY, X)
+  chex.assert_trees_all_close(bil.apply(params, X), dot.apply(params, X), atol=1e-5)
+
+
+def test_gqa_matches_repeated_kv_heads():
+  gqa = MultiHeadAttention(num_heads=4, num_kv_heads=2, qkv_features=8)
+  mha = MultiHeadAttention(num_heads=4, qkv_features=8)
+  p = gqa.init(KEY, X)["params"]
+  rep = lambda d: {**d, "kernel": jnp.repeat(d["kernel"], 2, axis=1),
+                   "bias": jnp.repeat(d["bias"], 2, axis=0)}
+  full = {**p, "key": rep(p["key"]), "value": rep(p["value"])}
+  chex.assert_trees_all_close(gqa.apply({"params": p}, X), mha.apply({"params": full}, X),
+                              atol=1e-5)
+
+
+@pytest.mark.skipif(not hasattr(core, "blocked_attention"), reason="core blocked kernel absent")
+def test_blocked_implementation_equals_dense():
+  dense = MultiHeadAttention(num_heads=2, weighting="relu", implementation="dense",
+                             is_causal=True)
+  blocked = dense.clone(implementation="blocked")
+  params = dense.init(KEY, X)
+  chex.assert_trees_all_close(blocked.apply(params, X), dense.apply(params, X), atol=1e-4)

@@ -1,0 +1,104 @@
+"""The attention-dict spec, variant names, flax drop-in, and clear configuration errors."""
+
+import chex
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+
+import attnx.nn as an
+from attnx import core
+
+X = jax.random.normal(jax.random.PRNGKey(1), (2, 4, 8))
+
+
+def test_attention_spec_variants():
+  assert an.attention_spec("linear_elu") == {"type": "linear", "feature_map": "elu_plus_one"}
+  assert an.attention_spec("linear_favor") == {"type": "linear", "feature_map": "favor_plus"}
+  assert an.attention_spec("metric") == {"type": "metric"}
+  assert an.attention_spec("metric:weighting=relu") == {"type": "metric", "weighting": "relu"}
+  assert an.attention_spec("relu") == {"type": "dot", "weighting": "relu"}
+  assert an.attention_spec("power:p=3") == {"type": "dot", "weighting": "power:p=3"}
+  assert an.attention_spec("gaussian:h=2")["score"] == "neg_sq_dist"
+  variants = an.list_attention_variants()
+  assert {"linear_elu", "linear_favor", "metric"} <= set(variants)
+  assert set(core.list_weightings()) <= set(variants)
+
+
+def test_unknown_variant_lists_weightings_and_special_variants():
+  with pytest.raises(ValueError, match="Unknown weighting 'softmaxx'") as e:
+    an.attention_spec("softmaxx")
+  assert "sparsemax" in str(e.value) and "linear_favor" in str(e.value)
+  with pytest.raises(ValueError, match="Valid weightings"):
+    an.attention_spec("metric:weighting=nope")
+
+
+def test_make_attention_builds_each_type():
+  for variant, cls in (("relu", an.MultiHeadAttention), ("linear_elu", an.LinearAttention),
+                       ("metric", an.MetricAttention)):
+    module = an.make_attention(an.attention_spec(variant), num_heads=2, is_causal=True)
+    assert isinstance(module, cls) and module.is_causal
+  with pytest.raises(ValueError, match="Bad attention spec"):
+    an.make_attention({"type": "linear", "weighting": "relu"}, num_heads=2)
+
+
+@pytest.mark.parametrize("build,match", [
+    (lambda: an.MultiHeadAttention(num_heads=2, weighting="nope"), "Valid weightings"),
+    (lambda: an.MultiHeadAttention(num_heads=3, qkv_features=8), "not divisible"),
+    (lambda: an.MultiHeadAttention(num_heads=4, num_kv_heads=3), "multiple of num_kv_heads"),
+    (lambda: an.MultiHeadAttention(num_heads=2, score="additive", implementation="blocked"),
+     "cannot run with implementation='blocked'"),
+    (lambda: an.MultiHeadAttention(num_heads=2, weighting="sparsemax",
+                                   implementation="blocked"), "normalizes whole rows"),
+    (lambda: an.MultiHeadAttention(num_heads=2, implementation="fast"), "unknown implementation"),
+    (lambda: an.MultiHeadAttention(num_heads=2, score="nope"), "Valid scores"),
+    (lambda: an.LuongAttention("bilinear"), "unknown Luong score"),
+    (lambda: an.LinearAttention(num_heads=2, feature_map="relu"), "unknown feature_map"),
+    (lambda: an.MetricAttention(num_heads=2, weighting="nope"), "Valid weightings"),
+    (lambda: an.RNNSeq2Seq(10, attention_type="dot"), "unknown attention_type"),
+    (lambda: an.EncoderBlock(2, 8, attention={"type": "sparse"}), "Unknown attention type"),
+    (lambda: an.VisionTransformer(3, hidden_dim=10, num_heads=4), "not divisible"),
+    (lambda: an.SequenceClassifier(5, 2, pool="max"), "unknown pool"),
+    (lambda: an.NadarayaWatsonRegressor(mode="adaptive"), "unknown mode"),
+    (lambda: an.SmallCNN(3, block_attention="eca"), "unknown block_attention"),
+])
+def test_bad_configuration_raises_at_construction(build, match):
+  with pytest.raises(ValueError, match=match):
+    build()
+
+
+def test_bad_shapes_raise_clear_errors():
+  model = an.MultiHeadAttention(num_heads=2, qkv_features=6)
+  with pytest.raises(ValueError, match="not divisible"):  # known only at call time
+    an.MultiHeadAttention(num_heads=4).init(jax.random.PRNGKey(0), jnp.ones((2, 3, 6)))
+  with pytest.raises(AssertionError, match="rank"):
+    model.init(jax.random.PRNGKey(0), X, jnp.ones((4, 8)))
+  with pytest.raises(ValueError, match="patch_size"):
+    an.VisionTransformer(3, patch_size=3, **dict(hidden_dim=8, num_heads=2)).init(
+        jax.random.PRNGKey(0), jnp.ones((1, 4, 4, 1)))
+  with pytest.raises(ValueError, match="general"):
+    an.EncoderBlock(2, 8, attention="linear_elu").init(
+        jax.random.PRNGKey(0), X, mask=jnp.ones((1, 1, 4, 4), bool))
+
+
+def test_flax_attention_fn_drop_in_linen_and_nnx():
+  stock = nn.MultiHeadDotProductAttention(num_heads=2, qkv_features=8)
+  params = stock.init(jax.random.PRNGKey(0), X)
+  ref = stock.apply(params, X)
+  for weighting in ("softmax", "relu"):
+    m = nn.MultiHeadDotProductAttention(num_heads=2, qkv_features=8,
+                                        attention_fn=core.flax_attention_fn(weighting))
+    out = m.apply(params, X)
+    if weighting == "softmax":
+      chex.assert_trees_all_close(out, ref, atol=1e-5)
+    else:
+      assert jnp.max(jnp.abs(out - ref)) > 1e-3
+  make = lambda **kw: nnx.MultiHeadAttention(num_heads=2, in_features=8, qkv_features=8,
+                                             decode=False, rngs=nnx.Rngs(0), **kw)
+  nnx_ref = make()(X)
+  chex.assert_trees_all_close(make(attention_fn=core.flax_attention_fn("softmax"))(X), nnx_ref,
+                              atol=1e-5)
+  relu = make(attention_fn=core.flax_attention_fn("relu"))(X)
+  chex.assert_tree_all_finite(relu)
+  assert jnp.max(jnp.abs(relu - nnx_ref)) > 1e-3

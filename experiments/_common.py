@@ -1,0 +1,86 @@
+"""Small helpers shared by the experiments in this folder (not a public API).
+
+Everything generic (training loops, report writing, plots) lives in ``attnx.train``; this file
+only holds glue that several experiment files need: preset checking, JSON conversion and
+number formatting.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+
+def check_preset(preset: str | None, presets: Sequence[str]) -> str:
+  """Returns the preset name (``"default"`` for None); ValueError listing presets otherwise."""
+  name = "default" if preset in (None, "") else preset
+  if name not in presets:
+    raise ValueError(f"Unknown preset {preset!r}; valid presets: {', '.join(presets)}.")
+  return name
+
+
+def check_choices(config: Any, key: str, values: Sequence[Any], valid: Sequence[Any]) -> None:
+  """Raises ValueError naming ``config.<key>`` if any of ``values`` is not in ``valid``."""
+  bad = [v for v in values if v not in valid]
+  if bad:
+    raise ValueError(f"config.{key} has invalid entries {bad}; valid choices: "
+                     f"{', '.join(map(str, valid))}.")
+
+
+def safe_name(label: str) -> str:
+  """A run label usable as a file name ("gaussian (neg_sq_dist)" -> "gaussian_neg_sq_dist")."""
+  out = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in label)
+  return "_".join(p for p in out.split("_") if p)
+
+
+def jsonable(x: Any) -> Any:
+  """Converts numpy/jax scalars and arrays (recursively) to plain JSON types."""
+  if isinstance(x, dict):
+    return {str(k): jsonable(v) for k, v in x.items()}
+  if isinstance(x, (list, tuple)):
+    return [jsonable(v) for v in x]
+  if hasattr(x, "to_dict"):  # ConfigDict
+    return jsonable(x.to_dict())
+  if isinstance(x, (np.ndarray, np.generic)) or type(x).__module__.startswith("jax"):
+    arr = np.asarray(x)
+    return arr.item() if arr.ndim == 0 else arr.tolist()
+  if isinstance(x, float) and not np.isfinite(x):
+    return str(x)
+  return x
+
+
+def fmt(x: Any, digits: int = 3) -> str:
+  """Compact number formatting for report tables (scientific for tiny/huge values)."""
+  if isinstance(x, (bool, np.bool_)):
+    return "yes" if x else "no"
+  if isinstance(x, (int, np.integer)):
+    return str(int(x))
+  if isinstance(x, (float, np.floating)):
+    x = float(x)
+    if not np.isfinite(x):
+      return str(x)
+    if x != 0 and (abs(x) < 10 ** -digits or abs(x) >= 1e5):
+      return f"{x:.{max(digits - 1, 1)}e}"
+    return f"{x:.{digits}f}"
+  return str(x)
+
+
+def mean_std_str(values: Sequence[float], digits: int = 3) -> str:
+  """``"m ± s"`` over seeds (population std; a single value prints alone)."""
+  v = np.asarray(values, dtype=float).ravel()
+  if v.size == 1:
+    return fmt(float(v[0]), digits)
+  return f"{fmt(float(v.mean()), digits)} ± {fmt(float(v.std()), digits)}"
+
+
+def save_json(workdir: str, name: str, payload: Any) -> str:
+  """Writes experiment-specific numbers next to the report (``<workdir>/<name>.json``)."""
+  os.makedirs(workdir, exist_ok=True)
+  path = os.path.join(workdir, name)
+  with open(path, "w") as f:
+    json.dump(jsonable(payload), f, indent=1)
+  return path

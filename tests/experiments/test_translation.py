@@ -1,0 +1,61 @@
+"""translation: corpus BLEU on hand-computed cases; tiny preset end to end."""
+
+import json
+import math
+import os
+import sys
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+from experiments import translation as exp  # noqa: E402
+
+CAND = "the cat sat on the mat".split()
+REF = "the cat is on the mat".split()
+
+
+def test_bleu_hand_computed():
+  # Unigrams 5/6 match, bigrams 3/5 (the cat, on the, the mat), equal lengths: BP = 1.
+  assert exp.corpus_bleu([CAND], [REF], max_n=2) == pytest.approx(math.sqrt(5 / 6 * 3 / 5))
+  # Trigrams 1/4 (on the mat), no 4-gram match: unsmoothed BLEU-4 is 0.
+  assert exp.corpus_bleu([CAND], [REF], max_n=3) == pytest.approx((5 / 6 * 3 / 5 / 4) ** (1 / 3))
+  assert exp.corpus_bleu([CAND], [REF]) == 0.0
+  # Brevity penalty: a 2-word hypothesis of a 6-word reference, all n-grams correct.
+  assert exp.corpus_bleu([["the", "cat"]], [REF], max_n=2) == pytest.approx(math.exp(1 - 6 / 2))
+  # Clipping: "the the the" against a reference with one "the" scores 1/3 unigram precision.
+  assert exp.corpus_bleu([["the"] * 3], [["the", "cat", "sat"]], max_n=1) == pytest.approx(1 / 3)
+  # Corpus level: counts are pooled before the geometric mean.
+  assert exp.corpus_bleu([REF, REF], [REF, REF]) == pytest.approx(1.0)
+  with pytest.raises(ValueError):
+    exp.corpus_bleu([CAND], [])
+
+
+def test_bad_config():
+  c = exp.get_config("tiny")
+  c.attention_types = ("bahdanau", "luong_fancy")
+  with pytest.raises(ValueError, match="attention_types.*luong_concat"):
+    exp.validate_config(c)
+  c = exp.get_config("tiny")
+  c.examples = ("the zebra sings",)
+  with pytest.raises(ValueError, match="examples"):
+    exp.validate_config(c)
+
+
+def test_tiny_end_to_end(tmp_path):
+  out = exp.run(exp.get_config("tiny"), str(tmp_path))
+  assert set(out["metrics"]) == {"bahdanau", "none"}
+  for m in out["metrics"].values():
+    assert np.all((m["BLEU-4"] >= 0) & (m["BLEU-4"] <= 1)) and m["BLEU-4"].shape == (2,)
+  a = out["metrics"]["bahdanau"]["alignment accuracy"]
+  assert np.all((a >= 0) & (a <= 1))
+  results = json.loads((tmp_path / "results.json").read_text())
+  rows = {r["attention"] for r in results["tables"][0]["rows"]}
+  assert rows == {"bahdanau", "none"}
+  # The seed-style alignment table for "i love you": rows je/te/aime/<eos>, columns the source.
+  table = results["tables"][1]["rows"]
+  assert [r[""] for r in table] == ["je", "te", "aime", "<eos>"]
+  for r in table:
+    assert sum(r[w] for w in ("i", "love", "you", "<eos>")) == pytest.approx(1.0, abs=1e-4)
+  assert (tmp_path / "alignments.png").exists()

@@ -1,0 +1,49 @@
+"""attnx.train: generic experiment machinery.
+
+`fit` trains N seeds of a Flax model in one vmapped program (optionally data-parallel over
+devices with shard_map or pmap), checkpoints and resumes with orbax, logs to JSONL/TensorBoard,
+and stops on NaN/Inf. `Report` turns results into report.md + results.json + PNG plots.
+"""
+
+import os as _os
+
+_os.environ.setdefault("MPLBACKEND", "Agg")  # reports are written headless
+
+from attnx.train.config import (  # noqa: E402
+    base_config,
+    check_choice,
+    format_experiments,
+    list_experiments,
+    load_module,
+    split_list,
+    validate,
+)
+from attnx.train.data import array_stream, batches, stream_fn  # noqa: E402
+from attnx.train.evaluate import METRICS, evaluate  # noqa: E402
+from attnx.train.loop import FitResult, NonFiniteLossError, fit  # noqa: E402
+from attnx.train.losses import IGNORE_INDEX, LOSSES, get_loss, mse, softmax_xent  # noqa: E402
+from attnx.train.optim import (  # noqa: E402
+    OPTIMIZERS,
+    SCHEDULES,
+    make_optimizer,
+    make_schedule,
+    optimizer_config,
+)
+from attnx.train.parallel import PARALLEL_MODES, Placement, data_mesh  # noqa: E402
+from attnx.train.report import (  # noqa: E402
+    Report,
+    environment,
+    mean_std,
+    plot_learning_curves,
+    summary_rows,
+)
+from attnx.train.step import init_state, make_apply_fn, make_step, seed_step  # noqa: E402
+
+__all__ = [
+    "IGNORE_INDEX", "LOSSES", "METRICS", "OPTIMIZERS", "PARALLEL_MODES", "SCHEDULES",
+    "FitResult", "NonFiniteLossError", "Placement", "Report", "array_stream", "base_config",
+    "batches", "check_choice", "data_mesh", "environment", "evaluate", "fit", "format_experiments",
+    "get_loss", "init_state", "list_experiments", "load_module", "make_apply_fn", "make_optimizer",
+    "make_schedule", "make_step", "mean_std", "mse", "optimizer_config", "plot_learning_curves",
+    "seed_step", "softmax_xent", "split_list", "stream_fn", "summary_rows", "validate",
+]

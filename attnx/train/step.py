@@ -1,0 +1,134 @@
+"""Train-step construction: one per-seed step, vmapped over seeds, optionally data-parallel.
+
+A train state is a dict pytree with a leading seed axis on every leaf:
+  params     model parameters
+  opt_state  optax state
+  extra      (only if the model has them) non-trained variable collections, e.g. FAVOR+
+             random features: passed to apply, never updated
+  key        raw uint32 PRNG key per seed (dropout key at step t is fold_in(key, t))
+  bad_step   int32, first step whose loss was NaN/Inf (-1 if none); tracked on device so that
+             detecting a blow-up needs no host sync per step.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+
+from attnx.train.losses import LossFn
+
+ApplyFn = Callable[..., jax.Array]
+
+
+def accepts_arg(fn: Callable, name: str) -> bool:
+  try:
+    params = inspect.signature(fn).parameters
+  except (TypeError, ValueError):
+    return True
+  return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+
+def model_inputs(batch: dict) -> tuple:
+  """Default positional model inputs: (inputs,) or (inputs, decoder_inputs) for seq2seq."""
+  if "decoder_inputs" in batch:
+    return batch["inputs"], batch["decoder_inputs"]
+  return (batch["inputs"],)
+
+
+def make_apply_fn(model: nn.Module,
+                  inputs_fn: Callable[[dict], tuple] = model_inputs) -> ApplyFn:
+  """`apply(params, batch, deterministic, rng, extra=None) -> outputs` (attnx's convention).
+
+  `deterministic` is only passed when the module's __call__ accepts it, so plain Flax modules
+  work too.
+  """
+  takes_det = accepts_arg(type(model).__call__, "deterministic")
+
+  def apply(params, batch, deterministic, rng, extra=None):
+    kwargs = {"deterministic": deterministic} if takes_det else {}
+    variables = {"params": params, **(extra or {})}
+    return model.apply(variables, *inputs_fn(batch), rngs={"dropout": rng}, **kwargs)
+
+  return apply
+
+
+def init_state(model: nn.Module, tx: optax.GradientTransformation, seeds: list[int],
+               sample_batch: dict,
+               inputs_fn: Callable[[dict], tuple] = model_inputs) -> dict:
+  """Stacked train state for `seeds` (params init from PRNGKey(seed), one program via vmap)."""
+  takes_det = accepts_arg(type(model).__call__, "deterministic")
+  inputs = inputs_fn(sample_batch)
+
+  def one(seed_key):
+    pkey, dkey, skey = jax.random.split(seed_key, 3)
+    kwargs = {"deterministic": True} if takes_det else {}
+    variables = dict(model.init({"params": pkey, "dropout": dkey}, *inputs, **kwargs))
+    params = variables.pop("params")
+    state = {"params": params, "opt_state": tx.init(params), "key": skey,
+             "bad_step": jnp.int32(-1)}
+    if variables:
+      state["extra"] = variables
+    return state
+
+  keys = jnp.stack([jax.random.PRNGKey(s) for s in seeds])
+  return jax.jit(jax.vmap(one))(keys)
+
+
+def seed_step(state: dict, batch: dict, step: jax.Array, *, apply_fn: ApplyFn, loss_fn: LossFn,
+              tx: optax.GradientTransformation, axis_name: str | None = None):
+  """One optimization step for one seed; with `axis_name`, gradients are pmean'd over it."""
+  rng = jax.random.fold_in(state["key"], step)
+  if axis_name is not None:
+    # Different dropout masks on different data shards.
+    rng = jax.random.fold_in(rng, jax.lax.axis_index(axis_name))
+
+  def objective(params):
+    out = apply_fn(params, batch, False, rng, state.get("extra"))
+    loss, metrics = loss_fn(out, batch)
+    return loss, metrics
+
+  (loss, metrics), grads = jax.value_and_grad(objective, has_aux=True)(state["params"])
+  metrics = dict(metrics, loss=loss)
+  if axis_name is not None:
+    # Per-shard means averaged: equals the global mean when shards hold equal counts.
+    grads = jax.lax.pmean(grads, axis_name)
+    metrics = jax.lax.pmean(metrics, axis_name)
+  updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
+  params = optax.apply_updates(state["params"], updates)
+  finite = jnp.isfinite(metrics["loss"])
+  bad = jnp.where((state["bad_step"] < 0) & ~finite, step.astype(jnp.int32), state["bad_step"])
+  new_state = dict(state, params=params, opt_state=opt_state, bad_step=bad)
+  return new_state, metrics
+
+
+def make_step(apply_fn: ApplyFn, loss_fn: LossFn, tx: optax.GradientTransformation,
+              parallel: str = "none", mesh: jax.sharding.Mesh | None = None,
+              donate: bool = True) -> Callable:
+  """`step(state, batch, step) -> (state, metrics)` over stacked seeds.
+
+  parallel="none": jit(vmap(seed_step)). "shard_map": the batch axis (axis 1 of [S, B, ...])
+  is sharded over the mesh's `data` axis, params replicated, gradients pmean'd. "pmap":
+  the same with jax.pmap; state has a leading device axis and batches are [D, S, B/D, ...].
+  """
+  kw = dict(apply_fn=apply_fn, loss_fn=loss_fn, tx=tx)
+  donate_argnums = (0,) if donate else ()
+  if parallel == "none":
+    f = jax.vmap(functools.partial(seed_step, **kw), in_axes=(0, 0, None))
+    return jax.jit(f, donate_argnums=donate_argnums)
+  inner = jax.vmap(functools.partial(seed_step, axis_name="data", **kw), in_axes=(0, 0, None))
+  if parallel == "shard_map":
+    from jax.sharding import PartitionSpec as P
+    assert mesh is not None, "shard_map needs a mesh"
+    f = jax.shard_map(inner, mesh=mesh, in_specs=(P(), P(None, "data"), P()),
+                      out_specs=(P(), P()))
+    return jax.jit(f, donate_argnums=donate_argnums)
+  if parallel == "pmap":
+    return jax.pmap(inner, axis_name="data", in_axes=(0, 0, None),
+                    donate_argnums=donate_argnums)
+  raise ValueError(f"parallel={parallel!r} is not one of ('none', 'shard_map', 'pmap')")

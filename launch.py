@@ -1,0 +1,147 @@
+"""Run an attnx experiment.
+
+  python launch.py --config=experiments/NAME.py[:PRESET] [--config.KEY=VALUE ...] [--workdir=DIR]
+
+With no flags, runs the default experiment (compare_weightings, preset "default": softmax vs
+alternative weightings on the bundled digits task; offline, a few minutes on 2 CPU cores) into
+runs/<experiment>-<preset>/ and prints where the report is.
+
+Examples:
+  python launch.py --config=experiments/compare_weightings.py:tiny
+  python launch.py --config=experiments/compare_weightings.py:digits \\
+      --config.weightings=softmax,relu,sparsemax --config.num_seeds=4 --workdir=runs/x
+  python launch.py --config=experiments/compare_weightings.py:tiny \\
+      --config.parallel=shard_map --config.num_cpu_devices=8
+  python launch.py --list
+
+Every experiment config has: seed, num_seeds, parallel (none | shard_map | pmap),
+num_cpu_devices (>0 fakes that many CPU devices before JAX starts; equivalent to
+XLA_FLAGS=--xla_force_host_platform_device_count=N), distributed (True calls
+jax.distributed.initialize()), progress, checkpoint_every, log_every. A rerun with the same
+--workdir resumes from the latest checkpoints.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+from attnx.train import config as train_config
+
+_ROOT = os.path.dirname(os.path.abspath(__file__))
+EXPERIMENTS_DIR = os.path.join(_ROOT, "experiments")
+DEFAULT_CONFIG = os.path.join(EXPERIMENTS_DIR, "compare_weightings.py")
+
+__doc__ += "\n" + train_config.format_experiments(EXPERIMENTS_DIR) + "\n"
+
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", default=DEFAULT_CONFIG,
+    help_string="Experiment config: experiments/NAME.py[:PRESET]; override fields with "
+                "--config.KEY=VALUE (lists as comma-separated strings).\n"
+                + train_config.format_experiments(EXPERIMENTS_DIR))
+_WORKDIR = flags.DEFINE_string(
+    "workdir", None, "Output directory (default runs/<experiment>-<preset>); reruns resume.")
+_LIST = flags.DEFINE_bool("list", False, "List the experiments and their presets, then exit.")
+
+
+def default_workdir(config) -> str:
+  name = config.get("experiment") or "experiment"
+  preset = config.get("preset") or "default"
+  return os.path.join("runs", f"{name}-{preset}")
+
+
+def _config_arg(argv: list[str]) -> str:
+  for i, a in enumerate(argv):
+    if a.startswith("--config="):
+      return a.split("=", 1)[1]
+    if a == "--config" and i + 1 < len(argv):
+      return argv[i + 1]
+  return DEFAULT_CONFIG
+
+
+def check_overrides(argv: list[str]) -> str | None:
+  """Error message for the first --config.KEY override whose KEY the config lacks, else None.
+
+  ml_collections only reports a bare KeyError; this names the key and the valid keys.
+  """
+  overrides = [a[len("--config."):].split("=", 1)[0] for a in argv if a.startswith("--config.")]
+  if not overrides:
+    return None
+  path, _, preset = _config_arg(argv).partition(":")
+  try:
+    config = train_config.load_module(path).get_config(preset or None)
+  except Exception:  # noqa: BLE001 - config_flags reports load errors itself.
+    return None
+  for key in overrides:
+    node = config
+    for i, part in enumerate(key.split(".")):
+      if not hasattr(node, "keys") or part not in node:
+        where = ".".join(["config"] + key.split(".")[:i])
+        valid = ", ".join(sorted(node.keys())) if hasattr(node, "keys") else "(not a dict)"
+        return f"Unknown config key config.{key} (no {part!r} in {where}); valid keys: {valid}"
+      node = node[part]
+  return None
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+  """absl flag parsing with readable errors for unknown config keys."""
+  msg = check_overrides(argv)
+  if msg:
+    print(f"FATAL: {msg}", file=sys.stderr)
+    sys.exit(2)
+  try:
+    return flags.FLAGS(argv)
+  except flags.Error as e:
+    print(f"FATAL flags parsing error: {e}\nPass --helpfull to see the flags.", file=sys.stderr)
+    sys.exit(2)
+
+
+def main(argv: list[str]) -> int:
+  if len(argv) > 1:
+    raise app.UsageError(f"Unexpected positional arguments: {argv[1:]}")
+  if _LIST.value:
+    print(train_config.format_experiments(EXPERIMENTS_DIR))
+    return 0
+  if not flags.FLAGS["verbosity"].present:
+    # Orbax logs every save at INFO; keep the console to progress and results.
+    logging.set_verbosity(logging.WARNING)
+  config = _CONFIG.value
+  path = config_flags.get_config_filename(flags.FLAGS["config"]).split(":", 1)[0]
+  module = train_config.load_module(path)
+  if not hasattr(module, "run"):
+    raise app.UsageError(f"{path} defines no run(config, workdir)")
+  # Validate everything before JAX compiles (or even initializes) anything.
+  try:
+    train_config.validate(config, module)
+  except ValueError as e:
+    print(f"FATAL: invalid config: {e}", file=sys.stderr)
+    return 2
+
+  import jax  # Device settings below must precede JAX's backend initialization.
+  n = int(config.get("num_cpu_devices", 0) or 0)
+  if n > 0:
+    jax.config.update("jax_num_cpu_devices", n)
+    # Fake devices share few cores: on a busy machine a collective can wait longer than XLA's
+    # default 40 s for all device threads, and XLA then aborts the process.
+    flag = "--xla_cpu_collective_call_terminate_timeout_seconds"
+    if flag not in os.environ.get("XLA_FLAGS", ""):
+      os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}=600".strip()
+  if config.get("distributed", False):
+    jax.distributed.initialize()
+
+  workdir = _WORKDIR.value or default_workdir(config)
+  os.makedirs(workdir, exist_ok=True)
+  print(f"Experiment {config.get('experiment')}:{config.get('preset')} -> {workdir} "
+        f"({len(jax.devices())} {jax.default_backend()} device(s))", flush=True)
+  result = module.run(config, workdir) or {}
+  report = result.get("report") if isinstance(result, dict) else None
+  report = report or os.path.join(workdir, "report.md")
+  print(f"Report: {os.path.abspath(report)}", flush=True)
+  return 0
+
+
+if __name__ == "__main__":
+  app.run(main, flags_parser=parse_flags)

@@ -1,0 +1,66 @@
+"""compare_weightings: presets, validation before compilation, a small ICL run in-process."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
+
+from experiments import compare_weightings as cw  # noqa: E402
+
+
+def test_presets_and_docstring():
+  assert cw.PRESETS[0] == "default"
+  for p in cw.PRESETS:
+    c = cw.get_config(p)
+    assert c.experiment == "compare_weightings" and c.preset == p
+    assert f":{p}" in cw.__doc__ or p == "default"
+  assert cw.get_config(None).preset == "default"
+  default = cw.get_config()
+  assert default.tasks == "digits" and len(default.weightings.split(",")) >= 6
+  assert set(cw.get_config("all").tasks.split(",")) == set(cw.TASKS)
+  with pytest.raises(ValueError, match="valid presets: default, tiny"):
+    cw.get_config("huge")
+
+
+@pytest.mark.parametrize("key, value, pattern", [
+    ("weightings", "softmax,nope", r"config\.weightings.*'nope'"),
+    ("tasks", "digits,imagenet", r"config\.tasks.*'imagenet'.*digits"),
+    ("tasks", "", r"config\.tasks is empty"),
+])
+def test_validate_config_names_key_and_choices(key, value, pattern):
+  c = cw.get_config("tiny")
+  c[key] = value
+  with pytest.raises(ValueError, match=pattern):
+    cw.validate_config(c)
+
+
+def test_all_weightings_are_known_variants():
+  c = cw.get_config("all")
+  cw.validate_config(c)  # every variant name resolves to an attention spec
+
+
+@pytest.mark.slow
+def test_icl_regression_run_compares_with_least_squares(tmp_path, monkeypatch):
+  monkeypatch.setenv("ATTNX_DATA_DIR", str(tmp_path / "data"))
+  c = cw.get_config("tiny")
+  c.tasks = "icl_regression"
+  c.weightings = "softmax"
+  c.num_steps = 6
+  c.eval_every = 3
+  c.checkpoint_every = 0
+  c.progress = False
+  c.data.icl_regression.update(dim=3, num_points=6, num_train=128)
+  c.max_eval_examples = 64
+  out = cw.run(c, str(tmp_path / "wd"))
+  with open(out["report"]) as f:
+    report = f.read()
+  assert "least squares" in report
+  assert os.path.exists(tmp_path / "wd" / "icl_regression_vs_least_squares.png")
+  final = json.load(open(tmp_path / "wd" / "final_metrics.json"))
+  assert len(final["icl_regression"]["softmax"]["mse_last"]) == c.num_seeds

@@ -1,0 +1,130 @@
+"""launch.py end to end in subprocesses: tiny preset, kill + resume, fast failures on bad flags."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = "--config=experiments/compare_weightings.py:tiny"
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+  """Private dataset and compilation caches, shared by this module's subprocesses."""
+  base = tmp_path_factory.mktemp("launch_env")
+  e = dict(os.environ)
+  e.update(PYTHONPATH=ROOT + os.pathsep + e.get("PYTHONPATH", ""), JAX_PLATFORMS="cpu",
+           ATTNX_DATA_DIR=str(base / "data"),
+           JAX_COMPILATION_CACHE_DIR=str(base / "jax_cache"),
+           JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+  return e
+
+
+def _launch(env, *args, timeout=300):
+  return subprocess.run([sys.executable, "launch.py", *args], capture_output=True, text=True,
+                        env=env, cwd=ROOT, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def tiny_run(env, tmp_path_factory):
+  workdir = str(tmp_path_factory.mktemp("tiny") / "run")
+  t0 = time.time()
+  proc = _launch(env, TINY, f"--workdir={workdir}")
+  return proc, workdir, time.time() - t0
+
+
+def test_tiny_preset_end_to_end(tiny_run):
+  proc, workdir, seconds = tiny_run
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert f"Report: {os.path.join(workdir, 'report.md')}" in proc.stdout
+  with open(os.path.join(workdir, "report.md")) as f:
+    report = f.read()
+  assert "| weighting | accuracy |" in report and "| softmax |" in report and "| relu |" in report
+  assert "same model, optimizer, budget and seeds" in report
+  assert "digits_curves.png" in report and os.path.getsize(
+      os.path.join(workdir, "digits_curves.png")) > 1000
+  results = json.load(open(os.path.join(workdir, "results.json")))
+  assert results["tables"] and results["environment"]["versions"]["jax"]
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    records = [json.loads(line) for line in f]
+  assert {r["run"] for r in records} == {"digits-softmax", "digits-relu"}
+  assert all(len(r["loss"]) == 2 for r in records)  # 2 seeds per record
+  assert sorted(os.listdir(os.path.join(workdir, "checkpoints", "digits-softmax")))[-1] == "40"
+  assert os.listdir(os.path.join(workdir, "tb"))
+  final = json.load(open(os.path.join(workdir, "final_metrics.json")))
+  acc = np.asarray(final["digits"]["softmax"]["accuracy"])
+  assert acc.shape == (2,) and acc.mean() > 0.2  # 10 classes: chance is 0.1
+
+
+@pytest.mark.slow
+def test_sigkill_after_checkpoint_then_resume_matches_uninterrupted(env, tmp_path):
+  # One weighting and many short steps so that the kill lands in the middle of training.
+  args = [TINY, "--config.weightings=softmax", "--config.num_steps=300",
+          "--config.checkpoint_every=10", "--config.eval_every=100", "--config.log_every=10"]
+  ref_dir, run_dir = str(tmp_path / "ref"), str(tmp_path / "killed")
+  ref = subprocess.Popen([sys.executable, "launch.py", *args, f"--workdir={ref_dir}"],
+                         env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True)
+  victim = subprocess.Popen([sys.executable, "launch.py", *args, f"--workdir={run_dir}"],
+                            env=env, cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+  ckpt_dir = os.path.join(run_dir, "checkpoints", "digits-softmax")
+  deadline = time.time() + 240
+  while time.time() < deadline and victim.poll() is None:
+    if os.path.isdir(ckpt_dir) and any(d.isdigit() for d in os.listdir(ckpt_dir)):
+      break
+    time.sleep(0.05)
+  assert victim.poll() is None, "run finished before it could be killed"
+  victim.send_signal(signal.SIGKILL)
+  victim.wait()
+  saved = max(int(d) for d in os.listdir(ckpt_dir) if d.isdigit())
+  assert saved < 300
+  resumed = _launch(env, *args, f"--workdir={run_dir}")
+  assert resumed.returncode == 0, resumed.stderr[-3000:]
+  assert "Resuming run 'digits-softmax' from step" in resumed.stderr
+  step = int(resumed.stderr.split("Resuming run 'digits-softmax' from step ")[1].split()[0])
+  assert 10 <= step < 300
+  out, err = ref.communicate(timeout=300)
+  assert ref.returncode == 0, err[-3000:]
+  a = json.load(open(os.path.join(ref_dir, "final_metrics.json")))["digits"]["softmax"]
+  b = json.load(open(os.path.join(run_dir, "final_metrics.json")))["digits"]["softmax"]
+  assert a.keys() == b.keys()
+  for k in a:
+    np.testing.assert_allclose(b[k], a[k], atol=1e-5, err_msg=k)
+  with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+    steps = [json.loads(line)["step"] for line in f]
+  assert steps == sorted(set(steps)) and steps[-1] == 300  # no duplicated records
+
+
+@pytest.mark.parametrize("flag, expected", [
+    ("--config.nope=1", r"config\.nope.*valid keys: .*num_seeds"),
+    ("--config.weightings=softmax,foo", r"config\.weightings.*'foo'.*relu.*sparsemax"),
+    ("--config.parallel=dp", r"config\.parallel='dp'.*none, shard_map, pmap"),
+    ("--config.optimizer.name=lion", r"config\.optimizer\.name='lion'.*adamw"),
+    ("--config.tasks=digits,mnist", r"config\.tasks.*'mnist'.*digits, listops"),
+])
+def test_bad_flags_fail_fast_naming_key_and_choices(env, flag, expected):
+  import re
+
+  t0 = time.time()
+  proc = _launch(env, TINY, flag, "--workdir=/nonexistent/should_not_be_created", timeout=120)
+  assert proc.returncode != 0
+  assert re.search(expected, proc.stderr), proc.stderr[-2000:]
+  assert "Traceback" not in proc.stderr
+  assert not os.path.exists("/nonexistent/should_not_be_created")
+  assert time.time() - t0 < 60  # no data preparation, no compilation
+
+
+def test_list_shows_experiments_and_presets(env):
+  proc = _launch(env, "--list", timeout=120)
+  assert proc.returncode == 0, proc.stderr
+  assert "compare_weightings:" in proc.stdout
+  assert "default, tiny, quick, digits, listops" in proc.stdout

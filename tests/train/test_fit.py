@@ -1,0 +1,128 @@
+"""fit: vmap over seeds == sequential runs, resume, NaN detection, evaluation."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import numpy as np
+import optax
+import pytest
+from train_stand_ins import TinyMLP, make_arrays
+
+from attnx import train
+
+
+@pytest.fixture
+def arrays():
+  return make_arrays()
+
+
+def _fit(arrays, **kw):
+  defaults = dict(
+      train_data=train.stream_fn(arrays, 16),
+      eval_data=lambda: train.batches(arrays, 64),
+      optimizer=train.optimizer_config(learning_rate=1e-2, warmup_steps=3),
+      num_steps=12, log_every=4, progress=False, tensorboard=False)
+  defaults.update(kw)
+  model = defaults.pop("model", TinyMLP(dropout_rate=0.2))
+  return train.fit(model, **defaults)
+
+
+def test_vmap_seeds_equal_sequential_runs(arrays):
+  stacked = _fit(arrays, num_seeds=3, seed=5, eval_data=None)
+  assert stacked.seeds == [5, 6, 7]
+  for i in range(3):
+    single = _fit(arrays, num_seeds=1, seed=5 + i, eval_data=None)
+    jax.tree.map(lambda a, b, i=i: np.testing.assert_allclose(a[i], b[0], atol=1e-5, rtol=1e-5),
+                 stacked.params, single.params)
+    for k, v in single.final_metrics.items():
+      np.testing.assert_allclose(stacked.final_metrics[k][i], v[0], atol=1e-5, err_msg=k)
+  # Seeds differ from one another (so the comparison above is not vacuous).
+  leaf = jax.tree.leaves(stacked.params)[0]
+  assert not np.allclose(leaf[0], leaf[1])
+  assert stacked.final_metrics["train_accuracy"].shape == (3,)
+  assert stacked.compile_seconds > 0 and stacked.seconds_per_step > 0
+  assert [h["step"] for h in stacked.history] == [4, 8, 12]
+  assert len(stacked.history[-1]["loss"]) == 3
+
+
+def test_resume_from_checkpoint_is_exact(arrays, tmp_path):
+  wd = str(tmp_path / "wd")
+  full = _fit(arrays, num_seeds=2, num_steps=12, workdir=wd, checkpoint_every=4)
+  # Simulate an interruption after step 8: drop the final checkpoint.
+  import shutil
+  shutil.rmtree(os.path.join(wd, "checkpoints", "run", "12"))
+  resumed = _fit(arrays, num_seeds=2, num_steps=12, workdir=wd, checkpoint_every=4)
+  assert full.start_step == 0 and resumed.start_step == 8
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), full.params,
+               resumed.params)
+  for k in full.final_metrics:
+    np.testing.assert_allclose(resumed.final_metrics[k], full.final_metrics[k], atol=1e-6)
+  assert [h["step"] for h in resumed.history] == [4, 8, 12]
+  with open(os.path.join(wd, "metrics.jsonl")) as f:
+    steps = [json.loads(line)["step"] for line in f]
+  assert steps == [4, 8, 12]  # no duplicates after the resume
+  # A finished run resumes at its last step without training.
+  again = _fit(arrays, num_seeds=2, num_steps=12, workdir=wd, checkpoint_every=4)
+  assert again.start_step == 12
+  np.testing.assert_allclose(again.final_metrics["accuracy"], full.final_metrics["accuracy"])
+  np.testing.assert_allclose(again.final_metrics["train_loss"], full.final_metrics["train_loss"],
+                             atol=1e-6)
+
+
+def test_nan_loss_stops_with_step_and_seeds(arrays):
+  bad = dict(arrays)
+
+  def data(seed, start):
+    for i, b in enumerate(train.array_stream(bad, 16, seed, start), start=start):
+      if seed == 1 and i >= 5:
+        b = dict(b, inputs=np.full_like(b["inputs"], np.nan))
+      yield b
+
+  with pytest.raises(train.NonFiniteLossError, match=r"step 5 for seed\(s\) \[1\]"):
+    _fit(arrays, train_data=data, num_seeds=2, num_steps=20, log_every=10)
+
+
+def test_custom_loss_eval_fn_and_optax_optimizer(arrays):
+  def loss(outputs, batch):
+    l, m = train.softmax_xent(outputs, batch)
+    return l, {"acc": m["accuracy"]}
+
+  calls = []
+
+  def eval_fn(params):
+    calls.append(jax.tree.leaves(params)[0].shape[0])
+    return {"score": np.arange(2.0)}
+
+  r = _fit(arrays, loss=loss, eval_fn=eval_fn, eval_data=None, optimizer=optax.sgd(0.1),
+           num_seeds=2, eval_every=6, model=TinyMLP())
+  assert calls == [2, 2]
+  np.testing.assert_array_equal(r.final_metrics["score"], [0.0, 1.0])
+  assert "train_acc" in r.final_metrics and "eval_score" in r.history[-1]
+
+
+def test_evaluate_ignores_minus_100_and_mse():
+  import flax.linen as nn
+
+  class Const(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      b = self.param("b", lambda k: np.array([0.0, 1.0], np.float32))
+      return x[..., None] * 0 + b
+
+  params = {"b": np.array([[0.0, 1.0], [1.0, 0.0]], np.float32)}  # 2 seeds: predict 1 / 0
+  batch = {"inputs": np.zeros((2, 3), np.float32), "targets": np.array([[1, 1, -100], [0, 1, 1]])}
+  m = train.evaluate(Const(), params, [batch], metrics=("accuracy",))
+  np.testing.assert_allclose(m["accuracy"], [4 / 5, 1 / 5])
+
+
+def test_optimizer_config_validation():
+  for bad, key in ((dict(name="lion"), "name"), (dict(schedule="step"), "schedule"),
+                   (dict(learning_rate=0.0), "learning_rate")):
+    with pytest.raises(ValueError, match=f"optimizer.{key}"):
+      train.make_optimizer(train.optimizer_config(**bad), 10)
+  sched = train.make_schedule(train.optimizer_config(learning_rate=1.0, warmup_steps=10), 100)
+  assert float(sched(0)) == 0.0 and float(sched(10)) == pytest.approx(1.0)
+  assert float(sched(100)) == pytest.approx(0.0, abs=1e-6)

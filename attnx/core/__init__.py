@@ -7,6 +7,7 @@ Imports only jax/numpy; every function works under jit, vmap, grad and shard_map
 
 from attnx.core import rownorm as _rownorm  # noqa: F401  (registers ssmax, softpick, ...)
 from attnx.core import simplex as _simplex  # noqa: F401  (registers sparsemax, entmax, ...)
+from attnx.core.blocked import blocked_attention
 from attnx.core.dispatch import (
     BLOCKED_MIN_SCORES,
     IMPLEMENTATIONS,
@@ -14,7 +15,6 @@ from attnx.core.dispatch import (
     attention_weights,
     causal_mask,
 )
-from attnx.core.blocked import blocked_attention
 from attnx.core.flax_adapter import flax_attention_fn
 from attnx.core.linear import (
     elu_plus_one_features,

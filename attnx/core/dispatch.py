@@ -26,6 +26,7 @@ import jax.numpy as jnp
 
 from attnx.core import scores as scores_lib
 from attnx.core import weightings as weightings_lib
+from attnx.core.blocked import blocked_attention
 
 Array = jax.Array
 IMPLEMENTATIONS = ("dense", "blocked")
@@ -169,7 +170,7 @@ def attention_weights(query: Array, key: Array, bias: Array | None = None,
   q, k = jnp.asarray(query), jnp.asarray(key)
   q, k, _, bias, mask, w, sc, params, scale = _prepare(
       q, k, k, bias, mask, weighting, score, scale, score_params)
-  batch, (t, n), s = q.shape[:-3], q.shape[-3:-1], k.shape[-3]
+  (t, n), s = q.shape[-3:-1], k.shape[-3]
   scores = _dense_scores(q, _repeat_kv(k, n), bias, sc, params, scale)
   valid = _combined_mask(mask, is_causal, t, s)
   return weightings_lib.weights(scores, w, axis=-1, where=valid)
@@ -209,19 +210,15 @@ def attention(query: Array, key: Array, value: Array, bias: Array | None = None,
   impl = _choose_implementation(implementation, w, sc, t, s)
   out_dtype = q.dtype
   if impl == "blocked":
-    from attnx.core.blocked import blocked_attention  # noqa: PLC0415 (keeps import light)
     qd, kd = sc.to_dot(q, k, **params)
     flat = lambda x: x.reshape((-1,) + x.shape[len(batch):])
-    kw = {}
-    if block_q is not None:
-      kw["block_q"] = block_q
-    if block_k is not None:
-      kw["block_k"] = block_k
     # Scores that transform q/k in float32 (distances, cosine) upcast v too: one dtype.
     compute = jnp.result_type(qd.dtype, kd.dtype, v.dtype)
     out = blocked_attention(flat(qd.astype(compute)), flat(kd.astype(compute)),
-                            flat(v.astype(compute)), weighting=w, scale=scale, bias=_to_4d(bias, batch),
-                            mask=_to_4d(mask, batch), is_causal=is_causal, **kw)
+                            flat(v.astype(compute)), weighting=w, scale=scale,
+                            bias=_to_4d(bias, batch),
+                            mask=_to_4d(mask, batch), is_causal=is_causal,
+                            block_q=block_q, block_k=block_k)
     return out.reshape(batch + out.shape[1:]).astype(out_dtype)
   scores = _dense_scores(q, _repeat_kv(k, n), bias, sc, params, scale)
   valid = _combined_mask(mask, is_causal, t, s)

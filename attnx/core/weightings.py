@@ -285,7 +285,8 @@ def _exp_like(name: str, alpha: float, normalization: str, offset: float = 0.0) 
                     lambda z, n: jnp.exp(a * z), "sum", exp_alpha=a, denominator_offset=offset)
 
 
-@register_weighting("softmax", doc="exp(alpha*s)/Σexp(alpha*s) (seed 000: the only shift-invariant F)")
+@register_weighting("softmax",
+                    doc="exp(alpha*s)/Σexp(alpha*s) (seed 000: the only shift-invariant F)")
 def _softmax(alpha: float = 1.0, normalization: str = "sum") -> Pointwise:
   return _exp_like("softmax", alpha, normalization)
 

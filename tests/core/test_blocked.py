@@ -318,7 +318,7 @@ def test_scale_gradient():
 
 class ApiTest(parameterized.TestCase):
 
-  @parameterized.parameters((5, 7, 8, 8), (512, 512, 512, 512), (4096, 100, 512, 104))
+  @parameterized.parameters((5, 7, 8, 8), (512, 512, 512, 256), (4096, 100, 1024, 104))
   def test_default_block_sizes(self, t, s, bq, bk):
     self.assertEqual(default_block_sizes(t, s), (bq, bk))
 

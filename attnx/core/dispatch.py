@@ -136,9 +136,19 @@ def _choose_implementation(implementation, w, sc, t: int, s: int) -> str:
   return implementation
 
 
+# Scores linear in q: the scale can multiply q ([T, H]) instead of the [T, S] scores.
+_LINEAR_IN_Q = ("dot", "scaled_dot", "bilinear")
+
+
 def _dense_scores(q, k, bias, sc, params, scale):
   """[B, N, T, S] float32 scores (scale and bias applied); k already has N heads."""
-  s = sc.dense(q, k, **params) * scale
+  if isinstance(scale, float) and scale == 1.0:
+    s = sc.dense(q, k, **params)
+  elif (q.dtype == jnp.float32 and isinstance(scale, float)
+        and any(sc is scores_lib.get_score(n) for n in _LINEAR_IN_Q)):
+    s = sc.dense(q * scale, k, **params)  # one pass over T×H instead of T×S
+  else:
+    s = sc.dense(q, k, **params) * scale
   if bias is not None:
     s = s + bias.astype(s.dtype)
   return s

@@ -18,6 +18,7 @@ finite gradients (the "double where" trick).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -205,29 +206,56 @@ def _label(base: str, **params: Any) -> str:
 # Applying a weighting to a dense score array.
 # --------------------------------------------------------------------------------------------
 
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2))
+def _online_max_weights(z: Array, axis: int, offset: float) -> Array:
+  """exp(z) / (Σ exp(z) + offset) along ``axis``, where masked entries are z = −inf.
+
+  A row with no finite z (and no offset) gets zero weights. The custom JVP,
+  dw = w ∘ (dz − Σ w dz), is what makes the dense backward as cheap as ``jax.nn.softmax``'s:
+  autodiff through the max, the shift and the guards would keep several T×S intermediates.
+  """
+  m = jnp.max(z, axis=axis, keepdims=True)
+  if offset > 0:
+    m = jnp.maximum(m, 0.0)  # the offset is a virtual key with z = 0
+  m = jax.lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))
+  e = jnp.exp(z - m)
+  denom = jnp.sum(e, axis=axis, keepdims=True)
+  if offset > 0:
+    denom = denom + offset * jnp.exp(-m)
+  safe = denom > 0
+  return e / jnp.where(safe, denom, 1.0)  # e = 0 wherever denom = 0
+
+
+@_online_max_weights.defjvp
+def _online_max_weights_jvp(axis, offset, primals, tangents):
+  (z,), (dz,) = primals, tangents
+  w = _online_max_weights(z, axis, offset)
+  wdz = jnp.where(w > 0, w * dz, 0.0)  # masked entries: w = 0 even if dz is not finite
+  return w, wdz - w * jnp.sum(wdz, axis=axis, keepdims=True)
+
+
 def pointwise_weights(scores: Array, w: Pointwise, axis: int = -1,
                       where: Array | None = None, num_keys: int | None = None) -> Array:
   """Dense reference implementation of a :class:`Pointwise` weighting (float32 math)."""
   s = scores.astype(jnp.promote_types(scores.dtype, jnp.float32))
   n = s.shape[axis] if num_keys is None else num_keys
-  valid = jnp.ones(s.shape, bool) if where is None else jnp.broadcast_to(where, s.shape)
+  valid = None if where is None else jnp.broadcast_to(where, s.shape)
   if w.online_max:
     z = w.exp_alpha * s
-    m = jnp.max(jnp.where(valid, z, -jnp.inf), axis=axis, keepdims=True)
-    floor = 0.0 if w.denominator_offset > 0 else -jnp.inf
-    m = jnp.maximum(m, floor)
-    m = jax.lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))
-    e = jnp.where(valid, jnp.exp(jnp.where(valid, z, m) - m), 0.0)
-    denom = jnp.sum(e, axis=axis, keepdims=True) + w.denominator_offset * jnp.exp(-m)
+    if valid is not None:
+      z = jnp.where(valid, z, -jnp.inf)
+    return _online_max_weights(z, axis, float(w.denominator_offset))
+  if valid is None:
+    e = w.fn(s, n)
   else:
-    f = w.fn(jnp.where(valid, s, 0.0), n)
-    e = jnp.where(valid, f, 0.0)
-    if w.normalization == "sum":
-      denom = jnp.sum(e, axis=axis, keepdims=True) + w.denominator_offset
-    elif w.normalization == "length":
-      denom = jnp.sum(valid, axis=axis, keepdims=True).astype(s.dtype)
-    else:
-      return e
+    e = jnp.where(valid, w.fn(jnp.where(valid, s, 0.0), n), 0.0)
+  if w.normalization == "sum":
+    denom = jnp.sum(e, axis=axis, keepdims=True) + w.denominator_offset
+  elif w.normalization == "length":
+    denom = (jnp.asarray(float(n), s.dtype) if valid is None
+             else jnp.sum(valid, axis=axis, keepdims=True).astype(s.dtype))
+  else:
+    return e
   safe = denom > 0
   return jnp.where(safe, e / jnp.where(safe, denom, 1.0), 0.0)
 

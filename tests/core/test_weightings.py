@@ -109,3 +109,40 @@ def test_weights_are_a_distribution_or_zero(s, name):
   assert np.all(w >= 0) and np.all(np.isfinite(w))
   total = w.sum()
   assert abs(total - 1) < 1e-4 or (total == 0 and name in ("relu", "relu2"))
+
+
+@pytest.mark.parametrize("name", ["softmax", "exp:alpha=0.5", "softmax_plus_one"])
+def test_online_max_weights_gradients_match_finite_differences_and_closed_form(name):
+  """The dense softmax path's custom JVP: check_grads, and grads of a closed form in numpy."""
+  from jax.test_util import check_grads
+  rng = np.random.default_rng(0)
+  s = rng.normal(size=(3, 7)).astype(np.float32)
+  mask = rng.random((3, 7)) < 0.7
+  mask[1] = False  # a fully masked row
+  mask[0, 0] = True
+  w = core.get_weighting(name)
+  f = lambda x: core.weights(x, w, where=mask)
+  check_grads(f, (s,), order=1, modes=("fwd", "rev"), atol=1e-2, rtol=1e-2, eps=1e-2)
+  ct = rng.normal(size=s.shape).astype(np.float32)
+  g = np.asarray(jax.grad(lambda x: jnp.sum(f(x) * ct))(s), np.float64)
+  # closed form: p = e/(Σe + c), dL/ds = α p (ct − Σ p ct) on valid entries, 0 elsewhere.
+  alpha = w.exp_alpha
+  e = np.where(mask, np.exp(alpha * s.astype(np.float64)), 0.0)
+  p = e / np.maximum(e.sum(-1, keepdims=True) + w.denominator_offset, 1e-300)
+  want = alpha * p * (ct - np.sum(p * ct, -1, keepdims=True))
+  np.testing.assert_allclose(g, want, atol=1e-6)
+  assert np.all(g[1] == 0) and np.all(np.isfinite(g))
+
+
+def test_dense_softmax_gradients_equal_jax_nn():
+  ks = jax.random.split(jax.random.PRNGKey(3), 4)
+  q, k, v = (jax.random.normal(kk, (2, 9, 2, 8)) for kk in ks[:3])
+  bias = jax.random.normal(ks[3], (2, 2, 9, 9))
+  mask = jnp.tril(jnp.ones((9, 9), bool))[None, None]
+
+  def grads(fn):
+    return jax.grad(lambda *a: jnp.sum(fn(*a) ** 2), argnums=(0, 1, 2, 3))(q, k, v, bias)
+
+  got = grads(lambda q, k, v, b: core.attention(q, k, v, b, mask, implementation="dense"))
+  want = grads(lambda q, k, v, b: jax.nn.dot_product_attention(q, k, v, b, mask))
+  chex.assert_trees_all_close(got, want, atol=1e-5)

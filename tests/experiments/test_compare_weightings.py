@@ -24,6 +24,10 @@ def test_presets_and_docstring():
   default = cw.get_config()
   assert default.tasks == "digits" and len(default.weightings.split(",")) >= 6
   assert set(cw.get_config("all").tasks.split(",")) == set(cw.TASKS)
+  survey = cw.get_config("survey")
+  assert set(survey.tasks.split(",")) == set(cw.TASKS)
+  for p in cw.PRESETS:
+    cw.validate_config(cw.get_config(p))  # every preset is valid as shipped
   with pytest.raises(ValueError, match="valid presets: default, tiny"):
     cw.get_config("huge")
 

@@ -66,3 +66,44 @@ def test_tiny_end_to_end(tmp_path):
   assert md.count("\n| ") == len(rows) + 1  # header + one line per row
   report = (tmp_path / "report.md").read_text()
   assert md.strip() in report and "jax" in report and "Command" in report
+  assert (tmp_path / "scaling.png").exists() and "scaling.png" in report
+  assert out["targets"] == []  # the tiny shapes check no target
+  for r in rows:
+    assert r["peak MiB"] >= r["scratch MiB"]
+
+
+def _row(shape, mode, impl, weighting, **cols):
+  return dict(shape=shape, mode=mode, impl=impl, weighting=weighting, **cols)
+
+
+def test_targets_compare_measurements_with_the_issue_thresholds():
+  t, long = exp.TARGET_SHAPE, exp.LONG_SHAPE
+  rows = [
+      _row(t, "fwd", "jax.nn (xla)", "softmax", **{"scratch MiB": 500.0}),
+      _row(t, "fwd", "attnx blocked", "softmax", **{"speed-up vs jax.nn": 3.5,
+                                                   "% matmul": 65.0, "scratch MiB": 20.0,
+                                                   "time / blocked softmax": 1.0}),
+      _row(t, "fwd", "attnx blocked", "softplus", **{"time / blocked softmax": 1.5}),
+      _row(t, "fwd+bwd", "jax.nn (xla)", "softmax", **{"scratch MiB": 800.0}),
+      _row(t, "fwd+bwd", "attnx blocked", "softmax", **{"speed-up vs jax.nn": 2.5,
+                                                       "scratch MiB": 50.0,
+                                                       "time / blocked softmax": 1.0}),
+      _row(t, "fwd+bwd", "attnx blocked", "relu", **{"time / blocked softmax": 1.1}),
+      _row(long, "fwd+bwd", "attnx blocked", "softmax", **{"peak MiB": 60.0}),
+  ]
+  goals = exp.targets(rows)
+  assert len(goals) == 8, goals
+
+  def met(*words):
+    hits = [g for g in goals if all(w in g["target"] for w in words)]
+    assert len(hits) == 1, (words, goals)
+    return hits[0]["met"] == "yes"
+
+  assert not met("fwd ≥ 4× jax.nn")  # 3.5× < 4×
+  assert met("60 % of the matmul rate")
+  assert met("fwd+bwd ≥ 2× autodiff")
+  assert not met("within 1.2×", "(fwd;", "softplus")
+  assert met("within 1.2×", "(fwd+bwd;", "relu")
+  assert met("20× lower", "(fwd)")  # 25×
+  assert not met("20× lower", "(fwd+bwd)")  # 16×
+  assert met("2 GiB peak")

@@ -126,3 +126,41 @@ def test_optimizer_config_validation():
   sched = train.make_schedule(train.optimizer_config(learning_rate=1.0, warmup_steps=10), 100)
   assert float(sched(0)) == 0.0 and float(sched(10)) == pytest.approx(1.0)
   assert float(sched(100)) == pytest.approx(0.0, abs=1e-6)
+
+
+_RNN_INIT_SCRIPT = """
+import os
+os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:2])  # a 2-thread XLA pool, like CI
+import jax, numpy as np, optax
+from attnx import nn, train
+model = nn.RNNSeq2Seq(src_vocab_size=30, tgt_vocab_size=30, embed_dim=32, hidden_dim=64,
+                      attention_type="bahdanau")
+batch = {"inputs": np.zeros((4, 10), np.int32), "decoder_inputs": np.zeros((4, 10), np.int32)}
+inputs_fn = lambda b: (b["inputs"], b["decoder_inputs"])
+tx = optax.adam(1e-3)
+for _ in range(10):  # the deadlock was intermittent per call, near-certain over 10 calls
+  both = train.init_state(model, tx, [3, 4], batch, inputs_fn)
+jax.block_until_ready(both)
+for i, seed in enumerate((3, 4)):
+  one = train.init_state(model, tx, [seed], batch, inputs_fn)
+  jax.tree.map(lambda a, b: np.testing.assert_array_equal(a[i], b[0]), both["params"],
+               one["params"])
+print("OK")
+"""
+
+
+def test_init_of_orthogonal_rnn_seeds_does_not_deadlock_and_equals_single_inits():
+  # GRU recurrent kernels use an orthogonal (QR) initializer; initializing 2 seeds with vmap
+  # made batched LAPACK QRs that deadlocked XLA's 2-thread CPU pool. Own process: a hang
+  # must time out, not stall the suite.
+  import subprocess
+  import sys
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  try:
+    proc = subprocess.run([sys.executable, "-c", _RNN_INIT_SCRIPT], capture_output=True,
+                          text=True, env=env, timeout=150, cwd=root)
+  except subprocess.TimeoutExpired:
+    pytest.fail("train.init_state of 2 RNNSeq2Seq seeds hung (XLA CPU QR deadlock)")
+  assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import math
 from collections.abc import Callable
 from typing import Any
@@ -177,8 +178,16 @@ def get_weighting(weighting: WeightingLike, **overrides: Any) -> Weighting:
       raise ValueError(
           f"Unknown weighting {name!r}. Valid weightings: {', '.join(sorted(_REGISTRY))} "
           "(or pass a callable F(z)).")
+    factory = _REGISTRY[name]
+    accepted = _factory_params(factory)
+    unknown = sorted(set(params) - set(accepted)) if accepted is not None else []
+    if unknown:
+      raise ValueError(
+          f"Unknown parameter(s) {unknown} for weighting {name!r}; it accepts "
+          f"{', '.join(accepted) or 'no parameters'} (e.g. '{name}:{accepted[0]}=...')."
+          if accepted else f"Weighting {name!r} takes no parameters, got {unknown}.")
     try:
-      return _REGISTRY[name](**params)
+      return factory(**params)
     except TypeError as e:
       raise ValueError(f"Bad parameters {params} for weighting {name!r}: {e}") from None
   if callable(weighting):
@@ -189,6 +198,15 @@ def get_weighting(weighting: WeightingLike, **overrides: Any) -> Weighting:
     return Pointwise(name=label, fn=lambda z, n: fn(z), normalization=normalization, **overrides)
   raise TypeError(
       f"weighting must be a name, a Weighting or a callable, got {type(weighting).__name__}")
+
+
+def _factory_params(factory: Callable[..., Weighting]) -> list[str] | None:
+  """Keyword parameters a weighting factory accepts (None if it takes **kwargs)."""
+  sig = inspect.signature(factory)
+  if any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values()):
+    return None
+  return [n for n, p in sig.parameters.items()
+          if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
 
 
 def _check_normalization(normalization: str, name: str) -> None:

@@ -91,6 +91,18 @@ class RegistryTest(parameterized.TestCase):
     with pytest.raises(ValueError, match=r"where of shape \(3,\)"):
       core.weights(Z, "relu", where=jnp.ones(3, bool))
 
+  def test_unknown_parameter_lists_accepted_ones(self):
+    with pytest.raises(ValueError, match=r"\['q'\] for weighting 'power'; it accepts p, "
+                                         r"normalization"):
+      core.weights(Z, "power:q=3")
+    core.register_weighting("fixed_test", lambda: core.Pointwise("fixed_test", lambda z, n: z),
+                            overwrite=True)
+    try:
+      with pytest.raises(ValueError, match="'fixed_test' takes no parameters"):
+        core.get_weighting("fixed_test:a=1")
+    finally:
+      core.weightings.unregister_weighting("fixed_test")
+
   def test_derivative_matches_autodiff(self):
     for name in core.list_weightings("pointwise"):
       w = core.get_weighting(name)

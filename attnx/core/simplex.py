@@ -145,10 +145,10 @@ def sparsemax(x: Array, axis: int = -1, where: Array | None = None) -> Array:
 # 1.5-entmax (exact).
 # --------------------------------------------------------------------------------------------
 
-def _bisect_threshold(z: Array, mass, n_iter: int) -> Array:
-  """τ in [−1, 0] with mass(z, τ) = 1 for rows with max 0, by bisection (mass decreases in τ)."""
-  lo = jnp.full(z.shape[:-1] + (1,), -1.0, z.dtype)
-  hi = jnp.zeros_like(lo)
+def _bisect_threshold(z: Array, mass, n_iter: int, lo: float = -1.0, hi: float = 0.0) -> Array:
+  """t in [lo, hi] with mass(z, t) = 1 per row, by bisection (mass decreases in t)."""
+  lo = jnp.full(z.shape[:-1] + (1,), lo, z.dtype)
+  hi = jnp.full_like(lo, hi)
 
   def body(_, bounds):
     lo, hi = bounds
@@ -230,21 +230,14 @@ def _entmax_bisect_last(y: Array, alpha: float, n_iter: int) -> Array:
   n = y.shape[-1]
   am1 = alpha - 1.0
   # δ = 0 gives p_max = 1 (Σp ≥ 1); δ_hi gives p_max = 1/n (Σp ≤ 1).
-  lo = jnp.zeros(y.shape[:-1] + (1,), y.dtype)
-  hi = jnp.full_like(lo, -math.expm1(-am1 * math.log(n)) / am1 if n > 1 else 0.0)
+  hi = -math.expm1(-am1 * math.log(n)) / am1 if n > 1 else 0.0
 
-  def mass(delta):
+  def mass(y, delta):
     log_p, pos = _entmax_log_p(y, delta, alpha)
     return jnp.sum(jnp.where(pos, jnp.exp(log_p), 0.0), axis=-1, keepdims=True)
 
-  def body(_, bounds):
-    lo, hi = bounds
-    mid = 0.5 * (lo + hi)
-    too_much = mass(mid) >= 1.0  # mass decreases in δ
-    return jnp.where(too_much, mid, lo), jnp.where(too_much, hi, mid)
-
-  lo, hi = jax.lax.fori_loop(0, n_iter, body, (lo, hi))
-  log_p, pos = _entmax_log_p(y, 0.5 * (lo + hi), alpha)
+  delta = _bisect_threshold(y, mass, n_iter, lo=0.0, hi=hi)
+  log_p, pos = _entmax_log_p(y, delta, alpha)
   p = jnp.where(pos, jnp.exp(log_p), 0.0)
   total = jnp.sum(p, axis=-1, keepdims=True)
   return p / jnp.where(total > 0, total, 1.0)  # remove the residual bisection error

@@ -9,9 +9,9 @@ Presets (expected results are what we observed with jax 0.10.2 on a 2-core x86 C
   default  python launch.py
            digits (real 8x8 images, ViT with 2x2 patches = 16 tokens + CLS), 8 weightings
            (softmax, relu, relu2, sigmoid, sparsemax, entmax15, linear_elu, metric), 3 seeds,
-           300 steps of batch 32. Measured on 2 shared cores: 3.1 min wall (160 s CPU) at a
-           load of ≈ 5 from other jobs, 8.5 min at a load of ≈ 9; compiling the 8 programs is
-           about half of it. Results are deterministic (two runs agreed). Expected test accuracy
+           300 steps of batch 32. Measured on 2 cores: 1.5 min wall when the machine is quiet,
+           3.1 min at a load of ≈ 5 from other jobs; compiling the 8 programs is about half
+           of it. Results are deterministic (two runs agreed). Expected test accuracy
            ≈ 0.87-0.89 ± 0.02 for softmax, relu, relu2, sigmoid and entmax15; sparsemax
            0.82-0.84, linear_elu and metric ≈ 0.85 (3-6 points lower at this budget).
   tiny     python launch.py --config=experiments/compare_weightings.py:tiny
@@ -21,9 +21,9 @@ Presets (expected results are what we observed with jax 0.10.2 on a 2-core x86 C
   survey   python launch.py --config=experiments/compare_weightings.py:survey
            all four tasks at CPU scale (ListOps length ≤ 48, MQAR length 32 with 4 pairs, ICL
            d=4 with 16 points), all 13 weightings, 2 seeds, 600 steps of batch 32, and the
-           summary table across tasks. Measured: 27 min wall on 2 shared cores. Expected:
-           every F but sparsemax within ≈ 1 point of softmax on digits, 0.29-0.32 on ListOps,
-           only metric attention solves MQAR at this budget (≈ 0.98 vs ≈ 0.34), ICL error/d
+           summary table across tasks. Measured: 21 min wall on 2 cores. Expected: every F
+           but sparsemax/entmax15 within ≈ 2 points of softmax on digits, 0.29-0.32 on
+           ListOps, only metric attention solves MQAR at this budget (≈ 0.98 vs ≈ 0.34), ICL error/d
            ≈ 0.5 (softmax, sigmoid, softplus) to 1.0 (metric).
   The presets below were not timed or run to completion here; runtimes are estimates from the
   per-step times above and the results are what the literature leads one to expect.

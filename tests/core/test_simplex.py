@@ -307,3 +307,42 @@ def test_registered_row_normalizers():
   assert W.get_weighting("entmax:alpha=1.3").name == "entmax:alpha=1.3"
   with pytest.raises(ValueError, match="scale"):
     W.get_weighting("entmax15:scale=0")
+
+
+# ---------------------------------------------------------------------------------------------
+# Long rows: the sort-free solvers against the papers' sort-based algorithms (numpy, float64).
+# ---------------------------------------------------------------------------------------------
+
+def _np_sparsemax(z: np.ndarray) -> np.ndarray:
+  """Martins & Astudillo (2016), Algorithm 1."""
+  zs = np.sort(z)[::-1]
+  k = np.arange(1, z.size + 1)
+  cs = np.cumsum(zs)
+  k_z = np.max(k[1 + k * zs > cs])
+  return np.maximum(z - (cs[k_z - 1] - 1) / k_z, 0.0)
+
+
+def _np_entmax15(z: np.ndarray) -> np.ndarray:
+  """Peters, Niculae & Martins (2019), Algorithm 2 (exact 1.5-entmax)."""
+  zs = np.sort(z / 2)[::-1]
+  k = np.arange(1, z.size + 1)
+  mean = np.cumsum(zs) / k
+  ss = k * (np.cumsum(zs**2) / k - mean**2)
+  tau = mean - np.sqrt(np.maximum((1 - ss) / k, 0))
+  k_z = np.sum(tau <= zs)
+  return np.maximum(z / 2 - tau[k_z - 1], 0.0) ** 2
+
+
+@pytest.mark.parametrize("family", ["normal", "wide", "linear", "log", "ties"])
+def test_long_rows_match_sort_based_algorithms(family):
+  n = 2000
+  rng = np.random.default_rng(0)
+  z = {"normal": rng.normal(size=n), "wide": 1e3 * rng.normal(size=n),
+       "linear": -0.002 * np.arange(n), "log": -0.3 * np.log1p(np.arange(n)),
+       "ties": np.repeat(rng.normal(size=n // 100), 100)}[family]
+  z = rng.permutation(z).astype(np.float32)
+  for fn, ref in ((simplex.sparsemax, _np_sparsemax), (simplex.entmax15, _np_entmax15)):
+    expected = ref(z.astype(np.float64))
+    got = np.asarray(fn(z))
+    np.testing.assert_allclose(got, expected, atol=2e-6, err_msg=f"{fn.__name__} {family}")
+    np.testing.assert_array_equal(got > 0, expected > 1e-12, err_msg=f"{fn.__name__} {family}")

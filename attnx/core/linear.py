@@ -56,12 +56,35 @@ def elu_plus_one_features(x: Array) -> Array:
   return jnp.where(x >= 0, x + 1, jnp.exp(jnp.minimum(x, 0)))
 
 
+def _orthonormalize_columns(a: Array) -> Array:
+  """Q of a = QR with diag(R) > 0, for a batch of square matrices [..., H, H].
+
+  Classical Gram-Schmidt applied twice per column ("twice is enough": orthogonal to float
+  rounding, Giraud et al. 2005). With diag(R) > 0 the factor is unique, and for a Gaussian
+  ``a`` it is Haar-distributed (Mezzadri 2007), which FAVOR+ needs for unbiased features.
+  Written with plain XLA ops instead of ``jnp.linalg.qr``: a batched LAPACK QR on the CPU waits
+  for workers of XLA's own thread pool, so two of them running at once on a 2-core machine
+  deadlock (jaxlib 0.10) — and independent FAVOR+ layers draw their features at once.
+  """
+  h = a.shape[-1]
+
+  def column(j, q):
+    v = jnp.take(a, j, axis=-1)  # [..., H]
+    for _ in range(2):
+      v = v - jnp.einsum("...ij,...j->...i", q, jnp.einsum("...ij,...i->...j", q, v))
+    v = v / jnp.linalg.norm(v, axis=-1, keepdims=True)
+    onehot = (jnp.arange(h) == j).astype(a.dtype)
+    return q + v[..., :, None] * onehot  # column j of q was 0 until now
+
+  return jax.lax.fori_loop(0, h, column, jnp.zeros_like(a))
+
+
 @functools.partial(jax.jit, static_argnames=("num_features", "head_dim", "orthogonal"))
 def favor_features(key: Array, num_features: int, head_dim: int,
                    orthogonal: bool = True) -> Array:
   """Random projection ω [M, H] for FAVOR+ (Choromanski et al. 2020, Sec. 2.4).
 
-  Rows are drawn in blocks of H mutually orthogonal directions (QR of a Gaussian matrix), each
+  Rows are drawn in blocks of H mutually orthogonal directions (the Q of a Gaussian matrix), each
   row rescaled by an independent χ_H norm (the norm of a fresh Gaussian vector), so every row
   is marginally N(0, I_H) — the estimator stays unbiased — while orthogonality within a block
   lowers its variance.
@@ -82,10 +105,7 @@ def favor_features(key: Array, num_features: int, head_dim: int,
     return jax.random.normal(k_dir, (num_features, head_dim), jnp.float32)
   num_blocks = -(-num_features // head_dim)
   gauss = jax.random.normal(k_dir, (num_blocks, head_dim, head_dim), jnp.float32)
-  q, r = jnp.linalg.qr(gauss)  # columns of each q are orthonormal
-  # Fix QR's sign ambiguity so that q is Haar-distributed (Mezzadri 2007): without it the
-  # directions are not uniform on the sphere and the kernel estimate is biased.
-  q = q * jnp.sign(jnp.diagonal(r, axis1=-2, axis2=-1))[..., None, :]
+  q = _orthonormalize_columns(gauss)
   directions = jnp.swapaxes(q, -1, -2).reshape(num_blocks * head_dim, head_dim)[:num_features]
   norms = jnp.linalg.norm(
       jax.random.normal(k_norm, (num_features, head_dim), jnp.float32), axis=-1, keepdims=True)

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.test_util import check_grads
+from two_cpu_run import run_on_two_cpus
 
 from attnx.core import linear
 
@@ -182,3 +183,26 @@ def test_errors():
     linear.linear_attention(q[:, :, :3], k, v)
   with pytest.raises(ValueError):
     linear.linear_attention(q[0], k[0], v[0])
+
+
+def test_orthonormalize_equals_lapack_qr_with_positive_diagonal():
+  a = jax.random.normal(jax.random.PRNGKey(3), (4, 32, 32))
+  q_ref, r = jnp.linalg.qr(a)
+  q_ref = q_ref * jnp.sign(jnp.diagonal(r, axis1=-2, axis2=-1))[..., None, :]
+  q = linear._orthonormalize_columns(a)
+  np.testing.assert_allclose(q, q_ref, atol=2e-5)
+  np.testing.assert_allclose(jnp.swapaxes(q, -1, -2) @ q, np.broadcast_to(np.eye(32), q.shape),
+                             atol=2e-6)
+
+
+def test_concurrent_favor_draws_do_not_deadlock_on_two_cpus():
+  # Four independent draws of 4 blocks of 64×64 (e.g. four FAVOR+ layers at head_dim 64): with
+  # jnp.linalg.qr this was a set of batched LAPACK QRs that deadlocked XLA's 2-thread pool.
+  run_on_two_cpus("""
+import jax
+from attnx import core
+draw = jax.jit(lambda k: [core.favor_features(kk, 256, 64) for kk in jax.random.split(k, 4)])
+for i in range(20):
+  jax.block_until_ready(draw(jax.random.PRNGKey(i)))
+print("OK")
+""", timeout=120, what="four favor_features draws in one program")

@@ -10,6 +10,7 @@ import numpy as np
 import optax
 import pytest
 from train_stand_ins import TinyMLP, make_arrays
+from two_cpu_run import run_on_two_cpus
 
 from attnx import train
 
@@ -128,9 +129,8 @@ def test_optimizer_config_validation():
   assert float(sched(100)) == pytest.approx(0.0, abs=1e-6)
 
 
+
 _RNN_INIT_SCRIPT = """
-import os
-os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:2])  # a 2-thread XLA pool, like CI
 import jax, numpy as np, optax
 from attnx import nn, train
 model = nn.RNNSeq2Seq(src_vocab_size=30, tgt_vocab_size=30, embed_dim=32, hidden_dim=64,
@@ -151,16 +151,5 @@ print("OK")
 
 def test_init_of_orthogonal_rnn_seeds_does_not_deadlock_and_equals_single_inits():
   # GRU recurrent kernels use an orthogonal (QR) initializer; initializing 2 seeds with vmap
-  # made batched LAPACK QRs that deadlocked XLA's 2-thread CPU pool. Own process: a hang
-  # must time out, not stall the suite.
-  import subprocess
-  import sys
-  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-  env = dict(os.environ, JAX_PLATFORMS="cpu",
-             PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
-  try:
-    proc = subprocess.run([sys.executable, "-c", _RNN_INIT_SCRIPT], capture_output=True,
-                          text=True, env=env, timeout=150, cwd=root)
-  except subprocess.TimeoutExpired:
-    pytest.fail("train.init_state of 2 RNNSeq2Seq seeds hung (XLA CPU QR deadlock)")
-  assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]
+  # made batched LAPACK QRs that deadlocked XLA's 2-thread CPU pool.
+  run_on_two_cpus(_RNN_INIT_SCRIPT, timeout=150, what="train.init_state of 2 RNNSeq2Seq seeds")

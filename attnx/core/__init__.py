@@ -14,6 +14,7 @@ from attnx.core.dispatch import (
     attention,
     attention_weights,
     causal_mask,
+    check_compatible,
 )
 from attnx.core.flax_adapter import flax_attention_fn
 from attnx.core.linear import (
@@ -50,7 +51,8 @@ from attnx.core.weightings import (
 
 __all__ = [
     "BLOCKED_MIN_SCORES", "IMPLEMENTATIONS", "Pointwise", "RowNormalizer", "Score", "additive",
-    "attention", "attention_weights", "bilinear", "blocked_attention", "causal_mask", "cosine",
+    "attention", "attention_weights", "bilinear", "blocked_attention", "causal_mask",
+    "check_compatible", "cosine",
     "describe_weightings", "dot", "elu_plus_one_features", "entmax15", "entmax_bisect",
     "favor_features", "favor_plus_features", "flax_attention_fn", "get_score", "get_weighting",
     "linear_attention", "list_scores", "list_weightings", "metric", "nadaraya_watson",

@@ -100,7 +100,28 @@ def _combined_mask(mask: Array | None, is_causal: bool, t: int, s: int) -> Array
   return mask
 
 
+def check_compatible(weighting: Any, score: Any = "scaled_dot") -> None:
+  """Raises ValueError if ``weighting`` cannot be meaningfully applied to ``score``.
+
+  The distance kernels (``gaussian``, ``boxcar``, ``triangular``, ``epanechnikov``) read the
+  score as s = −d²: on a dot-product score they would threshold q·k silently. They need a
+  distance score (``neg_sq_dist`` or ``metric``); a user callable score is trusted.
+  Also raises for unknown weighting or score names (listing the valid ones).
+  """
+  w = weightings_lib.get_weighting(weighting)
+  sc = scores_lib.get_score(score)
+  if getattr(w, "distance_kernel", False) and not sc.distance and isinstance(
+      score, (str, scores_lib.Score)):
+    distance_scores = [n for n in scores_lib.list_scores() if scores_lib.get_score(n).distance]
+    raise ValueError(
+        f"Weighting {w.name!r} is a kernel of the distance d = ‖q − k‖ and reads the score as "
+        f"−d²; score {sc.name!r} is not a distance. Use score="
+        f"{' or '.join(repr(n) for n in distance_scores)}, or a weighting of a similarity "
+        "(e.g. 'softmax').")
+
+
 def _resolve(weighting, score, scale, score_params, head_dim):
+  check_compatible(weighting, score)
   w = weightings_lib.get_weighting(weighting)
   sc = scores_lib.get_score(score)
   params = {**scores_lib.score_params_from_name(score), **(score_params or {})}

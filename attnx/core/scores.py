@@ -118,6 +118,8 @@ class Score:
       a dot product of transformed vectors (then only the dense implementation can run it).
     scaled: whether the default scale is 1/√H (else 1).
     params: names of the parameters the score accepts.
+    distance: whether s = −d² for a (pseudo-)distance d, which the distance kernels
+      (``gaussian``, ``boxcar``, ``triangular``, ``epanechnikov``) need.
   """
 
   name: str
@@ -125,6 +127,7 @@ class Score:
   to_dot: Callable[..., tuple[Array, Array]] | None
   scaled: bool = False
   params: tuple[str, ...] = ()
+  distance: bool = False
 
 
 def _neg_sq_dist_to_dot(q: Array, k: Array) -> tuple[Array, Array]:
@@ -143,12 +146,12 @@ _SCORES: dict[str, Score] = {
                     lambda q, k, temperature=1.0: (_l2_normalize(q) / temperature,
                                                    _l2_normalize(k)),
                     params=("temperature",)),
-    "neg_sq_dist": Score("neg_sq_dist", neg_sq_dist, _neg_sq_dist_to_dot),
+    "neg_sq_dist": Score("neg_sq_dist", neg_sq_dist, _neg_sq_dist_to_dot, distance=True),
     "bilinear": Score("bilinear", bilinear, lambda q, k, W: (_project(q, W, "W"), k),
                       params=("W",)),
     "metric": Score("metric", metric,
                     lambda q, k, L: _neg_sq_dist_to_dot(_project(q, L, "L"), _project(k, L, "L")),
-                    params=("L",)),
+                    params=("L",), distance=True),
     "additive": Score("additive", additive, None, params=("Wq", "Wk", "v")),
 }
 

@@ -27,6 +27,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from attnx.core.softplus import softplus
+
 Array = jax.Array
 Normalization = str  # "sum" | "length" | "none"
 NORMALIZATIONS = ("sum", "length", "none")
@@ -47,6 +49,9 @@ class Pointwise:
     denominator_offset: a constant added to the denominator (``softmax_plus_one`` uses 1). For
       online-max weightings it acts like a virtual key with score 0: kernels start the running
       max at 0 and the running denominator at ``denominator_offset``.
+    distance_kernel: F is a kernel of a distance, K(d) with s = −d²: it is meaningful only on
+      a distance score (``neg_sq_dist``, ``metric``), which :func:`attnx.core.attention`
+      enforces.
   """
 
   name: str
@@ -54,6 +59,7 @@ class Pointwise:
   normalization: Normalization = "sum"
   exp_alpha: float | None = None
   denominator_offset: float = 0.0
+  distance_kernel: bool = False
 
   kind = "pointwise"
 
@@ -362,7 +368,7 @@ def _elu_plus_one(z: Array) -> Array:
 
 _simple("relu", jax.nn.relu, "max(s, 0) (Wortsman et al. 2023 use normalization=length)")
 _simple("relu2", lambda z: jnp.square(jax.nn.relu(z)), "max(s, 0)^2 (squared ReLU)")
-_simple("softplus", jax.nn.softplus, "log(1 + exp(s))")
+_simple("softplus", softplus, "log(1 + exp(s)) (one exp per score, see attnx.core.softplus)")
 _simple("elu_plus_one", _elu_plus_one, "elu(s) + 1 (the linear-attention feature map as F)")
 _simple("taylor_exp", lambda z: 1.0 + z + 0.5 * z * z,
         "1 + s + s^2/2, second-order Taylor expansion of exp (always > 0)")
@@ -409,9 +415,10 @@ def _gaussian(h: float = 1.0, normalization: str = "sum") -> Pointwise:
   if normalization == "sum":
     # Normalized Gaussian kernel == softmax(s / 2h²); streamed with the running max.
     return _pointwise(_label("gaussian", h=h), lambda z, n: jnp.exp(alpha * z), "sum",
-                      exp_alpha=alpha)
+                      exp_alpha=alpha, distance_kernel=True)
   return _pointwise(_label("gaussian", h=h, normalization=normalization),
-                    lambda z, n: jnp.exp(alpha * jnp.minimum(z, 0.0)), normalization)
+                    lambda z, n: jnp.exp(alpha * jnp.minimum(z, 0.0)), normalization,
+                    distance_kernel=True)
 
 
 @register_weighting("boxcar", doc="1[‖q−k‖ ≤ h] on score neg_sq_dist")
@@ -420,7 +427,8 @@ def _boxcar(h: float = 1.0, normalization: str = "sum") -> Pointwise:
   # Written as a function of s so that its derivative is 0 almost everywhere.
   return _pointwise(_label("boxcar", h=h, normalization=None if normalization == "sum"
                            else normalization),
-                    lambda z, n: (z >= -h2).astype(z.dtype), normalization)
+                    lambda z, n: (z >= -h2).astype(z.dtype), normalization,
+                    distance_kernel=True)
 
 
 @register_weighting("triangular", doc="max(0, 1 − ‖q−k‖/h) on score neg_sq_dist "
@@ -429,7 +437,8 @@ def _triangular(h: float = 1.0, normalization: str = "sum") -> Pointwise:
   h = _check_h("triangular", h)
   return _pointwise(_label("triangular", h=h, normalization=None if normalization == "sum"
                            else normalization),
-                    lambda z, n: jax.nn.relu(1.0 - _dist_u(z, h)), normalization)
+                    lambda z, n: jax.nn.relu(1.0 - _dist_u(z, h)), normalization,
+                    distance_kernel=True)
 
 
 @register_weighting("epanechnikov", doc="3/4 (1 − u²)₊, u = ‖q−k‖/h, on score neg_sq_dist "
@@ -439,7 +448,8 @@ def _epanechnikov(h: float = 1.0, normalization: str = "sum") -> Pointwise:
   # u² = −s/h²: polynomial in s, so smooth inside the support.
   return _pointwise(_label("epanechnikov", h=h, normalization=None if normalization == "sum"
                            else normalization),
-                    lambda z, n: 0.75 * jax.nn.relu(1.0 + z / h2), normalization)
+                    lambda z, n: 0.75 * jax.nn.relu(1.0 + z / h2), normalization,
+                    distance_kernel=True)
 
 
 POINTWISE_KERNELS = ("gaussian", "boxcar", "triangular", "epanechnikov")

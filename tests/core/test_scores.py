@@ -72,11 +72,29 @@ class ScoresTest(parameterized.TestCase):
     for name in ("dot", "scaled_dot", "cosine", "neg_sq_dist", "bilinear", "metric"):
       p = params.get(name, {})
       for weighting in ("softmax", "relu", "gaussian:h=2.0"):
+        if weighting.startswith("gaussian") and not core.get_score(name).distance:
+          continue  # a distance kernel on a similarity: rejected (test_distance_kernels_...)
         out = core.attention(q, k, v, score=name, score_params=p, weighting=weighting,
                              implementation=impl)
         s = core.get_score(name).dense(q, k, **p) * (0.5 if name == "scaled_dot" else 1.0)
         ref = jnp.einsum("bnts,bsnh->btnh", core.weights(s, weighting), v)
         chex.assert_trees_all_close(out, ref, atol=2e-4, rtol=2e-4)
+
+  def test_distance_kernels_need_a_distance_score(self):
+    q, k = _qk(2)
+    v = jnp.ones((2, S, N, 3))
+    for kernel in core.weightings.POINTWISE_KERNELS:
+      for score in ("dot", "scaled_dot", "cosine", "bilinear", "additive"):
+        with self.assertRaisesRegex(ValueError, "neg_sq_dist"):
+          core.attention(q, k, v, weighting=kernel, score=score)
+        with self.assertRaisesRegex(ValueError, "not a distance"):
+          core.check_compatible(kernel, score)
+      core.check_compatible(kernel, "metric")
+      out = core.attention(q, k, v, weighting=kernel, score="neg_sq_dist")
+      self.assertTrue(bool(jnp.all(jnp.isfinite(out))))
+    # A user's own score is trusted.
+    core.attention(q, k, v, weighting="gaussian", score=lambda a, b: -core.neg_sq_dist(a, b) * 0)
+    core.check_compatible("softmax", "neg_sq_dist")
 
   def test_callable_score_and_inline_params(self):
     q, k = _qk(3)

@@ -46,11 +46,12 @@ def test_tiny_end_to_end(tmp_path):
   assert len(shapes) == 2
   weightings = config.weightings.split(",")
   for shape in shapes:
+    head_dim = int(shape.split("x")[-1])
     for mode in exp.MODES:
-      got = {(r["impl"], r["weighting"]) for r in rows if r["shape"] == shape
+      got = {(r["impl"], r["weighting"], r["score"]) for r in rows if r["shape"] == shape
              and r["mode"] == mode}
-      want = {(b, "softmax") for b in exp.BASELINES}
-      want |= {("attnx blocked", w) for w in weightings}
+      want = {(b, "softmax", "scaled_dot") for b in exp.BASELINES}
+      want |= {("attnx blocked", *exp.case_weighting(w, head_dim)) for w in weightings}
       assert got == want, (shape, mode)
   for r in rows:
     assert "note" not in r, r
@@ -58,7 +59,7 @@ def test_tiny_end_to_end(tmp_path):
     assert r["max abs err"] < 1e-4, r
     assert r["speed-up vs jax.nn"] > 0
     if r["impl"] == "attnx blocked":
-      assert r["time / blocked softmax"] > 0
+      assert r["time / softmax"] > 0
   md = (tmp_path / "benchmark.md").read_text()
   header = md.splitlines()[2]
   for col in exp.COLUMNS:
@@ -72,6 +73,21 @@ def test_tiny_end_to_end(tmp_path):
     assert r["peak MiB"] >= r["scratch MiB"]
 
 
+def test_distance_kernels_run_on_a_distance_score_with_a_matched_bandwidth():
+  assert exp.case_weighting("relu", 64) == ("relu", "scaled_dot")
+  assert exp.case_weighting("triangular", 64) == ("triangular:h=11.3", "neg_sq_dist")
+  assert exp.case_weighting("boxcar:h=2", 64) == ("boxcar:h=2", "neg_sq_dist")
+  assert exp.case_weighting("gaussian:normalization=none", 8) == (
+      "gaussian:normalization=none,h=4", "neg_sq_dist")
+  rows = [dict(shape="s", mode="fwd", impl="attnx blocked", weighting=w, score=sc,
+               **{"time ms": ms})
+          for w, sc, ms in (("softmax", "scaled_dot", 10.0), ("relu", "scaled_dot", 12.0),
+                            ("gaussian:h=8", "neg_sq_dist", 20.0),
+                            ("boxcar:h=8", "neg_sq_dist", 10.0))]
+  exp._add_ratios(rows)
+  assert [r["time / softmax"] for r in rows] == [1.0, 1.2, 1.0, 0.5]
+
+
 def _row(shape, mode, impl, weighting, **cols):
   return dict(shape=shape, mode=mode, impl=impl, weighting=weighting, **cols)
 
@@ -82,13 +98,13 @@ def test_targets_compare_measurements_with_the_issue_thresholds():
       _row(t, "fwd", "jax.nn (xla)", "softmax", **{"scratch MiB": 500.0}),
       _row(t, "fwd", "attnx blocked", "softmax", **{"speed-up vs jax.nn": 3.5,
                                                    "% matmul": 65.0, "scratch MiB": 20.0,
-                                                   "time / blocked softmax": 1.0}),
-      _row(t, "fwd", "attnx blocked", "softplus", **{"time / blocked softmax": 1.5}),
+                                                   "time / softmax": 1.0}),
+      _row(t, "fwd", "attnx blocked", "softplus", **{"time / softmax": 1.5}),
       _row(t, "fwd+bwd", "jax.nn (xla)", "softmax", **{"scratch MiB": 800.0}),
       _row(t, "fwd+bwd", "attnx blocked", "softmax", **{"speed-up vs jax.nn": 2.5,
                                                        "scratch MiB": 50.0,
-                                                       "time / blocked softmax": 1.0}),
-      _row(t, "fwd+bwd", "attnx blocked", "relu", **{"time / blocked softmax": 1.1}),
+                                                       "time / softmax": 1.0}),
+      _row(t, "fwd+bwd", "attnx blocked", "relu", **{"time / softmax": 1.1}),
       _row(long, "fwd+bwd", "attnx blocked", "softmax", **{"peak MiB": 60.0}),
   ]
   goals = exp.targets(rows)

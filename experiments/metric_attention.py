@@ -13,7 +13,9 @@ module differs.
 Measured on ``digits`` (and on catalog image datasets such as mnist when they are prepared
 locally; skipped with a note otherwise): final test accuracy (accuracy), the number of steps
 until test accuracy first reaches a target (training efficiency), and test accuracy with
-Gaussian noise of growing size added to the images (robustness), mean ± std over seeds.
+Gaussian noise of growing size added to the images, mean ± std over seeds. Robustness is
+judged on the accuracy drop (clean − noisy at the largest noise level), not on the noisy
+accuracy, which would reward a variant for its clean accuracy alone.
 
 Command:
   python launch.py --config=experiments/metric_attention.py:default --workdir=runs/metric_attention
@@ -168,6 +170,11 @@ def run_dataset(name: str, tr: dict, te: dict, config, workdir: str) -> dict[str
   return out
 
 
+def accuracy_drop(r: dict[str, Any], sigma: float) -> np.ndarray:
+  """Per seed, clean test accuracy minus test accuracy at noise level ``sigma``."""
+  return np.asarray(r["accuracy"]) - np.asarray(r["noisy"][sigma])
+
+
 def _outcome(a, b) -> str:
   """"better"/"worse" if mean(a) − mean(b) exceeds the larger std, else "within seed noise"
   (higher is better)."""
@@ -219,13 +226,14 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
       rows.append({"variant": v, "test accuracy": r["accuracy"],
                    f"steps to {config.target_accuracy:g}": _steps_str(r["steps_to_target"]),
                    f"accuracy at noise σ={hi:g}": r["noisy"][hi],
-                   "accuracy drop": r["accuracy"] - r["noisy"][hi],
+                   "accuracy drop": accuracy_drop(r, hi),
                    "mean accuracy over σ>0": np.mean(
                        [r["noisy"][x] for x in config.noise_levels if x > 0] or [np.nan], 0),
                    "train loss": r["train_loss"], "params": r["num_params"],
                    "ms/step": r["ms_per_step"]})
     rep.text(f"{len(tr['targets'])} training / {len(te['targets'])} test images.")
-    rep.table(rows, caption=f"{name}: mean ± std over {config.num_seeds} seeds")
+    rep.table(rows, caption=f"{name}: mean ± std over {config.num_seeds} seeds; accuracy drop "
+              f"= test accuracy − accuracy at σ={hi:g} (per seed; smaller = more robust)")
     noise_rows = [{"variant": v, **{f"σ={s:g}": r["noisy"][s] for s in config.noise_levels}}
                   for v, r in res.items()]
     rep.table(noise_rows, caption="test accuracy under Gaussian pixel noise")
@@ -246,11 +254,11 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
       a, b = res[v], res[base]
       # Never reaching the target counts as the full budget (+1).
       fill = lambda x: np.where(np.isfinite(x), x, config.num_steps + 1)
-      robust = lambda r: np.mean([r["noisy"][x] for x in config.noise_levels if x > 0], 0)
       claims["accuracy"].append(_outcome(a["accuracy"], b["accuracy"]))
       claims["efficiency"].append(_outcome(-fill(a["steps_to_target"]),
                                            -fill(b["steps_to_target"])))
-      claims["robustness"].append(_outcome(robust(a), robust(b)))
+      if hi > 0:  # robustness = a smaller drop; the noisy accuracy alone mixes in clean accuracy
+        claims["robustness"].append(_outcome(-accuracy_drop(a, hi), -accuracy_drop(b, hi)))
     results["datasets"][name] = {
         v: {"accuracy": r["accuracy"], "noisy": r["noisy"], "steps_to_target":
             r["steps_to_target"], "ms_per_step": r["ms_per_step"]} for v, r in res.items()}
@@ -278,10 +286,12 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   rep.verdict(held, f"Metric-attention against {base}: "
               + "; ".join(f"{k}: {o}" for k, o in verdicts.items())
               + ". A difference counts only beyond the larger seed-to-seed std (accuracy: "
-              "final test accuracy; efficiency: steps to the target accuracy; robustness: mean "
-              "test accuracy over the noise levels σ > 0). This tests attnx's metric-attention "
-              "(learned Mahalanobis pseudo-metric), not the paper's unpublished code, on small "
-              "CPU-sized models.")
+              "final test accuracy; efficiency: steps to the target accuracy; robustness: the "
+              "accuracy drop from clean inputs to the largest noise level "
+              f"σ={max(config.noise_levels):g}, smaller is better — a variant near chance "
+              "accuracy has little to lose, so read it with the clean accuracy). This tests "
+              "attnx's metric-attention (learned Mahalanobis pseudo-metric), not the paper's "
+              "unpublished code, on small CPU-sized models.")
   results["verdict"] = held
   results["seconds"] = time.time() - t0
   results["report"] = rep.write()

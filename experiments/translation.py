@@ -16,9 +16,11 @@ heatmaps for a few sentences, and the seed's I/love/you table.
 
 Command:
   python launch.py --config=experiments/translation.py:default --workdir=runs/translation
-Expected runtime: default ≈ 2.5 min on 2 shared CPU cores, tiny ≈ 60 s.
+Expected runtime: default ≈ 2.5 min on 2 shared CPU cores, tiny ≈ 20–30 s.
 Expected result: all attention variants beat "none" on sequence accuracy and BLEU at equal
 budget; their alignments put most mass on the gold source word (well above the 1/len chance).
+The verdict needs both halves: the improvement over "none", and alignment accuracy above
+chance + ALIGN_MARGIN for every attention variant; it is inconclusive if nothing was learned.
 """
 
 from __future__ import annotations
@@ -45,6 +47,10 @@ from experiments import _common  # noqa: E402
 PRESETS = ("default", "tiny")
 ATTENTION_TYPES = ("bahdanau", "luong_dot", "luong_general", "luong_concat", "none")
 EXAMPLES = ("i love you", "the big dog sees the cats", "she eats a red apple")
+# Alignment accuracy must beat the uniform-attention chance (≈ 1/source length) by this much.
+ALIGN_MARGIN = 0.1
+# Below this sequence accuracy and BLEU for every variant, nothing was learned: no verdict.
+LEARNED_MIN = 0.01
 
 
 def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
@@ -74,7 +80,9 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
     c.num_test = 64
     c.hidden_dim = 32
     c.embed_dim = 16
-    c.num_steps = 30
+    # Just enough to learn something measurable (train loss ≈ 4.1 → ≈ 0.1–1.2) in ≈ 20–30 s.
+    c.num_steps = 300
+    c.learning_rate = 1e-2
     c.batch_size = 32
   return c
 
@@ -201,6 +209,35 @@ def evaluate(model, params, te: dict, attention_type: str,
   return res, example_alignments
 
 
+def judge(seq: dict[str, float], bleu: dict[str, float], align: dict[str, float],
+          chance: float) -> tuple[bool | None, str]:
+  """Verdict and its text from mean sequence accuracy, BLEU-4 and alignment accuracy.
+
+  Both halves of the claim must hold: every attention variant beats "none" on sequence accuracy
+  and BLEU (untested without "none"), and its alignment accuracy exceeds chance by
+  ALIGN_MARGIN. Inconclusive (None) when no variant learned anything measurable.
+  """
+  attn = list(align)
+  text = ("Sequence accuracy / BLEU-4: " + "; ".join(f"{k} {seq[k]:.3f} / {bleu[k]:.3f}"
+                                                    for k in seq)
+          + ". Alignment accuracy: " + ", ".join(f"{a} {v:.2f}" for a, v in align.items())
+          + f" (uniform attention: ≈ {chance:.2f}; required: > {chance + ALIGN_MARGIN:.2f}). ")
+  if max(max(seq.values()), max(bleu.values())) < LEARNED_MIN:
+    return None, text + ("No variant learned anything measurable (sequence accuracy and BLEU "
+                         f"< {LEARNED_MIN:g}): inconclusive, train longer.")
+  improved = None
+  if "none" in seq:
+    improved = all(seq[a] > seq["none"] and bleu[a] > bleu["none"] for a in attn)
+    text += ("Every attention variant beats the plain encoder-decoder at equal budget. "
+             if improved else "Not every attention variant beat the plain encoder-decoder. ")
+  else:
+    text += "No plain encoder-decoder was trained, so the improvement is untested. "
+  weak = [a for a in attn if align[a] <= chance + ALIGN_MARGIN]
+  text += ("Every attention variant's alignment is well above chance (interpretable)."
+           if not weak else f"Alignment not clearly above chance for {', '.join(weak)}.")
+  return (not weak) and improved is not False, text
+
+
 def _example_arrays(sentences: Sequence[str]) -> tuple[np.ndarray, np.ndarray, list, list]:
   src, tgt_in, src_words, tgt_words = [], [], [], []
   for s in sentences:
@@ -295,17 +332,13 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   bleu = {k: float(np.mean(v["BLEU-4"])) for k, v in metrics.items()}
   results: dict[str, Any] = {"metrics": metrics, "sequence_accuracy": seq, "bleu": bleu}
   held = None
-  if "none" in metrics and attn_types:
-    held = all(seq[a] > seq["none"] and bleu[a] > bleu["none"] for a in attn_types)
+  if attn_types:
     chance = float(np.mean(1.0 / np.maximum((te["inputs"] != 0).sum(-1), 1)))
     align = {a: float(np.mean(metrics[a]["alignment accuracy"])) for a in attn_types}
     results["alignment_accuracy"] = align
-    rep.verdict(held, "Sequence accuracy / BLEU-4: " + "; ".join(
-        f"{k} {seq[k]:.3f} / {bleu[k]:.3f}" for k in metrics) + ". Alignment accuracy: "
-        + ", ".join(f"{a} {v:.2f}" for a, v in align.items())
-        + f" (uniform attention: ≈ {chance:.2f}). "
-        + ("Every attention variant beats the plain encoder-decoder at equal budget."
-           if held else "Not every attention variant beat the plain encoder-decoder here."))
+    results["alignment_chance"] = chance
+    held, text = judge(seq, bleu, align, chance)
+    rep.verdict(held, text)
   results["verdict"] = held
   results["seconds"] = time.time() - t0
   results["report"] = rep.write()

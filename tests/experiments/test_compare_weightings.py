@@ -6,6 +6,7 @@ import json
 import os
 import sys
 
+import numpy as np
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -47,6 +48,25 @@ def test_validate_config_names_key_and_choices(key, value, pattern):
 def test_all_weightings_are_known_variants():
   c = cw.get_config("all")
   cw.validate_config(c)  # every variant name resolves to an attention spec
+  assert c.weightings.split(",") == list(cw.ALL_WEIGHTINGS)  # "power:p=3" survives the split
+
+
+def test_weighting_lists_have_no_duplicates():
+  from attnx import core
+
+  # power's default p = 2 is relu2; the list uses p = 3 instead.
+  assert "power:p=3" in cw.ALL_WEIGHTINGS and "power" not in cw.ALL_WEIGHTINGS
+  for p in cw.PRESETS:
+    names = cw.get_config(p).weightings.split(",")
+    assert "power" not in names
+  z = np.linspace(-3.0, 3.0, 16, dtype=np.float32)[None]
+  pointwise = [w for w in cw.ALL_WEIGHTINGS if core.parse_weighting_name(w)[0]
+               in core.list_weightings("pointwise")]
+  outs = {w: np.asarray(core.weights(z, w)) for w in pointwise}
+  for i, a in enumerate(pointwise):
+    for b in pointwise[i + 1:]:
+      assert not np.allclose(outs[a], outs[b]), (a, b)
+  assert cw._run_name("survey", "power:p=3") == "survey-power_p_3"
 
 
 @pytest.mark.slow

@@ -22,6 +22,32 @@ def test_kernel_level_identity():
   assert get(0.0, "sigmoid(2 q·k)")["max abs diff"] > 0.05  # non-exp F: no cancellation
 
 
+def _row(spread, f, vs, diff, tv):
+  return {"key-norm spread": spread, "F": f, "distance weights vs": vs, "max abs diff": diff,
+          "mean TV": tv}
+
+
+def test_kernel_summary_derives_each_statement():
+  rows = exp.kernel_level(exp.get_config("tiny"))
+  ks = exp.kernel_summary(rows)
+  assert ks["exact"] and ks["grows"] and ks["non_exp_differ"] and ks["held"] is True
+  good = [_row(0.0, "softmax", "softmax(2 q·k)", 1e-7, 1e-7),
+          _row(0.3, "softmax", "softmax(2 q·k)", 0.5, 0.3),
+          _row(0.0, "sigmoid", "sigmoid(2 q·k)", 0.6, 0.2)]
+  assert exp.kernel_summary(good)["held"] is True
+  # TV that does not grow with the spread, or a non-exp F that coincides: not held.
+  flat = [good[0], _row(0.3, "softmax", "softmax(2 q·k)", 1e-7, 1e-7), good[2]]
+  assert exp.kernel_summary(flat)["grows"] is False and exp.kernel_summary(flat)["held"] is False
+  same = good[:2] + [_row(0.0, "sigmoid", "sigmoid(2 q·k)", 1e-7, 1e-7)]
+  assert exp.kernel_summary(same)["held"] is False
+  assert "Not every non-exp F differs" in exp._kernel_text(exp.kernel_summary(same))
+  # Nothing measured for a statement: untested (None), not vacuously true.
+  ks = exp.kernel_summary(good[:1])
+  assert ks["grows"] is None and ks["non_exp_differ"] is None and ks["held"] is True
+  assert "untested" in exp._kernel_text(ks)
+  assert exp.kernel_summary(good[1:])["held"] is None  # no spread-0 row
+
+
 def test_bad_score():
   c = exp.get_config("tiny")
   c.train.scores = ("scaled_dot", "cosine_similarity")
@@ -31,7 +57,7 @@ def test_bad_score():
 
 def test_tiny_end_to_end(tmp_path):
   out = exp.run(exp.get_config("tiny"), str(tmp_path))
-  assert out["verdict"] is True
+  assert out["verdict"] is True and out["kernel_summary"]["grows"] is True
   assert set(out["training"]["accuracy"]) == {"scaled_dot", "neg_sq_dist"}
   results = json.loads((tmp_path / "results.json").read_text())
   variants = [r["variant"] for r in results["tables"][1]["rows"]]

@@ -32,7 +32,8 @@ def test_tiny_end_to_end(tmp_path):
   assert set(res) == {"softmax", "metric"}
   for r in res.values():
     acc = np.asarray(r["accuracy"])
-    assert acc.shape == (2,) and np.all((acc >= 0) & (acc <= 1))
+    # Chance is 0.1; tiny reached 0.36-0.53 per seed over seeds 3-6, so a broken model fails.
+    assert acc.shape == (2,) and np.all((acc > 0.2) & (acc <= 1))
     assert set(r["noisy"]) == {0.0, 0.3}
   assert set(out["claims"]) == {"accuracy", "efficiency", "robustness"}
   assert set(out["claims"].values()) <= {"better", "worse", "within seed noise"}
@@ -40,6 +41,8 @@ def test_tiny_end_to_end(tmp_path):
   results = json.loads((tmp_path / "results.json").read_text())
   variants = [r["variant"] for r in results["tables"][0]["rows"]]
   assert variants == ["softmax", "metric"]
+  assert {"accuracy drop", "mean accuracy over σ>0"} <= set(results["tables"][0]["columns"])
+  assert "accuracy drop" in results["verdicts"][0]["text"]
   assert len(results["verdicts"]) == 1
   assert (tmp_path / "digits_curves.png").exists()
 
@@ -48,3 +51,13 @@ def test_outcome():
   assert exp._outcome([0.9, 0.92], [0.5, 0.52]) == "better"
   assert exp._outcome([0.5, 0.52], [0.9, 0.92]) == "worse"
   assert exp._outcome([0.5, 0.7], [0.6, 0.62]) == "within seed noise"
+
+
+def test_accuracy_drop():
+  r = {"accuracy": np.array([0.9, 0.8]), "noisy": {0.0: np.array([0.9, 0.8]),
+                                                   0.3: np.array([0.5, 0.7])}}
+  np.testing.assert_allclose(exp.accuracy_drop(r, 0.3), [0.4, 0.1])
+  # A less accurate variant that loses less under noise is the more robust one.
+  low = {"accuracy": np.array([0.6, 0.6]), "noisy": {0.3: np.array([0.55, 0.56])}}
+  high = {"accuracy": np.array([0.9, 0.9]), "noisy": {0.3: np.array([0.6, 0.61])}}
+  assert exp._outcome(-exp.accuracy_drop(low, 0.3), -exp.accuracy_drop(high, 0.3)) == "better"

@@ -34,12 +34,88 @@ def test_tiny_end_to_end(tmp_path):
   fe = {r["weighting"]: r for r in out["functional_equation"]}
   assert fe["softmax"]["g(M) constant"] and not fe["relu"]["g(M) constant"]
   assert fe["sigmoid"]["max_spread"] > 0.1
+  ks = out["kernel_summary"]
+  assert ks["held"] is True and out["verdict"] is True
+  assert set(ks["invariant"]) == {"softmax", "exp", "gaussian"}
+  assert "softmax_plus_one" in ks["g_const"] and ks["offset"] == ["softmax_plus_one"]
   tr = out["training"]
   assert set(tr["accuracy"]) == {"softmax", "relu"}
   for label in ("softmax", "relu"):
     acc = np.asarray(tr["accuracy"][label][0.0])
     assert acc.shape == (2,) and np.all((acc >= 0) & (acc <= 1))
     assert np.allclose(tr["weight_tv"][label][0.0], 0.0)
+  # Softmax's weights move less than relu's under the largest global noise (tiny, seeds 0-2:
+  # 0.35-0.37 vs 0.44-0.46).
+  top = max(tr["weight_tv"]["softmax"])
+  assert np.mean(tr["weight_tv"]["softmax"][top]) < np.mean(tr["weight_tv"]["relu"][top]) - 0.03
+  assert tr["per_sigma"][0]["tv_ranking"] == ["softmax", "relu"]
   results = json.loads((tmp_path / "results.json").read_text())
-  assert len(results["tables"]) == 4 and results["verdicts"][0]["held"] is True
+  assert len(results["tables"]) == 5
+  assert [v["held"] for v in results["verdicts"]] == [True, out["training_verdict"]]
+  assert "only the exp family is shift-invariant" in results["verdicts"][0]["text"]
+  report = (tmp_path / "report.md").read_text()
+  assert "distance score" not in report and "neg_sq_dist" not in report  # none trained
   assert (tmp_path / "accuracy_vs_global_noise.png").exists()
+
+
+def _kernel_rows(invariant, g_const):
+  names = ["softmax", "exp", "gaussian", "softmax_plus_one", "relu"]
+  inv = [{"weighting": n, "invariant": n in invariant} for n in names]
+  inv.append({"weighting": "sparsemax (row normalizer)", "invariant": True})
+  return inv, [{"weighting": n, "g(M) constant": n in g_const} for n in names]
+
+
+def test_kernel_summary_compares_sets():
+  exp_family = {"softmax", "exp", "gaussian"}
+  ks = exp.kernel_summary(*_kernel_rows(exp_family, exp_family | {"softmax_plus_one"}))
+  assert ks["held"] is True and ks["predicted"] == sorted(exp_family)
+  assert "only the exp family" in exp._kernel_verdict(ks)
+  # The offset case found invariant, or an exp-family member not invariant: not held, and the
+  # "only exp" sentence is not printed.
+  for invariant in (exp_family | {"softmax_plus_one"}, {"softmax", "exp"}):
+    ks = exp.kernel_summary(*_kernel_rows(invariant, exp_family | {"softmax_plus_one"}))
+    assert ks["held"] is False and "only the exp family" not in exp._kernel_verdict(ks)
+  ks = exp.kernel_summary(*_kernel_rows(exp_family | {"relu"}, exp_family))
+  assert ks["held"] is False and ks["invariant_outside_family"] == ["relu"]
+
+
+def _fake_training(tv, acc, scores=None):
+  """tr dict as training_level returns it, from {label: {σ: per-seed values}}."""
+  as_arrays = lambda d: {k: {s: np.asarray(v) for s, v in x.items()} for k, x in d.items()}
+  return {"weight_tv": as_arrays(tv), "accuracy": as_arrays(acc),
+          "scores": scores or {k: "dot" for k in tv}}
+
+
+def test_training_summary_every_sigma_and_ties(tmp_path):
+  tv = {"softmax": {0: [0, 0], 1: [0.10, 0.11], 4: [0.50, 0.52]},
+        "softmax_plus_one": {0: [0, 0], 1: [0.10, 0.11], 4: [0.50, 0.51]},
+        "sigmoid": {0: [0, 0], 1: [0.30, 0.31], 4: [0.35, 0.35]}}
+  acc = {"softmax": {0: [0.9, 0.9], 1: [0.8, 0.8], 4: [0.3, 0.3]},
+         "softmax_plus_one": {0: [0.9, 0.9], 1: [0.8, 0.8], 4: [0.3, 0.3]},
+         "sigmoid": {0: [0.7, 0.7], 1: [0.5, 0.5], 4: [0.2, 0.2]}}
+  s = exp.training_summary(_fake_training(tv, acc), [0, 1, 4])
+  # σ = 1: softmax (tied with softmax_plus_one) moves least; σ = 4: sigmoid (saturated) does.
+  assert [p["tv_ok"] for p in s["per_sigma"]] == [True, False]
+  assert s["per_sigma"][1]["tv_ranking"][0] == "sigmoid"
+  assert s["per_sigma"][0]["acc_best"] == ["softmax", "softmax_plus_one"]
+  assert s["held"] is None and "not at σ = 4" in exp._training_verdict(s)
+  c = exp.get_config("default")
+  c.train.eval_global_noise = (0, 1, 4)
+  tr = {**_fake_training(tv, acc), "histories": {k: [] for k in tv}}
+  rep = exp.train.Report("t", str(tmp_path), config=c)
+  exp._training_report(rep, c, tr)
+  text = rep.markdown()
+  assert "softmax_plus_one ties with softmax in accuracy at σ = 1, 4" in text
+  assert "softmax_plus_one ties with softmax in weight change at σ = 1" in text
+  assert "distance score" not in text and "−β‖x_i − x_j‖²" not in text
+  # softmax_plus_one is not an exp-family win on its own.
+  only_plus_one = {k: v for k, v in acc.items() if k != "softmax"}
+  s = exp.training_summary(_fake_training({k: tv[k] for k in only_plus_one}, only_plus_one),
+                           [0, 1, 4])
+  assert s["exp_family_trained"] == [] and s["held"] is None
+  # One dot-product F (the distance model does not count): nothing to compare.
+  s = exp.training_summary(_fake_training(
+      {"softmax": tv["softmax"], "gaussian (neg_sq_dist)": tv["sigmoid"]},
+      {"softmax": acc["softmax"], "gaussian (neg_sq_dist)": acc["sigmoid"]},
+      {"softmax": "dot", "gaussian (neg_sq_dist)": "neg_sq_dist"}), [0, 1, 4])
+  assert s["comparable"] is False and s["held"] is None

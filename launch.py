@@ -17,8 +17,13 @@ Examples:
 Every experiment config has: seed, num_seeds, parallel (none | shard_map | pmap),
 num_cpu_devices (>0 fakes that many CPU devices before JAX starts; equivalent to
 XLA_FLAGS=--xla_force_host_platform_device_count=N), distributed (True calls
-jax.distributed.initialize()), progress, checkpoint_every, log_every. A rerun with the same
---workdir resumes from the latest checkpoints.
+jax.distributed.initialize(coordinator_address, num_processes, process_id); empty values are
+auto-detected), data_dir (TFDS data dir of catalog datasets such as mnist), progress,
+checkpoint_every, log_every. A rerun with the same --workdir resumes from the latest
+checkpoints; a rerun with a different setup (model, optimizer, steps, batch size, seeds, data)
+stops with the differences named: use another --workdir for it. The exit status is 0 on
+success, 2 for a bad config or such a mismatch, 1 if any run stopped on a NaN/Inf loss (after
+the experiment wrote what it had).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from attnx.train import config as train_config
+from attnx.train.parallel import validate_parallel
 
 _ROOT = os.path.dirname(os.path.abspath(__file__))
 EXPERIMENTS_DIR = os.path.join(_ROOT, "experiments")
@@ -54,12 +60,36 @@ def default_workdir(config) -> str:
 
 
 def _config_arg(argv: list[str]) -> str:
+  """The --config value absl will use (the last one given), else the default experiment."""
+  value = DEFAULT_CONFIG
   for i, a in enumerate(argv):
     if a.startswith("--config="):
-      return a.split("=", 1)[1]
-    if a == "--config" and i + 1 < len(argv):
-      return argv[i + 1]
-  return DEFAULT_CONFIG
+      value = a.split("=", 1)[1]
+    elif a == "--config" and i + 1 < len(argv):
+      value = argv[i + 1]
+  return value
+
+
+def check_config_arg(argv: list[str]) -> str | None:
+  """Error message for a --config file that does not exist or a preset it lacks, else None.
+
+  config_flags would report either with a traceback of its own internals.
+  """
+  arg = _config_arg(argv)
+  path, _, preset = arg.partition(":")
+  if not os.path.isfile(path):
+    return (f"no experiment config file {path!r} (from --config={arg}).\n"
+            + train_config.format_experiments(EXPERIMENTS_DIR))
+  module = train_config.load_module(path)
+  presets = getattr(module, "PRESETS", None)
+  name = os.path.splitext(os.path.basename(path))[0]
+  if preset and presets is not None and preset not in presets:
+    return f"unknown preset {preset!r} for {name}; valid presets: {', '.join(presets)}"
+  try:
+    module.get_config(preset or None)
+  except ValueError as e:  # e.g. a preset the experiment rejects
+    return f"{name}: {e}"
+  return None
 
 
 def check_overrides(argv: list[str]) -> str | None:
@@ -73,7 +103,7 @@ def check_overrides(argv: list[str]) -> str | None:
   path, _, preset = _config_arg(argv).partition(":")
   try:
     config = train_config.load_module(path).get_config(preset or None)
-  except Exception:  # noqa: BLE001 - config_flags reports load errors itself.
+  except Exception:  # noqa: BLE001 - check_config_arg reports load errors.
     return None
   for key in overrides:
     node = config
@@ -87,8 +117,8 @@ def check_overrides(argv: list[str]) -> str | None:
 
 
 def parse_flags(argv: list[str]) -> list[str]:
-  """absl flag parsing with readable errors for unknown config keys."""
-  msg = check_overrides(argv)
+  """absl flag parsing with readable errors for bad config files, presets and keys."""
+  msg = check_config_arg(argv) or check_overrides(argv)
   if msg:
     print(f"FATAL: {msg}", file=sys.stderr)
     sys.exit(2)
@@ -130,16 +160,37 @@ def main(argv: list[str]) -> int:
     if flag not in os.environ.get("XLA_FLAGS", ""):
       os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}=600".strip()
   if config.get("distributed", False):
-    jax.distributed.initialize()
+    jax.distributed.initialize(**train_config.distributed_kwargs(config))
+  train_config.apply_data_dir(config)
+  from attnx import train  # after the device settings above
+
+  if "batch_size" in config:  # against the devices JAX found (GPUs, hosts): still no compile
+    try:
+      validate_parallel(config.get("parallel", "none"), int(config.batch_size))
+    except ValueError as e:
+      print(f"FATAL: invalid config: config.{e}", file=sys.stderr)
+      return 2
 
   workdir = _WORKDIR.value or default_workdir(config)
   os.makedirs(workdir, exist_ok=True)
   print(f"Experiment {config.get('experiment')}:{config.get('preset')} -> {workdir} "
         f"({len(jax.devices())} {jax.default_backend()} device(s))", flush=True)
-  result = module.run(config, workdir) or {}
+  try:
+    result = module.run(config, workdir) or {}
+  except train.CheckpointMismatchError as e:
+    print(f"FATAL: {e}", file=sys.stderr)
+    return 2
+  except train.NonFiniteLossError as e:
+    print(f"FATAL: {e}", file=sys.stderr)
+    return 1
   report = result.get("report") if isinstance(result, dict) else None
   report = report or os.path.join(workdir, "report.md")
   print(f"Report: {os.path.abspath(report)}", flush=True)
+  diverged = train.nonfinite_runs()
+  if diverged:  # the experiment reported the other runs; the launch still failed
+    print(f"FATAL: {len(diverged)} run(s) stopped on a NaN/Inf loss:\n  "
+          + "\n  ".join(diverged), file=sys.stderr)
+    return 1
   return 0
 
 

@@ -104,23 +104,100 @@ def test_sigkill_after_checkpoint_then_resume_matches_uninterrupted(env, tmp_pat
   assert steps == sorted(set(steps)) and steps[-1] == 300  # no duplicated records
 
 
-@pytest.mark.parametrize("flag, expected", [
+@pytest.mark.parametrize("flags, expected", [
     ("--config.nope=1", r"config\.nope.*valid keys: .*num_seeds"),
     ("--config.weightings=softmax,foo", r"config\.weightings.*'foo'.*relu.*sparsemax"),
     ("--config.parallel=dp", r"config\.parallel='dp'.*none, shard_map, pmap"),
     ("--config.optimizer.name=lion", r"config\.optimizer\.name='lion'.*adamw"),
     ("--config.tasks=digits,mnist", r"config\.tasks.*'mnist'.*digits, listops"),
+    ("--config.parallel=pmap --config.num_cpu_devices=2 --config.batch_size=31",
+     r"config\.batch_size=31 is not divisible by the 2 devices.*multiple of 2"),
+    ("--config.data_dir=/nonexistent/tfds", r"config\.data_dir='/nonexistent/tfds' is not a dir"),
+    ("--config=experiments/nope.py", r"no experiment config file 'experiments/nope\.py'"
+                                     r"(.|\n)*compare_weightings: .*\n.*presets: default, tiny"),
+    ("--config=experiments/compare_weightings.py:nope",
+     r"^FATAL: unknown preset 'nope' for compare_weightings; valid presets: default, tiny, .*\n$"),
 ])
-def test_bad_flags_fail_fast_naming_key_and_choices(env, flag, expected):
+def test_bad_flags_fail_fast_naming_key_and_choices(env, flags, expected):
   import re
 
   t0 = time.time()
-  proc = _launch(env, TINY, flag, "--workdir=/nonexistent/should_not_be_created", timeout=120)
-  assert proc.returncode != 0
+  proc = _launch(env, TINY, *flags.split(), "--workdir=/nonexistent/should_not_be_created",
+                 timeout=120)
+  assert proc.returncode == 2
   assert re.search(expected, proc.stderr), proc.stderr[-2000:]
   assert "Traceback" not in proc.stderr
   assert not os.path.exists("/nonexistent/should_not_be_created")
   assert time.time() - t0 < 60  # no data preparation, no compilation
+
+
+STAND_IN = '''"""Stand-in experiment for launch.py's exit paths: a tiny Dense model, 4 steps."""
+import os
+
+import ml_collections
+import numpy as np
+
+from attnx import train
+
+PRESETS = ("default",)
+
+
+def get_config(preset=None) -> ml_collections.ConfigDict:
+  c = train.base_config()
+  c.experiment, c.preset = "stand_in", preset or "default"
+  c.update(learning_rate=0.1, nan=False, num_steps=4, batch_size=8, checkpoint_every=2)
+  return c
+
+
+def run(config, workdir):
+  import flax.linen as nn
+
+  import attnx.data
+
+  print("CATALOG_DIR", attnx.data.catalog_data_dir(), flush=True)
+  x = np.random.default_rng(0).normal(size=(32, 3)).astype(np.float32)
+  arrays = {"inputs": x * (np.nan if config.nan else 1.0), "targets": (x[:, 0] > 0) * 1}
+  try:
+    train.fit(nn.Dense(2), train_data=train.stream_fn(arrays, config.batch_size),
+              optimizer=train.optimizer_config(learning_rate=config.learning_rate),
+              num_steps=config.num_steps, workdir=workdir, progress=False, tensorboard=False,
+              checkpoint_every=config.checkpoint_every, log_every=1)
+  except train.NonFiniteLossError as e:  # like compare_weightings: report the other runs
+    print("diverged:", e, flush=True)
+  path = os.path.join(workdir, "report.md")
+  with open(path, "w") as f:
+    f.write("stand-in report")
+  return {"report": path}
+'''
+
+
+@pytest.fixture(scope="module")
+def stand_in(tmp_path_factory):
+  path = tmp_path_factory.mktemp("experiments") / "stand_in.py"
+  path.write_text(STAND_IN)
+  return f"--config={path}"
+
+
+def test_nan_run_exits_nonzero_after_writing_its_report(env, stand_in, tmp_path):
+  proc = _launch(env, stand_in, "--config.nan=True", f"--workdir={tmp_path}")
+  assert proc.returncode == 1, proc.stderr[-3000:]
+  assert (tmp_path / "report.md").read_text() == "stand-in report"
+  assert "FATAL: 1 run(s) stopped on a NaN/Inf loss" in proc.stderr
+  assert "loss became NaN/Inf at step 0" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_changed_setup_on_rerun_fails_naming_it_and_data_dir_is_honoured(env, stand_in,
+                                                                         tmp_path):
+  wd = str(tmp_path / "wd")
+  first = _launch(env, stand_in, f"--config.data_dir={tmp_path}", f"--workdir={wd}")
+  assert first.returncode == 0, first.stderr[-3000:]
+  assert f"CATALOG_DIR {tmp_path}" in first.stdout  # catalog datasets read from data_dir
+  again = _launch(env, stand_in, "--config.learning_rate=0.2", f"--workdir={wd}")
+  assert again.returncode == 2
+  assert ("FATAL: run 'run': the checkpoint in " in again.stderr
+          and "optimizer.learning_rate: 0.1 in the checkpoint, now 0.2" in again.stderr
+          and "Use another --workdir" in again.stderr), again.stderr[-3000:]
+  assert "Traceback" not in again.stderr
 
 
 def test_list_shows_experiments_and_presets(env):

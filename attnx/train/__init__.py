@@ -1,8 +1,9 @@
 """attnx.train: generic experiment machinery.
 
 `fit` trains N seeds of a Flax model in one vmapped program (optionally data-parallel over
-devices with shard_map or pmap), checkpoints and resumes with orbax, logs to JSONL/TensorBoard,
-and stops on NaN/Inf. `Report` turns results into report.md + results.json + PNG plots.
+devices with shard_map or pmap), checkpoints and resumes with orbax (refusing a checkpoint made
+with a different setup), logs to JSONL/TensorBoard, and stops on NaN/Inf. `Report` turns
+results into report.md + results.json + PNG plots.
 """
 
 import os as _os
@@ -20,8 +21,23 @@ from attnx.train.config import (  # noqa: E402
 )
 from attnx.train.data import array_stream, batches, stream_fn  # noqa: E402
 from attnx.train.evaluate import METRICS, evaluate  # noqa: E402
-from attnx.train.loop import FitResult, NonFiniteLossError, fit  # noqa: E402
-from attnx.train.losses import IGNORE_INDEX, LOSSES, get_loss, mse, softmax_xent  # noqa: E402
+from attnx.train.loop import (  # noqa: E402
+    CheckpointMismatchError,
+    FitResult,
+    NonFiniteLossError,
+    fit,
+    nonfinite_runs,
+    run_fingerprint,
+)
+from attnx.train.losses import (  # noqa: E402
+    IGNORE_INDEX,
+    LOSSES,
+    from_sums,
+    get_loss,
+    mse,
+    reduce_sums,
+    softmax_xent,
+)
 from attnx.train.optim import (  # noqa: E402
     OPTIMIZERS,
     SCHEDULES,
@@ -41,9 +57,11 @@ from attnx.train.step import init_state, make_apply_fn, make_step, seed_step  # 
 
 __all__ = [
     "IGNORE_INDEX", "LOSSES", "METRICS", "OPTIMIZERS", "PARALLEL_MODES", "SCHEDULES",
-    "FitResult", "NonFiniteLossError", "Placement", "Report", "array_stream", "base_config",
-    "batches", "check_choice", "data_mesh", "environment", "evaluate", "fit", "format_experiments",
-    "get_loss", "init_state", "list_experiments", "load_module", "make_apply_fn", "make_optimizer",
-    "make_schedule", "make_step", "mean_std", "mse", "optimizer_config", "plot_learning_curves",
-    "seed_step", "softmax_xent", "split_list", "stream_fn", "summary_rows", "validate",
+    "CheckpointMismatchError", "FitResult", "NonFiniteLossError", "Placement", "Report",
+    "array_stream", "base_config", "batches", "check_choice", "data_mesh", "environment",
+    "evaluate", "fit", "format_experiments", "from_sums", "get_loss", "init_state",
+    "list_experiments", "load_module", "make_apply_fn", "make_optimizer", "make_schedule",
+    "make_step", "mean_std", "mse", "nonfinite_runs", "optimizer_config", "plot_learning_curves",
+    "reduce_sums", "run_fingerprint", "seed_step", "softmax_xent", "split_list", "stream_fn",
+    "summary_rows", "validate",
 ]

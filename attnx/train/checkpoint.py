@@ -31,15 +31,19 @@ class Checkpointer:
                                                      meta=ocp.args.JsonSave(meta)), force=True)
     self.manager.wait_until_finished()
 
-  def restore(self, step: int, target: Any) -> tuple[Any, dict]:
-    """Restore into the structure (and dtypes/shapes) of `target`."""
+  def read_meta(self, step: int) -> dict:
+    """The JSON metadata of checkpoint `step` alone (cheap; the state is not read)."""
+    restored = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+    return dict(restored["meta"])
+
+  def restore(self, step: int, target: Any) -> Any:
+    """The state of checkpoint `step`, in the structure (and dtypes/shapes) of `target`."""
     sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     abstract = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(np.shape(x), np.result_type(x), sharding=sharding), target)
     restored = self.manager.restore(
-        step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract),
-                                      meta=ocp.args.JsonRestore()))
-    return restored["state"], dict(restored["meta"])
+        step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))
+    return restored["state"]
 
   def close(self) -> None:
     self.manager.close()

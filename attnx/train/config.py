@@ -26,6 +26,13 @@ def base_config() -> ml_collections.ConfigDict:
       parallel="none",  # none | shard_map | pmap (data parallelism over all devices)
       num_cpu_devices=0,  # >0: fake this many CPU devices (set before JAX initializes)
       distributed=False,  # True: jax.distributed.initialize() (multi-host)
+      # jax.distributed.initialize arguments; ""/0/-1: auto-detected (SLURM, TPU, ...).
+      coordinator_address="",  # host:port of process 0
+      num_processes=0,
+      process_id=-1,
+      # TFDS data dir of catalog datasets (mnist, ...); "": $TFDS_DATA_DIR or
+      # ~/tensorflow_datasets. attnx's own datasets are unaffected ($ATTNX_DATA_DIR).
+      data_dir="",
       progress=True,  # tqdm bar (only shown on a tty)
       checkpoint_every=0,
       log_every=10,
@@ -59,10 +66,83 @@ def validate(config: ml_collections.ConfigDict, module: ModuleType | None = None
       raise ValueError(f"config.{key} must be >= 1, got {config[key]!r}")
   if "num_cpu_devices" in config and int(config.num_cpu_devices) < 0:
     raise ValueError(f"config.num_cpu_devices must be >= 0, got {config.num_cpu_devices!r}")
+  _check_batch_split(config)
+  _check_distributed(config)
+  if config.get("data_dir") and not os.path.isdir(os.path.expanduser(config.data_dir)):
+    raise ValueError(f"config.data_dir={config.data_dir!r} is not a directory (it should be a "
+                     "TFDS data dir holding prepared catalog datasets)")
   if "optimizer" in config:
     validate_optimizer_config(config.optimizer, "config.optimizer")
   if module is not None and hasattr(module, "validate_config"):
     module.validate_config(config)
+
+
+def _check_batch_split(config: ml_collections.ConfigDict) -> None:
+  """With faked CPU devices the device count is known before JAX starts: check the split."""
+  parallel = config.get("parallel", "none")
+  n = int(config.get("num_cpu_devices", 0) or 0)
+  if parallel != "none" and n > 0 and "batch_size" in config and int(config.batch_size) % n:
+    raise ValueError(
+        f"config.batch_size={config.batch_size} is not divisible by the {n} devices of "
+        f"config.num_cpu_devices={n} (config.parallel={parallel!r} splits every batch over "
+        f"them); use a multiple of {n}")
+
+
+def _check_distributed(config: ml_collections.ConfigDict) -> None:
+  num, pid = int(config.get("num_processes", 0)), int(config.get("process_id", -1))
+  if num < 0 or pid < -1 or (num > 0 and pid >= num):
+    raise ValueError(f"config.num_processes={num} (0: auto) and config.process_id={pid} (-1: "
+                     "auto) need 0 <= process_id < num_processes")
+  if not config.get("distributed", False) and (config.get("coordinator_address") or num > 0
+                                               or pid >= 0):
+    raise ValueError("config.coordinator_address, num_processes and process_id are only used "
+                     "with config.distributed=True")
+
+
+def distributed_kwargs(config: ml_collections.ConfigDict) -> dict[str, Any]:
+  """Keyword arguments for jax.distributed.initialize (None = let JAX auto-detect)."""
+  num, pid = int(config.get("num_processes", 0)), int(config.get("process_id", -1))
+  return {"coordinator_address": config.get("coordinator_address") or None,
+          "num_processes": num if num > 0 else None,
+          "process_id": pid if pid >= 0 else None}
+
+
+def apply_data_dir(config: ml_collections.ConfigDict) -> None:
+  """Make `config.data_dir` the TFDS data dir of catalog datasets for this process.
+
+  Through $TFDS_DATA_DIR, which attnx.data reads whenever no `data_dir=` is passed, so every
+  experiment's loading honours it unchanged (and so do subprocesses they start).
+  """
+  if config.get("data_dir"):
+    os.environ["TFDS_DATA_DIR"] = os.path.abspath(os.path.expanduser(config.data_dir))
+
+
+def _leaves(config: Any, prefix: str = "") -> dict[str, Any]:
+  if hasattr(config, "items"):
+    out = {}
+    for k, v in config.items():
+      out.update(_leaves(v, f"{prefix}{k}."))
+    return out
+  return {prefix[:-1]: config}
+
+
+def config_overrides(config: ml_collections.ConfigDict, reference: ml_collections.ConfigDict,
+                     exclude: Sequence[str] = ()) -> list[str]:
+  """`--config.KEY=VALUE` flags that turn `reference` into `config` (for re-launching).
+
+  Lists every leaf whose value differs from (or is missing in) `reference`, except `exclude`.
+  """
+  ref = _leaves(reference)
+  flags = []
+  for key, value in _leaves(config).items():
+    if key in exclude or (key in ref and ref[key] == value):
+      continue
+    if isinstance(value, list | tuple):
+      text = repr(tuple(value))
+    else:
+      text = str(value)
+    flags.append(f"--config.{key}={text}")
+  return flags
 
 
 def load_module(path: str) -> ModuleType:

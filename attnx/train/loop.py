@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import logging
+import re
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import flax.linen as nn
@@ -29,6 +32,22 @@ class NonFiniteLossError(FloatingPointError):
   """The training loss became NaN or Inf; the message names the step and the seeds."""
 
 
+class CheckpointMismatchError(ValueError):
+  """The workdir holds a checkpoint of this run made with a different setup (see `fit`)."""
+
+
+_NONFINITE: list[str] = []  # messages of the runs that stopped on NaN/Inf in this process
+
+
+def nonfinite_runs() -> list[str]:
+  """Messages of every run that stopped on a NaN/Inf loss in this process (oldest first).
+
+  Experiments may catch NonFiniteLossError to report the other runs; launch.py uses this to
+  exit non-zero anyway.
+  """
+  return list(_NONFINITE)
+
+
 @dataclasses.dataclass
 class FitResult:
   """What `fit` returns.
@@ -38,8 +57,10 @@ class FitResult:
     and at evaluation steps "eval_<metric>": [per seed]}.
   final_metrics: {name: np.ndarray [num_seeds]}: evaluation metrics (unprefixed) from the final
     evaluation, plus "train_loss" and "train_<metric>" from the last step.
-  seconds_per_step: wall time per training step after compilation (data loading included).
-  compile_seconds: time to compile the train step.
+  seconds_per_step: wall time per training step after compilation (data loading included),
+    over all steps trained, including those of the runs this one resumed from.
+  compile_seconds: time to compile the train step (for a run that was already finished, the
+    time of the process that trained it).
   seeds: the seeds (seed, seed + 1, ...).
   start_step: the step training (re)started from (> 0 after resuming from a checkpoint).
   opt_state: the final optimizer state (stacked).
@@ -70,37 +91,124 @@ def _stack(batches: list[dict]) -> dict[str, np.ndarray]:
   return {k: _narrow(np.stack([np.asarray(b[k]) for b in batches])) for k in batches[0]}
 
 
-def _check_finite(bad_step: np.ndarray, seeds: list[int], name: str) -> None:
+def _nonfinite_hint(optimizer: Any) -> str:
+  """What to try after a NaN/Inf loss; clipping is only suggested when it is known to be off."""
+  if isinstance(optimizer, ml_collections.ConfigDict):
+    clip = float(optimizer.get("grad_clip_norm", 0.0) or 0.0)
+    if clip > 0:
+      return (f"Lower the learning rate (gradient clipping at norm {clip:g} is already on) or "
+              "check the inputs.")
+    return ("Lower the learning rate, enable gradient clipping (optimizer.grad_clip_norm, "
+            "e.g. 1.0), or check the inputs.")
+  return ("Lower the learning rate, clip gradients (optax.clip_by_global_norm) if the optimizer "
+          "does not already, or check the inputs.")
+
+
+def _check_finite(bad_step: np.ndarray, seeds: list[int], name: str, hint: str) -> None:
   bad_step = np.asarray(bad_step)
   if (bad_step >= 0).any():
     which = [s for s, b in zip(seeds, bad_step, strict=True) if b >= 0]
     first = int(bad_step[bad_step >= 0].min())
-    raise NonFiniteLossError(
-        f"run {name!r}: loss became NaN/Inf at step {first} for seed(s) {which} "
-        f"(per-seed first bad step: {dict(zip(seeds, bad_step.tolist(), strict=True))}). "
-        "Lower the learning rate, enable optimizer.grad_clip_norm, or check the inputs.")
+    msg = (f"run {name!r}: loss became NaN/Inf at step {first} for seed(s) {which} "
+           f"(per-seed first bad step: {dict(zip(seeds, bad_step.tolist(), strict=True))}). "
+           + hint)
+    _NONFINITE.append(msg)
+    raise NonFiniteLossError(msg)
 
 
-def _init_or_restore(model, tx, seeds, train_data, inputs_fn, parallel, ckpt, writer, name):
-  """Fresh stacked state, or the latest checkpoint's; returns (state, step, history, last)."""
-  # A sample batch fixes the shapes for init (the stream is re-created for training).
-  sample = next(iter(train_data(seeds[0], 0)))
-  batch_size = len(next(iter(sample.values())))
-  validate_parallel(parallel, batch_size)
+def _describe(value: Any) -> Any:
+  """A JSON value for a fingerprint: plain scalars as they are, else repr without addresses."""
+  if value is None or isinstance(value, bool | int | float | str):
+    return value
+  return re.sub(r" at 0x[0-9a-fA-F]+", "", repr(value))
+
+
+def _flatten(d: Mapping, prefix: str) -> dict[str, Any]:
+  out = {}
+  for k, v in d.items():
+    if isinstance(v, Mapping):
+      out.update(_flatten(v, f"{prefix}{k}."))
+    else:
+      out[f"{prefix}{k}"] = _describe(v)
+  return out
+
+
+def run_fingerprint(model: nn.Module, optimizer: Any, loss: Any, num_steps: int,
+                    batch_size: int, seeds: list[int], sample: Mapping[str, Any],
+                    extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+  """What determines a run's result, as flat JSON {key: value}; stored with its checkpoints.
+
+  Model fields, optimizer config (a ready optax transformation cannot be inspected: pass what
+  defines it in `extra`), loss, num_steps (schedules depend on it), batch size, seeds, the
+  shapes/dtypes and a hash of the first training batch (catches changed data), plus `extra`.
+  """
+  fp: dict[str, Any] = {"model": type(model).__qualname__}
+  if dataclasses.is_dataclass(model):  # every linen Module
+    for f in dataclasses.fields(model):
+      if f.name not in ("parent", "name"):
+        fp[f"model.{f.name}"] = _describe(getattr(model, f.name))
+  else:
+    fp["model"] = _describe(model)
+  if isinstance(optimizer, ml_collections.ConfigDict):
+    fp.update(_flatten(optimizer.to_dict(), "optimizer."))
+  else:
+    fp["optimizer"] = "optax transformation (not inspected)"
+  fp["loss"] = loss if isinstance(loss, str) else getattr(loss, "__qualname__", repr(loss))
+  fp.update(num_steps=int(num_steps), batch_size=int(batch_size), seeds=list(seeds))
+  digest = hashlib.sha256()
+  for k in sorted(sample):
+    v = np.ascontiguousarray(sample[k])
+    fp[f"data.{k}"] = f"{list(v.shape)} {v.dtype}"
+    digest.update(k.encode() + str(v.shape).encode() + str(v.dtype).encode() + v.tobytes())
+  fp["data.first_batch_sha256"] = digest.hexdigest()[:16]
+  if extra:
+    fp.update(_flatten(extra, ""))
+  return json.loads(json.dumps(fp, default=str))  # as it reads back from the checkpoint
+
+
+def _short(value: Any, width: int = 60) -> str:
+  text = " ".join(json.dumps(value).split())
+  return text if len(text) <= width else text[:width - 3] + "..."
+
+
+def _check_resumable(meta: dict, fingerprint: dict, seeds: list[int], directory: str,
+                     name: str) -> None:
+  """Raise CheckpointMismatchError naming what differs from the checkpointed run."""
+  stored = meta.get("fingerprint")
+  if stored is None:  # checkpoints from before fingerprints: seeds are all we know
+    stored, fingerprint = {"seeds": meta.get("seeds")}, {"seeds": seeds}
+  keys = [k for k in {**stored, **fingerprint} if stored.get(k) != fingerprint.get(k)]
+  if keys:
+    diffs = "; ".join(f"{k}: {_short(stored.get(k))} in the checkpoint, now "
+                      f"{_short(fingerprint.get(k))}" for k in keys)
+    raise CheckpointMismatchError(
+        f"run {name!r}: the checkpoint in {directory} was made with a different setup, so this "
+        f"run cannot resume from it ({diffs}). Use another --workdir (workdir=) for the new "
+        "setup, or delete that checkpoint directory to train this run from scratch.")
+
+
+def _init_or_restore(model, tx, seeds, sample, inputs_fn, ckpt, fingerprint, name):
+  """Fresh stacked state, or the latest checkpoint's; returns (state, step, meta).
+
+  The checkpoint's fingerprint is compared before anything is compiled or restored, so a
+  changed setup fails at once, naming the differences, rather than with a shape error or
+  silently with old results.
+  """
+  start_step = None if ckpt is None else ckpt.latest_step()
+  meta = {}
+  if start_step is not None:
+    meta = ckpt.read_meta(start_step)
+    _check_resumable(meta, fingerprint, seeds, ckpt.directory, name)
   state = init_state(model, tx, seeds, {k: _narrow(np.asarray(v)) for k, v in sample.items()},
                      inputs_fn)
-  if ckpt is None or ckpt.latest_step() is None:
-    return state, 0, [], None
-  start_step = int(ckpt.latest_step())
-  state, meta = ckpt.restore(start_step, state)
-  if meta.get("seeds") != seeds:
-    raise ValueError(f"checkpoint in {ckpt.directory} has seeds {meta.get('seeds')}, "
-                     f"this run has {seeds}; use another workdir or name")
-  history = writer.truncate_after(start_step)
+  if start_step is None:
+    return state, 0, meta
+  start_step = int(start_step)
+  state = ckpt.restore(start_step, state)
   msg = f"Resuming run {name!r} from step {start_step} ({ckpt.directory})"
   log.info(msg)
   print(msg, file=sys.stderr, flush=True)
-  return state, start_step, history, meta.get("last_metrics")
+  return state, start_step, meta
 
 
 def fit(model: nn.Module, *,
@@ -115,13 +223,14 @@ def fit(model: nn.Module, *,
         keep_checkpoints: int = 3, eval_every: int = 0, log_every: int = 10,
         parallel: str = "none", progress: bool = True,
         inputs_fn: Callable[[dict], tuple] = model_inputs,
-        tensorboard: bool = True) -> FitResult:
+        tensorboard: bool = True,
+        fingerprint: Mapping[str, Any] | None = None) -> FitResult:
   """Train `num_seeds` copies of `model` (seeds seed..seed+num_seeds-1) in one program.
 
   Seed i is initialized from PRNGKey(seed + i) and reads batches from
   `train_data(seed + i, start_step)`; the N seeds run as one jax.vmap'd step, and equal N
   separate runs. `parallel` ("none" | "shard_map" | "pmap") additionally shards every batch over
-  all devices (data parallelism, gradients pmean'd over the `data` axis).
+  all devices (data parallelism on the global mean loss; equals the single-device step).
 
   With `workdir` and `checkpoint_every > 0`, the state is saved every `checkpoint_every` steps
   and at the end under workdir/checkpoints/<name>, and a later call with the same arguments
@@ -129,7 +238,10 @@ def fit(model: nn.Module, *,
   restarts at the checkpointed step via `train_data(seed, step)`), so the resumed run ends with
   the same parameters and metrics as an uninterrupted one. Logged values are means since the
   previous log step; use a `checkpoint_every` that is a multiple of `log_every` for identical
-  logged curves as well.
+  logged curves as well. Each checkpoint stores a fingerprint of the setup (`run_fingerprint`:
+  model fields, optimizer config, loss, num_steps, batch size, seeds, first batch, plus the
+  caller's `fingerprint` entries); resuming with a different one raises
+  CheckpointMismatchError naming the differences, before anything is restored.
 
   Evaluation: `eval_fn(params_stacked) -> {name: [num_seeds]}` (also given `extra_variables=`
   when it takes that argument), or `eval_data()` (a fresh iterator per evaluation) scored with
@@ -137,7 +249,8 @@ def fit(model: nn.Module, *,
   Runs every `eval_every` steps and at the end. Non-trained variable collections of the model
   (e.g. FAVOR+ random features) are kept fixed and passed to every apply.
 
-  Raises NonFiniteLossError (naming step and seeds) when the loss becomes NaN/Inf.
+  Raises NonFiniteLossError (naming step and seeds) when the loss becomes NaN/Inf; what was
+  logged until then stays in the workdir.
   """
   if num_steps < 1 or num_seeds < 1:
     raise ValueError(f"num_steps={num_steps} and num_seeds={num_seeds} must be >= 1")
@@ -149,22 +262,31 @@ def fit(model: nn.Module, *,
   seeds = [seed + i for i in range(num_seeds)]
   placement = Placement(parallel)
   apply_fn = make_apply_fn(model, inputs_fn)
+  nonfinite_hint = _nonfinite_hint(optimizer)
+
+  # A sample batch fixes the shapes for init (the stream is re-created for training).
+  sample = next(iter(train_data(seeds[0], 0)))
+  batch_size = len(next(iter(sample.values())))
+  validate_parallel(parallel, batch_size)
+  run_fp = run_fingerprint(model, optimizer, loss, num_steps, batch_size, seeds, sample,
+                           fingerprint)
 
   from attnx.train.writers import MetricWriter
-  writer = MetricWriter(workdir, name, tensorboard=tensorboard)
   ckpt = Checkpointer(workdir, name, checkpoint_every, keep_checkpoints) if (
       workdir and checkpoint_every > 0) else None
-
   try:
-    state, start_step, history, restored_last = _init_or_restore(
-        model, tx, seeds, train_data, inputs_fn, parallel, ckpt, writer, name)
+    state, start_step, meta = _init_or_restore(model, tx, seeds, sample, inputs_fn, ckpt,
+                                               run_fp, name)
   except BaseException:
-    writer.close()
     if ckpt is not None:
       ckpt.close()
     raise
-  if workdir and start_step == 0:
-    writer.truncate_after(-1)
+  # Logs beyond the checkpoint belong to steps that will be trained again: drop them.
+  writer = MetricWriter(workdir, name, tensorboard=tensorboard, start_step=start_step)
+  history = writer.truncate_after(start_step)
+  timing = meta.get("timing", {})
+  prev_seconds = float(timing.get("train_seconds", 0.0))
+  prev_steps = int(timing.get("train_steps", 0))
 
   step_fn = make_step(apply_fn, loss_fn, tx, parallel, placement.mesh)
   state = placement.state(state)
@@ -181,7 +303,9 @@ def fit(model: nn.Module, *,
       compiled = step_fn.lower(state, first, np.int32(start_step)).compile()
     except Exception:  # noqa: BLE001 - AOT is only used for timing; fall back to lazy jit.
       compiled = step_fn
-  compile_seconds = time.perf_counter() - t0
+    compile_seconds = time.perf_counter() - t0
+  else:  # a finished run: report the compile time of the process that trained it
+    compile_seconds = float(timing.get("compile_seconds", float("nan")))
 
   def run_eval(host: dict) -> dict[str, np.ndarray]:
     params, extra = host["params"], host.get("extra")
@@ -222,7 +346,7 @@ def fit(model: nn.Module, *,
       do_ckpt = ckpt is not None and (is_last or done % checkpoint_every == 0)
       if do_log or do_eval or do_ckpt:
         host_state = placement.unplace(state)
-        _check_finite(jax.device_get(host_state["bad_step"]), seeds, name)
+        _check_finite(jax.device_get(host_state["bad_step"]), seeds, name, nonfinite_hint)
         t_sync = time.perf_counter()
         record: dict[str, Any] = {"step": done}
         last_metrics = {k: np.asarray(v)
@@ -241,9 +365,15 @@ def fit(model: nn.Module, *,
           if pbar is not None and "loss" in record:
             pbar.set_postfix(loss=f"{np.mean(record['loss']):.4g}")
         if do_ckpt:
-          ckpt.save(done, host_state, {"step": done, "seeds": seeds, "name": name,
-                                       "last_metrics": {k: v.tolist()
-                                                        for k, v in last_metrics.items()}})
+          # Logs up to this step reach the disk before the checkpoint that a resume starts
+          # from, so a kill after the save loses none of them.
+          writer.flush()
+          train_seconds = prev_seconds + (t_sync - t_start - t_excluded)
+          ckpt.save(done, host_state, {
+              "step": done, "seeds": seeds, "name": name, "fingerprint": run_fp,
+              "last_metrics": {k: v.tolist() for k, v in last_metrics.items()},
+              "timing": {"train_seconds": train_seconds, "train_steps": prev_steps + steps_run,
+                         "compile_seconds": compile_seconds}})
         # Evaluation and checkpointing are not training time.
         t_excluded += time.perf_counter() - t_sync
       if pbar is not None:
@@ -256,14 +386,17 @@ def fit(model: nn.Module, *,
     if ckpt is not None:
       ckpt.close()
   elapsed = time.perf_counter() - t_start - t_excluded
-  seconds_per_step = elapsed / steps_run if steps_run else float("nan")
+  # Per-step time over every step trained, by this process and the ones it resumed from.
+  total_steps = prev_steps + steps_run
+  seconds_per_step = ((prev_seconds + (elapsed if steps_run else 0.0)) / total_steps
+                      if total_steps else float("nan"))
 
   host_state = jax.device_get(placement.unplace(state))
   final: dict[str, np.ndarray] = {}
   if steps_run == 0:
     # Resumed a finished run: the last step's train metrics were saved with the checkpoint.
     final_eval = run_eval(host_state)
-    last_metrics = {k: np.asarray(v) for k, v in (restored_last or {}).items()}
+    last_metrics = {k: np.asarray(v) for k, v in (meta.get("last_metrics") or {}).items()}
   else:
     final_eval = {k[len("eval_"):]: np.asarray(v) for k, v in history[-1].items()
                   if k.startswith("eval_")} if history else {}

@@ -16,10 +16,13 @@ def validate_parallel(parallel: str, batch_size: int | None = None) -> None:
   """Raise ValueError for an unknown mode or a batch that does not split over devices."""
   if parallel not in PARALLEL_MODES:
     raise ValueError(f"parallel={parallel!r} is not one of {PARALLEL_MODES}")
-  n = jax.local_device_count()
-  if parallel != "none" and batch_size is not None and batch_size % n:
+  if parallel == "none" or batch_size is None:
+    return
+  # shard_map splits over the global mesh (data_mesh), pmap over this host's devices.
+  n = jax.device_count() if parallel == "shard_map" else jax.local_device_count()
+  if batch_size % n:
     raise ValueError(f"batch_size={batch_size} is not divisible by the {n} devices "
-                     f"(parallel={parallel!r})")
+                     f"(parallel={parallel!r}); use a multiple of {n}")
 
 
 def data_mesh() -> Mesh:
@@ -68,7 +71,7 @@ class Placement:
     return jax.device_put(batch)
 
   def metrics(self, metrics: Any) -> Any:
-    """Metrics with the device axis dropped (they are pmean'd, so all copies agree)."""
+    """Metrics with the device axis dropped (they are reduced over devices: all copies agree)."""
     if self.parallel == "pmap":
       return jax.tree.map(lambda x: x[0], metrics)
     return metrics

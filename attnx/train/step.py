@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from attnx.train.losses import LossFn
+from attnx.train.losses import LossFn, loss_sums, reduce_sums
 
 ApplyFn = Callable[..., jax.Array]
 
@@ -89,23 +89,32 @@ def init_state(model: nn.Module, tx: optax.GradientTransformation, seeds: list[i
 
 def seed_step(state: dict, batch: dict, step: jax.Array, *, apply_fn: ApplyFn, loss_fn: LossFn,
               tx: optax.GradientTransformation, axis_name: str | None = None):
-  """One optimization step for one seed; with `axis_name`, gradients are pmean'd over it."""
+  """One optimization step for one seed; with `axis_name`, a data-parallel step over it.
+
+  Data parallelism minimizes the global mean loss: sum over all shards / count over all shards
+  (see `attnx.train.losses`). Each shard differentiates its own sum divided by the global
+  count, and the gradients are psum'd, which is that mean's gradient even when shards hold
+  different numbers of valid positions. Metrics are global sums / global counts too.
+  """
   rng = jax.random.fold_in(state["key"], step)
   if axis_name is not None:
     # Different dropout masks on different data shards.
     rng = jax.random.fold_in(rng, jax.lax.axis_index(axis_name))
+  sums_fn = loss_sums(loss_fn)
 
   def objective(params):
     out = apply_fn(params, batch, False, rng, state.get("extra"))
-    loss, metrics = loss_fn(out, batch)
-    return loss, metrics
+    sums = sums_fn(out, batch)
+    total, count = sums["loss"]
+    if axis_name is not None:
+      count = jax.lax.psum(jax.lax.stop_gradient(count), axis_name)
+    return total / jnp.maximum(count, 1), sums
 
-  (loss, metrics), grads = jax.value_and_grad(objective, has_aux=True)(state["params"])
-  metrics = dict(metrics, loss=loss)
+  grads, sums = jax.grad(objective, has_aux=True)(state["params"])
   if axis_name is not None:
-    # Per-shard means averaged: equals the global mean when shards hold equal counts.
-    grads = jax.lax.pmean(grads, axis_name)
-    metrics = jax.lax.pmean(metrics, axis_name)
+    grads = jax.lax.psum(grads, axis_name)
+  loss, metrics = reduce_sums(sums, axis_name)
+  metrics = dict(metrics, loss=loss)
   updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
   params = optax.apply_updates(state["params"], updates)
   finite = jnp.isfinite(metrics["loss"])
@@ -120,8 +129,9 @@ def make_step(apply_fn: ApplyFn, loss_fn: LossFn, tx: optax.GradientTransformati
   """`step(state, batch, step) -> (state, metrics)` over stacked seeds.
 
   parallel="none": jit(vmap(seed_step)). "shard_map": the batch axis (axis 1 of [S, B, ...])
-  is sharded over the mesh's `data` axis, params replicated, gradients pmean'd. "pmap":
-  the same with jax.pmap; state has a leading device axis and batches are [D, S, B/D, ...].
+  is sharded over the mesh's `data` axis, params replicated, gradients reduced over it (see
+  `seed_step`). "pmap": the same with jax.pmap; state has a leading device axis and batches
+  are [D, S, B/D, ...].
   """
   kw = dict(apply_fn=apply_fn, loss_fn=loss_fn, tx=tx)
   donate_argnums = (0,) if donate else ()
@@ -132,8 +142,11 @@ def make_step(apply_fn: ApplyFn, loss_fn: LossFn, tx: optax.GradientTransformati
   if parallel == "shard_map":
     from jax.sharding import PartitionSpec as P
     assert mesh is not None, "shard_map needs a mesh"
+    # check_vma=False: with it on, autodiff already psums the gradient of the replicated
+    # (unvarying) params over `data`, and seed_step's own psum would count it D times. Off,
+    # shard_map differentiates per shard as pmap does, so one seed_step serves both modes.
     f = jax.shard_map(inner, mesh=mesh, in_specs=(P(), P(None, "data"), P()),
-                      out_specs=(P(), P()))
+                      out_specs=(P(), P()), check_vma=False)
     return jax.jit(f, donate_argnums=donate_argnums)
   if parallel == "pmap":
     return jax.pmap(inner, axis_name="data", in_axes=(0, 0, None),

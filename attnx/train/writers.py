@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from typing import Any
 
 import numpy as np
@@ -17,17 +18,40 @@ def _jsonable(v: Any) -> Any:
 
 
 class MetricWriter:
-  """Appends one JSON line per logged step and mirrors seed means/stds to TensorBoard."""
+  """Appends one JSON line per logged step and mirrors seed means/stds to TensorBoard.
 
-  def __init__(self, workdir: str | None, run: str, tensorboard: bool = True):
+  TensorBoard events are written synchronously (tensorboardX's EventsWriter, not its
+  SummaryWriter, whose flush() misses events still in its background queue), so `flush()`
+  puts every event logged so far on disk; `fit` calls it before each checkpoint.
+
+  `start_step`: the step training (re)starts from. Events an earlier process logged after it
+  (it was killed after its last checkpoint) are hidden from TensorBoard by a purge event
+  (SessionLog.START at start_step + 1), as `truncate_after` drops them from the JSON lines, so
+  neither has duplicates.
+  """
+
+  def __init__(self, workdir: str | None, run: str, tensorboard: bool = True,
+               start_step: int = 0):
     self.run = run
     self.path = os.path.join(workdir, "metrics.jsonl") if workdir else None
     self._tb = None
     if workdir:
       os.makedirs(workdir, exist_ok=True)
       if tensorboard:
-        from tensorboardX import SummaryWriter
-        self._tb = SummaryWriter(os.path.join(workdir, "tb", run))
+        from tensorboardX.event_file_writer import EventsWriter
+        from tensorboardX.proto import event_pb2
+
+        logdir = os.path.join(workdir, "tb", run)
+        os.makedirs(logdir, exist_ok=True)
+        earlier = any(f.startswith("events.") for f in os.listdir(logdir))
+        # The suffix orders files created within the same second by start step.
+        self._tb = EventsWriter(os.path.join(logdir, "events"), f".from{start_step:09d}")
+        if earlier:
+          # TensorBoard hides earlier events with step >= this one; those <= start_step were
+          # flushed before the checkpoint this run resumes from, so they stay.
+          self._tb.write_event(event_pb2.Event(
+              wall_time=time.time(), step=start_step + 1,
+              session_log=event_pb2.SessionLog(status=event_pb2.SessionLog.START)))
 
   def write(self, step: int, values: dict[str, Any]) -> None:
     """`values`: {name: per-seed array or scalar}."""
@@ -37,13 +61,17 @@ class MetricWriter:
       with open(self.path, "a") as f:
         f.write(json.dumps(record) + "\n")
     if self._tb is not None:
+      from tensorboardX.proto import event_pb2
+      from tensorboardX.summary import scalar
+
       for k, v in values.items():
         arr = np.asarray(v, dtype=np.float64)
         if arr.dtype.kind not in "fiu" or arr.size == 0:
           continue
-        self._tb.add_scalar(f"{k}/mean", float(arr.mean()), step)
-        if arr.size > 1:
-          self._tb.add_scalar(f"{k}/std", float(arr.std()), step)
+        stats = [("mean", arr.mean())] + ([("std", arr.std())] if arr.size > 1 else [])
+        for stat, x in stats:
+          self._tb.write_event(event_pb2.Event(wall_time=time.time(), step=int(step),
+                                               summary=scalar(f"{k}/{stat}", float(x))))
 
   def truncate_after(self, step: int) -> list[dict]:
     """On resume: drop this run's records beyond `step`; return the kept ones (its history)."""
@@ -63,6 +91,11 @@ class MetricWriter:
     with open(self.path, "w") as f:
       f.writelines(kept)
     return mine
+
+  def flush(self) -> None:
+    """Put every TensorBoard event so far on disk (JSON lines are written per record)."""
+    if self._tb is not None:
+      self._tb.flush()
 
   def close(self) -> None:
     if self._tb is not None:

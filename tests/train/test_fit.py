@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import subprocess
+import sys
 
 import jax
 import numpy as np
 import optax
 import pytest
+from kill_run import tensorboard_scalars
 from train_stand_ins import TinyMLP, make_arrays
-from two_cpu_run import run_on_two_cpus
+from two_cpu_run import ROOT, run_on_two_cpus
 
 from attnx import train
 
@@ -51,11 +55,12 @@ def test_vmap_seeds_equal_sequential_runs(arrays):
 
 def test_resume_from_checkpoint_is_exact(arrays, tmp_path):
   wd = str(tmp_path / "wd")
-  full = _fit(arrays, num_seeds=2, num_steps=12, workdir=wd, checkpoint_every=4)
+  full = _fit(arrays, num_seeds=2, num_steps=12, workdir=wd, checkpoint_every=4,
+              tensorboard=True)
   # Simulate an interruption after step 8: drop the final checkpoint.
-  import shutil
   shutil.rmtree(os.path.join(wd, "checkpoints", "run", "12"))
-  resumed = _fit(arrays, num_seeds=2, num_steps=12, workdir=wd, checkpoint_every=4)
+  resumed = _fit(arrays, num_seeds=2, num_steps=12, workdir=wd, checkpoint_every=4,
+                 tensorboard=True)
   assert full.start_step == 0 and resumed.start_step == 8
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), full.params,
                resumed.params)
@@ -65,12 +70,65 @@ def test_resume_from_checkpoint_is_exact(arrays, tmp_path):
   with open(os.path.join(wd, "metrics.jsonl")) as f:
     steps = [json.loads(line)["step"] for line in f]
   assert steps == [4, 8, 12]  # no duplicates after the resume
-  # A finished run resumes at its last step without training.
+  # TensorBoard too: the first run's step-12 events are purged, the resumed run's kept.
+  tb = tensorboard_scalars(os.path.join(wd, "tb", "run"), "loss/mean")
+  assert [s for s, _ in tb] == [4, 8, 12]
+  np.testing.assert_allclose(tb[-1][1], np.mean(resumed.history[-1]["loss"]), rtol=1e-6)
+  # A finished run resumes at its last step without training, and reports the timing of the
+  # processes that trained it.
   again = _fit(arrays, num_seeds=2, num_steps=12, workdir=wd, checkpoint_every=4)
   assert again.start_step == 12
   np.testing.assert_allclose(again.final_metrics["accuracy"], full.final_metrics["accuracy"])
   np.testing.assert_allclose(again.final_metrics["train_loss"], full.final_metrics["train_loss"],
                              atol=1e-6)
+  assert np.isfinite(again.seconds_per_step) and again.seconds_per_step > 0
+  assert again.seconds_per_step == pytest.approx(resumed.seconds_per_step, rel=0.5)
+  assert again.compile_seconds == resumed.compile_seconds
+
+
+def test_tensorboard_events_survive_sigkill(tmp_path):
+  # A real SIGKILL after the step-8 checkpoint (kill_run.py): the events logged up to it must
+  # be on disk, and the resumed run continues them without duplicates or gaps.
+  wd = str(tmp_path / "wd")
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  script = os.path.join(os.path.dirname(__file__), "kill_run.py")
+  proc = subprocess.run([sys.executable, script, wd, "10"], env=env, cwd=ROOT,
+                        capture_output=True, text=True, timeout=240)
+  assert proc.returncode == -9, proc.stderr[-3000:]
+  assert sorted(os.listdir(os.path.join(wd, "checkpoints", "run"))) == ["4", "8"]
+  from kill_run import run
+
+  resumed = run(wd)
+  assert resumed.start_step == 8
+  tb = tensorboard_scalars(os.path.join(wd, "tb", "run"), "loss/mean")
+  assert [s for s, _ in tb] == [2, 4, 6, 8, 10, 12]
+  with open(os.path.join(wd, "metrics.jsonl")) as f:
+    losses = {r["step"]: r["loss"][0] for r in map(json.loads, f)}
+  np.testing.assert_allclose([v for _, v in tb], [losses[s] for s, _ in tb], rtol=1e-6)
+
+
+def test_resume_with_changed_setup_fails_naming_the_differences(arrays, tmp_path):
+  wd = str(tmp_path / "wd")
+  first = _fit(arrays, num_seeds=2, num_steps=8, workdir=wd, checkpoint_every=4)
+  changes = [
+      (dict(optimizer=train.optimizer_config(learning_rate=2e-2, warmup_steps=3)),
+       r"optimizer\.learning_rate: 0\.01 in the checkpoint, now 0\.02"),
+      (dict(num_seeds=3), r"seeds: \[0, 1\] in the checkpoint, now \[0, 1, 2\]"),
+      (dict(model=TinyMLP(features=32, dropout_rate=0.2)), r"model\.features: 16 .* now 32"),
+      (dict(num_steps=16), r"num_steps: 8 .* now 16"),
+      (dict(train_data=train.stream_fn(make_arrays(seed=1), 16)), r"data\.first_batch"),
+      (dict(fingerprint={"task": "other"}), r"task: null in the checkpoint, now \"other\""),
+  ]
+  for kw, expected in changes:
+    with pytest.raises(train.CheckpointMismatchError, match=expected) as e:
+      _fit(arrays, **{"num_seeds": 2, "num_steps": 8, "workdir": wd, "checkpoint_every": 4,
+                      **kw})
+    assert "another --workdir" in str(e.value)
+  # The unchanged setup still resumes (the finished run) with the same results.
+  again = _fit(arrays, num_seeds=2, num_steps=8, workdir=wd, checkpoint_every=4)
+  assert again.start_step == 8
+  np.testing.assert_allclose(again.final_metrics["accuracy"], first.final_metrics["accuracy"])
 
 
 def test_nan_loss_stops_with_step_and_seeds(arrays):
@@ -82,8 +140,15 @@ def test_nan_loss_stops_with_step_and_seeds(arrays):
         b = dict(b, inputs=np.full_like(b["inputs"], np.nan))
       yield b
 
-  with pytest.raises(train.NonFiniteLossError, match=r"step 5 for seed\(s\) \[1\]"):
+  with pytest.raises(train.NonFiniteLossError, match=r"step 5 for seed\(s\) \[1\]") as e:
     _fit(arrays, train_data=data, num_seeds=2, num_steps=20, log_every=10)
+  assert "enable gradient clipping (optimizer.grad_clip_norm" in str(e.value)
+  assert train.nonfinite_runs()[-1] == str(e.value)  # launch.py exits non-zero on these
+  # With clipping already on, the message does not suggest it.
+  clipped = train.optimizer_config(learning_rate=1e-2, grad_clip_norm=1.0)
+  with pytest.raises(train.NonFiniteLossError, match="clipping at norm 1 is already on") as e:
+    _fit(arrays, train_data=data, num_seeds=2, num_steps=20, log_every=10, optimizer=clipped)
+  assert "enable" not in str(e.value)
 
 
 def test_custom_loss_eval_fn_and_optax_optimizer(arrays):

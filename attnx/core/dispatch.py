@@ -18,6 +18,7 @@ every F(s) is 0) returns a zero output instead of an average of all values.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -100,60 +101,105 @@ def _combined_mask(mask: Array | None, is_causal: bool, t: int, s: int) -> Array
   return mask
 
 
-def check_compatible(weighting: Any, score: Any = "scaled_dot") -> None:
-  """Raises ValueError if ``weighting`` cannot be meaningfully applied to ``score``.
+def _zero_on_distances(weighting: Any) -> bool:
+  """Whether every weight is 0 on a row of negative scores (relu, relu², power, softpick...)."""
+  if isinstance(weighting, str):
+    return _zero_on_distances_by_name(weighting)
+  with jax.ensure_compile_time_eval():  # a constant check, also while tracing
+    row = jnp.linspace(-50.0, -1e-3, 33, dtype=jnp.float32)
+    return not bool(jnp.any(weightings_lib.weights(row, weighting) != 0))
 
-  The distance kernels (``gaussian``, ``boxcar``, ``triangular``, ``epanechnikov``) read the
-  score as s = −d²: on a dot-product score they would threshold q·k silently. They need a
-  distance score (``neg_sq_dist`` or ``metric``); a user callable score is trusted.
-  Also raises for unknown weighting or score names (listing the valid ones).
+
+@functools.lru_cache(maxsize=256)
+def _zero_on_distances_by_name(name: str) -> bool:
+  return _zero_on_distances(weightings_lib.get_weighting(name))
+
+
+def _check_implementation(implementation: str | None, w: Any, sc: scores_lib.Score) -> None:
+  if implementation is None:
+    return
+  if implementation not in IMPLEMENTATIONS:
+    raise ValueError(f"Unknown implementation {implementation!r}; valid: "
+                     f"{', '.join(IMPLEMENTATIONS)} or None (automatic).")
+  if implementation == "blocked" and not isinstance(w, weightings_lib.Pointwise):
+    raise ValueError(
+        f"Weighting {w.name!r} normalizes whole rows and cannot stream; use "
+        "implementation='dense' (or None). Streamable weightings: "
+        f"{', '.join(weightings_lib.list_weightings('pointwise'))}.")
+  if implementation == "blocked" and sc.to_dot is None:
+    raise ValueError(f"Score {sc.name!r} is not a dot product of transformed vectors and "
+                     "cannot stream; use implementation='dense' (or None).")
+
+
+def check_compatible(weighting: Any, score: Any = "scaled_dot",
+                     implementation: str | None = None) -> None:
+  """Raises ValueError if ``weighting``, ``score`` and ``implementation`` do not fit together.
+
+  * The distance kernels (``gaussian``, ``boxcar``, ``triangular``, ``epanechnikov``) read the
+    score as s = −d²: on a similarity score they would silently threshold q·k, so they need a
+    distance score (``neg_sq_dist`` or ``metric``).
+  * Conversely, a weighting that is 0 for every s ≤ 0 (``relu``, ``relu2``, ``power``,
+    ``softpick``) gives all-zero weights on a distance score, which is always ≤ 0.
+  * ``implementation="blocked"`` needs a pointwise weighting and a dot-product score.
+
+  A user callable score is trusted. Unknown names raise too, listing the valid ones. Used by
+  :func:`attention`, :func:`~attnx.core.flax_attention_fn` and every ``attnx.nn`` module, so a
+  bad configuration fails when a model is built.
   """
   w = weightings_lib.get_weighting(weighting)
   sc = scores_lib.get_score(score)
-  if getattr(w, "distance_kernel", False) and not sc.distance and isinstance(
-      score, (str, scores_lib.Score)):
-    distance_scores = [n for n in scores_lib.list_scores() if scores_lib.get_score(n).distance]
+  _check_implementation(implementation, w, sc)
+  if not isinstance(score, (str, scores_lib.Score)):
+    return
+  distance_scores = [n for n in scores_lib.list_scores() if scores_lib.get_score(n).distance]
+  if w.kind == "pointwise" and w.distance_kernel and not sc.distance:
     raise ValueError(
         f"Weighting {w.name!r} is a kernel of the distance d = ‖q − k‖ and reads the score as "
         f"−d²; score {sc.name!r} is not a distance. Use score="
         f"{' or '.join(repr(n) for n in distance_scores)}, or a weighting of a similarity "
         "(e.g. 'softmax').")
+  if sc.distance and _zero_on_distances(weighting):
+    raise ValueError(
+        f"Weighting {w.name!r} is 0 for every score ≤ 0, and score {sc.name!r} = −d² is never "
+        "positive: every weight would be 0. Use a distance kernel ('gaussian', 'triangular', "
+        "...) or a weighting that is positive on negative scores ('softmax', 'sigmoid', "
+        "'sparsemax', ...).")
+
+
+def check_score_params(score: Any, score_params: dict[str, Any] | None) -> dict[str, Any]:
+  """The parameters of ``score`` (inline ``"name:k=v"`` and ``score_params``), checked.
+
+  Raises ValueError for parameters the score does not accept and for missing arrays of a
+  parametrized score (bilinear W, metric L, additive Wq/Wk/v). A user callable takes any.
+  """
+  sc = scores_lib.get_score(score)
+  params = {**scores_lib.score_params_from_name(score), **(score_params or {})}
+  unknown = sorted(set(params) - set(sc.params))
+  if unknown and isinstance(score, (str, scores_lib.Score)):
+    raise ValueError(f"Unknown parameters {unknown} for score {sc.name!r}; it accepts "
+                     f"{list(sc.params) or 'none'}.")
+  missing = [p for p in sc.params if p not in params and p != "temperature"]
+  if missing:
+    raise ValueError(f"score {sc.name!r} needs score_params {missing} (e.g. "
+                     f"score_params={{{missing[0]!r}: array}}).")
+  return params
 
 
 def _resolve(weighting, score, scale, score_params, head_dim):
   check_compatible(weighting, score)
   w = weightings_lib.get_weighting(weighting)
   sc = scores_lib.get_score(score)
-  params = {**scores_lib.score_params_from_name(score), **(score_params or {})}
-  unknown = set(params) - set(sc.params)
-  custom = not isinstance(score, (str, scores_lib.Score))  # a user callable takes any params
-  if unknown and not custom:
-    raise ValueError(f"Unknown parameters {sorted(unknown)} for score {sc.name!r}; it accepts "
-                     f"{list(sc.params) or 'none'}.")
-  missing = [p for p in sc.params if p not in params and p != "temperature"]
-  if missing:
-    raise ValueError(f"score {sc.name!r} needs score_params {missing} (e.g. "
-                     f"score_params={{{missing[0]!r}: array}}).")
+  params = check_score_params(score, score_params)
   if scale is None:
     scale = 1.0 / math.sqrt(head_dim) if sc.scaled else 1.0
   return w, sc, params, float(scale) if not isinstance(scale, jax.Array) else scale
 
 
 def _choose_implementation(implementation, w, sc, t: int, s: int) -> str:
-  blocked_ok = isinstance(w, weightings_lib.Pointwise) and sc.to_dot is not None
+  _check_implementation(implementation, w, sc)
   if implementation is None:
+    blocked_ok = isinstance(w, weightings_lib.Pointwise) and sc.to_dot is not None
     return "blocked" if blocked_ok and t * s >= BLOCKED_MIN_SCORES else "dense"
-  if implementation not in IMPLEMENTATIONS:
-    raise ValueError(f"Unknown implementation {implementation!r}; valid: "
-                     f"{', '.join(IMPLEMENTATIONS)} or None (automatic).")
-  if implementation == "blocked" and not blocked_ok:
-    if not isinstance(w, weightings_lib.Pointwise):
-      raise ValueError(
-          f"Weighting {w.name!r} normalizes whole rows and cannot stream; use "
-          "implementation='dense' (or None). Streamable weightings: "
-          f"{', '.join(weightings_lib.list_weightings('pointwise'))}.")
-    raise ValueError(f"Score {sc.name!r} is not a dot product of transformed vectors and "
-                     "cannot stream; use implementation='dense' (or None).")
   return implementation
 
 

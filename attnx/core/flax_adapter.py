@@ -14,8 +14,6 @@ import jax
 import jax.numpy as jnp
 
 from attnx.core import dispatch as attention_lib
-from attnx.core import scores as scores_lib
-from attnx.core import weightings as weightings_lib
 
 Array = jax.Array
 
@@ -30,11 +28,20 @@ def flax_attention_fn(weighting: Any = "softmax", score: Any = "scaled_dot", *,
   builds them), attention dropout follows ``flax.linen.dot_product_attention`` (same RNG use,
   so with ``weighting="softmax"`` the result equals the stock module even with dropout), and
   when Flax passes ``module`` (``sow_weights=True``) the weights are sown into
-  ``intermediates/attention_weights``. Weightings and scores are validated here, at
-  construction, so a typo fails before any model is built.
+  ``intermediates/attention_weights``. Everything static is validated here, at construction
+  (:func:`~attnx.core.check_compatible`, and that a parametrized score gets its
+  ``score_params``), so a bad configuration fails before any model is built.
+
+  Raises:
+    ValueError: unknown weighting/score/implementation, a distance kernel on a similarity
+      score, a weighting or score that cannot stream with ``implementation="blocked"``, or
+      missing/unknown ``score_params``.
   """
-  weightings_lib.get_weighting(weighting)  # fail early on unknown names
-  scores_lib.get_score(score)
+  try:
+    attention_lib.check_compatible(weighting, score, implementation)
+    attention_lib.check_score_params(score, score_params)
+  except ValueError as e:
+    raise ValueError(f"flax_attention_fn: {e}") from None
 
   def attention_fn(query: Array, key: Array, value: Array, bias: Array | None = None,
                    mask: Array | None = None, broadcast_dropout: bool = True,

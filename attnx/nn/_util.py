@@ -26,30 +26,20 @@ def score_name(score: Any) -> str | None:
 
 def validate_attention_config(weighting: Any, score: Any, implementation: str | None,
                               where: str) -> None:
-  """Raises a clear ValueError for an unknown or incompatible weighting/score/implementation."""
+  """Raises a clear ValueError, prefixed by ``where``, for an unknown or incompatible
+  weighting/score/implementation (:func:`attnx.core.check_compatible`): e.g. a distance
+  kernel such as ``gaussian`` on a similarity score such as ``scaled_dot`` or ``additive``.
+  """
   try:
-    w = core.get_weighting(weighting)
+    core.check_compatible(weighting, score, implementation)
   except ValueError as e:
     raise ValueError(f"{where}: {e}") from None
-  try:
-    sc = core.get_score(score)
-  except ValueError as e:
-    raise ValueError(f"{where}: {e}") from None
-  if implementation is None:
-    return
-  if implementation not in core.IMPLEMENTATIONS:
-    raise ValueError(f"{where}: unknown implementation {implementation!r}; valid: "
-                     f"{', '.join(core.IMPLEMENTATIONS)} or None (automatic).")
-  if implementation == "blocked":
-    if w.kind != "pointwise":
-      raise ValueError(
-          f"{where}: weighting {w.name!r} normalizes whole rows and cannot run with "
-          "implementation='blocked'; use 'dense' or None. Streamable weightings: "
-          f"{', '.join(core.list_weightings('pointwise'))}.")
-    if sc.to_dot is None:
-      raise ValueError(
-          f"{where}: score {sc.name!r} is not a dot product of transformed vectors and cannot "
-          "run with implementation='blocked'; use 'dense' or None.")
+
+
+def check_dropout_rate(rate: float, where: str) -> None:
+  """Dropout keeps 1 − rate of the weights and rescales by 1/(1 − rate): rate must be in [0, 1)."""
+  if not 0.0 <= rate < 1.0:
+    raise ValueError(f"{where}: dropout_rate must be in [0, 1), got {rate}.")
 
 
 def check_heads(features: int, num_heads: int, num_kv_heads: int | None, where: str) -> None:

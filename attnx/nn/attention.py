@@ -21,6 +21,9 @@ from attnx.nn import _util
 
 Array = jax.Array
 
+# Scores whose learned parameters have a free width (``score_dim``).
+SCORE_DIM_SCORES = ("metric", "additive")
+
 
 class MultiHeadAttention(nn.Module):
   """Multi-head attention, ``w_ij = F(s(q_i, k_j)) / Σ_l F(s(q_i, k_l))`` per head.
@@ -33,7 +36,8 @@ class MultiHeadAttention(nn.Module):
     weighting: F, any ``core.get_weighting`` spec (``"relu"``, ``"entmax:alpha=1.5"``, callable).
     score: s, any ``core.list_scores()`` name or callable. ``bilinear``/``metric``/``additive``
       get learned per-head parameters (``score_W``/``score_L``/``score_Wq``...) owned here.
-    score_dim: rank R of ``metric``'s L or hidden width A of ``additive`` (default head_dim).
+    score_dim: rank R of ``metric``'s L or hidden width A of ``additive`` (default head_dim);
+      must be positive, and is an error for any other score (it would be ignored).
     scale: score multiplier (default 1/√H for ``scaled_dot``, 1 otherwise).
     implementation: ``None`` | ``"dense"`` | ``"blocked"`` (see ``core.attention``).
     is_causal: query i attends keys j ≤ i.
@@ -70,8 +74,14 @@ class MultiHeadAttention(nn.Module):
     _util.validate_attention_config(self.weighting, self.score, self.implementation, where)
     _util.check_heads(self.qkv_features or self.num_heads, self.num_heads, self.num_kv_heads,
                       where)
-    if not 0.0 <= self.dropout_rate < 1.0:
-      raise ValueError(f"{where}: dropout_rate must be in [0, 1), got {self.dropout_rate}.")
+    _util.check_dropout_rate(self.dropout_rate, where)
+    if self.score_dim is not None:
+      if _util.score_name(self.score) not in SCORE_DIM_SCORES:
+        raise ValueError(f"{where}: score_dim applies only to the scores "
+                         f"{', '.join(map(repr, SCORE_DIM_SCORES))} (rank of L / hidden width), "
+                         f"not to score {self.score!r}.")
+      if self.score_dim <= 0:
+        raise ValueError(f"{where}: score_dim must be positive, got {self.score_dim}.")
     super().__post_init__()
 
   def _score_params(self, head_dim: int) -> dict[str, Array] | None:
@@ -106,8 +116,11 @@ class MultiHeadAttention(nn.Module):
       bias: additive score bias broadcastable to ``[B..., N, T, S]``.
       deterministic: disables attention dropout.
       decode: autoregressive decoding with a KV cache in the ``"cache"`` collection (like
-        linen MHA's ``decode``): initialize with the full-length input, then feed one token
-        ``[B..., 1, Dq]`` per call with ``mutable=["cache"]``.
+        linen MHA's ``decode``): initialize with the full-length input, whose length is the
+        cache size ``max_length``, then feed one token ``[B..., 1, Dq]`` per call with
+        ``mutable=["cache"]``. Steps past ``max_length`` have no slot: the cache is left as
+        it is and their outputs (and weights) are NaN, so an overflow shows up in any
+        finiteness check instead of silently overwriting the last position.
       return_weights: also return the weights ``[B..., N, T, S]`` (dense path).
 
     Returns:
@@ -140,8 +153,10 @@ class MultiHeadAttention(nn.Module):
 
     mask = _util.as_bool_mask(mask)
     is_causal = self.is_causal
+    in_range = None
     if decode:
-      key, value, mask, is_causal = self._update_cache(query, key, value, mask, is_causal)
+      key, value, mask, is_causal, in_range = self._update_cache(query, key, value, mask,
+                                                                 is_causal)
 
     score_params = self._score_params(head_dim)
     common = dict(weighting=self.weighting, score=self.score, is_causal=is_causal,
@@ -165,29 +180,41 @@ class MultiHeadAttention(nn.Module):
     out = nn.DenseGeneral(features=features, axis=(-2, -1), kernel_init=self.kernel_init,
                           bias_init=self.bias_init, use_bias=self.use_bias, dtype=self.dtype,
                           param_dtype=self.param_dtype, name="out")(x)
+    if in_range is not None:  # KV-cache overflow: NaN rather than a silently wrong value
+      out = jnp.where(in_range, out, jnp.nan)
+      w = None if w is None else jnp.where(in_range, w, jnp.nan)
     return (out, w) if return_weights else out
 
   def _update_cache(self, query, key, value, mask, is_causal):
-    """Linen-MHA-style KV cache: write this step's k/v, mask positions not yet generated."""
+    """Linen-MHA-style KV cache: write this step's k/v, mask positions not yet generated.
+
+    Returns key, value, mask, is_causal and ``in_range`` (None at init, else a traced bool:
+    whether this step had a cache slot).
+    """
     initialized = self.has_variable("cache", "cached_key")
     cached_key = self.variable("cache", "cached_key", jnp.zeros, key.shape, key.dtype)
     cached_value = self.variable("cache", "cached_value", jnp.zeros, value.shape, value.dtype)
     cache_index = self.variable("cache", "cache_index", lambda: jnp.array(0, jnp.int32))
     if not initialized:  # init call with the full-length input: plain forward pass
-      return key, value, mask, is_causal
+      return key, value, mask, is_causal, None
     *batch, max_length, kv_heads, head_dim = cached_key.value.shape
     if query.shape[-3] != 1 or tuple(key.shape) != (*batch, 1, kv_heads, head_dim):
       raise ValueError(f"decode=True feeds one position at a time: expected key shape "
                        f"{(*batch, 1, kv_heads, head_dim)} for the cache "
                        f"{cached_key.value.shape}, got query {query.shape}, key {key.shape}.")
     i = cache_index.value
+    # dynamic_update_slice would clamp an index ≥ max_length onto the last slot: past the end,
+    # rewrite that slot with its own value (the cache is unchanged) and flag the step.
+    in_range = i < max_length
     zero = jnp.zeros((), i.dtype)
     idx = (zero,) * len(batch) + (i, zero, zero)
-    key = jax.lax.dynamic_update_slice(cached_key.value, key, idx)
-    value = jax.lax.dynamic_update_slice(cached_value.value, value, idx)
-    cached_key.value, cached_value.value = key, value
+    new = []
+    for cache, x in ((cached_key, key), (cached_value, value)):
+      old = jax.lax.dynamic_slice(cache.value, idx, x.shape)  # a [B..., 1, K, H] slice
+      cache.value = jax.lax.dynamic_update_slice(cache.value, jnp.where(in_range, x, old), idx)
+      new.append(cache.value)
     cache_index.value = i + 1
     # The single query at position i sees cached positions ≤ i (this replaces is_causal).
     step = jnp.broadcast_to(jnp.arange(max_length) <= i, (*batch, 1, 1, max_length))
     mask = step if mask is None else jnp.logical_and(mask, step)
-    return key, value, mask, False
+    return *new, mask, False, in_range

@@ -3,7 +3,8 @@ and CBAM (Woo et al. 2018), and a small CNN classifier that can use them.
 
 The papers gate with a sigmoid. ``weighting=<name>`` instead normalizes the gate logits over
 channels (or positions) with ``core.weights`` and rescales by the count, so the mean gate is 1:
-the same F(s)/ΣF(s) family as token attention.
+the same F(s)/ΣF(s) family as token attention. Gate logits are learned scores, not distances,
+so the distance kernels (``gaussian``, ``boxcar``, ...) are rejected.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from attnx import core
+from attnx.nn import _util
 
 Array = jax.Array
 
@@ -38,8 +40,9 @@ def _check_weighting(weighting: Any | None, where: str) -> None:
   if weighting is not None:
     try:
       core.get_weighting(weighting)
+      core.check_compatible(weighting, "dot")  # the gate logits are a learned linear score
     except ValueError as e:
-      raise ValueError(f"{where}: {e}") from None
+      raise ValueError(f"{where} (gate logits are learned scores, not distances): {e}") from None
 
 
 class SqueezeExcite(nn.Module):
@@ -48,6 +51,7 @@ class SqueezeExcite(nn.Module):
   Attributes:
     reduction: bottleneck ratio r (hidden = max(C // r, 1)).
     weighting: None for the paper's sigmoid gate, or a weighting F over channels.
+    dtype, param_dtype: as in flax; the output is in ``dtype`` (default: the input's).
   """
 
   reduction: int = 4
@@ -62,6 +66,8 @@ class SqueezeExcite(nn.Module):
   @nn.compact
   def __call__(self, x: Array) -> Array:
     chex.assert_rank(x, 4)
+    if self.dtype is not None:  # compute (and return) in dtype, as flax layers do
+      x = x.astype(self.dtype)
     c = x.shape[-1]
     kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
     s = jnp.mean(x, axis=(1, 2))  # squeeze [B, C]
@@ -80,6 +86,7 @@ class CBAM(nn.Module):
     reduction: MLP bottleneck ratio.
     kernel_size: spatial conv size.
     weighting: None (sigmoid gates, the paper) or F normalizing over channels / positions.
+    dtype, param_dtype: as in flax; the output is in ``dtype`` (default: the input's).
   """
 
   reduction: int = 4
@@ -95,6 +102,8 @@ class CBAM(nn.Module):
   @nn.compact
   def __call__(self, x: Array) -> Array:
     chex.assert_rank(x, 4)
+    if self.dtype is not None:  # compute (and return) in dtype, as flax layers do
+      x = x.astype(self.dtype)
     c = x.shape[-1]
     kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
     reduce = nn.Dense(max(c // self.reduction, 1), name="mlp_reduce", **kw)
@@ -117,6 +126,9 @@ class SmallCNN(nn.Module):
     block_attention: ``"none"``, ``"se"`` or ``"cbam"``.
     weighting: gate weighting for SE/CBAM (None = sigmoid).
     reduction: SE/CBAM bottleneck ratio.
+    dtype, param_dtype: as in flax.
+    dropout_rate: dropout on the pooled features before the head (``deterministic=False``,
+      ``"dropout"`` RNG).
 
   Images ``[B, H, W, C_in]`` → logits ``[B, num_classes]``.
   """
@@ -128,8 +140,10 @@ class SmallCNN(nn.Module):
   reduction: int = 4
   dtype: Any = None
   param_dtype: Any = jnp.float32
+  dropout_rate: float = 0.0
 
   def __post_init__(self):
+    _util.check_dropout_rate(self.dropout_rate, type(self).__name__)
     if self.block_attention not in BLOCK_ATTENTION:
       raise ValueError(f"SmallCNN: unknown block_attention {self.block_attention!r}; valid: "
                        f"{', '.join(BLOCK_ATTENTION)}.")
@@ -138,7 +152,6 @@ class SmallCNN(nn.Module):
 
   @nn.compact
   def __call__(self, images: Array, *, deterministic: bool = True) -> Array:
-    del deterministic  # no dropout; kept for a uniform model interface
     chex.assert_rank(images, 4)
     kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
     x = images
@@ -151,4 +164,5 @@ class SmallCNN(nn.Module):
       if min(x.shape[1:3]) >= 2:
         x = nn.avg_pool(x, (2, 2), strides=(2, 2))
     x = jnp.mean(x, axis=(1, 2))
+    x = nn.Dropout(self.dropout_rate)(x, deterministic=deterministic)
     return nn.Dense(self.num_classes, name="head", **kw)(x)

@@ -35,7 +35,9 @@ class MetricAttention(nn.Module):
     qkv_features: value width (default: input features), divisible by N.
     out_features: output width (default: input features).
     rank: rank R of each L_h (default qkv_features // N).
-    weighting: F (any ``core.get_weighting`` spec).
+    weighting: F (any ``core.get_weighting`` spec). Scores are ≤ 0 here, so weightings that
+      vanish there (``relu``, ``relu2``, ``power``, ``softpick``) give all-zero weights;
+      exp-like weightings, the simplex projections and the distance kernels are meaningful.
     learn_temperature: learn τ_h = exp(log_tau_h) per head (init τ = 1/√R, the scaled-dot
       analogue). Otherwise τ = 1/√R fixed.
     implementation: passed to ``core.attention``.
@@ -62,6 +64,7 @@ class MetricAttention(nn.Module):
     where = type(self).__name__
     _util.validate_attention_config(self.weighting, "neg_sq_dist", self.implementation, where)
     _util.check_heads(self.qkv_features or self.num_heads, self.num_heads, None, where)
+    _util.check_dropout_rate(self.dropout_rate, where)
     if self.rank is not None and self.rank <= 0:
       raise ValueError(f"{where}: rank must be positive, got {self.rank}.")
     super().__post_init__()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import chex
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -32,11 +33,16 @@ class NadarayaWatsonRegressor(nn.Module):
     bandwidth: h for ``"fixed"``, and the initial h for ``"learned_bandwidth"``.
     mode: ``"fixed"`` (no parameters), ``"learned_bandwidth"`` (param ``log_bandwidth``), or
       ``"learned_w"`` (param ``w``, init 1/h, K = K_1((x − x_i) w), seed 004 / d2l).
+    dtype: dtype of the inputs' computation and of the predictions (default: inferred from
+      the inputs); kernel weights are computed in float32 for low-precision inputs.
+    param_dtype: dtype of the learned parameter.
   """
 
   kernel: Any = "gaussian"
   bandwidth: float = 1.0
   mode: str = "fixed"
+  dtype: Any = None
+  param_dtype: Any = jnp.float32
 
   def __post_init__(self):
     if self.mode not in MODES:
@@ -55,20 +61,29 @@ class NadarayaWatsonRegressor(nn.Module):
 
     Returns predictions ``[Q]``/``[Q, Dy]`` (and weights ``[Q, n]`` if requested).
     """
-    xq, xt = jnp.asarray(x_query), jnp.asarray(x_train)
+    xq, xt, y = jnp.asarray(x_query), jnp.asarray(x_train), jnp.asarray(y_train)
     if xq.ndim not in (1, 2) or xt.ndim != xq.ndim:
       raise ValueError(f"x_query {xq.shape} and x_train {xt.shape} must both be [n] or [n, D].")
-    if jnp.shape(y_train)[0] != xt.shape[0]:
-      raise ValueError(f"y_train {jnp.shape(y_train)} and x_train {xt.shape} differ in length.")
+    chex.assert_rank(y, {1, 2})
+    chex.assert_equal_shape_prefix([xt, y], 1)  # one target per training point
+    if xq.ndim == 2:
+      chex.assert_equal_shape_suffix([xq, xt], 1)  # same feature dim D
+    # Default: the inputs' float dtype (integer inputs compute in the default float).
+    dtype = self.dtype if self.dtype is not None else jnp.result_type(xq, xt, y, float)
+    xq, xt, y = xq.astype(dtype), xt.astype(dtype), y.astype(dtype)
     if self.mode == "fixed":
       inv_h = 1.0 / self.bandwidth
     elif self.mode == "learned_bandwidth":
       log_h = self.param("log_bandwidth", nn.initializers.constant(jnp.log(self.bandwidth)),
-                         ())
-      inv_h = jnp.exp(-log_h)
+                         (), self.param_dtype)
+      inv_h = jnp.exp(-log_h).astype(dtype)
     else:
-      inv_h = self.param("w", nn.initializers.constant(1.0 / self.bandwidth), ())
+      inv_h = self.param("w", nn.initializers.constant(1.0 / self.bandwidth), (),
+                         self.param_dtype).astype(dtype)
     # The bandwidth lives in the input scaling: named kernels run with h = 1.
-    return core.nadaraya_watson(xq * inv_h, xt * inv_h, y_train, kernel=self.kernel,
-                                bandwidth=1.0,
-                                return_weights=return_weights)
+    out = core.nadaraya_watson(xq * inv_h, xt * inv_h, y, kernel=self.kernel, bandwidth=1.0,
+                               return_weights=return_weights)
+    pred, w = out if return_weights else (out, None)
+    chex.assert_shape(pred, xq.shape[:1] + y.shape[1:])
+    pred = pred.astype(dtype)
+    return (pred, w) if return_weights else pred

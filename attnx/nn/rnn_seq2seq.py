@@ -1,8 +1,9 @@
 """RNN encoder-decoder with Bahdanau or Luong attention (seed 001's translation example).
 
 The decoder attends over the encoder states at every target step; the weights form the
-alignment matrix ``[B, T_tgt, T_src]`` (seed 001's "je t'aime" example). Any weighting F can
-replace softmax by name.
+alignment matrix ``[B, T_tgt, T_src]`` (seed 001's "je t'aime" example). Any weighting F of a
+similarity can replace softmax by name (Bahdanau and Luong scores are similarities, so the
+distance kernels are rejected at construction).
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from attnx import core
 from attnx.nn import _util
-from attnx.nn.additive import AdditiveAttention, LuongAttention
+from attnx.nn.additive import LUONG_CORE_SCORES, AdditiveAttention, LuongAttention
 
 Array = jax.Array
 
@@ -24,9 +26,22 @@ CELLS = ("gru", "lstm")
 PAD_ID = 0
 
 
+def _float32_init(init):
+  """Draws in float32 and casts: the orthogonal init's LAPACK QR has no bfloat16 kernel."""
+  return lambda key, shape, dtype=jnp.float32: init(key, shape, jnp.float32).astype(dtype)
+
+
 def _make_cell(cell: str, features: int, dtype: Any, param_dtype: Any, name: str | None = None):
   cls = nn.GRUCell if cell == "gru" else nn.LSTMCell
-  return cls(features=features, dtype=dtype, param_dtype=param_dtype, name=name)
+  return cls(features=features, dtype=dtype, param_dtype=param_dtype, name=name,
+             recurrent_kernel_init=_float32_init(nn.initializers.orthogonal()))
+
+
+def _core_score(attention_type: str) -> str | None:
+  """The attnx.core score an attention type uses (None: no attention)."""
+  if attention_type == "bahdanau":
+    return "additive"
+  return LUONG_CORE_SCORES.get(attention_type.removeprefix("luong_"))
 
 
 def _hidden(carry: Any, cell: str) -> Array:
@@ -42,12 +57,15 @@ class _BahdanauStep(nn.Module):
   weighting: Any
   dtype: Any
   param_dtype: Any
+  attention_dropout_rate: float
+  deterministic: bool
 
   @nn.compact
   def __call__(self, carry, y_emb: Array, memory: Array, mask: Array):
     attn = AdditiveAttention(self.attention_dim, self.weighting, self.dtype, self.param_dtype,
-                             name="attention")
-    ctx, w = attn(_hidden(carry, self.cell), memory, mask=mask, return_weights=True)
+                             self.attention_dropout_rate, name="attention")
+    ctx, w = attn(_hidden(carry, self.cell), memory, mask=mask, return_weights=True,
+                  deterministic=self.deterministic)
     cell = _make_cell(self.cell, self.hidden_dim, self.dtype, self.param_dtype, name="cell")
     carry, s = cell(carry, jnp.concatenate([y_emb, ctx.astype(y_emb.dtype)], -1))
     return carry, (jnp.concatenate([s, ctx.astype(s.dtype)], -1), w)
@@ -72,9 +90,12 @@ class RNNSeq2Seq(nn.Module):
       both are ``hidden_dim``).
     cell: ``"gru"`` or ``"lstm"``.
     attention_type: one of ``ATTENTION_TYPES``.
-    weighting: F for the attention weights (any ``core.get_weighting`` spec).
+    weighting: F for the attention weights (any ``core.get_weighting`` spec of a similarity).
     attention_dim: hidden width of additive/concat scores (default hidden_dim).
-    dtype, param_dtype: as in flax.
+    dtype, param_dtype: as in flax (recurrent kernels are drawn in float32, then cast).
+    dropout_rate: dropout on the source/target embeddings and on the features before the
+      output layer (``deterministic=False``, ``"dropout"`` RNG).
+    attention_dropout_rate: dropout on the attention weights (a fresh mask at every step).
   """
 
   src_vocab_size: int
@@ -87,6 +108,8 @@ class RNNSeq2Seq(nn.Module):
   attention_dim: int | None = None
   dtype: Any = None
   param_dtype: Any = jnp.float32
+  dropout_rate: float = 0.0
+  attention_dropout_rate: float = 0.0
 
   def __post_init__(self):
     where = type(self).__name__
@@ -95,7 +118,16 @@ class RNNSeq2Seq(nn.Module):
                        f"{', '.join(ATTENTION_TYPES)}.")
     if self.cell not in CELLS:
       raise ValueError(f"{where}: unknown cell {self.cell!r}; valid: {', '.join(CELLS)}.")
-    _util.validate_attention_config(self.weighting, "dot", None, where)
+    score = _core_score(self.attention_type)
+    if score is not None:
+      _util.validate_attention_config(self.weighting, score, None, where)
+    else:  # no attention: F is unused, but a typo should still fail
+      try:
+        core.get_weighting(self.weighting)
+      except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+    _util.check_dropout_rate(self.dropout_rate, where)
+    _util.check_dropout_rate(self.attention_dropout_rate, where)
     super().__post_init__()
 
   @nn.compact
@@ -104,11 +136,10 @@ class RNNSeq2Seq(nn.Module):
                deterministic: bool = True) -> Array | tuple[Array, Array]:
     """``src_tokens [B, S]``, ``tgt_in_tokens [B, T]`` -> logits ``[B, T, V_tgt]``.
 
-    With ``return_alignment=True`` also returns the alignment (attention weights)
-    ``[B, T, S]``; rows sum to one for normalized weightings. ``deterministic`` is accepted
-    for a uniform model interface (the model has no dropout).
+    With ``return_alignment=True`` also returns the alignment (attention weights, before
+    dropout) ``[B, T, S]``; rows sum to one for normalized weightings. ``deterministic=False``
+    enables dropout (``dropout_rate``, ``attention_dropout_rate``).
     """
-    del deterministic
     chex.assert_rank([src_tokens, tgt_in_tokens], 2)
     chex.assert_type([src_tokens, tgt_in_tokens], int)
     chex.assert_equal_shape_prefix([src_tokens, tgt_in_tokens], 1)
@@ -118,18 +149,21 @@ class RNNSeq2Seq(nn.Module):
     kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
     valid = src_tokens != PAD_ID
     lengths = jnp.sum(valid, axis=-1)
-    src = nn.Embed(self.src_vocab_size, self.embed_dim, name="src_embed", **kw)(src_tokens)
-    tgt = nn.Embed(tgt_vocab, self.embed_dim, name="tgt_embed", **kw)(tgt_in_tokens)
+    drop = lambda x: nn.Dropout(self.dropout_rate)(x, deterministic=deterministic)
+    src = drop(nn.Embed(self.src_vocab_size, self.embed_dim, name="src_embed", **kw)(src_tokens))
+    tgt = drop(nn.Embed(tgt_vocab, self.embed_dim, name="tgt_embed", **kw)(tgt_in_tokens))
     enc_cell = _make_cell(self.cell, self.hidden_dim, self.dtype, self.param_dtype)
     carry, memory = nn.RNN(enc_cell, return_carry=True, name="encoder")(
         src, seq_lengths=lengths)  # memory [B, S, H]
 
     alignment = None
     if self.attention_type == "bahdanau":
-      scan = nn.scan(_BahdanauStep, variable_broadcast="params", split_rngs={"params": False},
+      scan = nn.scan(_BahdanauStep, variable_broadcast="params",
+                     split_rngs={"params": False, "dropout": True},
                      in_axes=(1, nn.broadcast, nn.broadcast), out_axes=1)
       _, (feats, alignment) = scan(self.cell, self.hidden_dim, self.attention_dim,
                                    self.weighting, self.dtype, self.param_dtype,
+                                   self.attention_dropout_rate, deterministic,
                                    name="decoder")(carry, tgt, memory, valid)
     else:
       dec_cell = _make_cell(self.cell, self.hidden_dim, self.dtype, self.param_dtype)
@@ -137,11 +171,13 @@ class RNNSeq2Seq(nn.Module):
       feats = states
       if self.attention_type != "none":
         attn = LuongAttention(self.attention_type.removeprefix("luong_"), self.attention_dim,
-                              self.weighting, name="attention", **kw)
-        ctx, alignment = attn(states, memory, mask=valid[:, None, :], return_weights=True)
+                              self.weighting, dropout_rate=self.attention_dropout_rate,
+                              name="attention", **kw)
+        ctx, alignment = attn(states, memory, mask=valid[:, None, :], return_weights=True,
+                              deterministic=deterministic)
         feats = jnp.tanh(nn.Dense(self.hidden_dim, use_bias=False, name="combine", **kw)(
             jnp.concatenate([ctx.astype(states.dtype), states], -1)))
-    logits = nn.Dense(tgt_vocab, name="head", **kw)(feats)
+    logits = nn.Dense(tgt_vocab, name="head", **kw)(drop(feats))
     if return_alignment:
       chex.assert_shape(alignment, (*tgt_in_tokens.shape, src_tokens.shape[1]))
       return logits, alignment

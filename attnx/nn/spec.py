@@ -10,7 +10,14 @@ An attention spec is a dict with key ``type``:
 
 All other keys are forwarded to the module's constructor. :func:`attention_spec` maps the
 variant names used on experiment command lines (``"relu"``, ``"entmax:alpha=1.5"``,
-``"linear_favor"``, ``"metric:weighting=relu"``) to such dicts.
+``"linear_favor"``, ``"metric:weighting=sparsemax"``) to such dicts.
+
+Distance kernels (``gaussian``, ``boxcar``, ``triangular``, ``epanechnikov``) are functions of
+−‖q − k‖²: a ``"dot"`` spec with such a weighting and no ``score`` gets ``score="neg_sq_dist"``,
+in the dict form as in the variant name, so ``{"weighting": "gaussian"}`` and
+``attention_spec("gaussian")`` build the same model. An explicit similarity score with a
+distance kernel raises (``core.check_compatible``), as do other bad weighting/score/
+implementation combinations, when the spec is resolved (at block/model construction).
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import jax.numpy as jnp
 from flax.core import FrozenDict
 
 from attnx import core
+from attnx.nn import _util
 from attnx.nn.attention import MultiHeadAttention
 from attnx.nn.linear import LinearAttention
 from attnx.nn.metric import MetricAttention
@@ -35,8 +43,10 @@ SPECIAL_VARIANTS: dict[str, dict[str, Any]] = {
     "metric": {"type": "metric"},
 }
 
-# Distance kernels are functions of −‖q − k‖²: their variants use that score.
-DISTANCE_KERNELS = ("gaussian", "boxcar", "triangular", "epanechnikov")
+
+def is_distance_kernel(weighting: Any) -> bool:
+  """Whether a weighting spec is a kernel of ‖q − k‖ (reads the score as −d²)."""
+  return bool(getattr(core.get_weighting(weighting), "distance_kernel", False))
 
 
 def list_attention_variants() -> list[str]:
@@ -48,9 +58,9 @@ def attention_spec(variant: str) -> dict[str, Any]:
   """Maps an experiment variant name to an attention dict.
 
   ``"linear_elu"``, ``"linear_favor"``, ``"metric"`` are special; ``"special:k=v,..."`` adds
-  keys (``"metric:weighting=relu"``, ``"linear_favor:num_features=64"``). Anything else is a
+  keys (``"metric:weighting=sparsemax"``, ``"linear_favor:num_features=64"``). Anything else is a
   weighting spec for ``{"type": "dot", "weighting": variant}`` (distance kernels such as
-  ``"gaussian:h=2"`` also get ``score="neg_sq_dist"``).
+  ``"gaussian:h=2"`` also get ``score="neg_sq_dist"``, as in :func:`resolve_attention`).
 
   Raises:
     ValueError: unknown variant, listing the valid weightings and the special variants.
@@ -64,8 +74,13 @@ def attention_spec(variant: str) -> dict[str, Any]:
       _check_weighting(spec["weighting"], variant)
     return spec
   _check_weighting(variant.strip(), variant)
-  spec = {"type": "dot", "weighting": variant.strip()}
-  if base in DISTANCE_KERNELS:
+  return _default_score({"type": "dot", "weighting": variant.strip()})
+
+
+def _default_score(spec: dict[str, Any]) -> dict[str, Any]:
+  """A dot spec with a distance kernel and no score gets the score that kernel reads."""
+  if (spec.get("type", "dot") == "dot" and "score" not in spec
+      and is_distance_kernel(spec.get("weighting", "softmax"))):
     spec["score"] = "neg_sq_dist"
   return spec
 
@@ -79,7 +94,14 @@ def _check_weighting(weighting: str, variant: str) -> None:
 
 
 def resolve_attention(attention: Mapping[str, Any] | str | None) -> dict[str, Any]:
-  """Normalizes an attention dict (or a variant name, or None = softmax) to a full dict."""
+  """Normalizes an attention dict (or a variant name, or None = softmax) to a full dict.
+
+  Fills the default score of distance kernels (see the module docstring) and validates the
+  weighting/score/implementation of ``"dot"`` and ``"metric"`` specs.
+
+  Raises:
+    ValueError: unknown type or weighting, or an incompatible combination.
+  """
   if attention is None:
     return {"type": "dot"}
   if isinstance(attention, str):
@@ -91,6 +113,11 @@ def resolve_attention(attention: Mapping[str, Any] | str | None) -> dict[str, An
                      f"{', '.join(ATTENTION_TYPES)}.")
   if isinstance(spec.get("weighting"), str):
     _check_weighting(spec["weighting"], spec["weighting"])
+  spec = _default_score(spec)
+  if spec["type"] != "linear":  # linear attention has no weighting or score
+    score = spec.get("score", "scaled_dot") if spec["type"] == "dot" else "neg_sq_dist"
+    _util.validate_attention_config(spec.get("weighting", "softmax"), score,
+                                    spec.get("implementation"), f"attention spec {attention!r}")
   return spec
 
 

@@ -61,3 +61,30 @@ def test_nnx_softmax_equals_stock_and_sigmoid_runs():
 def test_unknown_weighting_fails_at_construction():
   with pytest.raises(ValueError, match="Unknown weighting"):
     core.flax_attention_fn("softmaxx")
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(implementation="fast"), "Unknown implementation 'fast'"),
+    (dict(weighting="sparsemax", implementation="blocked"), "normalizes whole rows"),
+    (dict(score="additive", implementation="blocked",
+          score_params={"Wq": 1.0, "Wk": 1.0, "v": 1.0}), "not a dot product"),
+    (dict(weighting="gaussian"), "is not a distance"),
+    (dict(weighting="boxcar", score="cosine"), "is not a distance"),
+    (dict(score="additive"), r"needs score_params \['Wq', 'Wk', 'v'\]"),
+    (dict(score="bilinear"), r"needs score_params \['W'\]"),
+    (dict(score="metric", weighting="gaussian"), r"needs score_params \['L'\]"),
+    (dict(score="bilinear", score_params={"L": 1.0}), r"Unknown parameters \['L'\]"),
+    (dict(score="nope"), "Unknown score"),
+])
+def test_bad_configuration_fails_at_construction(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    core.flax_attention_fn(**kwargs)
+
+
+def test_valid_configurations_construct_and_run():
+  core.flax_attention_fn("gaussian", "neg_sq_dist", implementation="blocked")
+  core.flax_attention_fn("relu", "cosine:temperature=0.5", implementation="dense")
+  w = jnp.broadcast_to(jnp.eye(4), (4, 4, 4))  # [N, H, H] identity: bilinear = dot
+  q = X.reshape(2, 6, 4, 4)
+  fn = core.flax_attention_fn("softmax", "bilinear", score_params={"W": w}, scale=0.5)
+  chex.assert_trees_all_close(fn(q, q, q), core.flax_attention_fn()(q, q, q), atol=1e-5)

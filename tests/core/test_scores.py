@@ -71,9 +71,11 @@ class ScoresTest(parameterized.TestCase):
               "cosine": {"temperature": 0.2}}
     for name in ("dot", "scaled_dot", "cosine", "neg_sq_dist", "bilinear", "metric"):
       p = params.get(name, {})
-      for weighting in ("softmax", "relu", "gaussian:h=2.0"):
-        if weighting.startswith("gaussian") and not core.get_score(name).distance:
-          continue  # a distance kernel on a similarity: rejected (test_distance_kernels_...)
+      distance = core.get_score(name).distance
+      # relu vanishes on distances, a distance kernel is meaningless on similarities: both
+      # rejected (test_distance_kernels_need_a_distance_score).
+      for weighting in ("softmax", "sigmoid" if distance else "relu",
+                        "gaussian:h=2.0" if distance else "taylor_exp"):
         out = core.attention(q, k, v, score=name, score_params=p, weighting=weighting,
                              implementation=impl)
         s = core.get_score(name).dense(q, k, **p) * (0.5 if name == "scaled_dot" else 1.0)
@@ -92,6 +94,15 @@ class ScoresTest(parameterized.TestCase):
       core.check_compatible(kernel, "metric")
       out = core.attention(q, k, v, weighting=kernel, score="neg_sq_dist")
       self.assertTrue(bool(jnp.all(jnp.isfinite(out))))
+    # Weightings that vanish for every s ≤ 0 give all-zero weights on a distance score.
+    for name in ("relu", "relu2", "power:p=3", "softpick"):
+      for score in ("neg_sq_dist", "metric"):
+        with self.assertRaisesRegex(ValueError, "every weight would be 0"):
+          core.check_compatible(name, score)
+    for name in ("softmax", "sigmoid", "sparsemax", "elu_plus_one", "taylor_exp"):
+      core.check_compatible(name, "neg_sq_dist")
+    with self.assertRaisesRegex(ValueError, "every weight would be 0"):
+      core.attention(q, k, v, weighting="relu", score="neg_sq_dist")
     # A user's own score is trusted.
     core.attention(q, k, v, weighting="gaussian", score=lambda a, b: -core.neg_sq_dist(a, b) * 0)
     core.check_compatible("softmax", "neg_sq_dist")

@@ -38,16 +38,45 @@ def test_additive_matches_bahdanau_formula_and_masks():
 
 
 @pytest.mark.parametrize("score", ["dot", "general", "concat"])
-def test_luong_scores(score):
+def test_luong_scores_match_their_formulas(score):
   q = Q if score != "dot" else X[:, :3]
   model = LuongAttention(score, weighting="sparsemax")
   params = model.init(KEY, q, X)
+  p = params.get("params", {})  # "dot" has none
   ctx, w = model.apply(params, q, X, return_weights=True)
-  chex.assert_shape((ctx, w), ((2, 3, 8), (2, 3, 4)))
-  chex.assert_trees_all_close(w.sum(-1), jnp.ones((2, 3)), atol=1e-5)
+  # Scores computed here from the parameters, independently of attnx.core's score functions.
   if score == "dot":
-    ref = core.weights(jnp.einsum("btd,bsd->bts", q, X), "sparsemax")
-    chex.assert_trees_all_close(w, ref, atol=1e-5)
+    s = jnp.einsum("btd,bsd->bts", q, X)
+  elif score == "general":  # qᵀ W k
+    s = jnp.einsum("btd,de,bse->bts", q, p["general_kernel"], X)
+  else:  # vᵀ tanh(W [q; k]) with W = [W_q; W_k] stacked over the concatenated features
+    pairs = jnp.concatenate([jnp.broadcast_to(q[:, :, None], (2, 3, 4, q.shape[-1])),
+                             jnp.broadcast_to(X[:, None], (2, 3, 4, 8))], -1)
+    big_w = jnp.concatenate([p["query_kernel"], p["key_kernel"]], axis=0)
+    s = jnp.tanh(pairs @ big_w) @ p["score_v"]
+  ref = core.weights(s, "sparsemax")
+  assert jnp.max(jnp.abs(s - s.mean(-1, keepdims=True))) > 1e-2  # a score that varies
+  chex.assert_trees_all_close(w, ref, atol=1e-5)
+  chex.assert_trees_all_close(ctx, ref @ X, atol=1e-5)
+
+
+@pytest.mark.parametrize("module", [AdditiveAttention(attention_dim=5, dropout_rate=0.5),
+                                    LuongAttention("concat", dropout_rate=0.5)],
+                         ids=["additive", "luong"])
+def test_additive_and_luong_dropout_on_weights(module):
+  params = module.init(KEY, Q, X)
+  ctx, w = module.apply(params, Q, X, return_weights=True)
+  # One-hot values make the output the weights actually used: w ⊙ keep / (1 − rate).
+  eye = jnp.broadcast_to(jnp.eye(4), (2, 4, 4))
+  rngs = {"dropout": jax.random.PRNGKey(3)}
+  used, w2 = module.apply(params, Q, X, eye, return_weights=True, deterministic=False,
+                          rngs=rngs)
+  chex.assert_trees_all_equal(w2, w)  # returned weights are before dropout
+  dropped = jnp.abs(used) < 1e-7
+  assert jnp.all(dropped | (jnp.abs(used - 2 * w) < 1e-5))
+  assert 0 < jnp.mean(dropped) < 1
+  # Deterministic (the default) ignores dropout_rate.
+  chex.assert_trees_all_close(module.clone(dropout_rate=0.0).apply(params, Q, X), ctx)
 
 
 def test_metric_attention_is_a_learned_mahalanobis_metric():

@@ -68,6 +68,11 @@ def test_kv_cache_decoding_equals_full_causal_pass():
     cache = mut["cache"]
     steps.append(out)
   chex.assert_trees_all_close(jnp.concatenate(steps, axis=1), full, atol=1e-5)
+  # A step past the cache length (4) has no slot: NaN, not a silently overwritten last slot.
+  over, mut = model.apply({"params": variables["params"], "cache": cache}, X[:, :1],
+                          decode=True, mutable=["cache"])
+  assert jnp.all(jnp.isnan(over)) and int(mut["cache"]["cache_index"]) == 5
+  chex.assert_trees_all_equal(mut["cache"]["cached_key"], cache["cached_key"])
 
 
 def test_kv_cache_rejects_multi_token_step():
@@ -77,14 +82,23 @@ def test_kv_cache_rejects_multi_token_step():
     model.apply(variables, X[:, :2], decode=True, mutable=["cache"])
 
 
-@pytest.mark.parametrize("weighting", ["softmax", "sparsemax", "sigmoid:normalization=none"])
-def test_causality_through_gradients(weighting):
-  model = MultiHeadAttention(num_heads=2, is_causal=True, weighting=weighting)
-  params = model.init(KEY, X)
-  for t in (0, 2):
-    g = jax.grad(lambda x, t=t: jnp.sum(model.apply(params, x)[:, t]))(X)
-    assert jnp.all(g[:, t + 1:] == 0), weighting
-    assert jnp.all(jnp.any(g[:, t] != 0, axis=-1)), weighting  # the query itself matters
+def test_causality_through_gradients():
+  weightings = ("softmax", "sparsemax", "sigmoid:normalization=none")
+
+  @jax.jit
+  def grads(x):  # [weighting, t] -> d out[:, t] / d x, in one program
+    out = []
+    for w in weightings:
+      model = MultiHeadAttention(num_heads=2, is_causal=True, weighting=w)
+      params = model.init(KEY, x)
+      out.append([jax.grad(lambda x, t=t, m=model, p=params: jnp.sum(m.apply(p, x)[:, t]))(x)
+                  for t in (0, 2)])
+    return out
+
+  for w, gs in zip(weightings, grads(X), strict=True):
+    for t, g in zip((0, 2), gs, strict=True):
+      assert jnp.all(g[:, t + 1:] == 0), w
+      assert jnp.all(jnp.any(g[:, t] != 0, axis=-1)), w  # the query itself matters
 
 
 def test_return_and_sow_weights():
@@ -102,11 +116,24 @@ SCORE_PARAMS = {"bilinear": ["score_W"], "metric": ["score_L"],
 
 
 def test_scores_with_learned_params():
-  for score, names in SCORE_PARAMS.items():
-    model = MultiHeadAttention(num_heads=2, qkv_features=8, score=score, score_dim=3)
-    params = model.init(KEY, X)
+  # score_dim is a free width only for metric (rank of L) and additive (hidden width).
+  models = {s: MultiHeadAttention(num_heads=2, qkv_features=8, score=s,
+                                  score_dim=3 if s in ("metric", "additive") else None)
+            for s in SCORE_PARAMS}
+
+  @jax.jit
+  def run(x):  # one program for every score
+    res = {}
+    for s, m in models.items():
+      params = m.init(KEY, x)
+      res[s] = params, *jax.value_and_grad(lambda p, m=m: jnp.sum(m.apply(p, x) ** 2))(params)
+    return res
+
+  for score, (params, out, grads) in run(X).items():
+    names = SCORE_PARAMS[score]
     assert set(names) <= set(params["params"]), (score, params["params"].keys())
-    out, grads = jax.value_and_grad(lambda p, m=model: jnp.sum(m.apply(p, X) ** 2))(params)
+    if models[score].score_dim:
+      assert params["params"][names[0]].shape[-1] == 3, score
     chex.assert_tree_all_finite((out, grads))
     for n in names:
       assert jnp.any(grads["params"][n] != 0), (score, n)

@@ -48,10 +48,10 @@ def test_make_attention_builds_each_type():
     (lambda: an.MultiHeadAttention(num_heads=3, qkv_features=8), "not divisible"),
     (lambda: an.MultiHeadAttention(num_heads=4, num_kv_heads=3), "multiple of num_kv_heads"),
     (lambda: an.MultiHeadAttention(num_heads=2, score="additive", implementation="blocked"),
-     "cannot run with implementation='blocked'"),
+     "cannot stream"),
     (lambda: an.MultiHeadAttention(num_heads=2, weighting="sparsemax",
                                    implementation="blocked"), "normalizes whole rows"),
-    (lambda: an.MultiHeadAttention(num_heads=2, implementation="fast"), "unknown implementation"),
+    (lambda: an.MultiHeadAttention(num_heads=2, implementation="fast"), "Unknown implementation"),
     (lambda: an.MultiHeadAttention(num_heads=2, score="nope"), "Valid scores"),
     (lambda: an.LuongAttention("bilinear"), "unknown Luong score"),
     (lambda: an.LinearAttention(num_heads=2, feature_map="relu"), "unknown feature_map"),
@@ -62,10 +62,72 @@ def test_make_attention_builds_each_type():
     (lambda: an.SequenceClassifier(5, 2, pool="max"), "unknown pool"),
     (lambda: an.NadarayaWatsonRegressor(mode="adaptive"), "unknown mode"),
     (lambda: an.SmallCNN(3, block_attention="eca"), "unknown block_attention"),
+    (lambda: an.MetricAttention(num_heads=2, dropout_rate=1.0),
+     r"dropout_rate must be in \[0, 1\)"),
+    (lambda: an.MetricAttention(num_heads=2, dropout_rate=-0.1), "dropout_rate must be"),
+    (lambda: an.AdditiveAttention(dropout_rate=1.0), "dropout_rate must be"),
+    (lambda: an.LuongAttention("dot", dropout_rate=-1), "dropout_rate must be"),
+    (lambda: an.RNNSeq2Seq(10, attention_dropout_rate=1.0), "dropout_rate must be"),
+    (lambda: an.SmallCNN(3, dropout_rate=2.0), "dropout_rate must be"),
+    (lambda: an.MultiHeadAttention(num_heads=2, score="metric", score_dim=0), "positive"),
+    (lambda: an.MultiHeadAttention(num_heads=2, score_dim=4), "score_dim applies only"),
+    (lambda: an.MultiHeadAttention(num_heads=2, score="bilinear", score_dim=4),
+     "score_dim applies only"),
 ])
 def test_bad_configuration_raises_at_construction(build, match):
   with pytest.raises(ValueError, match=match):
     build()
+
+
+# A distance kernel (a function of ‖q − k‖ that reads the score as −d²) on a similarity score.
+@pytest.mark.parametrize("build", [
+    lambda: an.MultiHeadAttention(num_heads=2, weighting="gaussian"),
+    lambda: an.MultiHeadAttention(num_heads=2, weighting="boxcar", score="bilinear"),
+    lambda: an.AdditiveAttention(weighting="triangular"),
+    lambda: an.LuongAttention("dot", weighting="epanechnikov"),
+    lambda: an.LuongAttention("general", weighting="gaussian:h=2"),
+    lambda: an.LuongAttention("concat", weighting="boxcar"),
+    lambda: an.RNNSeq2Seq(10, weighting="gaussian"),
+    lambda: an.RNNSeq2Seq(10, attention_type="luong_dot", weighting="triangular"),
+    lambda: an.SqueezeExcite(weighting="gaussian"),
+    lambda: an.CBAM(weighting="epanechnikov"),
+    lambda: an.SmallCNN(3, weighting="boxcar"),
+    lambda: an.EncoderBlock(2, 8, attention={"weighting": "gaussian", "score": "scaled_dot"}),
+    lambda: an.DecoderBlock(2, 8, cross_attention={"weighting": "boxcar", "score": "cosine"}),
+    lambda: an.VisionTransformer(3, attention={"weighting": "gaussian", "score": "dot"}),
+    lambda: an.Seq2Seq(10, attention={"weighting": "triangular", "score": "additive"}),
+    lambda: an.SequenceClassifier(5, 2, attention={"weighting": "epanechnikov",
+                                                   "score": "scaled_dot"}),
+    lambda: core.flax_attention_fn("gaussian"),
+])
+def test_distance_kernel_on_a_similarity_score_raises_at_construction(build):
+  with pytest.raises(ValueError, match="is not a distance"):
+    build()
+
+
+def test_distance_kernels_with_distance_scores_build():
+  an.MultiHeadAttention(num_heads=2, weighting="gaussian", score="neg_sq_dist")
+  an.MultiHeadAttention(num_heads=2, weighting="boxcar", score="metric", score_dim=2)
+  an.MetricAttention(num_heads=2, weighting="triangular")
+  an.RNNSeq2Seq(10, attention_type="none", weighting="gaussian")  # F unused without attention
+  an.EncoderBlock(2, 8, attention={"type": "metric", "weighting": "epanechnikov"})
+
+
+def test_dict_form_builds_the_same_model_as_the_variant_name():
+  for variant in ("gaussian", "boxcar:h=0.5", "relu"):
+    by_dict = an.resolve_attention({"weighting": variant})
+    assert by_dict == an.attention_spec(variant), variant
+    built = [an.make_attention(a, num_heads=2, name="attention")
+             for a in (by_dict, an.attention_spec(variant), variant)]
+    assert built[0] == built[1] == built[2], variant
+  assert an.resolve_attention({"weighting": "gaussian"})["score"] == "neg_sq_dist"
+  assert "score" not in an.resolve_attention({"weighting": "relu"})  # MHA's default applies
+  # The same holds inside models: both forms give the same frozen attention field.
+  vits = [an.VisionTransformer(3, hidden_dim=8, num_heads=2, attention=a)
+          for a in ({"weighting": "gaussian"}, an.attention_spec("gaussian"))]
+  assert vits[0].attention == vits[1].attention
+  # An explicit distance score is kept.
+  assert an.resolve_attention({"weighting": "gaussian", "score": "metric"})["score"] == "metric"
 
 
 def test_bad_shapes_raise_clear_errors():

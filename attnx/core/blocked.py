@@ -43,25 +43,48 @@ from attnx.core.weightings import Pointwise
 
 Array = jax.Array
 
-# Measured side by side on a 2-core CPU at (B, T, N, H) = (1, 4096, 4, 64), forward:
-# 1024×512 tiles 115 ms, 1024×256 120 ms, 512×512 153 ms, 1024×1024 144 ms, 2048×512 143 ms
-# (jax.nn: 416 ms); fwd+bwd within noise of the best. 1024×256 keeps the speed of 1024×512
-# with 25× (not 18×) less scratch than jax.nn (XLA memory_analysis: 20 vs 28 MiB).
-DEFAULT_BLOCK_Q = 1024
+# Tiles are sized by a budget of scores per tile (all heads of a chunk × G query heads × bq ×
+# bk). Measured side by side on a 2-core CPU (Intel Xeon, AVX-512) at (B, T, N, H) =
+# (1, 4096, 4, 64), forward: one head at a time with 4096×256 tiles 131 ms, 2048×512 147 ms,
+# four heads batched with 1024×256 tiles 156 ms (jax.nn: 412 ms). XLA's CPU dots are faster
+# on one tall [bq, H] × [H, bk] product than on a batch of shorter ones, so the kernel walks
+# the heads in chunks and gives each chunk the tallest tile the budget allows. 2^20 f32
+# scores = 4 MiB per tile keeps the scratch memory ≥ 20× below jax.nn's at T = 4096.
+TILE_BUDGET = 1 << 20
 DEFAULT_BLOCK_K = 256
+CAUSAL_BLOCK_Q = 1024  # causal: shorter query tiles let more tiles above the diagonal be skipped
 _ALIGN = 8  # tiles are multiples of 8 rows (SIMD-friendly)
 
-__all__ = ["DEFAULT_BLOCK_K", "DEFAULT_BLOCK_Q", "blocked_attention", "default_block_sizes"]
+__all__ = ["DEFAULT_BLOCK_K", "TILE_BUDGET", "blocked_attention", "default_block_sizes"]
 
 
 def _round_up(x: int, m: int) -> int:
   return -(-x // m) * m
 
 
-def default_block_sizes(t: int, s: int) -> tuple[int, int]:
-  """Default (block_q, block_k): (1024, 256), capped at the (8-aligned) lengths."""
-  return min(DEFAULT_BLOCK_Q, _round_up(max(t, 1), _ALIGN)), min(
-      DEFAULT_BLOCK_K, _round_up(max(s, 1), _ALIGN))
+def default_block_sizes(t: int, s: int, group: int = 1,
+                        is_causal: bool = False) -> tuple[int, int]:
+  """Default (block_q, block_k) for T queries, S keys and ``group`` query heads per kv head.
+
+  block_k = 256 and block_q as tall as :data:`TILE_BUDGET` allows (group · block_q · block_k
+  scores), at most :data:`CAUSAL_BLOCK_Q` when causal; both capped at the (8-aligned) lengths.
+  """
+  bk = min(DEFAULT_BLOCK_K, _round_up(max(s, 1), _ALIGN))
+  bq = max(_ALIGN, (TILE_BUDGET // (bk * max(group, 1))) // _ALIGN * _ALIGN)
+  if is_causal:
+    bq = min(bq, CAUSAL_BLOCK_Q)
+  return min(bq, _round_up(max(t, 1), _ALIGN)), bk
+
+
+def heads_per_chunk(b: int, kh: int, group: int, bq: int, bk: int) -> int:
+  """How many of the X = B·K (batch, kv head) rows one tile holds: the largest count within
+  :data:`TILE_BUDGET` that divides K or is a multiple of K dividing B·K (so that a chunk
+  covers a rectangle of [batch, kv head] and a bias/mask slice stays a plain slice)."""
+  per_row = group * bq * bk
+  fits = max(1, TILE_BUDGET // per_row)
+  options = [d for d in range(1, kh + 1) if kh % d == 0]
+  options += [kh * d for d in range(1, b + 1) if b % d == 0]
+  return max(c for c in options if c <= fits) if fits >= 1 else 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,7 +98,9 @@ class _Cfg:
   is_causal: bool
   has_mask: bool
   has_bias: bool
-  b5: tuple[int, int, int] = (1, 1, 1)  # (B, K, G): X = B·K rows of G query heads
+  b5: tuple[int, int, int] = (1, 1, 1)  # (B, K, G) of one chunk: X = B·K rows of G query heads
+  kh: int = 1  # K of the whole problem (chunks are rectangles of [batch, kv head])
+  xc: int = 1  # X rows per chunk
 
   @property
   def nq(self) -> int:
@@ -92,6 +117,37 @@ class _Cfg:
   @property
   def needs_valid(self) -> bool:
     return self.has_mask or self.is_causal or self.pad_k
+
+  def chunk_b5(self) -> tuple[int, int, int]:
+    """(B, K, G) of one chunk of xc consecutive X rows."""
+    if self.xc <= self.kh:
+      return (1, self.xc, self.b5[2])
+    return (self.xc // self.kh, self.kh, self.b5[2])
+
+
+# --------------------------------------------------------------------------------------------
+# Chunks: the kernels run on xc of the X = B·K rows at a time.
+# --------------------------------------------------------------------------------------------
+
+def _chunk_rows(x: Array, c: Array, cfg: _Cfg) -> Array:
+  return lax.dynamic_slice_in_dim(x, c * cfg.xc, cfg.xc, 0)
+
+
+def _chunk5_start(x5: Array, c: Array, cfg: _Cfg) -> tuple[tuple[Any, ...], tuple[int, ...]]:
+  """Start and size of chunk c's slice of a [Bb, Kb, Gb, Tb, Sb] bias/mask (or its grad)."""
+  cb, ck, _ = cfg.chunk_b5()
+  x0 = c * cfg.xc
+  b0, k0 = x0 // cfg.kh, x0 % cfg.kh
+  starts = (b0 if x5.shape[0] != 1 else 0, k0 if x5.shape[1] != 1 else 0, 0, 0, 0)
+  sizes = (cb if x5.shape[0] != 1 else 1, ck if x5.shape[1] != 1 else 1) + x5.shape[2:]
+  return starts, sizes
+
+
+def _chunk5(x5: Array | None, c: Array, cfg: _Cfg) -> Array | None:
+  if x5 is None:
+    return None
+  starts, sizes = _chunk5_start(x5, c, cfg)
+  return lax.dynamic_slice(x5, starts, sizes)
 
 
 # --------------------------------------------------------------------------------------------
@@ -195,7 +251,26 @@ def _prescale(q: Array, scale: Array, cfg: _Cfg) -> tuple[Array, Array | None, f
 # --------------------------------------------------------------------------------------------
 
 def _forward(q, k, v, bias, mask, scale, cfg: _Cfg):
-  """Returns O [X, G, Tp, Hv] (f32) and the row statistic [X, G, Tp] (f32).
+  """Returns O [X, G, Tp, Hv] (f32) and the row statistic [X, G, Tp] (f32), chunk by chunk."""
+  x, g, tp, _ = q.shape
+  ccfg = dataclasses.replace(cfg, b5=cfg.chunk_b5())
+
+  def chunk(c, carry):
+    out, stat = carry
+    o, st = _forward_chunk(_chunk_rows(q, c, cfg), _chunk_rows(k, c, cfg),
+                           _chunk_rows(v, c, cfg), _chunk5(bias, c, cfg),
+                           _chunk5(mask, c, cfg), scale, ccfg)
+    return (lax.dynamic_update_slice_in_dim(out, o, c * cfg.xc, 0),
+            lax.dynamic_update_slice_in_dim(stat, st, c * cfg.xc, 0))
+
+  init = (jnp.zeros((x, g, tp, v.shape[-1]), jnp.float32), jnp.zeros((x, g, tp), jnp.float32))
+  if cfg.xc == x:
+    return _forward_chunk(q, k, v, bias, mask, scale, ccfg)
+  return lax.fori_loop(0, x // cfg.xc, chunk, init)
+
+
+def _forward_chunk(q, k, v, bias, mask, scale, cfg: _Cfg):
+  """One chunk of :func:`_forward`: O [xc, G, Tp, Hv] and the row statistic [xc, G, Tp].
 
   The statistic is lse = m + log l for online-max weightings (+inf where l = 0, which makes
   every recomputed weight 0) and the normalizer l otherwise (1 for ``"none"``).
@@ -294,6 +369,33 @@ def _sum_to(x: Array, shape: tuple[int, ...]) -> Array:
 
 
 def _backward(q, k, v, bias, mask, scale, out, stat, do, cfg: _Cfg):
+  """(dq, dk, dv, dbias, dscale), chunk by chunk; chunks may share a broadcast bias slice."""
+  x = q.shape[0]
+  ccfg = dataclasses.replace(cfg, b5=cfg.chunk_b5())
+  if cfg.xc == x:
+    return _backward_chunk(q, k, v, bias, mask, scale, out, stat, do, ccfg)
+  f32 = jnp.float32
+
+  def chunk(c, carry):
+    dq, dk, dv, dbias, dscale = carry
+    rows = lambda a: _chunk_rows(a, c, cfg)
+    dq_c, dk_c, dv_c, dbias_c, dscale_c = _backward_chunk(
+        rows(q), rows(k), rows(v), _chunk5(bias, c, cfg), _chunk5(mask, c, cfg), scale,
+        rows(out), rows(stat), rows(do), ccfg)
+    put = lambda buf, a: lax.dynamic_update_slice_in_dim(buf, a, c * cfg.xc, 0)
+    if cfg.has_bias:
+      starts, sizes = _chunk5_start(bias, c, cfg)
+      dbias = lax.dynamic_update_slice(dbias, lax.dynamic_slice(dbias, starts, sizes) + dbias_c,
+                                       starts)
+    return put(dq, dq_c), put(dk, dk_c), put(dv, dv_c), dbias, dscale + dscale_c
+
+  init = (jnp.zeros(q.shape, f32), jnp.zeros(k.shape, f32), jnp.zeros(v.shape, f32),
+          jnp.zeros(bias.shape, f32) if cfg.has_bias else None, jnp.zeros((), f32))
+  return lax.fori_loop(0, x // cfg.xc, chunk, init)
+
+
+def _backward_chunk(q, k, v, bias, mask, scale, out, stat, do, cfg: _Cfg):
+  """One chunk of :func:`_backward`."""
   w = cfg.w
   norm = w.normalization
   f32 = jnp.float32
@@ -448,7 +550,7 @@ def blocked_attention(q: Array, k: Array, v: Array, *, weighting: Pointwise, sca
     mask: optional boolean mask broadcastable to [B, N, T, S]; True = attend.
     is_causal: query i attends key j ≤ i (top-left aligned, like ``jnp.tril``).
     block_q, block_k: tile sizes (default :func:`default_block_sizes`); T and S need not be
-      multiples of them.
+      multiples of them. Heads are processed in chunks that fill :data:`TILE_BUDGET`.
 
   Returns:
     [B, T, N, Hv] in q's dtype; equal (up to float rounding) to
@@ -467,13 +569,14 @@ def blocked_attention(q: Array, k: Array, v: Array, *, weighting: Pointwise, sca
   for name, blk in (("block_q", block_q), ("block_k", block_k)):
     if blk is not None and blk < 1:
       raise ValueError(f"{name} must be a positive tile size, got {blk}")
-  dq, dk = default_block_sizes(t, s)
+  g = n // kh
+  dq, dk = default_block_sizes(t, s, g, is_causal)
   # A tile never needs to be longer than the (8-aligned) sequence.
   bq = min(block_q, _round_up(t, _ALIGN)) if block_q else dq
   bk = min(block_k, _round_up(s, _ALIGN)) if block_k else dk
-  g = n // kh
   cfg = _Cfg(w=weighting, t=t, s=s, bq=bq, bk=bk, is_causal=is_causal,
-             has_mask=mask is not None, has_bias=bias is not None, b5=(b, kh, g))
+             has_mask=mask is not None, has_bias=bias is not None, b5=(b, kh, g), kh=kh,
+             xc=heads_per_chunk(b, kh, g, bq, bk))
   tp, sp = cfg.nq * bq, cfg.nk * bk
 
   # [B, T, N, H] -> [X, G, Tp, H] and [B, S, K, H] -> [X, Sp, H] (X = B·K), zero padded.

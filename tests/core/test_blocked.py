@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 from absl.testing import parameterized
 
+from attnx.core import blocked as blocked_lib
 from attnx.core import weightings as wlib
-from attnx.core.blocked import blocked_attention, default_block_sizes
+from attnx.core.blocked import blocked_attention, default_block_sizes, heads_per_chunk
 
 POINTWISE = [n for n in wlib.list_weightings() if isinstance(wlib.get_weighting(n), wlib.Pointwise)]
 VARIANTS = ["relu:normalization=length", "sigmoid:normalization=none",
@@ -162,6 +163,31 @@ def test_causal_and_bias_broadcast(shape_name, name):
   _assert_close(ob, od)
   _assert_close(gb, gd, atol=2e-5)
   assert gb[3].shape == CAUSAL_SHAPES[shape_name][4]
+
+
+# Chunks of heads: a small tile budget forces several chunks (of 1 or 2 of the X = B·K = 4
+# rows), with bias and mask broadcast over batch or heads; outputs and all gradients.
+CHUNK_CASES = [(chunk, bias_shape, mask_shape)
+               for chunk in (1, 2)
+               for bias_shape, mask_shape in (((2, 4, 21, 19), (2, 1, 21, 19)),
+                                              ((1, 4, 21, 19), (1, 4, 1, 19)),
+                                              ((2, 1, 1, 19), (2, 4, 21, 19)))]
+
+
+@pytest.mark.parametrize("chunk,bias_shape,mask_shape", CHUNK_CASES)
+def test_chunks_of_heads_match_dense(chunk, bias_shape, mask_shape, monkeypatch):
+  q, k, v, _, _, ct = _inputs(t=21, s=19, n=4, kh=2, seed=3)
+  rng = np.random.default_rng(4)
+  bias = jnp.asarray(rng.standard_normal(bias_shape, np.float32))
+  mask = jnp.asarray(rng.random(mask_shape) < 0.8)
+  # G = 2 query heads per kv head: a tile of one X row holds 2 · 16 · 16 scores.
+  monkeypatch.setattr(blocked_lib, "TILE_BUDGET", chunk * 2 * BLOCK * BLOCK)
+  assert heads_per_chunk(2, 2, 2, BLOCK, BLOCK) == chunk
+  w = wlib.get_weighting("softmax_plus_one")
+  kw = dict(w=w, scale=SCALE, mask=mask, is_causal=True)
+  got = jax.jit(lambda *a: _out_and_grads(_blocked, *a, **kw))(q, k, v, bias, ct)
+  want = jax.jit(lambda *a: _out_and_grads(_dense, *a, **kw))(q, k, v, bias, ct)
+  _assert_close(got, want, atol=2e-5)
 
 
 def test_causal_skips_tiles_above_the_diagonal():
@@ -318,9 +344,23 @@ def test_scale_gradient():
 
 class ApiTest(parameterized.TestCase):
 
-  @parameterized.parameters((5, 7, 8, 8), (512, 512, 512, 256), (4096, 100, 1024, 104))
-  def test_default_block_sizes(self, t, s, bq, bk):
-    self.assertEqual(default_block_sizes(t, s), (bq, bk))
+  @parameterized.parameters((5, 7, 1, False, 8, 8), (512, 512, 1, False, 512, 256),
+                            (4096, 100, 1, False, 4096, 104), (9000, 9000, 1, False, 4096, 256),
+                            (4096, 4096, 4, False, 1024, 256), (4096, 4096, 1, True, 1024, 256))
+  def test_default_block_sizes(self, t, s, group, causal, bq, bk):
+    self.assertEqual(default_block_sizes(t, s, group, causal), (bq, bk))
+
+  def test_heads_per_chunk_fills_the_budget_with_whole_rectangles(self):
+    budget = blocked_lib.TILE_BUDGET
+    self.assertEqual(heads_per_chunk(1, 4, 1, 4096, 256), 1)  # one 4096×256 tile = budget
+    self.assertEqual(heads_per_chunk(8, 8, 1, 256, 256), 16)  # 2 batch rows of 8 kv heads
+    self.assertEqual(heads_per_chunk(2, 8, 1, 1024, 256), 4)  # divides K
+    self.assertEqual(heads_per_chunk(3, 6, 1, 8, 8), 18)  # everything fits
+    for b, kh in ((3, 6), (4, 5), (2, 8)):
+      for bq in (8, 64, 1024):
+        c = heads_per_chunk(b, kh, 2, bq, 256)
+        self.assertTrue(kh % c == 0 or (c % kh == 0 and b % (c // kh) == 0), (b, kh, c))
+        self.assertTrue(c == 1 or c * 2 * bq * 256 <= budget)
 
   def test_default_blocks_match_small_blocks(self):
     q, k, v, *_ = _inputs(t=37, s=53)

@@ -16,11 +16,12 @@ the max abs error against a float64 reference on the first queries.
 Command:
   python launch.py --config=experiments/kernel_benchmark.py:default --workdir=runs/kernel_benchmark
   python experiments/kernel_benchmark.py --preset=tiny --workdir=/tmp/kb
-Expected runtime on 2 CPU cores: tiny < 30 s, quick ≈ 2–3 min, default ≈ 7 min.
-Expected result (2-core AMD EPYC, jax 0.10.2): blocked softmax forward ≈ 3.4–3.8× jax.nn at
-T = 4096 at ≈ 60–65 % of the matmul rate, forward+backward ≈ 2.3–2.6×, ≈ 25× less scratch
-memory; softplus is the slowest F (≈ 1.4–1.8× softmax: two transcendentals per score); T = 65536
-runs only blocked (the dense T×S scores would need 16 GiB), fwd+bwd in ≈ 50 MiB of scratch.
+Expected runtime on 2 CPU cores: tiny < 30 s, quick ≈ 3 min, default ≈ 7.5 min.
+Expected result (2-core Intel Xeon with AVX-512, jax 0.10.2): blocked softmax forward ≈ 3–4.7×
+jax.nn at T = 4096 (jax.nn alone varies by ±20 % between runs) at ≈ 46 % of the matmul rate
+(65–68 % on a 2-core AMD EPYC), forward+backward ≈ 3.6×, ≈ 21× less scratch memory; every
+pointwise F within ≈ 1.15× of softmax; T = 65536 runs only blocked (the dense T×S scores would
+need 16 GiB), fwd+bwd in ≈ 60 MiB of scratch.
 The report's "Targets" table checks the kernel issue's targets against the measured values.
 """
 

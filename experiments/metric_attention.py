@@ -19,9 +19,12 @@ accuracy, which would reward a variant for its clean accuracy alone.
 
 Command:
   python launch.py --config=experiments/metric_attention.py:default --workdir=runs/metric_attention
-Expected runtime: default ≈ 2.5 min on 2 shared CPU cores (digits only), tiny ≈ 60 s.
+Expected runtime: default ≈ 1–2.5 min on 2 shared CPU cores (digits only; 46 s measured),
+tiny ≈ 60 s.
 Expected result: unknown a priori — this is the test. The report says plainly which of the
-three claims held here and by how much relative to the seed-to-seed spread.
+three claims held here and by how much relative to the seed-to-seed spread (on digits with the
+default preset: metric attention 0.904 vs softmax 0.929 accuracy, 358 vs 225 steps to 0.9, the
+same accuracy drop under pixel noise — the claims did not hold).
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ measure sparsity as α and τ vary.
 Command:
   python launch.py --config=experiments/regularized_argmax.py:default \
       --workdir=runs/regularized_argmax
-Expected runtime: default ≈ 45 s, tiny ≈ 15 s (2 shared CPU cores).
+Expected runtime: default ≈ 10–45 s, tiny ≈ 15 s (2 shared CPU cores; 9 s measured).
 Expected result: solver and closed forms agree to ≲1e-5 (solver tolerance); the objective of the
 closed form is never below the solver's; sparsity grows with α and with 1/τ, is exactly 0 for
 softmax (α = 1).

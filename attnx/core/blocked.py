@@ -404,8 +404,12 @@ def _backward_chunk(q, k, v, bias, mask, scale, out, stat, do, cfg: _Cfg):
   # D_i = dO_i·O_i = Σ_j w_ij dP_ij (also correct with a denominator offset).
   delta = jnp.sum(do.astype(f32) * out, axis=-1)
   if not w.online_max:
+    # 1/l overflows for a denormal l (F near 0 on a whole row, e.g. power:p=3 on scores near
+    # 0) and f·inf would be NaN: such rows use 1/(l·2^100) on F·2^100 instead (f ≤ l there).
     pos = stat > 0
-    inv_l = jnp.where(pos, 1.0 / jnp.where(pos, stat, 1.0), 0.0)
+    tiny = stat < 2.0 ** -100
+    row_mult = jnp.where(tiny, 2.0 ** 100, 1.0)
+    inv_l = jnp.where(pos, 1.0 / jnp.where(pos, stat * row_mult, 1.0), 0.0)
   bias_shape = bias.shape if cfg.has_bias else None
 
   def k_block(j, carry):
@@ -443,6 +447,9 @@ def _backward_chunk(q, k, v, bias, mask, scale, out, stat, do, cfg: _Cfg):
           p, dz = f, fp * dp
         else:
           il = row(inv_l)
+          if norm == "sum":
+            big = row(row_mult)
+            f, fp = f * big, fp * big
           p = f * il
           if norm == "sum":
             dz = fp * ((dp - row(delta)) * il)

@@ -258,6 +258,30 @@ def _online_max_weights_jvp(axis, offset, primals, tangents):
   return w, wdz - w * jnp.sum(wdz, axis=axis, keepdims=True)
 
 
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2))
+def _sum_normalize(e: Array, axis: int, offset: float) -> Array:
+  """e / (Σ e + offset) along ``axis``; all-zero weights where the denominator is 0.
+
+  The custom JVP, dw = (de − w Σ de) / denom, divides by the denominator once. Autodiff of
+  ``e / denom`` would form e / denom², which underflows to 0 once denom is below ~1e-19 (e.g.
+  ``power:p=3`` on scores near 0) and turns the gradient into inf · 0 = NaN.
+  """
+  denom = jnp.sum(e, axis=axis, keepdims=True) + offset
+  safe = denom > 0
+  return jnp.where(safe, e / jnp.where(safe, denom, 1.0), 0.0)
+
+
+@_sum_normalize.defjvp
+def _sum_normalize_jvp(axis, offset, primals, tangents):
+  (e,), (de,) = primals, tangents
+  denom = jnp.sum(e, axis=axis, keepdims=True) + offset
+  safe = denom > 0
+  d = jnp.where(safe, denom, 1.0)
+  w = jnp.where(safe, e / d, 0.0)
+  dw = (de - w * jnp.sum(de, axis=axis, keepdims=True)) / d
+  return w, jnp.where(safe, dw, 0.0)
+
+
 def pointwise_weights(scores: Array, w: Pointwise, axis: int = -1,
                       where: Array | None = None, num_keys: int | None = None) -> Array:
   """Dense reference implementation of a :class:`Pointwise` weighting (float32 math)."""
@@ -274,8 +298,8 @@ def pointwise_weights(scores: Array, w: Pointwise, axis: int = -1,
   else:
     e = jnp.where(valid, w.fn(jnp.where(valid, s, 0.0), n), 0.0)
   if w.normalization == "sum":
-    denom = jnp.sum(e, axis=axis, keepdims=True) + w.denominator_offset
-  elif w.normalization == "length":
+    return _sum_normalize(e, axis, float(w.denominator_offset))
+  if w.normalization == "length":
     denom = (jnp.asarray(float(n), s.dtype) if valid is None
              else jnp.sum(valid, axis=axis, keepdims=True).astype(s.dtype))
   else:

@@ -236,3 +236,49 @@ class Errors(parameterized.TestCase):
     q, kk, v, _, _ = _inputs(t=600, s=600, b=1, n=1, k=1)  # large: auto picks blocked if it can
     out = core.attention(q, kk, v, weighting="sparsemax")
     chex.assert_tree_all_finite(out)
+
+
+# power, relu and relu² weights are invariant to a positive rescaling of the scores. Scaling q
+# by λ leaves the output and dL/dk, dL/dv unchanged and divides dL/dq by λ — but with Σ F(s)
+# near 1e-28, e / Σ² underflowed and the gradient was inf·0 = NaN (power:p=3 in the survey).
+@pytest.mark.parametrize("implementation", ["dense", "blocked"])
+@pytest.mark.parametrize("weighting,lam", [("power:p=3", 1e-10), ("relu2", 1e-15),
+                                           ("relu", 1e-29)])
+def test_homogeneous_weightings_survive_tiny_denominators(implementation, weighting, lam):
+  kq, kk, kv, kc = jax.random.split(jax.random.PRNGKey(7), 4)
+  q = jax.random.normal(kq, (2, 24, 2, 8))
+  k = jax.random.normal(kk, (2, 24, 2, 8))
+  v = jax.random.normal(kv, (2, 24, 2, 8))
+  ct = jax.random.normal(kc, (2, 24, 2, 8))
+
+  def loss(q, k, v):
+    out = core.attention(q, k, v, weighting=weighting, score="dot",
+                         implementation=implementation)
+    return jnp.sum(out * ct)
+
+  grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+  ref_val, (rq, rk, rv) = grad(q, k, v)
+  val, (gq, gk, gv) = grad(lam * q, k, v)
+  for g in (gq, gk, gv):
+    assert np.all(np.isfinite(np.asarray(g))), weighting
+  np.testing.assert_allclose(val, ref_val, rtol=1e-3)
+  np.testing.assert_allclose(gv, rv, rtol=1e-3, atol=1e-4)
+  np.testing.assert_allclose(gk, rk, rtol=1e-2, atol=1e-3)
+  np.testing.assert_allclose(gq * lam, rq, rtol=1e-2, atol=1e-3)
+
+
+@pytest.mark.parametrize("lam", [1e-13, 3e-14])
+def test_blocked_backward_finite_with_a_denormal_row_sum(lam):
+  # Σ F(s) ~ 1e-38..1e-40: 1/l overflowed to inf in the blocked backward (f · inf = NaN). The
+  # forward itself has lost most digits to denormals here, so only finiteness is asserted.
+  kq, kk, kv, kc = jax.random.split(jax.random.PRNGKey(7), 4)
+  q, k, v, ct = (jax.random.normal(x, (2, 24, 2, 8)) for x in (kq, kk, kv, kc))
+
+  def loss(q, k, v):
+    return jnp.sum(core.attention(q, k, v, weighting="power:p=3", score="dot",
+                                  implementation="blocked") * ct)
+
+  val, grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(lam * q, k, v)
+  assert np.isfinite(float(val))
+  for g in grads:
+    assert np.all(np.isfinite(np.asarray(g)))

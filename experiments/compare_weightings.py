@@ -342,7 +342,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
       try:
         res = train.fit(
             model,
-            train_data=train.stream_fn(task.train_arrays, config.batch_size),
+            train_data=train.stream_fn(task.train_arrays, config.batch_size,
+                                       config.data_pipeline),
             loss=task.loss,
             eval_data=(None if task.eval_fn_factory else
                        (lambda t=task: train.batches(t.test_arrays, 500))),

@@ -153,7 +153,7 @@ def run_dataset(name: str, tr: dict, te: dict, config, workdir: str) -> dict[str
                                  hidden_dim=config.hidden_dim, num_layers=config.num_layers,
                                  num_heads=config.num_heads, mlp_dim=config.mlp_dim,
                                  attention=nn.attention_spec(variant))
-    fit = train.fit(model, train_data=train.stream_fn(tr, config.batch_size),
+    fit = train.fit(model, train_data=train.stream_fn(tr, config.batch_size, config.data_pipeline),
                     loss="softmax_xent", eval_data=lambda e=eval_set: train.batches(e, 500),
                     optimizer=optimizer, num_steps=config.num_steps,
                     num_seeds=config.num_seeds, seed=config.seed,

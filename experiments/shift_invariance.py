@@ -323,7 +323,8 @@ def training_level(config: ml_collections.ConfigDict, workdir: str) -> dict[str,
     model = SimilarityAveraging(num_classes=tc.num_classes, weighting=weighting, score=score,
                                 hidden_dim=tc.hidden_dim)
     t0 = time.time()
-    fit = train.fit(model, train_data=train.stream_fn(train_arrays, tc.batch_size),
+    fit = train.fit(model, train_data=train.stream_fn(train_arrays, tc.batch_size,
+                                                      config.data_pipeline),
                     loss="softmax_xent", optimizer=optimizer, num_steps=tc.num_steps,
                     num_seeds=config.num_seeds, seed=config.seed,
                     log_every=max(tc.num_steps // 20, 1), progress=config.progress,

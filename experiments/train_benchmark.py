@@ -91,7 +91,7 @@ def _fit(config, model, arrays, **kw) -> tuple[Any, float]:
   from attnx import train
 
   t0 = time.perf_counter()
-  r = train.fit(model, train_data=train.stream_fn(arrays, config.batch_size),
+  r = train.fit(model, train_data=train.stream_fn(arrays, config.batch_size, config.data_pipeline),
                 optimizer=config.optimizer, num_steps=config.num_steps, log_every=0,
                 progress=False, tensorboard=False, **kw)
   return r, time.perf_counter() - t0

@@ -270,7 +270,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   histories, example_alignments = {}, {}
   for attention_type in config.attention_types:
     model = _model(config, attention_type)
-    fit = train.fit(model, train_data=train.stream_fn(train_arrays, config.batch_size),
+    fit = train.fit(model, train_data=train.stream_fn(train_arrays, config.batch_size,
+                                                      config.data_pipeline),
                     loss="softmax_xent", optimizer=optimizer, num_steps=config.num_steps,
                     num_seeds=config.num_seeds, seed=config.seed,
                     log_every=max(config.num_steps // 30, 1), progress=config.progress,

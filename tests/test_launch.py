@@ -108,6 +108,7 @@ def test_sigkill_after_checkpoint_then_resume_matches_uninterrupted(env, tmp_pat
     ("--config.nope=1", r"config\.nope.*valid keys: .*num_seeds"),
     ("--config.weightings=softmax,foo", r"config\.weightings.*'foo'.*relu.*sparsemax"),
     ("--config.parallel=dp", r"config\.parallel='dp'.*none, shard_map, pmap"),
+    ("--config.data_pipeline=tfdata", r"config\.data_pipeline='tfdata'.*numpy, grain"),
     ("--config.optimizer.name=lion", r"config\.optimizer\.name='lion'.*adamw"),
     ("--config.tasks=digits,mnist", r"config\.tasks.*'mnist'.*digits, listops"),
     ("--config.parallel=pmap --config.num_cpu_devices=2 --config.batch_size=31",

@@ -19,7 +19,13 @@ from attnx.train.config import (  # noqa: E402
     split_list,
     validate,
 )
-from attnx.train.data import array_stream, batches, stream_fn  # noqa: E402
+from attnx.train.data import (  # noqa: E402
+    PIPELINES,
+    array_stream,
+    batches,
+    grain_stream,
+    stream_fn,
+)
 from attnx.train.evaluate import METRICS, evaluate  # noqa: E402
 from attnx.train.loop import (  # noqa: E402
     CheckpointMismatchError,
@@ -56,10 +62,10 @@ from attnx.train.report import (  # noqa: E402
 from attnx.train.step import init_state, make_apply_fn, make_step, seed_step  # noqa: E402
 
 __all__ = [
-    "IGNORE_INDEX", "LOSSES", "METRICS", "OPTIMIZERS", "PARALLEL_MODES", "SCHEDULES",
+    "IGNORE_INDEX", "LOSSES", "METRICS", "OPTIMIZERS", "PARALLEL_MODES", "PIPELINES", "SCHEDULES",
     "CheckpointMismatchError", "FitResult", "NonFiniteLossError", "Placement", "Report",
     "array_stream", "base_config", "batches", "check_choice", "data_mesh", "environment",
-    "evaluate", "fit", "format_experiments", "from_sums", "get_loss", "init_state",
+    "evaluate", "fit", "format_experiments", "from_sums", "get_loss", "grain_stream", "init_state",
     "list_experiments", "load_module", "make_apply_fn", "make_optimizer", "make_schedule",
     "make_step", "mean_std", "mse", "nonfinite_runs", "optimizer_config", "plot_learning_curves",
     "reduce_sums", "run_fingerprint", "seed_step", "softmax_xent", "split_list", "stream_fn",

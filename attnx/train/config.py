@@ -12,6 +12,7 @@ from typing import Any
 
 import ml_collections
 
+from attnx.train.data import PIPELINES
 from attnx.train.optim import validate_optimizer_config
 from attnx.train.parallel import PARALLEL_MODES
 
@@ -33,6 +34,8 @@ def base_config() -> ml_collections.ConfigDict:
       # TFDS data dir of catalog datasets (mnist, ...); "": $TFDS_DATA_DIR or
       # ~/tensorflow_datasets. attnx's own datasets are unaffected ($ATTNX_DATA_DIR).
       data_dir="",
+      # Training batches: "numpy" (fast) or "grain" (grain.MapDataset; see attnx.train.data).
+      data_pipeline="numpy",
       progress=True,  # tqdm bar (only shown on a tty)
       checkpoint_every=0,
       log_every=10,
@@ -61,6 +64,8 @@ def validate(config: ml_collections.ConfigDict, module: ModuleType | None = None
   """Generic checks, then the experiment module's `validate_config(config)` if it has one."""
   if "parallel" in config:
     check_choice(config, "parallel", PARALLEL_MODES)
+  if "data_pipeline" in config:
+    check_choice(config, "data_pipeline", PIPELINES)
   for key in ("num_seeds", "num_steps"):
     if key in config and int(config[key]) < 1:
       raise ValueError(f"config.{key} must be >= 1, got {config[key]!r}")

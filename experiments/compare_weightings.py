@@ -21,11 +21,10 @@ Presets (expected results are what we observed with jax 0.10.2 on a 2-core x86 C
   survey   python launch.py --config=experiments/compare_weightings.py:survey
            all four tasks at CPU scale (ListOps length ≤ 48, MQAR length 32 with 4 pairs, ICL
            d=4 with 16 points), all 13 weightings, 2 seeds, 600 steps of batch 32, and the
-           summary table across tasks. Measured: 21 min wall on 2 cores. Expected: every F
-           but sparsemax/entmax15 within ≈ 2 points of softmax on digits, 0.29-0.32 on
-           ListOps, only metric attention solves MQAR at this budget (≈ 0.98 vs ≈ 0.34), ICL error/d
-           ≈ 0.5 (softmax, sigmoid, softplus) to 1.0 (metric). (Measured when the list had
-           `power` at p = 2, a duplicate of relu2; it now has power:p=3, not yet measured.)
+           summary table across tasks. Measured: 18 min wall on 2 cores. Expected: every F
+           within ≈ 2.5 points of softmax on digits (sparsemax lowest), 0.29-0.32 on ListOps,
+           only metric attention solves MQAR at this budget (≈ 0.98 vs ≈ 0.34), ICL error/d
+           ≈ 0.5 (softmax, sigmoid, softplus) to 1.0 (metric).
   quick    python launch.py --config=experiments/compare_weightings.py:quick
            digits, softmax/relu/sparsemax/linear_elu, 2 seeds, 200 steps of batch 32.
            Measured: 71 s wall on 2 cores (one run); expect about twice that under load,

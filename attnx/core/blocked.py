@@ -450,11 +450,10 @@ def _backward_chunk(q, k, v, bias, mask, scale, out, stat, do, cfg: _Cfg):
           if norm == "sum":
             big = row(row_mult)
             f, fp = f * big, fp * big
-          p = f * il
-          if norm == "sum":
             dz = fp * ((dp - row(delta)) * il)
           else:
             dz = fp * (dp * il)
+          p = f * il
       dv_j = dv_j + jnp.einsum("xsq,xqd->xsd", p.astype(doi.dtype), doi,
                                preferred_element_type=f32)
       dzc = dz.astype(qi.dtype)

@@ -27,7 +27,8 @@ D_i = dO_i·O_i and dP_ij = dO_i·v_j:
 
 Masked keys contribute exactly nothing, and a row without any valid key (or where every F is
 0) gets a zero output with finite, zero gradients, matching
-:func:`attnx.core.weightings.pointwise_weights`. Causal tiles above the diagonal are skipped.
+:func:`attnx.core.weightings.pointwise_weights`; NaN/Inf inputs follow the contract of
+:mod:`attnx.core.contract`, like the dense path. Causal tiles above the diagonal are skipped.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from attnx.core.contract import nonfinite_inputs
 from attnx.core.weightings import Pointwise
 
 Array = jax.Array
@@ -315,9 +317,9 @@ def _forward_chunk(q, k, v, bias, mask, scale, cfg: _Cfg):
       acc, m = lax.fori_loop(*_k_range(i, cfg), k_block, (acc0, m0))
       acc, l = acc[..., :hv], acc[..., hv]
       m = jnp.where(m == -jnp.inf, 0.0, m)
-      pos = l > 0
-      o = jnp.where(pos[..., None], acc / jnp.where(pos, l, 1.0)[..., None], 0.0)
-      st = jnp.where(pos, m + jnp.log(jnp.where(pos, l, 1.0)), jnp.inf)
+      empty = l == 0  # no valid key; a NaN l (NaN score) propagates to o and the statistic
+      o = jnp.where(empty[..., None], 0.0, acc / jnp.where(empty, 1.0, l)[..., None])
+      st = jnp.where(empty, jnp.inf, m + jnp.log(jnp.where(empty, 1.0, l)))
     else:
       norm = w.normalization
 
@@ -346,8 +348,8 @@ def _forward_chunk(q, k, v, bias, mask, scale, cfg: _Cfg):
           l = l + offset
         elif not cfg.needs_valid:
           l = jnp.full(row_shape, float(cfg.s), jnp.float32)
-        pos = l > 0
-        inv = jnp.where(pos, 1.0 / jnp.where(pos, l, 1.0), 0.0)
+        empty = l == 0
+        inv = jnp.where(empty, 0.0, 1.0 / jnp.where(empty, 1.0, l))
         o, st = acc * inv[..., None], l
 
     return _put_rows(out, o, i, cfg), _put_rows(stat, st, i, cfg)
@@ -406,10 +408,10 @@ def _backward_chunk(q, k, v, bias, mask, scale, out, stat, do, cfg: _Cfg):
   if not w.online_max:
     # 1/l overflows for a denormal l (F near 0 on a whole row, e.g. power:p=3 on scores near
     # 0) and f·inf would be NaN: such rows use 1/(l·2^100) on F·2^100 instead (f ≤ l there).
-    pos = stat > 0
-    tiny = stat < 2.0 ** -100
+    empty = stat == 0
+    tiny = jnp.abs(stat) < 2.0 ** -100
     row_mult = jnp.where(tiny, 2.0 ** 100, 1.0)
-    inv_l = jnp.where(pos, 1.0 / jnp.where(pos, stat * row_mult, 1.0), 0.0)
+    inv_l = jnp.where(empty, 0.0, 1.0 / jnp.where(empty, 1.0, stat * row_mult))
   bias_shape = bias.shape if cfg.has_bias else None
 
   def k_block(j, carry):
@@ -575,6 +577,9 @@ def blocked_attention(q: Array, k: Array, v: Array, *, weighting: Pointwise, sca
   for name, blk in (("block_q", block_q), ("block_k", block_k)):
     if blk is not None and blk < 1:
       raise ValueError(f"{name} must be a positive tile size, got {blk}")
+  if q.size == 0 or s == 0:  # no query, or no key (every row has no valid key)
+    return jnp.zeros((b, t, n, v.shape[-1]), q.dtype)
+  q, k, v, bias = nonfinite_inputs(q, k, v, bias)
   g = n // kh
   dq, dk = default_block_sizes(t, s, g, is_causal)
   # A tile never needs to be longer than the (8-aligned) sequence.

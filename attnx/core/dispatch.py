@@ -12,8 +12,9 @@ Two implementations:
   it runs every :class:`~attnx.core.weightings.Pointwise` weighting with every score that is a
   dot product of transformed vectors (all built-in scores but ``additive``).
 
-One deliberate difference from ``jax.nn``: a query row with no valid key (fully masked, or where
-every F(s) is 0) returns a zero output instead of an average of all values.
+Both obey one edge-case contract (:mod:`attnx.core.contract`): empty sequences, rows without a
+valid key (a zero output where ``jax.nn`` averages all values), NaN/Inf inputs reaching exactly
+the rows that attend them, weightings with an unbounded F', bf16/f16.
 """
 
 from __future__ import annotations
@@ -25,9 +26,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from attnx.core import params as params_lib
 from attnx.core import scores as scores_lib
 from attnx.core import weightings as weightings_lib
 from attnx.core.blocked import blocked_attention
+from attnx.core.contract import nonfinite_inputs
 
 Array = jax.Array
 IMPLEMENTATIONS = ("dense", "blocked")
@@ -56,6 +59,8 @@ def _check_inputs(q: Array, k: Array, v: Array, bias: Array | None, mask: Array 
   n, kh = q.shape[-2], k.shape[-2]
   if kh == 0 or n % kh:
     _fail(f"query heads N={n} must be a multiple of key/value heads K={kh}; got {shapes}.")
+  if q.shape[-1] == 0 or k.shape[-1] == 0:
+    _fail(f"query and key need a head dim H ≥ 1; got {shapes}.")
   if score.name in ("dot", "scaled_dot", "cosine", "neg_sq_dist") and q.shape[-1] != k.shape[-1]:
     _fail(f"score {score.name!r} needs equal query/key head dims; got {shapes}.")
   for name, x in (("query", q), ("key", k), ("value", v)):
@@ -151,6 +156,7 @@ def check_compatible(weighting: Any, score: Any = "scaled_dot",
   _check_implementation(implementation, w, sc)
   if not isinstance(score, (str, scores_lib.Score)):
     return
+  check_score_params(score, None, require_arrays=False)  # inline "cosine:temperature=..."
   distance_scores = [n for n in scores_lib.list_scores() if scores_lib.get_score(n).distance]
   if w.kind == "pointwise" and w.distance_kernel and not sc.distance:
     raise ValueError(
@@ -166,11 +172,13 @@ def check_compatible(weighting: Any, score: Any = "scaled_dot",
         "'sparsemax', ...).")
 
 
-def check_score_params(score: Any, score_params: dict[str, Any] | None) -> dict[str, Any]:
+def check_score_params(score: Any, score_params: dict[str, Any] | None, *,
+                       require_arrays: bool = True) -> dict[str, Any]:
   """The parameters of ``score`` (inline ``"name:k=v"`` and ``score_params``), checked.
 
-  Raises ValueError for parameters the score does not accept and for missing arrays of a
-  parametrized score (bilinear W, metric L, additive Wq/Wk/v). A user callable takes any.
+  Raises ValueError for parameters the score does not accept, for a scalar temperature that is
+  not a finite number > 0, and (``require_arrays``) for missing arrays of a parametrized score
+  (bilinear W, metric L, additive Wq/Wk/v). A user callable takes any.
   """
   sc = scores_lib.get_score(score)
   params = {**scores_lib.score_params_from_name(score), **(score_params or {})}
@@ -178,8 +186,12 @@ def check_score_params(score: Any, score_params: dict[str, Any] | None) -> dict[
   if unknown and isinstance(score, (str, scores_lib.Score)):
     raise ValueError(f"Unknown parameters {unknown} for score {sc.name!r}; it accepts "
                      f"{list(sc.params) or 'none'}.")
+  temperature = params.get("temperature")
+  if isinstance(temperature, (int, float, str, bool)):  # an array may be a learned temperature
+    params["temperature"] = params_lib.number(f"score {sc.name!r}", "temperature", temperature,
+                                              low=0.0)
   missing = [p for p in sc.params if p not in params and p != "temperature"]
-  if missing:
+  if missing and require_arrays:
     raise ValueError(f"score {sc.name!r} needs score_params {missing} (e.g. "
                      f"score_params={{{missing[0]!r}: array}}).")
   return params
@@ -248,9 +260,12 @@ def attention_weights(query: Array, key: Array, bias: Array | None = None,
   q, k, _, bias, mask, w, sc, params, scale = _prepare(
       q, k, k, bias, mask, weighting, score, scale, score_params)
   (t, n), s = q.shape[-3:-1], k.shape[-3]
+  if q.size == 0 or s == 0:
+    return jnp.zeros((*q.shape[:-3], n, t, s), jnp.float32)
+  q, k, _, bias = nonfinite_inputs(q, k, None, bias)
   scores = _dense_scores(q, _repeat_kv(k, n), bias, sc, params, scale)
   valid = _combined_mask(mask, is_causal, t, s)
-  return weightings_lib.weights(scores, w, axis=-1, where=valid)
+  return weightings_lib.apply_weighting(scores, w, axis=-1, where=valid)
 
 
 def attention(query: Array, key: Array, value: Array, bias: Array | None = None,
@@ -280,12 +295,27 @@ def attention(query: Array, key: Array, value: Array, bias: Array | None = None,
 
   Returns:
     ``[batch..., T, N, Hv]`` in the query's dtype. Math is float32 for bf16/f16 inputs.
+
+  Edge cases (the same in every implementation; :mod:`attnx.core.contract`):
+
+  * T = 0 gives an empty output, S = 0 a zero output; gradients are zero.
+  * A row with no valid key (fully masked, or every F(s) = 0) gives zeros with zero gradients.
+  * Masked keys are never touched: NaN/Inf in a masked key, value or bias entry changes nothing.
+  * NaN/Inf inputs: output row i is all NaN iff it has a valid key and q_i, or k_j, v_j or
+    bias_ij (NaN or +Inf) of a valid key j, is non-finite — as in ``jax.nn``. A bias of −Inf
+    is a score of −Inf (weight F(−∞) = 0 for every built-in F but ``taylor_exp``).
+  * Finite inputs give finite outputs and gradients for every built-in weighting (scores up
+    to ~1e4); ``power:p<1`` uses F(s) = F'(s) = 0 for s < 2⁻¹²⁶, where F' is unbounded.
+  * Parameters are validated when the weighting/score is parsed: ``"power:p=abc"`` or
+    ``"cosine:temperature=0"`` raise a ValueError naming the parameter and its range.
   """
   q, k, v, bias, mask, w, sc, params, scale = _prepare(
       query, key, value, bias, mask, weighting, score, scale, score_params)
   batch, (t, n), s = q.shape[:-3], q.shape[-3:-1], k.shape[-3]
   impl = _choose_implementation(implementation, w, sc, t, s)
   out_dtype = q.dtype
+  if q.size == 0 or s == 0:  # no query, or no key: every row has no valid key
+    return jnp.zeros((*batch, t, n, v.shape[-1]), out_dtype)
   if impl == "blocked":
     qd, kd = sc.to_dot(q, k, **params)
     flat = lambda x: x.reshape((-1,) + x.shape[len(batch):])
@@ -297,9 +327,10 @@ def attention(query: Array, key: Array, value: Array, bias: Array | None = None,
                             mask=_to_4d(mask, batch), is_causal=is_causal,
                             block_q=block_q, block_k=block_k)
     return out.reshape(batch + out.shape[1:]).astype(out_dtype)
+  q, k, v, bias = nonfinite_inputs(q, k, v, bias)
   scores = _dense_scores(q, _repeat_kv(k, n), bias, sc, params, scale)
   valid = _combined_mask(mask, is_causal, t, s)
-  probs = weightings_lib.weights(scores, w, axis=-1, where=valid)
+  probs = weightings_lib.apply_weighting(scores, w, axis=-1, where=valid)
   vv = _repeat_kv(v, n)
   out = jnp.einsum("...nts,...snh->...tnh", probs.astype(vv.dtype), vv,
                    preferred_element_type=jnp.promote_types(vv.dtype, jnp.float32))

@@ -19,11 +19,11 @@ gives zeros with finite gradients; −inf scores count as masked) and stay finit
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
 
+from attnx.core import params as params_lib
 from attnx.core import weightings as weightings_lib
 
 Array = jax.Array
@@ -159,9 +159,7 @@ def stick_breaking(x: Array, axis: int = -1, where: Array | None = None) -> Arra
 
 def _make_ssmax(s: float = SSMAX_DEFAULT_S) -> weightings_lib.RowNormalizer:
   """softmax((s·log n)·z), n = number of valid keys (Nakanishi 2025)."""
-  s = float(s)
-  if not math.isfinite(s):
-    raise ValueError(f"'ssmax' needs a finite s, got {s}")
+  s = params_lib.number("weighting 'ssmax'", "s", s)
   return weightings_lib.RowNormalizer(
       name=weightings_lib._label("ssmax", s=None if s == SSMAX_DEFAULT_S else s),
       fn=lambda z, w, ax: ssmax(z, axis=ax, where=w, s=s))
@@ -169,9 +167,7 @@ def _make_ssmax(s: float = SSMAX_DEFAULT_S) -> weightings_lib.RowNormalizer:
 
 def _make_softpick(eps: float = SOFTPICK_EPS) -> weightings_lib.RowNormalizer:
   """relu(eᶻ − 1)/(Σ|eᶻ − 1| + ε) (arXiv 2504.20966)."""
-  eps = float(eps)
-  if not (math.isfinite(eps) and eps > 0):
-    raise ValueError(f"'softpick' needs a finite eps > 0, got {eps}")
+  eps = params_lib.number("weighting 'softpick'", "eps", eps, low=0.0)
   return weightings_lib.RowNormalizer(
       name=weightings_lib._label("softpick", eps=None if eps == SOFTPICK_EPS else eps),
       fn=lambda z, w, ax: softpick(z, axis=ax, where=w, eps=eps))

@@ -38,6 +38,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from attnx.core import params as params_lib
 from attnx.core import weightings as weightings_lib
 
 Array = jax.Array
@@ -254,17 +255,13 @@ def _entmax_bisect_last_jvp(alpha, n_iter, primals, tangents):
 
 
 def _check_alpha(alpha: float) -> float:
-  try:
-    alpha = float(alpha)
-  except TypeError:
+  if isinstance(alpha, jax.Array) or hasattr(alpha, "aval"):
     raise TypeError("entmax alpha must be a concrete Python number (it selects the "
-                    f"algorithm), got {type(alpha).__name__}") from None
-  if not math.isfinite(alpha):
-    raise ValueError(f"entmax alpha must be finite, got {alpha}")
-  if alpha <= 1.0:
-    raise ValueError(f"entmax needs alpha > 1, got {alpha}; alpha = 1 is softmax: use "
+                    f"algorithm), got {type(alpha).__name__}")
+  if isinstance(alpha, (int, float)) and not isinstance(alpha, bool) and alpha == 1.0:
+    raise ValueError("entmax needs alpha > 1, got 1; alpha = 1 is softmax: use "
                      "jax.nn.softmax or the 'softmax' weighting.")
-  return alpha
+  return params_lib.number("weighting 'entmax'", "alpha", alpha, low=1.0)
 
 
 @functools.partial(jax.jit, static_argnames=("alpha", "axis", "n_iter"))
@@ -288,9 +285,8 @@ def entmax_bisect(x: Array, alpha: float = 1.5, axis: int = -1, where: Array | N
     float32 weights of ``x``'s shape.
   """
   alpha = _check_alpha(alpha)
-  n_iter = int(n_iter)
-  if n_iter < 1:
-    raise ValueError(f"n_iter must be ≥ 1, got {n_iter}")
+  n_iter = params_lib.number("entmax_bisect", "n_iter", n_iter, low=1, low_open=False,
+                             integer=True)
   # Entries with y ≤ −1/(α−1) have weight 0 for every δ ≥ 0.
   z, valid = _prepare(x, where, axis, fill=-1.0 / (alpha - 1.0) - 1.0)
   return _finish(_entmax_bisect_last(z, alpha, n_iter), valid, axis)
@@ -301,10 +297,7 @@ def entmax_bisect(x: Array, alpha: float = 1.5, axis: int = -1, where: Array | N
 # --------------------------------------------------------------------------------------------
 
 def _check_scale(name: str, scale: float) -> float:
-  scale = float(scale)
-  if not (math.isfinite(scale) and scale > 0):
-    raise ValueError(f"{name!r} needs a finite scale > 0, got {scale}")
-  return scale
+  return params_lib.number(f"weighting {name!r}", "scale", scale, low=0.0)
 
 
 def _row(base: str, fn, scale: float, **params) -> weightings_lib.RowNormalizer:
@@ -330,6 +323,9 @@ def _make_entmax(alpha: float = 1.5, n_iter: int | None = None,
   """α-entmax(scale·s) (Peters et al. 2019); exact algorithms for α ∈ {1.5, 2} unless n_iter."""
   alpha = _check_alpha(alpha)
   scale = _check_scale("entmax", scale)
+  if n_iter is not None:
+    n_iter = params_lib.number("weighting 'entmax'", "n_iter", n_iter, low=1, low_open=False,
+                               integer=True)
   if n_iter is None and alpha == 2.0:
     fn = sparsemax
   elif n_iter is None and alpha == 1.5:

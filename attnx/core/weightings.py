@@ -27,6 +27,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from attnx.core import params as params_lib
 from attnx.core.softplus import softplus
 
 Array = jax.Array
@@ -216,7 +217,7 @@ def _factory_params(factory: Callable[..., Weighting]) -> list[str] | None:
 
 
 def _check_normalization(normalization: str, name: str) -> None:
-  if normalization not in NORMALIZATIONS:
+  if not isinstance(normalization, str) or normalization not in NORMALIZATIONS:
     raise ValueError(f"Unknown normalization {normalization!r} for weighting {name!r}; valid: "
                      f"{', '.join(NORMALIZATIONS)}.")
 
@@ -246,8 +247,7 @@ def _online_max_weights(z: Array, axis: int, offset: float) -> Array:
   denom = jnp.sum(e, axis=axis, keepdims=True)
   if offset > 0:
     denom = denom + offset * jnp.exp(-m)
-  safe = denom > 0
-  return e / jnp.where(safe, denom, 1.0)  # e = 0 wherever denom = 0
+  return e / jnp.where(denom == 0, 1.0, denom)  # e = 0 wherever denom = 0; NaN propagates
 
 
 @_online_max_weights.defjvp
@@ -267,19 +267,19 @@ def _sum_normalize(e: Array, axis: int, offset: float) -> Array:
   ``power:p=3`` on scores near 0) and turns the gradient into inf · 0 = NaN.
   """
   denom = jnp.sum(e, axis=axis, keepdims=True) + offset
-  safe = denom > 0
-  return jnp.where(safe, e / jnp.where(safe, denom, 1.0), 0.0)
+  empty = denom == 0  # only an exact 0 means "no weight": a NaN denominator propagates
+  return jnp.where(empty, 0.0, e / jnp.where(empty, 1.0, denom))
 
 
 @_sum_normalize.defjvp
 def _sum_normalize_jvp(axis, offset, primals, tangents):
   (e,), (de,) = primals, tangents
   denom = jnp.sum(e, axis=axis, keepdims=True) + offset
-  safe = denom > 0
-  d = jnp.where(safe, denom, 1.0)
-  w = jnp.where(safe, e / d, 0.0)
+  empty = denom == 0
+  d = jnp.where(empty, 1.0, denom)
+  w = jnp.where(empty, 0.0, e / d)
   dw = (de - w * jnp.sum(de, axis=axis, keepdims=True)) / d
-  return w, jnp.where(safe, dw, 0.0)
+  return w, jnp.where(empty, 0.0, dw)
 
 
 def pointwise_weights(scores: Array, w: Pointwise, axis: int = -1,
@@ -304,8 +304,8 @@ def pointwise_weights(scores: Array, w: Pointwise, axis: int = -1,
              else jnp.sum(valid, axis=axis, keepdims=True).astype(s.dtype))
   else:
     return e
-  safe = denom > 0
-  return jnp.where(safe, e / jnp.where(safe, denom, 1.0), 0.0)
+  empty = denom == 0
+  return jnp.where(empty, 0.0, e / jnp.where(empty, 1.0, denom))
 
 
 def weights(scores: Array, weighting: WeightingLike = "softmax", axis: int = -1,
@@ -318,7 +318,8 @@ def weights(scores: Array, weighting: WeightingLike = "softmax", axis: int = -1,
       :class:`Pointwise`/:class:`RowNormalizer`, or a callable F (sum-normalized).
     axis: the axis to normalize over.
     where: optional boolean mask broadcastable to ``scores``; False entries get weight 0.
-      A row with no valid entry (or where every F is 0) gets all-zero weights.
+      A row with no valid entry (or where every F is 0) gets all-zero weights; a row with a
+      NaN at a valid entry gets all-NaN weights (as ``jax.nn.softmax``).
 
   Returns:
     float32 (or wider) weights with the shape of ``scores``.
@@ -334,10 +335,28 @@ def weights(scores: Array, weighting: WeightingLike = "softmax", axis: int = -1,
                        f"{scores.shape}") from None
     if where.dtype != jnp.bool_:
       raise ValueError(f"where must be boolean, got dtype {where.dtype}")
+  return apply_weighting(scores, w, axis=axis, where=where)
+
+
+def apply_weighting(scores: Array, w: Weighting, axis: int = -1,
+                    where: Array | None = None) -> Array:
+  """:func:`weights` for a resolved Weighting and checked arguments (kernels call this).
+
+  NaN contract: a row with a NaN score at a valid (``where``-True) position is all NaN, for
+  every weighting. Pointwise F propagate NaN through their normalizer by themselves; for the
+  whole-row normalizers (bisection, sorting-free thresholds, cumulative products) the rule is
+  applied explicitly, since their algorithms may turn NaN into finite numbers.
+  """
+  if scores.shape[axis] == 0:  # no keys: nothing to weigh
+    return jnp.zeros(scores.shape, jnp.promote_types(scores.dtype, jnp.float32))
   if isinstance(w, Pointwise):
     return pointwise_weights(scores, w, axis=axis, where=where)
   s = scores.astype(jnp.promote_types(scores.dtype, jnp.float32))
-  return w.fn(s, where, axis)
+  out = w.fn(s, where, axis)
+  nan = jnp.isnan(s)
+  if where is not None:
+    nan = nan & where
+  return jnp.where(jnp.any(nan, axis=axis, keepdims=True), jnp.nan, out)
 
 
 # --------------------------------------------------------------------------------------------
@@ -354,9 +373,7 @@ def _exp_like(name: str, alpha: float, normalization: str, offset: float = 0.0) 
     raise ValueError(
         f"{name!r} is defined only with normalization='sum' (exp overflows unnormalized); "
         "use 'sigmoid' or 'gaussian' for unnormalized weights.")
-  if not alpha > 0:
-    raise ValueError(f"{name!r} needs a temperature alpha > 0, got {alpha}")
-  a = float(alpha)
+  a = params_lib.number(f"weighting {name!r}", "alpha", alpha, low=0.0)
   return _pointwise(_label(name, alpha=None if a == 1.0 else a),
                     lambda z, n: jnp.exp(a * z), "sum", exp_alpha=a, denominator_offset=offset)
 
@@ -398,17 +415,35 @@ _simple("taylor_exp", lambda z: 1.0 + z + 0.5 * z * z,
         "1 + s + s^2/2, second-order Taylor expansion of exp (always > 0)")
 
 
-@register_weighting("power", doc="max(s, 0)^p")
+# Below the smallest normal float32 a positive score counts as 0 in `power`: F'(z) = p·z^(p−1)
+# is unbounded at 0+ for p < 1, and on the normal range it stays below p/tiny ≈ 8.5e37·p.
+_TINY = float(jnp.finfo(jnp.float32).tiny)
+
+
+def _power_fn(p: float) -> Callable[[Array], Array]:
+  """max(s, 0)^p with F(s) = F'(s) = 0 for s < 2^-126 (incl. s = 0 for p < 1) and F(NaN) = NaN.
+
+  ``jnp.power(relu(s), p)`` differentiates to inf·0 = NaN at s ≤ 0 when p < 1.
+  """
+  def fn(z):
+    zero = z < _TINY  # False for NaN, so NaN reaches jnp.power and propagates
+    return jnp.where(zero, 0.0, jnp.power(jnp.where(zero, 1.0, z), p))
+  return fn
+
+
+@register_weighting("power", doc="max(s, 0)^p, p > 0 (F(0) = F'(0) = 0 also for p < 1)")
 def _power(p: float = 2.0, normalization: str = "sum") -> Pointwise:
-  if not p > 0:
-    raise ValueError(f"power needs p > 0, got {p}")
-  return _pointwise(_label("power", p=p), lambda z, n: jnp.power(jax.nn.relu(z), p),
-                    normalization)
+  p = params_lib.number("weighting 'power'", "p", p, low=0.0)
+  fn = _power_fn(p)
+  return _pointwise(_label("power", p=p), lambda z, n: fn(z), normalization)
 
 
 @register_weighting("sigmoid", doc="σ(s + b); b = −log n by default when unnormalized "
                     "(Ramapuram et al. 2024)")
 def _sigmoid(bias: float | None = None, normalization: str = "sum") -> Pointwise:
+  if bias is not None:
+    bias = params_lib.number("weighting 'sigmoid'", "bias", bias)
+
   def fn(z, n):
     b = (-math.log(max(n, 1)) if normalization == "none" else 0.0) if bias is None else bias
     return jax.nn.sigmoid(z + b)
@@ -420,16 +455,15 @@ def _sigmoid(bias: float | None = None, normalization: str = "sum") -> Pointwise
 # u = sqrt(max(−s, 0)) / h.
 
 def _dist_u(z: Array, h: float) -> Array:
-  # sqrt has an infinite derivative at 0: differentiate u² instead where possible.
+  # sqrt has an infinite derivative at 0: its branch sees only d² > 0 (or NaN, which
+  # propagates), and u = 0 at d = 0 with a zero gradient.
   d2 = jnp.maximum(-z, 0.0)
-  safe = d2 > 0
-  return jnp.where(safe, jnp.sqrt(jnp.where(safe, d2, 1.0)), 0.0) / h
+  zero = d2 == 0
+  return jnp.where(zero, 0.0, jnp.sqrt(jnp.where(zero, 1.0, d2))) / h
 
 
 def _check_h(name: str, h: float) -> float:
-  if not h > 0:
-    raise ValueError(f"{name!r} needs a bandwidth h > 0, got {h}")
-  return float(h)
+  return params_lib.number(f"weighting {name!r}", "h", h, low=0.0)
 
 
 @register_weighting("gaussian", doc="exp(−‖q−k‖²/(2h²)) on score neg_sq_dist (bandwidth h)")
@@ -448,10 +482,11 @@ def _gaussian(h: float = 1.0, normalization: str = "sum") -> Pointwise:
 @register_weighting("boxcar", doc="1[‖q−k‖ ≤ h] on score neg_sq_dist")
 def _boxcar(h: float = 1.0, normalization: str = "sum") -> Pointwise:
   h2 = _check_h("boxcar", h) ** 2
-  # Written as a function of s so that its derivative is 0 almost everywhere.
+  # Written as a function of s so that its derivative is 0 almost everywhere; 0·z makes
+  # F(NaN) = NaN (a comparison alone would turn NaN into 0).
   return _pointwise(_label("boxcar", h=h, normalization=None if normalization == "sum"
                            else normalization),
-                    lambda z, n: (z >= -h2).astype(z.dtype), normalization,
+                    lambda z, n: jnp.where(z < -h2, 0.0, 1.0 + 0.0 * z), normalization,
                     distance_kernel=True)
 
 

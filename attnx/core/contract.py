@@ -1,0 +1,64 @@
+"""The edge-case contract every attention implementation obeys, and the input step that gives it.
+
+What :func:`attnx.core.attention` returns on the inputs where "just compute it" is not an
+answer — identically for ``implementation="dense"`` and ``"blocked"`` (and any future one):
+
+* **Empty sequences.** T = 0 gives an empty ``[..., 0, N, Hv]`` output; S = 0 (no keys) gives
+  zeros, since every query row then has no valid key. Gradients are zero.
+* **Rows with no valid key** (fully masked, causal rows beyond the keys, or every F(s) = 0, e.g.
+  ReLU on all-negative scores) give a zero output row with finite (zero) gradients, where
+  ``jax.nn.dot_product_attention`` averages all values.
+* **Masked keys are never touched**: whatever a masked (or causally hidden) key, value or bias
+  entry holds, NaN and ±Inf included, the rows that do not attend it are unchanged.
+* **NaN/Inf inputs** propagate to exactly the rows they touch, as in ``jax.nn``: row i of the
+  output is all NaN iff it has at least one valid key and q_i holds a non-finite number, or
+  some key j valid for row i has a non-finite k_j, v_j or bias_ij (NaN or +Inf). A bias of
+  −Inf is a score of −Inf: weight F(−∞), which is 0 for every built-in F except
+  ``taylor_exp`` (whose F(−∞) = +∞ makes the row NaN). Gradients of a NaN row are NaN where
+  they reach, as autodiff through ``jax.nn`` gives.
+* **Unbounded F'**: ``power:p`` with p < 1 has F'(0⁺) = ∞; attnx uses F(s) = F'(s) = 0 for
+  s < 2⁻¹²⁶ (the smallest normal float32), so gradients are finite for finite inputs.
+* **Finite inputs give finite outputs and gradients** for every built-in weighting and score
+  with scores up to |s| ≈ 1e4 (exp is computed with a running maximum; sum-normalized
+  weightings divide once in the backward so a denormal Σ F does not overflow).
+* **bf16/f16** inputs are computed in float32 (scores, F, accumulators) and cast back.
+
+This module holds the one input step both kernels share: non-finite numbers are made to travel
+as NaN along a path masks can stop (the scores), never through a product with a zero weight.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+
+
+def _rows_finite(x: Array) -> Array:
+  return jnp.all(jnp.isfinite(x), axis=-1, keepdims=True)
+
+
+def nonfinite_inputs(q: Array, k: Array, v: Array | None,
+                     bias: Array | None) -> tuple[Array, Array, Array | None, Array | None]:
+  """Rewrites q, k, v, bias ([..., T|S, heads, H] layout) so that NaN follows the contract.
+
+  * a query vector with any non-finite entry becomes all NaN (its scores are NaN);
+  * a key whose k_j or v_j has a non-finite entry becomes all NaN, so s_ij is NaN exactly
+    for the rows i that score key j; masks then replace s_ij before F sees it;
+  * v_j's non-finite entries become 0: a masked key enters the weighted sum with weight 0,
+    and 0 · NaN would otherwise poison rows that never attend it;
+  * a bias of +Inf becomes NaN (−Inf stays a score of −Inf).
+
+  Finite inputs pass through unchanged (the gradient is the identity there).
+  """
+  q = jnp.where(_rows_finite(q), q, jnp.nan)
+  if v is not None:
+    k_ok = _rows_finite(k) & _rows_finite(v)
+    v = jnp.where(jnp.isfinite(v), v, jnp.zeros((), v.dtype))
+  else:
+    k_ok = _rows_finite(k)
+  k = jnp.where(k_ok, k, jnp.nan)
+  if bias is not None and jnp.issubdtype(bias.dtype, jnp.floating):
+    bias = jnp.where(bias == jnp.inf, jnp.nan, bias)
+  return q, k, v, bias

@@ -1,9 +1,17 @@
 """Linear attention: w_ij ∝ φ(q_i)·φ(k_j), computed in O(T + S) instead of O(T·S).
 
 With a feature map φ: R^H → R^M_{≥0}, the attention of seed 000 with F(s(q, k)) = φ(q)·φ(k)
-factorizes (Katharopoulos et al. 2020, "Transformers are RNNs"):
+factorizes (Katharopoulos et al. 2020, "Transformers are RNNs: Fast Autoregressive Transformers
+with Linear Attention"):
 
-    out_i = φ(q_i) · Σ_j φ(k_j) v_jᵀ / (φ(q_i) · Σ_j φ(k_j) + ε).
+    out_i = φ(q_i) · Σ_j φ(k_j) v_jᵀ / (φ(q_i) · Σ_j φ(k_j) + ε r_i),
+    r_i = max_m |φ(q_i)_m| · Σ_j Σ_m |φ(k_j)_m|,
+
+where j runs over the keys query i sees (valid under ``key_mask``; j ≤ i when causal). The
+regularizer is relative: |φ(q_i)·Σ_j φ(k_j)| ≤ r_i (Hölder), so ε is a fraction of the largest
+denominator these feature magnitudes allow, and the output is unchanged when φ(q_i) or all the
+φ(k_j) are rescaled — which is what lets FAVOR+'s stabilizers cancel exactly. A query with no
+valid key (or whose regularized denominator underflows) gets output 0, with zero gradients.
 
 Feature maps:
 
@@ -12,7 +20,10 @@ Feature maps:
 * ``"favor_plus"`` (Choromanski et al. 2020, "Rethinking Attention with Performers"): positive
   orthogonal random features with E[φ(q)·φ(k)] = exp(q·k/√H), so the output approximates
   softmax attention ``jax.nn.dot_product_attention`` (default scale 1/√H); the approximation
-  error shrinks like 1/√M.
+  error shrinks like 1/√M. The exponentials are stabilized per query token and, for keys, per
+  example and head over the valid keys (see :func:`favor_plus_features`): an example's output
+  depends only on that example's own queries, valid keys and values, never on the rest of the
+  batch or on masked keys.
 * any callable ``φ(x) -> [..., M]`` applied to queries and keys.
 
 Layout follows ``jax.nn.dot_product_attention``: q [B, T, N, H], k [B, S, K, H],
@@ -112,18 +123,35 @@ def favor_features(key: Array, num_features: int, head_dim: int,
   return directions * norms
 
 
-def favor_plus_features(x: Array, omega: Array, is_query: bool) -> Array:
+def favor_plus_features(x: Array, omega: Array, is_query: bool,
+                        mask: Array | None = None) -> Array:
   """Positive random features φ(x) = M^{−1/2} exp(ωx′ − ‖x′‖²/2 − c), x′ = H^{−1/4} x.
 
-  E_ω[φ(q)·φ(k)] = exp(q·k/√H) e^{−c_q − c_k} (Choromanski et al. 2020, Lemma 1). The
-  stabilizer c is the maximum exponent per token for queries and over the whole array for keys:
-  both are constant along the key axis of the attention, so they cancel in the normalized
-  output, and they keep every feature ≤ M^{−1/2} (no overflow). Gradients do not flow through c.
+  E_ω[φ(q)·φ(k)] = exp(q·k/√H) e^{−c_q − c_k} (Choromanski et al. 2020, "Rethinking Attention
+  with Performers", Lemma 1). The stabilizer c keeps every exponent ≤ 0 (every feature
+  ≤ M^{−1/2}, no overflow); its extent is that of the authors' reference implementation:
+
+  * queries, x [..., H]: c is the largest exponent of each token (over its M features);
+  * keys, x [..., S, K, H]: c is the largest exponent over the S positions and M features of
+    each leading index (example) and head K, taken over the valid keys only (``mask``).
+
+  (The reference takes the maximum of ωx′ alone and adds its ε to every feature; here c is the
+  maximum of the whole exponent, and ε is applied by :func:`linear_attention`.) Both constants
+  are the same for all keys of one query's attention and :func:`linear_attention`'s ε is
+  relative, so c cancels exactly in its output: an example's output does not depend on the
+  rest of the batch, other heads or masked keys. Causal attention shares one c across
+  positions, so later keys reach earlier outputs only through float32 rounding (unless a later
+  key's exponent exceeds every earlier one's by ≳ 80 and the earlier features underflow).
+  Since c cancels, its true gradient is zero: it is held fixed (``stop_gradient``) instead of
+  differentiated through the max.
 
   Args:
-    x: [..., H] queries or keys (any float dtype; computed in float32).
+    x: [..., H] queries or [..., S, K, H] keys (any float dtype; computed in float32).
     omega: [M, H] projection from :func:`favor_features`.
-    is_query: per-token stabilizer (True) or global stabilizer (False).
+    is_query: per-token stabilizer (True) or per example and head over keys (False).
+    mask: keys only, boolean broadcastable to ``x.shape[:-1]`` ([..., S, K]; True = valid).
+      Masked keys are left out of the stabilizer and get all-zero features (and gradient), so
+      their values are never read. An example and head with no valid key gets zeros.
 
   Returns:
     float32 features [..., M].
@@ -132,14 +160,28 @@ def favor_plus_features(x: Array, omega: Array, is_query: bool) -> Array:
   m, h = omega.shape
   if x.shape[-1] != h:
     raise ValueError(f"favor features: x has head_dim {x.shape[-1]}, omega expects {h}")
+  if not is_query and x.ndim < 3:
+    raise ValueError(f"favor features: keys must be [..., S, K, H], got shape {x.shape}")
+  if mask is not None:
+    if is_query:
+      raise ValueError("favor features: mask applies to keys only (is_query=False)")
+    mask = jnp.broadcast_to(jnp.asarray(mask, bool), x.shape[:-1])[..., None]
+    x = jnp.where(mask, x, 0.0)  # masked inputs never reach exp: finite values and gradients
   x = x * h ** -0.25
   exponent = (jnp.einsum("...h,mh->...m", x, omega.astype(jnp.float32))
               - 0.5 * jnp.sum(x * x, axis=-1, keepdims=True))
+  e = jax.lax.stop_gradient(exponent)
   if is_query:
-    c = jnp.max(exponent, axis=-1, keepdims=True)
+    c = jnp.max(e, axis=-1, keepdims=True)
   else:
-    c = jnp.max(exponent)
-  return jnp.exp(exponent - jax.lax.stop_gradient(c)) / math.sqrt(m)
+    if mask is not None:
+      e = jnp.where(mask, e, -jnp.inf)
+    c = jnp.max(e, axis=(-3, -1), keepdims=True)  # [..., 1, K, 1]
+    c = jnp.where(c == -jnp.inf, 0.0, c)  # no valid key: any finite c (features are zeroed)
+  features = jnp.exp(exponent - c) / math.sqrt(m)
+  if mask is not None:
+    features = jnp.where(mask, features, 0.0)
+  return features
 
 
 # --------------------------------------------------------------------------------------------
@@ -163,11 +205,11 @@ def _check_shapes(q: Array, k: Array, v: Array) -> None:
 
 def _resolve_feature_map(feature_map: FeatureMap, head_dim: int, num_features: int | None,
                          key: Array | None, features: Array | None):
-  """(φ_q, φ_k) callables."""
+  """(φ_q(x), φ_k(x, mask)) callables; φ_k's mask [B, S, K] is None or marks valid keys."""
   if callable(feature_map):
-    return feature_map, feature_map
+    return feature_map, lambda x, mask: feature_map(x)
   if feature_map == "elu_plus_one":
-    return elu_plus_one_features, elu_plus_one_features
+    return elu_plus_one_features, lambda x, mask: elu_plus_one_features(x)
   if feature_map == "favor_plus":
     if features is None:
       if key is None:
@@ -177,7 +219,7 @@ def _resolve_feature_map(feature_map: FeatureMap, head_dim: int, num_features: i
     elif features.shape[-1] != head_dim:
       raise ValueError(f"features must be [M, {head_dim}], got {features.shape}")
     return (lambda x: favor_plus_features(x, features, is_query=True),
-            lambda x: favor_plus_features(x, features, is_query=False))
+            lambda x, mask: favor_plus_features(x, features, is_query=False, mask=mask))
   raise ValueError(f"Unknown feature_map {feature_map!r}; valid: {', '.join(FEATURE_MAPS)} or a "
                    "callable φ(x) -> [..., M].")
 
@@ -226,6 +268,27 @@ def _causal(fq: Array, fk: Array, v: Array, chunk: int, precision) -> tuple[Arra
   return num, den
 
 
+@jax.custom_jvp
+def _safe_divide(num: Array, den: Array) -> Array:
+  """num [..., D] / den [...] where den is a normal positive float, else 0.
+
+  Its derivative divides by den once, (dnum − out·dden) / den, instead of autodiff's
+  num·dden/den², which overflows float32 for den ≲ 1e-19 (reachable with tiny features).
+  """
+  ok = den >= jnp.finfo(den.dtype).tiny
+  return jnp.where(ok[..., None], num / jnp.where(ok, den, 1.0)[..., None], 0.0)
+
+
+@_safe_divide.defjvp
+def _safe_divide_jvp(primals, tangents):
+  num, den = primals
+  dnum, dden = tangents
+  out = _safe_divide(num, den)
+  ok = den >= jnp.finfo(den.dtype).tiny
+  inv = jnp.where(ok, 1.0 / jnp.where(ok, den, 1.0), 0.0)[..., None]
+  return out, (dnum - out * dden[..., None]) * inv
+
+
 @functools.partial(jax.jit, static_argnames=("feature_map", "is_causal", "num_features", "eps",
                                              "chunk_size", "precision"))
 def linear_attention(q: Array, k: Array, v: Array, *,
@@ -234,7 +297,7 @@ def linear_attention(q: Array, k: Array, v: Array, *,
                      features: Array | None = None, key_mask: Array | None = None,
                      eps: float = 1e-6, chunk_size: int = DEFAULT_CHUNK_SIZE,
                      precision: jax.lax.PrecisionLike = None) -> Array:
-  """Linear attention out_i = φ(q_i)·Σ_j φ(k_j) v_jᵀ / (φ(q_i)·Σ_j φ(k_j) + ε).
+  """Linear attention out_i = φ(q_i)·Σ_j φ(k_j) v_jᵀ / (φ(q_i)·Σ_j φ(k_j) + ε r_i).
 
   Katharopoulos et al. 2020 (elu + 1 features) and Choromanski et al. 2020 (FAVOR+).
 
@@ -249,9 +312,14 @@ def linear_attention(q: Array, k: Array, v: Array, *,
     key: PRNG key for FAVOR+'s random features (redraw them regularly during training).
     features: an explicit FAVOR+ projection [M, H] (e.g. from :func:`favor_features`);
       takes precedence over ``key``.
-    key_mask: optional boolean [B, S] (or [S]); False keys are dropped (their features are
-      zeroed). General [T, S] masks do not factorize and are not supported.
-    eps: added to the denominator.
+    key_mask: optional boolean [B, S] (or [S]); False keys are dropped: their features are
+      zeroed, their keys and values are never read (nor differentiated), and FAVOR+'s key
+      stabilizer ignores them. General [T, S] masks do not factorize and are not supported.
+    eps: relative regularizer ε of the denominator: ε r_i is added, with
+      r_i = max_m |φ(q_i)_m| · Σ_j Σ_m |φ(k_j)_m| over the keys query i sees (valid, and j ≤ i
+      when causal), an upper bound of |φ(q_i)·Σ_j φ(k_j)|. It is invariant to rescaling the
+      features, so the output does not depend on FAVOR+'s stabilizers, on other examples or on
+      masked keys. Queries with no valid key get 0.
     chunk_size: positions per chunk of the causal scan.
     precision: passed to the einsums (e.g. ``jax.lax.Precision.HIGHEST`` on TPU/GPU).
 
@@ -266,19 +334,30 @@ def linear_attention(q: Array, k: Array, v: Array, *,
     raise ValueError(f"is_causal=True needs as many queries as keys, got T={t}, S={s}")
   phi_q, phi_k = _resolve_feature_map(feature_map, h, num_features, key, features)
   f32 = jnp.float32
+  vf = v.astype(f32)
+  mask = None
+  if key_mask is not None:
+    mask = jnp.broadcast_to(jnp.asarray(key_mask, bool)[..., None], (b, s, kh))  # [B, S, K]
+    # Masked keys and values are replaced before any arithmetic: huge or non-finite padding
+    # cannot reach the output or the gradients (0 · inf would be NaN).
+    k = jnp.where(mask[..., None], k, jnp.zeros((), k.dtype))
+    vf = jnp.where(mask[..., None], vf, 0.0)
   fq = phi_q(q).astype(f32)
-  fk = phi_k(k).astype(f32)
+  fk = phi_k(k, mask).astype(f32)
   if fq.shape[:-1] != q.shape[:-1] or fk.shape[:-1] != k.shape[:-1] or (
       fq.shape[-1] != fk.shape[-1]):
     raise ValueError(f"feature map must map [..., H] to [..., M]; got {fq.shape}, {fk.shape}")
-  if key_mask is not None:
-    key_mask = jnp.broadcast_to(jnp.asarray(key_mask, bool), (b, s))
-    fk = jnp.where(key_mask[:, :, None, None], fk, 0.0)
+  if mask is not None:
+    fk = jnp.where(mask[..., None], fk, 0.0)
   fq = fq.reshape(b, t, kh, n // kh, fq.shape[-1])
-  vf = v.astype(f32)
   if is_causal:
     num, den = _causal(fq, fk, vf, chunk_size, precision)
   else:
     num, den = _noncausal(fq, fk, vf, precision)
-  out = num / (den + eps)[..., None]
+  # Relative regularizer ε r_i (see the module doc): key mass each query sees, [B, S|1, K].
+  key_mass = jnp.sum(jnp.abs(fk), axis=-1)
+  key_mass = (jnp.cumsum(key_mass, axis=1) if is_causal
+              else jnp.sum(key_mass, axis=1, keepdims=True))
+  r = jnp.max(jnp.abs(fq), axis=-1) * key_mass[..., None]  # [B, T, K, G]
+  out = _safe_divide(num, den + eps * r)
   return out.reshape(b, t, n, v.shape[-1]).astype(q.dtype)

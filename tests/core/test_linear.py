@@ -24,16 +24,22 @@ def _qkv(seed=0, t=T, s=T, hv=HV, scale=1.0, dtype=jnp.float32):
 
 
 def _brute(fq, fk, v, causal=False, key_mask=None, eps=1e-6):
-  """out_i = Σ_j w_ij v_j / (Σ_j w_ij + ε), w_ij = φ(q_i)·φ(k_j), as an explicit T×S matrix."""
+  """out_i = Σ_j w_ij v_j / (Σ_j w_ij + ε r_i), w_ij = φ(q_i)·φ(k_j), as an explicit T×S matrix;
+  r_i = max_m |φ(q_i)_m| Σ_j Σ_m |φ(k_j)_m| over the keys query i sees (the documented ε)."""
   fq, fk, v = (np.asarray(a, np.float64) for a in (fq, fk, v))
   g = fq.shape[2] // fk.shape[2]
   fk, v = np.repeat(fk, g, axis=2), np.repeat(v, g, axis=2)  # query head n uses kv head n // g
   w = np.einsum("btnm,bsnm->bnts", fq, fk)
+  seen = np.ones((fq.shape[0], 1, fq.shape[1], fk.shape[1]))  # [B, 1, T, S]
   if causal:
-    w = w * np.tril(np.ones(w.shape[-2:]))
+    seen = seen * np.tril(np.ones(w.shape[-2:]))
   if key_mask is not None:
-    w = w * np.asarray(key_mask, np.float64)[:, None, None, :]
-  return np.einsum("bnts,bsnd->btnd", w, v) / (w.sum(-1) + eps).transpose(0, 2, 1)[..., None]
+    seen = seen * np.asarray(key_mask, np.float64)[:, None, None, :]
+  w = w * seen
+  r = np.abs(fq).max(-1).transpose(0, 2, 1)[..., None] * np.einsum(
+      "bots,bsn->bnt", seen, np.abs(fk).sum(-1))[..., None]  # [B, N, T, 1]
+  den = w.sum(-1, keepdims=True) + eps * r
+  return np.einsum("bnts,bsnd->btnd", w, v) / den.transpose(0, 2, 1, 3)
 
 
 def _elu1(x):
@@ -133,6 +139,138 @@ def test_favor_plus_large_inputs_stay_finite():
   out = linear.linear_attention(q, k, v, feature_map="favor_plus", key=jax.random.PRNGKey(0),
                                 num_features=64)
   assert np.isfinite(out).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# An example's output depends only on what its queries see (FAVOR+'s stabilizers cancel).
+# ---------------------------------------------------------------------------------------------
+
+OMEGA = linear.favor_features(jax.random.PRNGKey(1), 32, H)
+# Every registered feature map, plus a callable one.
+_MAPS = {name: name for name in linear.FEATURE_MAPS}
+_MAPS["relu_callable"] = lambda x: jax.nn.relu(x) + 1e-3
+_MASKED = [2, 5, 9]  # key positions of example 0 removed by key_mask
+
+
+def _largest_key():
+  """The key with the largest FAVOR+ exponent ω·x′ − ‖x′‖²/2 for OMEGA: x′ = its longest row.
+
+  A single such key used to set the one global stabilizer of the whole batch, shrinking every
+  other example's features against the fixed ε."""
+  w = np.asarray(OMEGA, np.float64)
+  return w[np.argmax((w * w).sum(1))] * H ** 0.25
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
+@pytest.mark.parametrize("name", list(_MAPS))
+def test_output_depends_only_on_the_keys_a_query_sees(name, causal):
+  rng = np.random.default_rng(7)
+  q, k, v = (rng.standard_normal((3, T, n, d)) for n, d in ((N, H), (K, H), (K, HV)))
+  k[0] *= 1.5  # example 0's own largest exponent is well below _largest_key()'s
+  mask = np.ones((3, T), bool)
+  mask[0, _MASKED] = False
+  f = jax.jit(lambda q, k, v: linear.linear_attention(
+      q, k, v, feature_map=_MAPS[name], features=OMEGA, key_mask=mask, is_causal=causal,
+      chunk_size=4))
+  run = lambda q, k, v: np.asarray(f(*(jnp.asarray(a, jnp.float32) for a in (q, k, v))))
+  base = run(q, k, v)
+  assert np.isfinite(base).all()
+  close = functools.partial(np.testing.assert_allclose, rtol=1e-5, atol=1e-6)
+  top = _largest_key()
+
+  # Other examples: the largest-exponent key everywhere in example 1, huge keys and values in 2.
+  k2, v2 = k.copy(), v.copy()
+  k2[1], k2[2], v2[2] = top, 1e3 * k[2], 1e3 * v[2]
+  close(run(q, k2, v2)[0], base[0], err_msg="example 0 depends on the other examples")
+  # Masked keys and values: the largest-exponent key and huge values change nothing.
+  k3, v3 = k.copy(), v.copy()
+  k3[0, _MASKED], v3[0, _MASKED] = top, 1e6
+  close(run(q, k3, v3), base, err_msg="the output depends on masked keys")
+  # Heads: kv head 1 of example 0 changed; query heads 0 and 1 (kv head 0) are unchanged.
+  k4 = k.copy()
+  k4[0, :, 1] = top
+  close(run(q, k4, v)[0, :, :N // K], base[0, :, :N // K], err_msg="heads depend on each other")
+  if causal:  # future keys (positions > 6) are invisible to queries 0..6
+    k5, v5 = k.copy(), v.copy()
+    k5[0, 7:], v5[0, 7:] = top, 1e3
+    close(run(q, k5, v5)[0, :7], base[0, :7], err_msg="causal outputs depend on future keys")
+
+
+def _favor_reference(q, k, v, omega, causal, key_mask, eps=1e-6):
+  """FAVOR+ in float64 numpy, one example at a time, without any stabilizer."""
+  omega = np.asarray(omega, np.float64)
+  m, h = omega.shape
+
+  def phi(x):  # M^{-1/2} exp(ωx′ − ‖x′‖²/2), x′ = H^{-1/4} x (Choromanski et al. 2020)
+    x = np.asarray(x, np.float64) * h ** -0.25
+    return np.exp(x @ omega.T - 0.5 * (x * x).sum(-1, keepdims=True)) / np.sqrt(m)
+
+  return np.concatenate([_brute(phi(q[i:i + 1]), phi(k[i:i + 1]), v[i:i + 1], causal,
+                                key_mask[i:i + 1], eps) for i in range(q.shape[0])])
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
+def test_favor_plus_matches_unstabilized_float64_reference(causal):
+  rng = np.random.default_rng(11)
+  q, k, v = (rng.standard_normal((3, T, n, d)) for n, d in ((N, H), (K, H), (K, HV)))
+  k[0] *= 1.5  # examples at different scales, and a masked largest-exponent key in example 2
+  k[1] *= 0.5
+  mask = np.ones((3, T), bool)
+  mask[0, _MASKED] = mask[2, 4] = False
+  k[2, 4] = _largest_key()
+  want = _favor_reference(q, k, v, OMEGA, causal, mask)
+  got = linear.linear_attention(*(jnp.asarray(a, jnp.float32) for a in (q, k, v)),
+                                feature_map="favor_plus", features=OMEGA, key_mask=mask,
+                                is_causal=causal, chunk_size=4)
+  np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
+@pytest.mark.parametrize("name", list(_MAPS))
+def test_queries_without_valid_keys_give_zero_with_finite_grads(name, causal):
+  q, k, v = _qkv(seed=2, t=6, s=6, hv=3)
+  mask = np.ones((B, 6), bool)
+  mask[1] = False  # example 1 has no valid key at all
+  mask[0, 0] = False  # causal: query 0 of example 0 sees no valid key
+  k = k.at[:, 0].set(1e30)  # masked keys are never read, not even by the gradients
+  f = functools.partial(linear.linear_attention, feature_map=_MAPS[name], features=OMEGA,
+                        key_mask=mask, is_causal=causal, chunk_size=4)
+  out = f(q, k, v)
+  assert np.isfinite(out).all()
+  np.testing.assert_array_equal(out[1], 0.0)
+  if causal:
+    np.testing.assert_array_equal(out[0, 0], 0.0)
+  grads = jax.grad(lambda q, k, v: jnp.sum(f(q, k, v) ** 2), argnums=(0, 1, 2))(q, k, v)
+  for g in grads:
+    assert np.isfinite(g).all()
+    np.testing.assert_array_equal(g[1], 0.0)  # nothing of example 1 reaches its output
+  np.testing.assert_array_equal(grads[1][:, 0], 0.0)  # masked keys get no gradient
+
+
+def test_favor_key_stabilizer_per_example_and_head_over_valid_keys():
+  _, k, _ = _qkv(seed=4)
+  mask = np.ones((B, T, K), bool)
+  mask[0, :, 1] = False  # head 1 of example 0 has no valid key
+  mask[1, 3] = False
+  k = k.at[1, 3].set(_largest_key())
+  fk = np.asarray(linear.favor_plus_features(k, OMEGA, is_query=False, mask=mask))
+  assert np.isfinite(fk).all()
+  np.testing.assert_array_equal(fk[0, :, 1], 0.0)
+  np.testing.assert_array_equal(fk[1, 3], 0.0)
+  # Every other example and head has a feature at the maximum M^{-1/2}: its own stabilizer.
+  peak = fk.max(axis=(1, 3)) * np.sqrt(OMEGA.shape[0])  # [B, K]
+  np.testing.assert_allclose(peak[mask.any(1)], 1.0, rtol=1e-6)
+  with pytest.raises(ValueError, match="keys only"):
+    linear.favor_plus_features(k, OMEGA, is_query=True, mask=mask)
+
+
+def test_favor_plus_grads_match_finite_differences():
+  q, k, v = _qkv(seed=6, t=6, s=6, hv=3)
+  mask = np.ones((B, 6), bool)
+  mask[0, 2] = False
+  f = functools.partial(linear.linear_attention, feature_map="favor_plus", features=OMEGA,
+                        key_mask=mask)
+  check_grads(f, (q, k, v), order=1, modes=("fwd", "rev"), atol=1e-2, rtol=1e-2, eps=1e-3)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -21,15 +21,24 @@ jax.distributed.initialize(coordinator_address, num_processes, process_id); empt
 auto-detected), data_dir (TFDS data dir of catalog datasets such as mnist), progress,
 checkpoint_every, log_every. A rerun with the same --workdir resumes from the latest
 checkpoints; a rerun with a different setup (model, optimizer, steps, batch size, seeds, data)
-stops with the differences named: use another --workdir for it. The exit status is 0 on
-success, 2 for a bad config or such a mismatch, 1 if any run stopped on a NaN/Inf loss (after
-the experiment wrote what it had).
+stops with the differences named: use another --workdir for it. A damaged checkpoint (e.g. a
+file truncated by a full disk) is reported in one line and the run resumes from the newest
+intact one beside it. Exit status:
+  0  success;
+  1  a run stopped on a NaN/Inf loss (after the experiment wrote what it had);
+  2  a launch-time mistake, reported in one "FATAL: ..." line before anything compiles (a bad
+     flag, config value, batch size or --workdir), or a rerun whose setup differs from the
+     checkpoint's;
+  3  a run's checkpoints are all damaged: nothing on disk was changed (move its checkpoint
+     directory away to train it from scratch).
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import tempfile
+from typing import NoReturn
 
 from absl import app, flags, logging
 from ml_collections import config_flags
@@ -80,7 +89,15 @@ def check_config_arg(argv: list[str]) -> str | None:
   if not os.path.isfile(path):
     return (f"no experiment config file {path!r} (from --config={arg}).\n"
             + train_config.format_experiments(EXPERIMENTS_DIR))
-  module = train_config.load_module(path)
+  try:
+    module = train_config.load_module(path)
+  except Exception as e:  # noqa: BLE001 - a syntax or import error in the experiment file
+    return f"cannot load --config={arg}: {type(e).__name__}: {e}"
+  missing = [f for f in ("get_config", "run") if not callable(getattr(module, f, None))]
+  if missing:
+    return (f"{path} (from --config={arg}) is not an experiment: it defines no "
+            f"{' or '.join(missing)}; experiments define get_config(preset) and "
+            "run(config, workdir)")
   presets = getattr(module, "PRESETS", None)
   name = os.path.splitext(os.path.basename(path))[0]
   if preset and presets is not None and preset not in presets:
@@ -116,22 +133,51 @@ def check_overrides(argv: list[str]) -> str | None:
   return None
 
 
+def _fatal(msg: str) -> NoReturn:
+  """A launch-time mistake: one FATAL line (no traceback) and exit status 2."""
+  print(f"FATAL: {msg}", file=sys.stderr, flush=True)
+  sys.exit(2)
+
+
 def parse_flags(argv: list[str]) -> list[str]:
   """absl flag parsing with readable errors for bad config files, presets and keys."""
   msg = check_config_arg(argv) or check_overrides(argv)
   if msg:
-    print(f"FATAL: {msg}", file=sys.stderr)
-    sys.exit(2)
+    _fatal(msg)
   try:
-    return flags.FLAGS(argv)
+    rest = flags.FLAGS(argv)
   except flags.Error as e:
-    print(f"FATAL flags parsing error: {e}\nPass --helpfull to see the flags.", file=sys.stderr)
-    sys.exit(2)
+    _fatal(f"flags parsing error: {e} (pass --helpfull to see the flags)")
+  if len(rest) > 1:  # e.g. `launch.py experiments/x.py`: absl would print the whole --help
+    _fatal(f"unexpected positional argument(s) {rest[1:]}; pass the experiment as "
+           "--config=experiments/NAME.py[:PRESET] and the rest as --flag=value")
+  return rest
+
+
+def check_workdir(workdir: str, flag: bool = True) -> str | None:
+  """Create `workdir`; an error message when it is not a writable directory, else None.
+
+  Checked before JAX starts: otherwise a file or a read-only path given as --workdir fails
+  with an OSError traceback, possibly after the data was prepared. `flag`: whether the user
+  gave it (else it is the default).
+  """
+  name = f"--workdir={workdir}" if flag else f"the default workdir {workdir!r} (see --workdir)"
+  if os.path.exists(workdir) and not os.path.isdir(workdir):
+    return f"{name} is a file, not a directory; name a directory for the run's outputs"
+  try:
+    os.makedirs(workdir, exist_ok=True)
+  except OSError as e:
+    return f"{name} cannot be created: {e.strerror or e}"
+  try:
+    with tempfile.TemporaryFile(dir=workdir):  # a write probe: os.access ignores mounts/root
+      pass
+  except OSError as e:
+    return f"{name} is not writable: {e.strerror or e}"
+  return None
 
 
 def main(argv: list[str]) -> int:
-  if len(argv) > 1:
-    raise app.UsageError(f"Unexpected positional arguments: {argv[1:]}")
+  del argv  # parse_flags rejected positional arguments
   if _LIST.value:
     print(train_config.format_experiments(EXPERIMENTS_DIR))
     return 0
@@ -140,14 +186,17 @@ def main(argv: list[str]) -> int:
     logging.set_verbosity(logging.WARNING)
   config = _CONFIG.value
   path = config_flags.get_config_filename(flags.FLAGS["config"]).split(":", 1)[0]
-  module = train_config.load_module(path)
-  if not hasattr(module, "run"):
-    raise app.UsageError(f"{path} defines no run(config, workdir)")
+  module = train_config.load_module(path)  # parse_flags checked it defines get_config and run
   # Validate everything before JAX compiles (or even initializes) anything.
   try:
     train_config.validate(config, module)
   except ValueError as e:
     print(f"FATAL: invalid config: {e}", file=sys.stderr)
+    return 2
+  workdir = _WORKDIR.value or default_workdir(config)
+  msg = check_workdir(workdir, flag=bool(_WORKDIR.value))
+  if msg:
+    print(f"FATAL: {msg}", file=sys.stderr)
     return 2
 
   import jax  # Device settings below must precede JAX's backend initialization.
@@ -171,8 +220,6 @@ def main(argv: list[str]) -> int:
       print(f"FATAL: invalid config: config.{e}", file=sys.stderr)
       return 2
 
-  workdir = _WORKDIR.value or default_workdir(config)
-  os.makedirs(workdir, exist_ok=True)
   print(f"Experiment {config.get('experiment')}:{config.get('preset')} -> {workdir} "
         f"({len(jax.devices())} {jax.default_backend()} device(s))", flush=True)
   try:
@@ -180,6 +227,9 @@ def main(argv: list[str]) -> int:
   except train.CheckpointMismatchError as e:
     print(f"FATAL: {e}", file=sys.stderr)
     return 2
+  except train.CheckpointDamagedError as e:  # every checkpoint of a run; the files are kept
+    print(f"FATAL: {e}", file=sys.stderr)
+    return 3
   except train.NonFiniteLossError as e:
     print(f"FATAL: {e}", file=sys.stderr)
     return 1

@@ -57,7 +57,7 @@ from typing import Any
 import ml_collections
 import numpy as np
 
-from attnx.train.config import base_config, split_list
+from attnx.train.config import base_config, check_batch_size, split_list
 from attnx.train.optim import optimizer_config
 
 PRESETS = ("default", "tiny", "quick", "survey", "digits", "listops", "associative_recall",
@@ -165,9 +165,21 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
       raise ValueError(f"config.weightings: {e}") from None
   if config.batch_size < 1 or config.max_eval_examples < 1:
     raise ValueError("config.batch_size and config.max_eval_examples must be >= 1")
-  if config.model.hidden_dim % config.model.num_heads:
-    raise ValueError(f"config.model.hidden_dim={config.model.hidden_dim} must be divisible by "
-                     f"config.model.num_heads={config.model.num_heads}")
+  m = config.model
+  for key in ("hidden_dim", "num_layers", "num_heads", "mlp_dim", "patch_size"):
+    if m[key] < 1:
+      raise ValueError(f"config.model.{key} must be >= 1, got {m[key]!r}")
+  if m.hidden_dim % m.num_heads:
+    raise ValueError(f"config.model.hidden_dim={m.hidden_dim} must be divisible by "
+                     f"config.model.num_heads={m.num_heads}")
+  from attnx import data  # sizes and shapes without preparing any data
+
+  for t in tasks:
+    info = data.get_info(t, **dict(config.data.get(t, {})))
+    check_batch_size(config, "batch_size", info.splits["train"], f"task {t!r}")
+    if t == "digits" and any(d % m.patch_size for d in info.input_shape[:2]):
+      raise ValueError(f"config.model.patch_size={m.patch_size} does not divide the "
+                       f"{info.input_shape[0]}x{info.input_shape[1]} digits images")
 
 
 # ----------------------------------------------------------------------------------------------

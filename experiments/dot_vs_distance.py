@@ -97,6 +97,10 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
                         core.list_weightings("pointwise"))
   if min(config.kernel.norm_spreads) < 0:
     raise ValueError("config.kernel.norm_spreads must be ≥ 0.")
+  if config.train.enabled:
+    info = data.get_info(config.train.dataset)
+    train.check_batch_size(config, "train.batch_size", info.splits["train"],
+                           f"{config.train.dataset!r}")
 
 
 # ------------------------------------------------------------------------------------------

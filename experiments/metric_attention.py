@@ -98,6 +98,11 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     raise ValueError("config.target_accuracy must be in (0, 1].")
   if min(config.noise_levels) < 0:
     raise ValueError("config.noise_levels must be ≥ 0.")
+  for name in config.datasets:  # catalog sets: their standard size unless prepared otherwise
+    n = data.get_info(name).splits["train"]
+    capped = config.max_train_examples < n
+    train.check_batch_size(config, "batch_size", min(n, config.max_train_examples),
+                           f"{name!r}{' (config.max_train_examples)' if capped else ''}")
 
 
 def _load(name: str, config) -> tuple[dict, dict] | str:

@@ -120,6 +120,9 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     raise ValueError("config.kernel.num_keys must be ≥ 2.")
   if config.num_seeds < 1 or config.train.num_steps < 1:
     raise ValueError("config.num_seeds and config.train.num_steps must be ≥ 1.")
+  if config.train.enabled:
+    train.check_batch_size(config, "train.batch_size", config.train.num_train,
+                           "noisy clusters (config.train.num_train)")
 
 
 # ------------------------------------------------------------------------------------------

@@ -29,7 +29,7 @@ from typing import Any
 
 import ml_collections
 
-from attnx.train.config import base_config, config_overrides
+from attnx.train.config import base_config, check_batch_size, config_overrides
 from attnx.train.optim import optimizer_config
 
 PRESETS = ("default", "tiny")
@@ -71,6 +71,9 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   if config.batch_size % max(config.devices, 1):
     raise ValueError(f"config.batch_size={config.batch_size} must be divisible by "
                      f"config.devices={config.devices}")
+  from attnx import data  # the size without preparing the data
+
+  check_batch_size(config, "batch_size", data.get_info("digits").splits["train"], "'digits'")
 
 
 def _setup(config):

@@ -94,6 +94,8 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   _common.check_choices(config, "cell", [config.cell], ("gru", "lstm"))
   if config.num_seeds < 1 or config.num_steps < 1:
     raise ValueError("config.num_seeds and config.num_steps must be ≥ 1.")
+  train.check_batch_size(config, "batch_size", config.num_train,
+                         "synthetic pairs (config.num_train)")
   for sentence in config.examples:
     try:
       st.translate(sentence)

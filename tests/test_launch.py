@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import glob
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -120,8 +123,6 @@ def test_sigkill_after_checkpoint_then_resume_matches_uninterrupted(env, tmp_pat
      r"^FATAL: unknown preset 'nope' for compare_weightings; valid presets: default, tiny, .*\n$"),
 ])
 def test_bad_flags_fail_fast_naming_key_and_choices(env, flags, expected):
-  import re
-
   t0 = time.time()
   proc = _launch(env, TINY, *flags.split(), "--workdir=/nonexistent/should_not_be_created",
                  timeout=120)
@@ -129,6 +130,57 @@ def test_bad_flags_fail_fast_naming_key_and_choices(env, flags, expected):
   assert re.search(expected, proc.stderr), proc.stderr[-2000:]
   assert "Traceback" not in proc.stderr
   assert not os.path.exists("/nonexistent/should_not_be_created")
+  assert time.time() - t0 < 60  # no data preparation, no compilation
+
+
+def _unwritable_dir(tmp_path) -> str:
+  """A directory this user cannot write to: a chmod'ed one, or (as root) read-only /sys."""
+  d = tmp_path / "readonly"
+  d.mkdir()
+  d.chmod(0o555)
+  for candidate in (str(d), "/sys"):
+    try:
+      with tempfile.TemporaryFile(dir=candidate):
+        pass
+    except OSError:
+      return candidate
+  pytest.skip("no unwritable directory on this machine")
+
+
+@pytest.mark.parametrize("flags, expected", [
+    ("--workdir={file}", r"--workdir=\S+ is a file, not a directory"),
+    ("--workdir={file}/sub", r"--workdir=\S+/sub cannot be created: Not a directory$"),
+    ("--workdir={readonly}", r"--workdir=\S+ is not writable: \w+"),
+    ("--workdir={readonly}/sub", r"--workdir=\S+/sub cannot be created: \w+"),
+    ("--config.batch_size=5000", r"config\.batch_size=5000 is larger than the 1437 training "
+                                 r"examples of task 'digits'; use at most 1437"),
+    ("--config.num_steps=0", r"config\.num_steps must be >= 1, got 0"),
+    ("--config.num_seeds=0", r"config\.num_seeds must be >= 1, got 0"),
+    ("--config.checkpoint_every=-1", r"config\.checkpoint_every must be >= 0 \(0 turns it off"),
+    ("--config.log_every=-1", r"config\.log_every must be >= 0"),
+    ("--config.keep_checkpoints=0", r"config\.keep_checkpoints must be >= 1, got 0"),
+    ("--config.model.num_heads=0", r"config\.model\.num_heads must be >= 1, got 0"),
+    ("--config.model.patch_size=3", r"config\.model\.patch_size=3 does not divide the 8x8"),
+    ("--config.num_steps=abc", r"flags parsing error: .*--config\.num_steps=abc"),
+    ("experiments/compare_weightings.py", r"unexpected positional argument\(s\) "
+                                          r"\['experiments/compare_weightings\.py'\]; .*--config="),
+    ("--config=experiments/_common.py", r"experiments/_common\.py .* is not an experiment: it "
+                                        r"defines no get_config or run"),
+])
+def test_launch_time_mistakes_are_one_fatal_line_and_status_2(env, tmp_path, flags, expected):
+  file = tmp_path / "a_file"
+  file.write_text("not a directory")
+  readonly = _unwritable_dir(tmp_path) if "{readonly}" in flags else ""
+  args = flags.format(file=file, readonly=readonly).split()
+  workdir = tmp_path / "not_created"
+  if not any(a.startswith("--workdir=") for a in args):
+    args.append(f"--workdir={workdir}")
+  t0 = time.time()
+  proc = _launch(env, TINY, *args, timeout=120)
+  assert proc.returncode == 2, proc.stderr[-3000:]
+  assert proc.stderr.startswith("FATAL: ") and proc.stderr.count("\n") == 1, proc.stderr[-3000:]
+  assert re.search(expected, proc.stderr), proc.stderr
+  assert "Traceback" not in proc.stderr and not workdir.exists()
   assert time.time() - t0 < 60  # no data preparation, no compilation
 
 
@@ -199,6 +251,59 @@ def test_changed_setup_on_rerun_fails_naming_it_and_data_dir_is_honoured(env, st
           and "optimizer.learning_rate: 0.1 in the checkpoint, now 0.2" in again.stderr
           and "Use another --workdir" in again.stderr), again.stderr[-3000:]
   assert "Traceback" not in again.stderr
+
+
+def _listing(root: str) -> dict[str, tuple[int, int]]:
+  """Every path under root with its size (files) and modification time."""
+  out = {}
+  for dirpath, dirnames, filenames in os.walk(root):
+    for name in dirnames + filenames:
+      st = os.stat(os.path.join(dirpath, name))
+      size = st.st_size if name in filenames else 0
+      out[os.path.relpath(os.path.join(dirpath, name), root)] = (size, st.st_mtime_ns)
+  return out
+
+
+def test_damaged_checkpoint_resumes_from_the_intact_one_and_none_intact_exits_3(env, stand_in,
+                                                                                tmp_path):
+  wd = str(tmp_path / "wd")
+  ckpt = os.path.join(wd, "checkpoints", "run")
+  first = _launch(env, stand_in, f"--workdir={wd}")
+  assert first.returncode == 0, first.stderr[-3000:]
+  assert sorted(os.listdir(ckpt)) == ["2", "4"]
+
+  def truncate_arrays(step: int) -> None:  # as a full disk leaves them
+    files = glob.glob(os.path.join(ckpt, str(step), "state", "**", "d", "*"), recursive=True)
+    assert files
+    for f in files:
+      os.truncate(f, os.path.getsize(f) // 2)
+
+  truncate_arrays(4)
+  again = _launch(env, stand_in, f"--workdir={wd}")
+  assert again.returncode == 0, again.stderr[-3000:]
+  lines = again.stderr.splitlines()
+  assert len(lines) == 2, again.stderr[-3000:]  # no orbax/tensorstore tracebacks
+  assert lines[0].startswith(f"WARNING: run 'run': checkpoint step 4 in {ckpt} is damaged: ")
+  assert lines[0].endswith("; trying step 2") and len(lines[0]) < 400
+  assert lines[1] == f"Resuming run 'run' from step 2 ({ckpt})"
+  assert "Report: " in again.stdout
+
+  # Now every checkpoint is damaged (step 4 was saved again above): a distinct status, and
+  # the files stay as they are for the user to inspect.
+  truncate_arrays(2)
+  with open(os.path.join(ckpt, "4", "meta", "metadata"), "r+") as f:
+    f.truncate(10)
+  before = _listing(wd)
+  last = _launch(env, stand_in, f"--workdir={wd}")
+  assert last.returncode == 3, last.stderr[-3000:]
+  lines = last.stderr.splitlines()
+  assert [line.split(" is damaged")[0] for line in lines[:2]] == [
+      f"WARNING: run 'run': checkpoint step {s} in {ckpt}" for s in (4, 2)], last.stderr
+  assert len(lines) == 3 and lines[2].startswith(
+      f"FATAL: run 'run': no intact checkpoint in {ckpt} (step(s) 4, 2 cannot be read back; "
+      "nothing was changed on disk)"), last.stderr
+  assert "Traceback" not in last.stderr and "Report: " not in last.stdout
+  assert _listing(wd) == before
 
 
 def test_list_shows_experiments_and_presets(env):

@@ -2,16 +2,18 @@
 
 `fit` trains N seeds of a Flax model in one vmapped program (optionally data-parallel over
 devices with shard_map or pmap), checkpoints and resumes with orbax (refusing a checkpoint made
-with a different setup), logs to JSONL/TensorBoard, and stops on NaN/Inf. `Report` turns
-results into report.md + results.json + PNG plots.
+with a different setup, falling back past damaged ones), logs to JSONL/TensorBoard, and stops
+on NaN/Inf. `Report` turns results into report.md + results.json + PNG plots.
 """
 
 import os as _os
 
 _os.environ.setdefault("MPLBACKEND", "Agg")  # reports are written headless
 
+from attnx.train.checkpoint import CheckpointDamagedError  # noqa: E402
 from attnx.train.config import (  # noqa: E402
     base_config,
+    check_batch_size,
     check_choice,
     format_experiments,
     list_experiments,
@@ -63,11 +65,11 @@ from attnx.train.step import init_state, make_apply_fn, make_step, seed_step  # 
 
 __all__ = [
     "IGNORE_INDEX", "LOSSES", "METRICS", "OPTIMIZERS", "PARALLEL_MODES", "PIPELINES", "SCHEDULES",
-    "CheckpointMismatchError", "FitResult", "NonFiniteLossError", "Placement", "Report",
-    "array_stream", "base_config", "batches", "check_choice", "data_mesh", "environment",
-    "evaluate", "fit", "format_experiments", "from_sums", "get_loss", "grain_stream", "init_state",
-    "list_experiments", "load_module", "make_apply_fn", "make_optimizer", "make_schedule",
-    "make_step", "mean_std", "mse", "nonfinite_runs", "optimizer_config", "plot_learning_curves",
-    "reduce_sums", "run_fingerprint", "seed_step", "softmax_xent", "split_list", "stream_fn",
-    "summary_rows", "validate",
+    "CheckpointDamagedError", "CheckpointMismatchError", "FitResult", "NonFiniteLossError",
+    "Placement", "Report", "array_stream", "base_config", "batches", "check_batch_size",
+    "check_choice", "data_mesh", "environment", "evaluate", "fit", "format_experiments",
+    "from_sums", "get_loss", "grain_stream", "init_state", "list_experiments", "load_module",
+    "make_apply_fn", "make_optimizer", "make_schedule", "make_step", "mean_std", "mse",
+    "nonfinite_runs", "optimizer_config", "plot_learning_curves", "reduce_sums", "run_fingerprint",
+    "seed_step", "softmax_xent", "split_list", "stream_fn", "summary_rows", "validate",
 ]

@@ -1,13 +1,87 @@
-"""Orbax checkpoints of the stacked train state (+ a small JSON of metadata) per run."""
+"""Orbax checkpoints of the stacked train state (+ a small JSON of metadata) per run.
+
+A checkpoint that cannot be read back (truncated or missing files, broken JSON) raises
+`CheckpointDamagedError` naming its step and directory, so that `fit` can fall back to an
+earlier one instead of failing with orbax's and tensorstore's tracebacks.
+"""
 
 from __future__ import annotations
 
+import logging
 import os
-from typing import Any
+import sys
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+
+_T = TypeVar("_T")
+
+
+class CheckpointDamagedError(RuntimeError):
+  """A checkpoint (or every checkpoint of a run) could not be read back; nothing was changed.
+
+  `step` is the damaged step (None when the error is about a whole run), `directory` the run's
+  checkpoint directory.
+  """
+
+  def __init__(self, message: str, step: int | None = None, directory: str = ""):
+    super().__init__(message)
+    self.step = step
+    self.directory = directory
+
+
+def _one_line(e: BaseException, width: int = 160) -> str:
+  """`Type: first line of the message`, cut to `width` (tensorstore errors embed long specs)."""
+  lines = str(e).strip().splitlines()
+  text = f"{type(e).__name__}: {lines[0] if lines else ''}".strip()
+  return text if len(text) <= width else text[:width - 3] + "..."
+
+
+def _is_closed_loop_report(unraisable: Any) -> bool:
+  """Whether an unraisable exception is a read finishing after orbax closed its event loop."""
+  e = unraisable.exc_value
+  if not (isinstance(e, RuntimeError) and str(e) == "Event loop is closed"):
+    return False
+  tb = unraisable.exc_traceback
+  while tb is not None:
+    if tb.tb_frame.f_code.co_name == "call_soon_threadsafe":
+      return True
+    tb = tb.tb_next
+  return False
+
+
+class _OrphanedReads(logging.Filter):
+  """Drops asyncio's 'Task exception was never retrieved' reports of orbax's restore tasks."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    msg = record.getMessage()
+    return not (msg.startswith("Task exception was never retrieved") and "orbax" in msg)
+
+
+def _quiet_failed_restore_aftermath() -> None:
+  """Keep the reads that a failed restore leaves behind from printing dozens of tracebacks.
+
+  When one read of a restore fails, orbax closes its event loop while tensorstore's other reads
+  are in flight: each of those later reports RuntimeError('Event loop is closed') through
+  sys.unraisablehook, and asyncio logs every failed task that nobody awaited, long after the
+  error itself was handled (and reported in one line). Only these reports are dropped.
+  """
+  asyncio_logger = logging.getLogger("asyncio")
+  if not any(isinstance(f, _OrphanedReads) for f in asyncio_logger.filters):
+    asyncio_logger.addFilter(_OrphanedReads())
+  previous = sys.unraisablehook
+  if getattr(previous, "_attnx_closed_loop_filter", False):
+    return
+
+  def hook(unraisable: Any) -> None:
+    if not _is_closed_loop_report(unraisable):
+      previous(unraisable)
+
+  hook._attnx_closed_loop_filter = True  # type: ignore[attr-defined]
+  sys.unraisablehook = hook
 
 
 class Checkpointer:
@@ -25,25 +99,63 @@ class Checkpointer:
   def latest_step(self) -> int | None:
     return self.manager.latest_step()
 
+  def all_steps(self) -> list[int]:
+    """Steps on disk, oldest first (damaged ones included: they are only found by reading)."""
+    return sorted(int(s) for s in self.manager.all_steps())
+
   def save(self, step: int, state: Any, meta: dict) -> None:
+    """Save checkpoint `step`, replacing one left at that step (a damaged one `fit` skipped).
+
+    `fit` only trains past a step on disk when it could not read that checkpoint back, and
+    orbax refuses to overwrite a step, so that damaged step alone is deleted first.
+    """
     host = jax.tree.map(np.asarray, jax.device_get(state))
+    if step in self.all_steps():
+      self.manager.delete(step)
     self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(host),
                                                      meta=ocp.args.JsonSave(meta)), force=True)
     self.manager.wait_until_finished()
 
+  def _read(self, step: int, what: str, read: Callable[[], _T]) -> _T:
+    """`read()`, with any failure turned into one CheckpointDamagedError naming the step."""
+    _quiet_failed_restore_aftermath()
+    try:
+      return read()
+    except Exception as e:  # noqa: BLE001 - any failure to read back means a damaged checkpoint
+      raise CheckpointDamagedError(
+          f"checkpoint step {step} in {self.directory} is damaged: its {what} cannot be read "
+          f"({_one_line(e)})", step=step, directory=self.directory) from e
+
   def read_meta(self, step: int) -> dict:
-    """The JSON metadata of checkpoint `step` alone (cheap; the state is not read)."""
-    restored = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
-    return dict(restored["meta"])
+    """The JSON metadata of checkpoint `step` alone (cheap; the state is not read).
+
+    Raises CheckpointDamagedError when it cannot be read back.
+    """
+    def read() -> dict:
+      restored = self.manager.restore(step,
+                                      args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+      meta = restored["meta"]
+      if not isinstance(meta, dict):
+        raise TypeError(f"metadata is a {type(meta).__name__}, not a JSON object")
+      return dict(meta)
+
+    return self._read(step, "metadata", read)
 
   def restore(self, step: int, target: Any) -> Any:
-    """The state of checkpoint `step`, in the structure (and dtypes/shapes) of `target`."""
+    """The state of checkpoint `step`, in the structure (and dtypes/shapes) of `target`.
+
+    Raises CheckpointDamagedError when it cannot be read back.
+    """
     sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     abstract = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(np.shape(x), np.result_type(x), sharding=sharding), target)
-    restored = self.manager.restore(
-        step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))
-    return restored["state"]
+
+    def read() -> Any:
+      restored = self.manager.restore(
+          step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))
+      return restored["state"]
+
+    return self._read(step, "train state", read)
 
   def close(self) -> None:
     self.manager.close()

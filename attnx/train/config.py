@@ -66,9 +66,7 @@ def validate(config: ml_collections.ConfigDict, module: ModuleType | None = None
     check_choice(config, "parallel", PARALLEL_MODES)
   if "data_pipeline" in config:
     check_choice(config, "data_pipeline", PIPELINES)
-  for key in ("num_seeds", "num_steps"):
-    if key in config and int(config[key]) < 1:
-      raise ValueError(f"config.{key} must be >= 1, got {config[key]!r}")
+  _check_counts(config)
   if "num_cpu_devices" in config and int(config.num_cpu_devices) < 0:
     raise ValueError(f"config.num_cpu_devices must be >= 0, got {config.num_cpu_devices!r}")
   _check_batch_split(config)
@@ -80,6 +78,39 @@ def validate(config: ml_collections.ConfigDict, module: ModuleType | None = None
     validate_optimizer_config(config.optimizer, "config.optimizer")
   if module is not None and hasattr(module, "validate_config"):
     module.validate_config(config)
+
+
+# Fields that `fit` and the experiments read as counts, wherever they sit in a config (e.g.
+# config.train.num_steps): the smallest value that means something.
+_MIN_COUNT = {"num_seeds": 1, "num_steps": 1, "batch_size": 1, "keep_checkpoints": 1,
+              "checkpoint_every": 0, "log_every": 0, "eval_every": 0}
+
+
+def _check_counts(config: ml_collections.ConfigDict) -> None:
+  """Counts below their minimum: `fit` would fail after compiling, or silently do nothing."""
+  for key, value in _leaves(config).items():
+    least = _MIN_COUNT.get(key.rsplit(".", 1)[-1])
+    if least is None or isinstance(value, bool) or not isinstance(value, int | float):
+      continue
+    if value < least:
+      off = " (0 turns it off)" if least == 0 else ""
+      raise ValueError(f"config.{key} must be >= {least}{off}, got {value!r}")
+
+
+def check_batch_size(config: ml_collections.ConfigDict, key: str, num_examples: int,
+                     dataset: str) -> None:
+  """ValueError when the batch size config.<key> exceeds the `num_examples` it is drawn from.
+
+  Training takes full batches from the training split, so the run would only fail once the
+  data is loaded and the model compiled; experiments call this from `validate_config` with
+  the size their data has (attnx.data.get_info knows it without preparing anything).
+  """
+  node: Any = config
+  for part in key.split("."):
+    node = node[part]
+  if int(node) > num_examples:
+    raise ValueError(f"config.{key}={node} is larger than the {num_examples} training examples "
+                     f"of {dataset}; use at most {num_examples}")
 
 
 def _check_batch_split(config: ml_collections.ConfigDict) -> None:

@@ -18,7 +18,7 @@ import ml_collections
 import numpy as np
 import optax
 
-from attnx.train.checkpoint import Checkpointer
+from attnx.train.checkpoint import CheckpointDamagedError, Checkpointer
 from attnx.train.evaluate import evaluate
 from attnx.train.losses import LossFn, get_loss
 from attnx.train.optim import make_optimizer
@@ -188,27 +188,46 @@ def _check_resumable(meta: dict, fingerprint: dict, seeds: list[int], directory:
 
 
 def _init_or_restore(model, tx, seeds, sample, inputs_fn, ckpt, fingerprint, name):
-  """Fresh stacked state, or the latest checkpoint's; returns (state, step, meta).
+  """Fresh stacked state, or the newest intact checkpoint's; returns (state, step, meta).
 
-  The checkpoint's fingerprint is compared before anything is compiled or restored, so a
+  Each checkpoint's fingerprint is compared before anything is compiled or restored, so a
   changed setup fails at once, naming the differences, rather than with a shape error or
-  silently with old results.
+  silently with old results. A checkpoint whose metadata or state cannot be read back is
+  reported in one line and skipped for the next older one; when none is intact,
+  CheckpointDamagedError (nothing on disk is changed). A changed setup is not damage: the
+  CheckpointMismatchError of the newest readable checkpoint propagates unchanged.
   """
-  start_step = None if ckpt is None else ckpt.latest_step()
-  meta = {}
-  if start_step is not None:
-    meta = ckpt.read_meta(start_step)
-    _check_resumable(meta, fingerprint, seeds, ckpt.directory, name)
-  state = init_state(model, tx, seeds, {k: _narrow(np.asarray(v)) for k, v in sample.items()},
-                     inputs_fn)
-  if start_step is None:
-    return state, 0, meta
-  start_step = int(start_step)
-  state = ckpt.restore(start_step, state)
-  msg = f"Resuming run {name!r} from step {start_step} ({ckpt.directory})"
-  log.info(msg)
-  print(msg, file=sys.stderr, flush=True)
-  return state, start_step, meta
+  steps = [] if ckpt is None else ckpt.all_steps()[::-1]
+  arrays = {k: _narrow(np.asarray(v)) for k, v in sample.items()}
+  fresh = None
+  damaged: list[CheckpointDamagedError] = []
+  for i, step in enumerate(steps):
+    try:
+      meta = ckpt.read_meta(step)
+      _check_resumable(meta, fingerprint, seeds, ckpt.directory, name)
+      if fresh is None:
+        fresh = init_state(model, tx, seeds, arrays, inputs_fn)
+      state = ckpt.restore(step, fresh)
+    except CheckpointDamagedError as e:
+      damaged.append(e)
+      then = f"trying step {steps[i + 1]}" if i + 1 < len(steps) else "no earlier checkpoint"
+      msg = f"WARNING: run {name!r}: {e}; {then}"
+      log.info(msg)  # printed below; a warning would print twice under absl
+      print(msg, file=sys.stderr, flush=True)
+      continue
+    msg = f"Resuming run {name!r} from step {step} ({ckpt.directory})"
+    log.info(msg)
+    print(msg, file=sys.stderr, flush=True)
+    return state, int(step), meta
+  if damaged:
+    raise CheckpointDamagedError(
+        f"run {name!r}: no intact checkpoint in {ckpt.directory} (step(s) "
+        f"{', '.join(str(e.step) for e in damaged)} cannot be read back; nothing was changed "
+        "on disk). Move that directory away to train this run from scratch, or use another "
+        "--workdir (workdir=).", directory=ckpt.directory)
+  if fresh is None:
+    fresh = init_state(model, tx, seeds, arrays, inputs_fn)
+  return fresh, 0, {}
 
 
 def fit(model: nn.Module, *,
@@ -241,7 +260,10 @@ def fit(model: nn.Module, *,
   logged curves as well. Each checkpoint stores a fingerprint of the setup (`run_fingerprint`:
   model fields, optimizer config, loss, num_steps, batch size, seeds, first batch, plus the
   caller's `fingerprint` entries); resuming with a different one raises
-  CheckpointMismatchError naming the differences, before anything is restored.
+  CheckpointMismatchError naming the differences, before anything is restored. A damaged
+  checkpoint (one that cannot be read back) is reported in one line and the run resumes from
+  the newest intact one, replacing the damaged steps as it reaches them; with none intact,
+  CheckpointDamagedError, leaving the files as they are.
 
   Evaluation: `eval_fn(params_stacked) -> {name: [num_seeds]}` (also given `extra_variables=`
   when it takes that argument), or `eval_data()` (a fresh iterator per evaluation) scored with

@@ -37,6 +37,8 @@ def test_presets_and_docstring():
     ("weightings", "softmax,nope", r"config\.weightings.*'nope'"),
     ("tasks", "digits,imagenet", r"config\.tasks.*'imagenet'.*digits"),
     ("tasks", "", r"config\.tasks is empty"),
+    ("batch_size", 5000, r"config\.batch_size=5000 is larger than the 1437 training examples "
+                         r"of task 'digits'"),
 ])
 def test_validate_config_names_key_and_choices(key, value, pattern):
   c = cw.get_config("tiny")

@@ -56,3 +56,34 @@ def test_config_overrides_list_every_changed_leaf():
   flags = tc.config_overrides(c, ref, exclude=("parallel",))
   assert sorted(flags) == ["--config.names=('a',)", "--config.num_seeds=3",
                            "--config.optimizer.learning_rate=0.02", "--config.progress=False"]
+
+
+@pytest.mark.parametrize("key, value, pattern", [
+    ("num_steps", 0, r"config\.num_steps must be >= 1, got 0"),
+    ("train.num_steps", -3, r"config\.train\.num_steps must be >= 1, got -3"),  # nested too
+    ("train.batch_size", 0, r"config\.train\.batch_size must be >= 1"),
+    ("checkpoint_every", -1, r"config\.checkpoint_every must be >= 0 \(0 turns it off\)"),
+    ("log_every", -10, r"config\.log_every must be >= 0"),
+    ("train.eval_every", -1, r"config\.train\.eval_every must be >= 0"),
+    ("keep_checkpoints", 0, r"config\.keep_checkpoints must be >= 1"),
+])
+def test_validate_rejects_counts_fit_cannot_use(key, value, pattern):
+  c = train.base_config()
+  c.update(keep_checkpoints=2, train=ml_collections.ConfigDict(
+      dict(num_steps=5, batch_size=4, eval_every=0)))
+  train.validate(c)  # valid as built: 0 turns checkpoints and evaluation off
+  node = c
+  *parents, leaf = key.split(".")
+  for p in parents:
+    node = node[p]
+  node[leaf] = value
+  with pytest.raises(ValueError, match=pattern):
+    train.validate(c)
+
+
+def test_check_batch_size_names_key_size_and_dataset():
+  c = ml_collections.ConfigDict(dict(train=dict(batch_size=64)))
+  train.check_batch_size(c, "train.batch_size", 64, "'digits'")  # a batch may take them all
+  with pytest.raises(ValueError, match=r"config\.train\.batch_size=64 is larger than the 63 "
+                                       r"training examples of 'digits'; use at most 63"):
+    train.check_batch_size(c, "train.batch_size", 63, "'digits'")

@@ -44,6 +44,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from attnx.train import config as train_config
+from attnx.train import workarounds
 from attnx.train.parallel import validate_parallel
 
 _ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -202,12 +203,7 @@ def main(argv: list[str]) -> int:
   import jax  # Device settings below must precede JAX's backend initialization.
   n = int(config.get("num_cpu_devices", 0) or 0)
   if n > 0:
-    jax.config.update("jax_num_cpu_devices", n)
-    # Fake devices share few cores: on a busy machine a collective can wait longer than XLA's
-    # default 40 s for all device threads, and XLA then aborts the process.
-    flag = "--xla_cpu_collective_call_terminate_timeout_seconds"
-    if flag not in os.environ.get("XLA_FLAGS", ""):
-      os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}=600".strip()
+    workarounds.fake_cpu_devices(n)  # with a collective timeout for busy machines
   if config.get("distributed", False):
     jax.distributed.initialize(**train_config.distributed_kwargs(config))
   train_config.apply_data_dir(config)

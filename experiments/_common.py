@@ -1,8 +1,8 @@
 """Small helpers shared by the experiments in this folder (not a public API).
 
 Everything generic (training loops, report writing, plots) lives in ``attnx.train``; this file
-only holds glue that several experiment files need: preset checking, JSON conversion and
-number formatting.
+only holds glue that several experiment files need: preset checking, JSON files and number
+formatting.
 """
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+
+from attnx.train.report import jsonable  # the one implementation (also Report.save_json)
 
 
 def check_preset(preset: str | None, presets: Sequence[str]) -> str:
@@ -35,22 +37,6 @@ def safe_name(label: str) -> str:
   """A run label usable as a file name ("gaussian (neg_sq_dist)" -> "gaussian_neg_sq_dist")."""
   out = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in label)
   return "_".join(p for p in out.split("_") if p)
-
-
-def jsonable(x: Any) -> Any:
-  """Converts numpy/jax scalars and arrays (recursively) to plain JSON types."""
-  if isinstance(x, dict):
-    return {str(k): jsonable(v) for k, v in x.items()}
-  if isinstance(x, (list, tuple)):
-    return [jsonable(v) for v in x]
-  if hasattr(x, "to_dict"):  # ConfigDict
-    return jsonable(x.to_dict())
-  if isinstance(x, (np.ndarray, np.generic)) or type(x).__module__.startswith("jax"):
-    arr = np.asarray(x)
-    return arr.item() if arr.ndim == 0 else arr.tolist()
-  if isinstance(x, float) and not np.isfinite(x):
-    return str(x)
-  return x
 
 
 def fmt(x: Any, digits: int = 3) -> str:
@@ -78,7 +64,8 @@ def mean_std_str(values: Sequence[float], digits: int = 3) -> str:
 
 
 def save_json(workdir: str, name: str, payload: Any) -> str:
-  """Writes experiment-specific numbers next to the report (``<workdir>/<name>.json``)."""
+  """Writes experiment-specific numbers next to the report (``<workdir>/<name>.json``) with
+  attnx.train's `jsonable` (``Report.save_json`` does the same from a Report)."""
   os.makedirs(workdir, exist_ok=True)
   path = os.path.join(workdir, name)
   with open(path, "w") as f:

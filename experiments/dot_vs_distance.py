@@ -1,6 +1,7 @@
-"""Attention from a distance vs from a dot product (seeds 000 and 004).
+"""Attention from a distance vs from a dot product (Alam et al.; Martínez-Ramón et al.'s slides).
 
-Claim (seed 004, eq. 6–7; seed 000, section 1): −‖q − k‖² = 2 q·k − ‖q‖² − ‖k‖², so if the key
+Claim (Martínez-Ramón, Ajith & Kurup's slides, eq. 6–7; Alam et al., section 1):
+−‖q − k‖² = 2 q·k − ‖q‖² − ‖k‖², so if the key
 norms are about constant, a weighting of the negative squared distance equals a weighting of
 2 q·k plus a per-query constant, which softmax ignores: distance attention and dot-product
 attention coincide. (The slides write "‖q‖² − ‖k‖² + 2qᵀk"; the sign of ‖q‖² is a typo, and
@@ -10,7 +11,7 @@ Tested at two levels:
 
 (a) kernel level: softmax(−‖q−k‖²) vs softmax(2 q·k) and softmax(q·k) for keys with constant
     norm, with growing key-norm spread, and for a non-exp F (for which the per-query constant
-    does not cancel: seed 000's point);
+    does not cancel: Alam et al.'s point);
 (b) training level: the same small ViT on ``digits`` with score ``scaled_dot`` (q·k/√H) or
     ``neg_sq_dist`` scaled by 1/(2√H) (= q·k/√H − (‖q‖² + ‖k‖²)/(2√H)), with and without
     normalized queries/keys (``qk_norm``: LayerNorm, which makes every norm √H at init), over
@@ -68,6 +69,7 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
   t.dataset = "digits"
   t.scores = SCORES
   t.qk_norm = (False, True)
+  t.margin = 0.01  # verdict margin: accuracy differences below it count as equal
   t.patch_size = 2
   t.hidden_dim = 32
   t.num_layers = 2
@@ -250,14 +252,12 @@ def training_level(config: ml_collections.ConfigDict, workdir: str) -> dict[str,
     model = nn.VisionTransformer(num_classes=num_classes, patch_size=tc.patch_size,
                                  hidden_dim=tc.hidden_dim, num_layers=tc.num_layers,
                                  num_heads=tc.num_heads, mlp_dim=tc.mlp_dim, attention=spec)
-    fit = train.fit(model, train_data=train.stream_fn(tr, tc.batch_size, config.data_pipeline),
-                    loss="softmax_xent",
-                    eval_data=lambda: train.batches(te, 360), optimizer=optimizer,
-                    num_steps=tc.num_steps, num_seeds=config.num_seeds, seed=config.seed,
-                    eval_every=tc.eval_every, log_every=tc.eval_every,
-                    progress=config.progress, tensorboard=False, name=_common.safe_name(label),
-                    parallel=config.parallel, workdir=workdir,
-                    checkpoint_every=config.checkpoint_every)
+    fit_config = train.FitConfig.from_config(
+        config, loss="softmax_xent", optimizer=optimizer, num_steps=tc.num_steps,
+        eval_every=tc.eval_every, log_every=tc.eval_every, tensorboard=False)
+    fit = train.fit(model, train_data=train.loader(tr, tc.batch_size, config.data_pipeline),
+                    eval_data=train.loader(te, 360), config=fit_config,
+                    name=_common.safe_name(label), workdir=workdir)
     out["final"][label] = {k: np.asarray(v) for k, v in fit.final_metrics.items()}
     out["histories"][label] = fit.history
     out["seconds_per_step"][label] = fit.seconds_per_step
@@ -269,7 +269,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   validate_config(config)
   t0 = time.time()
   rep = train.Report(
-      "Distance vs dot-product attention (seeds 000, 004)", workdir, config=config,
+      "Distance vs dot-product attention (Alam et al.; Martínez-Ramón, Ajith & Kurup)",
+      workdir, config=config,
       claim="−‖q−k‖² = 2q·k − ‖q‖² − ‖k‖²: with constant key norms, softmax of the negative "
             "squared distance equals softmax of 2q·k, so distance and dot-product attention "
             "coincide.")
@@ -322,20 +323,22 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     acc = {lab: float(np.mean(fm["accuracy"])) for lab, fm in tr["final"].items()}
     results["training"] = {"accuracy": {k: v["accuracy"] for k, v in tr["final"].items()},
                            "mean_accuracy": acc}
-    gaps, within_noise = {}, {}
+    gaps, outcomes = {}, {}
     for qk in tc.qk_norm:
       suffix = " + qk_norm" if qk else ""
       a, b = tr["final"].get(f"scaled_dot{suffix}"), tr["final"].get(f"neg_sq_dist{suffix}")
       if a is not None and b is not None:
-        gap = float(np.mean(b["accuracy"]) - np.mean(a["accuracy"]))
-        noise = float(max(np.std(a["accuracy"]), np.std(b["accuracy"])))
-        gaps[f"qk_norm={qk}"] = gap
-        within_noise[f"qk_norm={qk}"] = abs(gap) <= noise
+        c = train.verdict.compare(b["accuracy"], a["accuracy"], margin=tc.margin,
+                                  a_name=f"neg_sq_dist{suffix}", b_name=f"scaled_dot{suffix}",
+                                  metric="accuracy")
+        gaps[f"qk_norm={qk}"] = c.diff
+        outcomes[f"qk_norm={qk}"] = c
     results["training"]["accuracy_gap_dist_minus_dot"] = gaps
-    results["training"]["gap_within_seed_std"] = within_noise
-    training_text = ("Accuracy gap (neg_sq_dist − scaled_dot): " + ", ".join(
-        f"{k}: {v:+.3f}" + (" (within the seed std)" if within_noise[k] else " (beyond the "
-                            "seed std)") for k, v in gaps.items()) + ".")
+    results["training"]["comparison"] = {k: c.outcome for k, c in outcomes.items()}
+    training_text = " ".join(c.sentence() + "." for c in outcomes.values())
+    if outcomes:
+      rep.text(train.verdict.Comparison.rule(tc.margin, next(iter(outcomes.values())).n,
+                                             "accuracy"))
     rep.text(training_text)
   verdict = _kernel_text(ks)
   if config.train.enabled:

@@ -449,8 +449,8 @@ def _fmt(v: Any) -> str:
 
 
 def markdown_table(rows: list[dict[str, Any]], rate: float, config) -> str:
-  lines = [
-      f"*Median wall time over ≤ {config.repeats} runs, timed round-robin over the cases of "
+  caption = (
+      f"Median wall time over ≤ {config.repeats} runs, timed round-robin over the cases of "
       f"a shape and mode (one run when a run takes > {config.long_run_s} s). FLOPs counted "
       "as 4·B·N·T·S·H for fwd and 2.5× that for "
       "fwd+bwd (grad of sum(out) w.r.t. q, k, v), S = T; '% matmul' is relative to this "
@@ -464,14 +464,8 @@ def markdown_table(rows: list[dict[str, Any]], rate: float, config) -> str:
       "N(0, I) inputs). 'time / softmax': time over blocked softmax on the same score — for "
       "neg_sq_dist, the Gaussian kernel, which is softmax(s/2h²). Triangular's "
       "F'(s) = 1/(2h√−s) is unbounded as s → 0⁻, so its dq error measures the conditioning "
-      "of F, not the kernel.*",
-      "",
-      "| " + " | ".join(COLUMNS) + " |",
-      "|" + "|".join("---" for _ in COLUMNS) + "|",
-  ]
-  for r in rows:
-    lines.append("| " + " | ".join(_fmt(r.get(c, "")) for c in COLUMNS) + " |")
-  return "\n".join(lines) + "\n"
+      "of F, not the kernel.")
+  return train.markdown_table(rows, COLUMNS, caption=caption, fmt=_fmt)
 
 
 def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:

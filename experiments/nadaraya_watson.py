@@ -1,6 +1,7 @@
-"""Nadaraya-Watson regression as attention pooling (seed 004, after d2l §11.2).
+"""Nadaraya-Watson regression as attention pooling (Martínez-Ramón et al.'s slides; d2l §11.2).
 
-Claim (seed 004 slides): a regression machine g(x) = Σ_i y_i f(x, x_i)/Σ_j f(x, x_j) is attention
+Claim (Martínez-Ramón, Ajith & Kurup's slides): a regression machine
+g(x) = Σ_i y_i f(x, x_i)/Σ_j f(x, x_j) is attention
 pooling with the test input as query, training inputs as keys and training targets as values;
 on y = 2 sin(x) + x + ε (ε ~ N(0, 1), 100 training samples uniform in [0, 4]) it recovers the
 function, with results depending on the kernel (Gaussian, boxcar, "Epanechnikov") and the
@@ -145,7 +146,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   validate_config(config)
   t0 = time.time()
   rep = train.Report(
-      "Nadaraya-Watson regression as attention pooling (seed 004)", workdir, config=config,
+      "Nadaraya-Watson regression as attention pooling (Martínez-Ramón, Ajith & Kurup)",
+      workdir, config=config,
       claim="g(x) = Σ_i y_i f(x, x_i)/Σ_j f(x, x_j) — attention with query x, keys x_i, values "
             "y_i — recovers y = 2 sin x + x from 100 noisy samples on [0, 4]; the quality "
             "depends on the kernel and its width.")

@@ -1,6 +1,6 @@
-"""Attention weights as a regularized argmax over the simplex (seed 002).
+"""Attention weights as a regularized argmax over the simplex.
 
-Claim (seed 002, after Martins et al. 2020 and Blondel et al. 2020): the weights
+Claim (after Martins et al. 2020 and Blondel et al. 2020): the weights
 
     p*(s) = argmax_{p ∈ Δ} ⟨p, s⟩ − τ Ω(p)
 
@@ -265,7 +265,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   validate_config(config)
   t0 = time.time()
   rep = train.Report(
-      "Attention weights as a regularized argmax (seed 002)", workdir, config=config,
+      "Attention weights as a regularized argmax (Martins et al.; Blondel et al.)", workdir,
+      config=config,
       claim="argmax_{p∈Δ} ⟨p,s⟩ − τΩ(p) is softmax(s/τ) for Shannon Ω, sparsemax(s/τ) for "
             "Gini Ω and α-entmax(s/τ) for Tsallis-α Ω.")
   results: dict[str, Any] = {}

@@ -93,10 +93,12 @@ def _setup(config):
 def _fit(config, model, arrays, **kw) -> tuple[Any, float]:
   from attnx import train
 
+  fit_config = train.FitConfig.from_config(
+      config, **{"parallel": "none", "checkpoint_every": 0, "log_every": 0, "progress": False,
+                 "tensorboard": False, **kw})
   t0 = time.perf_counter()
-  r = train.fit(model, train_data=train.stream_fn(arrays, config.batch_size, config.data_pipeline),
-                optimizer=config.optimizer, num_steps=config.num_steps, log_every=0,
-                progress=False, tensorboard=False, **kw)
+  r = train.fit(model, train_data=train.loader(arrays, config.batch_size, config.data_pipeline),
+                config=fit_config)
   return r, time.perf_counter() - t0
 
 

@@ -1,10 +1,13 @@
-"""Encoder-decoder translation with and without attention (seed 001).
+"""Encoder-decoder translation with and without attention.
 
-Claim (seed 001): grafting an attention unit onto an RNN encoder-decoder lets each decoding
-step look at the relevant source words directly, instead of through one fixed-size "thought
-vector"; the attention weights form an interpretable alignment matrix whose off-diagonal mass
-shows reordering ("I love you" -> "je t'aime": t' attends to "you", aime to "love"). Bahdanau
-(additive) and Luong (dot / general / concat) scoring are the two classic variants.
+After the Wikipedia article "Attention (machine learning)".
+
+Claim (Wikipedia, "Attention (machine learning)"): grafting an attention unit onto an RNN encoder-
+decoder lets each decoding step look at the relevant source words directly, instead of through one
+fixed-size "thought vector"; the attention weights form an interpretable alignment matrix whose
+off-diagonal mass shows reordering ("I love you" -> "je t'aime": t' attends to "you", aime to
+"love"). Bahdanau (additive) and Luong (dot / general / concat) scoring are the two classic
+variants.
 
 Setup: ``synthetic_translation`` (English-like SVO -> French-like SOV with agreement and
 adjective reordering, so alignments are non-monotonic; gold alignments are known). The same
@@ -258,7 +261,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   validate_config(config)
   t0 = time.time()
   rep = train.Report(
-      "RNN translation with Bahdanau / Luong attention vs none (seed 001)", workdir,
+      "RNN translation with Bahdanau / Luong attention vs none (Wikipedia, 'Attention (machine "
+      "learning)')", workdir,
       config=config,
       claim="Attention over the encoder states improves an RNN encoder-decoder translator "
             "and its weights form an interpretable (non-monotonic) alignment matrix.")
@@ -272,13 +276,12 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   histories, example_alignments = {}, {}
   for attention_type in config.attention_types:
     model = _model(config, attention_type)
-    fit = train.fit(model, train_data=train.stream_fn(train_arrays, config.batch_size,
-                                                      config.data_pipeline),
-                    loss="softmax_xent", optimizer=optimizer, num_steps=config.num_steps,
-                    num_seeds=config.num_seeds, seed=config.seed,
-                    log_every=max(config.num_steps // 30, 1), progress=config.progress,
-                    tensorboard=False, name=attention_type, parallel=config.parallel,
-                    workdir=workdir, checkpoint_every=config.checkpoint_every)
+    fit_config = train.FitConfig.from_config(
+        config, loss="softmax_xent", optimizer=optimizer,
+        log_every=max(config.num_steps // 30, 1), tensorboard=False)
+    fit = train.fit(model, train_data=train.loader(train_arrays, config.batch_size,
+                                                   config.data_pipeline),
+                    config=fit_config, name=attention_type, workdir=workdir)
     histories[attention_type] = fit.history
     res, example_alignments[attention_type] = evaluate(model, fit.params, te, attention_type,
                                                        (src, tgt_in))

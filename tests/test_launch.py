@@ -211,10 +211,11 @@ def run(config, workdir):
   x = np.random.default_rng(0).normal(size=(32, 3)).astype(np.float32)
   arrays = {"inputs": x * (np.nan if config.nan else 1.0), "targets": (x[:, 0] > 0) * 1}
   try:
-    train.fit(nn.Dense(2), train_data=train.stream_fn(arrays, config.batch_size),
-              optimizer=train.optimizer_config(learning_rate=config.learning_rate),
-              num_steps=config.num_steps, workdir=workdir, progress=False, tensorboard=False,
-              checkpoint_every=config.checkpoint_every, log_every=1)
+    fit_config = train.FitConfig.from_config(
+        config, optimizer=train.optimizer_config(learning_rate=config.learning_rate),
+        progress=False, tensorboard=False, log_every=1)
+    train.fit(nn.Dense(2), train_data=train.loader(arrays, config.batch_size),
+              config=fit_config, workdir=workdir)
   except train.NonFiniteLossError as e:  # like compare_weightings: report the other runs
     print("diverged:", e, flush=True)
   path = os.path.join(workdir, "report.md")

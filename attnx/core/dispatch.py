@@ -15,6 +15,12 @@ Two implementations:
 Both obey one edge-case contract (:mod:`attnx.core.contract`): empty sequences, rows without a
 valid key (a zero output where ``jax.nn`` averages all values), NaN/Inf inputs reaching exactly
 the rows that attend them, weightings with an unbounded F', bf16/f16.
+
+Dropout on the weights (``dropout_rate``/``dropout_rng``/``deterministic``/``broadcast_dropout``,
+the arguments and RNG use of ``flax.linen.dot_product_attention``) and ``return_weights`` need
+the weights, so they run the dense implementation. This is the one place attnx computes
+"weights → dropout → values": :func:`~attnx.core.flax_attention_fn` and every ``attnx.nn``
+module call :func:`attention`.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from attnx.core import pallas_attention as pallas_lib
 from attnx.core import params as params_lib
 from attnx.core import scores as scores_lib
 from attnx.core import weightings as weightings_lib
@@ -33,7 +40,8 @@ from attnx.core.blocked import blocked_attention
 from attnx.core.contract import nonfinite_inputs
 
 Array = jax.Array
-IMPLEMENTATIONS = ("dense", "blocked")
+IMPLEMENTATIONS = ("dense", "blocked", "pallas")
+STREAMING = ("blocked", "pallas")  # need a pointwise F and a dot-product score
 
 # Above this many score entries per (batch, head), the blocked kernel is used by default. The
 # kernel benchmark (experiments/kernel_benchmark.py) shows where blocked overtakes dense.
@@ -126,14 +134,16 @@ def _check_implementation(implementation: str | None, w: Any, sc: scores_lib.Sco
   if implementation not in IMPLEMENTATIONS:
     raise ValueError(f"Unknown implementation {implementation!r}; valid: "
                      f"{', '.join(IMPLEMENTATIONS)} or None (automatic).")
-  if implementation == "blocked" and not isinstance(w, weightings_lib.Pointwise):
+  if implementation in STREAMING and not isinstance(w, weightings_lib.Pointwise):
     raise ValueError(
-        f"Weighting {w.name!r} normalizes whole rows and cannot stream; use "
+        f"Weighting {w.name!r} normalizes whole rows and cannot stream "
+        f"(implementation={implementation!r}); use "
         "implementation='dense' (or None). Streamable weightings: "
         f"{', '.join(weightings_lib.list_weightings('pointwise'))}.")
-  if implementation == "blocked" and sc.to_dot is None:
+  if implementation in STREAMING and sc.to_dot is None:
     raise ValueError(f"Score {sc.name!r} is not a dot product of transformed vectors and "
-                     "cannot stream; use implementation='dense' (or None).")
+                     f"cannot stream (implementation={implementation!r}); use "
+                     "implementation='dense' (or None).")
 
 
 def check_compatible(weighting: Any, score: Any = "scaled_dot",
@@ -268,12 +278,40 @@ def attention_weights(query: Array, key: Array, bias: Array | None = None,
   return weightings_lib.apply_weighting(scores, w, axis=-1, where=valid)
 
 
+def _dropout_active(dropout_rate: Any, deterministic: Any) -> bool:
+  """Validates the dropout arguments; whether dropout applies (rate > 0, not deterministic)."""
+  try:
+    rate = float(dropout_rate)
+  except (TypeError, ValueError, jax.errors.ConcretizationTypeError):
+    raise ValueError("dropout_rate must be a Python number in [0, 1) (it fixes the program), "
+                     f"got {dropout_rate!r}.") from None
+  if not 0.0 <= rate < 1.0:  # also rejects NaN
+    raise ValueError(f"dropout_rate must be in [0, 1) (dropout keeps 1 − rate of the weights "
+                     f"and rescales them by 1/(1 − rate)), got {dropout_rate}.")
+  return rate > 0.0 and not bool(deterministic)
+
+
+def _drop_weights(w: Array, rng: Array, rate: float, broadcast: bool, key_ndim: int) -> Array:
+  """Dropout on weights [batch..., N, T, S] exactly as ``flax.linen.dot_product_attention``.
+
+  Same RNG use, mask shape and rescaling, so equal keys give equal masks: ``broadcast`` draws
+  one [T, S] mask shared by the batch and head dims, otherwise one mask per weight.
+  """
+  keep_prob = 1.0 - rate
+  shape = ((1,) * (key_ndim - 2) + w.shape[-2:]) if broadcast else w.shape
+  keep = jax.random.bernoulli(rng, keep_prob, shape)
+  return w * (keep.astype(w.dtype) / jnp.asarray(keep_prob, w.dtype))
+
+
 def attention(query: Array, key: Array, value: Array, bias: Array | None = None,
               mask: Array | None = None, *, weighting: Any = "softmax",
               score: Any = "scaled_dot", is_causal: bool = False, scale: float | None = None,
               implementation: str | None = None, score_params: dict[str, Any] | None = None,
-              block_q: int | None = None, block_k: int | None = None) -> Array:
-  """Attention with a pluggable score s and weighting F.
+              block_q: int | None = None, block_k: int | None = None,
+              dropout_rate: float = 0.0, dropout_rng: Array | None = None,
+              deterministic: bool = False, broadcast_dropout: bool = True,
+              return_weights: bool = False, interpret: bool = False) -> Array | tuple[Array, Array]:
+  """Attention with a pluggable score s and weighting F, optional dropout on the weights.
 
   Args:
     query: ``[batch..., T, N, H]``.
@@ -287,14 +325,37 @@ def attention(query: Array, key: Array, value: Array, bias: Array | None = None,
       ``(q, k) -> [batch..., N, T, S]``.
     is_causal: query i attends keys j ≤ i (top-left aligned, as in jax.nn).
     scale: multiplies the score; default 1/√H for ``scaled_dot`` and 1 for the others.
-    implementation: ``"dense"``, ``"blocked"`` (flash-style, O(T) memory) or None (the blocked
-      kernel for large streamable problems, dense otherwise).
+    implementation: ``"dense"``, ``"blocked"`` (flash-style in XLA, O(T) memory), ``"pallas"``
+      (fused Pallas kernels: Triton on GPU, Mosaic on TPU; :mod:`attnx.core.pallas_attention`)
+      or None: dense for small problems; for large streamable ones the blocked kernel, or on a
+      GPU/TPU the Pallas kernel once a one-time self-check against blocked passed for that
+      (backend, weighting, dtype, head size) — one warning and blocked if it fails. An
+      explicit ``"pallas"`` never falls back.
     score_params: arrays for parametrized scores: ``bilinear`` (W), ``metric`` (L),
       ``additive`` (Wq, Wk, v); scalars for ``cosine`` (temperature).
-    block_q, block_k: tile sizes of the blocked kernel (default: chosen by the kernel).
+    block_q, block_k: tile sizes of the blocked/Pallas kernel (default: chosen by the kernel,
+      validated against the backend's rules for Pallas).
+    dropout_rate: dropout on the weights, in [0, 1) (a Python number): each weight is kept
+      with probability 1 − rate and rescaled by 1/(1 − rate).
+    dropout_rng: the PRNG key of that dropout; required when dropout applies.
+    deterministic: turns dropout off (evaluation). The argument convention is flax's
+      ``dot_product_attention`` (default False: ``dropout_rate > 0`` alone means dropout, so
+      a forgotten key raises instead of silently skipping dropout), and so is the RNG use:
+      with ``weighting="softmax"`` and the same key the output equals flax's.
+    broadcast_dropout: one [T, S] dropout mask shared by the batch and head dims (as flax);
+      False draws one mask per weight.
+    return_weights: also return the weights ``[batch..., N, T, S]`` (float32), as
+      :func:`attention_weights` gives them: before dropout.
+    interpret: run ``implementation="pallas"`` in Pallas' interpreter (the only way on a CPU:
+      for tests; slow).
+
+  Dropout and ``return_weights`` need the weights themselves, so they run the dense
+  implementation (``implementation=None`` picks it); ``implementation="blocked"``, which never
+  forms them, raises a ValueError with either.
 
   Returns:
-    ``[batch..., T, N, Hv]`` in the query's dtype. Math is float32 for bf16/f16 inputs.
+    ``[batch..., T, N, Hv]`` in the query's dtype (math is float32 for bf16/f16 inputs), or
+    ``(output, weights)`` with ``return_weights``.
 
   Edge cases (the same in every implementation; :mod:`attnx.core.contract`):
 
@@ -308,31 +369,57 @@ def attention(query: Array, key: Array, value: Array, bias: Array | None = None,
     to ~1e4); ``power:p<1`` uses F(s) = F'(s) = 0 for s < 2⁻¹²⁶, where F' is unbounded.
   * Parameters are validated when the weighting/score is parsed: ``"power:p=abc"`` or
     ``"cosine:temperature=0"`` raise a ValueError naming the parameter and its range.
+  * The returned weights follow the same contract (empty: an empty ``[..., N, T, S]``; zero
+    rows for rows without a valid key; NaN rows where the output is NaN), and dropout keeps
+    it: a dropped weight of a NaN row is still NaN, a zero row stays zero.
+
+  Raises:
+    ValueError: bad shapes or dtypes, an unknown or incompatible weighting/score/
+      implementation, ``dropout_rate`` outside [0, 1), dropout without ``dropout_rng``, or
+      dropout / ``return_weights`` with ``implementation="blocked"``.
   """
+  dropout = _dropout_active(dropout_rate, deterministic)
+  if dropout and dropout_rng is None:
+    raise ValueError(f"attention dropout (dropout_rate={dropout_rate}, deterministic=False) "
+                     "needs dropout_rng, a PRNG key; pass deterministic=True to turn it off.")
   q, k, v, bias, mask, w, sc, params, scale = _prepare(
       query, key, value, bias, mask, weighting, score, scale, score_params)
   batch, (t, n), s = q.shape[:-3], q.shape[-3:-1], k.shape[-3]
   impl = _choose_implementation(implementation, w, sc, t, s)
+  if dropout or return_weights:
+    if implementation not in (None, "dense"):  # the streaming kernels never form them
+      needs = "dropout on the weights" if dropout else "return_weights=True"
+      raise ValueError(f"{needs} needs the [T, S] weights, which implementation="
+                       f"{implementation!r} never forms; use implementation='dense' (or None, "
+                       "which picks it).")
+    impl = "dense"
   out_dtype = q.dtype
   if q.size == 0 or s == 0:  # no query, or no key: every row has no valid key
-    return jnp.zeros((*batch, t, n, v.shape[-1]), out_dtype)
-  if impl == "blocked":
+    out = jnp.zeros((*batch, t, n, v.shape[-1]), out_dtype)
+    return (out, jnp.zeros((*batch, n, t, s), jnp.float32)) if return_weights else out
+  if impl in STREAMING:
     qd, kd = sc.to_dot(q, k, **params)
     flat = lambda x: x.reshape((-1,) + x.shape[len(batch):])
     # Scores that transform q/k in float32 (distances, cosine) upcast v too: one dtype.
     compute = jnp.result_type(qd.dtype, kd.dtype, v.dtype)
-    out = blocked_attention(flat(qd.astype(compute)), flat(kd.astype(compute)),
-                            flat(v.astype(compute)), weighting=w, scale=scale,
-                            bias=_to_4d(bias, batch),
-                            mask=_to_4d(mask, batch), is_causal=is_causal,
-                            block_q=block_q, block_k=block_k)
+    if implementation is None and pallas_lib.choose_pallas(
+        None, w, compute, qd.shape[-1], value_head_dim=v.shape[-1]):
+      impl = "pallas"  # GPU/TPU, self-check passed; never consulted for an explicit choice
+    kernel = (functools.partial(pallas_lib.pallas_attention, interpret=interpret)
+              if impl == "pallas" else blocked_attention)
+    out = kernel(flat(qd.astype(compute)), flat(kd.astype(compute)), flat(v.astype(compute)),
+                 weighting=w, scale=scale, bias=_to_4d(bias, batch), mask=_to_4d(mask, batch),
+                 is_causal=is_causal, block_q=block_q, block_k=block_k)
     return out.reshape(batch + out.shape[1:]).astype(out_dtype)
   q, k, v, bias = nonfinite_inputs(q, k, v, bias)
   scores = _dense_scores(q, _repeat_kv(k, n), bias, sc, params, scale)
   valid = _combined_mask(mask, is_causal, t, s)
   probs = weightings_lib.apply_weighting(scores, w, axis=-1, where=valid)
+  used = (_drop_weights(probs, dropout_rng, float(dropout_rate), broadcast_dropout, k.ndim)
+          if dropout else probs)
   vv = _repeat_kv(v, n)
-  out = jnp.einsum("...nts,...snh->...tnh", probs.astype(vv.dtype), vv,
+  out = jnp.einsum("...nts,...snh->...tnh", used.astype(vv.dtype), vv,
                    preferred_element_type=jnp.promote_types(vv.dtype, jnp.float32))
-  return out.astype(out_dtype)
+  out = out.astype(out_dtype)
+  return (out, probs) if return_weights else out
 

@@ -21,16 +21,22 @@ Array = jax.Array
 def flax_attention_fn(weighting: Any = "softmax", score: Any = "scaled_dot", *,
                       implementation: str | None = None,
                       score_params: dict[str, Any] | None = None,
-                      scale: float | None = None) -> Callable[..., Array]:
+                      scale: float | None = None,
+                      interpret: bool = False) -> Callable[..., Array]:
   """Returns ``attention_fn(query, key, value, bias=None, mask=None, **flax_kwargs)``.
 
   Flax's conventions are kept: masks may be float 0/1 (as ``flax.linen.make_attention_mask``
-  builds them), attention dropout follows ``flax.linen.dot_product_attention`` (same RNG use,
-  so with ``weighting="softmax"`` the result equals the stock module even with dropout), and
-  when Flax passes ``module`` (``sow_weights=True``) the weights are sown into
-  ``intermediates/attention_weights``. Everything static is validated here, at construction
-  (:func:`~attnx.core.check_compatible`, and that a parametrized score gets its
-  ``score_params``), so a bad configuration fails before any model is built.
+  builds them), attention dropout is :func:`~attnx.core.attention`'s, which follows
+  ``flax.linen.dot_product_attention`` (same RNG use, so with ``weighting="softmax"`` the result
+  equals the stock module even with dropout), and when Flax passes ``module``
+  (``sow_weights=True``) the weights (before dropout, as flax sows them) are sown into
+  ``intermediates/attention_weights``. Dropout and sowing need the weights, so they are not
+  available with ``implementation="blocked"`` or ``"pallas"`` (a ValueError at call time;
+  ``interpret=True`` runs the Pallas kernel in Pallas' interpreter, e.g. on a CPU). Everything
+  static
+  is validated here, at construction (:func:`~attnx.core.check_compatible`, and that a
+  parametrized score gets its ``score_params``), so a bad configuration fails before any model
+  is built.
 
   Raises:
     ValueError: unknown weighting/score/implementation, a distance kernel on a similarity
@@ -53,27 +59,18 @@ def flax_attention_fn(weighting: Any = "softmax", score: Any = "scaled_dot", *,
       mask = jnp.asarray(mask).astype(jnp.bool_)
     if dtype is not None:
       query, key, value = (jnp.asarray(x, dtype) for x in (query, key, value))
-    dropout = not deterministic and dropout_rate > 0.0
-    common = dict(weighting=weighting, score=score, scale=scale, score_params=score_params)
-    if not dropout and module is None:
-      return attention_lib.attention(query, key, value, bias, mask,
-                                     implementation=implementation, **common)
-    # Dropout on weights and sowing both need the weights themselves: dense path.
-    n, kh = query.shape[-2], key.shape[-2]
-    w = attention_lib.attention_weights(query, key, bias, mask, **common)
-    if module is not None:
-      module.sow("intermediates", "attention_weights", w)
-    if dropout:
-      if dropout_rng is None:
-        raise ValueError("attention dropout needs dropout_rng (deterministic=False).")
-      keep_prob = 1.0 - dropout_rate
-      shape = ((1,) * (key.ndim - 2) + w.shape[-2:]) if broadcast_dropout else w.shape
-      keep = jax.random.bernoulli(dropout_rng, keep_prob, shape)
-      w = w * (keep.astype(w.dtype) / jnp.asarray(keep_prob, w.dtype))
-    v = jnp.repeat(value, n // kh, axis=-2) if n != kh else value
-    out = jnp.einsum("...nts,...snh->...tnh", w.astype(v.dtype), v,
-                     preferred_element_type=jnp.promote_types(v.dtype, jnp.float32))
-    return out.astype(query.dtype)
+    # Dropout and sowing need the weights: core.attention runs the dense path for them.
+    out = attention_lib.attention(
+        query, key, value, bias, mask, weighting=weighting, score=score, scale=scale,
+        score_params=score_params, implementation=implementation, dropout_rate=dropout_rate,
+        dropout_rng=dropout_rng, deterministic=deterministic,
+        broadcast_dropout=broadcast_dropout, return_weights=module is not None,
+        interpret=interpret)
+    if module is None:
+      return out
+    out, w = out
+    module.sow("intermediates", "attention_weights", w)
+    return out
 
   attention_fn.__name__ = f"attnx_attention_{getattr(weighting, '__name__', weighting)}"
   return attention_fn

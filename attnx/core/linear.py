@@ -1,6 +1,6 @@
 """Linear attention: w_ij ∝ φ(q_i)·φ(k_j), computed in O(T + S) instead of O(T·S).
 
-With a feature map φ: R^H → R^M_{≥0}, the attention of seed 000 with F(s(q, k)) = φ(q)·φ(k)
+With a feature map φ: R^H → R^M_{≥0}, the attention of Alam et al. with F(s(q, k)) = φ(q)·φ(k)
 factorizes (Katharopoulos et al. 2020, "Transformers are RNNs: Fast Autoregressive Transformers
 with Linear Attention"):
 

@@ -1,4 +1,6 @@
-"""Nadaraya-Watson kernel regression: attention pooling with a fixed kernel (seed 004).
+"""Nadaraya-Watson kernel regression: attention pooling with a fixed kernel.
+
+After Martínez-Ramón, Ajith & Kurup's lecture slides "Attention mechanisms".
 
 f(x) = Σ_i K(x, x_i) y_i / Σ_j K(x, x_j): queries are the test inputs, keys the training inputs
 and values the training targets; K is any weighting applied to the score −‖x − x_i‖².
@@ -35,7 +37,7 @@ def nadaraya_watson(x_query: Array, x_train: Array, y_train: Array, *,
     x_train: ``[n]`` or ``[n, D]`` training inputs (the keys).
     y_train: ``[n]`` or ``[n, Dy]`` training targets (the values).
     kernel: ``"gaussian"`` exp(−d²/2h²), ``"boxcar"`` 1[d ≤ h], ``"triangular"`` (1 − d/h)₊ —
-      what seed 004 and d2l call "Epanechnikov" — ``"epanechnikov"`` ¾(1 − (d/h)²)₊, or any
+      what the slides and d2l call "Epanechnikov" — ``"epanechnikov"`` ¾(1 − (d/h)²)₊, or any
       weighting spec/callable applied to the score −d².
     bandwidth: h > 0 for the named kernels. May be a traced array for the Gaussian kernel
       (learned bandwidths); the other kernels take a Python float.

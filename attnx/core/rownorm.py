@@ -1,7 +1,7 @@
 """Whole-row normalizers from recent work: SSMax, softpick and stick-breaking attention.
 
 None of these is ``F(s)/ΣF(s)`` with a fixed elementwise F, so they are registered as
-``RowNormalizer``s (see ``REFERENCES.md``):
+``RowNormalizer``s (see ``docs/references.md``):
 
 * **SSMax** (Nakanishi 2025, arXiv 2501.19399): softmax((s · log n) · z), n = number of valid
   keys, so the attention does not flatten as the context grows.

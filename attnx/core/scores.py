@@ -74,7 +74,7 @@ def cosine(q: Array, k: Array, temperature: float = 1.0) -> Array:
 
 
 def neg_sq_dist(q: Array, k: Array) -> Array:
-  """s = −‖q − k‖², the Euclidean form of seeds 000 and 004. Always ≤ 0."""
+  """s = −‖q − k‖², the Euclidean form (Alam et al.; Martínez-Ramón et al.'s slides). ≤ 0."""
   q, k = _f32(q), _f32(k)
   qq = jnp.swapaxes(jnp.sum(q * q, -1), -1, -2)[..., :, :, None]  # [..., N, T, 1]
   kk = jnp.swapaxes(jnp.sum(k * k, -1), -1, -2)[..., :, None, :]  # [..., N, 1, S]
@@ -87,7 +87,7 @@ def bilinear(q: Array, k: Array, W: Array) -> Array:  # noqa: N803 (math name)
 
 
 def metric(q: Array, k: Array, L: Array) -> Array:  # noqa: N803
-  """s = −‖(q − k) L‖², a learned Mahalanobis pseudo-metric (seed 003). L: [H, R] or [N, H, R]."""
+  """s = −‖(q − k) L‖², a learned Mahalanobis pseudo-metric (Ruan & Zhang); L [H, R] | [N, H, R]."""
   return neg_sq_dist(_project(q, L, "L"), _project(k, L, "L"))
 
 

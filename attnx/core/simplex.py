@@ -1,6 +1,7 @@
 """Sparse projections onto the probability simplex: sparsemax and α-entmax.
 
-Attention weights as a regularized argmax over the simplex Δ (seed 002; Blondel, Martins &
+Attention weights as a regularized argmax over the simplex Δ (after Martins et al. 2020 and
+Blondel, Martins &
 Niculae 2020, "Learning with Fenchel-Young losses"):
 
     p*(z) = argmax_{p ∈ Δ} ⟨p, z⟩ − Ω(p).
@@ -43,7 +44,7 @@ from attnx.core import weightings as weightings_lib
 
 Array = jax.Array
 
-DEFAULT_N_ITER = 30  # bisection steps; 24 already reach float32 resolution (REFERENCES.md)
+DEFAULT_N_ITER = 30  # bisection steps; 24 already reach float32 resolution (docs/references.md)
 _ENTMAX15_BISECT_STEPS = 25  # τ ∈ [−1, 0]: 2⁻²⁵ ≈ 3e-8, float32 resolution near 1
 
 

@@ -1,9 +1,9 @@
 """Weightings: how a row of scores s_j becomes attention weights w_j.
 
-Two families (see ``../shared/REFERENCES.md``):
+Two families (see ``docs/references.md``):
 
 * :class:`Pointwise` — ``w_j = F(s_j) / N`` with an elementwise F and a normalizer N chosen by
-  ``normalization``: ``"sum"`` (N = Σ_l F(s_l) + offset, the attention formula of seed 000),
+  ``normalization``: ``"sum"`` (N = Σ_l F(s_l) + offset, the attention formula of Alam et al.),
   ``"length"`` (N = number of valid keys, ReLU attention of Wortsman et al. 2023) or ``"none"``
   (N = 1, sigmoid attention of Ramapuram et al. 2024). Pointwise weightings stream: the blocked
   kernel accumulates numerator and denominator tile by tile.
@@ -46,7 +46,7 @@ class Pointwise:
     normalization: ``"sum"``, ``"length"`` or ``"none"``.
     exp_alpha: if not None, ``F(z) = exp(exp_alpha * z)`` and, with ``normalization="sum"``,
       kernels subtract a running row maximum (online softmax), which makes the weights exactly
-      invariant to a shift of all scores (seed 000) and overflow-free.
+      invariant to a shift of all scores (Alam et al.) and overflow-free.
     denominator_offset: a constant added to the denominator (``softmax_plus_one`` uses 1). For
       online-max weightings it acts like a virtual key with score 0: kernels start the running
       max at 0 and the running denominator at ``denominator_offset``.
@@ -379,7 +379,7 @@ def _exp_like(name: str, alpha: float, normalization: str, offset: float = 0.0) 
 
 
 @register_weighting("softmax",
-                    doc="exp(alpha*s)/Σexp(alpha*s) (seed 000: the only shift-invariant F)")
+                    doc="exp(alpha*s)/Σexp(alpha*s) (Alam et al.: the only shift-invariant F)")
 def _softmax(alpha: float = 1.0, normalization: str = "sum") -> Pointwise:
   return _exp_like("softmax", alpha, normalization)
 
@@ -403,7 +403,7 @@ def _simple(name: str, fn: Callable[[Array], Array], doc: str) -> None:
 
 
 def _elu_plus_one(z: Array) -> Array:
-  # where(z>=0, z+1, exp(min(z,0))): exact in bf16 far below 0 (REFERENCES.md pitfall).
+  # where(z>=0, z+1, exp(min(z,0))): exact in bf16 far below 0 (docs/references.md, pitfalls).
   return jnp.where(z >= 0, z + 1.0, jnp.exp(jnp.minimum(z, 0.0)))
 
 
@@ -491,7 +491,7 @@ def _boxcar(h: float = 1.0, normalization: str = "sum") -> Pointwise:
 
 
 @register_weighting("triangular", doc="max(0, 1 − ‖q−k‖/h) on score neg_sq_dist "
-                    "(what seed 004 and d2l call 'Epanechnikov')")
+                    "(what Martínez-Ramón, Ajith & Kurup's slides and d2l call 'Epanechnikov')")
 def _triangular(h: float = 1.0, normalization: str = "sum") -> Pointwise:
   h = _check_h("triangular", h)
   return _pointwise(_label("triangular", h=h, normalization=None if normalization == "sum"
@@ -501,7 +501,7 @@ def _triangular(h: float = 1.0, normalization: str = "sum") -> Pointwise:
 
 
 @register_weighting("epanechnikov", doc="3/4 (1 − u²)₊, u = ‖q−k‖/h, on score neg_sq_dist "
-                    "(the textbook kernel; seed 004's 'Epanechnikov' is 'triangular')")
+                    "(the textbook kernel; the slides' 'Epanechnikov' is 'triangular')")
 def _epanechnikov(h: float = 1.0, normalization: str = "sum") -> Pointwise:
   h2 = _check_h("epanechnikov", h) ** 2
   # u² = −s/h²: polynomial in s, so smooth inside the support.

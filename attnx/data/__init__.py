@@ -21,7 +21,8 @@ Catalog datasets (mnist, fashion_mnist, cifar10, imdb_reviews) are read from
 array_record format; otherwise `DatasetNotFoundError` explains how to get them.
 """
 
-from attnx.data._base import IGNORE_INDEX, DatasetInfo
+from attnx.constants import IGNORE_INDEX
+from attnx.data._base import DatasetInfo
 from attnx.data.associative_recall import make_associative_recall
 from attnx.data.catalog import DatasetNotFoundError
 from attnx.data.copy_reverse_sort import make_copy_reverse_sort, shift_right

@@ -30,7 +30,6 @@ _TFDS_CONFIG_FIELDS = frozenset(
 _SPLIT_IDS = {"train": 0, "validation": 1, "test": 2}
 
 TASKS = ("classification", "token_classification", "regression", "seq2seq")
-IGNORE_INDEX = -100  # target value that losses must ignore (Zoology/PyTorch convention)
 
 
 @dataclasses.dataclass

@@ -10,10 +10,10 @@ default), else 0.
 
 Targets follow Zoology's convention (its labels are shifted by one so that
 position t predicts token t + 1): targets[t] is the value paired with the key
-at inputs[t] when t is a query position, and -100 (ignore) everywhere else.
-So the model must predict the value *at the query position*. "mask" is
-targets != -100. Query positions are uniform here (Zoology draws them from a
-power law).
+at inputs[t] when t is a query position, and IGNORE_INDEX (-100, from
+attnx.constants) everywhere else. So the model must predict the value *at
+the query position*. "mask" is targets != IGNORE_INDEX. Query positions are
+uniform here (Zoology draws them from a power law).
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from attnx.constants import IGNORE_INDEX
 from attnx.data._base import (
-  IGNORE_INDEX,
   AttnxBuilder,
   AttnxConfig,
   DatasetInfo,

@@ -1,4 +1,4 @@
-"""Noisy clusters: the setting of seed 000 (Alam, ..., Kreinovich: why F = exp).
+"""Noisy clusters: the setting of Alam et al. (why F = exp).
 
 There are C classes with centers mu_c ~ N(0, I_dim) (fixed by `center_seed`,
 shared by all splits). Each example is a *set* of L = num_objects objects;

@@ -1,4 +1,6 @@
-"""The Nadaraya-Watson toy problem of seed 004 (after d2l, "Attention pooling").
+"""The Nadaraya-Watson toy problem of Martínez-Ramón, Ajith & Kurup's slides on attention.
+
+After d2l, "Attention pooling".
 
 y = 2 sin(x) + x + eps with eps ~ N(0, noise_std^2):
 

@@ -1,7 +1,7 @@
 """Synthetic translation: English-like SVO -> French-like SOV with agreement.
 
 A toy grammar whose alignments are non-monotonic, for labelled attention
-heatmaps (cf. seed 001, "I love you" -> "je t'aime"):
+heatmaps (cf. the Wikipedia article "Attention (machine learning)", "I love you" -> "je t'aime"):
 
   source (SVO): SUBJ VERB OBJ,  NP = DET [ADJ] NOUN
   target (SOV): SUBJ OBJ VERB,  NP = DET NOUN [ADJ]

@@ -1,4 +1,7 @@
-"""Small shared helpers for attnx.nn modules (validation, masks, weight dropout)."""
+"""Small shared helpers for attnx.nn modules (validation, masks).
+
+Dropout on the weights and the weighted sum of values are ``core.attention``'s, not here.
+"""
 
 from __future__ import annotations
 
@@ -59,26 +62,13 @@ def as_bool_mask(mask: Array | None) -> Array | None:
   return None if mask is None else jnp.asarray(mask).astype(jnp.bool_)
 
 
+def check_no_decode(decode: bool, where: str) -> None:
+  """Every attention module takes ``decode``; only MultiHeadAttention keeps a KV cache."""
+  if decode:
+    raise ValueError(f"{where}: decode=True (KV-cache decoding) needs MultiHeadAttention "
+                     "(attention type 'dot' or 'metric').")
+
+
 def padding_mask(valid_q: Array, valid_kv: Array) -> Array:
   """[B, Tq] and [B, Tk] booleans -> [B, 1, Tq, Tk] attention mask (True = attend)."""
   return valid_q[:, None, :, None] & valid_kv[:, None, None, :]
-
-
-def dropout_weights(w: Array, rng: Array, rate: float, broadcast: bool, key_ndim: int) -> Array:
-  """Dropout on attention weights [batch..., N, T, S], with flax's RNG use and shapes.
-
-  ``broadcast`` shares the mask over batch and heads, as ``flax.linen.dot_product_attention``.
-  """
-  keep_prob = 1.0 - rate
-  shape = ((1,) * (key_ndim - 2) + w.shape[-2:]) if broadcast else w.shape
-  keep = jax.random.bernoulli(rng, keep_prob, shape)
-  return w * (keep.astype(w.dtype) / jnp.asarray(keep_prob, w.dtype))
-
-
-def weighted_values(w: Array, value: Array, out_dtype: Any) -> Array:
-  """Weights [batch..., N, T, S] times values [batch..., S, K, Hv] -> [batch..., T, N, Hv]."""
-  n, kh = w.shape[-3], value.shape[-2]
-  v = jnp.repeat(value, n // kh, axis=-2) if n != kh else value
-  out = jnp.einsum("...nts,...snh->...tnh", w.astype(v.dtype), v,
-                   preferred_element_type=jnp.promote_types(v.dtype, jnp.float32))
-  return out.astype(out_dtype)

@@ -4,6 +4,9 @@
 ``flax.linen.MultiHeadDotProductAttention`` (DenseGeneral ``query``/``key``/``value`` with
 features ``(heads, head_dim)``, ``out`` over axes ``(-2, -1)``, optional ``query_ln``/``key_ln``),
 so linen checkpoints load verbatim and, with ``weighting="softmax"``, the outputs agree.
+
+``score="metric"`` is metric attention (:class:`attnx.nn.MetricAttention` is this module with
+that score): one learned map shared by queries and keys replaces their two projections.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ Array = jax.Array
 SCORE_DIM_SCORES = ("metric", "additive")
 
 
-class MultiHeadAttention(nn.Module):
+class MultiHeadAttention(nn.Module, kw_only=True):
   """Multi-head attention, ``w_ij = F(s(q_i, k_j)) / Σ_l F(s(q_i, k_l))`` per head.
 
   Attributes:
@@ -34,14 +37,24 @@ class MultiHeadAttention(nn.Module):
     out_features: output width (default: input features).
     num_kv_heads: key/value heads K for grouped-query attention (default N); N % K == 0.
     weighting: F, any ``core.get_weighting`` spec (``"relu"``, ``"entmax:alpha=1.5"``, callable).
-    score: s, any ``core.list_scores()`` name or callable. ``bilinear``/``metric``/``additive``
-      get learned per-head parameters (``score_W``/``score_L``/``score_Wq``...) owned here.
+    score: s, any ``core.list_scores()`` name or callable. ``bilinear``/``additive`` get learned
+      per-head parameters (``score_W``/``score_Wq``, ``score_Wk``, ``score_v``) owned here.
+      ``"metric"`` is metric attention (Ruan & Zhang, "Towards understanding how attention
+      mechanism works in deep learning"): s_ij = −τ_h‖L_h(x_i − x_j)‖², a learned Mahalanobis
+      pseudo-metric per head on the inputs, with one map L (param ``metric``, [D, N, R], no
+      bias: it cancels in x_i − x_j) shared by queries and keys instead of the ``query`` and
+      ``key`` projections, and a per-head temperature τ_h (param ``log_temperature``). It
+      needs equal query/key input features and takes neither ``num_kv_heads`` nor
+      ``qk_norm``.
     score_dim: rank R of ``metric``'s L or hidden width A of ``additive`` (default head_dim);
       must be positive, and is an error for any other score (it would be ignored).
-    scale: score multiplier (default 1/√H for ``scaled_dot``, 1 otherwise).
-    implementation: ``None`` | ``"dense"`` | ``"blocked"`` (see ``core.attention``).
+    scale: score multiplier (default 1/√H for ``scaled_dot``, 1 otherwise); for ``metric`` the
+      temperature τ (fixed, or the initial value when learned; default 1/√R).
+    learn_temperature: ``metric`` only: learn τ_h = exp(log_temperature_h) (default True).
+    implementation: ``None`` | ``"dense"`` | ``"blocked"`` (see ``core.attention``). Dropout and
+      weights (``sow_weights``, ``return_weights``) need the dense one.
     is_causal: query i attends keys j ≤ i.
-    dropout_rate: dropout on the attention weights (uses the dense weights when active).
+    dropout_rate: dropout on the attention weights (``core.attention``'s, flax's RNG use).
     broadcast_dropout: share the dropout mask across batch and heads (as flax).
     use_bias: biases in the q/k/v/out projections.
     qk_norm: LayerNorm (no bias) on projected queries and keys (flax ``normalize_qk``).
@@ -57,6 +70,7 @@ class MultiHeadAttention(nn.Module):
   score: Any = "scaled_dot"
   score_dim: int | None = None
   scale: float | None = None
+  learn_temperature: bool | None = None
   implementation: str | None = None
   is_causal: bool = False
   dropout_rate: float = 0.0
@@ -82,19 +96,44 @@ class MultiHeadAttention(nn.Module):
                          f"not to score {self.score!r}.")
       if self.score_dim <= 0:
         raise ValueError(f"{where}: score_dim must be positive, got {self.score_dim}.")
+    if self._is_metric:
+      if self.num_kv_heads not in (None, self.num_heads):
+        raise ValueError(f"{where}: score='metric' shares one map between queries and keys, "
+                         f"so keys have the query heads; num_kv_heads={self.num_kv_heads} does "
+                         "not apply.")
+      if self.qk_norm:
+        raise ValueError(f"{where}: qk_norm does not apply to score='metric' (queries and keys "
+                         "share one map; separate norms would break the pseudo-metric).")
+      if self.scale is not None and not self.scale > 0:
+        raise ValueError(f"{where}: scale is the temperature τ > 0 of score='metric', got "
+                         f"{self.scale}.")
+    elif self.learn_temperature is not None:
+      raise ValueError(f"{where}: learn_temperature applies only to score='metric', not to "
+                       f"score {self.score!r}.")
+    if self.implementation not in (None, "dense") and (self.dropout_rate > 0
+                                                        or self.sow_weights):
+      needs = "dropout_rate > 0" if self.dropout_rate > 0 else "sow_weights=True"
+      raise ValueError(f"{where}: {needs} needs the attention weights, which implementation="
+                       f"{self.implementation!r} never forms; use implementation='dense' or "
+                       "None.")
     super().__post_init__()
+
+  @property
+  def _is_metric(self) -> bool:
+    return _util.score_name(self.score) == "metric"
+
+  def _score_width(self) -> int | None:
+    """``score_dim`` (:class:`~attnx.nn.MetricAttention` also calls it ``rank``)."""
+    return self.score_dim
 
   def _score_params(self, head_dim: int) -> dict[str, Array] | None:
     """Learned per-head parameters of parametrized scores (None for the others)."""
     name = _util.score_name(self.score)
-    n, r = self.num_heads, self.score_dim or head_dim
+    n, r = self.num_heads, self._score_width() or head_dim
     if name == "bilinear":
       # Identity start: the score begins as the plain dot product.
       eye = lambda key, shape, dtype: jnp.broadcast_to(jnp.eye(shape[-1], dtype=dtype), shape)
       return {"W": self.param("score_W", eye, (n, head_dim, head_dim), self.param_dtype)}
-    if name == "metric":
-      init = nn.initializers.normal(stddev=head_dim ** -0.5)
-      return {"L": self.param("score_L", init, (n, head_dim, r), self.param_dtype)}
     if name == "additive":
       init = nn.initializers.lecun_normal()
       return {"Wq": self.param("score_Wq", init, (n, head_dim, r), self.param_dtype),
@@ -112,7 +151,8 @@ class MultiHeadAttention(nn.Module):
     Args:
       inputs_q: ``[B..., T, Dq]``.
       inputs_kv: ``[B..., S, Dkv]`` (default ``inputs_q``).
-      mask: boolean (or 0/1 float) mask broadcastable to ``[B..., N, T, S]``; True = attend.
+      mask: boolean (or 0/1 float) mask broadcastable to ``[B..., N, T, S]``; True = attend
+        (the mask convention of every ``attnx.nn`` attention module).
       bias: additive score bias broadcastable to ``[B..., N, T, S]``.
       deterministic: disables attention dropout.
       decode: autoregressive decoding with a KV cache in the ``"cache"`` collection (like
@@ -121,7 +161,7 @@ class MultiHeadAttention(nn.Module):
         ``mutable=["cache"]``. Steps past ``max_length`` have no slot: the cache is left as
         it is and their outputs (and weights) are NaN, so an overflow shows up in any
         finiteness check instead of silently overwriting the last position.
-      return_weights: also return the weights ``[B..., N, T, S]`` (dense path).
+      return_weights: also return the weights ``[B..., N, T, S]`` (before dropout; dense path).
 
     Returns:
       ``[B..., T, out_features]``, and the weights if ``return_weights``.
@@ -141,15 +181,20 @@ class MultiHeadAttention(nn.Module):
     dense = functools.partial(
         nn.DenseGeneral, axis=-1, dtype=self.dtype, param_dtype=self.param_dtype,
         kernel_init=self.kernel_init, bias_init=self.bias_init, use_bias=self.use_bias)
-    query = dense(features=(self.num_heads, head_dim), name="query")(inputs_q)
-    key = dense(features=(kv_heads, head_dim), name="key")(inputs_kv)
+    if self._is_metric:
+      query, key = self._metric_features(inputs_q, inputs_kv, head_dim)
+      score, score_params, scale = "neg_sq_dist", None, 1.0
+    else:
+      query = dense(features=(self.num_heads, head_dim), name="query")(inputs_q)
+      key = dense(features=(kv_heads, head_dim), name="key")(inputs_kv)
+      if self.qk_norm:
+        # Same names/config as flax's normalize_qk (ViT-22B, arXiv 2302.05442).
+        ln = functools.partial(nn.LayerNorm, use_bias=False, dtype=self.dtype,
+                               param_dtype=self.param_dtype)
+        query = ln(name="query_ln")(query)
+        key = ln(name="key_ln")(key)
+      score, score_params, scale = self.score, self._score_params(head_dim), self.scale
     value = dense(features=(kv_heads, head_dim), name="value")(inputs_kv)
-    if self.qk_norm:
-      # Same names/config as flax's normalize_qk (ViT-22B, arXiv 2302.05442).
-      ln = functools.partial(nn.LayerNorm, use_bias=False, dtype=self.dtype,
-                             param_dtype=self.param_dtype)
-      query = ln(name="query_ln")(query)
-      key = ln(name="key_ln")(key)
 
     mask = _util.as_bool_mask(mask)
     is_causal = self.is_causal
@@ -157,26 +202,18 @@ class MultiHeadAttention(nn.Module):
     if decode:
       key, value, mask, is_causal, in_range = self._update_cache(query, key, value, mask,
                                                                  is_causal)
-
-    score_params = self._score_params(head_dim)
-    common = dict(weighting=self.weighting, score=self.score, is_causal=is_causal,
-                  scale=self.scale, score_params=score_params)
+    need_weights = return_weights or self.sow_weights
     dropout = self.dropout_rate > 0.0 and not deterministic
-    if dropout or return_weights or self.sow_weights:
-      # Weights are needed explicitly: dense path.
-      w = core.attention_weights(query, key, bias, mask, **common)
-      if return_weights or self.sow_weights:
-        self.sow("intermediates", "attention_weights", w)
-      if dropout:
-        w_used = _util.dropout_weights(w, self.make_rng("dropout"), self.dropout_rate,
-                                       self.broadcast_dropout, key.ndim)
-      else:
-        w_used = w
-      x = _util.weighted_values(w_used, value, query.dtype)
-    else:
-      w = None
-      x = core.attention(query, key, value, bias, mask, implementation=self.implementation,
-                         **common)
+    x = core.attention(
+        query, key, value, bias, mask, weighting=self.weighting, score=score,
+        is_causal=is_causal, scale=scale, score_params=score_params,
+        implementation=self.implementation, dropout_rate=self.dropout_rate,
+        dropout_rng=self.make_rng("dropout") if dropout else None,
+        deterministic=deterministic, broadcast_dropout=self.broadcast_dropout,
+        return_weights=need_weights)
+    x, w = x if need_weights else (x, None)
+    if self.sow_weights:
+      self.sow("intermediates", "attention_weights", w)
     out = nn.DenseGeneral(features=features, axis=(-2, -1), kernel_init=self.kernel_init,
                           bias_init=self.bias_init, use_bias=self.use_bias, dtype=self.dtype,
                           param_dtype=self.param_dtype, name="out")(x)
@@ -184,6 +221,33 @@ class MultiHeadAttention(nn.Module):
       out = jnp.where(in_range, out, jnp.nan)
       w = None if w is None else jnp.where(in_range, w, jnp.nan)
     return (out, w) if return_weights else out
+
+  def _metric_features(self, inputs_q: Array, inputs_kv: Array,
+                       head_dim: int) -> tuple[Array, Array]:
+    """Queries and keys of ``score="metric"``: √τ_h L_h x, so −‖zq_i − zk_j‖² is the score.
+
+    Folding the per-head τ into the features leaves a plain ``neg_sq_dist`` score, which every
+    implementation (blocked included) runs.
+    """
+    if inputs_q.shape[-1] != inputs_kv.shape[-1]:
+      raise ValueError(f"{type(self).__name__}: score='metric' compares queries and keys in one "
+                       f"space: inputs_q {inputs_q.shape} and inputs_kv {inputs_kv.shape} need "
+                       "equal features.")
+    rank = self._score_width() or head_dim
+    metric = nn.DenseGeneral(features=(self.num_heads, rank), use_bias=False, dtype=self.dtype,
+                             param_dtype=self.param_dtype, kernel_init=self.kernel_init,
+                             name="metric")
+    zq, zk = metric(inputs_q), metric(inputs_kv)  # [B..., T|S, N, R]
+    # Default τ = 1/√R, the scaled-dot analogue.
+    init_log_tau = (-0.5 * jnp.log(float(rank)) if self.scale is None
+                    else jnp.log(float(self.scale)))
+    if self.learn_temperature is None or self.learn_temperature:
+      log_tau = self.param("log_temperature", nn.initializers.constant(init_log_tau),
+                           (self.num_heads,), self.param_dtype)
+    else:
+      log_tau = jnp.full((self.num_heads,), init_log_tau)
+    root = jnp.exp(0.5 * log_tau)[:, None].astype(zq.dtype)
+    return zq * root, zk * root
 
   def _update_cache(self, query, key, value, mask, is_causal):
     """Linen-MHA-style KV cache: write this step's k/v, mask positions not yet generated.

@@ -1,4 +1,6 @@
-"""Channel and spatial attention for CNNs (seed 001): Squeeze-and-Excitation (Hu et al. 2018)
+"""Channel and spatial attention for CNNs (Wikipedia, "Attention (machine learning)").
+
+Squeeze-and-Excitation (Hu et al. 2018)
 and CBAM (Woo et al. 2018), and a small CNN classifier that can use them.
 
 The papers gate with a sigmoid. ``weighting=<name>`` instead normalizes the gate logits over
@@ -45,7 +47,7 @@ def _check_weighting(weighting: Any | None, where: str) -> None:
       raise ValueError(f"{where} (gate logits are learned scores, not distances): {e}") from None
 
 
-class SqueezeExcite(nn.Module):
+class SqueezeExcite(nn.Module, kw_only=True):
   """Channel attention: x · g, g = gate(W₂ relu(W₁ GAP(x))). ``[B, H, W, C] -> [B, H, W, C]``.
 
   Attributes:
@@ -76,7 +78,7 @@ class SqueezeExcite(nn.Module):
     return x * g[:, None, None, :]
 
 
-class CBAM(nn.Module):
+class CBAM(nn.Module, kw_only=True):
   """Convolutional Block Attention Module: channel then spatial attention.
 
   Channel: g_c = gate(MLP(avgpool x) + MLP(maxpool x)); spatial: g_s = gate(conv7×7([mean_c;
@@ -117,7 +119,7 @@ class CBAM(nn.Module):
     return x * _gate(s, self.weighting, (1, 2))[..., None]
 
 
-class SmallCNN(nn.Module):
+class SmallCNN(nn.Module, kw_only=True):
   """Conv blocks (3×3 conv → ReLU → [SE | CBAM] → 2×2 avg pool), global pool, linear head.
 
   Attributes:
@@ -158,9 +160,10 @@ class SmallCNN(nn.Module):
     for i, f in enumerate(self.features):
       x = nn.relu(nn.Conv(f, (3, 3), padding="SAME", name=f"conv_{i}", **kw)(x))
       if self.block_attention == "se":
-        x = SqueezeExcite(self.reduction, self.weighting, name=f"se_{i}", **kw)(x)
+        x = SqueezeExcite(reduction=self.reduction, weighting=self.weighting, name=f"se_{i}",
+                          **kw)(x)
       elif self.block_attention == "cbam":
-        x = CBAM(self.reduction, weighting=self.weighting, name=f"cbam_{i}", **kw)(x)
+        x = CBAM(reduction=self.reduction, weighting=self.weighting, name=f"cbam_{i}", **kw)(x)
       if min(x.shape[1:3]) >= 2:
         x = nn.avg_pool(x, (2, 2), strides=(2, 2))
     x = jnp.mean(x, axis=(1, 2))

@@ -26,7 +26,7 @@ FEATURE_MAPS = ("elu_plus_one", "favor_plus")
 FAVOR_COLLECTION = "favor"
 
 
-class LinearAttention(nn.Module):
+class LinearAttention(nn.Module, kw_only=True):
   """Multi-head linear attention with the flax MHA projection layout (query/key/value/out).
 
   Attributes:
@@ -64,21 +64,25 @@ class LinearAttention(nn.Module):
   @nn.compact
   def __call__(self, inputs_q: Array, inputs_kv: Array | None = None, *,
                mask: Array | None = None, bias: Array | None = None,
-               deterministic: bool = True, redraw: bool = False,
+               deterministic: bool = True, decode: bool = False, redraw: bool = False,
                return_weights: bool = False) -> Array:
     """``inputs_q [B, T, Dq]``, ``inputs_kv [B, S, Dkv]`` -> ``[B, T, out_features]``.
 
     Args:
-      mask: optional key padding mask broadcastable to ``[B, S]`` (True = real token);
-        general [T, S] masks cannot be expressed in linear attention (use ``is_causal``).
+      mask: the mask of every ``attnx.nn`` attention module — boolean (or 0/1 float),
+        broadcastable to ``[B, N, T, S]``, True = attend — restricted to what linear attention
+        can express: a key padding mask, of size 1 along N and T (e.g. ``[B, 1, 1, S]``).
+        Other masks do not factorize and raise (causality: ``is_causal``).
       deterministic: unused (no dropout on implicit weights); kept for a uniform interface.
       redraw: draw a fresh ω from the ``"favor"`` RNG stream (needs ``mutable=["favor"]``).
-      bias, return_weights: not supported (linear attention never forms the T×S weights);
-        accepted only to raise a clear error.
+      bias, decode, return_weights: not supported (linear attention never forms the T×S
+        weights and keeps no KV cache); accepted only to raise a clear error.
     """
     del deterministic
+    where = type(self).__name__
+    _util.check_no_decode(decode, where)
     if bias is not None or return_weights:
-      raise ValueError("LinearAttention never forms the [T, S] weights: score bias and "
+      raise ValueError(f"{where} never forms the [T, S] weights: score bias and "
                        "return_weights are not supported; use attention type 'dot'.")
     if inputs_kv is None:
       inputs_kv = inputs_q
@@ -103,21 +107,32 @@ class LinearAttention(nn.Module):
         omega.value = core.favor_features(self.make_rng(FAVOR_COLLECTION), m, head_dim)
       kw["features"] = omega.value
     if mask is not None:
-      mask = _util.as_bool_mask(mask)
-      try:
-        kw["key_mask"] = jnp.broadcast_to(mask, inputs_kv.shape[:-1])  # [B, S]
-      except ValueError:
-        raise ValueError(f"LinearAttention takes a key padding mask broadcastable to [B, S] = "
-                         f"{inputs_kv.shape[:-1]}, got {mask.shape}; general [T, S] masks "
-                         "do not factorize.") from None
+      kw["key_mask"] = _key_padding(_util.as_bool_mask(mask), inputs_q.shape[0],
+                                    self.num_heads, inputs_q.shape[1], inputs_kv.shape[1])
     x = core.linear_attention(q, k, v, **kw)
     return nn.DenseGeneral(features=features, axis=(-2, -1), use_bias=self.use_bias,
                            dtype=self.dtype, param_dtype=self.param_dtype,
                            kernel_init=self.kernel_init, name="out")(x)
 
 
+def _key_padding(mask: Array, b: int, n: int, t: int, s: int) -> Array:
+  """A mask broadcastable to [B, N, T, S] that is constant over N and T -> key mask [B, S]."""
+  full = (b, n, t, s)
+  ok = mask.ndim <= 4
+  if ok:
+    m = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
+    ok = m.shape[1] == m.shape[2] == 1 and all(d in (1, f) for d, f in zip(m.shape, full,
+                                                                           strict=True))
+  if not ok:
+    raise ValueError(f"LinearAttention takes only key padding masks: size 1 along heads and "
+                     f"queries, broadcastable to [B, 1, 1, S] = {(b, 1, 1, s)} (True = attend); "
+                     f"got {mask.shape}. A general [T, S] mask does not factorize through the "
+                     "feature map (for causality use is_causal=True).")
+  return jnp.broadcast_to(m[:, 0, 0, :], (b, s))
+
+
 def _default_num_features(head_dim: int) -> int:
-  # core's default (256); few features give large FAVOR+ errors (REFERENCES.md).
+  # core's default (256); few features give large FAVOR+ errors (docs/references.md).
   del head_dim
   return getattr(core.linear, "DEFAULT_NUM_FEATURES", 256)
 

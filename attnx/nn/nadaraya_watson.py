@@ -1,8 +1,10 @@
-"""Nadaraya-Watson regression as attention pooling (seed 004 eq. 4-5; d2l §11.2).
+"""Nadaraya-Watson regression as attention pooling.
+
+Martínez-Ramón, Ajith & Kurup's slides on attention, eq. 4-5; d2l §11.2.
 
 g(x) = Σ_i y_i K(x, x_i) / Σ_j K(x, x_j): the query is x, the keys are the training inputs and
-the values the training targets. The kernel is fixed, has a learned bandwidth, or is seed 004's
-learnable form K = exp(−((x − x_i) w)² / 2).
+the values the training targets. The kernel is fixed, has a learned bandwidth, or is the
+slides' learnable form K = exp(−((x − x_i) w)² / 2).
 """
 
 from __future__ import annotations
@@ -21,18 +23,18 @@ Array = jax.Array
 MODES = ("fixed", "learned_bandwidth", "learned_w")
 
 
-class NadarayaWatsonRegressor(nn.Module):
+class NadarayaWatsonRegressor(nn.Module, kw_only=True):
   """Kernel regression g(x) = Σ_i K(x, x_i) y_i / Σ_j K(x, x_j) via ``core.nadaraya_watson``.
 
   Every mode is the fixed kernel of unit bandwidth on rescaled inputs, K_h(x, x') =
   K_1(x/h, x'/h), so the learned modes work with any kernel (a boxcar has zero gradient).
 
   Attributes:
-    kernel: ``"gaussian"``, ``"boxcar"``, ``"triangular"`` (seed 004's "Epanechnikov"),
+    kernel: ``"gaussian"``, ``"boxcar"``, ``"triangular"`` (the slides' "Epanechnikov"),
       ``"epanechnikov"``, or any weighting spec applied to the score −‖x − x_i‖².
     bandwidth: h for ``"fixed"``, and the initial h for ``"learned_bandwidth"``.
     mode: ``"fixed"`` (no parameters), ``"learned_bandwidth"`` (param ``log_bandwidth``), or
-      ``"learned_w"`` (param ``w``, init 1/h, K = K_1((x − x_i) w), seed 004 / d2l).
+      ``"learned_w"`` (param ``w``, init 1/h, K = K_1((x − x_i) w), the slides / d2l).
     dtype: dtype of the inputs' computation and of the predictions (default: inferred from
       the inputs); kernel weights are computed in float32 for low-precision inputs.
     param_dtype: dtype of the learned parameter.

@@ -1,7 +1,9 @@
-"""RNN encoder-decoder with Bahdanau or Luong attention (seed 001's translation example).
+"""RNN encoder-decoder with Bahdanau or Luong attention.
+
+The translation example of the Wikipedia article "Attention (machine learning)".
 
 The decoder attends over the encoder states at every target step; the weights form the
-alignment matrix ``[B, T_tgt, T_src]`` (seed 001's "je t'aime" example). Any weighting F of a
+alignment matrix ``[B, T_tgt, T_src]`` (that article's "je t'aime" example). Any weighting F of a
 similarity can replace softmax by name (Bahdanau and Luong scores are similarities, so the
 distance kernels are rejected at construction).
 """
@@ -48,7 +50,7 @@ def _hidden(carry: Any, cell: str) -> Array:
   return carry[1] if cell == "lstm" else carry  # LSTM carry is (c, h)
 
 
-class _BahdanauStep(nn.Module):
+class _BahdanauStep(nn.Module, kw_only=True):
   """One decoder step: c_t = Attn(s_{t-1}, H); s_t = Cell(s_{t-1}, [y_{t-1}; c_t])."""
 
   cell: str
@@ -62,16 +64,20 @@ class _BahdanauStep(nn.Module):
 
   @nn.compact
   def __call__(self, carry, y_emb: Array, memory: Array, mask: Array):
-    attn = AdditiveAttention(self.attention_dim, self.weighting, self.dtype, self.param_dtype,
-                             self.attention_dropout_rate, name="attention")
+    """``mask``: key padding ``[B, 1, 1, S]`` (True = real source token)."""
+    attn = AdditiveAttention(attention_dim=self.attention_dim, weighting=self.weighting,
+                             dtype=self.dtype, param_dtype=self.param_dtype,
+                             dropout_rate=self.attention_dropout_rate, name="attention")
+    # One query (the previous state) over the memory: weights [B, 1(head), S].
     ctx, w = attn(_hidden(carry, self.cell), memory, mask=mask, return_weights=True,
                   deterministic=self.deterministic)
+    w = w[:, 0]
     cell = _make_cell(self.cell, self.hidden_dim, self.dtype, self.param_dtype, name="cell")
     carry, s = cell(carry, jnp.concatenate([y_emb, ctx.astype(y_emb.dtype)], -1))
     return carry, (jnp.concatenate([s, ctx.astype(s.dtype)], -1), w)
 
 
-class RNNSeq2Seq(nn.Module):
+class RNNSeq2Seq(nn.Module, kw_only=True):
   """GRU/LSTM encoder-decoder with attention; teacher forcing in ``__call__``.
 
   * ``"bahdanau"``: additive score on the previous decoder state, context fed to the cell,
@@ -157,24 +163,27 @@ class RNNSeq2Seq(nn.Module):
         src, seq_lengths=lengths)  # memory [B, S, H]
 
     alignment = None
+    key_padding = valid[:, None, None, :]  # [B, 1, 1, S]: the attnx.nn mask convention
     if self.attention_type == "bahdanau":
       scan = nn.scan(_BahdanauStep, variable_broadcast="params",
                      split_rngs={"params": False, "dropout": True},
                      in_axes=(1, nn.broadcast, nn.broadcast), out_axes=1)
-      _, (feats, alignment) = scan(self.cell, self.hidden_dim, self.attention_dim,
-                                   self.weighting, self.dtype, self.param_dtype,
-                                   self.attention_dropout_rate, deterministic,
-                                   name="decoder")(carry, tgt, memory, valid)
+      step = scan(cell=self.cell, hidden_dim=self.hidden_dim, attention_dim=self.attention_dim,
+                  weighting=self.weighting, dtype=self.dtype, param_dtype=self.param_dtype,
+                  attention_dropout_rate=self.attention_dropout_rate,
+                  deterministic=deterministic, name="decoder")
+      _, (feats, alignment) = step(carry, tgt, memory, key_padding)
     else:
       dec_cell = _make_cell(self.cell, self.hidden_dim, self.dtype, self.param_dtype)
       states = nn.RNN(dec_cell, name="decoder")(tgt, initial_carry=carry)  # [B, T, H]
       feats = states
       if self.attention_type != "none":
-        attn = LuongAttention(self.attention_type.removeprefix("luong_"), self.attention_dim,
-                              self.weighting, dropout_rate=self.attention_dropout_rate,
-                              name="attention", **kw)
-        ctx, alignment = attn(states, memory, mask=valid[:, None, :], return_weights=True,
+        attn = LuongAttention(score=self.attention_type.removeprefix("luong_"),
+                              attention_dim=self.attention_dim, weighting=self.weighting,
+                              dropout_rate=self.attention_dropout_rate, name="attention", **kw)
+        ctx, alignment = attn(states, memory, mask=key_padding, return_weights=True,
                               deterministic=deterministic)
+        alignment = alignment[:, 0]  # one head: [B, T, S]
         feats = jnp.tanh(nn.Dense(self.hidden_dim, use_bias=False, name="combine", **kw)(
             jnp.concatenate([ctx.astype(states.dtype), states], -1)))
     logits = nn.Dense(tgt_vocab, name="head", **kw)(drop(feats))

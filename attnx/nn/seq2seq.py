@@ -19,7 +19,7 @@ Array = jax.Array
 PAD_ID = 0
 
 
-class Seq2Seq(nn.Module):
+class Seq2Seq(nn.Module, kw_only=True):
   """Transformer encoder-decoder over tokens; token 0 is PAD (masked out of the source keys).
 
   Attributes:

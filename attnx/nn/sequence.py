@@ -20,7 +20,15 @@ POOLS = ("cls", "mean", "none")
 PAD_ID = 0
 
 
-class SequenceClassifier(nn.Module):
+def _encoder(m: nn.Module) -> Encoder:
+  """The pre-LN encoder of a sequence model, from its size and attention fields."""
+  return Encoder(num_layers=m.num_layers, num_heads=m.num_heads, mlp_dim=m.mlp_dim,
+                 dropout_rate=m.dropout_rate, attention_dropout_rate=m.attention_dropout_rate,
+                 attention=m.attention, is_causal=m.is_causal, dtype=m.dtype,
+                 param_dtype=m.param_dtype, name="encoder")
+
+
+class SequenceClassifier(nn.Module, kw_only=True):
   """Token sequences ``[B, L]`` int → logits ``[B, C]`` (or per token ``[B, L, C]``).
 
   Token 0 is PAD: it is masked out of the attention keys and of mean pooling.
@@ -86,9 +94,7 @@ class SequenceClassifier(nn.Module):
     if pos is not None:
       x = pos(x)
     x = nn.Dropout(self.dropout_rate)(x, deterministic=deterministic)
-    x = Encoder(self.num_layers, self.num_heads, self.mlp_dim, self.dropout_rate,
-                self.attention_dropout_rate, self.attention, self.is_causal, self.dtype,
-                self.param_dtype, name="encoder")(x, key_mask=valid, deterministic=deterministic)
+    x = _encoder(self)(x, key_mask=valid, deterministic=deterministic)
     if self.pool == "cls":
       x = x[:, 0]
     elif self.pool == "mean":
@@ -98,7 +104,7 @@ class SequenceClassifier(nn.Module):
                     name="head")(x)
 
 
-class SequenceRegressor(nn.Module):
+class SequenceRegressor(nn.Module, kw_only=True):
   """Continuous sequences ``[B, L, D]`` → per-token predictions ``[B, L, out_dim]``.
 
   For in-context regression (Garg et al. 2022): prompts (x_1, y_1, ..., x_q) as tokens, read
@@ -147,9 +153,6 @@ class SequenceRegressor(nn.Module):
     if pos is not None:
       x = pos(x)
     x = nn.Dropout(self.dropout_rate)(x, deterministic=deterministic)
-    x = Encoder(self.num_layers, self.num_heads, self.mlp_dim, self.dropout_rate,
-                self.attention_dropout_rate, self.attention, self.is_causal, self.dtype,
-                self.param_dtype, name="encoder")(x, key_mask=key_mask,
-                                                   deterministic=deterministic)
+    x = _encoder(self)(x, key_mask=key_mask, deterministic=deterministic)
     return nn.Dense(self.out_dim, dtype=self.dtype, param_dtype=self.param_dtype,
                     name="head")(x)

@@ -5,11 +5,14 @@ An attention spec is a dict with key ``type``:
 * ``"dot"`` (default): :class:`~attnx.nn.MultiHeadAttention`; keys ``weighting``, ``score``,
   ``implementation``, ``qk_norm``, ``num_kv_heads``, ``score_dim``, ``scale``, ...
 * ``"linear"``: :class:`~attnx.nn.LinearAttention`; keys ``feature_map``, ``num_features``.
-* ``"metric"``: :class:`~attnx.nn.MetricAttention`; keys ``weighting``, ``rank``,
-  ``learn_temperature``, ...
+* ``"metric"``: :class:`~attnx.nn.MetricAttention` (``MultiHeadAttention(score="metric")``);
+  keys ``weighting``, ``rank``, ``learn_temperature``, ...
+* ``"additive"``: :class:`~attnx.nn.AdditiveAttention` (Bahdanau scores, no projections);
+  keys ``weighting``, ``attention_dim``.
 
-All other keys are forwarded to the module's constructor. :func:`attention_spec` maps the
-variant names used on experiment command lines (``"relu"``, ``"entmax:alpha=1.5"``,
+All other keys are forwarded to the module's constructor. Every type is called the same way,
+with the same mask (see :func:`attnx.nn.transformer.call_attention`). :func:`attention_spec`
+maps the variant names used on experiment command lines (``"relu"``, ``"entmax:alpha=1.5"``,
 ``"linear_favor"``, ``"metric:weighting=sparsemax"``) to such dicts.
 
 Distance kernels (``gaussian``, ``boxcar``, ``triangular``, ``epanechnikov``) are functions of
@@ -30,17 +33,21 @@ from flax.core import FrozenDict
 
 from attnx import core
 from attnx.nn import _util
+from attnx.nn.additive import AdditiveAttention
 from attnx.nn.attention import MultiHeadAttention
 from attnx.nn.linear import LinearAttention
 from attnx.nn.metric import MetricAttention
 
 ATTENTION_TYPES = {"dot": MultiHeadAttention, "linear": LinearAttention,
-                   "metric": MetricAttention}
+                   "metric": MetricAttention, "additive": AdditiveAttention}
+# The score each type other than "dot" (whose spec names it) always uses; linear has none.
+_FIXED_SCORES = {"metric": "metric", "additive": "additive"}
 
 SPECIAL_VARIANTS: dict[str, dict[str, Any]] = {
     "linear_elu": {"type": "linear", "feature_map": "elu_plus_one"},
     "linear_favor": {"type": "linear", "feature_map": "favor_plus"},
     "metric": {"type": "metric"},
+    "additive": {"type": "additive"},
 }
 
 
@@ -50,17 +57,19 @@ def is_distance_kernel(weighting: Any) -> bool:
 
 
 def list_attention_variants() -> list[str]:
-  """Every weighting name plus the special variants ``linear_elu``, ``linear_favor``, ``metric``."""
+  """Every weighting name plus the special variants (``linear_elu``, ``linear_favor``,
+  ``metric``, ``additive``)."""
   return sorted(set(core.list_weightings()) | set(SPECIAL_VARIANTS))
 
 
 def attention_spec(variant: str) -> dict[str, Any]:
   """Maps an experiment variant name to an attention dict.
 
-  ``"linear_elu"``, ``"linear_favor"``, ``"metric"`` are special; ``"special:k=v,..."`` adds
-  keys (``"metric:weighting=sparsemax"``, ``"linear_favor:num_features=64"``). Anything else is a
-  weighting spec for ``{"type": "dot", "weighting": variant}`` (distance kernels such as
-  ``"gaussian:h=2"`` also get ``score="neg_sq_dist"``, as in :func:`resolve_attention`).
+  ``"linear_elu"``, ``"linear_favor"``, ``"metric"``, ``"additive"`` are special;
+  ``"special:k=v,..."`` adds keys (``"metric:weighting=sparsemax"``,
+  ``"linear_favor:num_features=64"``). Anything else is a weighting spec for
+  ``{"type": "dot", "weighting": variant}`` (distance kernels such as ``"gaussian:h=2"`` also
+  get ``score="neg_sq_dist"``, as in :func:`resolve_attention`).
 
   Raises:
     ValueError: unknown variant, listing the valid weightings and the special variants.
@@ -97,7 +106,7 @@ def resolve_attention(attention: Mapping[str, Any] | str | None) -> dict[str, An
   """Normalizes an attention dict (or a variant name, or None = softmax) to a full dict.
 
   Fills the default score of distance kernels (see the module docstring) and validates the
-  weighting/score/implementation of ``"dot"`` and ``"metric"`` specs.
+  weighting/score/implementation of every spec with a weighting (all types but ``"linear"``).
 
   Raises:
     ValueError: unknown type or weighting, or an incompatible combination.
@@ -115,7 +124,7 @@ def resolve_attention(attention: Mapping[str, Any] | str | None) -> dict[str, An
     _check_weighting(spec["weighting"], spec["weighting"])
   spec = _default_score(spec)
   if spec["type"] != "linear":  # linear attention has no weighting or score
-    score = spec.get("score", "scaled_dot") if spec["type"] == "dot" else "neg_sq_dist"
+    score = _FIXED_SCORES.get(spec["type"]) or spec.get("score", "scaled_dot")
     _util.validate_attention_config(spec.get("weighting", "softmax"), score,
                                     spec.get("implementation"), f"attention spec {attention!r}")
   return spec
@@ -145,6 +154,9 @@ def make_attention(attention: Mapping[str, Any] | str | None, *, num_heads: int,
   Block-level settings (``num_heads``, ``is_causal``, ``dropout_rate``, dtypes) are given by
   the caller; spec keys win over ``overrides`` but not over ``is_causal``. Linear attention has
   no explicit weights, so ``dropout_rate`` is not passed to it.
+
+  Raises:
+    ValueError: a bad spec, or keys the module does not take.
   """
   spec = resolve_attention(attention)
   cls = ATTENTION_TYPES[spec.pop("type")]

@@ -1,8 +1,10 @@
 """Pre-LN transformer blocks whose attention is chosen by an attention dict (see ``spec.py``).
 
 Masks: ``mask`` is a general boolean mask broadcastable to ``[B, N, T, S]`` and ``key_mask`` a
-``[B, S]`` key padding mask (True = real token). Keep padding in ``key_mask``: linear attention
-can only express key padding and causality, so it accepts ``key_mask`` but not ``mask``.
+``[B, S]`` key padding mask (True = real token); the block combines them into one mask of the
+``attnx.nn`` convention and calls its attention module — any of them, the same way. Keep
+padding in ``key_mask``: linear attention can only express key padding and causality, so it
+raises for a ``mask`` that varies over queries or heads.
 """
 
 from __future__ import annotations
@@ -16,8 +18,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from attnx.nn.attention import MultiHeadAttention
-from attnx.nn.linear import LinearAttention
 from attnx.nn.spec import freeze_attention_fields, make_attention
 
 Array = jax.Array
@@ -33,23 +33,17 @@ def combine_masks(mask: Array | None, key_mask: Array | None) -> Array | None:
 
 def call_attention(attn: nn.Module, x: Array, kv: Array | None, *, mask: Array | None,
                    key_mask: Array | None, deterministic: bool, decode: bool = False) -> Array:
-  """Calls any attention module built by ``make_attention`` with the right mask form."""
-  if isinstance(attn, LinearAttention):
-    if mask is not None:
-      raise ValueError("Linear attention supports only key padding (key_mask) and is_causal, "
-                       "not a general [T, S] mask.")
-    if decode:
-      raise ValueError("decode=True (KV cache) needs attention type 'dot'.")
-    return attn(x, kv, mask=key_mask, deterministic=deterministic)
-  kwargs = dict(mask=combine_masks(mask, key_mask), deterministic=deterministic)
-  if decode:
-    if not isinstance(attn, MultiHeadAttention):
-      raise ValueError("decode=True (KV cache) needs attention type 'dot'.")
-    kwargs["decode"] = True
-  return attn(x, kv, **kwargs)
+  """Calls any attention module built by ``make_attention``: one call, one mask convention.
+
+  Every ``attnx.nn`` attention module takes ``(inputs_q, inputs_kv, *, mask, deterministic,
+  decode)`` with ``mask`` broadcastable to ``[B, N, T, S]``; a module raises for what it cannot
+  do (a general mask in linear attention, ``decode`` without a KV cache).
+  """
+  return attn(x, kv, mask=combine_masks(mask, key_mask), deterministic=deterministic,
+              decode=decode)
 
 
-class MlpBlock(nn.Module):
+class MlpBlock(nn.Module, kw_only=True):
   """Dense(mlp_dim) → GELU → dropout → Dense(out_dim or input) → dropout. [..., D] -> [..., D']."""
 
   mlp_dim: int
@@ -78,7 +72,7 @@ def sinusoidal_table(length: int, dim: int, max_scale: float = 10_000.0) -> np.n
   return table
 
 
-class SinusoidalPositionEmbedding(nn.Module):
+class SinusoidalPositionEmbedding(nn.Module, kw_only=True):
   """Adds fixed sinusoidal position embeddings: ``[B, L, D] -> [B, L, D]`` (L ≤ max_len)."""
 
   max_len: int = 2048
@@ -93,7 +87,7 @@ class SinusoidalPositionEmbedding(nn.Module):
     return x + jnp.asarray(table, x.dtype)[None]
 
 
-class LearnedPositionEmbedding(nn.Module):
+class LearnedPositionEmbedding(nn.Module, kw_only=True):
   """Adds a learned ``pos_embedding [max_len, D]`` (init N(0, 0.02²)): [B, L, D] -> [B, L, D]."""
 
   max_len: int
@@ -114,22 +108,22 @@ def position_embedding(kind: str, max_len: int, param_dtype: Any = jnp.float32,
                        name: str | None = None) -> nn.Module | None:
   """``"learned"`` | ``"sinusoidal"`` | ``"none"`` -> module (or None)."""
   if kind == "learned":
-    return LearnedPositionEmbedding(max_len, param_dtype=param_dtype, name=name)
+    return LearnedPositionEmbedding(max_len=max_len, param_dtype=param_dtype, name=name)
   if kind == "sinusoidal":
-    return SinusoidalPositionEmbedding(max_len, name=name)
+    return SinusoidalPositionEmbedding(max_len=max_len, name=name)
   if kind == "none":
     return None
   raise ValueError(f"Unknown position embedding {kind!r}; valid: learned, sinusoidal, none.")
 
 
-class EncoderBlock(nn.Module):
+class EncoderBlock(nn.Module, kw_only=True):
   """Pre-LN block: x + Attn(LN(x)), then + MLP(LN(x)). ``[B, L, D] -> [B, L, D]``.
 
   Attributes:
     num_heads: attention heads.
     mlp_dim: hidden width of the MLP.
     dropout_rate: dropout on the residual branches.
-    attention_dropout_rate: dropout on attention weights (dot/metric attention).
+    attention_dropout_rate: dropout on attention weights (every attention type but linear).
     attention: attention dict (``{"type": "dot", "weighting": "relu"}``; see ``spec.py``).
     is_causal: causal self-attention.
     dtype, param_dtype: as in flax.
@@ -159,13 +153,13 @@ class EncoderBlock(nn.Module):
     y = call_attention(attn, ln("ln_attention")(x), None, mask=mask, key_mask=key_mask,
                        deterministic=deterministic, decode=decode)
     x = x + nn.Dropout(self.dropout_rate)(y, deterministic=deterministic)
-    y = MlpBlock(self.mlp_dim, dropout_rate=self.dropout_rate, dtype=self.dtype,
+    y = MlpBlock(mlp_dim=self.mlp_dim, dropout_rate=self.dropout_rate, dtype=self.dtype,
                  param_dtype=self.param_dtype, name="mlp")(ln("ln_mlp")(x),
                                                           deterministic=deterministic)
     return x + y
 
 
-class DecoderBlock(nn.Module):
+class DecoderBlock(nn.Module, kw_only=True):
   """Pre-LN decoder block: causal self-attention, cross-attention to ``memory``, MLP.
 
   ``x [B, T, D]``, ``memory [B, S, D]`` -> ``[B, T, D]``. Fields as in :class:`EncoderBlock`;
@@ -204,13 +198,13 @@ class DecoderBlock(nn.Module):
     y = call_attention(cross_attn, ln("ln_cross_attention")(x), memory, mask=None,
                        key_mask=memory_key_mask, deterministic=deterministic)
     x = x + drop(y)
-    y = MlpBlock(self.mlp_dim, dropout_rate=self.dropout_rate, dtype=self.dtype,
+    y = MlpBlock(mlp_dim=self.mlp_dim, dropout_rate=self.dropout_rate, dtype=self.dtype,
                  param_dtype=self.param_dtype, name="mlp")(ln("ln_mlp")(x),
                                                           deterministic=deterministic)
     return x + y
 
 
-class Encoder(nn.Module):
+class Encoder(nn.Module, kw_only=True):
   """``num_layers`` :class:`EncoderBlock` + final LayerNorm on embedded inputs ``[B, L, D]``."""
 
   num_layers: int
@@ -231,15 +225,17 @@ class Encoder(nn.Module):
   def __call__(self, x: Array, *, mask: Array | None = None, key_mask: Array | None = None,
                deterministic: bool = True, decode: bool = False) -> Array:
     for i in range(self.num_layers):
-      x = EncoderBlock(self.num_heads, self.mlp_dim, self.dropout_rate,
-                       self.attention_dropout_rate, self.attention, self.is_causal,
-                       self.dtype, self.param_dtype, name=f"block_{i}")(
+      x = EncoderBlock(num_heads=self.num_heads, mlp_dim=self.mlp_dim,
+                       dropout_rate=self.dropout_rate,
+                       attention_dropout_rate=self.attention_dropout_rate,
+                       attention=self.attention, is_causal=self.is_causal, dtype=self.dtype,
+                       param_dtype=self.param_dtype, name=f"block_{i}")(
                            x, mask=mask, key_mask=key_mask, deterministic=deterministic,
                            decode=decode)
     return nn.LayerNorm(dtype=self.dtype, param_dtype=self.param_dtype, name="ln_final")(x)
 
 
-class Decoder(nn.Module):
+class Decoder(nn.Module, kw_only=True):
   """``num_layers`` :class:`DecoderBlock` + final LayerNorm: ``[B, T, D]``, memory ``[B, S, D]``."""
 
   num_layers: int
@@ -261,9 +257,11 @@ class Decoder(nn.Module):
                key_mask: Array | None = None, memory_key_mask: Array | None = None,
                deterministic: bool = True, decode: bool = False) -> Array:
     for i in range(self.num_layers):
-      x = DecoderBlock(self.num_heads, self.mlp_dim, self.dropout_rate,
-                       self.attention_dropout_rate, self.attention, self.cross_attention,
-                       self.dtype, self.param_dtype, name=f"block_{i}")(
+      x = DecoderBlock(num_heads=self.num_heads, mlp_dim=self.mlp_dim,
+                       dropout_rate=self.dropout_rate,
+                       attention_dropout_rate=self.attention_dropout_rate,
+                       attention=self.attention, cross_attention=self.cross_attention,
+                       dtype=self.dtype, param_dtype=self.param_dtype, name=f"block_{i}")(
                            x, memory, mask=mask, key_mask=key_mask,
                            memory_key_mask=memory_key_mask, deterministic=deterministic,
                            decode=decode)

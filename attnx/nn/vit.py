@@ -18,7 +18,7 @@ Array = jax.Array
 POOLS = ("cls", "mean")
 
 
-class VisionTransformer(nn.Module):
+class VisionTransformer(nn.Module, kw_only=True):
   """ViT: patchify → linear embedding → [CLS] + learned positions → pre-LN encoder → head.
 
   Attributes:
@@ -72,11 +72,14 @@ class VisionTransformer(nn.Module):
       cls = self.param("cls", nn.initializers.zeros, (1, 1, self.hidden_dim), self.param_dtype)
       x = jnp.concatenate([jnp.broadcast_to(cls, (b, 1, self.hidden_dim)).astype(x.dtype), x],
                           axis=1)
-    x = LearnedPositionEmbedding(x.shape[1], self.param_dtype, name="pos_embedding")(x)
+    x = LearnedPositionEmbedding(max_len=x.shape[1], param_dtype=self.param_dtype,
+                                 name="pos_embedding")(x)
     x = nn.Dropout(self.dropout_rate)(x, deterministic=deterministic)
-    x = Encoder(self.num_layers, self.num_heads, self.mlp_dim, self.dropout_rate,
-                self.attention_dropout_rate, self.attention, False, self.dtype,
-                self.param_dtype, name="encoder")(x, deterministic=deterministic)
+    x = Encoder(num_layers=self.num_layers, num_heads=self.num_heads, mlp_dim=self.mlp_dim,
+                dropout_rate=self.dropout_rate,
+                attention_dropout_rate=self.attention_dropout_rate, attention=self.attention,
+                dtype=self.dtype, param_dtype=self.param_dtype,
+                name="encoder")(x, deterministic=deterministic)
     x = x[:, 0] if self.pool == "cls" else jnp.mean(x, axis=1)
     logits = nn.Dense(self.num_classes, dtype=self.dtype, param_dtype=self.param_dtype,
                       kernel_init=nn.initializers.zeros, name="head")(x)

@@ -1,17 +1,32 @@
 """attnx.train: generic experiment machinery.
 
-`fit` trains N seeds of a Flax model in one vmapped program (optionally data-parallel over
-devices with shard_map or pmap), checkpoints and resumes with orbax (refusing a checkpoint made
-with a different setup, falling back past damaged ones), logs to JSONL/TensorBoard, and stops
-on NaN/Inf. `Report` turns results into report.md + results.json + PNG plots.
+`fit(model, train_data=loader(...), config=FitConfig.from_config(config))` trains N seeds of
+a Flax model in one vmapped program (optionally data-parallel over devices with shard_map or
+pmap), checkpoints and resumes with orbax (refusing a checkpoint made with a different setup,
+falling back past damaged ones), logs to JSONL/TensorBoard, and stops on NaN/Inf; its
+periodic work is done by the actions of `attnx.train.actions`. `loader` is the one data path
+(training streams and evaluation passes). `Report` turns results into report.md +
+results.json + PNG plots (`markdown_table`, `plot_curves`).
 """
 
 import os as _os
 
 _os.environ.setdefault("MPLBACKEND", "Agg")  # reports are written headless
 
+# Submodules used as namespaces: train.verdict.compare, train.experiment.run_comparison, ...
+from attnx.train import evaluators, experiment, verdict  # noqa: E402, I001
+from attnx.train.actions import (  # noqa: E402
+    Action,
+    CheckFinite,
+    Checkpoint,
+    Evaluate,
+    Log,
+    Schedule,
+    StepContext,
+)
 from attnx.train.checkpoint import CheckpointDamagedError  # noqa: E402
 from attnx.train.config import (  # noqa: E402
+    FitConfig,
     base_config,
     check_batch_size,
     check_choice,
@@ -23,10 +38,10 @@ from attnx.train.config import (  # noqa: E402
 )
 from attnx.train.data import (  # noqa: E402
     PIPELINES,
+    Loader,
     array_stream,
-    batches,
     grain_stream,
-    stream_fn,
+    loader,
 )
 from attnx.train.evaluate import METRICS, evaluate  # noqa: E402
 from attnx.train.loop import (  # noqa: E402
@@ -57,19 +72,26 @@ from attnx.train.parallel import PARALLEL_MODES, Placement, data_mesh  # noqa: E
 from attnx.train.report import (  # noqa: E402
     Report,
     environment,
+    jsonable,
+    markdown_table,
     mean_std,
+    plot_curves,
     plot_learning_curves,
+    subplots,
     summary_rows,
 )
 from attnx.train.step import init_state, make_apply_fn, make_step, seed_step  # noqa: E402
 
 __all__ = [
+    "evaluators", "experiment", "verdict",
     "IGNORE_INDEX", "LOSSES", "METRICS", "OPTIMIZERS", "PARALLEL_MODES", "PIPELINES", "SCHEDULES",
-    "CheckpointDamagedError", "CheckpointMismatchError", "FitResult", "NonFiniteLossError",
-    "Placement", "Report", "array_stream", "base_config", "batches", "check_batch_size",
+    "Action", "CheckFinite", "Checkpoint", "CheckpointDamagedError", "CheckpointMismatchError",
+    "Evaluate", "FitConfig", "FitResult", "Loader", "Log", "NonFiniteLossError", "Placement",
+    "Report", "Schedule", "StepContext", "array_stream", "base_config", "check_batch_size",
     "check_choice", "data_mesh", "environment", "evaluate", "fit", "format_experiments",
-    "from_sums", "get_loss", "grain_stream", "init_state", "list_experiments", "load_module",
-    "make_apply_fn", "make_optimizer", "make_schedule", "make_step", "mean_std", "mse",
-    "nonfinite_runs", "optimizer_config", "plot_learning_curves", "reduce_sums", "run_fingerprint",
-    "seed_step", "softmax_xent", "split_list", "stream_fn", "summary_rows", "validate",
+    "from_sums", "get_loss", "grain_stream", "init_state", "jsonable", "list_experiments",
+    "load_module", "loader", "make_apply_fn", "make_optimizer", "make_schedule", "make_step",
+    "markdown_table", "mean_std", "mse", "nonfinite_runs", "optimizer_config", "plot_curves",
+    "plot_learning_curves", "reduce_sums", "run_fingerprint", "seed_step", "softmax_xent",
+    "split_list", "subplots", "summary_rows", "validate",
 ]

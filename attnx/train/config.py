@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import ast
+import dataclasses
 import importlib.util
+import numbers
 import os
 import sys
 from collections.abc import Sequence
@@ -11,8 +13,11 @@ from types import ModuleType
 from typing import Any
 
 import ml_collections
+import numpy as np
+import optax
 
 from attnx.train.data import PIPELINES
+from attnx.train.losses import LOSSES, LossFn
 from attnx.train.optim import validate_optimizer_config
 from attnx.train.parallel import PARALLEL_MODES
 
@@ -40,6 +45,109 @@ def base_config() -> ml_collections.ConfigDict:
       checkpoint_every=0,
       log_every=10,
   ))
+
+
+@dataclasses.dataclass(frozen=True)
+class FitConfig:
+  """How `fit` trains: everything except the model, the data and where results go.
+
+  Frozen and validated on construction, so a bad value fails before anything compiles, with
+  a ValueError naming the field. Build it from an experiment config with `from_config`; make
+  variants with ``dataclasses.replace(cfg, num_seeds=1)``.
+
+  num_steps: optimizer steps (schedules in a ConfigDict optimizer span them).
+  optimizer: an `optimizer_config()` ConfigDict (inspected for the checkpoint fingerprint and
+    the NaN hint) or a ready optax transformation.
+  num_seeds, seed: seeds seed..seed+num_seeds-1, trained at once (vmap).
+  loss: a name in LOSSES or a LossFn.
+  eval_every, log_every, checkpoint_every: periods in steps (0: only at the end; checkpoints
+    also need a workdir). keep_checkpoints: how many recent checkpoints stay on disk.
+  parallel: data parallelism over devices, one of PARALLEL_MODES.
+  progress: a tqdm bar when stderr is a tty. tensorboard: event files next to metrics.jsonl.
+  """
+
+  num_steps: int
+  optimizer: optax.GradientTransformation | ml_collections.ConfigDict
+  num_seeds: int = 1
+  seed: int = 0
+  loss: str | LossFn = "softmax_xent"
+  eval_every: int = 0
+  log_every: int = 10
+  checkpoint_every: int = 0
+  keep_checkpoints: int = 3
+  parallel: str = "none"
+  progress: bool = True
+  tensorboard: bool = True
+
+  def __post_init__(self):
+    for name, least in _FIT_COUNTS.items():
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise FitConfigError(name, f"FitConfig.{name} must be an integer, got {value!r}")
+      if value < least:
+        off = " (0: only at the end)" if least == 0 and name != "seed" else ""
+        raise FitConfigError(name, f"FitConfig.{name} must be >= {least}{off}, got {value!r}")
+      object.__setattr__(self, name, int(value))  # numpy/ConfigDict integers -> int
+    for name in ("progress", "tensorboard"):
+      if not isinstance(getattr(self, name), bool | np.bool_):
+        raise FitConfigError(name, f"FitConfig.{name} must be True or False, got "
+                                   f"{getattr(self, name)!r}")
+      object.__setattr__(self, name, bool(getattr(self, name)))
+    if self.parallel not in PARALLEL_MODES:
+      raise FitConfigError("parallel", f"FitConfig.parallel={self.parallel!r} is not one of "
+                                       f"{', '.join(PARALLEL_MODES)}")
+    if not callable(self.loss) and self.loss not in LOSSES:
+      raise FitConfigError("loss", f"FitConfig.loss={self.loss!r} is not one of "
+                                   f"{', '.join(LOSSES)} (or pass a loss function)")
+    if isinstance(self.optimizer, ml_collections.ConfigDict):
+      try:
+        validate_optimizer_config(self.optimizer, "FitConfig.optimizer")
+      except ValueError as e:
+        raise FitConfigError("optimizer", str(e)) from None
+    elif not isinstance(self.optimizer, optax.GradientTransformation):
+      raise FitConfigError("optimizer", "FitConfig.optimizer must be an optimizer_config() "
+                                        "ConfigDict or an optax.GradientTransformation, got "
+                                        f"{type(self.optimizer).__name__}")
+
+  @classmethod
+  def from_config(cls, config: ml_collections.ConfigDict | Any, **overrides: Any) -> FitConfig:
+    """The FitConfig of an experiment config: its top-level keys named like the fields
+    (base_config's seed, num_seeds, parallel, progress, checkpoint_every, log_every, plus
+    num_steps, optimizer, eval_every, ... where the experiment defines them), then
+    `overrides` (e.g. values from a nested config.train). Other keys are ignored. A bad value
+    raises ValueError naming the field and where it came from (config.KEY or KEY=)."""
+    names = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(overrides) - set(names))
+    if unknown:
+      raise ValueError(f"FitConfig.from_config: unknown field(s) {', '.join(unknown)}; "
+                       f"fields: {', '.join(names)}")
+    values, source = {}, {}
+    for name in names:
+      if name in overrides:
+        values[name], source[name] = overrides[name], f"{name}="
+      elif config is not None and name in config:
+        values[name], source[name] = config[name], f"config.{name}"
+    missing = [n for n in ("num_steps", "optimizer") if n not in values]
+    if missing:
+      raise ValueError(f"FitConfig.{missing[0]} is required: set config.{missing[0]} or pass "
+                       f"{missing[0]}= to FitConfig.from_config")
+    try:
+      return cls(**values)
+    except FitConfigError as e:
+      raise FitConfigError(e.field, f"{e} (from {source[e.field]})") from None
+
+
+class FitConfigError(ValueError):
+  """A FitConfig field is invalid; `field` names it."""
+
+  def __init__(self, field: str, message: str):
+    super().__init__(message)
+    self.field = field
+
+
+# Integer fields of FitConfig and their smallest meaningful value.
+_FIT_COUNTS = {"num_steps": 1, "num_seeds": 1, "seed": 0, "eval_every": 0, "log_every": 0,
+               "checkpoint_every": 0, "keep_checkpoints": 1}
 
 
 def split_list(value: Any) -> list[str]:

@@ -1,6 +1,7 @@
-"""Deterministic, resumable batch streams: the batch at step t depends only on (seed, t).
+"""Batches over in-memory arrays: `loader`, used for training and for evaluation.
 
-Two pipelines over in-memory arrays, both exact on resume:
+Training streams are deterministic and resumable: the batch at step t depends only on
+(seed, t). Two pipelines over in-memory arrays, both exact on resume:
 
 * ``"numpy"`` (default): a numpy permutation per epoch. Fast: the gather is the only cost.
 * ``"grain"``: a ``grain.MapDataset`` (global shuffle with a new permutation every epoch,
@@ -74,17 +75,56 @@ def grain_stream(arrays: Mapping[str, np.ndarray], batch_size: int, seed: int,
   return _shuffled_batches(arrays, batch_size, start_step, take)
 
 
-def stream_fn(arrays: Mapping[str, np.ndarray], batch_size: int,
-              pipeline: str = "numpy") -> Callable[[int, int], Iterator[dict[str, np.ndarray]]]:
-  """`train_data(seed, start_step)` for `fit` over in-memory arrays (see :data:`PIPELINES`)."""
-  if pipeline not in PIPELINES:
-    raise ValueError(f"Unknown data pipeline {pipeline!r}; valid: {', '.join(PIPELINES)}.")
-  stream = grain_stream if pipeline == "grain" else array_stream
-  return lambda seed, start_step: stream(arrays, batch_size, seed, start_step)
+class Loader:
+  """Batches over in-memory arrays, for training and for evaluation alike.
+
+  ``loader(seed, start_step)`` is the training stream `fit` reads (`train_data`): endless,
+  shuffled per epoch by `pipeline` (see :data:`PIPELINES`), full batches only, and exact on
+  resume. ``loader()`` (or iterating over it) is one ordered pass over every example, the last
+  batch possibly smaller: what `fit`'s `eval_data` and `evaluate` read. Build it with
+  :func:`loader`.
+  """
+
+  def __init__(self, arrays: Mapping[str, np.ndarray], batch_size: int,
+               pipeline: str = "numpy"):
+    if pipeline not in PIPELINES:
+      raise ValueError(f"Unknown data pipeline {pipeline!r}; valid: {', '.join(PIPELINES)}.")
+    if not arrays:
+      raise ValueError("loader: no arrays given")
+    sizes = {k: len(v) for k, v in arrays.items()}
+    if len(set(sizes.values())) > 1:
+      raise ValueError(f"loader: arrays differ in length: {sizes}")
+    if int(batch_size) < 1:
+      raise ValueError(f"loader: batch_size must be >= 1, got {batch_size!r}")
+    self.arrays = arrays
+    self.batch_size = int(batch_size)
+    self.pipeline = pipeline
+
+  def __call__(self, seed: int | None = None,
+               start_step: int = 0) -> Iterator[dict[str, np.ndarray]]:
+    """With a seed: the endless shuffled training stream from `start_step`; else one pass."""
+    if seed is None:
+      return self._ordered()
+    stream = grain_stream if self.pipeline == "grain" else array_stream
+    return stream(self.arrays, self.batch_size, seed, start_step)
+
+  def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
+    return self._ordered()
+
+  def __len__(self) -> int:
+    """Batches in one ordered pass."""
+    return -(-len(next(iter(self.arrays.values()))) // self.batch_size)
+
+  def _ordered(self) -> Iterator[dict[str, np.ndarray]]:
+    n = len(next(iter(self.arrays.values())))
+    for i in range(0, n, self.batch_size):
+      yield {k: v[i:i + self.batch_size] for k, v in self.arrays.items()}
 
 
-def batches(arrays: Mapping[str, np.ndarray], batch_size: int) -> Iterator[dict[str, np.ndarray]]:
-  """One ordered pass over arrays (the last batch may be smaller): for evaluation."""
-  n = len(next(iter(arrays.values())))
-  for i in range(0, n, batch_size):
-    yield {k: v[i:i + batch_size] for k, v in arrays.items()}
+def loader(arrays: Mapping[str, np.ndarray], batch_size: int, pipeline: str = "numpy") -> Loader:
+  """The one data path of attnx.train: a :class:`Loader` over in-memory arrays.
+
+  ``fit(train_data=loader(train, 32, config.data_pipeline), eval_data=loader(test, 500))``;
+  ``evaluate(model, params, loader(test, 500))``.
+  """
+  return Loader(arrays, batch_size, pipeline)

@@ -8,39 +8,22 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
-from attnx.train.losses import IGNORE_INDEX
+from attnx.train.losses import mse_sums, softmax_xent_sums
 from attnx.train.step import make_apply_fn, model_inputs
 
 METRICS = ("accuracy", "loss", "mse")
 
 
 def _sums(outputs: jax.Array, batch: dict, metrics: Sequence[str]) -> dict[str, jax.Array]:
-  """Per-batch sums and counts, so that the dataset mean is exact over uneven batches."""
+  """Per-batch (sum, count) pairs of the training losses' own sums, so that evaluation and
+  training measure the same thing and the dataset mean is exact over uneven batches."""
   out: dict[str, jax.Array] = {}
-  targets = batch["targets"]
   if "accuracy" in metrics or "loss" in metrics:
-    valid = targets != IGNORE_INDEX
-    safe = jnp.where(valid, targets, 0).astype(jnp.int32)
-    n = valid.sum().astype(jnp.float32)
-    if "accuracy" in metrics:
-      out["accuracy"] = (jnp.where(valid, outputs.argmax(-1) == safe, False).sum(), n)
-    if "loss" in metrics:
-      ce = optax.softmax_cross_entropy_with_integer_labels(outputs.astype(jnp.float32), safe)
-      out["loss"] = (jnp.where(valid, ce, 0.0).sum(), n)
+    xent = softmax_xent_sums(outputs, batch)
+    out.update({k: xent[k] for k in ("accuracy", "loss") if k in metrics})
   if "mse" in metrics:
-    t = targets.astype(jnp.float32)
-    o = outputs.astype(jnp.float32)
-    if t.shape != o.shape and t.size == o.size:
-      t = t.reshape(o.shape)
-    err = (o - t) ** 2
-    if "mask" in batch:
-      m = batch["mask"].astype(jnp.float32)
-      m = jnp.broadcast_to(m.reshape(m.shape + (1,) * (err.ndim - m.ndim)), err.shape)
-      out["mse"] = ((err * m).sum(), m.sum())
-    else:
-      out["mse"] = (err.sum(), jnp.float32(err.size))
+    out["mse"] = mse_sums(outputs, batch)["mse"]
   return out
 
 
@@ -50,8 +33,9 @@ def evaluate(model: nn.Module, params_stacked, data_iter: Iterable[dict],
              extra_variables: dict | None = None) -> dict[str, np.ndarray]:
   """Dataset-mean metrics per seed: {name: np.ndarray [num_seeds]}.
 
-  `params_stacked` has a leading seed axis; every seed sees the same evaluation batches.
-  Metrics: "accuracy" and "loss" (cross-entropy; targets == -100 ignored), "mse".
+  `params_stacked` has a leading seed axis; every seed sees the same evaluation batches, e.g.
+  ``loader(test_arrays, 500)`` (one ordered pass). Metrics: "accuracy" and "loss"
+  (cross-entropy; targets == IGNORE_INDEX ignored), "mse" (weighted by a `mask` entry).
   `extra_variables`: stacked non-trained collections (FitResult.extra_variables), if any.
   """
   for m in metrics:

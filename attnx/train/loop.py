@@ -1,4 +1,9 @@
-"""`fit`: seed-parallel (vmap), optionally data-parallel training with checkpoints and logging."""
+"""`fit`: seed-parallel (vmap), optionally data-parallel training with checkpoints and logging.
+
+The loop itself only runs train steps; the periodic work (NaN check, evaluation, logging,
+checkpointing) lives in `attnx.train.actions`, machine-specific workarounds in
+`attnx.train.workarounds`.
+"""
 
 from __future__ import annotations
 
@@ -9,43 +14,32 @@ import logging
 import re
 import sys
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import flax.linen as nn
 import jax
 import ml_collections
 import numpy as np
-import optax
 
+from attnx.train import actions, workarounds
+from attnx.train.actions import NonFiniteLossError, nonfinite_runs
 from attnx.train.checkpoint import CheckpointDamagedError, Checkpointer
+from attnx.train.config import FitConfig
 from attnx.train.evaluate import evaluate
-from attnx.train.losses import LossFn, get_loss
+from attnx.train.losses import get_loss
 from attnx.train.optim import make_optimizer
 from attnx.train.parallel import Placement, validate_parallel
 from attnx.train.step import accepts_arg, init_state, make_apply_fn, make_step, model_inputs
 
 log = logging.getLogger("attnx.train")
 
-
-class NonFiniteLossError(FloatingPointError):
-  """The training loss became NaN or Inf; the message names the step and the seeds."""
+__all__ = ["CheckpointMismatchError", "FitResult", "NonFiniteLossError", "fit",
+           "nonfinite_runs", "run_fingerprint"]
 
 
 class CheckpointMismatchError(ValueError):
   """The workdir holds a checkpoint of this run made with a different setup (see `fit`)."""
-
-
-_NONFINITE: list[str] = []  # messages of the runs that stopped on NaN/Inf in this process
-
-
-def nonfinite_runs() -> list[str]:
-  """Messages of every run that stopped on a NaN/Inf loss in this process (oldest first).
-
-  Experiments may catch NonFiniteLossError to report the other runs; launch.py uses this to
-  exit non-zero anyway.
-  """
-  return list(_NONFINITE)
 
 
 @dataclasses.dataclass
@@ -102,18 +96,6 @@ def _nonfinite_hint(optimizer: Any) -> str:
             "e.g. 1.0), or check the inputs.")
   return ("Lower the learning rate, clip gradients (optax.clip_by_global_norm) if the optimizer "
           "does not already, or check the inputs.")
-
-
-def _check_finite(bad_step: np.ndarray, seeds: list[int], name: str, hint: str) -> None:
-  bad_step = np.asarray(bad_step)
-  if (bad_step >= 0).any():
-    which = [s for s, b in zip(seeds, bad_step, strict=True) if b >= 0]
-    first = int(bad_step[bad_step >= 0].min())
-    msg = (f"run {name!r}: loss became NaN/Inf at step {first} for seed(s) {which} "
-           f"(per-seed first bad step: {dict(zip(seeds, bad_step.tolist(), strict=True))}). "
-           + hint)
-    _NONFINITE.append(msg)
-    raise NonFiniteLossError(msg)
 
 
 def _describe(value: Any) -> Any:
@@ -232,70 +214,73 @@ def _init_or_restore(model, tx, seeds, sample, inputs_fn, ckpt, fingerprint, nam
 
 def fit(model: nn.Module, *,
         train_data: Callable[[int, int], Iterator[dict]],
-        loss: str | LossFn = "softmax_xent",
+        config: FitConfig,
+        workdir: str | None = None, name: str = "run",
         eval_fn: Callable[[Any], dict] | None = None,
-        eval_data: Callable[[], Iterator[dict]] | None = None,
+        eval_data: Callable[[], Iterable[dict]] | None = None,
         eval_metrics: tuple[str, ...] | None = None,
-        optimizer: optax.GradientTransformation | ml_collections.ConfigDict,
-        num_steps: int, num_seeds: int = 1, seed: int = 0,
-        workdir: str | None = None, name: str = "run", checkpoint_every: int = 0,
-        keep_checkpoints: int = 3, eval_every: int = 0, log_every: int = 10,
-        parallel: str = "none", progress: bool = True,
         inputs_fn: Callable[[dict], tuple] = model_inputs,
-        tensorboard: bool = True,
         fingerprint: Mapping[str, Any] | None = None) -> FitResult:
-  """Train `num_seeds` copies of `model` (seeds seed..seed+num_seeds-1) in one program.
+  """Train `config.num_seeds` copies of `model` (seeds seed..seed+num_seeds-1) in one program.
 
   Seed i is initialized from PRNGKey(seed + i) and reads batches from
-  `train_data(seed + i, start_step)`; the N seeds run as one jax.vmap'd step, and equal N
-  separate runs. `parallel` ("none" | "shard_map" | "pmap") additionally shards every batch over
-  all devices (data parallelism on the global mean loss; equals the single-device step).
+  `train_data(seed + i, start_step)` (e.g. a `loader`); the N seeds run as one jax.vmap'd
+  step, and equal N separate runs. `config.parallel` ("none" | "shard_map" | "pmap")
+  additionally shards every batch over all devices (data parallelism on the global mean
+  loss; equals the single-device step). See `FitConfig` for the other settings.
 
-  With `workdir` and `checkpoint_every > 0`, the state is saved every `checkpoint_every` steps
-  and at the end under workdir/checkpoints/<name>, and a later call with the same arguments
-  resumes from the latest checkpoint (params, optimizer state, step, PRNG keys; the data stream
-  restarts at the checkpointed step via `train_data(seed, step)`), so the resumed run ends with
-  the same parameters and metrics as an uninterrupted one. Logged values are means since the
-  previous log step; use a `checkpoint_every` that is a multiple of `log_every` for identical
-  logged curves as well. Each checkpoint stores a fingerprint of the setup (`run_fingerprint`:
-  model fields, optimizer config, loss, num_steps, batch size, seeds, first batch, plus the
-  caller's `fingerprint` entries); resuming with a different one raises
-  CheckpointMismatchError naming the differences, before anything is restored. A damaged
-  checkpoint (one that cannot be read back) is reported in one line and the run resumes from
-  the newest intact one, replacing the damaged steps as it reaches them; with none intact,
-  CheckpointDamagedError, leaving the files as they are.
+  The loop only runs steps; periodic work is done by the actions of `attnx.train.actions`,
+  each on its own schedule (every n steps and at the end): `CheckFinite`, `Evaluate`, `Log`,
+  `Checkpoint`. Their time is not training time (`seconds_per_step`).
+
+  With `workdir` and `config.checkpoint_every > 0`, the state is saved every
+  `checkpoint_every` steps and at the end under workdir/checkpoints/<name>, and a later call
+  with the same arguments resumes from the latest checkpoint (params, optimizer state, step,
+  PRNG keys; the data stream restarts at the checkpointed step via `train_data(seed, step)`),
+  so the resumed run ends with the same parameters and metrics as an uninterrupted one.
+  Logged values are means since the previous log step; use a `checkpoint_every` that is a
+  multiple of `log_every` for identical logged curves as well. Each checkpoint stores a
+  fingerprint of the setup (`run_fingerprint`: model fields, optimizer config, loss,
+  num_steps, batch size, seeds, first batch, plus the caller's `fingerprint` entries);
+  resuming with a different one raises CheckpointMismatchError naming the differences,
+  before anything is restored. A damaged checkpoint (one that cannot be read back) is
+  reported in one line and the run resumes from the newest intact one, replacing the damaged
+  steps as it reaches them; with none intact, CheckpointDamagedError, leaving the files as
+  they are.
 
   Evaluation: `eval_fn(params_stacked) -> {name: [num_seeds]}` (also given `extra_variables=`
-  when it takes that argument), or `eval_data()` (a fresh iterator per evaluation) scored with
-  `evaluate` on `eval_metrics` (default: accuracy and loss for "softmax_xent", mse for "mse").
-  Runs every `eval_every` steps and at the end. Non-trained variable collections of the model
-  (e.g. FAVOR+ random features) are kept fixed and passed to every apply.
+  when it takes that argument), or `eval_data()` (a fresh pass per evaluation, e.g. a
+  `loader`) scored with `evaluate` on `eval_metrics` (default: accuracy and loss for
+  "softmax_xent", mse for "mse"). Runs every `eval_every` steps and at the end. Non-trained
+  variable collections of the model (e.g. FAVOR+ random features) are kept fixed and passed
+  to every apply.
 
   Raises NonFiniteLossError (naming step and seeds) when the loss becomes NaN/Inf; what was
   logged until then stays in the workdir.
   """
-  if num_steps < 1 or num_seeds < 1:
-    raise ValueError(f"num_steps={num_steps} and num_seeds={num_seeds} must be >= 1")
-  validate_parallel(parallel)
-  loss_fn = get_loss(loss)
+  if not isinstance(config, FitConfig):
+    raise TypeError(f"fit: config must be a FitConfig (FitConfig.from_config(config, ...)), "
+                    f"got {type(config).__name__}")
+  c = config
+  validate_parallel(c.parallel)
+  loss_fn = get_loss(c.loss)
   if eval_metrics is None:
-    eval_metrics = ("mse",) if loss == "mse" else ("accuracy", "loss")
-  tx = make_optimizer(optimizer, num_steps)
-  seeds = [seed + i for i in range(num_seeds)]
-  placement = Placement(parallel)
+    eval_metrics = ("mse",) if c.loss == "mse" else ("accuracy", "loss")
+  tx = make_optimizer(c.optimizer, c.num_steps)
+  seeds = [c.seed + i for i in range(c.num_seeds)]
+  placement = Placement(c.parallel)
   apply_fn = make_apply_fn(model, inputs_fn)
-  nonfinite_hint = _nonfinite_hint(optimizer)
 
   # A sample batch fixes the shapes for init (the stream is re-created for training).
   sample = next(iter(train_data(seeds[0], 0)))
   batch_size = len(next(iter(sample.values())))
-  validate_parallel(parallel, batch_size)
-  run_fp = run_fingerprint(model, optimizer, loss, num_steps, batch_size, seeds, sample,
+  validate_parallel(c.parallel, batch_size)
+  run_fp = run_fingerprint(model, c.optimizer, c.loss, c.num_steps, batch_size, seeds, sample,
                            fingerprint)
 
   from attnx.train.writers import MetricWriter
-  ckpt = Checkpointer(workdir, name, checkpoint_every, keep_checkpoints) if (
-      workdir and checkpoint_every > 0) else None
+  ckpt = Checkpointer(workdir, name, c.checkpoint_every, c.keep_checkpoints) if (
+      workdir and c.checkpoint_every > 0) else None
   try:
     state, start_step, meta = _init_or_restore(model, tx, seeds, sample, inputs_fn, ckpt,
                                                run_fp, name)
@@ -304,13 +289,11 @@ def fit(model: nn.Module, *,
       ckpt.close()
     raise
   # Logs beyond the checkpoint belong to steps that will be trained again: drop them.
-  writer = MetricWriter(workdir, name, tensorboard=tensorboard, start_step=start_step)
+  writer = MetricWriter(workdir, name, tensorboard=c.tensorboard, start_step=start_step)
   history = writer.truncate_after(start_step)
   timing = meta.get("timing", {})
-  prev_seconds = float(timing.get("train_seconds", 0.0))
-  prev_steps = int(timing.get("train_steps", 0))
 
-  step_fn = make_step(apply_fn, loss_fn, tx, parallel, placement.mesh)
+  step_fn = make_step(apply_fn, loss_fn, tx, c.parallel, placement.mesh)
   state = placement.state(state)
   iters = [iter(train_data(s, start_step)) for s in seeds]
 
@@ -319,7 +302,7 @@ def fit(model: nn.Module, *,
 
   t0 = time.perf_counter()
   compiled = step_fn
-  if start_step < num_steps:
+  if start_step < c.num_steps:
     first = next_batch()
     try:
       compiled = step_fn.lower(state, first, np.int32(start_step)).compile()
@@ -338,92 +321,58 @@ def fit(model: nn.Module, *,
       return evaluate(model, params, eval_data(), eval_metrics, inputs_fn, extra)
     return {}
 
-  pbar = None
-  if progress and sys.stderr.isatty() and start_step < num_steps:
-    from tqdm.auto import tqdm
-    pbar = tqdm(total=num_steps, initial=start_step, desc=name, unit="step", dynamic_ncols=True)
-
-  pending: list = []  # per-step device metrics since the last log
-  # XLA's CPU collectives can deadlock when several data-parallel steps are in flight on fake
-  # devices that share few cores (device threads of the next step take the pool while the
-  # all-reduce of the previous one waits); one step at a time avoids it.
-  sync_each_step = parallel != "none" and jax.default_backend() == "cpu"
-  last_metrics: dict[str, np.ndarray] = {}
-  t_start = time.perf_counter()
-  steps_run = 0
-  t_excluded = 0.0
+  clock = actions.TrainClock(float(timing.get("train_seconds", 0.0)),
+                             int(timing.get("train_steps", 0)), compile_seconds)
+  progress = actions.ProgressBar(c.progress, name, c.num_steps, start_step)
+  log_at = actions.Schedule(c.log_every)
+  eval_at = actions.Schedule(c.eval_every) if (
+      eval_fn is not None or eval_data is not None) else actions.NEVER
+  ckpt_at = actions.Schedule(c.checkpoint_every) if ckpt is not None else actions.NEVER
+  # In this order (see attnx.train.actions): a blown-up run is neither evaluated nor saved, an
+  # evaluation goes into the record, and the logs reach the disk before the checkpoint.
+  periodic: list[actions.Action] = [
+      actions.CheckFinite(log_at | eval_at | ckpt_at, seeds, name, _nonfinite_hint(c.optimizer)),
+      actions.Evaluate(eval_at, run_eval),
+      actions.Log(log_at | eval_at, writer, history, progress),
+      actions.Checkpoint(ckpt_at, ckpt, writer, clock,
+                         {"seeds": seeds, "name": name, "fingerprint": run_fp}),
+  ]
+  sync_each_step = workarounds.sync_every_step(c.parallel)
+  ctx = actions.StepContext(placement, c.num_steps)
+  clock.start()
   try:
-    for step in range(start_step, num_steps):
+    for step in range(start_step, c.num_steps):
       batch = first if step == start_step else next_batch()
       state, metrics = compiled(state, batch, np.int32(step))
       if sync_each_step:
         jax.block_until_ready(metrics)
-      pending.append(metrics)
-      steps_run += 1
-      done = step + 1
-      is_last = done == num_steps
-      do_log = is_last or (log_every > 0 and done % log_every == 0)
-      do_eval = (eval_fn is not None or eval_data is not None) and (
-          is_last or (eval_every > 0 and done % eval_every == 0))
-      do_ckpt = ckpt is not None and (is_last or done % checkpoint_every == 0)
-      if do_log or do_eval or do_ckpt:
-        host_state = placement.unplace(state)
-        _check_finite(jax.device_get(host_state["bad_step"]), seeds, name, nonfinite_hint)
-        t_sync = time.perf_counter()
-        record: dict[str, Any] = {"step": done}
-        last_metrics = {k: np.asarray(v)
-                        for k, v in jax.device_get(placement.metrics(pending[-1])).items()}
-        if do_log or do_eval:
-          ms = jax.device_get([placement.metrics(m) for m in pending])
-          for k in ms[0]:
-            record[k] = np.mean([np.asarray(m[k]) for m in ms], axis=0).tolist()
-          pending = []
-        if do_eval:
-          for k, v in run_eval(jax.device_get(host_state)).items():
-            record[f"eval_{k}"] = np.asarray(v).tolist()
-        if do_log or do_eval:
-          writer.write(done, {k: v for k, v in record.items() if k != "step"})
-          history.append(record)
-          if pbar is not None and "loss" in record:
-            pbar.set_postfix(loss=f"{np.mean(record['loss']):.4g}")
-        if do_ckpt:
-          # Logs up to this step reach the disk before the checkpoint that a resume starts
-          # from, so a kill after the save loses none of them.
-          writer.flush()
-          train_seconds = prev_seconds + (t_sync - t_start - t_excluded)
-          ckpt.save(done, host_state, {
-              "step": done, "seeds": seeds, "name": name, "fingerprint": run_fp,
-              "last_metrics": {k: v.tolist() for k, v in last_metrics.items()},
-              "timing": {"train_seconds": train_seconds, "train_steps": prev_steps + steps_run,
-                         "compile_seconds": compile_seconds}})
-        # Evaluation and checkpointing are not training time.
-        t_excluded += time.perf_counter() - t_sync
-      if pbar is not None:
-        pbar.update(1)
+      clock.steps_run += 1
+      ctx.advance(step + 1, state, metrics)
+      due = [a for a in periodic if a.due(ctx.step, c.num_steps)]
+      if due:
+        ctx.sync()
+        with clock.excluded():
+          for action in due:
+            action(ctx)
+      progress.update()
     jax.block_until_ready(state)
   finally:
-    if pbar is not None:
-      pbar.close()
+    progress.close()
     writer.close()
     if ckpt is not None:
       ckpt.close()
-  elapsed = time.perf_counter() - t_start - t_excluded
-  # Per-step time over every step trained, by this process and the ones it resumed from.
-  total_steps = prev_steps + steps_run
-  seconds_per_step = ((prev_seconds + (elapsed if steps_run else 0.0)) / total_steps
-                      if total_steps else float("nan"))
+  seconds_per_step = clock.seconds_per_step()
 
   host_state = jax.device_get(placement.unplace(state))
-  final: dict[str, np.ndarray] = {}
-  if steps_run == 0:
+  if clock.steps_run == 0:
     # Resumed a finished run: the last step's train metrics were saved with the checkpoint.
     final_eval = run_eval(host_state)
     last_metrics = {k: np.asarray(v) for k, v in (meta.get("last_metrics") or {}).items()}
   else:
     final_eval = {k[len("eval_"):]: np.asarray(v) for k, v in history[-1].items()
                   if k.startswith("eval_")} if history else {}
-  for k, v in last_metrics.items():
-    final[f"train_{k}"] = np.asarray(v)
+    last_metrics = ctx.last_metrics()
+  final: dict[str, np.ndarray] = {f"train_{k}": np.asarray(v) for k, v in last_metrics.items()}
   final.update(final_eval)
   return FitResult(params=host_state["params"], history=history, final_metrics=final,
                    seconds_per_step=seconds_per_step, compile_seconds=compile_seconds,

@@ -16,7 +16,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-IGNORE_INDEX = -100
+from attnx.constants import IGNORE_INDEX
+
 LossFn = Callable[[jax.Array, dict], tuple[jax.Array, dict[str, jax.Array]]]
 Sums = dict[str, tuple[jax.Array, jax.Array]]
 SumsFn = Callable[[jax.Array, dict], Sums]
@@ -96,7 +97,7 @@ def mse_sums(outputs: jax.Array, batch: dict) -> Sums:
 
 
 softmax_xent = from_sums(softmax_xent_sums)
-softmax_xent.__doc__ = """Mean cross-entropy over positions whose integer target is not -100.
+softmax_xent.__doc__ = """Mean cross-entropy over positions whose target is not IGNORE_INDEX.
 
 Works for logits [..., C] with targets [...] (classification or per-token targets); metrics:
 accuracy. With `axis_name`, the mean is over the valid positions of all devices on that axis.

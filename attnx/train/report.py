@@ -1,17 +1,25 @@
-"""Markdown reports with tables, figures and verdicts; learning-curve plots."""
+"""Markdown reports (tables, figures, verdicts, JSON results) and the plots experiments share.
+
+What experiments would otherwise each hand-write lives here once: `markdown_table`,
+`plot_curves` ("metric vs x, one line per variant, mean ± std over seeds"; learning curves are
+one case), `subplots`, `jsonable` and `Report.save_json`.
+"""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import shlex
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
+
+Curve = tuple[Any, Any]  # (x [n], values [n] or [n, num_seeds])
 
 
 def mean_std(values: Any, fmt: str = ".3g") -> str:
@@ -29,19 +37,60 @@ def _fmt(v: Any, floatfmt: str) -> str:
     return format(float(v), floatfmt)
   if isinstance(v, np.ndarray):
     return mean_std(v, floatfmt)
-  return str(v).replace("|", "\\|").replace("\n", " ")
-
-
-def _jsonable(v: Any) -> Any:
-  if isinstance(v, np.ndarray | np.generic):
-    return v.tolist()
-  if isinstance(v, dict):
-    return {str(k): _jsonable(x) for k, x in v.items()}
-  if isinstance(v, list | tuple):
-    return [_jsonable(x) for x in v]
-  if isinstance(v, float | int | str | bool) or v is None:
-    return v
   return str(v)
+
+
+def _cell(text: str) -> str:
+  """A table cell: pipes escaped, on one line."""
+  return text.replace("|", "\\|").replace("\n", " ")
+
+
+def _columns(rows: Sequence[Mapping[str, Any]]) -> list[str]:
+  columns: list[str] = []
+  for r in rows:
+    columns.extend(k for k in r if k not in columns)
+  return columns
+
+
+def markdown_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str] | None = None,
+                   caption: str | None = None, floatfmt: str = ".4g",
+                   fmt: Callable[[Any], str] | None = None) -> str:
+  """A Markdown table, with an italic caption line (and a blank line) above it if given.
+
+  `columns`: default every key in order of first appearance. Cells: `fmt(value)` when given
+  (e.g. a benchmark's own number format), else floats with `floatfmt`, arrays as
+  'mean ± std' over seeds, anything else as str; pipes are escaped; missing cells are empty.
+  """
+  columns = list(columns) if columns is not None else _columns(rows)
+  lines = []
+  if caption:
+    lines.append(f"*{caption}*\n")
+  lines.append("| " + " | ".join(columns) + " |")
+  lines.append("|" + "|".join("---" for _ in columns) + "|")
+  for r in rows:
+    cells = ("" if c not in r else fmt(r[c]) if fmt else _fmt(r[c], floatfmt) for c in columns)
+    lines.append("| " + " | ".join(_cell(x) for x in cells) + " |")
+  return "\n".join(lines) + "\n"
+
+
+def jsonable(x: Any) -> Any:
+  """Plain JSON types, recursively: numpy/jax arrays as lists (0-d as scalars), ConfigDicts as
+  dicts, tuples as lists, keys as strings, a non-finite Python float as its string ('nan',
+  'inf'); anything else unknown as its str(), so a report is always written."""
+  if isinstance(x, Mapping):
+    return {str(k): jsonable(v) for k, v in x.items()}
+  if hasattr(x, "to_dict"):  # ConfigDict
+    return jsonable(x.to_dict())
+  if isinstance(x, list | tuple):
+    return [jsonable(v) for v in x]
+  if isinstance(x, np.ndarray | np.generic) or type(x).__module__.startswith("jax"):
+    arr = np.asarray(x)
+    return arr.item() if arr.ndim == 0 else arr.tolist()
+  if isinstance(x, float) and not math.isfinite(x):
+    return str(x)
+  if x is None or isinstance(x, bool | int | float | str):
+    return x
+  return str(x)
 
 
 def environment() -> dict[str, Any]:
@@ -78,7 +127,8 @@ class Report:
   """Accumulates a Markdown report; `write()` saves workdir/report.md and workdir/results.json.
 
   The header records the claim under test, the command line, the config, package versions and
-  hardware, so a report can be reproduced and judged on its own.
+  hardware, so a report can be reproduced and judged on its own. results.json holds the
+  tables, verdicts, figures and the names of the JSON files written with `save_json`.
   """
 
   def __init__(self, title: str, workdir: str, config: Any = None, claim: str | None = None):
@@ -92,6 +142,7 @@ class Report:
     self.tables: list[dict] = []
     self.verdicts: list[dict] = []
     self.figures: list[str] = []
+    self.data_files: list[str] = []
     os.makedirs(workdir, exist_ok=True)
 
   def section(self, title: str) -> None:
@@ -101,21 +152,17 @@ class Report:
     self._blocks.append(markdown.rstrip() + "\n")
 
   def table(self, rows: list[dict], columns: list[str] | None = None,
-            caption: str | None = None, floatfmt: str = ".4g") -> None:
-    """A Markdown table; floats use `floatfmt`, arrays become 'mean ± std'."""
-    if columns is None:
-      columns = []
-      for r in rows:
-        columns.extend(k for k in r if k not in columns)
-    lines = []
-    if caption:
-      lines.append(f"*{caption}*\n")
-    lines.append("| " + " | ".join(columns) + " |")
-    lines.append("|" + "|".join("---" for _ in columns) + "|")
-    for r in rows:
-      lines.append("| " + " | ".join(_fmt(r.get(c, ""), floatfmt) for c in columns) + " |")
-    self._blocks.append("\n".join(lines) + "\n")
-    self.tables.append({"caption": caption, "columns": columns, "rows": _jsonable(rows)})
+            caption: str | None = None, floatfmt: str = ".4g",
+            fmt: Callable[[Any], str] | None = None) -> str:
+    """Add a Markdown table (see `markdown_table`) and keep its rows for results.json.
+
+    Returns the table's Markdown, e.g. to write it to a file of its own as well.
+    """
+    columns = list(columns) if columns is not None else _columns(rows)
+    text = markdown_table(rows, columns, caption, floatfmt, fmt)
+    self._blocks.append(text)
+    self.tables.append({"caption": caption, "columns": columns, "rows": jsonable(rows)})
+    return text
 
   def figure(self, fig: Any, name: str, caption: str = "") -> str:
     """Save a matplotlib figure as workdir/NAME.png and link it; returns the path."""
@@ -130,6 +177,17 @@ class Report:
     block = f"![{caption or name}]({fname})\n"
     self._blocks.append(block + (f"\n*{caption}*\n" if caption else ""))
     self.figures.append(fname)
+    return path
+
+  def save_json(self, name: str, payload: Any) -> str:
+    """Write experiment-specific numbers to workdir/NAME(.json) (see `jsonable`); returns the
+    path. The file is listed under "data_files" in results.json."""
+    fname = name if name.endswith(".json") else f"{name}.json"
+    path = os.path.join(self.workdir, fname)
+    with open(path, "w") as f:
+      json.dump(jsonable(payload), f, indent=1)
+    if fname not in self.data_files:
+      self.data_files.append(fname)
     return path
 
   def verdict(self, held: bool | None, text: str) -> None:
@@ -159,43 +217,75 @@ class Report:
     path = os.path.join(self.workdir, "report.md")
     with open(path, "w") as f:
       f.write(self.markdown())
-    config = self.config.to_dict() if hasattr(self.config, "to_dict") else self.config
     results = {"title": self.title, "claim": self.claim, "command": self.command,
                "created": self.created, "tables": self.tables, "verdicts": self.verdicts,
-               "figures": self.figures, "config": _jsonable(config),
-               "environment": environment()}
+               "figures": self.figures, "data_files": self.data_files,
+               "config": jsonable(self.config), "environment": environment()}
     with open(os.path.join(self.workdir, "results.json"), "w") as f:
       json.dump(results, f, indent=1)
     return path
 
 
-def plot_learning_curves(histories: dict[str, list[dict]], metric: str = "loss", *,
-                         title: str | None = None, logy: bool = False,
-                         ax: Any = None, ylabel: str | None = None) -> Any:
-  """One line per run (mean over seeds) with a ±std band; returns the Figure.
-
-  `histories`: {label: FitResult.history}; entries without `metric` are skipped.
-  """
-  import matplotlib
+def _pyplot() -> Any:
+  import matplotlib  # noqa: PLC0415
   matplotlib.use("Agg", force=False)
-  import matplotlib.pyplot as plt
+  import matplotlib.pyplot as plt  # noqa: PLC0415
 
+  return plt
+
+
+def subplots(ncols: int = 1, nrows: int = 1, size: tuple[float, float] = (6.0, 4.0),
+             **kw: Any) -> tuple[Any, Any]:
+  """(figure, axes) on the headless backend; `size` is per panel. axes is a flat array when
+  there is more than one panel, else the single Axes."""
+  plt = _pyplot()
+  fig, axes = plt.subplots(nrows, ncols, figsize=(size[0] * ncols, size[1] * nrows),
+                           squeeze=False, **kw)
+  flat = axes.ravel()
+  return fig, (flat if flat.size > 1 else flat[0])
+
+
+def plot_curves(curves: Mapping[str, Curve], *, xlabel: str = "step", ylabel: str = "",
+                title: str | None = None, logx: bool | int = False, logy: bool = False,
+                band: str = "fill", marker: str | None = None,
+                references: Mapping[str, Curve] | None = None, hline: float | None = None,
+                ax: Any = None) -> Any:
+  """One line per variant: the mean over seeds of a metric vs x, with a ±std band; the Figure.
+
+  `curves`: {label: (x [n], values [n] or [n, num_seeds])} (seeds on the last axis).
+  `band`: "fill" (shaded ±std), "errorbar" (±std bars with caps) or "none"; no band for a
+  single seed. `references`: {label: (x, y)} drawn as dashed black/gray lines (baselines);
+  `hline`: a dotted horizontal line (a target). `logx`: True or a log base. `ax`: draw into
+  an existing Axes (e.g. one panel of `subplots`); its figure is returned.
+  """
+  if band not in ("fill", "errorbar", "none"):
+    raise ValueError(f"band={band!r} is not one of fill, errorbar, none")
   if ax is None:
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = subplots()
   else:
     fig = ax.figure
-  for label, hist in histories.items():
-    pts = [(h["step"], np.asarray(h[metric], dtype=np.float64)) for h in hist if metric in h]
-    if not pts:
-      continue
-    steps = np.array([p[0] for p in pts])
-    vals = np.stack([np.atleast_1d(p[1]) for p in pts])
+  for i, (label, (x, y)) in enumerate((references or {}).items()):
+    ax.plot(np.asarray(x), np.asarray(y, np.float64), "--", color=("k", "0.5")[i % 2], lw=1.2,
+            label=label)
+  if band == "errorbar" and marker is None:
+    marker = "o"  # error bars mark measured points
+  for label, (x, values) in curves.items():
+    x = np.asarray(x)
+    vals = np.asarray(values, np.float64).reshape(len(x), -1)
     mean, std = vals.mean(1), vals.std(1)
-    (line,) = ax.plot(steps, mean, label=label)
-    if vals.shape[1] > 1:
-      ax.fill_between(steps, mean - std, mean + std, color=line.get_color(), alpha=0.2)
-  ax.set_xlabel("step")
-  ax.set_ylabel(ylabel or metric)
+    spread = vals.shape[1] > 1 and band != "none"
+    if spread and band == "errorbar":
+      ax.errorbar(x, mean, yerr=std, marker=marker, ms=3, capsize=2, label=label)
+      continue
+    (line,) = ax.plot(x, mean, marker=marker, ms=3, label=label)
+    if spread:
+      ax.fill_between(x, mean - std, mean + std, color=line.get_color(), alpha=0.2)
+  if hline is not None:
+    ax.axhline(hline, color="gray", ls=":", lw=1)
+  ax.set_xlabel(xlabel)
+  ax.set_ylabel(ylabel)
+  if logx:
+    ax.set_xscale("log", **({} if logx is True else {"base": logx}))
   if logy:
     ax.set_yscale("log")
   if title:
@@ -205,6 +295,29 @@ def plot_learning_curves(histories: dict[str, list[dict]], metric: str = "loss",
     ax.legend(fontsize=8)
   fig.tight_layout()
   return fig
+
+
+def history_curve(history: Sequence[Mapping[str, Any]], metric: str) -> Curve | None:
+  """(steps, values [n, num_seeds]) of `metric` from a FitResult.history; None if never
+  logged."""
+  pts = [(h["step"], np.atleast_1d(np.asarray(h[metric], np.float64)))
+         for h in history if metric in h]
+  if not pts:
+    return None
+  return np.array([p[0] for p in pts]), np.stack([p[1] for p in pts])
+
+
+def plot_learning_curves(histories: dict[str, list[dict]], metric: str = "loss", *,
+                         title: str | None = None, logy: bool = False,
+                         ax: Any = None, ylabel: str | None = None) -> Any:
+  """`plot_curves` of `metric` vs step from {label: FitResult.history}; returns the Figure.
+
+  Runs that never logged `metric` are skipped.
+  """
+  curves = {label: c for label, h in histories.items()
+            if (c := history_curve(h, metric)) is not None}
+  return plot_curves(curves, xlabel="step", ylabel=ylabel or metric, title=title, logy=logy,
+                     ax=ax)
 
 
 def summary_rows(results: dict[str, Any], metrics: Sequence[str]) -> list[dict]:

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from attnx.train import workarounds
 from attnx.train.losses import LossFn, loss_sums, reduce_sums
 
 ApplyFn = Callable[..., jax.Array]
@@ -63,11 +64,8 @@ def init_state(model: nn.Module, tx: optax.GradientTransformation, seeds: list[i
                inputs_fn: Callable[[dict], tuple] = model_inputs) -> dict:
   """Stacked train state for `seeds` (params init from PRNGKey(seed), one compiled program).
 
-  The seeds are initialized one after another with ``lax.map`` rather than ``vmap``: a vmapped
-  orthogonal initializer (GRU/LSTM recurrent kernels) becomes a batched LAPACK QR, and on a
-  2-core CPU two such QRs scheduled at once each wait for workers of the same 2-thread XLA pool
-  and deadlock (jaxlib 0.10, ``ParallelBatchMap`` inside ``lapack_sgeqrf_ffi``). Initialization
-  is cheap, so the loop costs nothing that matters, and the values equal vmap's.
+  The seeds are initialized one after another (`workarounds.init_seeds`: a vmapped orthogonal
+  initializer deadlocks XLA's CPU pool on 2 cores); the values equal vmap's.
   """
   takes_det = accepts_arg(type(model).__call__, "deterministic")
   inputs = inputs_fn(sample_batch)
@@ -84,7 +82,7 @@ def init_state(model: nn.Module, tx: optax.GradientTransformation, seeds: list[i
     return state
 
   keys = jnp.stack([jax.random.PRNGKey(s) for s in seeds])
-  return jax.jit(lambda ks: jax.lax.map(one, ks))(keys)
+  return jax.jit(lambda ks: workarounds.init_seeds(one, ks))(keys)
 
 
 def seed_step(state: dict, batch: dict, step: jax.Array, *, apply_fn: ApplyFn, loss_fn: LossFn,

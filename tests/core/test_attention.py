@@ -1,6 +1,7 @@
 """core.attention / core.attention_weights against jax.nn and flax.linen, edge cases, errors."""
 
 import functools
+from unittest import mock
 
 import chex
 import flax.linen as nn
@@ -282,3 +283,161 @@ def test_blocked_backward_finite_with_a_denormal_row_sum(lam):
   assert np.isfinite(float(val))
   for g in grads:
     assert np.all(np.isfinite(np.asarray(g)))
+
+
+class DropoutAndReturnedWeights(parameterized.TestCase):
+  """core.attention's dropout (flax's arguments and RNG use) and return_weights."""
+
+  @parameterized.product(broadcast=[True, False], use_mask=[False, True])
+  def test_softmax_dropout_equals_flax_dot_product_attention(self, broadcast, use_mask):
+    q, kk, v, bias, mask = _inputs(n=4, k=4)
+    r = lambda x: x.reshape((1, 2) + x.shape[1:])  # two batch dims: the broadcast shape counts
+    q, kk, v, bias, mask = map(r, (q, kk, v, bias, mask))
+    kw = dict(bias=bias, mask=mask if use_mask else None, dropout_rate=0.4,
+              dropout_rng=jax.random.PRNGKey(7), broadcast_dropout=broadcast)
+    ref = nn.dot_product_attention(q, kk, v, deterministic=False, **kw)
+    out = core.attention(q, kk, v, **kw)  # deterministic=False by default, as in flax
+    chex.assert_trees_all_close(out, ref, atol=1e-5, rtol=1e-5)
+    plain = core.attention(q, kk, v, bias=bias, mask=kw["mask"])
+    assert jnp.max(jnp.abs(out - plain)) > 1e-2  # the dropout did something
+
+  def test_broadcast_dropout_shares_one_mask_over_batch_and_heads(self):
+    q, kk, v, _, _ = _inputs(n=4, k=2)
+    eye = jnp.broadcast_to(jnp.eye(9)[None, :, None, :], (2, 9, 2, 9))  # one-hot values
+    kw = dict(dropout_rate=0.5, dropout_rng=jax.random.PRNGKey(3))
+    used = {b: core.attention(q, kk, eye, broadcast_dropout=b, **kw) for b in (True, False)}
+    for b, u in used.items():  # output row = the weights used: w ⊙ keep / (1 − rate)
+      kept = jnp.moveaxis(u != 0, 1, 2)  # [B, N, T, S]
+      same = bool(jnp.all(kept == kept[:1, :1]))
+      assert same == b, (b, "one [T, S] mask for every batch entry and head iff broadcast")
+
+  def test_inactive_dropout_equals_no_dropout(self):
+    q, kk, v, bias, mask = _inputs()
+    plain = core.attention(q, kk, v, bias, mask, weighting="sparsemax")
+    key = jax.random.PRNGKey(0)
+    for kw in (dict(dropout_rate=0.0, dropout_rng=key),
+               dict(dropout_rate=0.0),  # no key needed without dropout
+               dict(dropout_rate=0.5, dropout_rng=key, deterministic=True),
+               dict(dropout_rate=0.5, deterministic=True)):
+      out = core.attention(q, kk, v, bias, mask, weighting="sparsemax", **kw)
+      chex.assert_trees_all_equal(out, plain)
+
+  @parameterized.product(weighting=["softmax", "sparsemax", "relu", "gaussian"],
+                         is_causal=[False, True])
+  def test_return_weights_are_attention_weights_and_out_is_weights_times_values(
+      self, weighting, is_causal):
+    q, kk, v, bias, mask = _inputs(t=9, s=9)  # GQA: 4 query heads, 2 kv heads
+    kw = dict(weighting=weighting, score=_score_for(weighting), is_causal=is_causal)
+    out, w = core.attention(q, kk, v, bias, mask, return_weights=True, **kw)
+    chex.assert_shape(w, (2, 4, 9, 9))
+    self.assertEqual(w.dtype, jnp.float32)
+    chex.assert_trees_all_equal(w, core.attention_weights(q, kk, bias, mask, **kw))
+    chex.assert_trees_all_close(out, jnp.einsum("bnts,bsnh->btnh", w, jnp.repeat(v, 2, 2)),
+                                atol=1e-5)
+    chex.assert_trees_all_close(out, core.attention(q, kk, v, bias, mask, **kw), atol=1e-5)
+    # With dropout the weights are returned before it; the output uses the dropped ones.
+    rate, key = 0.3, jax.random.PRNGKey(4)
+    out_d, w_d = core.attention(q, kk, v, bias, mask, return_weights=True, dropout_rate=rate,
+                                dropout_rng=key, **kw)
+    chex.assert_trees_all_equal(w_d, w)
+    keep = jax.random.bernoulli(key, 1 - rate, (1, 1, 9, 9))  # flax's broadcast mask
+    ref = jnp.einsum("bnts,bsnh->btnh", w * keep / (1 - rate), jnp.repeat(v, 2, 2))
+    chex.assert_trees_all_close(out_d, ref, atol=1e-5)
+
+  def test_dropout_under_jit_and_grad(self):
+    q, kk, v, _, _ = _inputs()
+    f = jax.jit(lambda q, key: jnp.sum(core.attention(q, kk, v, weighting="relu",
+                                                      dropout_rate=0.2, dropout_rng=key) ** 2))
+    g1, g2 = (jax.grad(f)(q, jax.random.PRNGKey(i)) for i in (1, 2))
+    chex.assert_tree_all_finite((g1, g2))
+    assert jnp.max(jnp.abs(g1 - g2)) > 1e-4  # the key matters
+
+  def test_edge_case_contract_with_weights_and_dropout(self):
+    q, kk, v, _, mask = _inputs()
+    drop = dict(dropout_rate=0.5, dropout_rng=jax.random.PRNGKey(1), broadcast_dropout=False)
+    # Empty sequences: empty weights and outputs; no key: zero outputs and weights.
+    for t, s in ((0, 9), (7, 0)):
+      out, w = core.attention(q[:, :t], kk[:, :s], v[:, :s], return_weights=True, **drop)
+      chex.assert_shape((out, w), ((2, t, 4, 8), (2, 4, t, s)))
+      assert not jnp.any(out) and not jnp.any(w)
+    # A NaN query row stays NaN through dropout; a fully masked row stays zero; others finite.
+    q = q.at[:, 3, 1].set(jnp.nan)  # row 3, head 1
+    mask = mask.at[:, :, 5, :].set(False)  # row 5, every head
+    out, w = core.attention(q, kk, v, mask=mask, return_weights=True, **drop)
+    assert jnp.all(jnp.isnan(out[:, 3, 1])) and jnp.all(jnp.isnan(w[:, 1, 3]))
+    assert not jnp.any(out[:, 5]) and not jnp.any(w[:, :, 5])
+    finite = jnp.ones((7,), bool).at[3].set(False)
+    chex.assert_tree_all_finite((out[:, finite], w[:, :, finite]))
+
+  def test_errors_name_the_alternative(self):
+    q, kk, v, _, _ = _inputs()
+    key = jax.random.PRNGKey(0)
+    with pytest.raises(ValueError, match=r"dropout.*implementation='dense' \(or None"):
+      core.attention(q, kk, v, implementation="blocked", dropout_rate=0.1, dropout_rng=key)
+    with pytest.raises(ValueError, match=r"return_weights.*implementation='dense'"):
+      core.attention(q, kk, v, implementation="blocked", return_weights=True)
+    with pytest.raises(ValueError, match="needs dropout_rng.*deterministic=True"):
+      core.attention(q, kk, v, dropout_rate=0.1)
+    for rate in (-0.1, 1.0, float("nan")):
+      with pytest.raises(ValueError, match=r"dropout_rate must be in \[0, 1\)"):
+        core.attention(q, kk, v, dropout_rate=rate, dropout_rng=key)
+    # Blocked without weights or active dropout is fine.
+    core.attention(q, kk, v, implementation="blocked", dropout_rate=0.1, deterministic=True)
+
+
+class PallasDispatch(parameterized.TestCase):
+  """implementation="pallas" through core.attention, and the automatic choice's wiring."""
+
+  def _qkv(self, t=40, s=33):
+    rng = np.random.default_rng(0)
+    return (jnp.asarray(rng.normal(size=(2, t, 4, 16)), jnp.float32),
+            jnp.asarray(rng.normal(size=(2, s, 2, 16)), jnp.float32),
+            jnp.asarray(rng.normal(size=(2, s, 2, 16)), jnp.float32))
+
+  def test_interpret_matches_dense(self):
+    q, k, v = self._qkv()
+    for w in ("softmax", "relu:normalization=length"):
+      np.testing.assert_allclose(
+          core.attention(q, k, v, weighting=w, is_causal=True, implementation="pallas",
+                         interpret=True),
+          core.attention(q, k, v, weighting=w, is_causal=True, implementation="dense"),
+          rtol=1e-5, atol=1e-5)
+
+  def test_cpu_without_interpret_and_row_weightings_are_clear_errors(self):
+    q, k, v = self._qkv()
+    with pytest.raises(ValueError, match="interpret=True.*implementation='blocked'"):
+      core.attention(q, k, v, implementation="pallas")
+    with pytest.raises(ValueError, match="cannot stream.*'pallas'.*implementation='dense'"):
+      core.attention(q, k, v, weighting="sparsemax", implementation="pallas")
+    with pytest.raises(ValueError, match="return_weights.*implementation='dense'"):
+      core.attention(q, k, v, implementation="pallas", interpret=True, return_weights=True)
+
+  def test_automatic_choice_is_consulted_only_for_none(self):
+    from attnx.core import pallas_attention as pallas_lib
+
+    q, k, v = self._qkv(t=600, s=600)  # above BLOCKED_MIN_SCORES: a streaming problem
+    calls, used = [], []
+
+    def choose(backend, w, dtype, head_dim, value_head_dim=None):
+      calls.append((w.name, jnp.dtype(dtype).name, head_dim))
+      return True
+
+    def fake_pallas(*args, interpret=False, **kw):  # stands in for the GPU kernel
+      used.append(interpret)
+      return core.blocked_attention(*args, **kw)
+
+    with mock.patch.object(pallas_lib, "choose_pallas", choose), \
+         mock.patch.object(pallas_lib, "pallas_attention", fake_pallas):
+      out = core.attention(q, k, v, weighting="relu")
+      assert calls == [("relu", "float32", 16)] and used == [False]
+      core.attention(q, k, v, weighting="relu", implementation="blocked")
+      core.attention(q[:, :8], k[:, :8], v[:, :8], weighting="relu")  # small: dense
+      assert len(calls) == 1 and len(used) == 1
+    np.testing.assert_allclose(out, core.attention(q, k, v, weighting="relu",
+                                                   implementation="dense"), rtol=1e-5,
+                               atol=1e-5)
+
+  def test_on_cpu_none_keeps_dense_and_blocked(self):
+    from attnx.core import pallas_attention as pallas_lib
+
+    assert not pallas_lib.choose_pallas(None, core.get_weighting("softmax"), jnp.float32, 64)

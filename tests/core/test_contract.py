@@ -28,7 +28,7 @@ WEIGHTINGS = tuple(core.list_weightings()) + (
     "entmax:alpha=1.3", "entmax:alpha=3")
 SCORES = ("scaled_dot", "dot", "cosine:temperature=0.5", "neg_sq_dist", "bilinear")
 
-FUZZ = hypothesis.settings(max_examples=12, deadline=None, derandomize=True,
+FUZZ = hypothesis.settings(max_examples=10, deadline=None, derandomize=True,
                            suppress_health_check=list(hypothesis.HealthCheck),
                            print_blob=True)
 

@@ -25,13 +25,32 @@ def test_linen_softmax_equals_stock_module_with_float_mask():
   chex.assert_trees_all_close(out, ref, atol=1e-5)
 
 
-def test_linen_softmax_equals_stock_module_with_dropout():
+@pytest.mark.parametrize("broadcast", [True, False])
+def test_linen_softmax_equals_stock_module_with_dropout(broadcast):
   params = _linen().init(jax.random.PRNGKey(1), X, X)
   rngs = {"dropout": jax.random.PRNGKey(5)}
   kw = dict(deterministic=False, rngs=rngs)
-  ref = _linen(dropout_rate=0.3).apply(params, X, X, **kw)
-  out = _linen(core.flax_attention_fn("softmax"), dropout_rate=0.3).apply(params, X, X, **kw)
+  drop = dict(dropout_rate=0.3, broadcast_dropout=broadcast)
+  ref = _linen(**drop).apply(params, X, X, **kw)
+  out = _linen(core.flax_attention_fn("softmax"), **drop).apply(params, X, X, **kw)
   chex.assert_trees_all_close(out, ref, atol=1e-5)
+  assert jnp.max(jnp.abs(out - _linen().apply(params, X, X))) > 1e-3  # dropout did something
+  # Sown weights are flax's too: before dropout.
+  _, ref_state = _linen(**drop).apply(params, X, X, sow_weights=True, mutable=["intermediates"],
+                                      **kw)
+  _, state = _linen(core.flax_attention_fn("softmax"), **drop).apply(
+      params, X, X, sow_weights=True, mutable=["intermediates"], **kw)
+  chex.assert_trees_all_close(state, ref_state, atol=1e-6)
+
+
+def test_blocked_adapter_refuses_dropout_and_sowing():
+  params = _linen().init(jax.random.PRNGKey(1), X, X)
+  model = _linen(core.flax_attention_fn("relu", implementation="blocked"), dropout_rate=0.3)
+  model.apply(params, X, X, deterministic=True)  # no weights needed
+  with pytest.raises(ValueError, match="implementation='dense'"):
+    model.apply(params, X, X, deterministic=False, rngs={"dropout": jax.random.PRNGKey(0)})
+  with pytest.raises(ValueError, match="return_weights.*implementation='dense'"):
+    model.apply(params, X, X, deterministic=True, sow_weights=True, mutable=["intermediates"])
 
 
 def test_linen_relu_runs_differs_and_sows_weights():

@@ -77,7 +77,7 @@ def test_noncausal_cross_attention_and_key_mask():
 @pytest.mark.parametrize("causal", [False, True])
 def test_callable_and_favor_features_match_brute_force(causal):
   q, k, v = _qkv(scale=0.5)
-  relu_map = lambda x: jax.nn.relu(x) + 1e-3  # the LRA "Performer" map (REFERENCES.md)
+  relu_map = lambda x: jax.nn.relu(x) + 1e-3  # the LRA "Performer" map (docs/references.md)
   want = _brute(relu_map(q), relu_map(k), v, causal)
   np.testing.assert_allclose(
       linear.linear_attention(q, k, v, feature_map=relu_map, is_causal=causal, chunk_size=4),

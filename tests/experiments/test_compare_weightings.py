@@ -12,6 +12,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
+from attnx.train import experiment  # noqa: E402
 from experiments import compare_weightings as cw  # noqa: E402
 
 
@@ -68,7 +69,7 @@ def test_weighting_lists_have_no_duplicates():
   for i, a in enumerate(pointwise):
     for b in pointwise[i + 1:]:
       assert not np.allclose(outs[a], outs[b]), (a, b)
-  assert cw._run_name("survey", "power:p=3") == "survey-power_p_3"
+  assert experiment.run_name("survey", "power:p=3") == "survey-power_p_3"
 
 
 @pytest.mark.slow

@@ -36,7 +36,7 @@ def test_tiny_end_to_end(tmp_path):
     assert acc.shape == (2,) and np.all((acc > 0.2) & (acc <= 1))
     assert set(r["noisy"]) == {0.0, 0.3}
   assert set(out["claims"]) == {"accuracy", "efficiency", "robustness"}
-  assert set(out["claims"].values()) <= {"better", "worse", "within seed noise"}
+  assert set(out["claims"].values()) <= {"better", "worse", "within noise", "inconclusive"}
 
   results = json.loads((tmp_path / "results.json").read_text())
   variants = [r["variant"] for r in results["tables"][0]["rows"]]
@@ -47,10 +47,11 @@ def test_tiny_end_to_end(tmp_path):
   assert (tmp_path / "digits_curves.png").exists()
 
 
-def test_outcome():
-  assert exp._outcome([0.9, 0.92], [0.5, 0.52]) == "better"
-  assert exp._outcome([0.5, 0.52], [0.9, 0.92]) == "worse"
-  assert exp._outcome([0.5, 0.7], [0.6, 0.62]) == "within seed noise"
+def test_outcome_is_the_shared_rule():
+  assert exp._outcome([0.9, 0.92, 0.91], [0.5, 0.51, 0.505], 0.01) == "better"
+  assert exp._outcome([0.5, 0.51, 0.505], [0.9, 0.92, 0.91], 0.01) == "worse"
+  assert exp._outcome([0.5, 0.7], [0.6, 0.62], 0.01) == "inconclusive"
+  assert exp._outcome([0.6, 0.62, 0.61], [0.601, 0.618, 0.612], 0.01) == "within noise"
 
 
 def test_accuracy_drop():
@@ -60,4 +61,5 @@ def test_accuracy_drop():
   # A less accurate variant that loses less under noise is the more robust one.
   low = {"accuracy": np.array([0.6, 0.6]), "noisy": {0.3: np.array([0.55, 0.56])}}
   high = {"accuracy": np.array([0.9, 0.9]), "noisy": {0.3: np.array([0.6, 0.61])}}
-  assert exp._outcome(-exp.accuracy_drop(low, 0.3), -exp.accuracy_drop(high, 0.3)) == "better"
+  assert exp._outcome(-exp.accuracy_drop(low, 0.3), -exp.accuracy_drop(high, 0.3),
+                      0.01) == "better"

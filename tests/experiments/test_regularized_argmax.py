@@ -24,7 +24,7 @@ def test_solver_matches_closed_form(name, alpha):
 
 
 def test_sparsemax_reference_example():
-  # REFERENCES.md: x = [−2, 0, 0.5] -> sparsemax [0, .25, .75].
+  # docs/references.md: x = [−2, 0, 0.5] -> sparsemax [0, .25, .75].
   p, _ = exp.solve_simplex(np.array([-2.0, 0.0, 0.5]), 1.0, "gini")
   np.testing.assert_allclose(p, [0, 0.25, 0.75], atol=1e-6)
 

@@ -32,7 +32,7 @@ def _perturb_head(variables, key=KEY):
 @pytest.mark.parametrize("attention,pool", [("softmax", "cls"), ("linear_elu", "none"),
                                             ("metric:weighting=sparsemax", "mean")])
 def test_sequence_classifier_pools_and_pad_masking(attention, pool):
-  model = an.SequenceClassifier(10, 3, max_len=8, pool=pool,
+  model = an.SequenceClassifier(vocab_size=10, num_classes=3, max_len=8, pool=pool,
                                 attention=an.attention_spec(attention), **SMALL)
   params = jax.jit(model.init)(KEY, TOKENS)
   apply = jax.jit(model.apply)
@@ -47,8 +47,8 @@ def test_sequence_classifier_pools_and_pad_masking(attention, pool):
 
 
 def test_vision_transformer_and_regressor():
-  vit = an.VisionTransformer(4, patch_size=2, pool="cls", attention={"weighting": "relu"},
-                             **SMALL)
+  vit = an.VisionTransformer(num_classes=4, patch_size=2, pool="cls",
+                             attention={"weighting": "relu"}, **SMALL)
   params = jax.jit(vit.init)(KEY, IMAGES)
   apply = jax.jit(vit.apply)
   assert jnp.all(apply(params, IMAGES) == 0)  # the zero-initialized head
@@ -70,7 +70,7 @@ def test_vision_transformer_and_regressor():
 
 
 def test_seq2seq_teacher_forcing_and_greedy_decode():
-  model = an.Seq2Seq(10, max_len=8, attention={"weighting": "sparsemax"}, **SMALL)
+  model = an.Seq2Seq(src_vocab_size=10, max_len=8, attention={"weighting": "sparsemax"}, **SMALL)
   tgt_in = jnp.array([[1, 5, 6, 7], [1, 3, 0, 0]])
   params = jax.jit(model.init)(KEY, TOKENS, tgt_in)
   apply = jax.jit(model.apply)
@@ -115,7 +115,7 @@ def test_rnn_seq2seq_alignment_rows_sum_to_one():
   def run(src, tgt):  # one program for every configuration
     out = []
     for attention_type, cell, weighting in configs:
-      model = an.RNNSeq2Seq(10, embed_dim=6, hidden_dim=8, cell=cell,
+      model = an.RNNSeq2Seq(src_vocab_size=10, embed_dim=6, hidden_dim=8, cell=cell,
                             attention_type=attention_type, weighting=weighting)
       out.append(model.apply(model.init(KEY, src, tgt), src, tgt, return_alignment=True))
     return out
@@ -128,7 +128,7 @@ def test_rnn_seq2seq_alignment_rows_sum_to_one():
 
 
 def test_rnn_seq2seq_without_attention():
-  plain = an.RNNSeq2Seq(10, embed_dim=6, hidden_dim=8, attention_type="none")
+  plain = an.RNNSeq2Seq(src_vocab_size=10, embed_dim=6, hidden_dim=8, attention_type="none")
   params = jax.jit(plain.init)(KEY, TOKENS, TGT_IN)
   chex.assert_shape(jax.jit(plain.apply)(params, TOKENS, TGT_IN), (2, 3, 10))
   with pytest.raises(ValueError, match="no alignment"):
@@ -137,7 +137,7 @@ def test_rnn_seq2seq_without_attention():
 
 @pytest.mark.parametrize("attention_type", ["bahdanau", "luong_concat"])
 def test_rnn_seq2seq_dropout_follows_deterministic(attention_type):
-  model = an.RNNSeq2Seq(10, embed_dim=6, hidden_dim=8, attention_type=attention_type,
+  model = an.RNNSeq2Seq(src_vocab_size=10, embed_dim=6, hidden_dim=8, attention_type=attention_type,
                         dropout_rate=0.3, attention_dropout_rate=0.5)
   attn_only = model.clone(dropout_rate=0.0)
   plain = model.clone(dropout_rate=0.0, attention_dropout_rate=0.0)
@@ -162,11 +162,11 @@ def test_rnn_seq2seq_dropout_follows_deterministic(attention_type):
 def test_rnn_seq2seq_bfloat16_params():
   # LAPACK's QR (orthogonal init) has no bfloat16: recurrent kernels are drawn in f32, cast.
   kw = dict(embed_dim=6, hidden_dim=8, cell="lstm", attention_type="luong_general")
-  model = an.RNNSeq2Seq(10, param_dtype=jnp.bfloat16, **kw)
+  model = an.RNNSeq2Seq(src_vocab_size=10, param_dtype=jnp.bfloat16, **kw)
 
   @jax.jit
   def run(src, tgt):
-    p32 = an.RNNSeq2Seq(10, **kw).init(KEY, src, tgt)["params"]
+    p32 = an.RNNSeq2Seq(src_vocab_size=10, **kw).init(KEY, src, tgt)["params"]
     p16 = model.init(KEY, src, tgt)["params"]
     return p32, p16, model.apply({"params": p16}, src, tgt)
 
@@ -218,7 +218,7 @@ def test_cbam_and_squeeze_excite_match_independent_computation(weighting):
 
 
 def test_small_cnn_dtype_and_dropout():
-  model = an.SmallCNN(3, features=(4,), block_attention="cbam", weighting="softmax",
+  model = an.SmallCNN(num_classes=3, features=(4,), block_attention="cbam", weighting="softmax",
                       dropout_rate=0.5)
   params = jax.jit(model.init)(KEY, IMAGES)
   apply = jax.jit(model.apply, static_argnames="deterministic")
@@ -227,7 +227,8 @@ def test_small_cnn_dtype_and_dropout():
   dropped = apply(params, IMAGES, deterministic=False, rngs={"dropout": KEY})
   assert jnp.max(jnp.abs(dropped - out)) > 1e-4
   # bfloat16 computation gives bfloat16 outputs, blocks included.
-  for m in (an.SqueezeExcite(2, dtype=jnp.bfloat16), an.CBAM(2, 3, dtype=jnp.bfloat16),
+  for m in (an.SqueezeExcite(reduction=2, dtype=jnp.bfloat16),
+            an.CBAM(reduction=2, kernel_size=3, dtype=jnp.bfloat16),
             model.clone(dtype=jnp.bfloat16, block_attention="se")):
     y = jax.jit(m.apply)(jax.jit(m.init)(KEY, IMAGES), IMAGES)
     assert y.dtype == jnp.bfloat16, type(m).__name__
@@ -289,7 +290,7 @@ def _mha():
 
 
 def _vit():
-  return an.VisionTransformer(3, patch_size=2, attention="relu", **SMALL), (IMAGES,)
+  return an.VisionTransformer(num_classes=3, patch_size=2, attention="relu", **SMALL), (IMAGES,)
 
 
 def _favor():

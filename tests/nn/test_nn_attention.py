@@ -44,8 +44,9 @@ def test_is_causal_equals_flax_causal_mask():
   chex.assert_trees_all_close(out, ref.apply(params, X, mask=causal), atol=1e-5)
 
 
-def test_dropout_equals_flax_with_same_rng():
-  ours, ref = _pair(dropout_rate=0.3)
+@pytest.mark.parametrize("broadcast", [True, False])
+def test_dropout_equals_flax_with_same_rng(broadcast):
+  ours, ref = _pair(dropout_rate=0.3, broadcast_dropout=broadcast)
   params = ref.init(KEY, X, deterministic=True)
   rngs = {"dropout": jax.random.PRNGKey(7)}
   a = ours.apply(params, X, deterministic=False, rngs=rngs)
@@ -111,7 +112,8 @@ def test_return_and_sow_weights():
   chex.assert_trees_all_close(out, model.apply(params, X), atol=1e-5)
 
 
-SCORE_PARAMS = {"bilinear": ["score_W"], "metric": ["score_L"],
+# score="metric" replaces the query/key projections by one shared map (MetricAttention's).
+SCORE_PARAMS = {"bilinear": ["score_W"], "metric": ["metric", "log_temperature"],
                 "additive": ["score_Wq", "score_Wk", "score_v"], "cosine": []}
 
 
@@ -133,10 +135,11 @@ def test_scores_with_learned_params():
     names = SCORE_PARAMS[score]
     assert set(names) <= set(params["params"]), (score, params["params"].keys())
     if models[score].score_dim:
-      assert params["params"][names[0]].shape[-1] == 3, score
+      assert jax.tree.leaves(params["params"][names[0]])[0].shape[-1] == 3, score
+    assert ("query" in params["params"]) == (score != "metric"), score
     chex.assert_tree_all_finite((out, grads))
     for n in names:
-      assert jnp.any(grads["params"][n] != 0), (score, n)
+      assert all(jnp.any(g != 0) for g in jax.tree.leaves(grads["params"][n])), (score, n)
 
 
 def test_bilinear_identity_init_equals_dot_score():

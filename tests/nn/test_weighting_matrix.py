@@ -69,8 +69,8 @@ def _cross(m, p, q):  # cross attention: q reaches the output only through the w
   return m.apply(p, q, X, mask=MASK[:, None, None, :], return_weights=True)
 
 
-def _single_head(m, p, q):
-  return m.apply(p, q, X, mask=MASK[:, None, :], return_weights=True)
+def _single_head(m, p, q):  # the same [B, N, T, S] mask convention as multi-head attention
+  return m.apply(p, q, X, mask=MASK[:, None, None, :], return_weights=True)
 
 
 def _se(m, p, x):
@@ -89,7 +89,7 @@ def _rnn(m, p, _):
 
 
 _x_grad = lambda g, gx: gx
-PAD_HEADS, PAD_ONE = ~MASK[:, None, None, :], ~MASK[:, None, :]  # [B, N, T, S], [B, T, S]
+PAD_HEADS = ~MASK[:, None, None, :]  # [B, N, T, S]
 CASES = {
     "mha": Case(ALL, lambda w: an.MultiHeadAttention(num_heads=2, weighting=w,
                                                      score=_mha_score(w)),
@@ -97,24 +97,25 @@ CASES = {
     "metric": Case(ON_DISTANCES, lambda w: an.MetricAttention(num_heads=2, weighting=w),
                    lambda m, q: m.init(KEY, q, X), _cross, Q, _x_grad, PAD_HEADS),
     "additive": Case(SIMILARITY, lambda w: an.AdditiveAttention(weighting=w),
-                     lambda m, q: m.init(KEY, q, X), _single_head, Q, _x_grad, PAD_ONE),
-    **{f"luong_{s}": Case(SIMILARITY, lambda w, s=s: an.LuongAttention(s, weighting=w),
-                          lambda m, q: m.init(KEY, q, X), _single_head, Q, _x_grad, PAD_ONE)
+                     lambda m, q: m.init(KEY, q, X), _single_head, Q, _x_grad, PAD_HEADS),
+    **{f"luong_{s}": Case(SIMILARITY, lambda w, s=s: an.LuongAttention(score=s, weighting=w),
+                          lambda m, q: m.init(KEY, q, X), _single_head, Q, _x_grad, PAD_HEADS)
        for s in ("dot", "general", "concat")},
-    "squeeze_excite": Case(SIMILARITY, lambda w: an.SqueezeExcite(2, weighting=w),
+    "squeeze_excite": Case(SIMILARITY, lambda w: an.SqueezeExcite(reduction=2, weighting=w),
                            lambda m, x: m.init(KEY, x), _se, IMAGES,
                            lambda g, gx: g["params"]["expand"]["kernel"]),
-    "cbam": Case(SIMILARITY, lambda w: an.CBAM(2, kernel_size=3, weighting=w),
+    "cbam": Case(SIMILARITY, lambda w: an.CBAM(reduction=2, kernel_size=3, weighting=w),
                  lambda m, x: m.init(KEY, x), lambda m, p, x: (m.apply(p, x), None), IMAGES,
                  lambda g, gx: g["params"]["spatial_conv"]["kernel"]),
-    "rnn_bahdanau": Case(SIMILARITY, lambda w: an.RNNSeq2Seq(10, embed_dim=6, hidden_dim=8,
-                                                             weighting=w),
+    "rnn_bahdanau": Case(SIMILARITY, lambda w: an.RNNSeq2Seq(src_vocab_size=10, embed_dim=6,
+                                                             hidden_dim=8, weighting=w),
                          lambda m, _: m.init(KEY, SRC, TGT), _rnn, Q,
                          lambda g, gx: g["params"]["decoder"]["attention"]["query_kernel"],
                          (SRC == 0)[:, None, :]),
     # The dict form: distance kernels get score="neg_sq_dist" from the spec itself.
     "encoder_block": Case(
-        ALL, lambda w: an.EncoderBlock(2, 16, attention={"weighting": w, "sow_weights": True}),
+        ALL, lambda w: an.EncoderBlock(num_heads=2, mlp_dim=16,
+                                       attention={"weighting": w, "sow_weights": True}),
         lambda m, x: {"params": m.init(KEY, x)["params"]}, _block, X,
         lambda g, gx: g["params"]["attention"]["query"]["kernel"], PAD_HEADS),
 }

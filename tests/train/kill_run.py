@@ -30,9 +30,10 @@ def run(workdir: str, kill_at: int | None = None) -> train.FitResult:
         os.kill(os.getpid(), signal.SIGKILL)
       yield batch
 
-  return train.fit(TinyMLP(), train_data=data, optimizer=train.optimizer_config(),
-                   num_steps=NUM_STEPS, log_every=LOG_EVERY, checkpoint_every=CHECKPOINT_EVERY,
-                   workdir=workdir, progress=False, tensorboard=True)
+  config = train.FitConfig(optimizer=train.optimizer_config(), num_steps=NUM_STEPS,
+                           log_every=LOG_EVERY, checkpoint_every=CHECKPOINT_EVERY,
+                           progress=False, tensorboard=True)
+  return train.fit(TinyMLP(), train_data=data, config=config, workdir=workdir)
 
 
 def tensorboard_scalars(logdir: str, tag: str) -> list[tuple[int, float]]:

@@ -16,7 +16,9 @@ import sys
 
 import jax
 
-jax.config.update("jax_num_cpu_devices", 8)
+from attnx.train import workarounds
+
+workarounds.fake_cpu_devices(8)  # before JAX starts its backend
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import numpy as np  # noqa: E402
@@ -53,10 +55,10 @@ def main() -> None:
   for case, (arrays, opt) in CASES.items():
     params, res = {}, {}
     for mode in ("none", "shard_map", "pmap"):
-      r = train.fit(TinyMLP(), train_data=train.stream_fn(arrays, 32),
-                    eval_data=lambda a=arrays: train.batches(a, 64), optimizer=opt,
-                    num_steps=6, num_seeds=2, log_every=2, parallel=mode, progress=False,
-                    tensorboard=False)
+      config = train.FitConfig(optimizer=opt, num_steps=6, num_seeds=2, log_every=2,
+                               parallel=mode, progress=False, tensorboard=False)
+      r = train.fit(TinyMLP(), train_data=train.loader(arrays, 32),
+                    eval_data=train.loader(arrays, 64), config=config)
       params[mode] = r.params
       res[mode] = {"loss": [h["loss"] for h in r.history],
                    "accuracy": [h["accuracy"] for h in r.history],

@@ -6,6 +6,7 @@ truncated array file, a deleted one, truncated JSON), then the same `fit` is cal
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import logging
 import os
@@ -25,14 +26,14 @@ STEPS, EVERY = 12, 4  # checkpoints at 4, 8, 12
 
 
 def _fit(workdir: str, **kw) -> train.FitResult:
+  """The reference run's fit; keyword arguments replace FitConfig fields."""
   arrays = make_arrays()
-  args = dict(train_data=train.stream_fn(arrays, 16),
-              eval_data=lambda: train.batches(arrays, 64),
-              optimizer=train.optimizer_config(learning_rate=1e-2, warmup_steps=3),
-              num_seeds=2, num_steps=STEPS, log_every=4, progress=False, tensorboard=False,
-              workdir=workdir, checkpoint_every=EVERY)
-  args.update(kw)
-  return train.fit(TinyMLP(dropout_rate=0.2), **args)
+  config = train.FitConfig(
+      optimizer=train.optimizer_config(learning_rate=1e-2, warmup_steps=3), num_seeds=2,
+      num_steps=STEPS, log_every=4, progress=False, tensorboard=False, checkpoint_every=EVERY)
+  return train.fit(TinyMLP(dropout_rate=0.2), train_data=train.loader(arrays, 16),
+                   eval_data=train.loader(arrays, 64), workdir=workdir,
+                   config=dataclasses.replace(config, **kw))
 
 
 @pytest.fixture(scope="module")

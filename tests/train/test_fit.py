@@ -24,15 +24,19 @@ def arrays():
   return make_arrays()
 
 
+_FIT_ARGS = ("model", "train_data", "workdir", "name", "eval_fn", "eval_data", "eval_metrics",
+             "inputs_fn", "fingerprint")
+
+
 def _fit(arrays, **kw):
-  defaults = dict(
-      train_data=train.stream_fn(arrays, 16),
-      eval_data=lambda: train.batches(arrays, 64),
-      optimizer=train.optimizer_config(learning_rate=1e-2, warmup_steps=3),
-      num_steps=12, log_every=4, progress=False, tensorboard=False)
-  defaults.update(kw)
-  model = defaults.pop("model", TinyMLP(dropout_rate=0.2))
-  return train.fit(model, **defaults)
+  """fit with test defaults; keyword arguments go to fit or to its FitConfig, by name."""
+  args = dict(train_data=train.loader(arrays, 16), eval_data=train.loader(arrays, 64))
+  config = dict(optimizer=train.optimizer_config(learning_rate=1e-2, warmup_steps=3),
+                num_steps=12, log_every=4, progress=False, tensorboard=False)
+  for k, v in kw.items():
+    (args if k in _FIT_ARGS else config)[k] = v
+  model = args.pop("model", TinyMLP(dropout_rate=0.2))
+  return train.fit(model, config=train.FitConfig(**config), **args)
 
 
 def test_vmap_seeds_equal_sequential_runs(arrays):
@@ -117,7 +121,7 @@ def test_resume_with_changed_setup_fails_naming_the_differences(arrays, tmp_path
       (dict(num_seeds=3), r"seeds: \[0, 1\] in the checkpoint, now \[0, 1, 2\]"),
       (dict(model=TinyMLP(features=32, dropout_rate=0.2)), r"model\.features: 16 .* now 32"),
       (dict(num_steps=16), r"num_steps: 8 .* now 16"),
-      (dict(train_data=train.stream_fn(make_arrays(seed=1), 16)), r"data\.first_batch"),
+      (dict(train_data=train.loader(make_arrays(seed=1), 16)), r"data\.first_batch"),
       (dict(fingerprint={"task": "other"}), r"task: null in the checkpoint, now \"other\""),
   ]
   for kw, expected in changes:
@@ -169,7 +173,7 @@ def test_custom_loss_eval_fn_and_optax_optimizer(arrays):
   assert "train_acc" in r.final_metrics and "eval_score" in r.history[-1]
 
 
-def test_evaluate_ignores_minus_100_and_mse():
+def test_evaluate_ignores_ignore_index_and_weights_mse_by_mask():
   import flax.linen as nn
 
   class Const(nn.Module):
@@ -179,9 +183,20 @@ def test_evaluate_ignores_minus_100_and_mse():
       return x[..., None] * 0 + b
 
   params = {"b": np.array([[0.0, 1.0], [1.0, 0.0]], np.float32)}  # 2 seeds: predict 1 / 0
-  batch = {"inputs": np.zeros((2, 3), np.float32), "targets": np.array([[1, 1, -100], [0, 1, 1]])}
-  m = train.evaluate(Const(), params, [batch], metrics=("accuracy",))
+  targets = np.array([[1, 1, train.IGNORE_INDEX], [0, 1, 1]])
+  batch = {"inputs": np.zeros((2, 3), np.float32), "targets": targets}
+  # Two uneven batches: the means are over all 5 valid positions, not means of batch means.
+  m = train.evaluate(Const(), params, train.loader(batch, 1), metrics=("accuracy", "loss"))
   np.testing.assert_allclose(m["accuracy"], [4 / 5, 1 / 5])
+  lse = np.log(1 + np.e)  # log-sum-exp of logits (0, 1)
+  ce = {0: [lse - 1, lse - 1, lse, lse - 1, lse - 1], 1: [lse, lse, lse - 1, lse, lse]}
+  np.testing.assert_allclose(m["loss"], [np.mean(ce[0]), np.mean(ce[1])], rtol=1e-5)
+  # mse: positions weighted by `mask` (the third position of each row is left out).
+  reg = {"inputs": np.zeros((2, 3), np.float32),
+         "targets": np.ones((2, 3, 2), np.float32), "mask": np.array([[1, 1, 0], [1, 1, 0]])}
+  reg["targets"][:, 2] = 100.0  # masked out: would dominate the mean
+  m = train.evaluate(Const(), params, [reg], metrics=("mse",))
+  np.testing.assert_allclose(m["mse"], [0.5, 0.5])
 
 
 def test_optimizer_config_validation():

@@ -65,3 +65,66 @@ def test_config_helpers(tmp_path):
   assert exps == [{"name": "exp_a", "path": str(tmp_path / "exp_a.py"),
                    "summary": "Does A beat B?", "presets": ["default", "tiny"]}]
   assert "exp_a: Does A beat B?" in train.format_experiments(str(tmp_path))
+
+
+def test_markdown_table_exact_text_and_custom_format():
+  rows = [{"impl": "blocked", "time ms": 1.23456, "seeds": np.array([0.5, 0.7])},
+          {"impl": "a|b", "time ms": 1234.5}]
+  assert train.markdown_table(rows, caption="Timings") == (
+      "*Timings*\n"
+      "\n"
+      "| impl | time ms | seeds |\n"
+      "|---|---|---|\n"
+      "| blocked | 1.235 | 0.6 ± 0.1 |\n"
+      "| a\\|b | 1234 |  |\n")  # pipes escaped, a missing cell empty
+  # A benchmark's own number format (kernel_benchmark's), applied to every cell.
+  text = train.markdown_table(rows, ["time ms", "impl"],
+                              fmt=lambda v: f"{v:.0f}" if isinstance(v, float) else str(v))
+  assert text == "| time ms | impl |\n|---|---|\n| 1 | blocked |\n| 1234 | a\\|b |\n"
+
+
+def test_report_table_returns_its_markdown_and_save_json(tmp_path):
+  rep = train.Report("t", str(tmp_path))
+  rows = [{"x": 1.0}]
+  text = rep.table(rows, fmt=lambda v: f"<{v}>")
+  assert text == "| x |\n|---|\n| <1.0> |\n" and text in rep.markdown()
+  payload = {"a": np.float32(0.5), "b": np.arange(3), "c": float("nan"), (1, 2): ("u", None),
+             "cfg": ml_collections.ConfigDict({"lr": 0.1}), "obj": object}
+  path = rep.save_json("numbers", payload)
+  assert path == os.path.join(str(tmp_path), "numbers.json")
+  with open(path) as f:
+    assert json.load(f) == {"a": 0.5, "b": [0, 1, 2], "c": "nan", "(1, 2)": ["u", None],
+                            "cfg": {"lr": 0.1}, "obj": "<class 'object'>"}
+  rep.write()
+  with open(tmp_path / "results.json") as f:
+    assert json.load(f)["data_files"] == ["numbers.json"]
+
+
+def test_plot_curves_one_line_per_variant_with_seed_bands(tmp_path):
+  x = np.array([1, 2, 4, 8])
+  curves = {"softmax": (x, np.array([[0.5, 0.7], [0.6, 0.8], [0.7, 0.9], [0.8, 1.0]])),
+            "relu": (x, np.array([0.4, 0.5, 0.6, 0.7]))}  # one seed: no band
+  fig = train.plot_curves(curves, xlabel="width", ylabel="accuracy", logx=2, hline=0.9,
+                          references={"chance": (x, np.full(4, 0.1))}, title="acc vs width")
+  ax = fig.axes[0]
+  lines = {ln.get_label(): ln for ln in ax.lines}
+  assert {"softmax", "relu", "chance"} <= set(lines)
+  np.testing.assert_allclose(lines["softmax"].get_ydata(), [0.6, 0.7, 0.8, 0.9])  # seed means
+  assert len(ax.collections) == 1  # one ±std band: softmax's
+  band = ax.collections[0].get_paths()[0].vertices[:, 1]
+  assert band.min() == pytest.approx(0.5) and band.max() == pytest.approx(1.0)
+  assert ax.get_xscale() == "log" and ax.get_xlabel() == "width" and ax.get_title()
+  assert [t.get_text() for t in ax.get_legend().get_texts()] == ["chance", "softmax", "relu"]
+  rep = train.Report("t", str(tmp_path))
+  rep.figure(fig, "acc_vs_width", "accuracy vs width")
+  assert (tmp_path / "acc_vs_width.png").stat().st_size > 1000
+  # Error bars instead of a band, on a panel of a two-panel figure.
+  fig, axes = train.subplots(2, size=(4, 3))
+  train.plot_curves(curves, band="errorbar", ax=axes[1])
+  assert len(axes[1].containers) == 1  # softmax's error bars (relu has one seed)
+  from matplotlib.collections import PolyCollection
+
+  assert not any(isinstance(c, PolyCollection) for c in axes[1].collections)  # no band
+  assert fig.get_size_inches().tolist() == [8.0, 3.0]
+  with pytest.raises(ValueError, match="band='shade'"):
+    train.plot_curves(curves, band="shade")

@@ -1,0 +1,529 @@
+"""Pallas attention kernels (GPU through Triton, TPU through Mosaic) for every pointwise F.
+
+    out_i = Σ_j F(s_ij) v_j / N_i,   s_ij = scale · q_i·k_j + bias_ij
+
+The same math, layout and edge-case contract as :func:`attnx.core.blocked.blocked_attention`
+(:mod:`attnx.core.contract`), written as fused Pallas kernels: FlashAttention's tiling (Dao et
+al. 2022, "FlashAttention: Fast and Memory-Efficient Exact Attention with IO-Awareness") and
+FlashAttention-2's work partitioning and recomputing backward (Dao 2023, "FlashAttention-2:
+Faster Attention with Better Parallelism and Work Partitioning"): the forward saves O and one
+row statistic (log-sum-exp for online-max weightings, the normalizer otherwise); the backward
+(a ``jax.custom_vjp``) recomputes the tiles in a dK/dV kernel and a dQ kernel. The kernels
+themselves live in :mod:`attnx.core.pallas_kernels`.
+
+Entry points:
+
+* :func:`pallas_attention` — the kernel, ``[B, T, N, H]`` / ``[B, S, K, H]`` layout like
+  ``blocked_attention``; plus ``q_lengths`` / ``kv_lengths`` (per-batch valid lengths).
+* :func:`supported` — why a combination cannot run (None when it can).
+* :func:`default_block_sizes` / :func:`check_block_sizes` — per-backend tile rules.
+* :func:`choose_pallas` — the automatic choice with a one-time self-check per (backend,
+  weighting, dtype, head size): :func:`self_check` compares with the blocked kernel, and a
+  failure logs one warning and answers False from then on.
+
+Supported inputs (both backends): every :class:`~attnx.core.weightings.Pointwise` weighting,
+GQA (N a multiple of K), T ≠ S, ragged T and S (padded internally), H ≠ Hv, ``is_causal``
+(top-left aligned; tiles above the diagonal are skipped), an additive ``bias`` and a boolean
+``mask`` of any shape broadcastable to [B, N, T, S] whose dims are each 1 or full, per-batch
+``q_lengths``/``kv_lengths`` (tiles beyond the key length are skipped), a static float scale
+(a traced scale is folded into q). dtypes: float32, bfloat16 and (GPU) float16, with float32
+scores, F and accumulators. The bias gradient materializes dS as [B, N, T, S] float32 before
+summing over the bias' broadcast dims, and only when the bias is differentiated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import math
+import numbers
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from attnx.core import pallas_kernels as kernels
+from attnx.core.contract import nonfinite_inputs
+from attnx.core.weightings import Pointwise
+
+Array = jax.Array
+BACKENDS = ("gpu", "tpu")
+_BACKEND_ALIASES = {"gpu": "gpu", "cuda": "gpu", "rocm": "gpu", "triton": "gpu", "tpu": "tpu",
+                    "mosaic": "tpu"}
+_DTYPES = {"gpu": ("float32", "bfloat16", "float16"), "tpu": ("float32", "bfloat16")}
+GPU_MAX_HEAD_DIM = 256  # after padding to a multiple of 16: larger tiles do not fit in registers
+GPU_MIN_BLOCK = 16  # tl.dot needs every matmul dim ≥ 16
+TPU_SUBLANES = 8
+TPU_LANES = 128
+_LOG = logging.getLogger(__name__)
+
+__all__ = ["BACKENDS", "BlockSizes", "check_block_sizes", "choose_pallas", "clear_choice_cache",
+           "default_block_sizes", "pallas_attention", "resolve_backend", "self_check",
+           "supported"]
+
+
+# --------------------------------------------------------------------------------------------
+# Backends, support and block sizes.
+# --------------------------------------------------------------------------------------------
+
+def resolve_backend(backend: str | None = None, interpret: bool = False) -> str:
+  """``"gpu"`` or ``"tpu"``: the kernel family to build.
+
+  ``None`` follows ``jax.default_backend()``; on a CPU it is an error unless ``interpret``
+  (then the GPU kernels run in Pallas' interpreter). ``"cuda"``, ``"rocm"``, ``"triton"``
+  mean ``"gpu"`` and ``"mosaic"`` means ``"tpu"``. An explicit backend is accepted on any
+  machine, so that a CPU can trace and lower the kernels for a GPU/TPU.
+  """
+  if backend is None:
+    platform = jax.default_backend()
+    if platform in _BACKEND_ALIASES:
+      return _BACKEND_ALIASES[platform]
+    if interpret:
+      return "gpu"
+    raise ValueError(
+        f"implementation='pallas' needs a GPU or TPU; this machine runs JAX on {platform!r}. "
+        "Pass interpret=True to run the kernels in Pallas' interpreter (slow; for testing), or "
+        "use implementation='blocked' (the XLA flash-style kernel) on a CPU.")
+  name = _BACKEND_ALIASES.get(str(backend).lower())
+  if name is None:
+    raise ValueError(f"Unknown Pallas backend {backend!r}; valid: 'gpu' (Triton) or 'tpu' "
+                     "(Mosaic), or None for the default device.")
+  return name
+
+
+def supported(weighting: Any, *, backend: str | None = None, dtype: Any = None,
+              head_dim: int | None = None, value_head_dim: int | None = None,
+              interpret: bool = False) -> str | None:
+  """Why ``implementation="pallas"`` cannot run this combination, or None if it can.
+
+  Checks the weighting (pointwise only), the backend (a GPU/TPU, or ``interpret`` on a CPU),
+  the dtype (float32/bfloat16, and float16 on the GPU) and the GPU's head-size limit
+  (:data:`GPU_MAX_HEAD_DIM` after padding to a multiple of 16). Whether F lowers on the backend is
+  found out by compiling it (:func:`self_check`).
+  """
+  if not isinstance(weighting, Pointwise):
+    name = getattr(weighting, "name", type(weighting).__name__)
+    return (f"weighting {name!r} normalizes whole rows and cannot stream; use "
+            "implementation='dense'")
+  try:
+    be = resolve_backend(backend, interpret)
+  except ValueError as e:
+    return str(e)
+  if dtype is not None:
+    name = jnp.dtype(dtype).name
+    if name not in _DTYPES[be]:
+      return (f"dtype {name} is not supported by the Pallas {be} kernels (supported: "
+              f"{', '.join(_DTYPES[be])}); use implementation='blocked'")
+  if be == "gpu":
+    for label, h in (("head dim", head_dim), ("value head dim", value_head_dim)):
+      if h is not None and _round_up(h, GPU_MIN_BLOCK) > GPU_MAX_HEAD_DIM:
+        return (f"{label} {h} exceeds the GPU kernel's limit {GPU_MAX_HEAD_DIM}; use "
+                "implementation='blocked'")
+  return None
+
+
+def _pow2(x: int) -> int:
+  return max(GPU_MIN_BLOCK, 1 << max(int(x) - 1, 0).bit_length())
+
+
+def _round_up(x: int, m: int) -> int:
+  return -(-x // m) * m
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+  """Tile sizes of the three kernels: forward, dQ and dK/dV (queries × keys each)."""
+
+  block_q: int
+  block_k: int
+  block_q_dq: int
+  block_k_dq: int
+  block_q_dkv: int
+  block_k_dkv: int
+
+
+# Defaults (not tuned on hardware from this repository): GPU tiles as in the Triton fused
+# attention tutorial (forward 128 × 64; backward: a tall tile of the dimension a kernel keeps
+# in registers, a short one of the dimension it streams); TPU tiles as in JAX's splash
+# attention (bigger tiles amortize the ~0.35 µs per-grid-step overhead).
+_GPU_DEFAULT = dict(block_q=128, block_k=64, block_q_dq=64, block_k_dq=32, block_q_dkv=32,
+                    block_k_dkv=64)
+_TPU_DEFAULT = dict(block_q=256, block_k=512, block_q_dq=256, block_k_dq=256,
+                    block_q_dkv=256, block_k_dkv=256)
+
+
+def _q_align(backend: str, dtype: Any) -> int:
+  """TPU query tiles: a multiple of the sublane count of the dtype's (8·packing, 128) tile."""
+  return TPU_SUBLANES * (4 // min(jnp.dtype(dtype).itemsize, 4)) if backend == "tpu" else 1
+
+
+def check_block_sizes(backend: str, dtype: Any = jnp.float32, **blocks: int | None) -> None:
+  """Raises ValueError for a tile size the backend's lowering rejects.
+
+  GPU (Triton): powers of 2, at least 16. TPU (Mosaic): query tiles a multiple of 8 (16 for
+  16-bit dtypes), key tiles a multiple of 128 (the key axis is the lane axis of every tile).
+  """
+  be = resolve_backend(backend)
+  for name, value in blocks.items():
+    if value is None:
+      continue
+    if not isinstance(value, numbers.Integral) or value < 1:
+      raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if be == "gpu":
+      if value < GPU_MIN_BLOCK or value & (value - 1):
+        raise ValueError(
+            f"{name}={value} is not valid for the GPU (Triton) kernels: Pallas' Triton "
+            f"lowering needs power-of-2 tiles, and tl.dot at least {GPU_MIN_BLOCK} (e.g. "
+            f"{max(GPU_MIN_BLOCK, 1 << (int(value).bit_length() - 1))}).")
+    else:
+      is_q = name.startswith("block_q")
+      align = _q_align(be, dtype) if is_q else TPU_LANES
+      if value % align:
+        raise ValueError(
+            f"{name}={value} is not valid for the TPU (Mosaic) kernels: "
+            f"{'query' if is_q else 'key'} tiles must be a multiple of {align} "
+            f"({'sublanes of a ' + jnp.dtype(dtype).name + ' tile' if is_q else 'lanes'}).")
+
+
+def default_block_sizes(backend: str, t: int, s: int, dtype: Any = jnp.float32,
+                        block_q: int | None = None, block_k: int | None = None) -> BlockSizes:
+  """The tiles used for T queries and S keys (``block_q``/``block_k`` override all kernels).
+
+  Defaults (queries × keys): GPU forward 128 × 64, dQ 64 × 32, dK/dV 32 × 64; TPU forward
+  256 × 512, backward 256 × 256. Every tile is then capped at the (aligned) sequence: GPU at
+  the next power of 2 (≥ 16), TPU at T rounded up to 8 (16 for 16-bit dtypes) and S rounded up
+  to 128.
+  """
+  be = resolve_backend(backend)
+  check_block_sizes(be, dtype, block_q=block_q, block_k=block_k)
+  sizes = dict(_GPU_DEFAULT if be == "gpu" else _TPU_DEFAULT)
+  for name in sizes:
+    given = block_q if name.startswith("block_q") else block_k
+    if given is not None:
+      sizes[name] = int(given)
+  if be == "gpu":
+    cap_q, cap_k = _pow2(t), _pow2(s)
+  else:
+    cap_q, cap_k = _round_up(max(t, 1), _q_align(be, dtype)), _round_up(max(s, 1), TPU_LANES)
+  return BlockSizes(**{n: min(v, cap_q if n.startswith("block_q") else cap_k)
+                       for n, v in sizes.items()})
+
+
+# --------------------------------------------------------------------------------------------
+# The custom VJP.
+# --------------------------------------------------------------------------------------------
+
+def _row_values(cfg: kernels.KernelConfig, stat: Array, o: Array, do: Array) -> list[Array]:
+  """(r0, r1, delta) [B, N, Tp] of :func:`attnx.core.pallas_kernels._bwd_tile`."""
+  w = cfg.w
+  zeros = jnp.zeros_like(stat)
+  delta = zeros
+  if w.online_max or w.normalization == "sum":
+    # D_i = dO_i·O_i = Σ_j w_ij dP_ij (also with a denominator offset).
+    delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1).transpose(0, 2, 1)
+  if w.online_max:
+    return [stat, zeros, delta]
+  if w.normalization == "none":
+    return [zeros, zeros, zeros]
+  # 1/l overflows for a denormal l (F ≈ 0 on a whole row): use 1/(l·2^100) on F·2^100.
+  mult = jnp.where(jnp.abs(stat) < 2.0 ** -100, 2.0 ** 100, 1.0)
+  empty = stat == 0
+  inv = jnp.where(empty, 0.0, 1.0 / jnp.where(empty, 1.0, stat * mult))
+  return [mult, inv, delta] if w.normalization == "sum" else [zeros, inv, zeros]
+
+
+def _sum_to(x: Array, shape: tuple[int, ...]) -> Array:
+  axes = tuple(a for a, (n, m) in enumerate(zip(x.shape, shape, strict=True)) if m == 1 and n != 1)
+  return jnp.sum(x, axis=axes, keepdims=True) if axes else x
+
+
+@functools.lru_cache(maxsize=512)
+def _make_kernel(cfg: kernels.KernelConfig) -> Callable[..., Array]:
+  """A custom-VJP function (q, k, v, bias, mask, q_len, kv_len) -> O of padded arrays."""
+
+  @jax.custom_vjp
+  def attn(q, k, v, bias, mask, q_len, kv_len):
+    return kernels.forward(cfg, q, k, v, bias, mask, q_len, kv_len)[0]
+
+  def fwd(q, k, v, bias, mask, q_len, kv_len):
+    # symbolic_zeros: each array arrives as CustomVJPPrimal(value, perturbed); dS is only
+    # materialized when the bias is differentiated.
+    want_ds = bias is not None and bias.perturbed
+    vals = [None if x is None else x.value for x in (q, k, v, bias, mask, q_len, kv_len)]
+    o, stat = kernels.forward(cfg, *vals)
+    marker = jnp.zeros((), jnp.float32) if want_ds else None
+    return o, (*vals, o, stat, marker)
+
+  def bwd(res, do):
+    q, k, v, bias, mask, q_len, kv_len, o, stat, marker = res
+    if isinstance(do, jax.custom_derivatives.SymbolicZero):
+      return (None,) * 7
+    rows = _row_values(cfg, stat, o, do)
+    dq, dk, dv, ds = kernels.backward(cfg, q, k, v, bias, mask, q_len, kv_len, do, rows,
+                                      want_ds=marker is not None)
+    dbias = None if ds is None else _sum_to(ds, bias.shape).astype(bias.dtype)
+    return dq, dk, dv, dbias, None, None, None
+
+  attn.defvjp(fwd, bwd, symbolic_zeros=True)
+  return attn
+
+
+# --------------------------------------------------------------------------------------------
+# The public kernel.
+# --------------------------------------------------------------------------------------------
+
+def _as_4d(x: Array | None, shape4: tuple[int, int, int, int], name: str) -> Array | None:
+  """A [B|1, N|1, T|1, S|1]-broadcastable array (≤ 4 dims) as 4-D, each dim 1 or full."""
+  if x is None:
+    return None
+  x = jnp.asarray(x)
+  if x.ndim > 4:
+    raise ValueError(f"{name} must have at most 4 dims [B, N, T, S], got shape {x.shape}")
+  x = x.reshape((1,) * (4 - x.ndim) + x.shape)
+  if any(d not in (1, f) for d, f in zip(x.shape, shape4, strict=True)):
+    raise ValueError(f"{name} of shape {x.shape} does not broadcast to [B, N, T, S] = "
+                     f"{shape4} (each dim must be 1 or full)")
+  return x
+
+
+def _pad(x: Array, sizes: dict[int, int], value: Any = 0) -> Array:
+  """Pads the given axes (that are not broadcast, size 1) at the end to the given sizes."""
+  pads = [(0, 0)] * x.ndim
+  for axis, size in sizes.items():
+    if x.shape[axis] not in (1, size):
+      pads[axis] = (0, size - x.shape[axis])
+  if all(p == (0, 0) for p in pads):
+    return x
+  return jnp.pad(x, pads, constant_values=value)
+
+
+def _lengths(x: Array | None, b: int, full: int, name: str) -> Array:
+  if x is None:
+    return jnp.full((b,), full, jnp.int32)
+  x = jnp.asarray(x)
+  if x.shape not in ((b,), ()) or not jnp.issubdtype(x.dtype, jnp.integer):
+    raise ValueError(f"{name} must be an integer array of shape [B] = ({b},), got "
+                     f"{x.shape} {x.dtype}")
+  return jnp.clip(jnp.broadcast_to(x, (b,)).astype(jnp.int32), 0, full)
+
+
+def pallas_attention(q: Array, k: Array, v: Array, *, weighting: Pointwise,
+                     scale: float | Array, bias: Array | None = None, mask: Array | None = None,
+                     is_causal: bool = False, q_lengths: Array | None = None,
+                     kv_lengths: Array | None = None, block_q: int | None = None,
+                     block_k: int | None = None, backend: str | None = None,
+                     interpret: bool = False) -> Array:
+  """Fused attention out_i = Σ_j w_ij v_j for a pointwise weighting F, as Pallas kernels.
+
+  Args:
+    q: queries [B, T, N, H].
+    k: keys [B, S, K, H]; N a multiple of K (GQA: query head n uses kv head n // (N // K)).
+    v: values [B, S, K, Hv].
+    weighting: the :class:`~attnx.core.weightings.Pointwise` F and its normalization.
+    scale: multiplies q·k; a Python/NumPy number is compiled into the kernels, an array is
+      multiplied into q beforehand (in float32, then cast back to q's dtype).
+    bias: additive bias broadcastable to [B, N, T, S] (≤ 4 dims, each 1 or full).
+    mask: boolean mask broadcastable to [B, N, T, S]; True = attend.
+    is_causal: query i attends key j ≤ i (top-left aligned, like ``jnp.tril``).
+    q_lengths, kv_lengths: optional int [B]: rows i ≥ q_lengths[b] get no valid key (zero
+      output), keys j ≥ kv_lengths[b] are masked (and their tiles skipped).
+    block_q, block_k: tile sizes for every kernel (default :func:`default_block_sizes`);
+      validated by :func:`check_block_sizes`. T and S need not be multiples of them.
+    backend: ``"gpu"`` (Triton), ``"tpu"`` (Mosaic) or None (the default device).
+    interpret: run the kernels in Pallas' interpreter (any machine, slow; for testing).
+
+  Returns:
+    [B, T, N, Hv] in q's dtype, equal up to float rounding to
+    ``blocked_attention(q, k, v, weighting=..., ...)`` (float32 accumulation).
+
+  Raises:
+    ValueError: for an unsupported combination (see :func:`supported`; the message names the
+      alternative implementation), bad shapes or tile sizes.
+  """
+  if not isinstance(weighting, Pointwise):
+    raise ValueError(f"implementation='pallas' cannot run this: {supported(weighting)}.")
+  q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
+  if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+    raise ValueError(f"expected 4-D [B, T, N, H] inputs, got {q.shape}, {k.shape}, {v.shape}")
+  b, t, n, h = q.shape
+  _, s, kh, _ = k.shape
+  hv = v.shape[-1]
+  if kh == 0 or n % kh or k.shape[:3] != v.shape[:3] or k.shape[0] != b or k.shape[-1] != h:
+    raise ValueError(f"incompatible shapes q {q.shape}, k {k.shape}, v {v.shape}")
+  if not (q.dtype == k.dtype == v.dtype):
+    raise ValueError(f"q, k and v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+  be = resolve_backend(backend, interpret)
+  reason = supported(weighting, backend=be, dtype=q.dtype, head_dim=h, value_head_dim=hv,
+                     interpret=interpret)
+  if reason:
+    raise ValueError(f"implementation='pallas' cannot run this: {reason}.")
+  if mask is not None and jnp.asarray(mask).dtype != jnp.bool_:
+    raise ValueError(f"mask must be boolean, got {jnp.asarray(mask).dtype}")
+  bias4 = _as_4d(bias, (b, n, t, s), "bias")
+  mask4 = _as_4d(mask, (b, n, t, s), "mask")
+  blocks = default_block_sizes(be, t, s, q.dtype, block_q, block_k)
+  q_len = _lengths(q_lengths, b, t, "q_lengths")
+  kv_len = _lengths(kv_lengths, b, s, "kv_lengths")
+  if q.size == 0 or s == 0:  # no query, or no key (every row has no valid key)
+    return jnp.zeros((b, t, n, hv), q.dtype)
+
+  q, k, v, bias4 = nonfinite_inputs(q, k, v, bias4)
+  if not isinstance(scale, numbers.Real):  # a traced/learned scale: fold it into q
+    q = (q.astype(jnp.float32) * jnp.asarray(scale, jnp.float32)).astype(q.dtype)
+    scale = 1.0
+  tp = _round_up(t, math.lcm(blocks.block_q, blocks.block_q_dq, blocks.block_q_dkv))
+  sp = _round_up(s, math.lcm(blocks.block_k, blocks.block_k_dq, blocks.block_k_dkv))
+  # GPU: head dims padded to a multiple of 16, processed in power-of-2 chunks (head_chunks).
+  hp, hvp = ((_round_up(h, GPU_MIN_BLOCK), _round_up(hv, GPU_MIN_BLOCK)) if be == "gpu"
+             else (h, hv))
+  cfg = kernels.KernelConfig(
+      w=weighting, backend=be, interpret=bool(interpret), s=s, tp=tp, sp=sp, g=n // kh,
+      scale=float(scale), is_causal=bool(is_causal), q_bound=q_lengths is not None or tp != t,
+      kv_bound=kv_lengths is not None or sp != s, bq=blocks.block_q, bk=blocks.block_k,
+      bq_dq=blocks.block_q_dq, bk_dq=blocks.block_k_dq, bq_dkv=blocks.block_q_dkv,
+      bk_dkv=blocks.block_k_dkv, num_warps=4 if hp <= 64 else 8, num_warps_bwd=4,
+      num_stages=3 if hp <= 128 else 2, num_stages_bwd=2)
+  q = _pad(q, {1: tp, 3: hp})
+  k = _pad(k, {1: sp, 3: hp})
+  v = _pad(v, {1: sp, 3: hvp})
+  # Narrow dtypes on the TPU only for full-height tiles whose rows fill its packed tiling
+  # ((16, 128) for bf16, (32, 128) for int8); 32-bit otherwise.
+  min_bq = min(blocks.block_q, blocks.block_q_dq, blocks.block_q_dkv)
+  if bias4 is not None:
+    if bias4.dtype != jnp.bfloat16 or (be == "tpu" and (min_bq % 16 or bias4.shape[2] == 1)):
+      bias4 = bias4.astype(jnp.float32)
+    bias4 = _pad(bias4, {2: tp, 3: sp})
+  if mask4 is not None:
+    wide = be == "tpu" and (min_bq % 32 or mask4.shape[2] == 1)
+    mask4 = _pad(mask4.astype(jnp.int32 if wide else jnp.int8), {2: tp, 3: sp})
+  out = _make_kernel(cfg)(q, k, v, bias4, mask4, q_len, kv_len)
+  return out[:, :t, :, :hv]
+
+
+# --------------------------------------------------------------------------------------------
+# Automatic choice with a one-time self-check.
+# --------------------------------------------------------------------------------------------
+
+_CHOICES: dict[tuple[Any, ...], bool] = {}
+# Relative tolerance of the self-check: max |pallas − blocked| / max |blocked| over the output
+# and the gradients. Wrong kernels are off by O(1); rounding differences (bf16 probabilities,
+# default-precision matmuls on a TPU) stay far below these.
+SELF_CHECK_RTOL = {"float32": 2e-2, "bfloat16": 8e-2, "float16": 8e-2}
+
+
+def _value_key(x: Any, depth: int = 0) -> Any:
+  if isinstance(x, (bool, int, float, str, type(None))):
+    return x
+  if callable(x) and depth < 4 and hasattr(x, "__code__"):
+    cells = tuple(_value_key(c.cell_contents, depth + 1) for c in (x.__closure__ or ()))
+    return (x.__code__, cells)
+  return id(x)
+
+
+def weighting_key(w: Pointwise) -> tuple[Any, ...]:
+  """A hashable identity of a weighting's math: its fields and its F's code and closure.
+
+  Two ``get_weighting("power:p=3")`` calls give equal keys; two different user callables
+  (even with the same ``__name__``) give different ones.
+  """
+  return (w.name, w.normalization, w.exp_alpha, w.denominator_offset, w.distance_kernel,
+          _value_key(w.fn))
+
+
+def clear_choice_cache() -> None:
+  """Forgets every :func:`choose_pallas` decision (for tests)."""
+  _CHOICES.clear()
+
+
+def self_check(backend: str, weighting: Pointwise, dtype: Any, head_dim: int, *,
+               kernel: Callable[..., Array] | None = None, interpret: bool = False,
+               seed: int = 0) -> str | None:
+  """Compiles and runs the Pallas kernel on a small problem and compares it with the blocked
+  kernel: output and gradients w.r.t. q, k, v (B = 1, T = S = 256 → 8 × 8 tiles on a GPU, N = 2
+  query heads sharing K = 1 kv head, causal). Returns None if they agree within
+  :data:`SELF_CHECK_RTOL`, else a reason; compile/run errors propagate.
+
+  ``kernel`` replaces :func:`pallas_attention` (for tests: a kernel made to fail or to be
+  wrong). Distance kernels (``w.distance_kernel``) get scores −‖q − k‖² through
+  ``Score.to_dot`` (head_dim counts the two extra columns), the others q·k/√H.
+  """
+  from attnx.core.blocked import blocked_attention  # noqa: PLC0415
+
+  kernel = kernel or pallas_attention
+  dtype = jnp.dtype(dtype)
+  rng = np.random.default_rng(seed)
+  n, t = 2, 64 if interpret else 256
+  kw = dict(weighting=weighting, is_causal=True)
+  normal = lambda *shape: rng.standard_normal(shape).astype(np.float32)
+  # NumPy only outside the compiled programs: dispatch may call this while tracing the caller's
+  # function, where a jnp operation would be staged into that trace instead of running.
+  if weighting.distance_kernel and head_dim > 2:
+    # Score.to_dot of neg_sq_dist: s = [2q, −‖q‖², −1]·[k, 1, ‖k‖²] = −‖q − k‖².
+    xq, xk = normal(1, t, 1, head_dim - 2) * 0.5, normal(1, t, 1, head_dim - 2) * 0.5
+    qq, kk = np.sum(xq * xq, -1, keepdims=True), np.sum(xk * xk, -1, keepdims=True)
+    q = np.repeat(np.concatenate([2 * xq, -qq, -np.ones_like(qq)], -1), n, axis=2)
+    k = np.concatenate([xk, np.ones_like(kk), kk], -1)
+    kw["scale"] = 1.0
+  else:
+    q, k = normal(1, t, n, head_dim), normal(1, t, 1, head_dim)
+    kw["scale"] = 1.0 / math.sqrt(head_dim)
+  args = [x.astype(dtype) for x in (q, k, normal(1, t, 1, head_dim))]
+  ct = normal(1, t, n, head_dim)
+
+  def run(fn):
+    def prog(q, k, v):
+      loss = lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32) * ct)
+      return fn(q, k, v), jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+    out, grads = jax.jit(prog).lower(*args).compile()(*args)
+    return [np.asarray(x).astype(np.float32) for x in (out, *grads)]
+
+  got = run(lambda q, k, v: kernel(q, k, v, backend=backend, interpret=interpret, **kw))
+  want = run(lambda q, k, v: blocked_attention(q, k, v, **kw))
+  rtol = SELF_CHECK_RTOL.get(dtype.name, 8e-2)
+  for name, a, b in zip(("output", "dq", "dk", "dv"), got, want, strict=True):
+    ref = float(np.max(np.abs(b))) if b.size else 0.0
+    err = float(np.max(np.abs(a - b))) if a.size else 0.0
+    if not np.isfinite(err) or err > rtol * max(ref, 1e-6):
+      return (f"{name} differs from the blocked kernel: max abs error {err:.3g} vs max "
+              f"|blocked| {ref:.3g} (tolerance {rtol:g} relative)")
+  return None
+
+
+def choose_pallas(backend: str | None, weighting: Any, dtype: Any, head_dim: int, *,
+                  value_head_dim: int | None = None,
+                  check_fn: Callable[..., str | None] = self_check) -> bool:
+  """Whether ``implementation=None`` should use the Pallas kernel for this combination.
+
+  ``backend``: "gpu"/"tpu" (aliases as :func:`resolve_backend`) or None for the default
+  device. False on a CPU and for unsupported combinations (:func:`supported`, which also sees
+  ``value_head_dim``). Otherwise the first call per (backend, weighting, dtype, head_dim)
+  runs ``check_fn(backend, weighting, dtype, head_dim)`` (default :func:`self_check`); if it
+  raises or returns a reason, one warning naming the combination is logged and the answer is
+  False from then on (the caller uses "blocked").
+  Explicit ``implementation="pallas"`` must not call this: it never falls back.
+  """
+  try:
+    be = resolve_backend(backend)
+  except ValueError:  # a CPU (backend None or "cpu"): no Pallas without the interpreter
+    return False
+  dt = jnp.dtype(dtype).name
+  if supported(weighting, backend=be, dtype=dt, head_dim=head_dim,
+               value_head_dim=value_head_dim) is not None:
+    return False
+  key = (be, weighting_key(weighting), dt, int(head_dim))
+  if key in _CHOICES:
+    return _CHOICES[key]
+  try:
+    reason = check_fn(be, weighting, dt, head_dim)
+  except Exception as e:  # noqa: BLE001 - any compile/run failure means "do not use pallas"
+    reason = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e) else ''}"
+  ok = reason is None
+  if not ok:
+    _LOG.warning("Pallas attention self-check failed for backend=%s, weighting=%s, dtype=%s, "
+                 "head_dim=%d: %s. Using implementation='blocked' for this combination.",
+                 be, weighting.name, dt, int(head_dim), reason)
+  _CHOICES[key] = ok
+  return ok

@@ -1,0 +1,844 @@
+"""The Pallas kernels behind :func:`attnx.core.pallas_attention.pallas_attention`.
+
+Three kernels per backend, FlashAttention-2 style (Dao 2023, "FlashAttention-2: Faster
+Attention with Better Parallelism and Work Partitioning"; Dao et al. 2022, "FlashAttention:
+Fast and Memory-Efficient Exact Attention with IO-Awareness"):
+
+* forward: one query tile per program, key tiles streamed; writes O and one row statistic
+  (log2-sum-exp for online-max weightings, the normalizer l otherwise);
+* dK/dV: one key tile per program, looping over the G query heads that share it (GQA) and over
+  query tiles;
+* dQ: one query tile per program, looping over key tiles; optionally writes the score
+  cotangent dS (the bias gradient before the sum over broadcast dims).
+
+The tile math is the one of :mod:`attnx.core.blocked` (same masking, same empty-row and NaN
+rules): online max with exp2 for ``w.online_max``, ``acc += F(S)·V`` with one division at the
+end otherwise; backward dS = α·P∘(dP − D) (online max), F'(s)∘(dP − D)/l (``"sum"``),
+F'(s)∘dP/n (``"length"``), F'(s)∘dP (``"none"``).
+
+Backends:
+
+* ``"gpu"``: Pallas' Triton lowering. Arrays stay in the ``[B, T, N, H]`` layout (strided
+  loads); every in-kernel array must have power-of-2 dims, so tiles are powers of 2 and the
+  head dims are zero-padded to a power of 2 by the caller. Keys are streamed by an in-kernel
+  loop (Triton has no cross-program accumulators).
+* ``"tpu"``: Pallas' Mosaic TPU lowering. Arrays are transposed to ``[B, N, T, H]`` (block last
+  two dims must be multiples of (8, 128) or full); keys are the last, "arbitrary" grid axis
+  with VMEM scratch accumulators, as in JAX's ``ops/tpu/flash_attention.py``; row statistics
+  live lane-replicated as ``[rows, 128]``. Skipped tiles (causal, key lengths) keep their
+  block index so that no DMA is issued for them.
+
+All arrays given to these functions are already padded (T to Tp, S to Sp, and on the GPU H to a
+power of 2); padded rows/keys are excluded through the ``q_len``/``kv_len`` bounds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from jax.experimental.pallas import triton as plgpu
+
+from attnx.core.weightings import Pointwise
+
+Array = jax.Array
+LOG2E = math.log2(math.e)
+LANES = 128  # TPU vector lanes: row statistics are stored replicated over 128 lanes
+_NT = (((1,), (1,)), ((), ()))  # a @ b.T
+
+__all__ = ["LANES", "KernelConfig", "backward", "forward", "head_chunks"]
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+  """Static description of one problem (closed over by the kernels).
+
+  Tiles: (bq, bk) forward, (bq_dq, bk_dq) for dQ, (bq_dkv, bk_dkv) for dK/dV. ``q_bound`` /
+  ``kv_bound``: rows i ≥ q_len[b] / keys j ≥ kv_len[b] are invalid (lengths or padding).
+  """
+
+  w: Pointwise
+  backend: str  # "gpu" | "tpu"
+  interpret: bool
+  s: int  # true number of keys S (F's num_keys argument)
+  tp: int  # padded T
+  sp: int  # padded S
+  g: int  # query heads per kv head
+  scale: float
+  is_causal: bool
+  q_bound: bool
+  kv_bound: bool
+  bq: int
+  bk: int
+  bq_dq: int
+  bk_dq: int
+  bq_dkv: int
+  bk_dkv: int
+  num_warps: int = 4  # GPU forward
+  num_warps_bwd: int = 4
+  num_stages: int = 2
+  num_stages_bwd: int = 2
+
+  @property
+  def alpha(self) -> float:
+    return float(self.w.exp_alpha) if self.w.online_max else 1.0
+
+  @property
+  def z_mult(self) -> tuple[float, float]:
+    """(q·k, bias) multipliers of the tile score z (base-2 exponent for online max)."""
+    if self.w.online_max:
+      return self.scale * self.alpha * LOG2E, self.alpha * LOG2E
+    return self.scale, 1.0
+
+  @property
+  def grad_mult(self) -> tuple[float, float]:
+    """(q·k, bias) multipliers turning the cotangent of z (natural units) into gradients."""
+    return self.scale * self.alpha, self.alpha
+
+  def needs_valid(self, has_mask: bool) -> bool:
+    return has_mask or self.is_causal or self.q_bound or self.kv_bound
+
+
+# --------------------------------------------------------------------------------------------
+# Tile math shared by both backends (values, not refs).
+# --------------------------------------------------------------------------------------------
+
+def _cdiv(a, b: int):
+  return lax.div(a + (b - 1), b)
+
+
+def _kv_hi(cfg: KernelConfig, i, bq: int, bk: int, q_len, kv_len):
+  """Number of key tiles seen by query tile i (causal: not above the diagonal)."""
+  hi = jnp.int32(cfg.sp // bk)
+  if cfg.is_causal:
+    hi = jnp.minimum(hi, lax.div(i * bq + bq + bk - 1, bk))
+  if cfg.kv_bound:
+    hi = jnp.minimum(hi, _cdiv(kv_len, bk))
+  if cfg.q_bound:
+    hi = jnp.where(i * bq < q_len, hi, 0)
+  return hi
+
+
+def _q_range(cfg: KernelConfig, j, bq: int, bk: int, q_len, kv_len):
+  """[lo, hi) of the query tiles that see key tile j."""
+  lo = lax.div(j * bk, bq) if cfg.is_causal else jnp.int32(0)
+  hi = jnp.int32(cfg.tp // bq)
+  if cfg.q_bound:
+    hi = jnp.minimum(hi, _cdiv(q_len, bq))
+  if cfg.kv_bound:
+    hi = jnp.where(j * bk < kv_len, hi, lo)
+  return lo, jnp.maximum(hi, lo)
+
+
+def _valid(cfg: KernelConfig, shape: tuple[int, int], r0, c0, mask_tile, q_len, kv_len):
+  """Boolean [bq, bk] validity of a tile (None when every entry is valid)."""
+  valid = None
+  if mask_tile is not None:  # broadcast as int32, compare after (no i1 broadcasts)
+    valid = jnp.broadcast_to(mask_tile.astype(jnp.int32), shape) != 0
+  if cfg.is_causal or cfg.q_bound or cfg.kv_bound:
+    rows = r0 + lax.broadcasted_iota(jnp.int32, shape, 0)
+    cols = c0 + lax.broadcasted_iota(jnp.int32, shape, 1)
+    conds = []
+    if cfg.is_causal:
+      conds.append(cols <= rows)
+    if cfg.q_bound:
+      conds.append(rows < q_len)
+    if cfg.kv_bound:
+      conds.append(cols < kv_len)
+    for c in conds:
+      valid = c if valid is None else valid & c
+  return valid
+
+
+def _scores(cfg: KernelConfig, qs, ks, bias_tile):
+  """The tile score z [bq, bk] float32 (base-2 exponent for online-max weightings).
+
+  ``qs``/``ks``: the [bq, c] / [bk, c] chunks of the head dim (one chunk but on the GPU).
+  """
+  zq, zb = cfg.z_mult
+  z = None
+  for q, k in zip(qs, ks, strict=True):
+    d = lax.dot_general(q, k, _NT, preferred_element_type=jnp.float32)
+    z = d if z is None else z + d
+  if zq != 1.0:
+    z = z * zq
+  if bias_tile is not None:
+    b = bias_tile.astype(jnp.float32)
+    z = z + (b * zb if zb != 1.0 else b)
+  return z
+
+
+def _f(cfg: KernelConfig, z, valid):
+  """F(s) with masked entries replaced before F and zeroed after (the double where)."""
+  if valid is None:
+    return cfg.w.fn(z, cfg.s)
+  return jnp.where(valid, cfg.w.fn(jnp.where(valid, z, 0.0), cfg.s), 0.0)
+
+
+def _bwd_tile(cfg: KernelConfig, z, valid, dp, r0, r1, delta):
+  """(P, dZ) of one tile: the weights (for dV) and the cotangent of z in natural units.
+
+  Row values (broadcast to the tile): online max: r0 = log2-sum-exp; ``"sum"``: r0 = row
+  multiplier (2^100 where l < 2^-100), r1 = 1/(l·r0); ``"length"``: r1 = 1/n.
+  """
+  w = cfg.w
+  if w.online_max:
+    if valid is not None:
+      z = jnp.where(valid, z, -jnp.inf)
+    p = jnp.exp2(z - r0)
+    return p, p * (dp - delta)
+  sv = z if valid is None else jnp.where(valid, z, 0.0)
+  f, fp = jax.jvp(lambda s: w.fn(s, cfg.s), (sv,), (jnp.ones_like(sv),))
+  if valid is not None:
+    f, fp = jnp.where(valid, f, 0.0), jnp.where(valid, fp, 0.0)
+  if w.normalization == "none":
+    return f, fp * dp
+  if w.normalization == "sum":
+    f, fp = f * r0, fp * r0
+    return f * r1, fp * ((dp - delta) * r1)
+  return f * r1, fp * (dp * r1)
+
+
+def _cols(ref, c0, size: int):
+  """Columns [c0, c0 + size) of a 2-D ref (all of it when its last dim is broadcast)."""
+  if ref.shape[-1] == 1:
+    return ref[...]
+  return ref[:, pl.ds(c0, size)]
+
+
+# --------------------------------------------------------------------------------------------
+# GPU (Triton): grid over query (or key) tiles, in-kernel loops over the other axis.
+# --------------------------------------------------------------------------------------------
+
+def _bcast_index(shape: tuple[int, ...], full: tuple[Any, ...]) -> tuple[Any, ...]:
+  """Block indices of a bias/mask with broadcast (size-1) dims: 0 along those."""
+  return tuple(0 if d == 1 else x for d, x in zip(shape, full, strict=True))
+
+
+def head_chunks(size: int) -> tuple[tuple[int, int], ...]:
+  """(offset, width) chunks of a GPU head dim padded to a multiple of 16: the binary
+  decomposition into powers of 2 ≥ 16 (Triton arrays must be powers of 2), e.g. 130 → 144 =
+  128 + 16 instead of a padding to 256 (the neg_sq_dist score adds two columns to H)."""
+  padded = -(-size // 16) * 16
+  out, offset = [], 0
+  for bit in reversed(range(padded.bit_length())):
+    width = 1 << bit
+    if padded & width:
+      out.append((offset, width))
+      offset += width
+  return tuple(out)
+
+
+def _load_chunks(ref, rows, chunks):
+  return [ref[rows, pl.ds(o, c)] for o, c in chunks]
+
+
+def _load_chunks3(ref, rows, head, chunks):
+  return [ref[rows, head, pl.ds(o, c)] for o, c in chunks]
+
+
+def _store_chunks(ref, values, chunks, mult: float = 1.0):
+  for (o, c), x in zip(chunks, values, strict=True):
+    ref[:, pl.ds(o, c)] = (x * mult if mult != 1.0 else x).astype(ref.dtype)
+
+
+def _dot_chunks(as_, bs):
+  """Σ_c a_c @ b_cᵀ (float32)."""
+  out = None
+  for a, b in zip(as_, bs, strict=True):
+    d = lax.dot_general(a, b, _NT, preferred_element_type=jnp.float32)
+    out = d if out is None else out + d
+  return out
+
+
+def _gpu_fwd_kernel(*refs, cfg: KernelConfig, has_bias: bool, has_mask: bool):
+  it = iter(refs)
+  q_ref, k_ref, v_ref = next(it), next(it), next(it)
+  bias_ref = next(it) if has_bias else None
+  mask_ref = next(it) if has_mask else None
+  qlen_ref, kvlen_ref, o_ref, stat_ref = next(it), next(it), next(it), next(it)
+  w, bq, bk = cfg.w, cfg.bq, cfg.bk
+  hc, vc = head_chunks(q_ref.shape[-1]), head_chunks(v_ref.shape[-1])
+  i = pl.program_id(0)
+  q_len, kv_len = qlen_ref[0], kvlen_ref[0]
+  qs = _load_chunks(q_ref, slice(None), hc)
+  offset = float(w.denominator_offset)
+
+  def tile(j):
+    c0 = j * bk
+    rows = pl.ds(c0, bk)
+    ks, vs = _load_chunks(k_ref, rows, hc), _load_chunks(v_ref, rows, vc)
+    z = _scores(cfg, qs, ks, None if bias_ref is None else _cols(bias_ref, c0, bk))
+    mask_t = None if mask_ref is None else _cols(mask_ref, c0, bk)
+    return z, vs, _valid(cfg, (bq, bk), i * bq, c0, mask_t, q_len, kv_len)
+
+  def pv(p, vs):
+    return [jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32) for v in vs]
+
+  acc0 = tuple(jnp.zeros((bq, c), jnp.float32) for _, c in vc)
+  hi = _kv_hi(cfg, i, bq, bk, q_len, kv_len)
+  if w.online_max:
+    def body(j, carry):
+      acc, m, l = carry
+      z, vs, valid = tile(j)
+      if valid is not None:
+        z = jnp.where(valid, z, -jnp.inf)
+      m_new = jnp.maximum(m, jnp.max(z, axis=1))
+      m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # fully masked so far: no shift
+      p = jnp.exp2(z - m_use[:, None])
+      corr = jnp.exp2(m - m_use)
+      l = l * corr + jnp.sum(p, axis=1)
+      acc = tuple(a * corr[:, None] + d for a, d in zip(acc, pv(p, vs), strict=True))
+      return acc, m_new, l
+
+    # The offset is a virtual key with z = 0: m starts at 0 and l at the offset.
+    m0 = jnp.full((bq,), 0.0 if offset > 0 else -jnp.inf, jnp.float32)
+    l0 = jnp.full((bq,), offset, jnp.float32)
+    acc, m, l = lax.fori_loop(0, hi, body, (acc0, m0, l0))
+    empty = l == 0  # no valid key; a NaN l propagates
+    l_safe = jnp.where(empty, 1.0, l)
+    os_ = [jnp.where(empty[:, None], 0.0, a / l_safe[:, None]) for a in acc]
+    st = jnp.where(empty, jnp.inf, jnp.where(m == -jnp.inf, 0.0, m) + jnp.log2(l_safe))
+  else:
+    norm = w.normalization
+    count = norm == "length" and cfg.needs_valid(has_mask)
+
+    def body(j, carry):
+      acc, l = carry
+      z, vs, valid = tile(j)
+      f = _f(cfg, z, valid)
+      acc = tuple(a + d for a, d in zip(acc, pv(f, vs), strict=True))
+      if norm == "sum":
+        l = l + jnp.sum(f, axis=1)
+      elif count and valid is not None:
+        l = l + jnp.sum(valid.astype(jnp.float32), axis=1)
+      return acc, l
+
+    acc, l = lax.fori_loop(0, hi, body, (acc0, jnp.zeros((bq,), jnp.float32)))
+    inv, st = _normalize(cfg, l, count, offset)
+    os_ = [a if inv is None else a * inv[:, None] for a in acc]
+  _store_chunks(o_ref, os_, vc)
+  stat_ref[...] = st
+
+
+def _normalize(cfg: KernelConfig, l, count: bool, offset: float):
+  """(1/normalizer or None for ``"none"``, row statistic) of a non-online-max weighting."""
+  norm = cfg.w.normalization
+  if norm == "none":
+    return None, jnp.ones_like(l)
+  if norm == "sum":
+    l = l + offset
+  elif not count:
+    l = jnp.full_like(l, float(cfg.s))
+  empty = l == 0
+  return jnp.where(empty, 0.0, 1.0 / jnp.where(empty, 1.0, l)), l
+
+
+def _gpu_specs_bias(x: Array | None, block: tuple[int, ...], index: Callable) -> list:
+  if x is None:
+    return []
+  shape = x.shape
+  blk = tuple(1 if d == 1 else b for d, b in zip(shape, block, strict=True))
+  blk = (None, None) + blk[2:]  # batch and head dims are squeezed
+  return [pl.BlockSpec(blk, lambda *ids: _bcast_index(shape, index(*ids)))]
+
+
+def _gpu_forward(cfg: KernelConfig, q, k, v, bias, mask, q_len, kv_len):
+  b, tp, n, hp = q.shape
+  hvp = v.shape[-1]
+  bq, g = cfg.bq, cfg.g
+  in_specs = [
+      pl.BlockSpec((None, bq, None, hp), lambda i, bb, h: (bb, i, h, 0)),
+      pl.BlockSpec((None, cfg.sp, None, hp), lambda i, bb, h: (bb, 0, lax.div(h, g), 0)),
+      pl.BlockSpec((None, cfg.sp, None, hvp), lambda i, bb, h: (bb, 0, lax.div(h, g), 0)),
+  ]
+  for x in (bias, mask):
+    in_specs += _gpu_specs_bias(x, (1, 1, bq, cfg.sp), lambda i, bb, h: (bb, h, i, 0))
+  in_specs += [pl.BlockSpec((1,), lambda i, bb, h: (bb,))] * 2
+  kernel = functools.partial(_gpu_fwd_kernel, cfg=cfg, has_bias=bias is not None,
+                             has_mask=mask is not None)
+  args = [x for x in (q, k, v, bias, mask) if x is not None] + [q_len, kv_len]
+  return pl.pallas_call(
+      kernel, grid=(tp // bq, b, n), in_specs=in_specs,
+      out_specs=[pl.BlockSpec((None, bq, None, hvp), lambda i, bb, h: (bb, i, h, 0)),
+                 pl.BlockSpec((None, None, bq), lambda i, bb, h: (bb, h, i))],
+      out_shape=[jax.ShapeDtypeStruct((b, tp, n, hvp), q.dtype),
+                 jax.ShapeDtypeStruct((b, n, tp), jnp.float32)],
+      compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+      interpret=cfg.interpret, name="attnx_pallas_fwd")(*args)
+
+
+def _gpu_dq_kernel(*refs, cfg: KernelConfig, has_bias: bool, has_mask: bool, want_ds: bool):
+  it = iter(refs)
+  q_ref, k_ref, v_ref, do_ref, r0_ref, r1_ref, dl_ref = (next(it) for _ in range(7))
+  bias_ref = next(it) if has_bias else None
+  mask_ref = next(it) if has_mask else None
+  qlen_ref, kvlen_ref, dq_ref = next(it), next(it), next(it)
+  ds_ref = next(it) if want_ds else None
+  bq, bk = cfg.bq_dq, cfg.bk_dq
+  hc, vc = head_chunks(q_ref.shape[-1]), head_chunks(v_ref.shape[-1])
+  i = pl.program_id(0)
+  q_len, kv_len = qlen_ref[0], kvlen_ref[0]
+  qs, dos = _load_chunks(q_ref, slice(None), hc), _load_chunks(do_ref, slice(None), vc)
+  r0, r1, delta = r0_ref[...][:, None], r1_ref[...][:, None], dl_ref[...][:, None]
+  gq, gb = cfg.grad_mult
+
+  def body(j, dq):
+    c0 = j * bk
+    rows = pl.ds(c0, bk)
+    ks, vs = _load_chunks(k_ref, rows, hc), _load_chunks(v_ref, rows, vc)
+    z = _scores(cfg, qs, ks, None if bias_ref is None else _cols(bias_ref, c0, bk))
+    mask_t = None if mask_ref is None else _cols(mask_ref, c0, bk)
+    valid = _valid(cfg, (bq, bk), i * bq, c0, mask_t, q_len, kv_len)
+    _, dz = _bwd_tile(cfg, z, valid, _dot_chunks(dos, vs), r0, r1, delta)
+    if ds_ref is not None:
+      ds_ref[:, rows] = dz * gb if gb != 1.0 else dz
+    return tuple(a + jnp.dot(dz.astype(k.dtype), k, preferred_element_type=jnp.float32)
+                 for a, k in zip(dq, ks, strict=True))
+
+  hi = _kv_hi(cfg, i, bq, bk, q_len, kv_len)
+  dq = lax.fori_loop(0, hi, body, tuple(jnp.zeros((bq, c), jnp.float32) for _, c in hc))
+  _store_chunks(dq_ref, dq, hc, gq)
+  if ds_ref is not None:  # tiles the loop skipped get a zero score cotangent
+    def zero(j, c):
+      ds_ref[:, pl.ds(j * bk, bk)] = jnp.zeros((bq, bk), jnp.float32)
+      return c
+    lax.fori_loop(hi, cfg.sp // bk, zero, 0)
+
+
+def _gpu_dkv_kernel(*refs, cfg: KernelConfig, has_bias: bool, has_mask: bool):
+  it = iter(refs)
+  q_ref, k_ref, v_ref, do_ref, r0_ref, r1_ref, dl_ref = (next(it) for _ in range(7))
+  bias_ref = next(it) if has_bias else None
+  mask_ref = next(it) if has_mask else None
+  qlen_ref, kvlen_ref, dk_ref, dv_ref = next(it), next(it), next(it), next(it)
+  bq, bk = cfg.bq_dkv, cfg.bk_dkv
+  hc, vc = head_chunks(k_ref.shape[-1]), head_chunks(v_ref.shape[-1])
+  j = pl.program_id(0)
+  q_len, kv_len = qlen_ref[0], kvlen_ref[0]
+  ks, vs = _load_chunks(k_ref, slice(None), hc), _load_chunks(v_ref, slice(None), vc)
+  c0 = j * bk
+  lo, hi = _q_range(cfg, j, bq, bk, q_len, kv_len)
+  gq, _ = cfg.grad_mult
+
+  def head(h, carry):
+    def q_block(i, carry):
+      dk, dv = carry
+      r = pl.ds(i * bq, bq)
+      qs, dos = _load_chunks3(q_ref, r, h, hc), _load_chunks3(do_ref, r, h, vc)
+      r0, r1, delta = r0_ref[h, r][:, None], r1_ref[h, r][:, None], dl_ref[h, r][:, None]
+      bias_t = mask_t = None
+      if bias_ref is not None:
+        bias_t = bias_ref[h if bias_ref.shape[0] > 1 else 0,
+                          r if bias_ref.shape[1] > 1 else pl.ds(0, 1), :]
+      if mask_ref is not None:
+        mask_t = mask_ref[h if mask_ref.shape[0] > 1 else 0,
+                          r if mask_ref.shape[1] > 1 else pl.ds(0, 1), :]
+      z = _scores(cfg, qs, ks, bias_t)
+      valid = _valid(cfg, (bq, bk), i * bq, c0, mask_t, q_len, kv_len)
+      p, dz = _bwd_tile(cfg, z, valid, _dot_chunks(dos, vs), r0, r1, delta)
+      pt, dzt = p.astype(dos[0].dtype).T, dz.astype(qs[0].dtype).T
+      dv = tuple(a + jnp.dot(pt, do, preferred_element_type=jnp.float32)
+                 for a, do in zip(dv, dos, strict=True))
+      dk = tuple(a + jnp.dot(dzt, q, preferred_element_type=jnp.float32)
+                 for a, q in zip(dk, qs, strict=True))
+      return dk, dv
+    return lax.fori_loop(lo, hi, q_block, carry)
+
+  init = (tuple(jnp.zeros((bk, c), jnp.float32) for _, c in hc),
+          tuple(jnp.zeros((bk, c), jnp.float32) for _, c in vc))
+  dk, dv = lax.fori_loop(0, cfg.g, head, init)
+  _store_chunks(dk_ref, dk, hc, gq)
+  _store_chunks(dv_ref, dv, vc)
+
+
+def _gpu_backward(cfg: KernelConfig, q, k, v, bias, mask, q_len, kv_len, do, rows, want_ds):
+  b, tp, n, hp = q.shape
+  _, sp, kh, _ = k.shape
+  hvp = v.shape[-1]
+  g = cfg.g
+  has = dict(has_bias=bias is not None, has_mask=mask is not None)
+  lens = [pl.BlockSpec((1,), lambda i, bb, h: (bb,))] * 2
+  params = plgpu.CompilerParams(num_warps=cfg.num_warps_bwd, num_stages=cfg.num_stages_bwd)
+  args = [q, k, v, do, *rows] + [x for x in (bias, mask) if x is not None] + [q_len, kv_len]
+
+  # dQ (and dS): grid over query tiles of every query head.
+  bq, kv = cfg.bq_dq, lambda i, bb, h: (bb, 0, lax.div(h, g), 0)
+  in_specs = [pl.BlockSpec((None, bq, None, hp), lambda i, bb, h: (bb, i, h, 0)),
+              pl.BlockSpec((None, sp, None, hp), kv), pl.BlockSpec((None, sp, None, hvp), kv),
+              pl.BlockSpec((None, bq, None, hvp), lambda i, bb, h: (bb, i, h, 0))]
+  in_specs += [pl.BlockSpec((None, None, bq), lambda i, bb, h: (bb, h, i))] * 3
+  for x in (bias, mask):
+    in_specs += _gpu_specs_bias(x, (1, 1, bq, sp), lambda i, bb, h: (bb, h, i, 0))
+  out_specs = [pl.BlockSpec((None, bq, None, hp), lambda i, bb, h: (bb, i, h, 0))]
+  out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
+  if want_ds:
+    out_specs.append(pl.BlockSpec((None, None, bq, sp), lambda i, bb, h: (bb, h, i, 0)))
+    out_shape.append(jax.ShapeDtypeStruct((b, n, tp, sp), jnp.float32))
+  res = pl.pallas_call(
+      functools.partial(_gpu_dq_kernel, cfg=cfg, want_ds=want_ds, **has),
+      grid=(tp // bq, b, n), in_specs=in_specs + lens, out_specs=out_specs,
+      out_shape=out_shape, compiler_params=params, interpret=cfg.interpret,
+      name="attnx_pallas_dq")(*args)
+  dq, ds = res[0], (res[1] if want_ds else None)
+
+  # dK, dV: grid over key tiles of every kv head; the G query heads of a kv head in-kernel.
+  bk = cfg.bk_dkv
+  in_specs = [pl.BlockSpec((None, tp, g, hp), lambda j, bb, h: (bb, 0, h, 0)),
+              pl.BlockSpec((None, bk, None, hp), lambda j, bb, h: (bb, j, h, 0)),
+              pl.BlockSpec((None, bk, None, hvp), lambda j, bb, h: (bb, j, h, 0)),
+              pl.BlockSpec((None, tp, g, hvp), lambda j, bb, h: (bb, 0, h, 0))]
+  in_specs += [pl.BlockSpec((None, g, tp), lambda j, bb, h: (bb, h, 0))] * 3
+  for x in (bias, mask):
+    if x is None:
+      continue
+    shape = x.shape
+    blk = (None, 1 if shape[1] == 1 else g, 1 if shape[2] == 1 else tp, 1 if shape[3] == 1 else bk)
+    in_specs.append(pl.BlockSpec(
+        blk, lambda j, bb, h, shape=shape: _bcast_index(shape, (bb, h, 0, j))))
+  out_specs = [pl.BlockSpec((None, bk, None, hp), lambda j, bb, h: (bb, j, h, 0)),
+               pl.BlockSpec((None, bk, None, hvp), lambda j, bb, h: (bb, j, h, 0))]
+  dk, dv = pl.pallas_call(
+      functools.partial(_gpu_dkv_kernel, cfg=cfg, **has),
+      grid=(sp // bk, b, kh), in_specs=in_specs + lens, out_specs=out_specs,
+      out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+      compiler_params=params, interpret=cfg.interpret, name="attnx_pallas_dkv")(*args)
+  return dq, dk, dv, ds
+
+
+# --------------------------------------------------------------------------------------------
+# TPU (Mosaic): [B, N, T, H] layout, keys (or queries) as the last "arbitrary" grid axis,
+# VMEM scratch accumulators, lengths as scalar prefetch (SMEM).
+# --------------------------------------------------------------------------------------------
+
+def _lanes(x, n: int):
+  """A lane-replicated [rows, 128] value as [rows, n] (n a multiple of 128, or below it)."""
+  if n % LANES == 0:
+    return jnp.tile(x, (1, n // LANES)) if n != LANES else x
+  if n < LANES:
+    return x[:, :n]
+  return jnp.tile(x, (1, -(-n // LANES)))[:, :n]
+
+
+def _tpu_tile(ref):
+  return None if ref is None else ref[...]
+
+
+def _tpu_fwd_kernel(*refs, cfg: KernelConfig, has_bias: bool, has_mask: bool):
+  it = iter(refs)
+  qlen_ref, kvlen_ref, q_ref, k_ref, v_ref = (next(it) for _ in range(5))
+  bias_ref = next(it) if has_bias else None
+  mask_ref = next(it) if has_mask else None
+  o_ref, stat_ref = next(it), next(it)
+  w, bq, bk = cfg.w, cfg.bq, cfg.bk
+  scratch = list(it)
+  b, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
+  q_len, kv_len = qlen_ref[b], kvlen_ref[b]
+  hv = v_ref.shape[-1]
+  offset = float(w.denominator_offset)
+  norm = w.normalization
+  count = norm == "length" and cfg.needs_valid(has_mask)
+
+  if w.online_max:
+    m_sc, l_sc, acc_sc = scratch
+  else:
+    l_sc, acc_sc = scratch
+
+  @pl.when(j == 0)
+  def _init():
+    acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
+    l_sc[...] = jnp.full(l_sc.shape, offset if w.online_max else 0.0, jnp.float32)
+    if w.online_max:
+      m_sc[...] = jnp.full(m_sc.shape, 0.0 if offset > 0 else -jnp.inf, jnp.float32)
+
+  @pl.when(j < _kv_hi(cfg, i, bq, bk, q_len, kv_len))
+  def _run():
+    z = _scores(cfg, [q_ref[...]], [k_ref[...]], _tpu_tile(bias_ref))
+    valid = _valid(cfg, (bq, bk), i * bq, j * bk, _tpu_tile(mask_ref), q_len, kv_len)
+    v = v_ref[...]
+    if w.online_max:
+      if valid is not None:
+        z = jnp.where(valid, z, -jnp.inf)
+      m_prev, l_prev = m_sc[...], l_sc[...]  # [bq, 128]
+      m_new = jnp.maximum(m_prev, jnp.max(z, axis=1, keepdims=True))
+      m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+      p = jnp.exp2(z - _lanes(m_use, bk))
+      corr = jnp.exp2(m_prev - m_use)
+      l_sc[...] = corr * l_prev + jnp.sum(p, axis=1, keepdims=True)
+      m_sc[...] = m_new
+      pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+      acc_sc[...] = acc_sc[...] * _lanes(corr, hv) + pv
+    else:
+      f = _f(cfg, z, valid)
+      acc_sc[...] += jnp.dot(f.astype(v.dtype), v, preferred_element_type=jnp.float32)
+      if norm == "sum":
+        l_sc[...] += jnp.sum(f, axis=1, keepdims=True)
+      elif count and valid is not None:
+        l_sc[...] += jnp.sum(valid.astype(jnp.float32), axis=1, keepdims=True)
+
+  @pl.when(j == cfg.sp // bk - 1)
+  def _finish():
+    acc, l = acc_sc[...], l_sc[...]
+    if w.online_max:
+      m = m_sc[...]
+      empty = l == 0
+      l_safe = jnp.where(empty, 1.0, l)
+      o = jnp.where(_lanes(empty.astype(jnp.float32), hv) > 0, 0.0, acc / _lanes(l_safe, hv))
+      st = jnp.where(empty, jnp.inf, jnp.where(m == -jnp.inf, 0.0, m) + jnp.log2(l_safe))
+    else:
+      inv, st = _normalize(cfg, l, count, offset)
+      o = acc if inv is None else acc * _lanes(inv, hv)
+    o_ref[...] = o.astype(o_ref.dtype)
+    stat_ref[...] = st
+
+
+def _tpu_bias_spec(x: Array | None, bq: int, bk: int, index: Callable) -> list:
+  """[Bb, Nb, Tb, Sb] bias/mask: a (bq|1, bk|1) tile at the grid's (b, head, i, j)."""
+  if x is None:
+    return []
+  shape = x.shape
+  blk = (None, None, bq if shape[2] > 1 else 1, bk if shape[3] > 1 else 1)
+  return [pl.BlockSpec(blk, lambda *ids: _bcast_index(shape, index(*ids)))]
+
+
+def _tpu_params(n_parallel: int, n_arbitrary: int):
+  return pltpu.CompilerParams(
+      dimension_semantics=("parallel",) * n_parallel + ("arbitrary",) * n_arbitrary)
+
+
+def _kv_clamp(cfg: KernelConfig, b, i, j, bq, bk, ql, kl):
+  """Key tile to fetch at grid step j: a skipped tile repeats the last needed one (no DMA)."""
+  hi = _kv_hi(cfg, i, bq, bk, ql[b], kl[b])
+  return jnp.minimum(j, jnp.maximum(hi - 1, 0))
+
+
+def _tpu_forward(cfg: KernelConfig, q, k, v, bias, mask, q_len, kv_len):
+  b, n, tp, h = q.shape
+  hv = v.shape[-1]
+  bq, bk, g = cfg.bq, cfg.bk, cfg.g
+
+  def kv_map(bb, hh, i, j, ql, kl):
+    return bb, lax.div(hh, g), _kv_clamp(cfg, bb, i, j, bq, bk, ql, kl), 0
+
+  def bias_map(bb, hh, i, j, ql, kl):
+    return bb, hh, i, _kv_clamp(cfg, bb, i, j, bq, bk, ql, kl)
+
+  in_specs = [pl.BlockSpec((None, None, bq, h), lambda bb, hh, i, j, *_: (bb, hh, i, 0)),
+              pl.BlockSpec((None, None, bk, h), kv_map),
+              pl.BlockSpec((None, None, bk, hv), kv_map)]
+  for x in (bias, mask):
+    in_specs += _tpu_bias_spec(x, bq, bk, bias_map)
+  out_map = lambda bb, hh, i, j, *_: (bb, hh, i, 0)
+  scratch = [pltpu.VMEM((bq, LANES), jnp.float32), pltpu.VMEM((bq, hv), jnp.float32)]
+  if cfg.w.online_max:
+    scratch = [pltpu.VMEM((bq, LANES), jnp.float32)] + scratch
+  o, st = pl.pallas_call(
+      functools.partial(_tpu_fwd_kernel, cfg=cfg, has_bias=bias is not None,
+                        has_mask=mask is not None),
+      grid_spec=pltpu.PrefetchScalarGridSpec(
+          num_scalar_prefetch=2, grid=(b, n, tp // bq, cfg.sp // bk), in_specs=in_specs,
+          out_specs=[pl.BlockSpec((None, None, bq, hv), out_map),
+                     pl.BlockSpec((None, None, bq, LANES), out_map)],
+          scratch_shapes=scratch),
+      out_shape=[jax.ShapeDtypeStruct((b, n, tp, hv), q.dtype),
+                 jax.ShapeDtypeStruct((b, n, tp, LANES), jnp.float32)],
+      compiler_params=_tpu_params(3, 1), interpret=cfg.interpret, name="attnx_pallas_fwd",
+  )(q_len, kv_len, *[x for x in (q, k, v, bias, mask) if x is not None])
+  return o, st[..., 0]
+
+
+def _tpu_dq_kernel(*refs, cfg: KernelConfig, has_bias: bool, has_mask: bool, want_ds: bool):
+  it = iter(refs)
+  qlen_ref, kvlen_ref = next(it), next(it)
+  q_ref, k_ref, v_ref, do_ref, r0_ref, r1_ref, dl_ref = (next(it) for _ in range(7))
+  bias_ref = next(it) if has_bias else None
+  mask_ref = next(it) if has_mask else None
+  dq_ref = next(it)
+  ds_ref = next(it) if want_ds else None
+  dq_sc = next(it)
+  bq, bk = cfg.bq_dq, cfg.bk_dq
+  b, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
+  q_len, kv_len = qlen_ref[b], kvlen_ref[b]
+  gq, gb = cfg.grad_mult
+
+  @pl.when(j == 0)
+  def _init():
+    dq_sc[...] = jnp.zeros(dq_sc.shape, jnp.float32)
+
+  run = j < _kv_hi(cfg, i, bq, bk, q_len, kv_len)
+
+  @pl.when(run)
+  def _run():
+    q, k, v, do = q_ref[...], k_ref[...], v_ref[...], do_ref[...]
+    z = _scores(cfg, [q], [k], _tpu_tile(bias_ref))
+    valid = _valid(cfg, (bq, bk), i * bq, j * bk, _tpu_tile(mask_ref), q_len, kv_len)
+    dp = lax.dot_general(do, v, _NT, preferred_element_type=jnp.float32)
+    rows = [_lanes(r[...], bk) for r in (r0_ref, r1_ref, dl_ref)]
+    _, dz = _bwd_tile(cfg, z, valid, dp, *rows)
+    if ds_ref is not None:
+      ds_ref[...] = dz * gb if gb != 1.0 else dz
+    dq_sc[...] += jnp.dot(dz.astype(k.dtype), k, preferred_element_type=jnp.float32)
+
+  if ds_ref is not None:
+    @pl.when(jnp.logical_not(run))
+    def _skip():
+      ds_ref[...] = jnp.zeros(ds_ref.shape, ds_ref.dtype)
+
+  @pl.when(j == cfg.sp // bk - 1)
+  def _finish():
+    dq_ref[...] = (dq_sc[...] * gq).astype(dq_ref.dtype)
+
+
+def _tpu_dkv_kernel(*refs, cfg: KernelConfig, has_bias: bool, has_mask: bool):
+  it = iter(refs)
+  qlen_ref, kvlen_ref = next(it), next(it)
+  q_ref, k_ref, v_ref, do_ref, r0_ref, r1_ref, dl_ref = (next(it) for _ in range(7))
+  bias_ref = next(it) if has_bias else None
+  mask_ref = next(it) if has_mask else None
+  dk_ref, dv_ref, dk_sc, dv_sc = next(it), next(it), next(it), next(it)
+  bq, bk = cfg.bq_dkv, cfg.bk_dkv
+  b, j, h, i = pl.program_id(0), pl.program_id(2), pl.program_id(3), pl.program_id(4)
+  q_len, kv_len = qlen_ref[b], kvlen_ref[b]
+  gq, _ = cfg.grad_mult
+  lo, hi = _q_range(cfg, j, bq, bk, q_len, kv_len)
+
+  @pl.when((h == 0) & (i == 0))
+  def _init():
+    dk_sc[...] = jnp.zeros(dk_sc.shape, jnp.float32)
+    dv_sc[...] = jnp.zeros(dv_sc.shape, jnp.float32)
+
+  @pl.when((i >= lo) & (i < hi))
+  def _run():
+    q, k, v, do = q_ref[...], k_ref[...], v_ref[...], do_ref[...]
+    z = _scores(cfg, [q], [k], _tpu_tile(bias_ref))
+    valid = _valid(cfg, (bq, bk), i * bq, j * bk, _tpu_tile(mask_ref), q_len, kv_len)
+    dp = lax.dot_general(do, v, _NT, preferred_element_type=jnp.float32)
+    rows = [_lanes(r[...], bk) for r in (r0_ref, r1_ref, dl_ref)]
+    p, dz = _bwd_tile(cfg, z, valid, dp, *rows)
+    # Transposed in float32, then cast (as JAX's TPU flash kernel).
+    dv_sc[...] += jnp.dot(p.T.astype(do.dtype), do, preferred_element_type=jnp.float32)
+    dk_sc[...] += jnp.dot(dz.T.astype(q.dtype), q, preferred_element_type=jnp.float32)
+
+  @pl.when((h == cfg.g - 1) & (i == cfg.tp // bq - 1))
+  def _finish():
+    dk_ref[...] = (dk_sc[...] * gq).astype(dk_ref.dtype)
+    dv_ref[...] = dv_sc[...].astype(dv_ref.dtype)
+
+
+def _tpu_backward(cfg: KernelConfig, q, k, v, bias, mask, q_len, kv_len, do, rows, want_ds):
+  b, n, tp, h = q.shape
+  _, kh, sp, _ = k.shape
+  hv = v.shape[-1]
+  g = cfg.g
+  has = dict(has_bias=bias is not None, has_mask=mask is not None)
+  rows = [_to_lanes_all(r) for r in rows]
+  args = [q, k, v, do, *rows] + [x for x in (bias, mask) if x is not None]
+
+  # dQ (and dS): grid (B, N, query tiles, key tiles).
+  bq, bk = cfg.bq_dq, cfg.bk_dq
+  row_map = lambda bb, hh, i, j, *_: (bb, hh, i, 0)
+
+  def kv_map(bb, hh, i, j, ql, kl):
+    return bb, lax.div(hh, g), _kv_clamp(cfg, bb, i, j, bq, bk, ql, kl), 0
+
+  def bias_map(bb, hh, i, j, ql, kl):
+    return bb, hh, i, _kv_clamp(cfg, bb, i, j, bq, bk, ql, kl)
+
+  in_specs = [pl.BlockSpec((None, None, bq, h), row_map), pl.BlockSpec((None, None, bk, h), kv_map),
+              pl.BlockSpec((None, None, bk, hv), kv_map),
+              pl.BlockSpec((None, None, bq, hv), row_map)]
+  in_specs += [pl.BlockSpec((None, None, bq, LANES), row_map)] * 3
+  for x in (bias, mask):
+    in_specs += _tpu_bias_spec(x, bq, bk, bias_map)
+  out_specs = [pl.BlockSpec((None, None, bq, h), row_map)]
+  out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
+  if want_ds:
+    out_specs.append(pl.BlockSpec((None, None, bq, bk), lambda bb, hh, i, j, *_: (bb, hh, i, j)))
+    out_shape.append(jax.ShapeDtypeStruct((b, n, tp, sp), jnp.float32))
+  res = pl.pallas_call(
+      functools.partial(_tpu_dq_kernel, cfg=cfg, want_ds=want_ds, **has),
+      grid_spec=pltpu.PrefetchScalarGridSpec(
+          num_scalar_prefetch=2, grid=(b, n, tp // bq, sp // bk), in_specs=in_specs,
+          out_specs=out_specs, scratch_shapes=[pltpu.VMEM((bq, h), jnp.float32)]),
+      out_shape=out_shape, compiler_params=_tpu_params(3, 1), interpret=cfg.interpret,
+      name="attnx_pallas_dq")(q_len, kv_len, *args)
+  dq, ds = res[0], (res[1] if want_ds else None)
+
+  # dK, dV: grid (B, K, key tiles, G, query tiles); the last two accumulate in VMEM.
+  bq, bk = cfg.bq_dkv, cfg.bk_dkv
+
+  def q_clamp(bb, j, i, ql, kl):
+    lo, hi = _q_range(cfg, j, bq, bk, ql[bb], kl[bb])
+    return jnp.minimum(jnp.maximum(i, lo), jnp.maximum(hi - 1, lo))
+
+  def qrow_map(bb, hh, j, gg, i, ql, kl):
+    return bb, hh * g + gg, q_clamp(bb, j, i, ql, kl), 0
+
+  def bias_map_kv(bb, hh, j, gg, i, ql, kl):
+    return bb, hh * g + gg, q_clamp(bb, j, i, ql, kl), j
+
+  kv_map2 = lambda bb, hh, j, *_: (bb, hh, j, 0)
+  in_specs = [pl.BlockSpec((None, None, bq, h), qrow_map),
+              pl.BlockSpec((None, None, bk, h), kv_map2),
+              pl.BlockSpec((None, None, bk, hv), kv_map2),
+              pl.BlockSpec((None, None, bq, hv), qrow_map)]
+  in_specs += [pl.BlockSpec((None, None, bq, LANES), qrow_map)] * 3
+  for x in (bias, mask):
+    in_specs += _tpu_bias_spec(x, bq, bk, bias_map_kv)
+  dk, dv = pl.pallas_call(
+      functools.partial(_tpu_dkv_kernel, cfg=cfg, **has),
+      grid_spec=pltpu.PrefetchScalarGridSpec(
+          num_scalar_prefetch=2, grid=(b, kh, sp // bk, g, tp // bq), in_specs=in_specs,
+          out_specs=[pl.BlockSpec((None, None, bk, h), kv_map2),
+                     pl.BlockSpec((None, None, bk, hv), kv_map2)],
+          scratch_shapes=[pltpu.VMEM((bk, h), jnp.float32), pltpu.VMEM((bk, hv), jnp.float32)]),
+      out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+      compiler_params=_tpu_params(3, 2), interpret=cfg.interpret, name="attnx_pallas_dkv",
+  )(q_len, kv_len, *args)
+  return dq, dk, dv, ds
+
+
+def _to_lanes_all(r: Array) -> Array:
+  """[B, N, Tp] row values -> [B, N, Tp, 128] (lane-replicated, as the TPU kernels read them)."""
+  return jnp.broadcast_to(r[..., None], r.shape + (LANES,))
+
+
+# --------------------------------------------------------------------------------------------
+# Entry points: [B, Tp, N, H] arrays in, [B, Tp, N, Hv] out, on either backend.
+# --------------------------------------------------------------------------------------------
+
+def _bnth(x: Array) -> Array:
+  return x.transpose(0, 2, 1, 3)
+
+
+def forward(cfg: KernelConfig, q, k, v, bias, mask, q_len, kv_len) -> tuple[Array, Array]:
+  """O [B, Tp, N, Hv] (q's dtype) and the row statistic [B, N, Tp] (float32).
+
+  ``bias``/``mask``: [Bb, Nb, Tb, Sb] with every dim 1 or full (mask as int8/int32).
+  """
+  if cfg.backend == "gpu":
+    return _gpu_forward(cfg, q, k, v, bias, mask, q_len, kv_len)
+  o, st = _tpu_forward(cfg, _bnth(q), _bnth(k), _bnth(v), bias, mask, q_len, kv_len)
+  return _bnth(o), st
+
+
+def backward(cfg: KernelConfig, q, k, v, bias, mask, q_len, kv_len, do, rows,
+             want_ds: bool) -> tuple[Array, Array, Array, Array | None]:
+  """dq, dk, dv (input dtypes) and, when ``want_ds``, dS [B, N, Tp, Sp] float32.
+
+  ``rows``: the three per-row values (r0, r1, delta), each [B, N, Tp] float32 (see
+  :func:`_bwd_tile`).
+  """
+  if cfg.backend == "gpu":
+    return _gpu_backward(cfg, q, k, v, bias, mask, q_len, kv_len, do, rows, want_ds)
+  dq, dk, dv, ds = _tpu_backward(cfg, _bnth(q), _bnth(k), _bnth(v), bias, mask, q_len,
+                                 kv_len, _bnth(do), rows, want_ds)
+  return _bnth(dq), _bnth(dk), _bnth(dv), ds

@@ -1,0 +1,243 @@
+"""Experiments as declarations: tasks × variants → train → evaluate → compare → report.
+
+A comparison experiment states *what* it compares and leaves *how* to this module:
+
+    tasks = [Task(name="digits", dataset="digits", build_model=vit, metric="accuracy", ...)]
+    variants = [Variant("softmax", attention_spec("softmax")), Variant("relu", ...)]
+    return run_comparison(config, workdir, title=..., claim=..., tasks=tasks,
+                          variants=variants, reference="softmax")
+
+:func:`run_comparison` reads each task's data once through :mod:`attnx.data`, trains every
+variant with :func:`attnx.train.fit` (seeds vmapped, data parallelism, checkpoints and resume
+from the config), scores it with the task's named evaluators (:mod:`attnx.train.evaluators`),
+compares every variant with the reference by the one verdict rule
+(:mod:`attnx.train.verdict`) and writes the report: a table per task, learning curves, a
+summary across tasks, the verdicts with the rule stated, ``results.json`` and
+``final_metrics.json``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import ml_collections
+import numpy as np
+
+from attnx.train import evaluators as evaluators_lib
+from attnx.train import verdict as verdict_lib
+from attnx.train.config import FitConfig
+from attnx.train.data import loader
+from attnx.train.loop import FitResult, NonFiniteLossError, fit
+from attnx.train.report import Report, mean_std, plot_learning_curves
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+  """One task of a comparison: data, model builder, loss, evaluators and the primary metric.
+
+  Attributes:
+    name: label in reports and run names.
+    dataset: an :mod:`attnx.data` dataset name; ``data_kwargs`` are its builder config.
+    build_model: ``variant.spec -> flax module`` (the same builder for every variant).
+    loss: a loss name (:data:`attnx.train.LOSSES`) or a loss function.
+    evaluators: evaluator names (:func:`attnx.train.evaluators.list_evaluators`).
+    metric: the primary metric (an evaluator output) that tables and verdicts use.
+    higher_is_better: orientation of ``metric``.
+    margin: δ of the verdict rule for ``metric`` (the difference that counts as equal).
+    description: one line for the report.
+    eval_split, eval_limit: the evaluation split and a cap on its examples (CPU budget).
+    keys: the arrays read from the dataset.
+    extra_report: optional ``(report, task_result) -> None`` adding task-specific tables or
+      figures (e.g. a baseline curve) after the standard ones.
+  """
+
+  name: str
+  dataset: str
+  build_model: Callable[[Any], Any]
+  metric: str
+  higher_is_better: bool = True
+  margin: float = 0.01
+  loss: Any = "softmax_xent"
+  evaluators: tuple[str, ...] = ("accuracy", "loss")
+  description: str = ""
+  data_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+  eval_split: str = "test"
+  eval_limit: int | None = None
+  keys: tuple[str, ...] = ("inputs", "targets")
+  extra_report: Callable[[Report, Any], None] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+  """One compared variant: a label and what ``Task.build_model`` takes."""
+
+  name: str
+  spec: Any
+
+
+@dataclasses.dataclass
+class TaskResult:
+  """What one task produced: per-variant fits and metrics, failures, comparisons."""
+
+  task: Task
+  arrays: dict[str, dict[str, np.ndarray]]  # split -> arrays
+  fits: dict[str, FitResult]
+  failures: dict[str, str]
+  comparisons: dict[str, verdict_lib.Comparison]  # variant -> vs the reference
+
+  def metric(self, variant: str, name: str | None = None) -> np.ndarray:
+    return np.asarray(self.fits[variant].final_metrics[name or self.task.metric])
+
+
+def load_task_arrays(task: Task) -> dict[str, dict[str, np.ndarray]]:
+  """{"train": arrays, "eval": arrays} of a task through :func:`attnx.data.load_arrays`."""
+  from attnx import data
+
+  def read(split: str, limit: int | None) -> dict[str, np.ndarray]:
+    arrays = data.load_arrays(task.dataset, split=split, **dict(task.data_kwargs))
+    out = {k: np.asarray(arrays[k]) for k in task.keys if k in arrays}
+    return out if limit is None else {k: v[:limit] for k, v in out.items()}
+
+  return {"train": read("train", None), "eval": read(task.eval_split, task.eval_limit)}
+
+
+def run_name(task: str, variant: str) -> str:
+  """A file-system-safe run name (checkpoints, logs) for a (task, variant) pair."""
+  return f"{task}-{re.sub(r'[^A-Za-z0-9_.-]+', '_', variant)}"
+
+
+def train_variant(config: ml_collections.ConfigDict, workdir: str, task: Task,
+                  variant: Variant, arrays: Mapping[str, Mapping[str, np.ndarray]]) -> FitResult:
+  """Trains ``variant`` on ``task`` with the config's budget; evaluates with the task's
+  evaluators every ``eval_every`` steps and at the end."""
+  model = task.build_model(variant.spec)
+  eval_fn = evaluators_lib.make_eval_fn(task.evaluators, model, arrays["eval"], task)
+  return fit(model, train_data=loader(arrays["train"], config.batch_size,
+                                      config.get("data_pipeline", "numpy")),
+             config=FitConfig.from_config(config, loss=task.loss), eval_fn=eval_fn,
+             workdir=workdir, name=run_name(task.name, variant.name))
+
+
+def _scalar_metrics(res: FitResult) -> dict[str, np.ndarray]:
+  return {k: np.asarray(v) for k, v in res.final_metrics.items() if np.asarray(v).ndim == 1}
+
+
+def run_task(config: ml_collections.ConfigDict, workdir: str, task: Task,
+             variants: Sequence[Variant], reference: str | None) -> TaskResult:
+  """Trains every variant on one task and compares each with ``reference``."""
+  evaluators_lib.check_evaluators(task.evaluators)
+  arrays = load_task_arrays(task)
+  fits: dict[str, FitResult] = {}
+  failures: dict[str, str] = {}
+  for v in variants:
+    print(f"[{task.name}] {v.name}: training {config.num_seeds} seed(s) x {config.num_steps} "
+          "steps", flush=True)
+    try:
+      res = train_variant(config, workdir, task, v, arrays)
+    except NonFiniteLossError as e:
+      failures[v.name] = str(e)
+      print(f"[{task.name}] {v.name}: {e}", flush=True)
+      continue
+    fits[v.name] = res
+    msg = ", ".join(f"{k}={mean_std(x)}" for k, x in _scalar_metrics(res).items())
+    print(f"[{task.name}] {v.name}: {msg}; {1e3 * res.seconds_per_step:.2f} ms/step",
+          flush=True)
+  comparisons = {}
+  if reference in fits:
+    for name, res in fits.items():
+      if name != reference:
+        comparisons[name] = verdict_lib.compare(
+            res.final_metrics[task.metric], fits[reference].final_metrics[task.metric],
+            margin=task.margin, higher_is_better=task.higher_is_better, a_name=name,
+            b_name=reference, metric=task.metric)
+  return TaskResult(task, arrays, fits, failures, comparisons)
+
+
+def report_task(rep: Report, result: TaskResult, config: ml_collections.ConfigDict,
+                reference: str | None, label: str = "variant") -> bool | None:
+  """Table, learning curves and the verdict of one task; returns the claim's outcome there:
+  the best alternative is not worse than the reference (None: inconclusive or no reference)."""
+  import matplotlib.pyplot as plt
+
+  task = result.task
+  rep.section(f"Task: {task.name}")
+  if task.description:
+    rep.text(task.description)
+  rows = []
+  for name, res in result.fits.items():
+    row: dict[str, Any] = {label: name}
+    for k in dict.fromkeys((task.metric, "accuracy", "loss", "mse", "train_loss")):
+      if k in res.final_metrics:
+        row[k] = mean_std(res.final_metrics[k], ".4g")
+    if name in result.comparisons:
+      c = result.comparisons[name]
+      row[f"vs {reference}"] = c.outcome
+      row["95 % CI of difference"] = (f"[{c.ci_low:+.3g}, {c.ci_high:+.3g}]" if c.n > 1
+                                      else "—")
+    row["ms/step"] = 1e3 * res.seconds_per_step
+    row["compile s"] = res.compile_seconds
+    if res.start_step:
+      row["resumed from"] = res.start_step
+    rows.append(row)
+  for name, msg in result.failures.items():
+    rows.append({label: name, task.metric: "diverged", "note": msg.split(". ")[0]})
+  rep.table(rows, caption=f"{task.name}: final {task.eval_split} metrics after "
+                          f"{config.num_steps} steps (mean ± std over {config.num_seeds} seeds)")
+
+  histories = {w: r.history for w, r in result.fits.items()}
+  fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+  plot_learning_curves(histories, "loss", ax=axes[0], logy=True, title="train loss")
+  plot_learning_curves(histories, f"eval_{task.metric}", ax=axes[1],
+                       title=f"{task.eval_split} {task.metric}", ylabel=task.metric)
+  rep.figure(fig, f"{task.name}_curves", f"{task.name}: learning curves (mean ± std over seeds)")
+  if task.extra_report is not None and result.fits:
+    task.extra_report(rep, result)
+
+  if not result.comparisons:
+    return None
+  scores = {w: result.metric(w) for w in result.comparisons}
+  top = verdict_lib.best(scores, task.higher_is_better)
+  c = result.comparisons[top]
+  rep.text(verdict_lib.Comparison.rule(task.margin, c.n, task.metric))
+  rep.verdict(c.not_worse, f"on {task.name}, the best alternative is {c.sentence()}.")
+  return c.not_worse
+
+
+def run_comparison(config: ml_collections.ConfigDict, workdir: str, *, title: str, claim: str,
+                   tasks: Sequence[Task], variants: Sequence[Variant],
+                   reference: str | None = None, intro: str = "",
+                   label: str = "variant") -> dict[str, Any]:
+  """Trains every variant on every task, compares with ``reference``, writes the report.
+
+  ``label`` names the variants' column in tables (e.g. "weighting").
+
+  Returns {"report": path, "final_metrics": {task: {variant: {metric: [per seed]}}},
+  "tasks": {task: TaskResult}}.
+  """
+  rep = Report(title, workdir, config=config, claim=claim)
+  if intro:
+    rep.text(intro)
+  final: dict[str, dict[str, dict[str, list]]] = {}
+  summary: dict[str, dict[str, Any]] = {v.name: {label: v.name} for v in variants}
+  results: dict[str, TaskResult] = {}
+  for task in tasks:
+    result = run_task(config, workdir, task, variants, reference)
+    results[task.name] = result
+    final[task.name] = {w: {k: np.asarray(x).tolist() for k, x in r.final_metrics.items()}
+                        for w, r in result.fits.items()}
+    report_task(rep, result, config, reference, label)
+    for v in variants:
+      summary[v.name][task.name] = (mean_std(result.metric(v.name), ".4g")
+                                    if v.name in result.fits else "diverged")
+  if len(tasks) > 1:
+    rep.section("Summary across tasks")
+    rep.table(list(summary.values()), [label] + [t.name for t in tasks],
+              caption="Primary metric per task, mean ± std over seeds")
+  with open(os.path.join(workdir, "final_metrics.json"), "w") as f:
+    json.dump(final, f, indent=1)
+  return {"report": rep.write(), "final_metrics": final, "tasks": results}

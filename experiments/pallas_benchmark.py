@@ -1,0 +1,387 @@
+"""Pallas kernel benchmark: attnx's Pallas attention for every pointwise F vs cuDNN and JAX's flash.
+
+For each shape (B, T, N, H) with S = T, times the forward pass and forward+backward (grad of
+sum(out) w.r.t. q, k, v) on a GPU or TPU of
+
+* ``jax.nn.dot_product_attention`` with ``implementation="cudnn"`` (GPU) and ``"xla"``
+  (softmax; "xla" materializes the T×S scores and is skipped where they would not fit),
+* JAX's own Pallas flash softmax: ``jax.experimental.pallas.ops.gpu.attention.mha`` (Triton)
+  on a GPU, ``jax.experimental.pallas.ops.tpu.flash_attention`` on a TPU,
+* ``attnx.core.pallas_attention`` for softmax and every other pointwise F (the distance
+  kernels on score neg_sq_dist through ``Score.to_dot``, bandwidth h = √(2H)),
+
+in TFLOP/s, counting 4·B·N·T·S·H FLOPs for fwd and 3.5× that for fwd+bwd (FlashAttention-2's
+convention: 2 matmuls forward, 5 backward; halved when causal). The "Targets" table checks the
+kernel issue's target: every pointwise F at ≥ 60 % of cuDNN softmax's TFLOP/s at T ≥ 4096 (on
+a TPU, of JAX's Pallas flash softmax). On a CPU the benchmark needs an accelerator: it writes a
+report that says so and returns without measuring anything.
+
+Command:
+  python launch.py --config=experiments/pallas_benchmark.py:default --workdir=runs/pallas_benchmark
+  python experiments/pallas_benchmark.py --preset=quick --workdir=/tmp/pb
+Expected runtime on one H100: quick ≈ 5 min, default ≈ 20 min (mostly compilation).
+No numbers have been measured from this repository (its CI has no accelerator).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from typing import Any
+
+if __package__ in (None, ""):  # `python experiments/pallas_benchmark.py`: make the repo importable
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import ml_collections  # noqa: E402
+import numpy as np  # noqa: E402
+
+from attnx import train  # noqa: E402
+from attnx.core import weightings as wlib  # noqa: E402
+from attnx.core.blocked import blocked_attention  # noqa: E402
+from attnx.core.pallas_attention import pallas_attention  # noqa: E402
+from attnx.core.scores import get_score  # noqa: E402
+
+PRESETS = ("default", "quick", "tiny")
+# B·T = 16k tokens, 16 heads of 128 (FlashAttention-2's benchmark setup), T = 1k … 32k.
+DEFAULT_SHAPES = ("16x1024x16x128,8x2048x16x128,4x4096x16x128,2x8192x16x128,1x16384x16x128,"
+                  "1x32768x16x128")
+BASELINES = ("cudnn", "xla", "jax pallas flash")
+MODES = ("fwd", "fwd+bwd")
+OURS = "attnx pallas"
+GIB = 2.0**30
+COLUMNS = ["shape", "impl", "weighting", "mode", "time ms", "TFLOP/s", "vs cuDNN softmax",
+           "vs JAX flash", "max abs err", "note"]
+
+
+def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
+  """Config for ``preset`` in :data:`PRESETS`."""
+  name = "default" if preset in (None, "") else preset
+  if name not in PRESETS:
+    raise ValueError(f"Unknown preset {preset!r}; valid presets: {', '.join(PRESETS)}.")
+  c = train.base_config()
+  c.experiment = "pallas_benchmark"
+  c.preset = name
+  c.shapes = DEFAULT_SHAPES  # "BxTxNxH,..." (S = T)
+  c.weightings = ""  # empty = every pointwise weighting
+  c.baselines = ",".join(BASELINES)
+  c.modes = "fwd,fwd+bwd"
+  c.dtype = "bfloat16"
+  c.is_causal = False
+  c.block_q = 0  # 0 = the kernel's default tiles
+  c.block_k = 0
+  c.repeats = 10  # timed runs per case (median), after `warmup` untimed ones
+  c.warmup = 2
+  c.xla_max_gib = 16.0  # the "xla" baseline is skipped where its T×S scores need more
+  c.error_queries = 256  # max |pallas − blocked| over the first queries of the first shape
+  c.target_min_t = 4096
+  c.target_fraction = 0.6
+  if name == "quick":
+    c.shapes = "4x4096x16x128,1x16384x16x128"
+    c.repeats = 5
+  elif name == "tiny":
+    c.shapes = "1x1024x2x128"
+    c.weightings = "softmax,relu,gaussian"
+    c.repeats = 2
+    c.warmup = 1
+  return c
+
+
+def _shapes(config) -> list[tuple[int, int, int, int]]:
+  out = []
+  for item in train.split_list(config.shapes):
+    try:
+      b, t, n, h = (int(x) for x in item.lower().split("x"))
+    except ValueError:
+      raise ValueError(f"config.shapes: bad shape {item!r}; expected 'BxTxNxH'") from None
+    out.append((b, t, n, h))
+  return out
+
+
+def _weightings(config) -> list[str]:
+  return train.split_list(config.weightings) or wlib.list_weightings("pointwise")
+
+
+def validate_config(config: ml_collections.ConfigDict) -> None:
+  """Raises ValueError for bad shapes, modes, baselines, weightings or dtype."""
+  _shapes(config)
+  for key, valid in (("modes", MODES), ("baselines", BASELINES)):
+    bad = [m for m in train.split_list(config[key]) if m not in valid]
+    if bad:
+      raise ValueError(f"config.{key} has invalid entries {bad}; valid: {', '.join(valid)}")
+  for name in _weightings(config):
+    if not isinstance(wlib.get_weighting(name), wlib.Pointwise):
+      raise ValueError(f"config.weightings: {name!r} is not a pointwise (streamable) weighting")
+  if config.dtype not in ("bfloat16", "float16", "float32"):
+    raise ValueError(f"config.dtype must be bfloat16, float16 or float32, got {config.dtype!r}")
+
+
+def case_weighting(name: str, head_dim: int) -> tuple[str, str]:
+  """(weighting, score): distance kernels run on neg_sq_dist with h = √(2H) unless given."""
+  w = wlib.get_weighting(name)
+  if not w.distance_kernel:
+    return name, "scaled_dot"
+  if "h" not in wlib.parse_weighting_name(name)[1]:
+    name = f"{name}{',' if ':' in name else ':'}h={np.sqrt(2.0 * head_dim):.3g}"
+  return name, "neg_sq_dist"
+
+
+def accelerator() -> str | None:
+  """``"gpu"`` or ``"tpu"`` if JAX runs on one, else None."""
+  platform = jax.default_backend()
+  return platform if platform in ("gpu", "tpu") else None
+
+
+# --------------------------------------------------------------------------------------------
+# The functions under test.
+# --------------------------------------------------------------------------------------------
+
+def _attn_fn(impl: str, weighting: str, config, platform: str, head_dim: int):
+  """fn(q, k, v) -> out on [B, T, N, H] arrays, or None where impl does not exist here."""
+  causal = bool(config.is_causal)
+  sm_scale = 1.0 / math.sqrt(head_dim)
+  if impl in ("cudnn", "xla"):
+    if impl == "cudnn" and platform != "gpu":
+      return None
+    return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal,
+                                                        implementation=impl)
+  if impl == "jax pallas flash":
+    if platform == "gpu":
+      from jax.experimental.pallas.ops.gpu import attention as gpu_attention  # noqa: PLC0415
+      return lambda q, k, v: gpu_attention.mha(q, k, v, None, sm_scale=sm_scale, causal=causal)
+    from jax.experimental.pallas.ops.tpu import flash_attention as tpu_flash  # noqa: PLC0415
+    bnth = lambda x: x.transpose(0, 2, 1, 3)
+    return lambda q, k, v: bnth(tpu_flash.flash_attention(bnth(q), bnth(k), bnth(v),
+                                                          causal=causal, sm_scale=sm_scale))
+  name, score = case_weighting(weighting, head_dim)
+  w = wlib.get_weighting(name)
+  scale = 1.0 if score == "neg_sq_dist" else sm_scale
+  blocks = dict(block_q=int(config.block_q) or None, block_k=int(config.block_k) or None)
+
+  def ours(q, k, v):
+    qd, kd = get_score(score).to_dot(q, k)  # what attnx.core.attention does for a score
+    dt = q.dtype
+    return pallas_attention(qd.astype(dt), kd.astype(dt), v, weighting=w, scale=scale,
+                            is_causal=causal, **blocks)
+  return ours
+
+
+def _program(fn, mode: str):
+  if mode == "fwd":
+    return fn
+  return jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32)), argnums=(0, 1, 2))
+
+
+def _flops(shape, mode: str, causal: bool) -> float:
+  b, t, n, h = shape
+  f = 4.0 * b * n * t * t * h * (0.5 if causal else 1.0)
+  return f * (3.5 if mode == "fwd+bwd" else 1.0)
+
+
+def _time(compiled, args, config) -> float:
+  for _ in range(max(int(config.warmup), 0)):
+    jax.block_until_ready(compiled(*args))
+  ts = []
+  for _ in range(max(int(config.repeats), 1)):
+    t0 = time.perf_counter()
+    jax.block_until_ready(compiled(*args))
+    ts.append(time.perf_counter() - t0)
+  return float(np.median(ts))
+
+
+def run_case(case: dict[str, Any], inputs, config, platform: str) -> dict[str, Any]:
+  """Compiles and times one case; a case that cannot run gets a note instead of a time."""
+  shape, impl, weighting, mode = case["shape"], case["impl"], case["weighting"], case["mode"]
+  b, t, n, h = shape
+  row: dict[str, Any] = {"shape": "x".join(map(str, shape)), "impl": impl,
+                         "weighting": case_weighting(weighting, h)[0], "mode": mode}
+  if impl == "xla" and b * n * t * t * 6 / GIB > float(config.xla_max_gib):
+    row["note"] = f"skipped: the T×S scores need {b * n * t * t * 6 / GIB:.0f} GiB"
+    return row
+  fn = _attn_fn(impl, weighting, config, platform, h)
+  if fn is None:
+    row["note"] = f"n/a on {platform}"
+    return row
+  try:
+    compiled = jax.jit(_program(fn, mode)).lower(*inputs).compile()
+    seconds = _time(compiled, inputs, config)
+  except Exception as e:  # noqa: BLE001 - a failed case is a result, not a crash
+    row["note"] = f"failed: {type(e).__name__}: {str(e).strip().splitlines()[0][:120]}"
+    return row
+  row["time ms"] = 1e3 * seconds
+  row["TFLOP/s"] = _flops(shape, mode, bool(config.is_causal)) / seconds / 1e12
+  if case.get("check_error") and impl == OURS and mode == "fwd":
+    row["max abs err"] = _error(fn, weighting, inputs, config, h)
+  return row
+
+
+def _error(fn, weighting: str, inputs, config, head_dim: int) -> float:
+  """max |pallas − blocked| over the first `error_queries` queries (same dtype and device)."""
+  name, score = case_weighting(weighting, head_dim)
+  w = wlib.get_weighting(name)
+  scale = 1.0 if score == "neg_sq_dist" else 1.0 / math.sqrt(head_dim)
+
+  def ref(q, k, v):
+    qd, kd = get_score(score).to_dot(q, k)
+    return blocked_attention(qd.astype(q.dtype), kd.astype(q.dtype), v, weighting=w,
+                             scale=scale, is_causal=bool(config.is_causal))
+  nq = int(config.error_queries)
+  got, want = (np.asarray(jax.jit(f)(*inputs)[:, :nq], np.float32) for f in (fn, ref))
+  return float(np.max(np.abs(got - want)))
+
+
+def _cases(config) -> list[dict[str, Any]]:
+  cases = []
+  shapes = _shapes(config)
+  for shape in shapes:
+    for mode in train.split_list(config.modes):
+      for impl in train.split_list(config.baselines):
+        cases.append(dict(shape=shape, impl=impl, weighting="softmax", mode=mode))
+      for name in _weightings(config):
+        cases.append(dict(shape=shape, impl=OURS, weighting=name, mode=mode,
+                          check_error=shape == shapes[0]))
+  return cases
+
+
+def _add_ratios(rows: list[dict[str, Any]]) -> None:
+  best = {(r["shape"], r["mode"], r["impl"]): r.get("TFLOP/s") for r in rows
+          if r["weighting"] == "softmax"}
+  for r in rows:
+    if "TFLOP/s" not in r:
+      continue
+    for col, impl in (("vs cuDNN softmax", "cudnn"), ("vs JAX flash", "jax pallas flash")):
+      ref = best.get((r["shape"], r["mode"], impl))
+      if ref:
+        r[col] = r["TFLOP/s"] / ref
+
+
+def targets(rows: list[dict[str, Any]], config) -> list[dict[str, Any]]:
+  """Every pointwise F ≥ target_fraction of cuDNN softmax (TPU: JAX flash) at T ≥ target_min_t.
+
+  One line per (shape, mode): the worst F and its fraction.
+  """
+  out = []
+  for (shape, mode) in dict.fromkeys((r["shape"], r["mode"]) for r in rows):
+    if int(shape.split("x")[1]) < int(config.target_min_t):
+      continue
+    ours = [r for r in rows if r["shape"] == shape and r["mode"] == mode and r["impl"] == OURS]
+    for col in ("vs cuDNN softmax", "vs JAX flash"):
+      fractions = {r["weighting"]: r.get(col) for r in ours}
+      if any(v is None for v in fractions.values()) or not fractions:
+        continue
+      worst = min(fractions, key=fractions.get)
+      frac = float(config.target_fraction)
+      out.append({"target": f"every F ≥ {frac:.0%} of {col[3:]} TFLOP/s at {shape} ({mode}; "
+                            f"worst: {worst})",
+                  "measured": f"{fractions[worst]:.0%}",
+                  "met": "yes" if fractions[worst] >= frac else "**no**"})
+      break  # cuDNN when there is one, else JAX's flash kernel
+  return out
+
+
+def _fmt(v: Any) -> str:
+  if isinstance(v, float):
+    if not np.isfinite(v):
+      return str(v)
+    if v != 0 and (abs(v) < 1e-2 or abs(v) >= 1e5):
+      return f"{v:.1e}"
+    return f"{v:.3g}" if abs(v) < 100 else f"{v:.0f}"
+  return str(v)
+
+
+def markdown_table(rows: list[dict[str, Any]], config) -> str:
+  lines = [
+      f"*Median of {config.repeats} runs after {config.warmup} warm-up runs; dtype "
+      f"{config.dtype}, causal={config.is_causal}, S = T. TFLOP/s counts 4·B·N·T·S·H for fwd "
+      "and 3.5× that for fwd+bwd (grad of sum(out) w.r.t. q, k, v)"
+      f"{', halved for causal' if config.is_causal else ''}. 'vs cuDNN softmax' / 'vs JAX "
+      "flash': TFLOP/s over that baseline's softmax at the same shape and mode. Distance "
+      "kernels run on −‖q − k‖² (H + 2 dot-product columns, h = √(2H)) but are counted with "
+      "H. Error: max |out − blocked kernel| over the first "
+      f"{config.error_queries} queries of the first shape.*",
+      "",
+      "| " + " | ".join(COLUMNS) + " |",
+      "|" + "|".join("---" for _ in COLUMNS) + "|",
+  ]
+  for r in rows:
+    lines.append("| " + " | ".join(_fmt(r.get(c, "")) for c in COLUMNS) + " |")
+  return "\n".join(lines) + "\n"
+
+
+def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
+  """Runs every case on the accelerator; writes benchmark.md/.json and report.md to `workdir`.
+
+  On a CPU, writes a report saying that an accelerator is needed and returns
+  ``{"report": path, "rows": [], "skipped": reason}``.
+  """
+  validate_config(config)
+  os.makedirs(workdir, exist_ok=True)
+  title = "Pallas kernel benchmark: every pointwise F vs cuDNN and JAX's flash softmax"
+  claim = ("attnx's Pallas kernel runs every pointwise F at ≥ "
+           f"{float(config.target_fraction):.0%} of cuDNN softmax's TFLOP/s at T ≥ "
+           f"{int(config.target_min_t)}.")
+  platform = accelerator()
+  if platform is None:
+    reason = (f"this benchmark needs a GPU or TPU; JAX runs on {jax.default_backend()!r} here "
+              f"({jax.devices()}). Nothing was measured.")
+    print(f"pallas_benchmark: {reason}")
+    rep = train.Report(title, workdir, config=config, claim=claim)
+    rep.text(f"**Skipped:** {reason} Run it on a machine with a GPU (CUDA) or TPU, e.g. "
+             "`python launch.py --config=experiments/pallas_benchmark.py:quick`.")
+    rep.verdict(None, "not measured (no accelerator).")
+    return {"report": rep.write(), "rows": [], "skipped": reason}
+
+  t_start = time.time()
+  dtype = jnp.dtype(config.dtype)
+  cases = _cases(config)
+  rows: list[dict[str, Any]] = []
+  for shape in dict.fromkeys(c["shape"] for c in cases):
+    ks = jax.random.split(jax.random.PRNGKey(int(config.seed)), 3)
+    inputs = tuple(jax.random.normal(kk, shape, dtype) for kk in ks)
+    for case in (c for c in cases if c["shape"] == shape):
+      rows.append(run_case(case, inputs, config, platform))
+      r = rows[-1]
+      print(f"{r['shape']} {r['impl']} {r['weighting']} {r['mode']}: "
+            f"{_fmt(r.get('TFLOP/s', r.get('note', '')))}", flush=True)
+  _add_ratios(rows)
+  table = markdown_table(rows, config)
+  elapsed = time.time() - t_start
+  with open(os.path.join(workdir, "benchmark.md"), "w") as f:
+    f.write(table)
+  with open(os.path.join(workdir, "benchmark.json"), "w") as f:
+    json.dump({"rows": rows, "columns": COLUMNS, "elapsed_s": elapsed, "platform": platform,
+               "devices": [str(d) for d in jax.devices()], "config": config.to_dict()},
+              f, indent=1, default=str)
+
+  rep = train.Report(title, workdir, config=config, claim=claim)
+  rep.text(f"Devices: {jax.devices()}; total benchmark time {elapsed:.0f} s.")
+  goals = targets(rows, config)
+  if goals:
+    rep.section("Targets")
+    rep.table(goals, columns=["target", "measured", "met"])
+    missed = [g["target"] for g in goals if g["met"] != "yes"]
+    rep.verdict(not missed, "every target met." if not missed else
+                f"{len(goals) - len(missed)} of {len(goals)} targets met; missed: "
+                + "; ".join(missed) + ".")
+  rep.section("Results")
+  rep.text(table)
+  return {"report": rep.write(), "rows": rows, "targets": goals}
+
+
+def main(argv: list[str]) -> None:
+  from absl import flags  # noqa: PLC0415
+  del argv
+  config = get_config(flags.FLAGS.preset)
+  run(config, flags.FLAGS.workdir or os.path.join("runs", f"pallas_benchmark-{config.preset}"))
+
+
+if __name__ == "__main__":
+  from absl import app, flags
+
+  flags.DEFINE_string("workdir", None, "Output directory.")
+  flags.DEFINE_string("preset", "default", f"One of {PRESETS}.")
+  app.run(main)

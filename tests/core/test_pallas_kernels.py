@@ -1,0 +1,163 @@
+"""attnx.core.pallas_kernels: the kernels lower for the real targets from this CPU machine.
+
+``jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",) | ("tpu",))`` runs Pallas' Triton
+lowering (kernel → Triton IR, the ``__gpu$xla.gpu.triton`` custom call) and its Mosaic TPU
+lowering (kernel → Mosaic MLIR, ``tpu_custom_call``), which reject what the hardware cannot do
+(non-power-of-2 Triton arrays, TPU blocks off the (8, 128) tiling, unsupported primitives). The
+interpreter accepts all of that, so values are tested in test_pallas_attention.py and lowering
+here. Compiling the Triton IR to PTX and the Mosaic MLIR to TPU code needs the device.
+"""
+
+import dataclasses
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from attnx.core import pallas_attention as pa
+from attnx.core import pallas_kernels as kernels
+from attnx.core import weightings as wlib
+
+POINTWISE = wlib.list_weightings("pointwise")
+VARIANTS = ["relu:normalization=length", "sigmoid:normalization=none",
+            "gaussian:normalization=none", "softmax:alpha=0.5", "power:p=0.5",
+            "triangular:normalization=length"]
+PLATFORMS = {"cuda": ("gpu", "__gpu$xla.gpu.triton"), "tpu": ("tpu", "tpu_custom_call")}
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+  """One lowering problem: q [b, t, n, h], k/v [b, s, kh, h|hv]."""
+  b: int = 2
+  t: int = 200
+  s: int = 256
+  n: int = 4
+  kh: int = 2
+  h: int = 64
+  hv: int | None = None
+  dtype: str = "bfloat16"
+  causal: bool = True
+  mask: tuple[int, ...] | None = (2, 1, 200, 256)
+  bias: tuple[int, ...] | None = (1, 4, 200, 256)
+  lengths: bool = False
+  block_q: int | None = None
+  block_k: int | None = None
+
+
+# A: everything at once (GQA, ragged T, causal, mask, differentiated bias), H = 64.
+FULL = Shape()
+# B: H = 128, float32, key lengths, no mask/bias (forward and backward).
+LONG = Shape(b=1, t=512, s=512, n=2, kh=2, h=128, dtype="float32", causal=False, mask=None,
+             bias=None, lengths=True)
+# Sampled variations.
+SHAPES = {
+    "h128-gqa8-ragged-causal-lengths": Shape(b=1, t=1000, s=1000, n=8, kh=1, h=128,
+                                             mask=None, bias=None, lengths=True),
+    "h128-t4096-default-tiles": Shape(b=1, t=4096, s=4096, n=2, kh=1, h=128, mask=None,
+                                      bias=None),
+    "h130-distance-keybias": Shape(b=2, t=100, s=300, n=2, kh=1, h=130, hv=128,
+                                   dtype="float32", causal=False, mask=None,
+                                   bias=(2, 1, 1, 300)),
+    "h200-hv80": Shape(b=1, t=128, s=128, n=2, kh=1, h=200, hv=80, mask=None, bias=None),
+    "h64-small-tiles-int32-mask": Shape(block_q=16, block_k=128),
+}
+
+
+def _lower(name: str, shape: Shape, platform: str, grad: bool) -> str:
+  backend, _ = PLATFORMS[platform]
+  w = wlib.get_weighting(name)
+  dt = jnp.dtype(shape.dtype)
+  sds = jax.ShapeDtypeStruct
+  args = [sds((shape.b, shape.t, shape.n, shape.h), dt), sds((shape.b, shape.s, shape.kh,
+                                                               shape.h), dt),
+          sds((shape.b, shape.s, shape.kh, shape.hv or shape.h), dt),
+          None if shape.bias is None else sds(shape.bias, jnp.float32),
+          None if shape.mask is None else sds(shape.mask, jnp.bool_),
+          sds((shape.b,), jnp.int32)]
+
+  def f(q, k, v, bias, mask, lengths):
+    return pa.pallas_attention(
+        q, k, v, weighting=w, scale=0.125, bias=bias, mask=mask, is_causal=shape.causal,
+        q_lengths=lengths if shape.lengths else None,
+        kv_lengths=lengths if shape.lengths else None, block_q=shape.block_q,
+        block_k=shape.block_k, backend=backend)
+
+  fn = f
+  if grad:
+    argnums = (0, 1, 2) if shape.bias is None else (0, 1, 2, 3)
+    fn = jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), argnums=argnums)
+  return jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,)).as_text()
+
+
+def _check(name, shape, platform, grad):
+  text = _lower(name, shape, platform, grad)
+  _, target = PLATFORMS[platform]
+  calls = re.findall(r"custom_call @([\w.$]+)", text)
+  # Forward: one kernel; forward + backward: forward, dQ (+ dS) and dK/dV kernels.
+  assert calls.count(target) == (3 if grad else 1), (calls, target)
+  assert set(calls) == {target}, calls
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+@pytest.mark.parametrize("name", POINTWISE + VARIANTS)
+def test_every_weighting_lowers_fwd_and_bwd(name, platform):
+  _check(name, FULL, platform, grad=True)
+  _check(name, LONG, platform, grad=False)
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("name", ["softmax_plus_one", "relu", "gaussian:normalization=none"])
+def test_sampled_shapes_lower(name, shape, platform):
+  _check(name, SHAPES[shape], platform, grad=True)
+
+
+def test_head_chunks():
+  assert kernels.head_chunks(64) == ((0, 64),)
+  assert kernels.head_chunks(130) == ((0, 128), (128, 16))  # neg_sq_dist of H = 128
+  assert kernels.head_chunks(66) == ((0, 64), (64, 16))
+  assert kernels.head_chunks(200) == ((0, 128), (128, 64), (192, 16))
+  assert kernels.head_chunks(8) == ((0, 16),)
+
+
+def test_float16_lowers_for_cuda():
+  _check("softplus", dataclasses.replace(FULL, dtype="float16", h=32), "cuda", grad=True)
+
+
+@pytest.mark.exhaustive
+@pytest.mark.parametrize("platform", PLATFORMS)
+@pytest.mark.parametrize("shape", ["full", "long", *SHAPES])
+@pytest.mark.parametrize("name", POINTWISE + VARIANTS)
+def test_full_lowering_matrix(name, shape, platform):
+  s = {"full": FULL, "long": LONG}.get(shape) or SHAPES[shape]
+  for grad in (False, True):
+    _check(name, s, platform, grad)
+
+
+def _raw_forward(backend: str, bq: int, bk: int, t: int = 64, s: int = 256, h: int = 64):
+  """Lowers kernels.forward (with a [1, 1, T, S] bias: (bq, bk) blocks in memory) with tiles
+  that bypass pallas_attention's checks."""
+  cfg = kernels.KernelConfig(
+      w=wlib.get_weighting("relu"), backend=backend, interpret=False, s=s, tp=t, sp=s, g=1,
+      scale=1.0, is_causal=False, q_bound=False, kv_bound=False, bq=bq, bk=bk, bq_dq=bq,
+      bk_dq=bk, bq_dkv=bq, bk_dkv=bk)
+  q = jax.ShapeDtypeStruct((1, t, 1, h), jnp.float32)
+  k = jax.ShapeDtypeStruct((1, s, 1, h), jnp.float32)
+  bias = jax.ShapeDtypeStruct((1, 1, t, s), jnp.float32)
+  lens = jax.ShapeDtypeStruct((1,), jnp.int32)
+  f = lambda q, k, b, lq, lk: kernels.forward(cfg, q, k, k, b, None, lq, lk)
+  platform = "cuda" if backend == "gpu" else "tpu"
+  return jax.jit(f).trace(q, k, bias, lens, lens).lower(lowering_platforms=(platform,))
+
+
+def test_the_tile_rules_are_the_lowerings_rules():
+  """What check_block_sizes rejects, the lowerings reject too (the interpreter does not)."""
+  _raw_forward("gpu", 32, 64)
+  with pytest.raises(Exception, match="power of 2"):
+    _raw_forward("gpu", 48, 64, t=96)
+  _raw_forward("tpu", 8, 128)
+  with pytest.raises(Exception, match="divisible by 8 and 128"):
+    _raw_forward("tpu", 8, 64)
+  with pytest.raises(Exception, match="divisible by 8 and 128"):
+    _raw_forward("tpu", 12, 128, t=96)

@@ -1,0 +1,63 @@
+"""pallas_benchmark: presets, validation, the target table, and a clean exit on a CPU."""
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+from experiments import pallas_benchmark as exp  # noqa: E402
+
+
+def test_presets_and_validation():
+  assert set(exp.PRESETS) == {"default", "quick", "tiny"}
+  c = exp.get_config()
+  assert c.experiment == "pallas_benchmark" and c.dtype == "bfloat16"
+  ts = [int(s.split("x")[1]) for s in c.shapes.split(",")]
+  assert min(ts) == 1024 and max(ts) == 32768
+  assert {int(s.split("x")[3]) for s in c.shapes.split(",")} == {128}
+  with pytest.raises(ValueError, match="default"):
+    exp.get_config("nope")
+  for key, value, match in (("shapes", "2x64x2", "BxTxNxH"), ("modes", "bwd", "modes"),
+                            ("baselines", "flash3", "baselines"),
+                            ("weightings", "softmax,sparsemax", "pointwise"),
+                            ("dtype", "int8", "dtype")):
+    c = exp.get_config("tiny")
+    c[key] = value
+    with pytest.raises(ValueError, match=match):
+      exp.validate_config(c)
+
+
+def test_cases_ratios_and_targets():
+  c = exp.get_config("tiny")
+  c.shapes = "1x1024x2x128,1x4096x2x128"
+  cases = exp._cases(c)
+  assert len(cases) == 2 * 2 * (len(exp.BASELINES) + 3)
+  assert {x["check_error"] for x in cases if x["shape"][1] == 1024 and x["impl"] == exp.OURS} == {
+      True}
+  rows = []
+  for shape in ("1x1024x2x128", "1x4096x2x128"):
+    rows.append({"shape": shape, "impl": "cudnn", "weighting": "softmax", "mode": "fwd",
+                 "TFLOP/s": 100.0})
+    for w, tf in (("softmax", 80.0), ("relu", 65.0), ("gaussian:h=16", 55.0)):
+      rows.append({"shape": shape, "impl": exp.OURS, "weighting": w, "mode": "fwd",
+                   "TFLOP/s": tf})
+  exp._add_ratios(rows)
+  assert rows[1]["vs cuDNN softmax"] == pytest.approx(0.8) and "vs JAX flash" not in rows[1]
+  (goal,) = exp.targets(rows, c)  # only T ≥ 4096
+  assert "1x4096x2x128" in goal["target"] and "gaussian" in goal["target"]
+  assert goal["measured"] == "55%" and goal["met"] == "**no**"
+  assert exp.case_weighting("triangular", 128) == ("triangular:h=16", "neg_sq_dist")
+  assert exp._flops((1, 1024, 2, 128), "fwd+bwd", True) == pytest.approx(
+      4 * 2 * 1024**2 * 128 * 0.5 * 3.5)
+
+
+@pytest.mark.skipif(exp.accelerator() is not None, reason="measures on an accelerator")
+def test_cpu_exits_cleanly_with_a_report(tmp_path, capsys):
+  out = exp.run(exp.get_config("tiny"), str(tmp_path))
+  assert out["rows"] == [] and "needs a GPU or TPU" in out["skipped"]
+  report = (tmp_path / "report.md").read_text()
+  assert "needs a GPU or TPU" in report and "Inconclusive" in report
+  assert "needs a GPU or TPU" in capsys.readouterr().out
+  assert not (tmp_path / "benchmark.json").exists()

@@ -23,7 +23,7 @@ answer — identically for ``implementation="dense"`` and ``"blocked"`` (and any
   weightings divide once in the backward so a denormal Σ F does not overflow).
 * **bf16/f16** inputs are computed in float32 (scores, F, accumulators) and cast back.
 
-This module holds the one input step both kernels share: non-finite numbers are made to travel
+This module holds the one input step every kernel shares: non-finite numbers are made to travel
 as NaN along a path masks can stop (the scores), never through a product with a zero weight.
 """
 
@@ -35,29 +35,26 @@ import jax.numpy as jnp
 Array = jax.Array
 
 
-def _rows_finite(x: Array) -> Array:
-  return jnp.all(jnp.isfinite(x), axis=-1, keepdims=True)
-
-
 def nonfinite_inputs(q: Array, k: Array, v: Array | None,
                      bias: Array | None) -> tuple[Array, Array, Array | None, Array | None]:
   """Rewrites q, k, v, bias ([..., T|S, heads, H] layout) so that NaN follows the contract.
 
-  * a query vector with any non-finite entry becomes all NaN (its scores are NaN);
-  * a key whose k_j or v_j has a non-finite entry becomes all NaN, so s_ij is NaN exactly
-    for the rows i that score key j; masks then replace s_ij before F sees it;
+  * a non-finite entry of q_i or k_j becomes NaN: one NaN in a vector makes every score it
+    enters NaN (NaN · 0 is NaN), so s_ij is NaN exactly for the pairs (i, j) that it touches,
+    and masks replace masked s_ij before F sees them;
+  * a key whose v_j holds a non-finite entry gets k_j = NaN, for the same reason;
   * v_j's non-finite entries become 0: a masked key enters the weighted sum with weight 0,
     and 0 · NaN would otherwise poison rows that never attend it;
   * a bias of +Inf becomes NaN (−Inf stays a score of −Inf).
 
-  Finite inputs pass through unchanged (the gradient is the identity there).
+  Everything but one reduction over v's last axis is elementwise, so XLA fuses it into the
+  kernels' own layout passes. Finite inputs pass through unchanged (identity gradient there).
   """
-  q = jnp.where(_rows_finite(q), q, jnp.nan)
+  q = jnp.where(jnp.isfinite(q), q, jnp.nan)
+  k_ok = jnp.isfinite(k)
   if v is not None:
-    k_ok = _rows_finite(k) & _rows_finite(v)
+    k_ok = k_ok & jnp.all(jnp.isfinite(v), axis=-1, keepdims=True)
     v = jnp.where(jnp.isfinite(v), v, jnp.zeros((), v.dtype))
-  else:
-    k_ok = _rows_finite(k)
   k = jnp.where(k_ok, k, jnp.nan)
   if bias is not None and jnp.issubdtype(bias.dtype, jnp.floating):
     bias = jnp.where(bias == jnp.inf, jnp.nan, bias)

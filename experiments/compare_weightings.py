@@ -83,6 +83,9 @@ def _default() -> ml_collections.ConfigDict:
   c.checkpoint_every = 100
   c.keep_checkpoints = 2
   c.max_eval_examples = 1000  # cap on test examples per evaluation (CPU budget)
+  # Kernel of the dot/metric attention variants: "" (automatic), dense, blocked or pallas
+  # (GPU/TPU; see core.attention). Linear attention has its own kernel.
+  c.implementation = ""
   c.model = ml_collections.ConfigDict(dict(
       hidden_dim=32, num_layers=2, num_heads=4, mlp_dim=64, dropout_rate=0.0, patch_size=2))
   c.optimizer = optimizer_config(name="adamw", learning_rate=3e-3, schedule="warmup_cosine",
@@ -168,11 +171,16 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   weightings = split_list(config.weightings)
   if not weightings:
     raise ValueError("config.weightings is empty")
-  from attnx import nn as attnx_nn  # lazy: --help/--list stay fast
+  from attnx import core  # lazy: --help/--list stay fast
+  from attnx import nn as attnx_nn
 
+  impl = config.get("implementation", "")
+  if impl and impl not in core.IMPLEMENTATIONS:
+    raise ValueError(f"config.implementation={impl!r}; valid: '' (automatic), "
+                     f"{', '.join(core.IMPLEMENTATIONS)}")
   for w in weightings:
     try:
-      attnx_nn.attention_spec(w)
+      attnx_nn.resolve_attention(_spec(w, impl))
     except ValueError as e:
       raise ValueError(f"config.weightings: {e}") from None
   if config.batch_size < 1 or config.max_eval_examples < 1:
@@ -286,14 +294,24 @@ def _icl_figure(rep, result) -> None:
              "Squared error / d vs number of in-context examples (mean over seeds)")
 
 
+def _spec(weighting: str, implementation: str) -> dict[str, Any]:
+  """The attention spec of a weighting name, with the configured kernel where one applies."""
+  from attnx import nn as attnx_nn
+
+  spec = dict(attnx_nn.attention_spec(weighting))
+  if implementation and spec.get("type") != "linear":
+    spec["implementation"] = implementation
+  return spec
+
+
 def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   """Train every weighting on every task; write report.md, results.json, final_metrics.json."""
-  from attnx import nn as attnx_nn
   from attnx.train.experiment import Variant, run_comparison
 
   validate_config(config)
   tasks = _tasks(config)
-  variants = [Variant(w, attnx_nn.attention_spec(w)) for w in split_list(config.weightings)]
+  variants = [Variant(w, _spec(w, config.implementation))
+              for w in split_list(config.weightings)]
   intro = (f"Every weighting uses the **same model, optimizer, budget and seeds**: "
            f"{config.num_steps} steps of batch {config.batch_size}, {config.optimizer.name} "
            f"(lr {config.optimizer.learning_rate}, {config.optimizer.schedule}), model "

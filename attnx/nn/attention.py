@@ -51,8 +51,9 @@ class MultiHeadAttention(nn.Module, kw_only=True):
     scale: score multiplier (default 1/√H for ``scaled_dot``, 1 otherwise); for ``metric`` the
       temperature τ (fixed, or the initial value when learned; default 1/√R).
     learn_temperature: ``metric`` only: learn τ_h = exp(log_temperature_h) (default True).
-    implementation: ``None`` | ``"dense"`` | ``"blocked"`` (see ``core.attention``). Dropout and
-      weights (``sow_weights``, ``return_weights``) need the dense one.
+    implementation: ``None`` | ``"dense"`` | ``"blocked"`` | ``"pallas"`` (GPU/TPU; see
+      ``core.attention``). Dropout and weights (``sow_weights``, ``return_weights``) need the
+      dense one.
     is_causal: query i attends keys j ≤ i.
     dropout_rate: dropout on the attention weights (``core.attention``'s, flax's RNG use).
     broadcast_dropout: share the dropout mask across batch and heads (as flax).

@@ -17,14 +17,6 @@ import numpy as np
 from attnx.train.report import jsonable  # the one implementation (also Report.save_json)
 
 
-def check_preset(preset: str | None, presets: Sequence[str]) -> str:
-  """Returns the preset name (``"default"`` for None); ValueError listing presets otherwise."""
-  name = "default" if preset in (None, "") else preset
-  if name not in presets:
-    raise ValueError(f"Unknown preset {preset!r}; valid presets: {', '.join(presets)}.")
-  return name
-
-
 def check_choices(config: Any, key: str, values: Sequence[Any], valid: Sequence[Any]) -> None:
   """Raises ValueError naming ``config.<key>`` if any of ``values`` is not in ``valid``."""
   bad = [v for v in values if v not in valid]

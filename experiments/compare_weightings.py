@@ -53,6 +53,7 @@ from typing import Any
 import ml_collections
 import numpy as np
 
+from attnx.train import config as train_config
 from attnx.train.config import base_config, check_batch_size, split_list
 from attnx.train.optim import optimizer_config
 
@@ -150,14 +151,7 @@ PRESETS = tuple(PRESET_FNS)
 
 def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
   """Config for `preset` (None = "default"); see the module docstring for the presets."""
-  preset = preset or "default"
-  if preset not in PRESET_FNS:
-    raise ValueError(f"Unknown preset {preset!r} for compare_weightings; valid presets: "
-                     f"{', '.join(PRESETS)}")
-  c = _default()
-  c.preset = preset
-  PRESET_FNS[preset](c)
-  return c
+  return train_config.preset_config(preset, _default, PRESET_FNS, "compare_weightings")
 
 
 def validate_config(config: ml_collections.ConfigDict) -> None:

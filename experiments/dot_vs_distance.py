@@ -15,11 +15,14 @@ Tested at two levels:
 (b) training level: the same small ViT on ``digits`` with score ``scaled_dot`` (q·k/√H) or
     ``neg_sq_dist`` scaled by 1/(2√H) (= q·k/√H − (‖q‖² + ‖k‖²)/(2√H)), with and without
     normalized queries/keys (``qk_norm``: LayerNorm, which makes every norm √H at init), over
-    seeds; same hyper-parameters and budget for all four.
+    seeds; same hyper-parameters and budget for all four. One ``attnx.train.experiment``
+    Task per qk_norm setting (run_task: evaluators accuracy and loss; neg_sq_dist compared
+    with scaled_dot by the shared verdict rule).
 
 Command:
   python launch.py --config=experiments/dot_vs_distance.py:default --workdir=runs/dot_vs_distance
-Expected runtime: default ≈ 1.5–3 min on 2 shared CPU cores (92 s measured), tiny ≈ 60 s.
+Expected runtime: default ≈ 1.5–3 min on 2 shared CPU cores (92 s measured; 177 s with other jobs
+at a load of ≈ 7), tiny ≈ 60 s.
 Expected result: (a) identical weights (≲1e-6) for constant key norms with the factor 2,
 diverging smoothly as the norms spread; not identical for non-exp F. (b) with qk_norm the two
 scores train alike; without it they differ by the learned key-norm bias. The verdict holds only
@@ -30,6 +33,7 @@ gaps are reported with it.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -42,18 +46,15 @@ import ml_collections  # noqa: E402
 import numpy as np  # noqa: E402
 
 from attnx import core, data, nn, train  # noqa: E402
+from attnx.train import config as train_config  # noqa: E402
 from experiments import _common  # noqa: E402
 
-PRESETS = ("default", "tiny")
 SCORES = ("scaled_dot", "neg_sq_dist")
 
 
-def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
-  """Config for ``preset`` in :data:`PRESETS`."""
-  preset = _common.check_preset(preset, PRESETS)
+def _default() -> ml_collections.ConfigDict:
   c = train.base_config()  # seed, num_seeds, parallel, progress, ... (launch.py)
   c.experiment = "dot_vs_distance"
-  c.preset = preset
   c.seed = 0
 
   k = c.kernel = ml_collections.ConfigDict()
@@ -79,15 +80,27 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
   t.num_steps = 600
   t.learning_rate = 2e-3
   t.eval_every = 100
-  if preset == "tiny":
-    k.num_queries = 16
-    k.norm_spreads = (0.0, 0.3)
-    t.qk_norm = (False,)
-    t.num_layers = 1
-    t.num_steps = 20
-    c.num_seeds = 2
-    t.eval_every = 10
   return c
+
+
+def _tiny(c: ml_collections.ConfigDict) -> None:
+  """python launch.py --config=experiments/dot_vs_distance.py:tiny (≈ 30–60 s): 16 queries,
+  two norm spreads; the two scores without qk_norm, 1 layer, 20 steps, 2 seeds (a smoke
+  test: the training numbers mean little)."""
+  c.num_seeds = 2
+  c.kernel.update(dict(num_queries=16, norm_spreads=(0.0, 0.3)))
+  c.train.update(dict(qk_norm=(False,), num_layers=1, num_steps=20, eval_every=10))
+
+
+# Each preset is the default changed by one small function (see the module docstring).
+PRESET_FNS: dict[str, Callable[[ml_collections.ConfigDict], None]] = {
+    "default": lambda c: None, "tiny": _tiny}
+PRESETS = tuple(PRESET_FNS)
+
+
+def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
+  """Config for ``preset`` in :data:`PRESETS` (None = "default")."""
+  return train_config.preset_config(preset, _default, PRESET_FNS, "dot_vs_distance")
 
 
 def validate_config(config: ml_collections.ConfigDict) -> None:
@@ -238,29 +251,60 @@ def _variants(tc) -> list[tuple[str, dict[str, Any]]]:
   return out
 
 
-def training_level(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
+def _budget(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """The config with config.train's budget at the top level, where
+  :mod:`attnx.train.experiment` (``FitConfig.from_config``) reads it."""
   tc = config.train
-  tr = data.load_arrays(tc.dataset, "train")
-  te = data.load_arrays(tc.dataset, "test")
-  tr = {k: tr[k] for k in ("inputs", "targets")}
-  te = {k: te[k] for k in ("inputs", "targets")}
-  num_classes = int(max(tr["targets"].max(), te["targets"].max())) + 1
-  optimizer = train.optimizer_config(learning_rate=tc.learning_rate, warmup_steps=
-                                     max(tc.num_steps // 20, 1))
-  out: dict[str, Any] = {"final": {}, "histories": {}, "seconds_per_step": {}}
-  for label, spec in _variants(tc):
-    model = nn.VisionTransformer(num_classes=num_classes, patch_size=tc.patch_size,
-                                 hidden_dim=tc.hidden_dim, num_layers=tc.num_layers,
-                                 num_heads=tc.num_heads, mlp_dim=tc.mlp_dim, attention=spec)
-    fit_config = train.FitConfig.from_config(
-        config, loss="softmax_xent", optimizer=optimizer, num_steps=tc.num_steps,
-        eval_every=tc.eval_every, log_every=tc.eval_every, tensorboard=False)
-    fit = train.fit(model, train_data=train.loader(tr, tc.batch_size, config.data_pipeline),
-                    eval_data=train.loader(te, 360), config=fit_config,
-                    name=_common.safe_name(label), workdir=workdir)
-    out["final"][label] = {k: np.asarray(v) for k, v in fit.final_metrics.items()}
-    out["histories"][label] = fit.history
-    out["seconds_per_step"][label] = fit.seconds_per_step
+  c = config.copy_and_resolve_references()
+  with c.unlocked():
+    c.num_steps = tc.num_steps
+    c.batch_size = tc.batch_size
+    c.optimizer = train.optimizer_config(learning_rate=tc.learning_rate,
+                                         warmup_steps=max(tc.num_steps // 20, 1))
+    c.eval_every = tc.eval_every
+    c.log_every = tc.eval_every
+    c.tensorboard = False
+  return c
+
+
+def training_tasks(config: ml_collections.ConfigDict) -> list[tuple[bool, Any, list[Any], str]]:
+  """(qk_norm, task, variants, reference) per qk_norm setting: the same ViT on
+  ``train.dataset`` with each score; the reference is scaled_dot at that qk_norm."""
+  from attnx.train.experiment import Task, Variant
+
+  tc = config.train
+  info = data.get_info(tc.dataset)
+  out = []
+  for qk in tc.qk_norm:
+    suffix = " + qk_norm" if qk else ""
+    task = Task(name=f"{tc.dataset}{'-qk_norm' if qk else ''}", dataset=tc.dataset,
+                metric="accuracy", margin=float(tc.margin), evaluators=("accuracy", "loss"),
+                build_model=lambda spec: nn.VisionTransformer(
+                    num_classes=info.num_classes, patch_size=tc.patch_size,
+                    hidden_dim=tc.hidden_dim, num_layers=tc.num_layers,
+                    num_heads=tc.num_heads, mlp_dim=tc.mlp_dim, attention=spec))
+    variants = [Variant(label, spec) for label, spec in _variants(tc)
+                if spec["qk_norm"] == bool(qk)]
+    out.append((qk, task, variants, f"scaled_dot{suffix}"))
+  return out
+
+
+def training_level(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
+  """Trains every (score, qk_norm) variant with attnx.train.experiment.run_task and compares
+  neg_sq_dist with scaled_dot at each qk_norm by the shared verdict rule."""
+  from attnx.train.experiment import run_task
+
+  budget = _budget(config)
+  out: dict[str, Any] = {"final": {}, "histories": {}, "seconds_per_step": {},
+                         "comparisons": {}}
+  for qk, task, variants, reference in training_tasks(config):
+    result = run_task(budget, workdir, task, variants, reference)
+    for label, fit in result.fits.items():
+      out["final"][label] = {k: np.asarray(v) for k, v in fit.final_metrics.items()}
+      out["histories"][label] = fit.history
+      out["seconds_per_step"][label] = fit.seconds_per_step
+    for c in result.comparisons.values():  # neg_sq_dist vs scaled_dot
+      out["comparisons"][f"qk_norm={qk}"] = c
   return out
 
 
@@ -323,16 +367,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     acc = {lab: float(np.mean(fm["accuracy"])) for lab, fm in tr["final"].items()}
     results["training"] = {"accuracy": {k: v["accuracy"] for k, v in tr["final"].items()},
                            "mean_accuracy": acc}
-    gaps, outcomes = {}, {}
-    for qk in tc.qk_norm:
-      suffix = " + qk_norm" if qk else ""
-      a, b = tr["final"].get(f"scaled_dot{suffix}"), tr["final"].get(f"neg_sq_dist{suffix}")
-      if a is not None and b is not None:
-        c = train.verdict.compare(b["accuracy"], a["accuracy"], margin=tc.margin,
-                                  a_name=f"neg_sq_dist{suffix}", b_name=f"scaled_dot{suffix}",
-                                  metric="accuracy")
-        gaps[f"qk_norm={qk}"] = c.diff
-        outcomes[f"qk_norm={qk}"] = c
+    outcomes = tr["comparisons"]  # neg_sq_dist vs scaled_dot per qk_norm (verdict rule)
+    gaps = {k: c.diff for k, c in outcomes.items()}
     results["training"]["accuracy_gap_dist_minus_dot"] = gaps
     results["training"]["comparison"] = {k: c.outcome for k, c in outcomes.items()}
     training_text = " ".join(c.sentence() + "." for c in outcomes.values())

@@ -11,7 +11,9 @@ Tested at two levels:
     score rows and a grid of M (float32), and the spread over a of F(a+M)/F(a);
 (b) training level: a small attention classifier is trained on ``noisy_clusters`` with each F
     (same model, data, optimizer and budget for every F) and evaluated with a global noise
-    component of growing size, shared by all tokens of a sample.
+    component of growing size, shared by all tokens of a sample. Training goes through
+    ``attnx.train.experiment`` (a Task with one Variant per F); the evaluation is the named
+    evaluators ``accuracy_by_level`` and ``weight_tv_by_level`` (attnx.train.evaluators).
 
 Two verdicts. (a) held iff the set of invariant F equals the set with F(a+M)/F(a) constant in a
 (less softmax_plus_one-style denominator offsets) and equals the exp family tested
@@ -21,7 +23,8 @@ not held if at no σ; inconclusive if mixed.
 
 Command:
   python launch.py --config=experiments/shift_invariance.py:default --workdir=runs/shift_invariance
-Expected runtime: default ≈ 45 s–2 min on 2 shared CPU cores (41 s measured), tiny ≈ 30–60 s.
+Expected runtime: default ≈ 45 s–2 min on 2 shared CPU cores (41 s measured; 72 s with other jobs
+at a load of ≈ 7), tiny ≈ 30–60 s.
 Expected result: (a) softmax/exp/gaussian invariant to f32 rounding (≲1e-6), every other F
 not; F(a+M)/F(a) constant in a only for the exp family. (b) accuracy of non-exp F degrades
 faster with the global-noise level; how much the trained models actually depend on this is
@@ -31,6 +34,7 @@ what (b) measures.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -44,9 +48,8 @@ import numpy as np  # noqa: E402
 
 from attnx import core, train  # noqa: E402
 from attnx.data.noisy_clusters import make_noisy_clusters  # noqa: E402
+from attnx.train import config as train_config  # noqa: E402
 from experiments import _common  # noqa: E402
-
-PRESETS = ("default", "tiny")
 
 # Weightings defined on distances: they take the score s = −‖q − k‖² (≤ 0).
 _DISTANCE_KERNELS = ("gaussian", "boxcar", "triangular", "epanechnikov")
@@ -55,12 +58,9 @@ _DISTANCE_KERNELS = ("gaussian", "boxcar", "triangular", "epanechnikov")
 EXP_FAMILY = ("softmax", "exp", "gaussian")
 
 
-def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
-  """Config for ``preset`` in :data:`PRESETS`."""
-  preset = _common.check_preset(preset, PRESETS)
+def _default() -> ml_collections.ConfigDict:
   c = train.base_config()  # seed, num_seeds, parallel, progress, ... (launch.py)
   c.experiment = "shift_invariance"
-  c.preset = preset
   c.seed = 0
 
   k = c.kernel = ml_collections.ConfigDict()
@@ -95,18 +95,29 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
   t.learning_rate = 3e-3
   t.num_eval = 1024
   t.margins = ml_collections.ConfigDict(dict(tv=0.01, accuracy=0.01))  # verdict margins
-  if preset == "tiny":
-    k.num_rows = 32
-    k.ratio_grid = 101
-    t.weightings = ("softmax", "relu")
-    t.eval_global_noise = (0.0, 2.0)
-    t.distance_weighting = ""
-    t.num_steps = 20
-    c.num_seeds = 2
-    t.num_eval = 128
-    t.num_train = 256
-    t.batch_size = 32
   return c
+
+
+def _tiny(c: ml_collections.ConfigDict) -> None:
+  """python launch.py --config=experiments/shift_invariance.py:tiny (≈ 20–60 s): 32 score
+  rows; softmax vs relu trained 20 steps on 256 samples, 2 seeds, σ ∈ {0, 2} (a smoke test:
+  the training numbers mean little)."""
+  c.num_seeds = 2
+  c.kernel.update(num_rows=32, ratio_grid=101)
+  c.train.update(dict(weightings=("softmax", "relu"), eval_global_noise=(0.0, 2.0),
+                      distance_weighting="", num_steps=20, num_eval=128, num_train=256,
+                      batch_size=32))
+
+
+# Each preset is the default changed by one small function (see the module docstring).
+PRESET_FNS: dict[str, Callable[[ml_collections.ConfigDict], None]] = {
+    "default": lambda c: None, "tiny": _tiny}
+PRESETS = tuple(PRESET_FNS)
+
+
+def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
+  """Config for ``preset`` in :data:`PRESETS` (None = "default")."""
+  return train_config.preset_config(preset, _default, PRESET_FNS, "shift_invariance")
 
 
 def validate_config(config: ml_collections.ConfigDict) -> None:
@@ -307,50 +318,70 @@ def _variants(tc) -> list[tuple[str, str, str]]:
   return out
 
 
-def training_level(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
-  """Trains one classifier per F and evaluates it under growing global noise."""
+def _budget(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """The config with config.train's budget at the top level, where
+  :func:`attnx.train.experiment.train_variant` (``FitConfig.from_config``) reads it."""
+  tc = config.train
+  c = config.copy_and_resolve_references()
+  with c.unlocked():
+    c.num_steps = tc.num_steps
+    c.batch_size = tc.batch_size
+    c.optimizer = train.optimizer_config(name="adam", learning_rate=tc.learning_rate,
+                                         schedule="constant", weight_decay=0.0)
+    c.log_every = max(tc.num_steps // 20, 1)
+    c.eval_every = 0  # the evaluators run once, on the final parameters
+    c.tensorboard = False
+  return c
+
+
+def noisy_task(config: ml_collections.ConfigDict) -> tuple[Any, dict[str, dict[str, np.ndarray]]]:
+  """The training task (:class:`attnx.train.experiment.Task`) and its arrays: train on
+  noisy clusters with global noise ``train_global_noise``; evaluate with the evaluators
+  ``accuracy_by_level`` and ``weight_tv_by_level`` on fresh samples at every σ of
+  ``eval_global_noise`` (same clean objects and direction g at every σ: only its size
+  changes)."""
+  from attnx.train.experiment import Task
+
   tc = config.train
   train_arrays = make_noisy_clusters(tc.num_train, config.seed,
                                      **_cluster_params(tc, tc.train_global_noise))
-  train_arrays = {k: train_arrays[k] for k in ("inputs", "targets")}
-  # Same clean objects and the same direction g at every level: only the size of g changes.
-  evals = {sigma: make_noisy_clusters(tc.num_eval, 10_000 + config.seed,
-                                      **_cluster_params(tc, sigma))
-           for sigma in tc.eval_global_noise}
-  optimizer = train.optimizer_config(name="adam", learning_rate=tc.learning_rate,
-                                     schedule="constant", weight_decay=0.0)
+  sigmas = [float(x) for x in tc.eval_global_noise]
+  evals = [make_noisy_clusters(tc.num_eval, 10_000 + config.seed, **_cluster_params(tc, x))
+           for x in sigmas]
+  assert all(np.array_equal(e["targets"], evals[0]["targets"]) for e in evals)
+  arrays = {"train": {k: train_arrays[k] for k in ("inputs", "targets")},
+            "eval": {"inputs_by_level": np.stack([e["inputs"] for e in evals]),
+                     "targets": evals[0]["targets"]}}
+  task = Task(name="noisy_clusters", dataset="noisy_clusters", metric="accuracy_by_level",
+              build_model=lambda spec: SimilarityAveraging(
+                  num_classes=tc.num_classes, weighting=spec[0], score=spec[1],
+                  hidden_dim=tc.hidden_dim),
+              evaluators=("accuracy_by_level", "weight_tv_by_level"),
+              eval_options={"levels": sigmas, "weight_examples": 256},
+              margin=float(tc.margins.accuracy),
+              description="noisy clusters, evaluated under growing global noise σ")
+  return task, arrays
+
+
+def training_level(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
+  """Trains one classifier per F (attnx.train.experiment) and evaluates it under growing
+  global noise with the task's evaluators."""
+  from attnx.train.experiment import Variant, train_variant
+
+  task, arrays = noisy_task(config)
+  budget = _budget(config)
+  sigmas = list(config.train.eval_global_noise)
   out: dict[str, Any] = {"accuracy": {}, "weight_tv": {}, "histories": {}, "seconds": {},
                          "scores": {}}
-  for label, weighting, score in _variants(tc):
+  for label, weighting, score in _variants(config.train):
     out["scores"][label] = score
-    model = SimilarityAveraging(num_classes=tc.num_classes, weighting=weighting, score=score,
-                                hidden_dim=tc.hidden_dim)
     t0 = time.time()
-    fit_config = train.FitConfig.from_config(
-        config, loss="softmax_xent", optimizer=optimizer, num_steps=tc.num_steps,
-        log_every=max(tc.num_steps // 20, 1), tensorboard=False)
-    fit = train.fit(model, train_data=train.loader(train_arrays, tc.batch_size,
-                                                   config.data_pipeline),
-                    config=fit_config, name=_common.safe_name(label), workdir=workdir)
+    fit = train_variant(budget, workdir, task, Variant(label, (weighting, score)), arrays)
     out["seconds"][label] = time.time() - t0
     out["histories"][label] = fit.history
-    # One compiled function per model for every σ (train.evaluate would retrace per call).
-    weights_fn = jax.jit(jax.vmap(
-        lambda p, x, m=model: m.apply({"params": p}, x, method=m.attention_weights),
-        in_axes=(0, None)))
-    logits_fn = jax.jit(jax.vmap(lambda p, x, m=model: m.apply({"params": p}, x),
-                                 in_axes=(0, None)))
-    acc, tv = {}, {}
-    sample = lambda sigma: jnp.asarray(evals[sigma]["inputs"][:256])
-    w_ref = np.asarray(weights_fn(fit.params, sample(min(evals))))
-    for sigma, arrays in evals.items():
-      logits = np.asarray(logits_fn(fit.params, jnp.asarray(arrays["inputs"])))
-      acc[sigma] = np.mean(logits.argmax(-1) == arrays["targets"][None], axis=(1, 2))
-      w = np.asarray(weights_fn(fit.params, sample(sigma)))
-      # Mean total-variation distance of each attention row to the lowest-noise level's.
-      tv[sigma] = 0.5 * np.abs(w - w_ref).sum(-1).mean(axis=(1, 2))
-    out["accuracy"][label] = acc
-    out["weight_tv"][label] = tv
+    acc, tv = fit.final_metrics["accuracy_by_level"], fit.final_metrics["weight_tv_by_level"]
+    out["accuracy"][label] = {x: acc[:, i] for i, x in enumerate(sigmas)}
+    out["weight_tv"][label] = {x: tv[:, i] for i, x in enumerate(sigmas)}
   return out
 
 

@@ -4,6 +4,17 @@ The tests use tiny arrays and are bound by XLA compile time, not run time; a che
 optimization level cuts compilation by about a third. Set here, in the root conftest, so it
 applies to every test module and to the subprocesses they start (which inherit XLA_FLAGS).
 Benchmarks (experiments/kernel_benchmark.py, run outside pytest) keep the full optimization.
+
+Layout: tests mirror the modules, one file per module: attnx/<package>/<module>.py is tested in
+tests/<package>/test_<module>.py, experiments/<name>.py in tests/experiments/test_<name>.py and
+launch.py in tests/test_launch.py. Test directories are not packages (pytest's "prepend" import
+mode), so basenames must be unique across the tree: where two packages have a module of the same
+name, the later one's file takes its package as a prefix (tests/nn/test_nn_linear.py,
+tests/experiments/test_experiments_nadaraya_watson.py). A few files test one property across
+many modules and say so in their docstring (test_weighting_matrix.py, test_nn_errors.py,
+test_vmap_over_seeds.py, test_interchangeable_attention.py, test_builder_matrix.py). Helpers
+that are not tests live in tests/support/, imported as ``support.<module>`` (this directory is
+on sys.path because this conftest is in it).
 """
 
 import os

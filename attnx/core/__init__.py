@@ -24,7 +24,6 @@ from attnx.core.linear import (
     linear_attention,
 )
 from attnx.core.nadaraya_watson import nadaraya_watson
-from attnx.core.pallas_attention import pallas_attention
 from attnx.core.rownorm import softpick, ssmax, stick_breaking
 from attnx.core.scores import (
     Score,
@@ -57,6 +56,6 @@ __all__ = [
     "describe_weightings", "dot", "elu_plus_one_features", "entmax15", "entmax_bisect",
     "favor_features", "favor_plus_features", "flax_attention_fn", "get_score", "get_weighting",
     "linear_attention", "list_scores", "list_weightings", "metric", "nadaraya_watson",
-    "neg_sq_dist", "pallas_attention", "parse_weighting_name", "register_weighting",
+    "neg_sq_dist", "parse_weighting_name", "register_weighting",
     "scaled_dot", "softpick", "sparsemax", "ssmax", "stick_breaking", "weights",
 ]

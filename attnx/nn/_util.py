@@ -14,9 +14,6 @@ from attnx import core
 
 Array = jax.Array
 
-# Scores whose parameters an attention module owns (created as params by the module).
-PARAMETRIZED_SCORES = ("bilinear", "metric", "additive")
-
 
 def score_name(score: Any) -> str | None:
   """The registry name of a score spec (None for a user callable)."""
@@ -67,8 +64,3 @@ def check_no_decode(decode: bool, where: str) -> None:
   if decode:
     raise ValueError(f"{where}: decode=True (KV-cache decoding) needs MultiHeadAttention "
                      "(attention type 'dot' or 'metric').")
-
-
-def padding_mask(valid_q: Array, valid_kv: Array) -> Array:
-  """[B, Tq] and [B, Tk] booleans -> [B, 1, Tq, Tk] attention mask (True = attend)."""
-  return valid_q[:, None, :, None] & valid_kv[:, None, None, :]

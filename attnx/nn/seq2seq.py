@@ -110,17 +110,24 @@ def greedy_decode(model: Seq2Seq, variables: Any, src_tokens: Array, *, max_len:
 
   Re-runs the causal decoder on the growing (fixed-size, PAD-filled) prefix each step, so it
   works for every attention type and under ``jit``. After ``eos_id`` a row emits PAD (0).
+  A model without ``encode``/``decode_logits`` (e.g. :class:`attnx.nn.RNNSeq2Seq`) is called
+  whole, ``model(src, prefix)``, at every step.
   """
   chex.assert_rank(src_tokens, 2)
   b = src_tokens.shape[0]
-  memory, mask = model.apply(variables, src_tokens, method=model.encode)
+  if hasattr(model, "encode") and hasattr(model, "decode_logits"):  # encode once
+    memory, mask = model.apply(variables, src_tokens, method=model.encode)
+    logits_fn = lambda prefix: model.apply(variables, memory, mask, prefix,
+                                           method=model.decode_logits)
+  else:  # any causal encoder-decoder called as model(src, tgt_in), e.g. RNNSeq2Seq
+    logits_fn = lambda prefix: model.apply(variables, src_tokens, prefix)
   prefix = jnp.zeros((b, max_len), jnp.int32).at[:, 0].set(bos_id)
   out = jnp.zeros((b, max_len), jnp.int32)
   done = jnp.zeros((b,), bool)
 
   def step(i, carry):
     prefix, out, done = carry
-    logits = model.apply(variables, memory, mask, prefix, method=model.decode_logits)
+    logits = logits_fn(prefix)
     tok = jnp.argmax(logits[:, i], axis=-1).astype(jnp.int32)
     tok = jnp.where(done, PAD_ID, tok)
     out = out.at[:, i].set(tok)

@@ -8,7 +8,7 @@ import importlib.util
 import numbers
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from types import ModuleType
 from typing import Any
 
@@ -148,6 +148,22 @@ class FitConfigError(ValueError):
 # Integer fields of FitConfig and their smallest meaningful value.
 _FIT_COUNTS = {"num_steps": 1, "num_seeds": 1, "seed": 0, "eval_every": 0, "log_every": 0,
                "checkpoint_every": 0, "keep_checkpoints": 1}
+
+
+def preset_config(preset: str | None, default: Callable[[], ml_collections.ConfigDict],
+                  presets: Mapping[str, Callable[[ml_collections.ConfigDict], None]],
+                  experiment: str = "") -> ml_collections.ConfigDict:
+  """The config of ``preset``: ``default()`` changed by ``presets[preset]`` (None or "" =
+  "default"). Experiments keep presets as small functions of the default, never a chain of
+  branches; an unknown name is a ValueError listing the valid ones."""
+  name = "default" if preset in (None, "") else preset
+  if name not in presets:
+    where = f" for {experiment}" if experiment else ""
+    raise ValueError(f"Unknown preset {preset!r}{where}; valid presets: {', '.join(presets)}.")
+  c = default()
+  c.preset = name
+  presets[name](c)
+  return c
 
 
 def split_list(value: Any) -> list[str]:

@@ -14,11 +14,36 @@ Built-in:
   Learn In-Context? A Case Study of Simple Function Classes"): squared error / d of the
   prediction read at each x-token, per in-context position (``icl_curve`` [seeds, k]), its
   mean (``mse``) and the last position (``mse_last``).
+* ``"noisy_accuracy"``: accuracy with N(0, σ²) noise added to the inputs, at each σ of the
+  task's ``eval_options["noise_levels"]`` (``noisy_accuracy`` [seeds, levels]); one noise draw
+  from ``eval_options["noise_seed"]`` (default 0), scaled per σ, shared by every model.
+* ``"greedy_decode"``: sequence-to-sequence models (:func:`attnx.nn.greedy_decode`): exact
+  sequence match (``sequence_accuracy``) and corpus BLEU-4 (``bleu``, :func:`corpus_bleu`)
+  of the greedy output against ``targets``, per seed. ``eval_options``: ``bos_id`` (default
+  1), ``detokenize`` (token ids -> words; default: ids up to the first ``eos_id``, default 2,
+  without PAD 0/BOS).
+* ``"alignment"``: teacher-forced attention weights of a model called with
+  ``return_alignment=True`` against gold alignments (``alignment`` [N, T], −1 = none):
+  how often their argmax is the gold source position (``alignment_accuracy``) and their mean
+  mass on it (``gold_mass``).
+
+* ``"accuracy_by_level"``: accuracy (argmax vs ``targets``, every target position,
+  ``IGNORE_INDEX`` excluded) on the same examples perturbed at several levels, given as
+  ``arrays["inputs_by_level"]`` [levels, N, ...] (e.g. a growing global-noise component);
+  ``accuracy_by_level`` [seeds, levels]. Each level is one jitted call over all N examples.
+* ``"weight_tv_by_level"``: for models with an ``attention_weights(x) -> [..., L, L]`` method:
+  the mean total-variation distance ½ Σ_j |w_ij − w_ij^ref| of each attention row to the same
+  row at the reference level (``eval_options["reference_level"]``, default the lowest of
+  ``eval_options["levels"]``), on the first ``eval_options["weight_examples"]`` examples
+  (default all) of ``inputs_by_level``; ``weight_tv_by_level`` [seeds, levels].
+Options come from ``task.eval_options`` (:class:`attnx.train.experiment.Task`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import collections
+import math
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -99,5 +124,177 @@ def _icl_error(model: Any, arrays: Mapping[str, np.ndarray], task: Any) -> EvalF
                                         b["targets"]))
     curve = total / len(arrays["inputs"]) / dim
     return {"icl_curve": curve, "mse": curve.mean(-1), "mse_last": curve[:, -1]}
+
+  return eval_fn
+
+
+def _options(task: Any) -> Mapping[str, Any]:
+  """The task's evaluator settings (``Task.eval_options``; {} without a task)."""
+  return dict(getattr(task, "eval_options", None) or {})
+
+
+@register_evaluator("noisy_accuracy")
+def _noisy_accuracy(model: Any, arrays: Mapping[str, np.ndarray], task: Any) -> EvalFn:
+  opts = _options(task)
+  levels = tuple(float(s) for s in opts.get("noise_levels", (0.0,)))
+  noise = np.random.default_rng(opts.get("noise_seed", 0)).standard_normal(
+      arrays["inputs"].shape).astype(np.float32)
+
+  def eval_fn(params_stacked, extra_variables=None) -> dict[str, np.ndarray]:
+    acc = []
+    for sigma in levels:
+      noisy = {"inputs": arrays["inputs"] + np.float32(sigma) * noise,
+               "targets": arrays["targets"]}
+      acc.append(evaluate(model, params_stacked, loader(noisy, EVAL_BATCH), ("accuracy",),
+                          extra_variables=extra_variables)["accuracy"])
+    return {"noisy_accuracy": np.stack(acc, axis=1)}
+
+  return eval_fn
+
+
+# Corpus BLEU (Papineni et al. 2002): clipped n-gram precisions summed over the corpus,
+# geometric mean over n = 1..max_n, brevity penalty from total lengths. No smoothing.
+
+def _ngrams(words: Sequence[str], n: int) -> collections.Counter:
+  return collections.Counter(tuple(words[i:i + n]) for i in range(len(words) - n + 1))
+
+
+def corpus_bleu(hypotheses: Sequence[Sequence[str]], references: Sequence[Sequence[str]],
+                max_n: int = 4) -> float:
+  """Corpus-level BLEU in [0, 1] with one reference per sentence."""
+  if len(hypotheses) != len(references):
+    raise ValueError(f"{len(hypotheses)} hypotheses but {len(references)} references")
+  matches, totals = [0] * max_n, [0] * max_n
+  hyp_len = ref_len = 0
+  for hyp, ref in zip(hypotheses, references, strict=True):
+    hyp_len += len(hyp)
+    ref_len += len(ref)
+    for n in range(1, max_n + 1):
+      h, r = _ngrams(hyp, n), _ngrams(ref, n)
+      matches[n - 1] += sum(min(c, r[g]) for g, c in h.items())
+      totals[n - 1] += max(len(hyp) - n + 1, 0)
+  if hyp_len == 0 or min(matches) == 0:
+    return 0.0
+  log_p = sum(math.log(m / t) for m, t in zip(matches, totals, strict=True)) / max_n
+  bp = 1.0 if hyp_len > ref_len else math.exp(1.0 - ref_len / hyp_len)
+  return bp * math.exp(log_p)
+
+
+def _until_eos(ids: np.ndarray, eos_id: int, skip: tuple[int, ...] = (0, 1)) -> list[int]:
+  out = []
+  for i in np.asarray(ids).reshape(-1):
+    if int(i) == eos_id:
+      break
+    if int(i) not in skip:
+      out.append(int(i))
+  return out
+
+
+@register_evaluator("greedy_decode")
+def _greedy_decode(model: Any, arrays: Mapping[str, np.ndarray], task: Any) -> EvalFn:
+  import jax
+
+  from attnx.nn import greedy_decode
+
+  opts = _options(task)
+  bos_id, eos_id = int(opts.get("bos_id", 1)), int(opts.get("eos_id", 2))
+  detokenize = opts.get("detokenize") or (lambda ids: _until_eos(ids, eos_id, (0, bos_id)))
+  src = np.asarray(arrays["inputs"])
+  refs = [detokenize(r) for r in arrays["targets"]]
+  max_len = int(opts.get("max_len", arrays["targets"].shape[1]))
+  # The whole evaluation set in one call (results do not depend on a batch split).
+  decode = jax.jit(jax.vmap(lambda p, e, s: greedy_decode(model, {"params": p, **e}, s,
+                                                          max_len=max_len, bos_id=bos_id),
+                            in_axes=(0, 0, None)))
+
+  def eval_fn(params_stacked, extra_variables=None) -> dict[str, np.ndarray]:
+    out = np.asarray(decode(params_stacked, extra_variables or {}, src))
+    seq_acc, bleu = [], []
+    for per_seed in out:
+      hyps = [detokenize(h) for h in per_seed]
+      seq_acc.append(np.mean([h == r for h, r in zip(hyps, refs, strict=True)]))
+      bleu.append(corpus_bleu(hyps, refs))
+    return {"sequence_accuracy": np.asarray(seq_acc), "bleu": np.asarray(bleu)}
+
+  return eval_fn
+
+
+@register_evaluator("alignment")
+def _alignment(model: Any, arrays: Mapping[str, np.ndarray], task: Any) -> EvalFn:
+  import jax
+
+  gold = np.asarray(arrays["alignment"])  # [N, T], −1 where there is no gold source word
+  ok = gold >= 0
+  weights = jax.jit(jax.vmap(
+      lambda p, e, s, t: model.apply({"params": p, **e}, s, t, return_alignment=True)[1],
+      in_axes=(0, 0, None, None)))
+
+  def eval_fn(params_stacked, extra_variables=None) -> dict[str, np.ndarray]:
+    a = np.asarray(weights(params_stacked, extra_variables or {}, arrays["inputs"],
+                           arrays["decoder_inputs"]))  # [seeds, N, T, S]
+    hit = (a.argmax(-1) == gold[None]) & ok[None]
+    mass = np.take_along_axis(a, np.maximum(gold, 0)[None, ..., None], -1)[..., 0]
+    return {"alignment_accuracy": hit.sum((1, 2)) / ok.sum(),
+            "gold_mass": (mass * ok[None]).sum((1, 2)) / ok.sum()}
+
+  return eval_fn
+
+
+def _by_level_inputs(arrays: Mapping[str, np.ndarray], opts: Mapping[str, Any]) -> np.ndarray:
+  """``arrays["inputs_by_level"]`` [levels, N, ...], checked against ``opts["levels"]``."""
+  if "inputs_by_level" not in arrays:
+    raise ValueError("this evaluator needs arrays['inputs_by_level'] [levels, N, ...]")
+  x = np.asarray(arrays["inputs_by_level"])
+  if "levels" in opts and len(opts["levels"]) != len(x):
+    raise ValueError(f"eval_options['levels'] has {len(opts['levels'])} entries but "
+                     f"inputs_by_level has {len(x)} levels")
+  return x
+
+
+@register_evaluator("accuracy_by_level")
+def _accuracy_by_level(model: Any, arrays: Mapping[str, np.ndarray], task: Any) -> EvalFn:
+  import jax
+
+  from attnx.constants import IGNORE_INDEX
+
+  inputs = _by_level_inputs(arrays, _options(task))
+  targets = np.asarray(arrays["targets"])
+  valid = targets != IGNORE_INDEX
+  logits_fn = jax.jit(jax.vmap(lambda p, e, x: model.apply({"params": p, **e}, x),
+                               in_axes=(0, 0, None)))
+
+  def eval_fn(params_stacked, extra_variables=None) -> dict[str, np.ndarray]:
+    acc = []
+    for x in inputs:
+      logits = np.asarray(logits_fn(params_stacked, extra_variables or {}, x))
+      hit = (logits.argmax(-1) == targets[None]) & valid[None]
+      acc.append(hit.sum(axis=tuple(range(1, hit.ndim))) / valid.sum())
+    return {"accuracy_by_level": np.stack(acc, axis=1)}
+
+  return eval_fn
+
+
+@register_evaluator("weight_tv_by_level")
+def _weight_tv_by_level(model: Any, arrays: Mapping[str, np.ndarray], task: Any) -> EvalFn:
+  import jax
+
+  opts = _options(task)
+  inputs = _by_level_inputs(arrays, opts)
+  limit = opts.get("weight_examples")
+  inputs = inputs[:, :limit] if limit else inputs
+  levels = list(opts.get("levels", range(len(inputs))))
+  ref = levels.index(opts.get("reference_level", min(levels)))
+  weights_fn = jax.jit(jax.vmap(
+      lambda p, e, x: model.apply({"params": p, **e}, x, method="attention_weights"),
+      in_axes=(0, 0, None)))
+
+  def eval_fn(params_stacked, extra_variables=None) -> dict[str, np.ndarray]:
+    extra = extra_variables or {}
+    w_ref = np.asarray(weights_fn(params_stacked, extra, inputs[ref]))
+    tv = []
+    for x in inputs:
+      w = np.asarray(weights_fn(params_stacked, extra, x))
+      tv.append(0.5 * np.abs(w - w_ref).sum(-1).mean(axis=tuple(range(1, w.ndim - 1))))
+    return {"weight_tv_by_level": np.stack(tv, axis=1)}
 
   return eval_fn

@@ -54,6 +54,9 @@ class Task:
     keys: the arrays read from the dataset.
     extra_report: optional ``(report, task_result) -> None`` adding task-specific tables or
       figures (e.g. a baseline curve) after the standard ones.
+    eval_options: settings the task's evaluators read (e.g. ``noise_levels`` for
+      ``"noisy_accuracy"``, ``bos_id``/``detokenize`` for ``"greedy_decode"``; see
+      :mod:`attnx.train.evaluators`).
   """
 
   name: str
@@ -70,6 +73,7 @@ class Task:
   eval_limit: int | None = None
   keys: tuple[str, ...] = ("inputs", "targets")
   extra_report: Callable[[Report, Any], None] | None = None
+  eval_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)

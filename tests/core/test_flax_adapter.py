@@ -10,6 +10,7 @@ from flax import nnx
 from attnx import core
 
 X = jax.random.normal(jax.random.PRNGKey(0), (2, 6, 16))
+X8 = jax.random.normal(jax.random.PRNGKey(1), (2, 4, 8))  # for 2 heads of 4 features
 MASK = nn.make_attention_mask(jnp.ones((2, 6)), jnp.arange(6)[None].repeat(2, 0) < 5)  # float
 
 
@@ -107,3 +108,25 @@ def test_valid_configurations_construct_and_run():
   q = X.reshape(2, 6, 4, 4)
   fn = core.flax_attention_fn("softmax", "bilinear", score_params={"W": w}, scale=0.5)
   chex.assert_trees_all_close(fn(q, q, q), core.flax_attention_fn()(q, q, q), atol=1e-5)
+
+
+def test_flax_attention_fn_drop_in_linen_and_nnx():
+  stock = nn.MultiHeadDotProductAttention(num_heads=2, qkv_features=8)
+  params = stock.init(jax.random.PRNGKey(0), X8)
+  ref = stock.apply(params, X8)
+  for weighting in ("softmax", "relu"):
+    m = nn.MultiHeadDotProductAttention(num_heads=2, qkv_features=8,
+                                        attention_fn=core.flax_attention_fn(weighting))
+    out = m.apply(params, X8)
+    if weighting == "softmax":
+      chex.assert_trees_all_close(out, ref, atol=1e-5)
+    else:
+      assert jnp.max(jnp.abs(out - ref)) > 1e-3
+  make = lambda **kw: nnx.MultiHeadAttention(num_heads=2, in_features=8, qkv_features=8,
+                                             decode=False, rngs=nnx.Rngs(0), **kw)
+  nnx_ref = make()(X8)
+  chex.assert_trees_all_close(make(attention_fn=core.flax_attention_fn("softmax"))(X8), nnx_ref,
+                              atol=1e-5)
+  relu = make(attention_fn=core.flax_attention_fn("relu"))(X8)
+  chex.assert_tree_all_finite(relu)
+  assert jnp.max(jnp.abs(relu - nnx_ref)) > 1e-3

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.test_util import check_grads
-from two_cpu_run import run_on_two_cpus
+from support.two_cpu_run import run_on_two_cpus
 
 from attnx.core import linear
 

@@ -62,5 +62,26 @@ def test_tiny_end_to_end(tmp_path):
   results = json.loads((tmp_path / "results.json").read_text())
   variants = [r["variant"] for r in results["tables"][1]["rows"]]
   assert variants == ["scaled_dot", "neg_sq_dist"]
+  assert list(out["training"]["comparison"]) == ["qk_norm=False"]
   for fig in ("kernel_tv_vs_norm_spread.png", "test_accuracy_curves.png"):
     assert (tmp_path / fig).exists()
+
+
+def test_presets_derive_from_the_default():
+  assert tuple(exp.PRESET_FNS) == exp.PRESETS and set(exp.PRESETS) >= {"default", "tiny"}
+  for name, change in exp.PRESET_FNS.items():
+    c = exp._default()
+    c.preset = name
+    change(c)
+    assert exp.get_config(name).to_dict() == c.to_dict()
+  assert exp.get_config(None).to_dict() == exp.get_config("default").to_dict()
+
+
+def test_training_tasks_pair_scores_per_qk_norm():
+  groups = exp.training_tasks(exp.get_config("default"))
+  assert [(qk, [v.name for v in vs], ref) for qk, _, vs, ref in groups] == [
+      (False, ["scaled_dot", "neg_sq_dist"], "scaled_dot"),
+      (True, ["scaled_dot + qk_norm", "neg_sq_dist + qk_norm"], "scaled_dot + qk_norm")]
+  for qk, task, vs, _ in groups:
+    assert task.evaluators == ("accuracy", "loss") and task.metric == "accuracy"
+    assert all(v.spec["qk_norm"] == qk for v in vs)

@@ -63,3 +63,18 @@ def test_accuracy_drop():
   high = {"accuracy": np.array([0.9, 0.9]), "noisy": {0.3: np.array([0.6, 0.61])}}
   assert exp._outcome(-exp.accuracy_drop(low, 0.3), -exp.accuracy_drop(high, 0.3),
                       0.01) == "better"
+
+
+def test_presets_derive_from_the_default():
+  tiny, default = exp.get_config("tiny"), exp._default()
+  exp._tiny(default)
+  default.preset = "tiny"
+  assert tiny.to_dict() == default.to_dict()
+
+
+def test_task_declaration():
+  c = exp.get_config("tiny")
+  task = exp.make_task("digits", 10, c)
+  assert task.evaluators == ("noisy_accuracy",) and task.metric == "accuracy"
+  assert task.eval_options == {"noise_levels": (0.0, 0.3), "noise_seed": c.seed}
+  assert task.margin == c.margins.accuracy

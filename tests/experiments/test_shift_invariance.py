@@ -120,3 +120,32 @@ def test_training_summary_every_sigma_and_ties(tmp_path):
       {"softmax": acc["softmax"], "gaussian (neg_sq_dist)": acc["sigmoid"]},
       {"softmax": "dot", "gaussian (neg_sq_dist)": "neg_sq_dist"}), [0, 1, 4])
   assert s["comparable"] is False and s["held"] is None
+
+
+def test_presets_derive_from_the_default():
+  assert tuple(exp.PRESET_FNS) == exp.PRESETS and set(exp.PRESETS) >= {"default", "tiny"}
+  for name, change in exp.PRESET_FNS.items():
+    c = exp._default()
+    c.preset = name
+    change(c)
+    assert exp.get_config(name).to_dict() == c.to_dict()
+  assert exp.get_config(None).to_dict() == exp.get_config("default").to_dict()
+
+
+def test_noisy_task_declares_evaluators_and_levels():
+  from attnx.data.noisy_clusters import make_noisy_clusters
+
+  c = exp.get_config("tiny")
+  task, arrays = exp.noisy_task(c)
+  assert task.evaluators == ("accuracy_by_level", "weight_tv_by_level")
+  assert task.eval_options["levels"] == [0.0, 2.0]
+  tc = c.train
+  x = arrays["eval"]["inputs_by_level"]
+  assert x.shape == (2, tc.num_eval, tc.num_objects, tc.dim)
+  for i, sigma in enumerate(tc.eval_global_noise):  # same samples, only σ changes
+    ref = make_noisy_clusters(tc.num_eval, 10_000 + c.seed, **exp._cluster_params(tc, sigma))
+    np.testing.assert_array_equal(x[i], ref["inputs"])
+    np.testing.assert_array_equal(arrays["eval"]["targets"], ref["targets"])
+  budget = exp._budget(c)
+  assert (budget.num_steps, budget.batch_size, budget.eval_every) == (20, 32, 0)
+  assert budget.optimizer.name == "adam" and budget.optimizer.schedule == "constant"

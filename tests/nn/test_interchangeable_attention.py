@@ -4,6 +4,10 @@ MultiHeadAttention, MetricAttention (= MultiHeadAttention(score="metric")), Line
 AdditiveAttention take ``(inputs_q, inputs_kv, *, mask, deterministic, decode)`` with a boolean
 mask broadcastable to [B, N, T, S] (True = attend), so a transformer block calls any of them
 the same way.
+
+Cross-cutting: these tests run every attention module through one interface, so they are kept
+together here rather than in each module's test_<module>.py (MetricAttention's equivalence to
+MultiHeadAttention(score="metric") is in test_metric.py).
 """
 
 import chex
@@ -67,40 +71,6 @@ def test_what_a_module_cannot_do_raises_clearly():
         KEY, X, X, decode=True)
 
 
-def test_metric_attention_is_multi_head_attention_with_the_metric_score():
-  assert issubclass(an.MetricAttention, an.MultiHeadAttention)
-  kw = dict(num_heads=2, weighting="sparsemax", dropout_rate=0.3)
-  for metric_kw, mha_kw in ((dict(rank=3), dict(score_dim=3)),
-                            (dict(learn_temperature=False, scale=0.7),
-                             dict(learn_temperature=False, scale=0.7))):
-    metric = an.MetricAttention(**kw, **metric_kw)
-    mha = an.MultiHeadAttention(score="metric", **kw, **mha_kw)
-    params = metric.init(KEY, X)
-    chex.assert_trees_all_equal(mha.init(KEY, X), params)  # the same parameters ...
-    rngs = {"dropout": jax.random.PRNGKey(3)}
-    for det in (True, False):  # ... and the same function, dropout included
-      a = metric.apply(params, X, mask=MASK, deterministic=det, return_weights=True, rngs=rngs)
-      b = mha.apply(params, X, mask=MASK, deterministic=det, return_weights=True, rngs=rngs)
-      chex.assert_trees_all_equal(a, b)
-    assert ("log_temperature" in params["params"]) == ("rank" in metric_kw)
-  # A different rank is a different model: rank is MetricAttention's name for score_dim.
-  chex.assert_shape(an.MetricAttention(num_heads=2, rank=3).clone(rank=2).init(
-      KEY, X)["params"]["metric"]["kernel"], (8, 2, 2))
-
-
-def test_metric_score_decodes_with_a_kv_cache():
-  model = an.MetricAttention(num_heads=2, is_causal=True)
-  variables = model.init(KEY, X, decode=True)
-  full = model.apply(variables, X)
-  cache, steps = variables["cache"], []
-  for t in range(X.shape[1]):
-    out, mut = model.apply({"params": variables["params"], "cache": cache}, X[:, t:t + 1],
-                           decode=True, mutable=["cache"])
-    cache = mut["cache"]
-    steps.append(out)
-  chex.assert_trees_all_close(jnp.concatenate(steps, axis=1), full, atol=1e-5)
-
-
 @pytest.mark.parametrize("build,match", [
     (lambda: an.MultiHeadAttention(num_heads=4, score="metric", num_kv_heads=2),
      "num_kv_heads=2 does not apply"),
@@ -121,12 +91,6 @@ def test_metric_score_decodes_with_a_kv_cache():
 def test_bad_attention_configuration_raises_at_construction(build, match):
   with pytest.raises(ValueError, match=match):
     build()
-
-
-def test_metric_score_needs_one_input_space():
-  model = an.MultiHeadAttention(num_heads=2, score="metric")
-  with pytest.raises(ValueError, match="equal features"):
-    model.init(KEY, X, jnp.ones((2, 3, 6)))
 
 
 @pytest.mark.parametrize("build", [
@@ -159,3 +123,13 @@ def test_blocks_call_any_attention_the_same_way():
                  decode=True)
   chex.assert_trees_all_equal(calls[-1]["mask"], general & MASK)
   assert calls[-1]["kv"] is X and calls[-1]["decode"] and not calls[-1]["deterministic"]
+
+
+def test_attention_weights_dtype_and_jit_for_each_family():
+  for model in (an.MetricAttention(num_heads=2, dtype=jnp.bfloat16),
+                an.LinearAttention(num_heads=2, dtype=jnp.bfloat16),
+                an.MultiHeadAttention(num_heads=2, dtype=jnp.bfloat16, weighting="sparsemax")):
+    params = model.init(KEY, X)
+    out = jax.jit(model.apply)(params, X)
+    assert out.dtype == jnp.bfloat16, type(model).__name__
+    chex.assert_tree_all_finite(out)

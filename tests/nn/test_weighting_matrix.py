@@ -6,6 +6,9 @@ finite outputs and gradients; the score path is differentiable (the gradient thr
 attention weights is non-zero, except for the boxcar kernel whose derivative is 0); padded keys
 get exactly zero weight; and the weights of normalized weightings sum to one on every row that
 has any weight.
+
+Cross-cutting: a weighting × module matrix over all of attnx.nn, kept as one file rather than
+split into the modules' test_<module>.py files.
 """
 
 from typing import Any, NamedTuple

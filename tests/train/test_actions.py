@@ -8,10 +8,10 @@ import time
 
 import numpy as np
 import pytest
-from train_stand_ins import TinyMLP, make_arrays
+from support.train_stand_ins import TinyMLP, make_arrays
 
 from attnx import train
-from attnx.train import actions, workarounds
+from attnx.train import actions
 
 
 def _due(schedule: train.Schedule, num_steps: int = 10) -> list[int]:
@@ -122,13 +122,6 @@ def test_train_clock_excludes_action_time():
   resumed = actions.TrainClock(prev_seconds=10.0, prev_steps=10)
   assert resumed.seconds_per_step() == 1.0  # a finished run: the earlier processes' time
   assert np.isnan(actions.TrainClock().seconds_per_step())
-
-
-def test_sync_every_step_only_for_data_parallel_cpu():
-  assert workarounds.sync_every_step("shard_map", "cpu")
-  assert workarounds.sync_every_step("pmap", "cpu")
-  assert not workarounds.sync_every_step("none", "cpu")
-  assert not workarounds.sync_every_step("shard_map", "gpu")
 
 
 def _config(**kw) -> train.FitConfig:

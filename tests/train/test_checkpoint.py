@@ -17,7 +17,7 @@ import types
 import jax
 import numpy as np
 import pytest
-from train_stand_ins import TinyMLP, make_arrays
+from support.train_stand_ins import TinyMLP, make_arrays
 
 from attnx import train
 from attnx.train import checkpoint

@@ -21,7 +21,7 @@ def test_shard_map_and_pmap_equal_single_device_on_8_fake_devices():
              # Busy CI machines: do not let XLA abort a slow all-reduce after 40 s.
              XLA_FLAGS=(os.environ.get("XLA_FLAGS", "")
                         + " --xla_cpu_collective_call_terminate_timeout_seconds=600").strip())
-  script = os.path.join(os.path.dirname(__file__), "parallel_check.py")
+  script = os.path.join(ROOT, "tests", "support", "parallel_check.py")
   proc = subprocess.run([sys.executable, script], capture_output=True, text=True, env=env,
                         timeout=300, cwd=ROOT)
   assert proc.returncode == 0, proc.stderr[-3000:]

@@ -1,4 +1,4 @@
-"""Report, tables, figures, verdicts, learning-curve plots; config helpers."""
+"""attnx.train.report: Report, tables, figures, verdicts, learning-curve plots."""
 
 from __future__ import annotations
 
@@ -47,24 +47,6 @@ def test_report_writes_markdown_json_and_png(tmp_path):
   assert res["tables"][0]["columns"] == ["weighting", "accuracy", "ms/step"]
   assert res["tables"][0]["rows"][0]["accuracy"] == [0.9, 0.92]
   assert res["config"]["lr"] == 0.1 and res["environment"]["versions"]["flax"]
-
-
-def test_config_helpers(tmp_path):
-  assert train.split_list("softmax, relu,,sparsemax") == ["softmax", "relu", "sparsemax"]
-  assert train.split_list(("a", "b")) == ["a", "b"]
-  c = train.base_config()
-  train.validate(c)
-  c.parallel = "dp"
-  with pytest.raises(ValueError, match=r"config\.parallel='dp'.*none, shard_map, pmap"):
-    train.validate(c)
-  (tmp_path / "exp_a.py").write_text(
-      '"""Does A beat B?\n\nMore."""\nPRESETS = ("default", "tiny")\n'
-      "def get_config(preset=None):\n  pass\n")
-  (tmp_path / "helper.py").write_text("X = 1\n")
-  exps = train.list_experiments(str(tmp_path))
-  assert exps == [{"name": "exp_a", "path": str(tmp_path / "exp_a.py"),
-                   "summary": "Does A beat B?", "presets": ["default", "tiny"]}]
-  assert "exp_a: Does A beat B?" in train.format_experiments(str(tmp_path))
 
 
 def test_markdown_table_exact_text_and_custom_format():

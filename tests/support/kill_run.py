@@ -1,4 +1,4 @@
-"""A small checkpointed `fit` that can SIGKILL itself mid-run (see test_fit.py).
+"""A small checkpointed `fit` that can SIGKILL itself mid-run (see tests/train/test_loop.py).
 
   python kill_run.py WORKDIR KILL_AT   # trains, kills its own process when batch KILL_AT is read
 
@@ -12,11 +12,11 @@ import signal
 import struct
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from train_stand_ins import TinyMLP, make_arrays  # noqa: E402
+# tests/ on the path: run as a script, this file imports its sibling as support.train_stand_ins.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from attnx import train  # noqa: E402
+from support.train_stand_ins import TinyMLP, make_arrays  # noqa: E402
 
 NUM_STEPS, LOG_EVERY, CHECKPOINT_EVERY = 12, 2, 4
 

@@ -1,4 +1,4 @@
-"""Run in a subprocess with 8 fake CPU devices (see test_parallel.py); prints JSON results.
+"""Run in a subprocess with 8 fake CPU devices (tests/train/test_parallel.py); prints JSON results.
 
 Plain SGD (no momentum, no clipping) makes the update proportional to the gradient, so a
 gradient that is D times too large (a sum over devices instead of the mean) shows up in the
@@ -19,13 +19,13 @@ import jax
 from attnx.train import workarounds
 
 workarounds.fake_cpu_devices(8)  # before JAX starts its backend
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/
 
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-from train_stand_ins import TinyMLP, make_arrays  # noqa: E402
 
 from attnx import train  # noqa: E402
+from support.train_stand_ins import TinyMLP, make_arrays  # noqa: E402
 
 
 def masked_arrays(n: int = 64, length: int = 5, dim: int = 6) -> dict[str, np.ndarray]:

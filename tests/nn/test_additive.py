@@ -1,20 +1,12 @@
-"""Bahdanau/Luong attention against their formulas; metric attention; linear attention."""
+"""attnx.nn.additive: Bahdanau (AdditiveAttention) and Luong attention against their formulas."""
 
 import chex
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 from attnx import core
-from attnx.nn import (
-    AdditiveAttention,
-    LinearAttention,
-    LuongAttention,
-    MetricAttention,
-    MultiHeadAttention,
-    redraw_features,
-)
+from attnx.nn import AdditiveAttention, LuongAttention
 
 KEY = jax.random.PRNGKey(0)
 X = jax.random.normal(jax.random.PRNGKey(1), (2, 4, 8))
@@ -96,55 +88,3 @@ def test_additive_and_luong_dropout_on_weights(module):
   assert 0 < jnp.mean(dropped) < 1
   # Deterministic (the default) ignores dropout_rate.
   chex.assert_trees_all_close(module.clone(dropout_rate=0.0).apply(params, Q, X), ctx)
-
-
-def test_metric_attention_is_a_learned_mahalanobis_metric():
-  model = MetricAttention(num_heads=2, rank=3, weighting="softmax")
-  params = model.init(KEY, X)
-  p = params["params"]
-  _, w = model.apply(params, X, return_weights=True)
-  L = p["metric"]["kernel"]  # [D, N, R]
-  tau = jnp.exp(p["log_temperature"])  # [N]
-  z = jnp.einsum("btd,dnr->bntr", X, L)
-  d2 = jnp.sum((z[:, :, :, None] - z[:, :, None]) ** 2, -1)
-  ref = jax.nn.softmax(-tau[None, :, None, None] * d2, axis=-1)
-  chex.assert_trees_all_close(w, ref, atol=1e-5)
-
-
-def test_linear_attention_elu_matches_formula_and_key_mask():
-  model = LinearAttention(num_heads=2, feature_map="elu_plus_one")
-  params = model.init(KEY, X)
-  mask = jnp.array([[True, True, True, False], [True, True, False, False]])[:, None, None, :]
-  out = model.apply(params, X, mask=mask)
-  # The same model with padded keys removed from the inputs gives the same first row.
-  short = model.apply(params, X[:1], X[:1, :3])
-  chex.assert_trees_all_close(out[:1], short, atol=1e-5)
-  causal = LinearAttention(num_heads=2, is_causal=True)
-  g = jax.grad(lambda x: jnp.sum(causal.apply(params, x)[:, 1]))(X)
-  assert jnp.all(g[:, 2:] == 0)
-
-
-def test_favor_features_variable_and_redraw():
-  model = LinearAttention(num_heads=2, feature_map="favor_plus", num_features=16)
-  variables = model.init(KEY, X)
-  chex.assert_shape(variables["favor"]["omega"], (16, 4))
-  assert "omega" not in variables["params"]  # not trainable
-  out = model.apply(variables, X)
-  chex.assert_tree_all_finite(out)
-  out2, state = model.apply(variables, X, redraw=True, rngs={"favor": jax.random.PRNGKey(9)},
-                            mutable=["favor"])
-  assert not np.allclose(state["favor"]["omega"], variables["favor"]["omega"])
-  chex.assert_trees_all_close(model.apply({**variables, **state}, X), out2)
-  new = redraw_features(variables, jax.random.PRNGKey(3))
-  chex.assert_trees_all_equal_shapes(new, variables)
-  assert not np.allclose(new["favor"]["omega"], variables["favor"]["omega"])
-
-
-def test_attention_weights_dtype_and_jit_for_each_family():
-  for model in (MetricAttention(num_heads=2, dtype=jnp.bfloat16),
-                LinearAttention(num_heads=2, dtype=jnp.bfloat16),
-                MultiHeadAttention(num_heads=2, dtype=jnp.bfloat16, weighting="sparsemax")):
-    params = model.init(KEY, X)
-    out = jax.jit(model.apply)(params, X)
-    assert out.dtype == jnp.bfloat16, type(model).__name__
-    chex.assert_tree_all_finite(out)

@@ -1,46 +1,17 @@
-"""The attention-dict spec, variant names, flax drop-in, and clear configuration errors."""
+"""Cross-cutting: every attnx.nn module raises a clear error for a bad configuration.
 
-import chex
-import flax.linen as nn
+One table over all the modules (construction-time checks, distance kernels on similarity
+scores, shapes known only at call time), so it does not belong to one module's test file.
+"""
+
 import jax
 import jax.numpy as jnp
 import pytest
-from flax import nnx
 
 import attnx.nn as an
 from attnx import core
 
 X = jax.random.normal(jax.random.PRNGKey(1), (2, 4, 8))
-
-
-def test_attention_spec_variants():
-  assert an.attention_spec("linear_elu") == {"type": "linear", "feature_map": "elu_plus_one"}
-  assert an.attention_spec("linear_favor") == {"type": "linear", "feature_map": "favor_plus"}
-  assert an.attention_spec("metric") == {"type": "metric"}
-  assert an.attention_spec("metric:weighting=relu") == {"type": "metric", "weighting": "relu"}
-  assert an.attention_spec("relu") == {"type": "dot", "weighting": "relu"}
-  assert an.attention_spec("power:p=3") == {"type": "dot", "weighting": "power:p=3"}
-  assert an.attention_spec("gaussian:h=2")["score"] == "neg_sq_dist"
-  variants = an.list_attention_variants()
-  assert {"linear_elu", "linear_favor", "metric"} <= set(variants)
-  assert set(core.list_weightings()) <= set(variants)
-
-
-def test_unknown_variant_lists_weightings_and_special_variants():
-  with pytest.raises(ValueError, match="Unknown weighting 'softmaxx'") as e:
-    an.attention_spec("softmaxx")
-  assert "sparsemax" in str(e.value) and "linear_favor" in str(e.value)
-  with pytest.raises(ValueError, match="Valid weightings"):
-    an.attention_spec("metric:weighting=nope")
-
-
-def test_make_attention_builds_each_type():
-  for variant, cls in (("relu", an.MultiHeadAttention), ("linear_elu", an.LinearAttention),
-                       ("metric", an.MetricAttention)):
-    module = an.make_attention(an.attention_spec(variant), num_heads=2, is_causal=True)
-    assert isinstance(module, cls) and module.is_causal
-  with pytest.raises(ValueError, match="Bad attention spec"):
-    an.make_attention({"type": "linear", "weighting": "relu"}, num_heads=2)
 
 
 @pytest.mark.parametrize("build,match", [
@@ -120,23 +91,6 @@ def test_distance_kernels_with_distance_scores_build():
   an.EncoderBlock(num_heads=2, mlp_dim=8, attention={"type": "metric", "weighting": "epanechnikov"})
 
 
-def test_dict_form_builds_the_same_model_as_the_variant_name():
-  for variant in ("gaussian", "boxcar:h=0.5", "relu"):
-    by_dict = an.resolve_attention({"weighting": variant})
-    assert by_dict == an.attention_spec(variant), variant
-    built = [an.make_attention(a, num_heads=2, name="attention")
-             for a in (by_dict, an.attention_spec(variant), variant)]
-    assert built[0] == built[1] == built[2], variant
-  assert an.resolve_attention({"weighting": "gaussian"})["score"] == "neg_sq_dist"
-  assert "score" not in an.resolve_attention({"weighting": "relu"})  # MHA's default applies
-  # The same holds inside models: both forms give the same frozen attention field.
-  vits = [an.VisionTransformer(num_classes=3, hidden_dim=8, num_heads=2, attention=a)
-          for a in ({"weighting": "gaussian"}, an.attention_spec("gaussian"))]
-  assert vits[0].attention == vits[1].attention
-  # An explicit distance score is kept.
-  assert an.resolve_attention({"weighting": "gaussian", "score": "metric"})["score"] == "metric"
-
-
 def test_bad_shapes_raise_clear_errors():
   model = an.MultiHeadAttention(num_heads=2, qkv_features=6)
   with pytest.raises(ValueError, match="not divisible"):  # known only at call time
@@ -149,25 +103,3 @@ def test_bad_shapes_raise_clear_errors():
   with pytest.raises(ValueError, match="general"):
     an.EncoderBlock(num_heads=2, mlp_dim=8, attention="linear_elu").init(
         jax.random.PRNGKey(0), X, mask=jnp.ones((1, 1, 4, 4), bool))
-
-
-def test_flax_attention_fn_drop_in_linen_and_nnx():
-  stock = nn.MultiHeadDotProductAttention(num_heads=2, qkv_features=8)
-  params = stock.init(jax.random.PRNGKey(0), X)
-  ref = stock.apply(params, X)
-  for weighting in ("softmax", "relu"):
-    m = nn.MultiHeadDotProductAttention(num_heads=2, qkv_features=8,
-                                        attention_fn=core.flax_attention_fn(weighting))
-    out = m.apply(params, X)
-    if weighting == "softmax":
-      chex.assert_trees_all_close(out, ref, atol=1e-5)
-    else:
-      assert jnp.max(jnp.abs(out - ref)) > 1e-3
-  make = lambda **kw: nnx.MultiHeadAttention(num_heads=2, in_features=8, qkv_features=8,
-                                             decode=False, rngs=nnx.Rngs(0), **kw)
-  nnx_ref = make()(X)
-  chex.assert_trees_all_close(make(attention_fn=core.flax_attention_fn("softmax"))(X), nnx_ref,
-                              atol=1e-5)
-  relu = make(attention_fn=core.flax_attention_fn("relu"))(X)
-  chex.assert_tree_all_finite(relu)
-  assert jnp.max(jnp.abs(relu - nnx_ref)) > 1e-3

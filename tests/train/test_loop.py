@@ -1,22 +1,35 @@
-"""fit: vmap over seeds == sequential runs, resume, NaN detection, evaluation."""
+"""attnx.train.loop (fit): vmap over seeds == sequential runs, resume, NaN detection, the
+reference run.
+
+support/fit_reference.json holds the history, metrics.jsonl records, final metrics and
+parameters of one small run (logging, evaluation and checkpoints on different periods, plus a
+resume from a mid-run checkpoint), written by the loop as it was before its periodic work became
+separate actions. On the platform that wrote it they must match bit for bit (same XLA flags:
+tests/conftest.py); elsewhere a different CPU may round differently, so there they are compared
+to float32 round-off.
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import platform
 import shutil
 import subprocess
 import sys
 
 import jax
+import jaxlib
 import numpy as np
 import optax
 import pytest
-from kill_run import tensorboard_scalars
-from train_stand_ins import TinyMLP, make_arrays
-from two_cpu_run import ROOT, run_on_two_cpus
+from support.kill_run import tensorboard_scalars
+from support.train_stand_ins import TinyMLP, make_arrays
+from support.two_cpu_run import ROOT
 
 from attnx import train
+
+REFERENCE = os.path.join(ROOT, "tests", "support", "fit_reference.json")
 
 
 @pytest.fixture
@@ -91,17 +104,17 @@ def test_resume_from_checkpoint_is_exact(arrays, tmp_path):
 
 
 def test_tensorboard_events_survive_sigkill(tmp_path):
-  # A real SIGKILL after the step-8 checkpoint (kill_run.py): the events logged up to it must
-  # be on disk, and the resumed run continues them without duplicates or gaps.
+  # A real SIGKILL after the step-8 checkpoint (support/kill_run.py): the events logged up to it
+  # must be on disk, and the resumed run continues them without duplicates or gaps.
   wd = str(tmp_path / "wd")
   env = dict(os.environ, JAX_PLATFORMS="cpu",
              PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-  script = os.path.join(os.path.dirname(__file__), "kill_run.py")
+  script = os.path.join(ROOT, "tests", "support", "kill_run.py")
   proc = subprocess.run([sys.executable, script, wd, "10"], env=env, cwd=ROOT,
                         capture_output=True, text=True, timeout=240)
   assert proc.returncode == -9, proc.stderr[-3000:]
   assert sorted(os.listdir(os.path.join(wd, "checkpoints", "run"))) == ["4", "8"]
-  from kill_run import run
+  from support.kill_run import run
 
   resumed = run(wd)
   assert resumed.start_step == 8
@@ -173,63 +186,65 @@ def test_custom_loss_eval_fn_and_optax_optimizer(arrays):
   assert "train_acc" in r.final_metrics and "eval_score" in r.history[-1]
 
 
-def test_evaluate_ignores_ignore_index_and_weights_mse_by_mask():
-  import flax.linen as nn
-
-  class Const(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-      b = self.param("b", lambda k: np.array([0.0, 1.0], np.float32))
-      return x[..., None] * 0 + b
-
-  params = {"b": np.array([[0.0, 1.0], [1.0, 0.0]], np.float32)}  # 2 seeds: predict 1 / 0
-  targets = np.array([[1, 1, train.IGNORE_INDEX], [0, 1, 1]])
-  batch = {"inputs": np.zeros((2, 3), np.float32), "targets": targets}
-  # Two uneven batches: the means are over all 5 valid positions, not means of batch means.
-  m = train.evaluate(Const(), params, train.loader(batch, 1), metrics=("accuracy", "loss"))
-  np.testing.assert_allclose(m["accuracy"], [4 / 5, 1 / 5])
-  lse = np.log(1 + np.e)  # log-sum-exp of logits (0, 1)
-  ce = {0: [lse - 1, lse - 1, lse, lse - 1, lse - 1], 1: [lse, lse, lse - 1, lse, lse]}
-  np.testing.assert_allclose(m["loss"], [np.mean(ce[0]), np.mean(ce[1])], rtol=1e-5)
-  # mse: positions weighted by `mask` (the third position of each row is left out).
-  reg = {"inputs": np.zeros((2, 3), np.float32),
-         "targets": np.ones((2, 3, 2), np.float32), "mask": np.array([[1, 1, 0], [1, 1, 0]])}
-  reg["targets"][:, 2] = 100.0  # masked out: would dominate the mean
-  m = train.evaluate(Const(), params, [reg], metrics=("mse",))
-  np.testing.assert_allclose(m["mse"], [0.5, 0.5])
+def _platform() -> dict[str, str]:
+  cpu = platform.machine()
+  try:
+    with open("/proc/cpuinfo") as f:
+      cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
+  except OSError:
+    pass
+  return {"jax": jax.__version__, "jaxlib": jaxlib.__version__,
+          "backend": jax.default_backend(), "cpu": cpu}
 
 
-def test_optimizer_config_validation():
-  for bad, key in ((dict(name="lion"), "name"), (dict(schedule="step"), "schedule"),
-                   (dict(learning_rate=0.0), "learning_rate")):
-    with pytest.raises(ValueError, match=f"optimizer.{key}"):
-      train.make_optimizer(train.optimizer_config(**bad), 10)
-  sched = train.make_schedule(train.optimizer_config(learning_rate=1.0, warmup_steps=10), 100)
-  assert float(sched(0)) == 0.0 and float(sched(10)) == pytest.approx(1.0)
-  assert float(sched(100)) == pytest.approx(0.0, abs=1e-6)
+def _run(workdir: str) -> dict:
+  arrays = make_arrays()
+  # Logs at 3, 6, 9; evaluations at 4, 8 (records of their own); checkpoints at 5 (no record);
+  # everything at 10.
+  config = train.FitConfig(
+      optimizer=train.optimizer_config(learning_rate=1e-2, warmup_steps=3), num_steps=10,
+      num_seeds=2, seed=3, log_every=3, eval_every=4, checkpoint_every=5, progress=False,
+      tensorboard=False)
+  r = train.fit(TinyMLP(dropout_rate=0.2), train_data=train.loader(arrays, 16),
+                eval_data=train.loader(arrays, 64), config=config, workdir=workdir)
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    jsonl = [json.loads(line) for line in f]
+  return {"history": r.history, "jsonl": jsonl,
+          "final_metrics": {k: np.asarray(v).tolist() for k, v in r.final_metrics.items()},
+          "params": jax.tree.map(lambda x: np.asarray(x).tolist(), r.params),
+          "start_step": r.start_step}
 
 
-
-_RNN_INIT_SCRIPT = """
-import jax, numpy as np, optax
-from attnx import nn, train
-model = nn.RNNSeq2Seq(src_vocab_size=30, tgt_vocab_size=30, embed_dim=32, hidden_dim=64,
-                      attention_type="bahdanau")
-batch = {"inputs": np.zeros((4, 10), np.int32), "decoder_inputs": np.zeros((4, 10), np.int32)}
-inputs_fn = lambda b: (b["inputs"], b["decoder_inputs"])
-tx = optax.adam(1e-3)
-for _ in range(10):  # the deadlock was intermittent per call, near-certain over 10 calls
-  both = train.init_state(model, tx, [3, 4], batch, inputs_fn)
-jax.block_until_ready(both)
-for i, seed in enumerate((3, 4)):
-  one = train.init_state(model, tx, [seed], batch, inputs_fn)
-  jax.tree.map(lambda a, b: np.testing.assert_array_equal(a[i], b[0]), both["params"],
-               one["params"])
-print("OK")
-"""
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+  wd = str(tmp_path_factory.mktemp("reference") / "wd")
+  full = _run(wd)
+  shutil.rmtree(os.path.join(wd, "checkpoints", "run", "10"))  # killed after step 5's save
+  return {"full": full, "resumed": _run(wd)}
 
 
-def test_init_of_orthogonal_rnn_seeds_does_not_deadlock_and_equals_single_inits():
-  # GRU recurrent kernels use an orthogonal (QR) initializer; initializing 2 seeds with vmap
-  # made batched LAPACK QRs that deadlocked XLA's 2-thread CPU pool.
-  run_on_two_cpus(_RNN_INIT_SCRIPT, timeout=150, what="train.init_state of 2 RNNSeq2Seq seeds")
+def _assert_same(got, want, exact: bool, where: str = "") -> None:
+  if isinstance(want, dict):
+    assert list(got) == list(want), f"{where}: keys {list(got)} != {list(want)}"  # order too
+    for k in want:
+      _assert_same(got[k], want[k], exact, f"{where}.{k}")
+  elif isinstance(want, list) and want and isinstance(want[0], dict | list):
+    assert len(got) == len(want), where
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+      _assert_same(g, w, exact, f"{where}[{i}]")
+  elif exact or not isinstance(want, float | list):
+    assert got == want, f"{where}: {got} != {want}"
+  else:
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-6, err_msg=where)
+
+
+@pytest.mark.parametrize("which", ["full", "resumed"])
+def test_fit_matches_the_reference_run(runs, which):
+  with open(REFERENCE) as f:
+    reference = json.load(f)
+  exact = reference["platform"] == _platform()
+  got, want = runs[which], reference[which]
+  assert got["start_step"] == want["start_step"] == (0 if which == "full" else 5)
+  assert [h["step"] for h in got["history"]] == [3, 4, 6, 8, 9, 10]
+  for key in ("history", "jsonl", "final_metrics", "params"):
+    _assert_same(got[key], want[key], exact, f"{which}.{key}")

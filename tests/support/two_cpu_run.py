@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _PIN = "import os; os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:2])\n"
 
 

@@ -6,7 +6,7 @@ import itertools
 
 import numpy as np
 import pytest
-from train_stand_ins import TinyMLP, make_arrays
+from support.train_stand_ins import TinyMLP, make_arrays
 
 from attnx import train
 

@@ -1,0 +1,12 @@
+"""Helpers for the tests, not tests themselves (pytest collects nothing here).
+
+Test modules import them as ``support.<module>``: tests/ is on sys.path through the root
+conftest (pytest's default "prepend" import mode).
+
+  two_cpu_run.py       run a snippet in a subprocess pinned to 2 CPUs (thread-pool deadlocks)
+  train_stand_ins.py   TinyMLP and make_arrays: a model and data for the attnx.train tests
+  kill_run.py          a checkpointed fit that SIGKILLs itself mid-run (script and module)
+  parallel_check.py    script: fit on 8 fake CPU devices in every parallel mode, prints JSON
+  fit_reference.json   data: fit's results from before the actions refactoring (test_loop.py)
+  nn_models.py         small helpers shared by the attnx.nn tests
+"""

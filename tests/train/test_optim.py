@@ -1,0 +1,17 @@
+"""attnx.train.optim: optimizer_config validation and the warmup schedule."""
+
+from __future__ import annotations
+
+import pytest
+
+from attnx import train
+
+
+def test_optimizer_config_validation():
+  for bad, key in ((dict(name="lion"), "name"), (dict(schedule="step"), "schedule"),
+                   (dict(learning_rate=0.0), "learning_rate")):
+    with pytest.raises(ValueError, match=f"optimizer.{key}"):
+      train.make_optimizer(train.optimizer_config(**bad), 10)
+  sched = train.make_schedule(train.optimizer_config(learning_rate=1.0, warmup_steps=10), 100)
+  assert float(sched(0)) == 0.0 and float(sched(10)) == pytest.approx(1.0)
+  assert float(sched(100)) == pytest.approx(0.0, abs=1e-6)

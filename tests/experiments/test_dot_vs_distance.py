@@ -67,16 +67,6 @@ def test_tiny_end_to_end(tmp_path):
     assert (tmp_path / fig).exists()
 
 
-def test_presets_derive_from_the_default():
-  assert tuple(exp.PRESET_FNS) == exp.PRESETS and set(exp.PRESETS) >= {"default", "tiny"}
-  for name, change in exp.PRESET_FNS.items():
-    c = exp._default()
-    c.preset = name
-    change(c)
-    assert exp.get_config(name).to_dict() == c.to_dict()
-  assert exp.get_config(None).to_dict() == exp.get_config("default").to_dict()
-
-
 def test_training_tasks_pair_scores_per_qk_norm():
   groups = exp.training_tasks(exp.get_config("default"))
   assert [(qk, [v.name for v in vs], ref) for qk, _, vs, ref in groups] == [

@@ -40,13 +40,3 @@ def test_tiny_end_to_end(tmp_path):
   assert any("triangular" in p for p in predictors)
   for fig in ("fits_kernels.png", "fits_gaussian_widths.png", "attention_weights.png"):
     assert (tmp_path / fig).exists()
-
-
-def test_presets_derive_from_the_default():
-  assert tuple(exp.PRESET_FNS) == exp.PRESETS and set(exp.PRESETS) >= {"default", "tiny"}
-  for name, change in exp.PRESET_FNS.items():
-    c = exp._default()
-    c.preset = name
-    change(c)
-    assert exp.get_config(name).to_dict() == c.to_dict()
-  assert exp.get_config(None).to_dict() == exp.get_config("default").to_dict()

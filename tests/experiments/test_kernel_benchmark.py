@@ -123,13 +123,3 @@ def test_targets_compare_measurements_with_the_issue_thresholds():
   assert met("20× lower", "(fwd)")  # 25×
   assert not met("20× lower", "(fwd+bwd)")  # 16×
   assert met("2 GiB peak")
-
-
-def test_presets_derive_from_the_default():
-  assert tuple(exp.PRESET_FNS) == exp.PRESETS and set(exp.PRESETS) >= {"default", "quick", "tiny"}
-  for name, change in exp.PRESET_FNS.items():
-    c = exp._default()
-    c.preset = name
-    change(c)
-    assert exp.get_config(name).to_dict() == c.to_dict()
-  assert exp.get_config(None).to_dict() == exp.get_config("default").to_dict()

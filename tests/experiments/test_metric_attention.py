@@ -65,13 +65,6 @@ def test_accuracy_drop():
                       0.01) == "better"
 
 
-def test_presets_derive_from_the_default():
-  tiny, default = exp.get_config("tiny"), exp._default()
-  exp._tiny(default)
-  default.preset = "tiny"
-  assert tiny.to_dict() == default.to_dict()
-
-
 def test_task_declaration():
   c = exp.get_config("tiny")
   task = exp.make_task("digits", 10, c)

@@ -50,13 +50,3 @@ def test_tiny_end_to_end(tmp_path):
   for fig in ("entmax_curves.png", "simplex_maps.png", "sparsity.png"):
     assert (tmp_path / fig).exists()
   assert "Generic solver vs closed forms" in (tmp_path / "report.md").read_text()
-
-
-def test_presets_derive_from_the_default():
-  assert tuple(exp.PRESET_FNS) == exp.PRESETS and set(exp.PRESETS) >= {"default", "tiny"}
-  for name, change in exp.PRESET_FNS.items():
-    c = exp._default()
-    c.preset = name
-    change(c)
-    assert exp.get_config(name).to_dict() == c.to_dict()
-  assert exp.get_config(None).to_dict() == exp.get_config("default").to_dict()

@@ -122,16 +122,6 @@ def test_training_summary_every_sigma_and_ties(tmp_path):
   assert s["comparable"] is False and s["held"] is None
 
 
-def test_presets_derive_from_the_default():
-  assert tuple(exp.PRESET_FNS) == exp.PRESETS and set(exp.PRESETS) >= {"default", "tiny"}
-  for name, change in exp.PRESET_FNS.items():
-    c = exp._default()
-    c.preset = name
-    change(c)
-    assert exp.get_config(name).to_dict() == c.to_dict()
-  assert exp.get_config(None).to_dict() == exp.get_config("default").to_dict()
-
-
 def test_noisy_task_declares_evaluators_and_levels():
   from attnx.data.noisy_clusters import make_noisy_clusters
 

@@ -29,13 +29,3 @@ def test_loss_spread_is_computed_over_all_runs():
                            0.5001}, "pmap": {"final_train_loss": 0.4999}}}
   spread, n = tb.loss_spread(devices)
   assert n == 6 and spread == pytest.approx(2e-4)
-
-
-def test_presets_derive_from_the_default():
-  assert tuple(tb.PRESET_FNS) == tb.PRESETS and set(tb.PRESETS) >= {"default", "tiny"}
-  for name, change in tb.PRESET_FNS.items():
-    c = tb._default()
-    c.preset = name
-    change(c)
-    assert tb.get_config(name).to_dict() == c.to_dict()
-  assert tb.get_config(None).to_dict() == tb.get_config("default").to_dict()

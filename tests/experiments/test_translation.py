@@ -101,16 +101,6 @@ def test_judge_needs_both_halves_and_learning():
                    {"bahdanau": [0.6, 0.61]}, 0.17)[0] is True
 
 
-def test_presets_derive_from_the_default():
-  tiny, default = exp.get_config("tiny"), exp._default()
-  exp._tiny(default)
-  default.preset = "tiny"
-  assert tiny.to_dict() == default.to_dict()
-  assert exp.get_config("default").margins.alignment == exp.ALIGN_MARGIN
-  with pytest.raises(ValueError):
-    exp.get_config("huge")
-
-
 def test_task_declaration():
   c = exp.get_config("tiny")
   _, te = exp._data(c)

@@ -11,6 +11,7 @@ killed after a save loses none of them).
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import dataclasses
 import sys
@@ -146,7 +147,7 @@ class StepContext:
     return {k: np.mean([np.asarray(m[k]) for m in ms], axis=0).tolist() for k in ms[0]}
 
 
-class Action:
+class Action(abc.ABC):
   """A periodic piece of `fit`: due per its `schedule`, acts on the shared StepContext."""
 
   schedule: Schedule = NEVER
@@ -154,8 +155,9 @@ class Action:
   def due(self, step: int, num_steps: int) -> bool:
     return self.schedule.due(step, num_steps)
 
+  @abc.abstractmethod
   def __call__(self, ctx: StepContext) -> None:
-    raise NotImplementedError
+    """Acts at a step where the action is due."""
 
 
 class NonFiniteLossError(FloatingPointError):

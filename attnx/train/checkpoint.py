@@ -54,11 +54,14 @@ def _is_closed_loop_report(unraisable: Any) -> bool:
 
 
 class _OrphanedReads(logging.Filter):
-  """Drops asyncio's 'Task exception was never retrieved' reports of orbax's restore tasks."""
+  """Drops asyncio's "Task/Future exception was never retrieved" reports of orbax's restore
+  tasks and tensorstore's reads (newer asyncio/tensorstore versions report bare Futures)."""
 
   def filter(self, record: logging.LogRecord) -> bool:
     msg = record.getMessage()
-    return not (msg.startswith("Task exception was never retrieved") and "orbax" in msg)
+    orphan = msg.startswith(("Task exception was never retrieved",
+                             "Future exception was never retrieved"))
+    return not (orphan and ("orbax" in msg or "tensorstore_spec" in msg))
 
 
 def _quiet_failed_restore_aftermath() -> None:

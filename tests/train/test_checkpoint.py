@@ -250,8 +250,13 @@ def test_only_asyncio_reports_of_orbax_tasks_are_dropped(caplog):
   log = logging.getLogger("asyncio")
   orbax_task = ("Task exception was never retrieved\nfuture: <Task finished coro=<"
                 "async_deserialize() done, defined at /x/orbax/checkpoint/serialization.py:1>>")
+  # Newer asyncio/tensorstore: a bare Future whose error carries the tensorstore spec.
+  tensorstore_read = ("Future exception was never retrieved\nfuture: <Future finished "
+                      "exception=ValueError('OUT_OF_RANGE: Error opening \"zarr\" driver "
+                      "[tensorstore_spec=...]')>")
   other_task = "Task exception was never retrieved\nfuture: <Task finished coro=<mine()>>"
+  other_future = "Future exception was never retrieved\nfuture: <Future finished exception=X>"
   with caplog.at_level(logging.ERROR, logger="asyncio"):
-    log.error(orbax_task)
-    log.error(other_task)
-  assert [r.getMessage() for r in caplog.records] == [other_task]
+    for msg in (orbax_task, tensorstore_read, other_task, other_future):
+      log.error(msg)
+  assert [r.getMessage() for r in caplog.records] == [other_task, other_future]

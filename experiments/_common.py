@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -63,3 +63,20 @@ def save_json(workdir: str, name: str, payload: Any) -> str:
   with open(path, "w") as f:
     json.dump(jsonable(payload), f, indent=1)
   return path
+
+
+def run_standalone(name: str, get_config: Callable[[str | None], Any],
+                   run: Callable[[Any, str], Any], presets: Sequence[str]) -> None:
+  """``python experiments/NAME.py [--preset=P] [--workdir=DIR]``: the launcher-free entry of
+  the benchmarks (launch.py is the usual one)."""
+  from absl import app, flags  # noqa: PLC0415
+
+  flags.DEFINE_string("workdir", None, "Output directory (default runs/NAME-PRESET).")
+  flags.DEFINE_string("preset", "default", f"One of {tuple(presets)}.")
+
+  def main(argv: list[str]) -> None:
+    del argv
+    config = get_config(flags.FLAGS.preset)
+    run(config, flags.FLAGS.workdir or os.path.join("runs", f"{name}-{config.preset}"))
+
+  app.run(main)

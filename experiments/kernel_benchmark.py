@@ -546,16 +546,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   return {"report": path, "rows": rows, "matmul_gflops": rate, "targets": goals}
 
 
-def main(argv: list[str]) -> None:
-  from absl import flags  # noqa: PLC0415
-  del argv
-  config = get_config(flags.FLAGS.preset)
-  run(config, flags.FLAGS.workdir or os.path.join("runs", f"kernel_benchmark-{config.preset}"))
-
-
 if __name__ == "__main__":
-  from absl import app, flags
+  from experiments import _common  # noqa: PLC0415
 
-  flags.DEFINE_string("workdir", None, "Output directory.")
-  flags.DEFINE_string("preset", "default", f"One of {PRESETS}.")
-  app.run(main)
+  _common.run_standalone("kernel_benchmark", get_config, run, PRESETS)

@@ -149,11 +149,16 @@ class AttnxBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
     """No code dir: nothing to download, no checksums (avoids importlib_resources)."""
     return None
 
-  # --- hooks -----------------------------------------------------------------
+  # --- hooks (every dataset defines _features, _generate_split and describe) ----------
+
+  @classmethod
+  def _hook_missing(cls, hook: str) -> TypeError:
+    return TypeError(f"dataset builder {cls.__name__} does not define {hook}(); every attnx "
+                     "dataset defines _features, _generate_split and describe")
 
   @classmethod
   def _features(cls, config: AttnxConfig) -> dict[str, tfds.features.FeatureConnector]:
-    raise NotImplementedError
+    raise cls._hook_missing("_features")
 
   @classmethod
   def _split_sizes(cls, config: AttnxConfig) -> dict[str, int]:
@@ -167,11 +172,11 @@ class AttnxBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
   def _generate_split(
     cls, config: AttnxConfig, split: str, n: int, seed: int
   ) -> Mapping[str, np.ndarray]:
-    raise NotImplementedError
+    raise cls._hook_missing("_generate_split")
 
   @classmethod
   def describe(cls, config: AttnxConfig) -> DatasetInfo:
-    raise NotImplementedError
+    raise cls._hook_missing("describe")
 
   # --- config resolution -------------------------------------------------------
 

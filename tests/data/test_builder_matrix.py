@@ -55,3 +55,16 @@ def test_shapes_dtypes_splits_match_info(name, data_dir):
       assert arrays["targets"].shape == (n, *info.extras["target_shape"])
     if info.vocab_size is not None and info.task != "seq2seq":
       assert arrays["inputs"].min() >= 0 and arrays["inputs"].max() < info.vocab_size
+
+
+def test_a_builder_without_its_hooks_names_them():
+  from attnx.data._base import AttnxBuilder
+
+  class Incomplete(AttnxBuilder, skip_registration=True):
+    pass
+
+  for hook, call in (("describe", lambda: Incomplete.describe(None)),
+                     ("_features", lambda: Incomplete._features(None)),
+                     ("_generate_split", lambda: Incomplete._generate_split(None, "train", 1, 0))):
+    with pytest.raises(TypeError, match=f"Incomplete does not define {hook}"):
+      call()

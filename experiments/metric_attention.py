@@ -54,7 +54,7 @@ import numpy as np  # noqa: E402
 
 from attnx import data, nn, train  # noqa: E402
 from attnx.train import config as train_config  # noqa: E402
-from attnx.train import evaluators, experiment  # noqa: E402
+from attnx.train import experiment  # noqa: E402
 from experiments import _common  # noqa: E402
 
 PRESETS = ("default", "tiny")
@@ -125,19 +125,10 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
                            f"{name!r}{' (config.max_train_examples)' if capped else ''}")
 
 
-def _load(name: str, config) -> tuple[dict, dict] | str:
-  """(train, test) arrays, or the reason the dataset is unavailable."""
-  try:
-    tr = data.load_arrays(name, "train")
-    te = data.load_arrays(name, "test")
-  except data.DatasetNotFoundError as e:
-    return str(e).splitlines()[0]
-  tr = {k: tr[k][:config.max_train_examples] for k in ("inputs", "targets")}
-  te = {k: te[k][:config.max_test_examples] for k in ("inputs", "targets")}
-  for d in (tr, te):  # catalog images come as uint8
-    if d["inputs"].dtype == np.uint8:
-      d["inputs"] = d["inputs"].astype(np.float32) / 255.0
-  return tr, te
+def _to_unit_floats(arrays: dict[str, dict[str, np.ndarray]]) -> dict[str, dict[str, np.ndarray]]:
+  """Catalog images come as uint8: pixels to float32 in [0, 1] (attnx's digits already are)."""
+  return {split: {k: (v.astype(np.float32) / 255.0 if k == "inputs" and v.dtype == np.uint8
+                      else v) for k, v in a.items()} for split, a in arrays.items()}
 
 
 def steps_to_target(history: list[dict], target: float, num_seeds: int) -> np.ndarray:
@@ -152,41 +143,43 @@ def steps_to_target(history: list[dict], target: float, num_seeds: int) -> np.nd
   return out
 
 
-def make_task(name: str, num_classes: int, config) -> experiment.Task:
-  """The declaration of one dataset's task: model builder, primary metric and margin, and the
-  "noisy_accuracy" evaluator (the same N(0, σ²) pixel-noise draw, from config.seed, for every
-  model)."""
+def make_task(name: str, config) -> experiment.Task:
+  """The declaration of one dataset's task: the VisionTransformer builder, the primary metric
+  (test accuracy) and its margin; the learning curve is test accuracy on the first 1000 test
+  images every ``eval_every`` steps, the final metrics clean accuracy and the
+  ``"noisy_accuracy"`` evaluator (the same N(0, σ²) pixel-noise draw, from config.seed, for
+  every model) on all of them."""
+  num_classes = data.get_info(name).num_classes
   return experiment.Task(
       name=name, dataset=name, metric="accuracy", margin=config.margins.accuracy,
-      evaluators=("noisy_accuracy",),
+      evaluators=("accuracy", "noisy_accuracy"), curve_evaluators=("accuracy",),
+      curve_limit=1000, train_limit=config.max_train_examples,
+      eval_limit=config.max_test_examples, prepare=_to_unit_floats,
       eval_options=dict(noise_levels=tuple(config.noise_levels), noise_seed=config.seed),
+      fit_options=dict(optimizer=train.optimizer_config(
+                           learning_rate=config.learning_rate,
+                           warmup_steps=max(config.num_steps // 20, 1)),
+                       log_every=config.eval_every, tensorboard=False),
       build_model=lambda att: nn.VisionTransformer(
           num_classes=num_classes, patch_size=_PATCH[name], hidden_dim=config.hidden_dim,
           num_layers=config.num_layers, num_heads=config.num_heads, mlp_dim=config.mlp_dim,
           attention=att))
 
 
-def run_dataset(name: str, tr: dict, te: dict, config, workdir: str) -> dict[str, Any]:
-  """Trains every variant on one dataset; returns per-variant metrics."""
-  num_classes = int(max(tr["targets"].max(), te["targets"].max())) + 1
-  task = make_task(name, num_classes, config)
-  optimizer = train.optimizer_config(learning_rate=config.learning_rate,
-                                     warmup_steps=max(config.num_steps // 20, 1))
-  eval_set = {k: v[:1000] for k, v in te.items()}  # the curve; final numbers use all of te
+def run_dataset(task: experiment.Task, arrays: dict, config, workdir: str) -> dict[str, Any]:
+  """Trains every variant on one dataset (attnx.train.experiment.run_task); returns
+  per-variant metrics."""
+  variants = [experiment.Variant(v, nn.attention_spec(v)) for v in config.variants]
+  result = experiment.run_task(config, workdir, task, variants, config.variants[0], arrays)
+  if result.failures:
+    raise train.NonFiniteLossError("; ".join(result.failures.values()))
   out: dict[str, Any] = {}
-  for variant in config.variants:
-    model = task.build_model(nn.attention_spec(variant))
-    fit_config = train.FitConfig.from_config(config, loss="softmax_xent", optimizer=optimizer,
-                                             log_every=config.eval_every, tensorboard=False)
-    fit = train.fit(model, train_data=train.loader(tr, config.batch_size, config.data_pipeline),
-                    eval_data=train.loader(eval_set, 500), config=fit_config,
-                    name=_common.safe_name(f"{name}_{variant}"), workdir=workdir)
-    scores = evaluators.make_eval_fn(task.evaluators, model, te, task)(fit.params)
-    noisy = {s: scores["noisy_accuracy"][:, i] for i, s in enumerate(config.noise_levels)}
+  for variant, fit in result.fits.items():
+    scores = fit.final_metrics["noisy_accuracy"]
     num_params = sum(x.size for x in jax.tree.leaves(fit.params)) // config.num_seeds
     out[variant] = {"history": fit.history,
-                    "accuracy": noisy[0.0] if 0.0 in noisy else noisy[min(noisy)],
-                    "noisy": noisy,
+                    "accuracy": np.asarray(fit.final_metrics["accuracy"]),
+                    "noisy": {s: scores[:, i] for i, s in enumerate(config.noise_levels)},
                     "steps_to_target": steps_to_target(fit.history, config.target_accuracy,
                                                        config.num_seeds),
                     "train_loss": np.asarray(fit.final_metrics["train_loss"]),
@@ -233,14 +226,16 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   results: dict[str, Any] = {"datasets": {}, "skipped": {}}
   claims: dict[str, list[bool]] = {"accuracy": [], "efficiency": [], "robustness": []}
   for name in config.datasets:
-    loaded = _load(name, config)
+    task = make_task(name, config)
     rep.section(f"Dataset: {name}")
-    if isinstance(loaded, str):
-      rep.text(f"Skipped: `{name}` is not available offline here ({loaded}).")
-      results["skipped"][name] = loaded
+    try:
+      arrays = experiment.load_task_arrays(task)
+    except data.DatasetNotFoundError as e:
+      reason = str(e).splitlines()[0]
+      rep.text(f"Skipped: `{name}` is not available offline here ({reason}).")
+      results["skipped"][name] = reason
       continue
-    tr, te = loaded
-    res = run_dataset(name, tr, te, config, workdir)
+    res = run_dataset(task, arrays, config, workdir)
     hi = max(config.noise_levels)
     rows = []
     for v, r in res.items():
@@ -252,7 +247,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
                        [r["noisy"][x] for x in config.noise_levels if x > 0] or [np.nan], 0),
                    "train loss": r["train_loss"], "params": r["num_params"],
                    "ms/step": r["ms_per_step"]})
-    rep.text(f"{len(tr['targets'])} training / {len(te['targets'])} test images.")
+    rep.text(f"{len(arrays['train']['targets'])} training / {len(arrays['eval']['targets'])} "
+             "test images.")
     rep.table(rows, caption=f"{name}: mean ± std over {config.num_seeds} seeds; accuracy drop "
               f"= test accuracy − accuracy at σ={hi:g} (per seed; smaller = more robust)")
     noise_rows = [{"variant": v, **{f"σ={s:g}": r["noisy"][s] for s in config.noise_levels}}

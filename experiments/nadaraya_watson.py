@@ -37,7 +37,8 @@ import ml_collections  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
-from attnx import core, nn, train  # noqa: E402
+from attnx import core, data, nn, train  # noqa: E402
+from attnx.data.nw_regression import truth  # noqa: E402
 from attnx.train import config as train_config  # noqa: E402
 from experiments import _common  # noqa: E402
 
@@ -94,21 +95,24 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     raise ValueError("config.num_train must be ≥ 2 and config.num_seeds ≥ 1.")
 
 
-def truth(x: np.ndarray) -> np.ndarray:
-  """The noise-free target 2 sin(x) + x."""
-  return 2.0 * np.sin(x) + x
+def _data_kwargs(config: ml_collections.ConfigDict, index: int) -> dict[str, Any]:
+  """attnx.data config of ``nw_regression`` for training set ``index`` (RNG seed
+  config.seed + index, like the seeds of a trained run)."""
+  return dict(seed=config.seed + index, n=config.num_train, x_min=0.0, x_max=config.x_max,
+              noise_std=config.noise_std, grid_size=config.num_test)
 
 
 def make_dataset(config: ml_collections.ConfigDict, index: int) -> tuple[np.ndarray, np.ndarray]:
-  """Training set ``index``: sorted x ~ U(0, x_max), y = truth(x) + N(0, noise_std²)."""
-  rng = np.random.default_rng([config.seed, index])
-  x = np.sort(rng.uniform(0.0, config.x_max, config.num_train)).astype(np.float32)
-  y = (truth(x) + config.noise_std * rng.normal(size=x.shape)).astype(np.float32)
-  return x, y
+  """Training set ``index`` read from attnx.data's ``nw_regression``: sorted
+  x ~ U(0, x_max), y = truth(x) + N(0, noise_std²)."""
+  a = data.load_arrays("nw_regression", "train", **_data_kwargs(config, index))
+  return a["inputs"][:, 0], a["targets"]
 
 
-def test_inputs(config: ml_collections.ConfigDict) -> np.ndarray:
-  return np.linspace(0.0, config.x_max, config.num_test, dtype=np.float32)
+def test_set(config: ml_collections.ConfigDict) -> tuple[np.ndarray, np.ndarray]:
+  """The test grid (num_test evenly spaced x in [0, x_max]) and the noise-free truth there."""
+  a = data.load_arrays("nw_regression", "test", **_data_kwargs(config, 0))
+  return a["inputs"][:, 0], a["targets"]
 
 
 def _predict(x_test, x, y, kernel: str, h: float | jax.Array, weights: bool = False):
@@ -163,8 +167,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
       claim="g(x) = Σ_i y_i f(x, x_i)/Σ_j f(x, x_j) — attention with query x, keys x_i, values "
             "y_i — recovers y = 2 sin x + x from 100 noisy samples on [0, 4]; the quality "
             "depends on the kernel and its width.")
-  x_test = test_inputs(config)
-  f_test = truth(x_test)
+  x_test, f_test = test_set(config)
   cases = [(k, config.bandwidth) for k in config.kernels]
   cases += [("gaussian", h) for h in config.gaussian_widths if h != config.bandwidth
             or "gaussian" not in config.kernels]

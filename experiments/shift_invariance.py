@@ -47,7 +47,6 @@ import ml_collections  # noqa: E402
 import numpy as np  # noqa: E402
 
 from attnx import core, train  # noqa: E402
-from attnx.data.noisy_clusters import make_noisy_clusters  # noqa: E402
 from attnx.train import config as train_config  # noqa: E402
 from experiments import _common  # noqa: E402
 
@@ -310,6 +309,11 @@ def _cluster_params(tc, global_noise: float) -> dict[str, Any]:
               classes_per_sample=tc.classes_per_sample, global_noise=global_noise)
 
 
+def _data_kwargs(config, global_noise: float, **sizes: int) -> dict[str, Any]:
+  """attnx.data config of ``noisy_clusters`` for this experiment at one global-noise level."""
+  return dict(seed=config.seed, **_cluster_params(config.train, global_noise), **sizes)
+
+
 def _variants(tc) -> list[tuple[str, str, str]]:
   """(label, weighting, score) for every trained model."""
   out = [(w, w, "dot") for w in tc.weightings]
@@ -340,15 +344,20 @@ def noisy_task(config: ml_collections.ConfigDict) -> tuple[Any, dict[str, dict[s
   ``accuracy_by_level`` and ``weight_tv_by_level`` on fresh samples at every σ of
   ``eval_global_noise`` (same clean objects and direction g at every σ: only its size
   changes)."""
+  from attnx import data
   from attnx.train.experiment import Task
 
   tc = config.train
-  train_arrays = make_noisy_clusters(tc.num_train, config.seed,
-                                     **_cluster_params(tc, tc.train_global_noise))
+  # attnx.data's noisy_clusters, one prepared config per global-noise level (a level's config
+  # holds only the split it is read for); the test split's draws do not depend on the level,
+  # so every level has the same objects and direction g, only its size changes.
+  train_arrays = data.load_arrays("noisy_clusters", "train", **_data_kwargs(
+      config, tc.train_global_noise, num_train=tc.num_train, num_test=0))
   sigmas = [float(x) for x in tc.eval_global_noise]
-  evals = [make_noisy_clusters(tc.num_eval, 10_000 + config.seed, **_cluster_params(tc, x))
-           for x in sigmas]
-  assert all(np.array_equal(e["targets"], evals[0]["targets"]) for e in evals)
+  evals = [data.load_arrays("noisy_clusters", "test", **_data_kwargs(
+      config, x, num_train=0, num_test=tc.num_eval)) for x in sigmas]
+  if not all(np.array_equal(e["targets"], evals[0]["targets"]) for e in evals):
+    raise AssertionError("noisy_clusters: the evaluation levels must share their samples")
   arrays = {"train": {k: train_arrays[k] for k in ("inputs", "targets")},
             "eval": {"inputs_by_level": np.stack([e["inputs"] for e in evals]),
                      "targets": evals[0]["targets"]}}

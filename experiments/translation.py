@@ -26,21 +26,23 @@ Presets (each the default changed by one small function, see PRESET_FNS):
   default
   python launch.py --config=experiments/translation.py:default --workdir=runs/translation
            5 attention types, 2 seeds, 1500 steps. Measured on 2 shared CPU cores: 123 s
-           quiet, 182 s at a load average of ≈ 5 (282 s beside another run of it).
+           quiet, 182 s at a load average of ≈ 5; 209 s pinned to one core beside another
+           run.
   tiny     python launch.py --config=experiments/translation.py:tiny --workdir=/tmp/tr_tiny
            bahdanau vs none, 512 pairs, 300 steps: 28–53 s measured at load ≈ 5; bahdanau
-           0.63 sequence accuracy vs none 0.01, verdict inconclusive (2 seeds disagree).
+           0.60 sequence accuracy vs none 0.00, verdict inconclusive (2 seeds disagree).
 Expected result: all attention variants beat "none" on sequence accuracy and BLEU at equal
 budget; their alignments put most mass on the gold source word (well above the 1/len chance).
 The verdict needs both halves, each by the shared rule (95 % paired t-interval over seeds):
 every attention variant *better* than "none" on sequence accuracy and on BLEU-4 (margin
 ``margins.sequence_accuracy`` / ``margins.bleu``), and its alignment accuracy *better* than
 uniform attention's chance (margin ``margins.alignment`` = ALIGN_MARGIN); it is inconclusive
-if nothing was learned or the seeds cannot tell. Measured (default, seeds 1–2): every attention
-variant 1.000 sequence accuracy and BLEU-4 vs none 0.578 / 0.646 (better by the rule);
-alignment accuracy 0.56–0.79 vs chance 0.17, but with 2 seeds (t = 12.7) the per-seed spread
-(e.g. luong_general 0.85 / 0.49) leaves the alignment half, hence the verdict, inconclusive;
-pass --config.num_seeds=4 or more for a decision (≈ 2× the runtime).
+if nothing was learned or the seeds cannot tell. Measured (default, seeds 1–2, data from
+attnx.data's synthetic_translation): every attention variant 1.000 sequence accuracy and BLEU-4
+vs none 0.581 / 0.667 (seeds 0.52 and 0.64: with 2 seeds the paired interval still straddles
+0, inconclusive); alignment accuracy 0.55–0.83 vs chance 0.17 (better for Luong dot and concat,
+inconclusive for Bahdanau and Luong general, 0.87 / 0.46 on its two seeds); pass
+--config.num_seeds=4 or more for a decision (≈ 2× the runtime).
 """
 
 from __future__ import annotations
@@ -61,7 +63,7 @@ import numpy as np  # noqa: E402
 from attnx import nn, train  # noqa: E402
 from attnx.data import synthetic_translation as st  # noqa: E402
 from attnx.train import config as train_config  # noqa: E402
-from attnx.train import evaluators, experiment  # noqa: E402
+from attnx.train import experiment  # noqa: E402
 from attnx.train.evaluators import corpus_bleu  # noqa: E402, F401  (re-exported)
 from experiments import _common  # noqa: E402
 
@@ -133,14 +135,12 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
                        f"(e.g. {', '.join(EXAMPLES)}).") from None
 
 
-def _data(config) -> tuple[dict, dict]:
-  kw = dict(p_pronoun=config.p_pronoun, p_adjective=config.p_adjective)
-  tr = st.make_synthetic_translation(config.num_train, config.seed, **kw)
-  te = st.make_synthetic_translation(config.num_test, 10_000 + config.seed, **kw)
-  # PAD positions do not count in the loss (greedy decoding stops at EOS anyway).
-  train_arrays = {"inputs": tr["inputs"], "decoder_inputs": tr["decoder_inputs"],
-                  "targets": np.where(tr["mask"], tr["targets"], train.IGNORE_INDEX)}
-  return train_arrays, te
+def _loss_mask(arrays: dict[str, dict[str, np.ndarray]]) -> dict[str, dict[str, np.ndarray]]:
+  """PAD positions do not count in the training loss (greedy decoding stops at EOS anyway);
+  the evaluation targets stay as they are (the references of BLEU and sequence accuracy)."""
+  tr = dict(arrays["train"])
+  tr["targets"] = np.where(tr["mask"], tr["targets"], train.IGNORE_INDEX)
+  return {"train": tr, "eval": arrays["eval"]}
 
 
 def _model(config, attention_type: str) -> nn.RNNSeq2Seq:
@@ -150,17 +150,32 @@ def _model(config, attention_type: str) -> nn.RNNSeq2Seq:
                        weighting=config.weighting)
 
 
-def make_task(config, te: dict) -> experiment.Task:
-  """The declaration: data, model builder, the "greedy_decode" (+ "alignment" for attention
-  variants) evaluators and the primary metric with its margin."""
+def make_task(config) -> experiment.Task:
+  """The declaration: data (attnx.data's ``synthetic_translation`` with this config's sizes,
+  grammar probabilities and seed), model builder, the "greedy_decode" (+ "alignment" for
+  attention variants) evaluators, the optimizer, and the primary metric with its margin."""
   return experiment.Task(
       name="synthetic_translation", dataset="synthetic_translation",
+      data_kwargs=dict(seed=config.seed, num_train=config.num_train, num_test=config.num_test,
+                       p_pronoun=config.p_pronoun, p_adjective=config.p_adjective),
       build_model=lambda attention_type: _model(config, attention_type),
       metric="sequence_accuracy", margin=config.margins.sequence_accuracy,
       evaluators=("greedy_decode", "alignment"),
       eval_options=dict(bos_id=st.BOS_ID, eos_id=st.EOS_ID, detokenize=st.decode,
-                        max_len=int(te["inputs"].shape[1])),
-      keys=("inputs", "decoder_inputs", "targets", "alignment"))
+                        max_len=st.SEQ_LEN),
+      keys=("inputs", "decoder_inputs", "targets", "alignment"), prepare=_loss_mask,
+      fit_options=dict(optimizer=train.optimizer_config(
+                           name="adam", learning_rate=config.learning_rate,
+                           schedule="warmup_cosine",
+                           warmup_steps=max(config.num_steps // 20, 1), weight_decay=0.0,
+                           grad_clip_norm=1.0),
+                       log_every=max(config.num_steps // 30, 1), tensorboard=False))
+
+
+def variants(config) -> list[experiment.Variant]:
+  """One variant per attention type; "none" has no attention weights to align."""
+  return [experiment.Variant(a, a, skip_evaluators=("alignment",) if a == "none" else ())
+          for a in config.attention_types]
 
 
 # Evaluator outputs -> the names in tables and translation.json.
@@ -173,15 +188,6 @@ def alignments(model, params_stacked, src: np.ndarray, tgt_in: np.ndarray) -> np
   fn = jax.jit(jax.vmap(lambda p: model.apply({"params": p}, src, tgt_in,
                                               return_alignment=True)[1]))
   return np.asarray(fn(params_stacked))
-
-
-def evaluate_variant(task: experiment.Task, model, params, te: dict, attention_type: str
-                     ) -> dict[str, np.ndarray]:
-  """Per-seed sequence accuracy and BLEU-4 (and alignment accuracy, mass on the gold word for
-  attention variants) on the test set, by the task's named evaluators."""
-  names = tuple(n for n in task.evaluators if attention_type != "none" or n != "alignment")
-  out = evaluators.make_eval_fn(names, model, te, task)(params)
-  return {_NAMES[k]: v for k, v in out.items()}
 
 
 def judge(seq: dict[str, np.ndarray], bleu: dict[str, np.ndarray],
@@ -274,34 +280,28 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
       config=config,
       claim="Attention over the encoder states improves an RNN encoder-decoder translator "
             "and its weights form an interpretable (non-monotonic) alignment matrix.")
-  train_arrays, te = _data(config)
-  task = make_task(config, te)
-  optimizer = train.optimizer_config(name="adam", learning_rate=config.learning_rate,
-                                     schedule="warmup_cosine",
-                                     warmup_steps=max(config.num_steps // 20, 1),
-                                     weight_decay=0.0, grad_clip_norm=1.0)
+  task = make_task(config)
+  result = experiment.run_task(config, workdir, task, variants(config), reference="none")
+  if result.failures:
+    raise train.NonFiniteLossError("; ".join(result.failures.values()))
+  te = result.arrays["eval"]
   src, tgt_in, src_words, tgt_words = _example_arrays(config.examples)
   metrics: dict[str, dict[str, np.ndarray]] = {}
   histories, example_alignments = {}, {}
-  for attention_type in config.attention_types:
-    model = task.build_model(attention_type)
-    fit_config = train.FitConfig.from_config(
-        config, loss="softmax_xent", optimizer=optimizer,
-        log_every=max(config.num_steps // 30, 1), tensorboard=False)
-    fit = train.fit(model, train_data=train.loader(train_arrays, config.batch_size,
-                                                   config.data_pipeline),
-                    config=fit_config, name=attention_type, workdir=workdir)
+  for attention_type, fit in result.fits.items():
     histories[attention_type] = fit.history
-    res = evaluate_variant(task, model, fit.params, te, attention_type)
     if attention_type != "none":  # with the test set before them: the same compiled shapes
-      a = alignments(model, fit.params, jnp.asarray(np.concatenate([te["inputs"], src])),
+      a = alignments(task.build_model(attention_type), fit.params,
+                     jnp.asarray(np.concatenate([te["inputs"], src])),
                      jnp.asarray(np.concatenate([te["decoder_inputs"], tgt_in])))
       example_alignments[attention_type] = a[:, len(te["inputs"]):]
-    metrics[attention_type] = {"train loss": fit.final_metrics["train_loss"], **res,
+    metrics[attention_type] = {"train loss": fit.final_metrics["train_loss"],
+                               **{_NAMES[k]: v for k, v in fit.final_metrics.items()
+                                  if k in _NAMES},
                                "ms/step": 1e3 * fit.seconds_per_step}
 
   rep.section("Setup")
-  rep.text(f"`synthetic_translation` generated with `make_synthetic_translation` "
+  rep.text(f"`synthetic_translation` (attnx.data, seed {config.seed}; "
            f"({config.num_train} training / {config.num_test} held-out pairs, p_pronoun "
            f"{config.p_pronoun}, p_adjective {config.p_adjective}; ≤ 7 words + EOS). "
            f"RNNSeq2Seq: {config.cell.upper()} encoder/decoder, embedding {config.embed_dim}, "

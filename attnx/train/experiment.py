@@ -50,8 +50,17 @@ class Task:
     higher_is_better: orientation of ``metric``.
     margin: δ of the verdict rule for ``metric`` (the difference that counts as equal).
     description: one line for the report.
-    eval_split, eval_limit: the evaluation split and a cap on its examples (CPU budget).
-    keys: the arrays read from the dataset.
+    eval_split, eval_limit: the evaluation split and a cap on its examples (CPU budget);
+      ``train_limit`` caps the training split likewise.
+    keys: the arrays kept from the dataset (after ``prepare``).
+    prepare: optional ``{"train": arrays, "eval": arrays} -> same`` applied to the loaded
+      arrays (e.g. uint8 images to floats in [0, 1], padded targets to ``IGNORE_INDEX``).
+    curve_evaluators, curve_limit: what is evaluated every ``eval_every`` steps during
+      training (the learning curve), on the first ``curve_limit`` evaluation examples; None:
+      the task's ``evaluators`` on the whole evaluation split. The final metrics always come
+      from ``evaluators`` on the whole (``eval_limit``-capped) evaluation split.
+    fit_options: :class:`attnx.train.FitConfig` fields that differ from the experiment config
+      for this task (e.g. ``optimizer``, ``log_every``, ``tensorboard``).
     extra_report: optional ``(report, task_result) -> None`` adding task-specific tables or
       figures (e.g. a baseline curve) after the standard ones.
     eval_options: settings the task's evaluators read (e.g. ``noise_levels`` for
@@ -74,14 +83,22 @@ class Task:
   keys: tuple[str, ...] = ("inputs", "targets")
   extra_report: Callable[[Report, Any], None] | None = None
   eval_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+  train_limit: int | None = None
+  prepare: Callable[[dict[str, dict[str, np.ndarray]]], dict[str, dict[str, np.ndarray]]] \
+      | None = None
+  curve_evaluators: tuple[str, ...] | None = None
+  curve_limit: int | None = None
+  fit_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
 class Variant:
-  """One compared variant: a label and what ``Task.build_model`` takes."""
+  """One compared variant: a label, what ``Task.build_model`` takes, and the task evaluators
+  that do not apply to it (e.g. ``("alignment",)`` for a model without attention)."""
 
   name: str
   spec: Any
+  skip_evaluators: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass
@@ -104,10 +121,13 @@ def load_task_arrays(task: Task) -> dict[str, dict[str, np.ndarray]]:
 
   def read(split: str, limit: int | None) -> dict[str, np.ndarray]:
     arrays = data.load_arrays(task.dataset, split=split, **dict(task.data_kwargs))
-    out = {k: np.asarray(arrays[k]) for k in task.keys if k in arrays}
-    return out if limit is None else {k: v[:limit] for k, v in out.items()}
+    return {k: np.asarray(v)[:limit] for k, v in arrays.items()}
 
-  return {"train": read("train", None), "eval": read(task.eval_split, task.eval_limit)}
+  arrays = {"train": read("train", task.train_limit),
+            "eval": read(task.eval_split, task.eval_limit)}
+  if task.prepare is not None:
+    arrays = task.prepare(arrays)
+  return {split: {k: a[k] for k in task.keys if k in a} for split, a in arrays.items()}
 
 
 def run_name(task: str, variant: str) -> str:
@@ -117,14 +137,25 @@ def run_name(task: str, variant: str) -> str:
 
 def train_variant(config: ml_collections.ConfigDict, workdir: str, task: Task,
                   variant: Variant, arrays: Mapping[str, Mapping[str, np.ndarray]]) -> FitResult:
-  """Trains ``variant`` on ``task`` with the config's budget; evaluates with the task's
-  evaluators every ``eval_every`` steps and at the end."""
+  """Trains ``variant`` on ``task`` with the config's budget (changed by ``task.fit_options``);
+  evaluates the learning curve every ``eval_every`` steps and the task's evaluators at the
+  end (see :class:`Task`)."""
   model = task.build_model(variant.spec)
-  eval_fn = evaluators_lib.make_eval_fn(task.evaluators, model, arrays["eval"], task)
-  return fit(model, train_data=loader(arrays["train"], config.batch_size,
-                                      config.get("data_pipeline", "numpy")),
-             config=FitConfig.from_config(config, loss=task.loss), eval_fn=eval_fn,
-             workdir=workdir, name=run_name(task.name, variant.name))
+  skip = set(variant.skip_evaluators)
+  names = tuple(n for n in task.evaluators if n not in skip)
+  final_fn = evaluators_lib.make_eval_fn(names, model, arrays["eval"], task)
+  curve_fn = final_fn
+  if task.curve_evaluators is not None or task.curve_limit is not None:
+    curve_names = tuple(n for n in (task.curve_evaluators or names) if n not in skip)
+    curve_arrays = {k: v[:task.curve_limit] for k, v in arrays["eval"].items()}
+    curve_fn = evaluators_lib.make_eval_fn(curve_names, model, curve_arrays, task)
+  res = fit(model, train_data=loader(arrays["train"], config.batch_size,
+                                     config.get("data_pipeline", "numpy")),
+            config=FitConfig.from_config(config, **{"loss": task.loss, **task.fit_options}),
+            eval_fn=curve_fn, workdir=workdir, name=run_name(task.name, variant.name))
+  if curve_fn is not final_fn:
+    res.final_metrics.update(final_fn(res.params, res.extra_variables))
+  return res
 
 
 def _scalar_metrics(res: FitResult) -> dict[str, np.ndarray]:
@@ -132,10 +163,13 @@ def _scalar_metrics(res: FitResult) -> dict[str, np.ndarray]:
 
 
 def run_task(config: ml_collections.ConfigDict, workdir: str, task: Task,
-             variants: Sequence[Variant], reference: str | None) -> TaskResult:
-  """Trains every variant on one task and compares each with ``reference``."""
-  evaluators_lib.check_evaluators(task.evaluators)
-  arrays = load_task_arrays(task)
+             variants: Sequence[Variant], reference: str | None,
+             arrays: dict[str, dict[str, np.ndarray]] | None = None) -> TaskResult:
+  """Trains every variant on one task and compares each with ``reference`` (by the task's
+  primary metric). ``arrays``: the task's arrays when already loaded (default:
+  :func:`load_task_arrays`)."""
+  evaluators_lib.check_evaluators(task.evaluators + (task.curve_evaluators or ()))
+  arrays = load_task_arrays(task) if arrays is None else arrays
   fits: dict[str, FitResult] = {}
   failures: dict[str, str] = {}
   for v in variants:
@@ -163,9 +197,11 @@ def run_task(config: ml_collections.ConfigDict, workdir: str, task: Task,
 
 
 def report_task(rep: Report, result: TaskResult, config: ml_collections.ConfigDict,
-                reference: str | None, label: str = "variant") -> bool | None:
-  """Table, learning curves and the verdict of one task; returns the claim's outcome there:
-  the best alternative is not worse than the reference (None: inconclusive or no reference)."""
+                reference: str | None, label: str = "variant",
+                verdict: bool = True) -> bool | None:
+  """Table, learning curves and (``verdict``) the verdict of one task; returns the claim's
+  outcome there: the best alternative is not worse than the reference (None: inconclusive or
+  no reference)."""
   import matplotlib.pyplot as plt
 
   task = result.task
@@ -202,7 +238,7 @@ def report_task(rep: Report, result: TaskResult, config: ml_collections.ConfigDi
   if task.extra_report is not None and result.fits:
     task.extra_report(rep, result)
 
-  if not result.comparisons:
+  if not result.comparisons or not verdict:
     return None
   scores = {w: result.metric(w) for w in result.comparisons}
   top = verdict_lib.best(scores, task.higher_is_better)
@@ -215,10 +251,16 @@ def report_task(rep: Report, result: TaskResult, config: ml_collections.ConfigDi
 def run_comparison(config: ml_collections.ConfigDict, workdir: str, *, title: str, claim: str,
                    tasks: Sequence[Task], variants: Sequence[Variant],
                    reference: str | None = None, intro: str = "",
-                   label: str = "variant") -> dict[str, Any]:
+                   label: str = "variant",
+                   finish: Callable[[Report, dict[str, TaskResult]], Any] | None = None
+                   ) -> dict[str, Any]:
   """Trains every variant on every task, compares with ``reference``, writes the report.
 
-  ``label`` names the variants' column in tables (e.g. "weighting").
+  ``label`` names the variants' column in tables (e.g. "weighting"). By default each task's
+  verdict is the claim "the best alternative is not worse than the reference"; an experiment
+  with another claim passes ``finish(report, {task: TaskResult})``, which adds its own
+  figures, tables and verdict (by :mod:`attnx.train.verdict`) after the per-task sections, and
+  whose return value is returned under "finish".
 
   Returns {"report": path, "final_metrics": {task: {variant: {metric: [per seed]}}},
   "tasks": {task: TaskResult}}.
@@ -234,7 +276,7 @@ def run_comparison(config: ml_collections.ConfigDict, workdir: str, *, title: st
     results[task.name] = result
     final[task.name] = {w: {k: np.asarray(x).tolist() for k, x in r.final_metrics.items()}
                         for w, r in result.fits.items()}
-    report_task(rep, result, config, reference, label)
+    report_task(rep, result, config, reference, label, verdict=finish is None)
     for v in variants:
       summary[v.name][task.name] = (mean_std(result.metric(v.name), ".4g")
                                     if v.name in result.fits else "diverged")
@@ -242,6 +284,7 @@ def run_comparison(config: ml_collections.ConfigDict, workdir: str, *, title: st
     rep.section("Summary across tasks")
     rep.table(list(summary.values()), [label] + [t.name for t in tasks],
               caption="Primary metric per task, mean ± std over seeds")
+  extra = finish(rep, results) if finish is not None else None
   with open(os.path.join(workdir, "final_metrics.json"), "w") as f:
     json.dump(final, f, indent=1)
-  return {"report": rep.write(), "final_metrics": final, "tasks": results}
+  return {"report": rep.write(), "final_metrics": final, "tasks": results, "finish": extra}

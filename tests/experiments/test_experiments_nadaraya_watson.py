@@ -12,12 +12,18 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 from experiments import nadaraya_watson as exp  # noqa: E402
 
 
-def test_dataset_matches_the_slides():
+def test_dataset_matches_the_slides(tmp_path, monkeypatch):
+  monkeypatch.setenv("ATTNX_DATA_DIR", str(tmp_path))
   c = exp.get_config("tiny")
   x, y = exp.make_dataset(c, 0)
   assert x.shape == (100,) and np.all(np.diff(x) >= 0) and 0 <= x.min() and x.max() <= 4
-  # Residuals are the unit-variance noise.
-  assert 0.7 < np.std(y - exp.truth(x)) < 1.3
+  # Residuals are the unit-variance noise around 2 sin x + x.
+  assert 0.7 < np.std(y - (2 * np.sin(x) + x)) < 1.3
+  x1, _ = exp.make_dataset(c, 1)
+  assert not np.allclose(x, x1)  # independent training sets
+  grid, f = exp.test_set(c)
+  np.testing.assert_allclose(grid, np.linspace(0, c.x_max, c.num_test), rtol=1e-6)
+  np.testing.assert_allclose(f, 2 * np.sin(grid) + grid, rtol=1e-5)
 
 
 def test_bad_kernel_is_rejected():

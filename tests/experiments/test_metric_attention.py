@@ -67,7 +67,18 @@ def test_accuracy_drop():
 
 def test_task_declaration():
   c = exp.get_config("tiny")
-  task = exp.make_task("digits", 10, c)
-  assert task.evaluators == ("noisy_accuracy",) and task.metric == "accuracy"
+  task = exp.make_task("digits", c)
+  assert task.evaluators == ("accuracy", "noisy_accuracy") and task.metric == "accuracy"
+  assert task.curve_evaluators == ("accuracy",) and task.curve_limit == 1000
+  assert task.fit_options["log_every"] == c.eval_every
   assert task.eval_options == {"noise_levels": (0.0, 0.3), "noise_seed": c.seed}
   assert task.margin == c.margins.accuracy
+
+
+def test_catalog_images_become_unit_floats():
+  arrays = {"train": {"inputs": np.array([[0, 255]], np.uint8), "targets": np.array([1])},
+            "eval": {"inputs": np.array([[0.5, 1.0]], np.float32), "targets": np.array([0])}}
+  out = exp._to_unit_floats(arrays)
+  np.testing.assert_array_equal(out["train"]["inputs"], [[0.0, 1.0]])
+  assert out["train"]["inputs"].dtype == np.float32
+  np.testing.assert_array_equal(out["eval"]["inputs"], [[0.5, 1.0]])  # floats untouched

@@ -122,9 +122,11 @@ def test_training_summary_every_sigma_and_ties(tmp_path):
   assert s["comparable"] is False and s["held"] is None
 
 
-def test_noisy_task_declares_evaluators_and_levels():
+def test_noisy_task_declares_evaluators_and_levels(tmp_path, monkeypatch):
+  from attnx.data._base import split_seed
   from attnx.data.noisy_clusters import make_noisy_clusters
 
+  monkeypatch.setenv("ATTNX_DATA_DIR", str(tmp_path))
   c = exp.get_config("tiny")
   task, arrays = exp.noisy_task(c)
   assert task.evaluators == ("accuracy_by_level", "weight_tv_by_level")
@@ -132,8 +134,13 @@ def test_noisy_task_declares_evaluators_and_levels():
   tc = c.train
   x = arrays["eval"]["inputs_by_level"]
   assert x.shape == (2, tc.num_eval, tc.num_objects, tc.dim)
-  for i, sigma in enumerate(tc.eval_global_noise):  # same samples, only σ changes
-    ref = make_noisy_clusters(tc.num_eval, 10_000 + c.seed, **exp._cluster_params(tc, sigma))
+  # Same samples at every level, only σ changes: x(σ) − x(0) = σ·g, one g per sample.
+  step = x[1] - x[0]
+  np.testing.assert_allclose(step, np.broadcast_to(step[:, :1], step.shape), atol=1e-5)
+  assert np.abs(step).max() > 0.5
+  for i, sigma in enumerate(tc.eval_global_noise):  # read through attnx.data's builder
+    ref = make_noisy_clusters(tc.num_eval, split_seed(c.seed, "test"),
+                              **exp._cluster_params(tc, sigma))
     np.testing.assert_array_equal(x[i], ref["inputs"])
     np.testing.assert_array_equal(arrays["eval"]["targets"], ref["targets"])
   budget = exp._budget(c)

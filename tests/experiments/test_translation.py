@@ -103,8 +103,19 @@ def test_judge_needs_both_halves_and_learning():
 
 def test_task_declaration():
   c = exp.get_config("tiny")
-  _, te = exp._data(c)
-  task = exp.make_task(c, te)
+  task = exp.make_task(c)
   assert task.evaluators == ("greedy_decode", "alignment")
+  assert task.dataset == "synthetic_translation"
+  assert task.data_kwargs["num_train"] == c.num_train and task.data_kwargs["seed"] == c.seed
+  assert [v.skip_evaluators for v in exp.variants(c)] == [(), ("alignment",)]  # bahdanau, none
   assert task.metric == "sequence_accuracy" and task.margin == c.margins.sequence_accuracy
   assert task.eval_options["detokenize"] is exp.st.decode
+
+
+def test_padding_is_ignored_in_the_training_loss_only():
+  targets = np.array([[5, 6, 0]])
+  arrays = {"train": {"targets": targets, "mask": targets != 0},
+            "eval": {"targets": targets, "mask": targets != 0}}
+  out = exp._loss_mask(arrays)
+  np.testing.assert_array_equal(out["train"]["targets"], [[5, 6, exp.train.IGNORE_INDEX]])
+  np.testing.assert_array_equal(out["eval"]["targets"], targets)

@@ -69,3 +69,66 @@ def test_unknown_evaluator_is_named(tmp_path):
 def test_run_name_is_file_system_safe():
   assert experiment.run_name("survey", "power:p=3") == "survey-power_p_3"
   assert experiment.run_name("a", "x/y z") == "a-x_y_z"
+
+
+def test_task_hooks_prepare_limits_curve_and_skipped_evaluators(tmp_path, monkeypatch):
+  """prepare/train_limit/eval_limit shape the arrays; the curve uses curve_evaluators on the
+  first curve_limit examples while the final metrics use every evaluator on the whole eval
+  split; a variant's skip_evaluators are not run; fit_options reach FitConfig."""
+  monkeypatch.setenv("ATTNX_DATA_DIR", str(tmp_path / "data"))
+  seen = {}
+
+  def prepare(arrays):
+    seen.update({s: len(a["targets"]) for s, a in arrays.items()})
+    return {s: {**a, "inputs": a["inputs"] * 0.0} if s == "eval" else a
+            for s, a in arrays.items()}
+
+  task = _task(evaluators=("accuracy", "loss"), curve_evaluators=("loss",), curve_limit=50,
+               train_limit=300, prepare=prepare, fit_options=dict(log_every=10))
+  arrays = experiment.load_task_arrays(task)
+  assert seen == {"train": 300, "eval": 200}
+  assert set(arrays["eval"]) == {"inputs", "targets"} and not arrays["eval"]["inputs"].any()
+  res = experiment.train_variant(_config(), str(tmp_path / "wd"), task,
+                                 experiment.Variant("full", 64), arrays)
+  evals = [h for h in res.history if "eval_loss" in h]
+  assert evals and not any("eval_accuracy" in h for h in res.history)  # the curve: loss only
+  logged = [h["step"] for h in res.history if "loss" in h]
+  assert 10 in logged and 20 in logged and 5 not in logged  # log_every=10, not config's 5
+  model = task.build_model(64)
+
+  def score(n):
+    part = {k: v[:n] for k, v in arrays["eval"].items()}
+    return train.evaluate(model, res.params, train.loader(part, 500), ("accuracy", "loss"))
+
+  np.testing.assert_allclose(evals[-1]["eval_loss"], score(50)["loss"], rtol=1e-5)
+  for k in ("accuracy", "loss"):  # final metrics: every evaluator on all 200 examples
+    np.testing.assert_allclose(res.final_metrics[k], score(None)[k], rtol=1e-5)
+  skipped = experiment.train_variant(
+      _config(num_steps=10), str(tmp_path / "wd"), task,
+      experiment.Variant("skip", 64, skip_evaluators=("loss",)), arrays)
+  assert "loss" not in skipped.final_metrics and "accuracy" in skipped.final_metrics
+  assert not any("eval_loss" in h for h in skipped.history)
+
+
+def test_the_documented_minimal_experiment_runs_through_launch(tmp_path):
+  """docs/architecture.md promises that a new comparison is one short file: run that text."""
+  import re
+  import subprocess
+  import sys
+
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  doc = open(os.path.join(root, "docs", "architecture.md")).read()
+  code = re.search(r"```python\n(\"\"\"ReLU attention vs softmax.*?)```", doc, re.S).group(1)
+  path = tmp_path / "relu_vs_softmax.py"
+  path.write_text(code)
+  env = {**os.environ, "ATTNX_DATA_DIR": str(tmp_path / "data"), "PYTHONPATH": root}
+  out = subprocess.run(
+      [sys.executable, os.path.join(root, "launch.py"), f"--config={path}",
+       f"--workdir={tmp_path / 'wd'}", "--config.num_steps=10", "--config.num_seeds=2",
+       "--config.eval_every=0", "--config.progress=False"],
+      capture_output=True, text=True, cwd=root, env=env, timeout=600)
+  assert out.returncode == 0, out.stderr[-3000:]
+  final = json.load(open(tmp_path / "wd" / "final_metrics.json"))
+  assert set(final["digits"]) == {"softmax", "relu"}
+  assert len(final["digits"]["relu"]["accuracy"]) == 2
+  assert "Verdict rule" in open(tmp_path / "wd" / "report.md").read()

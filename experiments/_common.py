@@ -80,3 +80,30 @@ def run_standalone(name: str, get_config: Callable[[str | None], Any],
     run(config, flags.FLAGS.workdir or os.path.join("runs", f"{name}-{config.preset}"))
 
   app.run(main)
+
+
+def icl_report(rep: Any, result: Any, label: str = "weighting") -> dict[str, np.ndarray]:
+  """Garg et al.-style report of in-context regression: squared error / d vs the number of
+  in-context examples per trained variant (mean over seeds) against least squares,
+  3-nearest-neighbour averaging and the zero predictor on the same test prompts; a table at
+  the last position. ``result``: an attnx.train.experiment.TaskResult whose variants ran the
+  "icl_error" evaluator. Returns the baselines' curves."""
+  from attnx.data.icl_regression import baseline_errors
+  from attnx.train import mean_std, plot_curves
+
+  te = result.arrays["eval"]
+  base = baseline_errors(te["inputs"], te["targets"])
+  k = np.arange(len(base["zero"]), dtype=float)  # in-context examples before the query
+  curves = {w: (k, np.asarray(r.final_metrics["icl_curve"]).T) for w, r in result.fits.items()}
+  fig = plot_curves(curves, xlabel="in-context examples", ylabel="squared error / d",
+                    logy=True, references={n: (k, c) for n, c in base.items()})
+  rows = [{label: w, "error/d at last": mean_std(np.asarray(r.final_metrics["icl_curve"])[:, -1],
+                                                 ".4g"),
+           **{f"{n} at last": float(c[-1]) for n, c in base.items()}}
+          for w, r in result.fits.items()]
+  rep.table(rows, caption="In-context error at the last position (mean ± std over seeds) vs "
+                          "the baselines on the same test prompts")
+  rep.figure(fig, f"{result.task.name}_vs_least_squares",
+             "Squared error / d vs number of in-context examples (mean ± std over seeds; "
+             "dashed: baselines), as in Garg et al.'s figure 2.")
+  return base

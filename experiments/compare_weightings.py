@@ -51,11 +51,11 @@ from collections.abc import Callable
 from typing import Any
 
 import ml_collections
-import numpy as np
 
 from attnx.train import config as train_config
 from attnx.train.config import base_config, check_batch_size, split_list
 from attnx.train.optim import optimizer_config
+from experiments import _common
 
 PRESETS = ("default", "tiny", "quick", "survey", "digits", "listops", "associative_recall",
            "icl_regression", "all")
@@ -240,8 +240,8 @@ def _tasks(config: ml_collections.ConfigDict) -> list:
                       description=f"multi-query associative recall (length {info.seq_len}), "
                                   "causal decoder, accuracy at query positions"))
     elif name == "icl_regression":
-      out.append(Task(**base, metric="mse_last", higher_is_better=False, loss=_icl_loss,
-                      evaluators=("icl_error",), extra_report=_icl_figure,
+      out.append(Task(**base, metric="mse_last", higher_is_better=False, loss="icl_mse",
+                      evaluators=("icl_error",), extra_report=_common.icl_report,
                       build_model=lambda att, n=info.seq_len:
                       attnx_nn.SequenceRegressor(out_dim=1, max_len=n, is_causal=True,
                                                  attention=att, **common),
@@ -249,43 +249,6 @@ def _tasks(config: ml_collections.ConfigDict) -> list:
                                   "Can Transformers Learn In-Context?\"); squared error / d "
                                   "at the last in-context position"))
   return out
-
-
-def _icl_loss(outputs, batch):
-  """MSE of the prediction read at each x-token (even positions) against y_i."""
-  preds = outputs[..., 0::2, 0]
-  err = (preds - batch["targets"]) ** 2
-  loss = err.mean()
-  return loss, {"mse": loss}
-
-
-def _icl_figure(rep, result) -> None:
-  """Garg et al.-style plot: error vs number of in-context examples, with least squares."""
-  import matplotlib.pyplot as plt
-
-  from attnx.data.icl_regression import least_squares_baseline
-  from attnx.train import mean_std
-
-  te = result.arrays["eval"]
-  dim = int(te["inputs"].shape[-1]) - 1
-  xs = te["inputs"][:, 0::2, :dim]  # x-tokens are (x_i, 0)
-  ols = ((least_squares_baseline(xs, te["targets"]) - te["targets"]) ** 2).mean(0) / dim
-  fig, ax = plt.subplots(figsize=(6, 4))
-  k = np.arange(len(ols))
-  ax.plot(k, ols, "k--", label="least squares")
-  rows = []
-  for w, r in result.fits.items():
-    curve = np.asarray(r.final_metrics["icl_curve"])
-    ax.plot(k, curve.mean(0), label=w)
-    rows.append({"weighting": w, "error/d at last": mean_std(curve[:, -1], ".4g"),
-                 "least squares at last": float(ols[-1])})
-  ax.set_xlabel("in-context examples")
-  ax.set_ylabel("squared error / d")
-  ax.set_yscale("log")
-  ax.legend(fontsize=7)
-  rep.table(rows, caption="In-context error at the last position vs least squares")
-  rep.figure(fig, "icl_regression_vs_least_squares",
-             "Squared error / d vs number of in-context examples (mean over seeds)")
 
 
 def _spec(weighting: str, implementation: str) -> dict[str, Any]:

@@ -1,12 +1,16 @@
 """Multi-query associative recall (MQAR; Arora et al. 2023, "Zoology").
 
 Each sequence of length seq_len starts with num_kv_pairs key-value pairs
-k_1 v_1 k_2 v_2 ... (keys distinct, drawn from [1, vocab_size // 2), values
-from [vocab_size // 2, vocab_size)); the rest of the sequence holds
-num_queries queries: distinct keys from the context, each at a random even
-offset of the query region (a query slot is two positions). The other
-positions hold filler: random tokens when random_non_queries (Zoology's
-default), else 0.
+k_1 v_1 k_2 v_2 ... as in Zoology's generator: keys distinct, drawn from
+[1, vocab_size // 2), values distinct, drawn from [vocab_size // 2,
+vocab_size) (both without replacement, so no two keys share a value); the rest
+of the sequence holds num_queries queries: distinct keys from the context,
+each at an even offset of the query region (a query slot is two positions),
+uniform over the slots (query_power_a = 0) or, like Zoology, from the power law
+p(gap) ∝ a·gap^(a−1) with a = query_power_a (Zoology: 0.01, which puts most
+queries soon after the context). The other positions hold filler: random
+tokens when random_non_queries (Zoology's default), else 0. Zoology also
+requires vocab_size > seq_len (not enforced here: small test configs break it).
 
 Targets follow Zoology's convention (its labels are shifted by one so that
 position t predicts token t + 1): targets[t] is the value paired with the key
@@ -20,8 +24,10 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
+from typing import ClassVar
 
 import numpy as np
+import tensorflow_datasets as tfds
 
 from attnx.constants import IGNORE_INDEX
 from attnx.data._base import (
@@ -42,16 +48,21 @@ class MQARConfig(AttnxConfig):
   num_kv_pairs: int = 8
   num_queries: int = 8
   random_non_queries: bool = True
+  query_power_a: float = 0.0
   num_train: int = 20000
   num_test: int = 1000
 
   def validate(self) -> None:
-    check_params(self.vocab_size, self.seq_len, self.num_kv_pairs, self.num_queries)
+    check_params(self.vocab_size, self.seq_len, self.num_kv_pairs, self.num_queries,
+                 self.query_power_a)
 
 
-def check_params(vocab_size: int, seq_len: int, num_kv_pairs: int, num_queries: int) -> None:
+def check_params(vocab_size: int, seq_len: int, num_kv_pairs: int, num_queries: int,
+                 query_power_a: float = 0.0) -> None:
   if num_kv_pairs < 1 or num_kv_pairs > vocab_size // 2 - 1:
     raise ValueError(f"Need 1 <= num_kv_pairs <= vocab_size // 2 - 1 = {vocab_size // 2 - 1}.")
+  if not 0 <= query_power_a <= 1:
+    raise ValueError(f"Need 0 <= query_power_a <= 1 (0: uniform), got {query_power_a}.")
   if not 1 <= num_queries <= num_kv_pairs:
     raise ValueError("Need 1 <= num_queries <= num_kv_pairs.")
   if seq_len < 2 * num_kv_pairs + 2 * num_queries:
@@ -67,14 +78,15 @@ def make_associative_recall(
   num_kv_pairs: int = 8,
   num_queries: int = 8,
   random_non_queries: bool = True,
+  query_power_a: float = 0.0,
 ) -> dict[str, np.ndarray]:
   """MQAR examples: inputs/targets [n, seq_len] int32, mask [n, seq_len] bool."""
-  check_params(vocab_size, seq_len, num_kv_pairs, num_queries)
+  check_params(vocab_size, seq_len, num_kv_pairs, num_queries, query_power_a)
   rng = np.random.default_rng(seed)
   half = vocab_size // 2
   # Distinct keys per example: the first num_kv_pairs of a random permutation.
   keys = np.argsort(rng.random((n, half - 1)), axis=1)[:, :num_kv_pairs] + 1
-  values = rng.integers(half, vocab_size, size=(n, num_kv_pairs))
+  values = np.argsort(rng.random((n, vocab_size - half)), axis=1)[:, :num_kv_pairs] + half
   context = 2 * num_kv_pairs
   num_slots = (seq_len - context) // 2
   inputs = np.zeros((n, seq_len), np.int64)
@@ -83,7 +95,7 @@ def make_associative_recall(
   inputs[:, 0:context:2] = keys
   inputs[:, 1:context:2] = values
   which = np.argsort(rng.random((n, num_kv_pairs)), axis=1)[:, :num_queries]
-  slots = np.argsort(rng.random((n, num_slots)), axis=1)[:, :num_queries]
+  slots = _query_slots(rng, n, num_slots, num_queries, query_power_a)
   pos = context + 2 * slots
   targets = np.full((n, seq_len), IGNORE_INDEX, np.int64)
   np.put_along_axis(inputs, pos, np.take_along_axis(keys, which, axis=1), axis=1)
@@ -95,8 +107,26 @@ def make_associative_recall(
   }
 
 
+def _query_slots(rng: np.random.Generator, n: int, num_slots: int, num_queries: int,
+                 power_a: float) -> np.ndarray:
+  """[n, num_queries] distinct slots per example: uniform, or drawn without replacement with
+  p(slot s) ∝ a·(s + 1)^(a − 1) (Zoology's power law; Gumbel top-k = sequential sampling
+  without replacement)."""
+  if power_a == 0:
+    return np.argsort(rng.random((n, num_slots)), axis=1)[:, :num_queries]
+  logp = np.log(power_a) + (power_a - 1) * np.log(np.arange(1, num_slots + 1))
+  gumbel = -np.log(-np.log(rng.random((n, num_slots))))
+  return np.argsort(-(logp + gumbel), axis=1)[:, :num_queries]
+
+
 class AssociativeRecall(AttnxBuilder):
   """MQAR (Zoology)."""
+
+  VERSION = tfds.core.Version("1.2.0")
+  RELEASE_NOTES: ClassVar[dict[str, str]] = {
+    **AttnxBuilder.RELEASE_NOTES,
+    "1.2.0": "Values drawn without replacement (distinct, as in Zoology); query_power_a.",
+  }
 
   BUILDER_CONFIGS = [
     MQARConfig(name="default", description="64 tokens, 8 pairs, 8 queries."),
@@ -132,6 +162,7 @@ class AssociativeRecall(AttnxBuilder):
       num_kv_pairs=config.num_kv_pairs,
       num_queries=config.num_queries,
       random_non_queries=config.random_non_queries,
+      query_power_a=config.query_power_a,
     )
 
   @classmethod

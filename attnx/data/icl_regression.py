@@ -80,6 +80,31 @@ def least_squares_baseline(xs: np.ndarray, ys: np.ndarray) -> np.ndarray:
   return preds
 
 
+def nearest_neighbours_baseline(xs: np.ndarray, ys: np.ndarray, k: int = 3) -> np.ndarray:
+  """Predicts y_i as the mean y of the (up to) k earlier x_j nearest to x_i (pred_1 = 0);
+  Garg et al.'s "3-nearest neighbours" baseline. xs [..., n, d], ys [..., n] -> [..., n]."""
+  xs = np.asarray(xs, np.float64)
+  ys = np.asarray(ys, np.float64)
+  preds = np.zeros(ys.shape)
+  for i in range(1, xs.shape[-2]):
+    dist = ((xs[..., :i, :] - xs[..., i:i + 1, :]) ** 2).sum(-1)  # [..., i]
+    near = np.argsort(dist, axis=-1)[..., :k]
+    preds[..., i] = np.take_along_axis(ys[..., :i], near, axis=-1).mean(-1)
+  return preds
+
+
+def baseline_errors(inputs: np.ndarray, targets: np.ndarray) -> dict[str, np.ndarray]:
+  """Squared error / d per in-context position of Garg et al.'s baselines on prompts
+  ``inputs`` [N, 2k, d + 1] with ``targets`` [N, k]: least squares, 3-nearest-neighbour
+  averaging and the zero predictor (error/d ≈ 1 for w, x ~ N(0, I)); each [k]."""
+  dim = inputs.shape[-1] - 1
+  xs = inputs[:, 0::2, :dim]
+  preds = {"least squares": least_squares_baseline(xs, targets),
+           "3-nearest neighbours": nearest_neighbours_baseline(xs, targets, 3),
+           "zero": np.zeros(targets.shape)}
+  return {name: ((p - targets) ** 2).mean(0) / dim for name, p in preds.items()}
+
+
 class IclRegression(AttnxBuilder):
   """In-context linear regression prompts."""
 

@@ -112,7 +112,23 @@ positions (e.g. only the query position of an in-context regression prompt). Wit
 """
 
 
-LOSSES: dict[str, LossFn] = {"softmax_xent": softmax_xent, "mse": mse}
+
+
+def icl_mse_sums(outputs: jax.Array, batch: dict) -> Sums:
+  """In-context regression (Garg et al. 2022): squared error of the prediction read at each
+  x-token (even positions of outputs [..., 2k, 1]) against targets [..., k]."""
+  preds = outputs[..., 0::2, 0].astype(jnp.float32)
+  err = (preds - batch["targets"].astype(jnp.float32)) ** 2
+  pair = (err.sum(), jnp.float32(err.size))
+  return {"loss": pair, "mse": pair}
+
+
+icl_mse = from_sums(icl_mse_sums)
+icl_mse.__doc__ = """Mean squared error of in-context regression predictions (read at the
+x-tokens, see `attnx.data.icl_regression`); metric: mse."""
+
+
+LOSSES: dict[str, LossFn] = {"softmax_xent": softmax_xent, "mse": mse, "icl_mse": icl_mse}
 
 
 def get_loss(loss: str | LossFn) -> LossFn:

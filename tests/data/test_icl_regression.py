@@ -30,3 +30,22 @@ def test_least_squares_baseline():
   x1, y1, x2 = data["xs"][:, 0], data["targets"][:, 0], data["xs"][:, 1]
   w_hat = x1 * (y1 / (x1 * x1).sum(-1))[:, None]
   np.testing.assert_allclose(preds[:, 1], (x2 * w_hat).sum(-1), rtol=1e-4, atol=1e-5)
+
+
+def test_nearest_neighbours_and_baselines_against_brute_force():
+  from attnx.data.icl_regression import baseline_errors, nearest_neighbours_baseline
+
+  rng = np.random.default_rng(0)
+  xs, ys = rng.normal(size=(4, 9, 3)), rng.normal(size=(4, 9))
+  got = nearest_neighbours_baseline(xs, ys, 3)
+  for n in range(4):
+    assert got[n, 0] == 0
+    for i in range(1, 9):
+      d = [np.sum((xs[n, j] - xs[n, i]) ** 2) for j in range(i)]
+      near = sorted(range(i), key=lambda j: d[j])[:3]
+      np.testing.assert_allclose(got[n, i], np.mean([ys[n, j] for j in near]))
+  data = D.make_icl_regression(200, seed=1, dim=3, num_points=9)
+  base = baseline_errors(data["inputs"], data["targets"])
+  np.testing.assert_allclose(base["zero"], (data["targets"] ** 2).mean(0) / 3, rtol=1e-5)
+  assert base["least squares"][-1] < 1e-8 and base["least squares"][1] > 0.3
+  assert base["3-nearest neighbours"][-1] > base["least squares"][-1] + 0.1

@@ -27,3 +27,15 @@ def test_losses_over_shards_equal_the_loss_of_the_whole_batch():
   loss, _ = jax.jit(jax.vmap(train.softmax_xent))(logits, {"targets": targets})
   ref, _ = jax.jit(train.softmax_xent)(whole(logits), {"targets": whole(targets)})
   assert abs(float(loss.mean()) - float(ref)) > 1e-2
+
+
+def test_icl_mse_reads_the_x_tokens():
+  from attnx.train.losses import LOSSES
+
+  rng = np.random.default_rng(1)
+  outputs = rng.normal(size=(3, 8, 1)).astype(np.float32)  # 4 (x, y) pairs
+  targets = rng.normal(size=(3, 4)).astype(np.float32)
+  loss, metrics = jax.jit(LOSSES["icl_mse"])(outputs, {"targets": targets})
+  ref = np.mean((outputs[:, 0::2, 0] - targets) ** 2)  # the y-token outputs do not count
+  np.testing.assert_allclose(loss, ref, rtol=1e-6)
+  np.testing.assert_allclose(metrics["mse"], ref, rtol=1e-6)

@@ -1,0 +1,61 @@
+"""experiments/mqar.py: the solve rule, the two-part verdict, and the tiny preset end to end."""
+
+import json
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+from experiments import mqar as exp  # noqa: E402
+
+
+def test_solved_uses_the_t_interval():
+  assert exp.solved([0.999, 0.998, 0.999], 0.99) is True
+  assert exp.solved([0.5, 0.6, 0.55], 0.99) is False
+  assert exp.solved([0.5, 0.6], 0.99) is None  # 2 seeds: t = 12.7 leaves it open
+  assert exp.solved([0.999, 0.95], 0.99) is None  # the seeds straddle the threshold
+  assert exp.solved([0.995], 0.99) is True and exp.solved([0.98], 0.99) is False
+  assert exp.solved([np.nan, 1.0], 0.99) is False  # a diverged seed never solves
+
+
+def _acc(**per_width):
+  return {w: {d: np.asarray(v, float) for d, v in zip((32, 64, 128), vals, strict=True)}
+          for w, vals in per_width.items()}
+
+
+def test_judge_the_zoology_shape_holds():
+  acc = _acc(softmax=[[0.6, 0.62], [0.999, 0.998], [1.0, 1.0]],
+             linear_elu=[[0.2, 0.21], [0.4, 0.41], [0.8, 0.82]])
+  held, text, info = exp.judge(acc, 0.99, 0.01)
+  assert held is True and info["first_solved_width"] == 64
+  assert "d=32: no" in text and "d=64: yes" in text and "rises" in text
+
+
+def test_judge_fails_when_linear_matches_softmax_or_softmax_never_solves():
+  same = _acc(softmax=[[0.999, 0.999], [1.0, 1.0], [1.0, 1.0]],
+              linear_elu=[[0.999, 0.999], [1.0, 1.0], [1.0, 1.0]])
+  assert exp.judge(same, 0.99, 0.01)[0] is False  # within noise, not worse
+  never = _acc(softmax=[[0.3, 0.301], [0.4, 0.401], [0.5, 0.501]],
+               linear_elu=[[0.2, 0.21], [0.3, 0.31], [0.4, 0.41]])
+  held, text, _ = exp.judge(never, 0.99, 0.01)
+  assert held is False and "did not solve" in text
+  unclear = _acc(softmax=[[0.999, 0.9], [0.999, 0.9], [0.999, 0.9]],
+                 linear_elu=[[0.2, 0.21], [0.3, 0.31], [0.4, 0.41]])
+  assert exp.judge(unclear, 0.99, 0.01)[0] is None
+
+
+def test_tiny_preset_end_to_end(tmp_path, monkeypatch):
+  monkeypatch.setenv("ATTNX_DATA_DIR", str(tmp_path / "data"))
+  c = exp.get_config("tiny")
+  c.update(dict(progress=False, widths=(16,), num_steps=10))  # one width: half the compiles
+  out = exp.run(c, str(tmp_path / "wd"))
+  acc = out["finish"]["accuracy"]
+  assert set(acc) == {"softmax", "linear_elu"} and set(acc["softmax"]) == {16}
+  assert all(len(v) == 2 and 0 <= min(v) and max(v) <= 1 for v in acc["softmax"].values())
+  report = open(out["report"]).read()
+  assert "Accuracy vs model width" in report and "Verdict rule" in report
+  assert os.path.exists(tmp_path / "wd" / "mqar_accuracy_vs_width.png")
+  results = json.load(open(tmp_path / "wd" / "results.json"))
+  assert len(results["verdicts"]) == 1  # one verdict: the experiment's, not one per width

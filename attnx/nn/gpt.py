@@ -1,0 +1,401 @@
+"""A decoder-only GPT language model with any attention, and sampling from it.
+
+``GPT`` (Radford et al. 2018/2019): token embedding (+ learned absolute position embedding, or
+rotary embeddings inside every attention), ``num_layers`` pre-LN blocks with causal
+self-attention (:class:`attnx.nn.EncoderBlock` with ``is_causal=True``, so the attention is
+any ``attention`` spec: a weighting and score by name, linear attention, metric attention...),
+a final LayerNorm, and logits ``[B, T, vocab_size]`` from the transposed token embedding
+(``tie_embeddings=True``) or a separate ``lm_head``. Called as ``GPT(...)(tokens,
+deterministic=...)`` with the ``"dropout"`` RNG, which is how :func:`attnx.train.fit` calls a
+model (``inputs`` [B, T] int32 -> logits; targets are the next tokens).
+
+Positions:
+
+* ``"learned"``: a learned ``pos_embedding [max_len, D]`` added to the token embedding
+  (GPT-2). Sequences longer than ``max_len`` raise a ValueError at trace time.
+* ``"rotary"``: RoPE (:mod:`attnx.nn.rotary`) on the queries and keys of every attention
+  layer (``MultiHeadAttention(rotary=True)``); nothing is learned per position, so any length
+  works (``max_len`` is then only the training context, recorded for reference). Needs query
+  and key projections: attention types ``"dot"`` and ``"metric"``; ``"linear"`` and
+  ``"additive"`` raise.
+
+Generation (:func:`generate`): with attention types ``"dot"`` and ``"metric"``
+(:class:`~attnx.nn.MultiHeadAttention`, every weighting and score and implementation) a KV
+cache (``decode=True``, the ``"cache"`` collection) makes each new token one step of O(T)
+work. Linear attention (``linear_elu``, ``linear_favor``) and ``additive`` keep no KV cache
+in attnx: for them — and for learned positions when the prompt plus the new tokens exceed
+``max_len`` — :func:`generate` falls back to recomputing the forward pass over the last
+``window`` tokens at every step (the whole prefix for rotary, the last ``max_len`` tokens for
+learned positions, as nanoGPT crops its context). Both paths give the same tokens.
+
+Model files for ``sample.py``: :func:`save_model_spec` writes the constructor kwargs and the
+vocabulary as JSON, :func:`load_model_spec` reads them back and :func:`gpt_from_spec` builds
+the model.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import chex
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax.core import FrozenDict
+
+from attnx.nn.rotary import DEFAULT_BASE, apply_rotary, rotary_angles
+from attnx.nn.spec import freeze_attention_fields, resolve_attention
+from attnx.nn.transformer import EncoderBlock
+
+Array = jax.Array
+
+POSITIONS = ("learned", "rotary")
+# Attention types with query/key projections (rotary) and a KV cache (decode=True).
+_ROTARY_TYPES = _CACHE_TYPES = ("dot", "metric")
+
+__all__ = ["GPT", "POSITIONS", "apply_rotary", "generate", "gpt_from_spec", "load_model_spec",
+           "model_kwargs", "rotary_angles", "save_model_spec", "supports_kv_cache"]
+
+
+class GPT(nn.Module, kw_only=True):
+  """Decoder-only transformer LM: ``tokens [B, T] int -> logits [B, T, vocab_size]``.
+
+  Attributes:
+    vocab_size: number of token ids.
+    num_layers, num_heads, hidden_dim, mlp_dim: depth, heads, model width D, MLP width.
+    max_len: longest sequence for ``positions="learned"`` (the size of ``pos_embedding``);
+      for ``"rotary"`` only a record of the training context.
+    attention: an attention spec or variant name (``"softmax"``, ``"relu"``,
+      ``"sigmoid"``, ``"linear_elu"``, ``"metric"``, ``{"weighting": "entmax:alpha=1.5"}``,
+      ...; see :func:`attnx.nn.attention_spec`). None = softmax.
+    tie_embeddings: logits from the transposed token embedding (one shared parameter
+      ``embed/embedding``); else a separate ``lm_head`` Dense without bias.
+    positions: ``"learned"`` | ``"rotary"`` (module docstring).
+    rotary_base: RoPE frequency base.
+    dropout_rate: dropout on the embeddings and the residual branches.
+    attention_dropout_rate: dropout on the attention weights (dense implementation only).
+    implementation: the attention implementation (``None``, ``"dense"``, ``"blocked"``,
+      ``"pallas"``) for types ``"dot"``/``"metric"``; overrides the spec's.
+    dtype, param_dtype: as in flax.
+  """
+
+  vocab_size: int
+  num_layers: int
+  num_heads: int
+  hidden_dim: int
+  mlp_dim: int
+  max_len: int
+  attention: Mapping[str, Any] | str | None = None
+  tie_embeddings: bool = True
+  positions: str = "learned"
+  rotary_base: float = DEFAULT_BASE
+  dropout_rate: float = 0.0
+  attention_dropout_rate: float = 0.0
+  implementation: str | None = None
+  dtype: Any = None
+  param_dtype: Any = jnp.float32
+
+  def __post_init__(self):
+    where = type(self).__name__
+    for name in ("vocab_size", "num_layers", "num_heads", "hidden_dim", "mlp_dim", "max_len"):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
+        raise ValueError(f"{where}: {name} must be a positive integer, got {value!r}.")
+    if self.positions not in POSITIONS:
+      raise ValueError(f"{where}: positions must be one of {', '.join(POSITIONS)}, got "
+                       f"{self.positions!r}.")
+    freeze_attention_fields(self, "attention")
+    kind = resolve_attention(self.attention)["type"]
+    if self.positions == "rotary":
+      if kind not in _ROTARY_TYPES:
+        raise ValueError(f"{where}: positions='rotary' rotates the query and key projections, "
+                         f"which attention type {kind!r} ({self.attention!r}) does not have; "
+                         "use positions='learned' or an attention of type 'dot' or 'metric'.")
+      if (self.hidden_dim // self.num_heads) % 2:
+        raise ValueError(f"{where}: positions='rotary' needs an even head dim, got "
+                         f"hidden_dim / num_heads = {self.hidden_dim} / {self.num_heads}.")
+    if self.implementation is not None and kind not in _ROTARY_TYPES:
+      raise ValueError(f"{where}: implementation={self.implementation!r} applies to attention "
+                       f"types 'dot' and 'metric', not to {kind!r} ({self.attention!r}).")
+    # Validates the full block spec (implementation + weighting) at construction.
+    resolve_attention(self.block_attention())
+    super().__post_init__()
+
+  def block_attention(self) -> dict[str, Any]:
+    """The attention spec each block gets: ``attention`` + ``rotary`` + ``implementation``."""
+    spec = resolve_attention(self.attention)
+    if self.positions == "rotary":
+      spec.update(rotary=True, rotary_base=float(self.rotary_base))
+    if self.implementation is not None:
+      spec["implementation"] = self.implementation
+    return spec
+
+  @property
+  def supports_kv_cache(self) -> bool:
+    """Whether ``decode=True`` works (attention types ``"dot"`` and ``"metric"``)."""
+    return resolve_attention(self.attention)["type"] in _CACHE_TYPES
+
+  @nn.compact
+  def __call__(self, tokens: Array, *, deterministic: bool = True,
+               decode: bool = False) -> Array:
+    """Logits ``[B, T, vocab_size]`` of the next token at every position.
+
+    Args:
+      tokens: ``[B, T]`` integer ids.
+      deterministic: disables dropout (the ``"dropout"`` RNG is needed otherwise).
+      decode: KV-cache decoding (see :func:`generate`): initialize the ``"cache"`` collection
+        with a call on the full-length input, then feed ``[B, 1]`` tokens with
+        ``mutable=["cache"]``.
+    """
+    chex.assert_rank(tokens, 2)
+    length = tokens.shape[1]
+    if self.positions == "learned" and length > self.max_len:
+      raise ValueError(f"GPT: sequence length {length} exceeds max_len={self.max_len} of the "
+                       "learned position embedding (positions='learned' cannot evaluate "
+                       "longer contexts; use positions='rotary').")
+    embed = nn.Embed(self.vocab_size, self.hidden_dim, embedding_init=nn.initializers.normal(
+        0.02), dtype=self.dtype, param_dtype=self.param_dtype, name="embed")
+    x = embed(tokens.astype(jnp.int32))
+    if self.positions == "learned":
+      start = 0
+      if decode:
+        initialized = self.has_variable("cache", "position")
+        index = self.variable("cache", "position", lambda: jnp.array(0, jnp.int32))
+        if initialized:
+          start = index.value
+          index.value = start + length
+      table = self.param("pos_embedding", nn.initializers.normal(0.02),
+                         (self.max_len, self.hidden_dim), self.param_dtype)
+      pos = jax.lax.dynamic_slice_in_dim(table, start, length) if decode else table[:length]
+      x = x + pos.astype(x.dtype)[None]
+    x = nn.Dropout(self.dropout_rate)(x, deterministic=deterministic)
+    spec = self.block_attention()
+    for i in range(self.num_layers):
+      x = EncoderBlock(num_heads=self.num_heads, mlp_dim=self.mlp_dim,
+                       dropout_rate=self.dropout_rate,
+                       attention_dropout_rate=self.attention_dropout_rate, attention=spec,
+                       is_causal=True, dtype=self.dtype, param_dtype=self.param_dtype,
+                       name=f"block_{i}")(x, deterministic=deterministic, decode=decode)
+    x = nn.LayerNorm(dtype=self.dtype, param_dtype=self.param_dtype, name="ln_final")(x)
+    if self.tie_embeddings:
+      return embed.attend(x)
+    return nn.Dense(self.vocab_size, use_bias=False, dtype=self.dtype,
+                    param_dtype=self.param_dtype, name="lm_head")(x)
+
+
+# --- generation -----------------------------------------------------------------------------
+
+
+def supports_kv_cache(model: GPT) -> bool:
+  """Whether :func:`generate` can use the KV cache for ``model`` (types "dot"/"metric")."""
+  return model.supports_kv_cache
+
+
+def _variables(params: Any, extra_variables: Mapping[str, Any] | None) -> dict[str, Any]:
+  """A params tree or a full variables dict -> variables (plus e.g. the ``"favor"`` ω)."""
+  variables = dict(params) if "params" in params else {"params": params}
+  variables.update(extra_variables or {})
+  variables.pop("cache", None)
+  return variables
+
+
+def _sample_logits(logits: Array, key: Array, temperature: Array, top_k: int | None) -> Array:
+  """``logits [B, V]`` -> ids ``[B]``: argmax at temperature 0, else top-k categorical."""
+  logits = logits.astype(jnp.float32)
+  greedy = jnp.argmax(logits, axis=-1)
+  if top_k is not None:
+    kth = jax.lax.top_k(logits, top_k)[0][..., -1:]
+    logits = jnp.where(logits < kth, -jnp.inf, logits)
+  scaled = logits / jnp.maximum(temperature, 1e-6)
+  sampled = jax.random.categorical(key, scaled, axis=-1)
+  return jnp.where(temperature > 0, sampled, greedy).astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("model", "prompt_len", "top_k"))
+def _generate_cached(model: GPT, variables: dict, buf: Array, rng: Array, temperature: Array,
+                     *, prompt_len: int, top_k: int | None) -> Array:
+  total = buf.shape[1]
+  shapes = jax.eval_shape(
+      lambda: model.apply(variables, buf, decode=True, mutable=["cache"])[1]["cache"])
+  cache = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+
+  def step(t, carry):
+    cache, buf = carry
+    tok = jax.lax.dynamic_slice_in_dim(buf, t, 1, axis=1)
+    logits, upd = model.apply({**variables, "cache": cache}, tok, decode=True,
+                              mutable=["cache"])
+    nxt = _sample_logits(logits[:, -1], jax.random.fold_in(rng, t), temperature, top_k)
+    keep = jax.lax.dynamic_slice_in_dim(buf, t + 1, 1, axis=1)[:, 0]
+    nxt = jnp.where(t + 1 < prompt_len, keep, nxt)
+    buf = jax.lax.dynamic_update_slice_in_dim(buf, nxt[:, None], t + 1, axis=1)
+    return upd["cache"], buf
+
+  return jax.lax.fori_loop(0, total - 1, step, (cache, buf))[1]
+
+
+@functools.partial(jax.jit, static_argnames=("model", "prompt_len", "top_k", "window"))
+def _generate_recompute(model: GPT, variables: dict, buf: Array, rng: Array,
+                        temperature: Array, *, prompt_len: int, top_k: int | None,
+                        window: int) -> Array:
+  total = buf.shape[1]
+
+  def step(t, buf):
+    # Predict token t from tokens < t: the window of `window` tokens ending at t - 1 (causal,
+    # so the not yet generated tokens after it do not matter).
+    start = jnp.clip(t - window, 0, total - window)
+    x = jax.lax.dynamic_slice_in_dim(buf, start, window, axis=1)
+    logits = model.apply(variables, x)
+    last = jax.lax.dynamic_index_in_dim(logits, t - 1 - start, axis=1, keepdims=False)
+    nxt = _sample_logits(last, jax.random.fold_in(rng, t - 1), temperature, top_k)
+    return jax.lax.dynamic_update_slice_in_dim(buf, nxt[:, None], t, axis=1)
+
+  return jax.lax.fori_loop(prompt_len, total, step, buf)
+
+
+def generate(model: GPT, params: Any, prompt: Array | np.ndarray, num_new_tokens: int, *,
+             rng: Array, temperature: float = 1.0, top_k: int | None = None,
+             use_cache: bool | None = None,
+             extra_variables: Mapping[str, Any] | None = None) -> Array:
+  """Samples ``num_new_tokens`` continuations of ``prompt``: ``[B, T0] -> [B, T0 + n]`` int32.
+
+  One jitted loop (compiled once per model, shapes and ``top_k``). Token t is drawn with the
+  key ``fold_in(rng, t - 1)``, so the same ``rng`` gives the same text, on either path.
+
+  Args:
+    model: a :class:`GPT`.
+    params: its ``params`` tree, or a variables dict with a ``"params"`` key.
+    prompt: ``[B, T0]`` token ids, T0 ≥ 1.
+    num_new_tokens: n ≥ 0 tokens to append.
+    rng: a PRNG key.
+    temperature: softmax temperature; 0 = greedy (argmax).
+    top_k: sample among the k most likely tokens only (None: all).
+    use_cache: True: KV cache (a ValueError for attention types without one, or for learned
+      positions beyond ``max_len``); False: recompute the window every step; None: the cache
+      when possible.
+    extra_variables: non-trained collections, e.g. ``{"favor": ...}`` for FAVOR+ (what
+      ``attnx.train.fit`` returns as ``extra_variables``).
+  """
+  prompt = jnp.asarray(prompt, jnp.int32)
+  if prompt.ndim != 2 or prompt.shape[1] < 1:
+    raise ValueError(f"generate: prompt must be [B, T0] token ids with T0 >= 1, got shape "
+                     f"{prompt.shape}.")
+  n = int(num_new_tokens)
+  if n < 0:
+    raise ValueError(f"generate: num_new_tokens must be >= 0, got {num_new_tokens}.")
+  if top_k is not None and not 1 <= int(top_k) <= model.vocab_size:
+    raise ValueError(f"generate: top_k must be in [1, vocab_size={model.vocab_size}], got "
+                     f"{top_k}.")
+  if not temperature >= 0:
+    raise ValueError(f"generate: temperature must be >= 0, got {temperature}.")
+  prompt_len = prompt.shape[1]
+  total = prompt_len + n
+  if model.positions == "learned" and prompt_len > model.max_len:
+    raise ValueError(f"generate: prompt length {prompt_len} exceeds max_len={model.max_len} of "
+                     "the learned position embedding; give a shorter prompt.")
+  if n == 0:
+    return prompt
+  fits = model.positions == "rotary" or total <= model.max_len
+  if use_cache is None:
+    use_cache = model.supports_kv_cache and fits
+  elif use_cache and not model.supports_kv_cache:
+    kind = resolve_attention(model.attention)["type"]
+    raise ValueError(f"generate: attention {model.attention!r} (type {kind!r}) keeps no KV "
+                     "cache in attnx (only types 'dot' and 'metric' do); use use_cache=False "
+                     "or None to recompute the prefix at every step.")
+  elif use_cache and not fits:
+    raise ValueError(f"generate: {total} tokens exceed max_len={model.max_len} of the learned "
+                     "position embedding; the KV cache cannot slide (use_cache=None crops the "
+                     "context to the last max_len tokens instead).")
+  variables = _variables(params, extra_variables)
+  buf = jnp.zeros((prompt.shape[0], total), jnp.int32).at[:, :prompt_len].set(prompt)
+  temp = jnp.asarray(temperature, jnp.float32)
+  k = None if top_k is None else int(top_k)
+  if use_cache:
+    return _generate_cached(model, variables, buf, rng, temp, prompt_len=prompt_len, top_k=k)
+  window = total if model.positions == "rotary" else min(total, model.max_len)
+  return _generate_recompute(model, variables, buf, rng, temp, prompt_len=prompt_len, top_k=k,
+                             window=window)
+
+
+# --- model files ------------------------------------------------------------------------------
+
+SPEC_FORMAT = "attnx.gpt/1"
+ENCODING = "utf-8 characters"
+
+
+def _plain(value: Any) -> Any:
+  if isinstance(value, FrozenDict | Mapping):
+    return {k: _plain(v) for k, v in value.items()}
+  if isinstance(value, tuple | list):
+    return [_plain(v) for v in value]
+  if isinstance(value, np.generic):
+    return value.item()
+  return value
+
+
+def model_kwargs(model: GPT) -> dict[str, Any]:
+  """The JSON-able constructor kwargs of ``model`` (dtypes as names)."""
+  out = {}
+  for name in ("vocab_size", "num_layers", "num_heads", "hidden_dim", "mlp_dim", "max_len",
+               "attention", "tie_embeddings", "positions", "rotary_base", "dropout_rate",
+               "attention_dropout_rate", "implementation", "dtype", "param_dtype"):
+    value = getattr(model, name)
+    if name in ("dtype", "param_dtype") and value is not None:
+      value = jnp.dtype(value).name
+    out[name] = _plain(value)
+  return out
+
+
+def save_model_spec(path: str | os.PathLike, model: GPT | Mapping[str, Any], *,
+                    vocab: str | Sequence[str], **extra: Any) -> None:
+  """Writes ``{"format", "model": GPT kwargs, "vocab": [chars], "encoding", **extra}`` as JSON.
+
+  ``model`` is a :class:`GPT` or its kwargs; ``vocab`` the dataset vocabulary (token id ->
+  character, e.g. ``attnx.data.get_info("shakespeare").extras["vocab"]``). The parent
+  directory is created.
+  """
+  kwargs = model_kwargs(model) if isinstance(model, GPT) else _plain(dict(model))
+  vocab = list(vocab)
+  if len(vocab) != int(kwargs["vocab_size"]):
+    raise ValueError(f"save_model_spec: the vocabulary has {len(vocab)} tokens but the model's "
+                     f"vocab_size is {kwargs['vocab_size']}.")
+  spec = {"format": SPEC_FORMAT, "model": kwargs, "vocab": vocab, "encoding": ENCODING,
+          **_plain(extra)}
+  path = os.fspath(path)
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  tmp = path + ".tmp"
+  with open(tmp, "w", encoding="utf-8") as f:
+    json.dump(spec, f, indent=2, ensure_ascii=False)
+  os.replace(tmp, path)
+
+
+def load_model_spec(path: str | os.PathLike) -> dict[str, Any]:
+  """Reads a :func:`save_model_spec` file; a ValueError names what is missing or wrong."""
+  path = os.fspath(path)
+  with open(path, encoding="utf-8") as f:
+    spec = json.load(f)
+  if not isinstance(spec, dict) or spec.get("format") != SPEC_FORMAT:
+    raise ValueError(f"{path} is not a GPT model file (format {SPEC_FORMAT!r} written by "
+                     "attnx.nn.gpt.save_model_spec).")
+  for key in ("model", "vocab"):
+    if key not in spec:
+      raise ValueError(f"{path}: missing {key!r}.")
+  if len(spec["vocab"]) != int(spec["model"]["vocab_size"]):
+    raise ValueError(f"{path}: vocabulary of {len(spec['vocab'])} tokens for vocab_size "
+                     f"{spec['model']['vocab_size']}.")
+  return spec
+
+
+def gpt_from_spec(spec: Mapping[str, Any], **overrides: Any) -> GPT:
+  """The :class:`GPT` of a :func:`load_model_spec` dict (or of bare kwargs), with overrides."""
+  kwargs = dict(spec["model"] if "model" in spec else spec)
+  kwargs.update(overrides)
+  for name in ("dtype", "param_dtype"):
+    if isinstance(kwargs.get(name), str):
+      kwargs[name] = jnp.dtype(kwargs[name])
+  return GPT(**kwargs)

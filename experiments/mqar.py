@@ -153,17 +153,15 @@ def _accuracy_table(results: dict[str, TaskResult], widths: list[int],
 
 
 def solved(acc: np.ndarray, threshold: float) -> bool | None:
-  """Whether seed accuracies clear ``threshold`` at the 95 % level: True if the lower end of
-  the t-interval of the mean is ≥ threshold (every seed ≥ threshold with one seed), False if
-  its upper end is below it, None otherwise."""
+  """Whether seed accuracies clear ``threshold``, by the shared rule against the constant
+  threshold (attnx.train.verdict.compare): True if the 95 % t-interval of the mean lies above
+  it, False if below, None otherwise (always None with one seed); a diverged seed never
+  solves."""
   acc = np.asarray(acc, float)
   if np.isnan(acc).any():
     return False
-  if len(acc) == 1:
-    return bool(acc[0] >= threshold)
-  half = verdict.t_quantile(len(acc) - 1) * acc.std(ddof=1) / np.sqrt(len(acc))
-  lo, hi = acc.mean() - half, acc.mean() + half
-  return True if lo >= threshold else (False if hi < threshold else None)
+  outcome = verdict.compare(acc, np.full_like(acc, threshold), margin=1e-9).outcome
+  return {"better": True, "worse": False}.get(outcome)
 
 
 def judge(acc: dict[str, dict[int, np.ndarray]], threshold: float, margin: float

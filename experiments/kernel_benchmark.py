@@ -11,12 +11,16 @@ of sum(out) w.r.t. q, k, v) of
 
 and reports the median time, GFLOP/s, the fraction of this machine's float32 matmul rate
 (measured in the same run), XLA's scratch memory (``memory_analysis().temp_size_in_bytes``) and
-the max abs error against a float64 reference on the first queries.
+the max abs error against a float64 reference on the first queries. Every case runs full
+(non-causal) and causal, timed side by side; the "causal / full" column is the time of a causal
+row over its full twin (the ideal is 0.5: half of the T×S scores).
 
 Command:
   python launch.py --config=experiments/kernel_benchmark.py:default --workdir=runs/kernel_benchmark
   python experiments/kernel_benchmark.py --preset=tiny --workdir=/tmp/kb
 Expected runtime on 2 CPU cores: tiny < 30 s, quick ≈ 3 min, default ≈ 7.5 min.
+Causal rows double the runtime of every preset (measured before they were added: tiny < 30 s,
+quick ≈ 3 min, default ≈ 7.5 min); ``--config.causal=full`` times the full rows alone.
 Expected result (2-core Intel Xeon with AVX-512, jax 0.10.2): blocked softmax forward ≈ 3–4.7×
 jax.nn at T = 4096 (jax.nn alone varies by ±20 % between runs) at ≈ 46 % of the matmul rate
 (65–68 % on a 2-core AMD EPYC), forward+backward ≈ 3.6×, ≈ 21× less scratch memory; every
@@ -51,6 +55,7 @@ from attnx.train import config as train_config  # noqa: E402
 DEFAULT_SHAPES = "8x256x8x64,2x1024x8x64,1x4096x4x64,1x16384x1x64,1x65536x1x64"
 BASELINES = ("jax.nn (xla)", "flax.linen", "attnx dense")
 MODES = ("fwd", "fwd+bwd")
+CAUSAL = ("full", "causal")
 GIB = 2.0**30
 
 
@@ -68,7 +73,7 @@ def _default() -> ml_collections.ConfigDict:
   c.modes = "fwd,fwd+bwd"
   c.baselines = ",".join(BASELINES)
   c.dtype = "float32"
-  c.is_causal = False
+  c.causal = "full,causal"  # "full" and/or "causal" rows of every case
   c.block_q = 0  # 0 = the kernel's default
   c.block_k = 0
   c.repeats = 5  # timed runs per case, round-robin (median): jax.nn alone varies by ±20 %
@@ -106,7 +111,7 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
 def validate_config(config: ml_collections.ConfigDict) -> None:
   """Raises ValueError for bad shapes, modes, baselines or weightings."""
   _shapes(config)
-  for key, valid in (("modes", MODES), ("baselines", BASELINES)):
+  for key, valid in (("modes", MODES), ("baselines", BASELINES), ("causal", CAUSAL)):
     bad = [m for m in train.split_list(config[key]) if m not in valid]
     if bad:
       raise ValueError(f"config.{key} has invalid entries {bad}; valid: {', '.join(valid)}")
@@ -183,8 +188,8 @@ def _time(compiled, args, repeats: int, long_run_s: float) -> float:
 # The attention functions under test and the float64 reference.
 # --------------------------------------------------------------------------------------------
 
-def _attn_fn(impl: str, weighting: str, config, score: str = "scaled_dot") -> Any:
-  causal = bool(config.is_causal)
+def _attn_fn(impl: str, weighting: str, config, score: str = "scaled_dot",
+             causal: bool = False) -> Any:
   if impl == "jax.nn (xla)":
     return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal,
                                                         implementation="xla")
@@ -254,13 +259,14 @@ def _cases(config) -> list[dict[str, Any]]:
     elif t * t > int(config.all_weightings_max_scores):
       names = train.split_list(config.large_weightings)
     for mode in train.split_list(config.modes):
-      for impl in baselines:
-        cases.append(dict(shape=shape, impl=impl, weighting="softmax", score="scaled_dot",
-                          mode=mode))
-      for name in names:
-        weighting, score = case_weighting(name, h)
-        cases.append(dict(shape=shape, impl="attnx blocked", weighting=weighting, score=score,
-                          mode=mode))
+      for causal in (c == "causal" for c in train.split_list(config.causal)):
+        for impl in baselines:
+          cases.append(dict(shape=shape, impl=impl, weighting="softmax", score="scaled_dot",
+                            mode=mode, causal=causal))
+        for name in names:
+          weighting, score = case_weighting(name, h)
+          cases.append(dict(shape=shape, impl="attnx blocked", weighting=weighting,
+                            score=score, mode=mode, causal=causal))
   return cases
 
 
@@ -278,14 +284,18 @@ def prepare_case(case: dict[str, Any], inputs, config,
   b, t, n, h = shape = case["shape"]
   mode, impl, weighting = case["mode"], case["impl"], case["weighting"]
   score = case.get("score", "scaled_dot")
+  causal = bool(case.get("causal", False))
+  # FLOPs of the scores a row needs: half of them when causal.
   row: dict[str, Any] = {"shape": "x".join(map(str, shape)), "impl": impl,
                          "weighting": weighting, "score": score, "mode": mode,
-                         "flops": 4.0 * b * n * t * t * h * (2.5 if mode == "fwd+bwd" else 1.0)}
+                         "causal": causal,
+                         "flops": 4.0 * b * n * t * t * h * (2.5 if mode == "fwd+bwd" else 1.0)
+                         * (0.5 if causal else 1.0)}
   is_baseline = impl != "attnx blocked"
   if is_baseline and _scores_gib(shape) > float(config.dense_max_gib):
     row["note"] = f"skipped: needs {_scores_gib(shape):.0f} GiB for the T×S scores"
     return row, None
-  program = jax.jit(_program(_attn_fn(impl, weighting, config, score), mode))
+  program = jax.jit(_program(_attn_fn(impl, weighting, config, score, causal), mode))
   compiled = program.lower(*inputs).compile()
   mem = compiled.memory_analysis()
   temp = float(mem.temp_size_in_bytes) if mem is not None else float("nan")
@@ -305,9 +315,9 @@ def prepare_case(case: dict[str, Any], inputs, config,
     row["note"] = f"skipped: {type(e).__name__}: {str(e).splitlines()[0][:80]}"
     return row, None
   nq = min(int(config.error_queries), t)
-  key = (shape, weighting, mode)
+  key = (shape, weighting, mode, causal)
   if key not in refs:
-    refs[key] = _reference(*inputs, weighting, nq, bool(config.is_causal), mode, score)
+    refs[key] = _reference(*inputs, weighting, nq, causal, mode, score)
   row["max abs err"] = _error(result, refs[key], mode, nq)
   return row, compiled
 
@@ -351,30 +361,36 @@ _SOFTMAX_OF_SCORE = {"scaled_dot": "softmax", "neg_sq_dist": "gaussian"}
 
 
 def _add_ratios(rows: list[dict[str, Any]]) -> None:
-  by_key = {(r["shape"], r["mode"], r["impl"], r["weighting"]): r for r in rows}
-  softmax_rows = {(r["shape"], r["mode"], r.get("score", "scaled_dot")): r for r in rows
-                  if r["impl"] == "attnx blocked"
+  """speed-up vs jax.nn and time / softmax (same causality), causal / full (same case)."""
+  causal = lambda r: bool(r.get("causal", False))
+  by_key = {(r["shape"], r["mode"], r["impl"], r["weighting"], causal(r)): r for r in rows}
+  softmax_rows = {(r["shape"], r["mode"], r.get("score", "scaled_dot"), causal(r)): r
+                  for r in rows if r["impl"] == "attnx blocked"
                   and wlib.parse_weighting_name(r["weighting"])[0]
                   == _SOFTMAX_OF_SCORE.get(r.get("score", "scaled_dot"))}
   for r in rows:
     if "time ms" not in r:
       continue
-    ref = by_key.get((r["shape"], r["mode"], "jax.nn (xla)", "softmax"), {})
+    ref = by_key.get((r["shape"], r["mode"], "jax.nn (xla)", "softmax", causal(r)), {})
     if "time ms" in ref:
       r["speed-up vs jax.nn"] = ref["time ms"] / r["time ms"]
-    sm = softmax_rows.get((r["shape"], r["mode"], r.get("score", "scaled_dot")), {})
+    sm = softmax_rows.get((r["shape"], r["mode"], r.get("score", "scaled_dot"), causal(r)), {})
     if r["impl"] == "attnx blocked" and "time ms" in sm:
       r["time / softmax"] = r["time ms"] / sm["time ms"]
+    full = by_key.get((r["shape"], r["mode"], r["impl"], r["weighting"], False), {})
+    if causal(r) and "time ms" in full:
+      r["causal / full"] = r["time ms"] / full["time ms"]
 
 
-COLUMNS = ["shape", "impl", "weighting", "score", "mode", "time ms", "GFLOP/s", "% matmul",
-           "scratch MiB", "peak MiB", "max abs err", "speed-up vs jax.nn", "time / softmax",
-           "note"]
+COLUMNS = ["shape", "impl", "weighting", "score", "mode", "causal", "time ms", "GFLOP/s",
+           "% matmul", "scratch MiB", "peak MiB", "max abs err", "speed-up vs jax.nn",
+           "time / softmax", "causal / full", "note"]
 
 
 # The targets of the kernel issue, checked on the T = 4096 and T = 65536 shapes of a run.
 TARGET_SHAPE = "1x4096x4x64"
 LONG_SHAPE = "1x65536x1x64"
+CAUSAL_MIN_T, CAUSAL_TARGET = 1024, 0.6  # causal attention at (about) half the cost
 
 
 def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -382,7 +398,8 @@ def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
   A target whose shape or baseline was not run in this configuration is left out.
   """
-  by_key = {(r["shape"], r["mode"], r["impl"], r["weighting"]): r for r in rows}
+  full_rows = [r for r in rows if not r.get("causal", False)]
+  by_key = {(r["shape"], r["mode"], r["impl"], r["weighting"]): r for r in full_rows}
 
   def get(shape, mode, impl, weighting, col):
     return by_key.get((shape, mode, impl, weighting), {}).get(col)
@@ -402,7 +419,7 @@ def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
   add(f"blocked softmax fwd+bwd ≥ 2× autodiff through jax.nn at {t}",
       get(t, "fwd+bwd", blk, "softmax", "speed-up vs jax.nn"), lambda x: x >= 2, "{:.2f}×")
   for mode in MODES:
-    ratios = {r["weighting"]: r["time / softmax"] for r in rows
+    ratios = {r["weighting"]: r["time / softmax"] for r in full_rows
               if r["shape"] == t and r["mode"] == mode and r["impl"] == blk
               and "time / softmax" in r}
     if len(ratios) > 1:
@@ -416,6 +433,11 @@ def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
           lambda x: x >= 20, "{:.0f}× lower")
   add(f"one-head fwd+bwd at {LONG_SHAPE} under 2 GiB peak",
       get(LONG_SHAPE, "fwd+bwd", blk, "softmax", "peak MiB"), lambda x: x < 2048, "{:.0f} MiB")
+  for r in rows:  # causal costs half: blocked softmax, every shape with T ≥ 1024
+    if (r.get("causal") and r["impl"] == blk and r["weighting"] == "softmax"
+        and int(r["shape"].split("x")[1]) >= CAUSAL_MIN_T and "causal / full" in r):
+      add(f"blocked softmax causal / full ≤ {CAUSAL_TARGET} at {r['shape']} ({r['mode']})",
+          r["causal / full"], lambda x: x <= CAUSAL_TARGET)
   return out
 
 
@@ -430,7 +452,7 @@ def plot_scaling(rows: list[dict[str, Any]]):
     for mode, style in (("fwd", "-o"), ("fwd+bwd", "--s")):
       pts = sorted((int(r["shape"].split("x")[1]), r) for r in rows
                    if r["impl"] == impl and r["weighting"] == "softmax" and r["mode"] == mode
-                   and "time ms" in r)
+                   and "time ms" in r and not r.get("causal", False))
       if not pts:
         continue
       ts = [p[0] for p in pts]
@@ -441,7 +463,7 @@ def plot_scaling(rows: list[dict[str, Any]]):
                        strict=True):
     ax.set_xscale("log", base=2)
     ax.set_xlabel("sequence length T (= S)")
-    ax.set_title(f"softmax: {title}")
+    ax.set_title(f"softmax (full): {title}")
     ax.grid(alpha=0.3)
   axes[0].set_yscale("log")
   axes[2].set_yscale("log")
@@ -470,13 +492,14 @@ def markdown_table(rows: list[dict[str, Any]], rate: float, config) -> str:
       f"{config.matmul_size}² jnp.dot timings before and after each shape). Scratch = XLA "
       "temp buffers of the compiled program; peak = scratch + inputs + outputs. "
       f"Error: max |out − ref| (fwd) or max |dq − ref| (fwd+bwd) over the first "
-      f"{config.error_queries} queries against a float64 reference. dtype {config.dtype}, "
-      f"causal={config.is_causal}. Score scaled_dot, except for the distance kernels, which "
-      "run on neg_sq_dist −‖q − k‖² with bandwidth h = √(2H) (the typical distance of two "
-      "N(0, I) inputs). 'time / softmax': time over blocked softmax on the same score — for "
-      "neg_sq_dist, the Gaussian kernel, which is softmax(s/2h²). Triangular's "
-      "F'(s) = 1/(2h√−s) is unbounded as s → 0⁻, so its dq error measures the conditioning "
-      "of F, not the kernel.")
+      f"{config.error_queries} queries against a float64 reference. dtype {config.dtype}. "
+      "GFLOP/s of causal rows count the T·S/2 scores they need. 'causal / full': time of a "
+      "causal row over the same case's full row, timed side by side. Score scaled_dot, "
+      "except for the distance kernels, which run on neg_sq_dist −‖q − k‖² with bandwidth "
+      "h = √(2H) (the typical distance of two N(0, I) inputs). 'time / softmax': time over "
+      "blocked softmax on the same score — for neg_sq_dist, the Gaussian kernel, which is "
+      "softmax(s/2h²). Triangular's F'(s) = 1/(2h√−s) is unbounded as s → 0⁻, so its dq "
+      "error measures the conditioning of F, not the kernel.")
   return train.markdown_table(rows, COLUMNS, caption=caption, fmt=_fmt)
 
 

@@ -28,7 +28,11 @@ D_i = dO_i·O_i and dP_ij = dO_i·v_j:
 Masked keys contribute exactly nothing, and a row without any valid key (or where every F is
 0) gets a zero output with finite, zero gradients, matching
 :func:`attnx.core.weightings.pointwise_weights`; NaN/Inf inputs follow the contract of
-:mod:`attnx.core.contract`, like the dense path. Causal tiles above the diagonal are skipped.
+:mod:`attnx.core.contract`, like the dense path.
+
+Causal attention (section "Causal" below) costs about half of full attention: the triangle is cut
+into unmasked squares (run by the plain kernel with tall tiles) and small masked diagonal tiles,
+and nothing above the diagonal is ever computed, in the forward or the backward.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from attnx.core.contract import nonfinite_inputs
@@ -54,36 +59,55 @@ Array = jax.Array
 # scores = 4 MiB per tile keeps the scratch memory ≥ 20× below jax.nn's at T = 4096.
 TILE_BUDGET = 1 << 20
 DEFAULT_BLOCK_K = 256
-CAUSAL_BLOCK_Q = 1024  # causal: shorter query tiles let more tiles above the diagonal be skipped
+# Causal: the side of the masked diagonal tiles (see "Causal" below). The work is T²/2 + T·d/2
+# of the full T², and everything but the diagonal tiles runs unmasked with tall tiles.
+CAUSAL_LEAF = 128
 _ALIGN = 8  # tiles are multiples of 8 rows (SIMD-friendly)
 
-__all__ = ["DEFAULT_BLOCK_K", "TILE_BUDGET", "blocked_attention", "default_block_sizes"]
+__all__ = ["CAUSAL_LEAF", "DEFAULT_BLOCK_K", "TILE_BUDGET", "blocked_attention",
+           "causal_leaves", "default_block_sizes"]
 
 
 def _round_up(x: int, m: int) -> int:
   return -(-x // m) * m
 
 
-def default_block_sizes(t: int, s: int, group: int = 1,
-                        is_causal: bool = False) -> tuple[int, int]:
+def default_block_sizes(t: int, s: int, group: int = 1, is_causal: bool = False,
+                        budget: int | None = None) -> tuple[int, int]:
   """Default (block_q, block_k) for T queries, S keys and ``group`` query heads per kv head.
 
-  block_k = 256 and block_q as tall as :data:`TILE_BUDGET` allows (group · block_q · block_k
-  scores), at most :data:`CAUSAL_BLOCK_Q` when causal; both capped at the (8-aligned) lengths.
+  block_k = 256 and block_q as tall as the budget (:data:`TILE_BUDGET`) allows (group ·
+  block_q · block_k scores); both capped at the (8-aligned) lengths. Causal: the side d of
+  the masked diagonal tiles (:func:`causal_leaves`); the squares below the diagonal get
+  the non-causal tiles of their own size.
   """
-  bk = min(DEFAULT_BLOCK_K, _round_up(max(s, 1), _ALIGN))
-  bq = max(_ALIGN, (TILE_BUDGET // (bk * max(group, 1))) // _ALIGN * _ALIGN)
   if is_causal:
-    bq = min(bq, CAUSAL_BLOCK_Q)
+    d = causal_leaves(min(t, s), CAUSAL_LEAF)[1]
+    return d, d
+  budget = TILE_BUDGET if budget is None else budget
+  bk = min(DEFAULT_BLOCK_K, _round_up(max(s, 1), _ALIGN))
+  bq = max(_ALIGN, (budget // (bk * max(group, 1))) // _ALIGN * _ALIGN)
   return min(bq, _round_up(max(t, 1), _ALIGN)), bk
 
 
-def heads_per_chunk(b: int, kh: int, group: int, bq: int, bk: int) -> int:
+def causal_leaves(t: int, leaf: int) -> tuple[int, int]:
+  """(P, d): the causal triangle of T rows as P = 2^L diagonal tiles of d ≤ max(leaf, 8) rows
+  (d a multiple of 8, P·d ≥ T, P the smallest power of 2 that allows it)."""
+  leaf = max(_ALIGN, leaf // _ALIGN * _ALIGN)
+  p = 1
+  while _round_up(-(-t // p), _ALIGN) > leaf:
+    p *= 2
+  return p, _round_up(-(-max(t, 1) // p), _ALIGN)
+
+
+def heads_per_chunk(b: int, kh: int, group: int, bq: int, bk: int,
+                    budget: int | None = None) -> int:
   """How many of the X = B·K (batch, kv head) rows one tile holds: the largest count within
-  :data:`TILE_BUDGET` that divides K or is a multiple of K dividing B·K (so that a chunk
-  covers a rectangle of [batch, kv head] and a bias/mask slice stays a plain slice)."""
+  the budget (:data:`TILE_BUDGET`) that divides K or is a multiple of K dividing B·K (so
+  that a chunk covers a rectangle of [batch, kv head] and a bias/mask slice stays a plain
+  slice)."""
   per_row = group * bq * bk
-  fits = max(1, TILE_BUDGET // per_row)
+  fits = max(1, (TILE_BUDGET if budget is None else budget) // per_row)
   options = [d for d in range(1, kh + 1) if kh % d == 0]
   options += [kh * d for d in range(1, b + 1) if b % d == 0]
   return max(c for c in options if c <= fits) if fits >= 1 else 1
@@ -103,6 +127,15 @@ class _Cfg:
   b5: tuple[int, int, int] = (1, 1, 1)  # (B, K, G) of one chunk: X = B·K rows of G query heads
   kh: int = 1  # K of the whole problem (chunks are rectangles of [batch, kv head])
   xc: int = 1  # X rows per chunk
+  user_bq: int = 0  # tile sizes asked for (0 = default): caps on the causal path's tiles
+  user_bk: int = 0
+  raw: bool = False  # forward returns the unnormalized state (see _forward_chunk), no offset
+  nleaf: int = 0  # causal (whole problem): P diagonal tiles of bq = bk = d rows, T = S ≤ P·d
+  fkeys: int = 0  # the key count S that F sees (F(z, S)); 0 = s. Causal sub-blocks keep S.
+
+  @property
+  def num_keys(self) -> int:
+    return self.fkeys or self.s
 
   @property
   def nq(self) -> int:
@@ -219,14 +252,14 @@ def _scores(qi: Array, kj: Array, bias: Array | None, i: Array, j: Array, cfg: _
 
 def _k_range(i: Array, cfg: _Cfg) -> tuple[int, Any]:
   """Key blocks seen by query block i: all, or those not entirely above the diagonal."""
-  if not cfg.is_causal:
+  if not cfg.is_causal or cfg.nk == 1:
     return 0, cfg.nk
   return 0, jnp.minimum(cfg.nk, (i * cfg.bq + cfg.bq - 1) // cfg.bk + 1)
 
 
 def _q_range(j: Array, cfg: _Cfg) -> tuple[Any, int]:
   """Query blocks that see key block j (causal: i·bq + bq − 1 ≥ j·bk)."""
-  if not cfg.is_causal:
+  if not cfg.is_causal or cfg.nq == 1:
     return 0, cfg.nq
   return jnp.minimum(cfg.nq, (j * cfg.bk) // cfg.bq), cfg.nq
 
@@ -265,10 +298,16 @@ def _forward(q, k, v, bias, mask, scale, cfg: _Cfg):
     return (lax.dynamic_update_slice_in_dim(out, o, c * cfg.xc, 0),
             lax.dynamic_update_slice_in_dim(stat, st, c * cfg.xc, 0))
 
-  init = (jnp.zeros((x, g, tp, v.shape[-1]), jnp.float32), jnp.zeros((x, g, tp), jnp.float32))
+  init = (jnp.zeros((x, g, tp, _out_cols(cfg, v.shape[-1])), jnp.float32),
+          jnp.zeros((x, g, tp), jnp.float32))
   if cfg.xc == x:
     return _forward_chunk(q, k, v, bias, mask, scale, ccfg)
   return lax.fori_loop(0, x // cfg.xc, chunk, init)
+
+
+def _out_cols(cfg: _Cfg, hv: int) -> int:
+  """Columns of the forward's first output: Hv, or Hv + 1 for a raw state that carries Σ F."""
+  return hv + 1 if cfg.raw and cfg.w.normalization == "sum" else hv
 
 
 def _forward_chunk(q, k, v, bias, mask, scale, cfg: _Cfg):
@@ -276,6 +315,12 @@ def _forward_chunk(q, k, v, bias, mask, scale, cfg: _Cfg):
 
   The statistic is lse = m + log l for online-max weightings (+inf where l = 0, which makes
   every recomputed weight 0) and the normalizer l otherwise (1 for ``"none"``).
+
+  With ``cfg.raw`` the result is the unnormalized state of the keys seen, to be merged with
+  other key ranges of the same rows (:func:`_merge`) and normalized once (:func:`_finalize`):
+  acc = Σ F·[V, 1] whose last column is Σ F for ``"sum"`` (online max: Σ exp(z − m) with the
+  running max m as the statistic), acc = Σ F·V otherwise, with the valid-key count
+  (``"length"``) or Σ F / 0 as the statistic.
   """
   w = cfg.w
   x, g, tp, _ = q.shape
@@ -311,10 +356,14 @@ def _forward_chunk(q, k, v, bias, mask, scale, cfg: _Cfg):
         acc = acc * corr[..., None] + _pv(p, vj)
         return acc, m_new
 
-      # The offset is a virtual key with z = 0: start m at 0 and l at the offset.
-      m0 = jnp.full(row_shape, 0.0 if offset > 0 else -jnp.inf, jnp.float32)
-      acc0 = jnp.zeros(row_shape + (hv + 1,), jnp.float32).at[..., hv].set(offset)
+      # The offset is a virtual key with z = 0: start m at 0 and l at the offset (raw: no
+      # offset; :func:`_finalize` adds it once after the partial states are merged).
+      off = 0.0 if cfg.raw else offset
+      m0 = jnp.full(row_shape, 0.0 if off > 0 else -jnp.inf, jnp.float32)
+      acc0 = jnp.zeros(row_shape + (hv + 1,), jnp.float32).at[..., hv].set(off)
       acc, m = lax.fori_loop(*_k_range(i, cfg), k_block, (acc0, m0))
+      if cfg.raw:
+        return _put_rows(out, acc, i, cfg), _put_rows(stat, m, i, cfg)
       acc, l = acc[..., :hv], acc[..., hv]
       m = jnp.where(m == -jnp.inf, 0.0, m)
       empty = l == 0  # no valid key; a NaN l (NaN score) propagates to o and the statistic
@@ -327,10 +376,10 @@ def _forward_chunk(q, k, v, bias, mask, scale, cfg: _Cfg):
         acc, l = c
         s, vj, valid = tile(j)
         if valid is None:
-          f = w.fn(s, cfg.s)
+          f = w.fn(s, cfg.num_keys)
         else:
           # F never sees masked scores, so they cannot produce NaN/inf (or their gradients).
-          f = jnp.where(valid, w.fn(jnp.where(valid, s, 0.0), cfg.s), 0.0)
+          f = jnp.where(valid, w.fn(jnp.where(valid, s, 0.0), cfg.num_keys), 0.0)
         acc = acc + _pv(f, vj)  # for "sum", the last column accumulates rowsum(F)
         if norm == "length" and valid is not None:
           l = l + jnp.sum(jnp.broadcast_to(valid, f.shape), axis=-1, dtype=jnp.float32)
@@ -339,6 +388,10 @@ def _forward_chunk(q, k, v, bias, mask, scale, cfg: _Cfg):
       l0 = jnp.zeros(row_shape, jnp.float32)
       acc0 = jnp.zeros(row_shape + (v_fwd.shape[-1],), jnp.float32)
       acc, l = lax.fori_loop(*_k_range(i, cfg), k_block, (acc0, l0))
+      if cfg.raw:
+        if norm == "length" and not cfg.needs_valid:
+          l = jnp.full(row_shape, float(cfg.s), jnp.float32)  # every key of the block
+        return _put_rows(out, acc, i, cfg), _put_rows(stat, l, i, cfg)
       if norm == "sum":
         acc, l = acc[..., :hv], acc[..., hv]
       if norm == "none":
@@ -354,7 +407,7 @@ def _forward_chunk(q, k, v, bias, mask, scale, cfg: _Cfg):
 
     return _put_rows(out, o, i, cfg), _put_rows(stat, st, i, cfg)
 
-  out0 = jnp.zeros((x, g, tp, hv), jnp.float32)
+  out0 = jnp.zeros((x, g, tp, _out_cols(cfg, hv)), jnp.float32)
   stat0 = jnp.zeros((x, g, tp), jnp.float32)
   return lax.fori_loop(0, cfg.nq, q_block, (out0, stat0))
 
@@ -442,7 +495,7 @@ def _backward_chunk(q, k, v, bias, mask, scale, out, stat, do, cfg: _Cfg):
         dz = p * (dp - row(delta))
       else:
         sv = z if valid is None else jnp.where(valid, z, 0.0)
-        f, fp = jax.jvp(lambda s: w.fn(s, cfg.s), (sv,), (jnp.ones_like(sv),))
+        f, fp = jax.jvp(lambda s: w.fn(s, cfg.num_keys), (sv,), (jnp.ones_like(sv),))
         if valid is not None:
           f, fp = jnp.where(valid, f, 0.0), jnp.where(valid, fp, 0.0)
         if norm == "none":
@@ -493,23 +546,262 @@ def _backward_chunk(q, k, v, bias, mask, scale, out, stat, do, cfg: _Cfg):
 
 
 # --------------------------------------------------------------------------------------------
+# Causal: the triangle as unmasked squares plus small masked diagonal tiles.
+#
+# The Tp = P·d queries and keys (P = 2^L leaves of d rows) split into
+#   * level l = 0 … L−1: 2^l squares of side s = Tp / 2^(l+1); square m holds the queries
+#     [(2m+1)s, (2m+2)s) and the keys [2m·s, (2m+1)s), all of them strictly below the diagonal,
+#     so they run the plain (non-causal) kernel with tall tiles and no masking work;
+#   * the P diagonal d×d tiles, the only ones that are masked (causally).
+# Together they cover exactly j ≤ i, and nothing above the diagonal is ever computed: Tp²/2 +
+# Tp·d/2 scores of Tp². The squares of one level (and the diagonal tiles) are one call of the
+# plain kernel, their piece axis folded into the batch, so each level is a few batched matmuls.
+# The forward merges the unnormalized states of a row's pieces and normalizes once; the
+# backward runs the plain backward on each piece with the row's final statistic (lse or l) and
+# adds the gradients up. T ≠ S is reduced to T = S in blocked_attention (keys past T are never
+# seen; rows past S see every key, a plain problem). Measured on one CPU core, the small pieces
+# cost more per score than the large ones, so at T ≈ 1024 the time ratio causal/full stays
+# above the operation ratio.
+# --------------------------------------------------------------------------------------------
+
+def _levels(cfg: _Cfg) -> list[tuple[int, int]]:
+  """(squares M, side s) of every level of the causal triangle, largest first."""
+  p, d = cfg.nleaf, cfg.bq
+  return [(1 << lv, p * d >> (lv + 1)) for lv in range(p.bit_length() - 1)]
+
+
+def _pick_blocks(x5: Array | None, m: int, parts: int, side: int, rp: int,
+                 cp: int) -> Array | None:
+  """[M, Bb, Kb, Gb, side|1, side|1]: block (m·parts + rp, m·parts + cp), m < M, of a
+  [Bb, Kb, Gb, Tb, Sb] bias/mask whose T and S (or size-1) axes split into M·parts blocks."""
+  if x5 is None:
+    return None
+  bb, kb, gb, tb, sb = x5.shape
+  if tb != 1 and sb != 1:
+    ar = np.arange(m)
+    return x5.reshape(bb, kb, gb, m, parts, side, m, parts, side)[:, :, :, ar, rp, :, ar, cp, :]
+  if tb != 1:
+    return jnp.moveaxis(x5.reshape(bb, kb, gb, m, parts, side, 1)[:, :, :, :, rp], 3, 0)
+  if sb != 1:
+    return jnp.moveaxis(x5.reshape(bb, kb, gb, 1, m, parts, side)[..., cp, :], 4, 0)
+  return jnp.broadcast_to(x5[None], (m,) + x5.shape)
+
+
+# Blocks go back with pads and stacks, never with .at[] (a scatter, slow on XLA CPU).
+def _put_part(r: Array, y: Array, axis: int, p: int, add: bool) -> Array:
+  """r with its part p along `axis` replaced by (or increased by) y (that axis dropped)."""
+  parts = [lax.index_in_dim(r, i, axis, keepdims=False) for i in range(r.shape[axis])]
+  parts[p] = parts[p] + y if add else y
+  return jnp.stack(parts, axis=axis)
+
+
+def _add_blocks(full: Array, blocks: Array, m: int, parts: int, side: int, rp: int,
+                cp: int) -> Array:
+  """Adds the [M, ...] blocks of :func:`_pick_blocks` back into `full` (a bias gradient)."""
+  bb, kb, gb, tb, sb = full.shape
+  if tb != 1 and sb != 1:
+    # Block m on the diagonal of an [M, side, M, side] grid, then padded into its part.
+    y = jnp.einsum("mn,m...ab->...manb", jnp.eye(m, dtype=blocks.dtype), blocks)
+    y = y.reshape(bb, kb, gb, m, 1, side, m, 1, side)
+    y = jnp.pad(y, [(0, 0)] * 4 + [(rp, parts - 1 - rp)] + [(0, 0)] * 2
+                + [(cp, parts - 1 - cp), (0, 0)])
+    return full + y.reshape(full.shape)
+  if tb != 1:
+    y = full.reshape(bb, kb, gb, m, parts, side, 1)
+    return _put_part(y, jnp.moveaxis(blocks, 0, 3), 4, rp, True).reshape(full.shape)
+  if sb != 1:
+    y = full.reshape(bb, kb, gb, 1, m, parts, side)
+    return _put_part(y, jnp.moveaxis(blocks, 0, 4), 5, cp, True).reshape(full.shape)
+  return full + jnp.sum(blocks, axis=0)
+
+
+def _q_part(x: Array, m: int, parts: int, side: int, p: int) -> Array:
+  """[X, G, Tp, ...] -> [M, X, G, side, ...]: query rows of block (m·parts + p), m < M."""
+  y = x.reshape(x.shape[:2] + (m, parts, side) + x.shape[3:])[:, :, :, p]
+  return jnp.moveaxis(y, 2, 0)
+
+
+def _q_unpart(y: Array, full: Array, m: int, parts: int, side: int, p: int,
+              add: bool = False) -> Array:
+  """Writes (or adds) the [M, X, G, side, ...] rows of :func:`_q_part` into `full`."""
+  r = full.reshape(full.shape[:2] + (m, parts, side) + full.shape[3:])
+  return _put_part(r, jnp.moveaxis(y, 0, 2), 3, p, add).reshape(full.shape)
+
+
+def _k_part(x: Array, m: int, parts: int, side: int, p: int) -> Array:
+  """[X, Sp, ...] -> [M, X, side, ...]: key rows of block (m·parts + p), m < M."""
+  y = x.reshape(x.shape[:1] + (m, parts, side) + x.shape[2:])[:, :, p]
+  return jnp.moveaxis(y, 1, 0)
+
+
+def _k_unpart(y: Array, full: Array, m: int, parts: int, side: int, p: int) -> Array:
+  r = full.reshape(full.shape[:1] + (m, parts, side) + full.shape[2:])
+  return _put_part(r, jnp.moveaxis(y, 0, 1), 2, p, True).reshape(full.shape)
+
+
+def _piece_cfg(cfg: _Cfg, m: int, side: int, causal: bool, raw: bool) -> _Cfg:
+  """The cfg of M side×side pieces run as one problem of batch M·B (see :func:`_pieces`)."""
+  if causal:
+    bq = bk = side
+  else:
+    bq, bk = default_block_sizes(side, side, cfg.b5[2])
+    bq, bk = min(bq, cfg.user_bq or bq), min(bk, cfg.user_bk or bk)
+  b, kh, g = cfg.b5
+  return dataclasses.replace(
+      cfg, t=side, s=side, bq=bq, bk=bk, is_causal=causal, raw=raw, fkeys=cfg.num_keys, nleaf=0,
+      b5=(m * b, kh, g), xc=heads_per_chunk(m * b, kh, g, bq, bk))
+
+
+def _fold5(x5: Array | None, b: int) -> tuple[Array | None, str]:
+  """[M, Bb, ...] piece blocks of a bias/mask -> [M·Bb', ...] rows of batch M·B (and how)."""
+  if x5 is None:
+    return None, ""
+  m, bb = x5.shape[:2]
+  if bb == b or m == 1:  # piece m, batch i -> row m·B + i; or one piece (Bb = 1 broadcasts)
+    return x5.reshape((m * bb,) + x5.shape[2:]), "fold"
+  if x5.shape[-2:] == (1, 1):  # the same block for every piece: Bb = 1 broadcasts as is
+    return x5[0], "same"
+  return jnp.broadcast_to(x5, (m, b) + x5.shape[2:]).reshape((m * b,) + x5.shape[2:]), "bcast"
+
+
+def _unfold5(dx: Array, how: str, m: int) -> Array:
+  """The gradient of :func:`_fold5`'s result -> [M or 1, Bb, ...] (piece blocks)."""
+  if how == "same":
+    return dx[None]
+  dx = dx.reshape((m, -1) + dx.shape[1:])
+  return jnp.sum(dx, axis=1, keepdims=True) if how == "bcast" else dx
+
+
+def _pieces(fn, cfg: _Cfg, m: int, q, k, v, bias, mask, *rows):
+  """Runs ``fn(q, k, v, bias, mask, *rows)`` on M pieces at once, the piece axis folded into
+  the batch (rows of X = M·B·K); results come back as [M, X, ...]. No vmap: batching the
+  kernels' dynamic slices and updates would turn them into gathers and scatters."""
+  b = cfg.b5[0] // m  # the problem's batch (cfg is the pieces' cfg, of batch M·B)
+  flat = lambda a: a.reshape((-1,) + a.shape[2:])
+  bias_f, how = _fold5(bias, b)
+  mask_f, _ = _fold5(mask, b)
+  out = fn(flat(q), flat(k), flat(v), bias_f, mask_f, *(flat(r) for r in rows))
+  unflat = lambda a: a.reshape((m, -1) + a.shape[1:])
+  return out, unflat, how
+
+
+def _merge(a: tuple[Array, Array], b: tuple[Array, Array], cfg: _Cfg) -> tuple[Array, Array]:
+  """Merges two raw states (acc, stat) of the same rows over disjoint key ranges."""
+  (acc_a, st_a), (acc_b, st_b) = a, b
+  if not cfg.w.online_max:
+    return acc_a + acc_b, st_a + st_b
+  m = jnp.maximum(st_a, st_b)
+  m_use = jnp.where(m == -jnp.inf, 0.0, m)
+  return (acc_a * jnp.exp(st_a - m_use)[..., None] + acc_b * jnp.exp(st_b - m_use)[..., None],
+          m)
+
+
+def _finalize(acc: Array, st: Array, cfg: _Cfg) -> tuple[Array, Array]:
+  """A raw state -> (O, row statistic) as the non-raw forward returns them (offset added)."""
+  w, norm = cfg.w, cfg.w.normalization
+  offset = float(w.denominator_offset)
+  if w.online_max:
+    hv = acc.shape[-1] - 1
+    acc, l, m = acc[..., :hv], acc[..., hv], st
+    if offset > 0:  # the virtual key of score 0
+      m_new = jnp.maximum(m, 0.0)
+      corr = jnp.exp(m - m_new)
+      acc, l, m = acc * corr[..., None], l * corr + offset * jnp.exp(-m_new), m_new
+    m = jnp.where(m == -jnp.inf, 0.0, m)
+    empty = l == 0
+    o = jnp.where(empty[..., None], 0.0, acc / jnp.where(empty, 1.0, l)[..., None])
+    return o, jnp.where(empty, jnp.inf, m + jnp.log(jnp.where(empty, 1.0, l)))
+  if norm == "none":
+    return acc, jnp.ones(st.shape, jnp.float32)
+  if norm == "sum":
+    hv = acc.shape[-1] - 1
+    acc, l = acc[..., :hv], acc[..., hv] + offset
+  else:
+    l = st
+  empty = l == 0
+  inv = jnp.where(empty, 0.0, 1.0 / jnp.where(empty, 1.0, l))
+  return acc * inv[..., None], l
+
+
+def _causal_forward(q, k, v, bias, mask, scale, cfg: _Cfg):
+  """The causal forward (T = S = P·d): O [X, G, Tp, Hv] and the row statistic [X, G, Tp]."""
+  p, d = cfg.nleaf, cfg.bq
+
+  def run(m, side, rp, cp, parts, causal):
+    c = _piece_cfg(cfg, m, side, causal=causal, raw=True)
+    (acc, st), unflat, _ = _pieces(
+        lambda q, k, v, b, mk: _forward(q, k, v, b, mk, scale, c), c, m,
+        _q_part(q, m, parts, side, rp), _k_part(k, m, parts, side, cp),
+        _k_part(v, m, parts, side, cp), _pick_blocks(bias, m, parts, side, rp, cp),
+        _pick_blocks(mask, m, parts, side, rp, cp))
+    return unflat(acc), unflat(st)
+
+  acc_d, st_d = run(p, d, 0, 0, 1, True)
+  acc = jnp.moveaxis(acc_d, 0, 2).reshape(q.shape[:3] + acc_d.shape[-1:])
+  st = jnp.moveaxis(st_d, 0, 2).reshape(q.shape[:3])
+  for m, side in _levels(cfg):
+    acc_l, st_l = run(m, side, 1, 0, 2, False)
+    rows = (_q_part(acc, m, 2, side, 1), _q_part(st, m, 2, side, 1))
+    acc_r, st_r = _merge(rows, (acc_l, st_l), cfg)
+    acc = _q_unpart(acc_r, acc, m, 2, side, 1)
+    st = _q_unpart(st_r, st, m, 2, side, 1)
+  return _finalize(acc, st, cfg)
+
+
+def _causal_backward(q, k, v, bias, mask, scale, out, stat, do, cfg: _Cfg):
+  """The causal backward: the plain backward of every piece with the rows' final statistic."""
+  p, d = cfg.nleaf, cfg.bq
+  f32 = jnp.float32
+
+  def run(m, side, rp, cp, parts, causal):
+    c = _piece_cfg(cfg, m, side, causal=causal, raw=False)
+    qp = lambda a: _q_part(a, m, parts, side, rp)
+    kp = lambda a: _k_part(a, m, parts, side, cp)
+    (dq, dk, dv, db, ds), unflat, how = _pieces(
+        lambda q, k, v, b, mk, o, st, g: _backward(q, k, v, b, mk, scale, o, st, g, c), c, m,
+        qp(q), kp(k), kp(v), _pick_blocks(bias, m, parts, side, rp, cp),
+        _pick_blocks(mask, m, parts, side, rp, cp), qp(out), qp(stat), qp(do))
+    return (unflat(dq), unflat(dk), unflat(dv), None if db is None else _unfold5(db, how, m),
+            ds)
+
+  dq_d, dk_d, dv_d, db_d, ds_d = run(p, d, 0, 0, 1, True)
+  dq = jnp.moveaxis(dq_d, 0, 2).reshape(q.shape).astype(f32)
+  dk = jnp.moveaxis(dk_d, 0, 1).reshape(k.shape).astype(f32)
+  dv = jnp.moveaxis(dv_d, 0, 1).reshape(v.shape).astype(f32)
+  dbias = _add_blocks(jnp.zeros(bias.shape, f32), db_d, p, 1, d, 0, 0) if cfg.has_bias else None
+  dscale = jnp.sum(ds_d)
+  for m, side in _levels(cfg):
+    dq_l, dk_l, dv_l, db_l, ds_l = run(m, side, 1, 0, 2, False)
+    dq = _q_unpart(dq_l, dq, m, 2, side, 1, add=True)
+    dk = _k_unpart(dk_l, dk, m, 2, side, 0)
+    dv = _k_unpart(dv_l, dv, m, 2, side, 0)
+    if cfg.has_bias:
+      dbias = _add_blocks(dbias, db_l, m, 2, side, 1, 0)
+    dscale = dscale + jnp.sum(ds_l)
+  return dq, dk, dv, dbias, dscale
+
+
+# --------------------------------------------------------------------------------------------
 # Public entry point.
 # --------------------------------------------------------------------------------------------
 
 def _make_kernel(cfg: _Cfg):
   """A custom-VJP function of internal-layout arrays (q, k, v, bias, mask, scale) -> O."""
 
+  forward = _causal_forward if cfg.is_causal else _forward
+  backward = _causal_backward if cfg.is_causal else _backward
+
   @jax.custom_vjp
   def kernel(q, k, v, bias, mask, scale):
-    return _forward(q, k, v, bias, mask, scale, cfg)[0].astype(q.dtype)
+    return forward(q, k, v, bias, mask, scale, cfg)[0].astype(q.dtype)
 
   def fwd(q, k, v, bias, mask, scale):
-    out, stat = _forward(q, k, v, bias, mask, scale, cfg)
+    out, stat = forward(q, k, v, bias, mask, scale, cfg)
     return out.astype(q.dtype), (q, k, v, bias, mask, scale, out, stat)
 
   def bwd(res, do):
     q, k, v, bias, mask, scale, out, stat = res
-    dq, dk, dv, dbias, dscale = _backward(q, k, v, bias, mask, scale, out, stat, do, cfg)
+    dq, dk, dv, dbias, dscale = backward(q, k, v, bias, mask, scale, out, stat, do, cfg)
     dbias = None if bias is None else dbias.astype(bias.dtype)
     return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dbias, None,
             dscale.astype(scale.dtype))
@@ -579,16 +871,49 @@ def blocked_attention(q: Array, k: Array, v: Array, *, weighting: Pointwise, sca
       raise ValueError(f"{name} must be a positive tile size, got {blk}")
   if q.size == 0 or s == 0:  # no query, or no key (every row has no valid key)
     return jnp.zeros((b, t, n, v.shape[-1]), q.dtype)
+  kw = dict(weighting=weighting, scale=scale, block_q=block_q, block_k=block_k, num_keys=s)
+  if is_causal and s > t:  # keys j ≥ T are above the diagonal of every row: never touched
+    return _blocked(q, k[:, :t], v[:, :t], bias=_part4(bias, 3, 0, t),
+                    mask=_part4(mask, 3, 0, t), is_causal=True, **kw)
+  if is_causal and t > s:  # rows i ≥ S see every key: a plain (non-causal) problem
+    top = _blocked(q[:, :s], k, v, bias=_part4(bias, 2, 0, s), mask=_part4(mask, 2, 0, s),
+                   is_causal=True, **kw)
+    rest = _blocked(q[:, s:], k, v, bias=_part4(bias, 2, s, t), mask=_part4(mask, 2, s, t),
+                    is_causal=False, **kw)
+    return jnp.concatenate([top, rest], axis=1)
+  return _blocked(q, k, v, bias=bias, mask=mask, is_causal=is_causal, **kw)
+
+
+def _part4(x: Array | None, axis: int, lo: int, hi: int) -> Array | None:
+  """Rows (axis 2) or keys (axis 3) [lo, hi) of a [B|1, N|1, T|1, S|1]-broadcastable array."""
+  if x is None:
+    return None
+  x = x.reshape((1,) * (4 - x.ndim) + x.shape)
+  return x if x.shape[axis] == 1 else lax.slice_in_dim(x, lo, hi, axis=axis)
+
+
+def _blocked(q, k, v, *, weighting, scale, bias, mask, is_causal, block_q, block_k, num_keys):
+  """:func:`blocked_attention` on checked, non-empty inputs; causal ones have T = S."""
+  b, t, n, h = q.shape
+  _, s, kh, _ = k.shape
   q, k, v, bias = nonfinite_inputs(q, k, v, bias)
   g = n // kh
-  dq, dk = default_block_sizes(t, s, g, is_causal)
-  # A tile never needs to be longer than the (8-aligned) sequence.
-  bq = min(block_q, _round_up(t, _ALIGN)) if block_q else dq
-  bk = min(block_k, _round_up(s, _ALIGN)) if block_k else dk
-  cfg = _Cfg(w=weighting, t=t, s=s, bq=bq, bk=bk, is_causal=is_causal,
-             has_mask=mask is not None, has_bias=bias is not None, b5=(b, kh, g), kh=kh,
-             xc=heads_per_chunk(b, kh, g, bq, bk))
-  tp, sp = cfg.nq * bq, cfg.nk * bk
+  if is_causal:
+    asked = [x for x in (block_q, block_k) if x]
+    nleaf, d = causal_leaves(t, min(asked) if asked else CAUSAL_LEAF)
+    cfg = _Cfg(w=weighting, t=t, s=s, bq=d, bk=d, is_causal=True, has_mask=mask is not None,
+               has_bias=bias is not None, b5=(b, kh, g), kh=kh, nleaf=nleaf,
+               user_bq=block_q or 0, user_bk=block_k or 0, fkeys=num_keys)
+    tp = sp = nleaf * d
+  else:
+    dq, dk = default_block_sizes(t, s, g)
+    # A tile never needs to be longer than the (8-aligned) sequence.
+    bq = min(block_q, _round_up(t, _ALIGN)) if block_q else dq
+    bk = min(block_k, _round_up(s, _ALIGN)) if block_k else dk
+    cfg = _Cfg(w=weighting, t=t, s=s, bq=bq, bk=bk, is_causal=False,
+               has_mask=mask is not None, has_bias=bias is not None, b5=(b, kh, g), kh=kh,
+               xc=heads_per_chunk(b, kh, g, bq, bk), fkeys=num_keys)
+    tp, sp = cfg.nq * bq, cfg.nk * bk
 
   # [B, T, N, H] -> [X, G, Tp, H] and [B, S, K, H] -> [X, Sp, H] (X = B·K), zero padded.
   q4 = _pad_axis(q.transpose(0, 2, 1, 3).reshape(b * kh, g, t, h), 2, tp)

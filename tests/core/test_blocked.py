@@ -5,6 +5,7 @@ single jitted program (shared through functools.cache) and the parametrized test
 """
 
 import functools
+import math
 
 import chex
 import jax
@@ -15,7 +16,12 @@ from absl.testing import parameterized
 
 from attnx.core import blocked as blocked_lib
 from attnx.core import weightings as wlib
-from attnx.core.blocked import blocked_attention, default_block_sizes, heads_per_chunk
+from attnx.core.blocked import (
+  blocked_attention,
+  causal_leaves,
+  default_block_sizes,
+  heads_per_chunk,
+)
 
 POINTWISE = [n for n in wlib.list_weightings() if isinstance(wlib.get_weighting(n), wlib.Pointwise)]
 VARIANTS = ["relu:normalization=length", "sigmoid:normalization=none",
@@ -165,6 +171,114 @@ def test_causal_and_bias_broadcast(shape_name, name):
   assert gb[3].shape == CAUSAL_SHAPES[shape_name][4]
 
 
+# Every pointwise weighting on the causal path: T = S = 45 with 16-row tiles is P = 4 diagonal
+# tiles of 16 (the last one mostly padding) and squares of 32 and 16 below them; GQA, a mask
+# with a fully masked row and a [B, 1, T, S] bias (cut into the squares' and tiles' blocks).
+@functools.cache
+def _causal_all():
+  q, k, v, _, mask, ct = _inputs(t=45, s=45, seed=8)
+  bias = jnp.asarray(np.random.default_rng(9).standard_normal((2, 1, 45, 45), np.float32))
+
+  @jax.jit
+  def run(q, k, v, bias, mask, ct):
+    res = {}
+    for name in ALL:
+      kw = dict(w=wlib.get_weighting(name), scale=SCALE, mask=mask, is_causal=True)
+      res[name] = (_out_and_grads(_blocked, q, k, v, bias, ct, **kw),
+                   _out_and_grads(_dense, q, k, v, bias, ct, **kw))
+    return res
+
+  return jax.device_get(run(q, k, v, bias, mask, ct))
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_causal_matches_dense_every_weighting(name):
+  (ob, gb), (od, gd) = _causal_all()[name]
+  _assert_close(ob, od, atol=1e-5)
+  _assert_close(gb, gd, atol=_tol(name))
+  np.testing.assert_array_equal(ob[0, 3], 0.0)  # the fully masked row
+  np.testing.assert_array_equal(gb[0][0, 3], 0.0)
+
+
+# Default tiles (no block sizes): T = 300 is 4 diagonal tiles of 80 and squares of 160 and 80
+# with the non-causal default tiles; T ≠ S both ways; a full [T, S] bias and a key mask.
+DEFAULT_TILE_CASES = [(300, 300, "softmax"), (300, 300, "relu:normalization=length"),
+                      (300, 300, "softmax_plus_one"), (260, 200, "sigmoid:normalization=none"),
+                      (200, 260, "gaussian:h=2")]
+
+
+@functools.cache
+def _causal_default_tiles(t, s, name):
+  q, k, v, _, _, ct = _inputs(b=1, t=t, s=s, n=2, kh=1, seed=10)
+  rng = np.random.default_rng(11)
+  bias = jnp.asarray(rng.standard_normal((1, 2, t, s), np.float32))
+  mask = jnp.asarray(rng.random((1, 1, 1, s)) < 0.9)
+  kw = dict(w=wlib.get_weighting(name), scale=SCALE, mask=mask, is_causal=True)
+  blocked = lambda *a, **k: blocked_attention(*a[:3], weighting=k["w"], scale=k["scale"],
+                                              bias=k["bias"], mask=k["mask"], is_causal=True)
+  run = jax.jit(lambda *a: (_out_and_grads(blocked, *a, **kw), _out_and_grads(_dense, *a, **kw)))
+  return jax.device_get(run(q, k, v, bias, ct))
+
+
+@pytest.mark.parametrize("t,s,name", DEFAULT_TILE_CASES)
+def test_causal_default_tiles_match_dense(t, s, name):
+  got, want = _causal_default_tiles(t, s, name)
+  _assert_close(got, want, atol=2e-5)
+
+
+def test_causal_leaves():
+  assert causal_leaves(4096, 128) == (32, 128)
+  assert causal_leaves(1024, 128) == (8, 128)
+  assert causal_leaves(300, 128) == (4, 80)
+  assert causal_leaves(45, 16) == (4, 16)
+  assert causal_leaves(17, 128) == (1, 24)
+  for t in range(1, 600, 7):
+    for leaf in (8, 16, 100, 128):
+      p, d = causal_leaves(t, leaf)
+      assert p & (p - 1) == 0 and d % 8 == 0 and p * d >= t and d <= max(leaf // 8 * 8, 8)
+      assert p == 1 or causal_leaves(t, leaf)[1] * (p // 2) < t  # no smaller P would do
+
+
+def _dot_flops(jaxpr) -> int:
+  """FLOPs of every dot_general in a jaxpr, loops counted by their trip counts."""
+  from jax.extend import core as jcore  # noqa: PLC0415
+  total = 0
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "dot_general":
+      (contract, _), _ = eqn.params["dimension_numbers"]
+      lhs = eqn.invars[0].aval.shape
+      total += 2 * math.prod(eqn.outvars[0].aval.shape) * math.prod(lhs[d] for d in contract)
+      continue
+    assert eqn.primitive.name != "while", "a loop of unknown length"
+    mult = eqn.params["length"] if eqn.primitive.name == "scan" else 1
+    for p in eqn.params.values():
+      for sub in p if isinstance(p, (tuple, list)) else (p,):
+        if isinstance(sub, (jcore.ClosedJaxpr, jcore.Jaxpr)):
+          total += mult * _dot_flops(getattr(sub, "jaxpr", sub))
+  return total
+
+
+@pytest.mark.parametrize("t", [1024, 4096])
+@pytest.mark.parametrize("mode", ["fwd", "fwd+bwd"])
+def test_causal_costs_half_of_full(t, mode):
+  # Every matmul of the program counted (traced, not run): the causal kernel computes the
+  # T²/2 scores on and below the diagonal plus half of the P diagonal d×d tiles, nothing more.
+  x = jax.ShapeDtypeStruct((1, t, 2, 64), jnp.float32)
+  w = wlib.get_weighting("softmax")
+
+  def flops(causal):
+    f = lambda q, k, v: jnp.sum(blocked_attention(q, k, v, weighting=w, scale=0.1,
+                                                  is_causal=causal))
+    if mode == "fwd+bwd":
+      f = jax.grad(f, argnums=(0, 1, 2))
+    return _dot_flops(jax.make_jaxpr(f)(x, x, x).jaxpr)
+
+  full, causal = flops(False), flops(True)
+  d = default_block_sizes(t, t, is_causal=True)[0]
+  assert causal / full == pytest.approx(0.5 + d / (2 * t), rel=1e-6)
+  assert causal / full <= 0.6
+
+
 # Chunks of heads: a small tile budget forces several chunks (of 1 or 2 of the X = B·K = 4
 # rows), with bias and mask broadcast over batch or heads; outputs and all gradients.
 CHUNK_CASES = [(chunk, bias_shape, mask_shape)
@@ -220,12 +334,15 @@ def _bf16():
       f32 = [x.astype(jnp.float32) for x in (q, k, v)]
       res[name] = (_out_and_grads(_blocked, q, k, v, bias, ct, **kw),
                    _out_and_grads(_dense, *f32, bias, ct, **kw))
+      kw["is_causal"] = True
+      res[name + " causal"] = (_out_and_grads(_blocked, q, k, v, bias, ct, **kw),
+                               _out_and_grads(_dense, *f32, bias, ct, **kw))
     return res
 
   return jax.device_get(run(q, k, v, bias, mask, ct))
 
 
-@pytest.mark.parametrize("name", BF16_NAMES)
+@pytest.mark.parametrize("name", BF16_NAMES + [n + " causal" for n in BF16_NAMES])
 def test_bf16_runs_and_is_close(name):
   (ob, gb), (od, gd) = _bf16()[name]
   assert ob.dtype == jnp.bfloat16 and gb[0].dtype == jnp.bfloat16
@@ -307,6 +424,17 @@ class VariantsTest(chex.TestCase):
     ref = jax.nn.dot_product_attention(q, k, v, mask=m)
     chex.assert_trees_all_close(fn(q, k, v, m), ref, atol=1e-5, rtol=1e-5)
 
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_causal_softmax_and_grads_match_jax_nn(self):
+    q, k, v, *_ = _inputs(t=40, s=40, seed=12)
+    w = wlib.get_weighting("softmax")
+    loss = lambda attn: lambda q, k, v: jnp.sum(jnp.sin(attn(q, k, v)))
+    ours = lambda q, k, v: _blocked(q, k, v, w, q.shape[-1] ** -0.5, is_causal=True, block=8)
+    ref = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    got = self.variant(jax.value_and_grad(loss(ours), argnums=(0, 1, 2)))(q, k, v)
+    want = jax.value_and_grad(loss(ref), argnums=(0, 1, 2))(q, k, v)
+    chex.assert_trees_all_close(got, want, atol=2e-5, rtol=2e-5)
+
 
 def test_vmap_and_grad_compose():
   q, k, v, bias, mask, ct = _inputs(t=19, s=23, seed=6)
@@ -346,7 +474,8 @@ class ApiTest(parameterized.TestCase):
 
   @parameterized.parameters((5, 7, 1, False, 8, 8), (512, 512, 1, False, 512, 256),
                             (4096, 100, 1, False, 4096, 104), (9000, 9000, 1, False, 4096, 256),
-                            (4096, 4096, 4, False, 1024, 256), (4096, 4096, 1, True, 1024, 256))
+                            (4096, 4096, 4, False, 1024, 256), (4096, 4096, 1, True, 128, 128),
+                            (300, 300, 2, True, 80, 80), (20, 30, 1, True, 24, 24))
   def test_default_block_sizes(self, t, s, group, causal, bq, bk):
     self.assertEqual(default_block_sizes(t, s, group, causal), (bq, bk))
 

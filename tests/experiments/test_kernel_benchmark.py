@@ -18,7 +18,9 @@ def test_presets_and_validation():
   assert len(exp.get_config("default").shapes.split(",")) == 5
   with pytest.raises(ValueError, match="default"):
     exp.get_config("nope")
+  assert exp.get_config().causal == "full,causal"
   for key, value, match in (("shapes", "2x64x2", "BxTxNxH"), ("modes", "bwd", "modes"),
+                            ("causal", "full,diagonal", "causal"),
                             ("weightings", "softmax,sparsemax", "pointwise")):
     c = exp.get_config("tiny")
     c[key] = value
@@ -48,11 +50,12 @@ def test_tiny_end_to_end(tmp_path):
   for shape in shapes:
     head_dim = int(shape.split("x")[-1])
     for mode in exp.MODES:
-      got = {(r["impl"], r["weighting"], r["score"]) for r in rows if r["shape"] == shape
-             and r["mode"] == mode}
-      want = {(b, "softmax", "scaled_dot") for b in exp.BASELINES}
-      want |= {("attnx blocked", *exp.case_weighting(w, head_dim)) for w in weightings}
-      assert got == want, (shape, mode)
+      for causal in (False, True):  # every case full and causal
+        got = sorted((r["impl"], r["weighting"], r["score"]) for r in rows
+                     if r["shape"] == shape and r["mode"] == mode and r["causal"] == causal)
+        want = [(b, "softmax", "scaled_dot") for b in exp.BASELINES]
+        want += [("attnx blocked", *exp.case_weighting(w, head_dim)) for w in weightings]
+        assert got == sorted(want), (shape, mode, causal)
   for r in rows:
     assert "note" not in r, r
     assert r["time ms"] > 0 and r["GFLOP/s"] > 0 and r["scratch MiB"] >= 0
@@ -60,6 +63,7 @@ def test_tiny_end_to_end(tmp_path):
     assert r["speed-up vs jax.nn"] > 0
     if r["impl"] == "attnx blocked":
       assert r["time / softmax"] > 0
+    assert (r["causal / full"] > 0) if r["causal"] else ("causal / full" not in r)
   md = (tmp_path / "benchmark.md").read_text()
   header = md.splitlines()[2]
   for col in exp.COLUMNS:
@@ -123,3 +127,21 @@ def test_targets_compare_measurements_with_the_issue_thresholds():
   assert met("20× lower", "(fwd)")  # 25×
   assert not met("20× lower", "(fwd+bwd)")  # 16×
   assert met("2 GiB peak")
+
+
+def test_causal_rows_get_their_full_twin_ratio_and_target():
+  blk = "attnx blocked"
+  rows = [_row(s, m, blk, "softmax", causal=c, **{"time ms": ms})
+          for s, m, c, ms in (("1x1024x4x64", "fwd", False, 10.0),
+                              ("1x1024x4x64", "fwd", True, 5.5),
+                              ("1x1024x4x64", "fwd+bwd", False, 30.0),
+                              ("1x1024x4x64", "fwd+bwd", True, 21.0),
+                              ("1x256x4x64", "fwd", False, 1.0),
+                              ("1x256x4x64", "fwd", True, 0.9))]
+  rows.append(_row("1x1024x4x64", "fwd", blk, "relu", causal=True, **{"time ms": 11.0}))
+  exp._add_ratios(rows)
+  assert [r.get("causal / full") for r in rows] == [None, 0.55, None, 0.7, None, 0.9, None]
+  assert rows[-1]["time / softmax"] == 2.0  # against causal softmax, not full softmax
+  goals = {g["target"]: g["met"] for g in exp.targets(rows)}
+  assert goals == {"blocked softmax causal / full ≤ 0.6 at 1x1024x4x64 (fwd)": "yes",
+                   "blocked softmax causal / full ≤ 0.6 at 1x1024x4x64 (fwd+bwd)": "**no**"}

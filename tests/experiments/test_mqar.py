@@ -30,7 +30,8 @@ def test_judge_the_zoology_shape_holds():
              linear_elu=[[0.2, 0.21], [0.4, 0.41], [0.8, 0.82]])
   held, text, info = exp.judge(acc, 0.99, 0.01)
   assert held is True and info["first_solved_width"] == 64
-  assert "d=32: no" in text and "d=64: yes" in text and "rises" in text
+  assert "d=32: no" in text and "d=64: yes" in text
+  assert "linear_elu at d=128 vs d=32 (accuracy ↑): better" in text
 
 
 def test_judge_fails_when_linear_matches_softmax_or_softmax_never_solves():
@@ -40,10 +41,19 @@ def test_judge_fails_when_linear_matches_softmax_or_softmax_never_solves():
   never = _acc(softmax=[[0.3, 0.301], [0.4, 0.401], [0.5, 0.501]],
                linear_elu=[[0.2, 0.21], [0.3, 0.31], [0.4, 0.41]])
   held, text, _ = exp.judge(never, 0.99, 0.01)
-  assert held is False and "did not solve" in text
+  assert held is False and "stays below" in text
+  # Softmax solves, linear is worse but does not improve with d: open, not refuted.
+  flat = _acc(softmax=[[0.999, 0.998], [1.0, 1.0], [1.0, 1.0]],
+              linear_elu=[[0.24, 0.241], [0.25, 0.25], [0.24, 0.242]])
+  assert exp.judge(flat, 0.99, 0.01)[0] is None
   unclear = _acc(softmax=[[0.999, 0.9], [0.999, 0.9], [0.999, 0.9]],
                  linear_elu=[[0.2, 0.21], [0.3, 0.31], [0.4, 0.41]])
   assert exp.judge(unclear, 0.99, 0.01)[0] is None
+  # Means above the threshold that 2 seeds cannot certify: the linear part is still judged.
+  close = _acc(softmax=[[0.997, 0.992], [0.999, 0.993], [1.0, 0.991]],
+               linear_elu=[[0.2, 0.21], [0.3, 0.31], [0.5, 0.51]])
+  held, text, info = exp.judge(close, 0.99, 0.01)
+  assert held is None and info["reference_width"] == 32 and "cannot certify" in text
 
 
 def test_tiny_preset_end_to_end(tmp_path, monkeypatch):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from experiments import train_benchmark as tb
@@ -29,3 +30,43 @@ def test_loss_spread_is_computed_over_all_runs():
                            0.5001}, "pmap": {"final_train_loss": 0.4999}}}
   spread, n = tb.loss_spread(devices)
   assert n == 6 and spread == pytest.approx(2e-4)
+
+
+def test_causal_lm_presets_and_validation():
+  c = tb.get_config("causal_lm")
+  assert c.part == "causal_lm" and c.lm.seq_lens == "256,1024,4096"
+  assert (c.lm.width, c.lm.num_heads, c.lm.num_layers, c.lm.batch_size) == (256, 4, 2, 2)
+  for key, value, match in (("seq_lens", "1,64", "seq_lens"), ("seq_lens", "x", "seq_lens"),
+                            ("num_heads", 3, "divisible")):
+    c = tb.get_config("causal_lm_tiny")
+    c.lm[key] = value
+    with pytest.raises(ValueError, match=match):
+      tb.validate_config(c)
+
+
+def test_causal_lm_models_compute_the_same_function():
+  # Same parameters in both models (flax's attention and attnx's have the same layout): the
+  # same loss, so the timed steps compare the same math.
+  import jax
+
+  c = tb.get_config("causal_lm_tiny")
+  tokens = jax.random.randint(jax.random.PRNGKey(0), (2, 24), 0, c.lm.vocab_size)
+  flax_model, attnx_model = tb.lm_model(c, "flax"), tb.lm_model(c, "attnx")
+  params = flax_model.init(jax.random.PRNGKey(1), tokens)
+  attnx_params = attnx_model.init(jax.random.PRNGKey(1), tokens)
+  assert (jax.tree.map(lambda x: x.shape, params)
+          == jax.tree.map(lambda x: x.shape, attnx_params))
+  np.testing.assert_allclose(attnx_model.apply(params, tokens), flax_model.apply(params, tokens),
+                             atol=1e-4, rtol=1e-4)
+
+
+def test_causal_lm_tiny_end_to_end(tmp_path):
+  out = tb.run(tb.get_config("causal_lm_tiny"), str(tmp_path))
+  assert [r["T"] for r in out["rows"]] == [32, 64]
+  for r in out["rows"]:
+    assert r["flax step ms"] > 0 and r["attnx step ms"] > 0 and r["attnx / flax"] > 0
+    assert abs(r["flax first loss"] - r["attnx first loss"]) < 1e-4
+  assert (tmp_path / "report.md").exists() and (tmp_path / "benchmark.json").exists()
+  assert tb.lm_targets(out["rows"]) == []  # no target at these lengths
+  goals = tb.lm_targets([{"T": 1024, "attnx / flax": 0.6}, {"T": 4096, "attnx / flax": 0.5}])
+  assert [g["met"] for g in goals] == ["yes", "**no**"]

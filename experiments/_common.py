@@ -95,8 +95,9 @@ def icl_report(rep: Any, result: Any, label: str = "weighting") -> dict[str, np.
   base = baseline_errors(te["inputs"], te["targets"])
   k = np.arange(len(base["zero"]), dtype=float)  # in-context examples before the query
   curves = {w: (k, np.asarray(r.final_metrics["icl_curve"]).T) for w, r in result.fits.items()}
+  # Linear y as in Garg et al.'s figure: least squares' ~1e-15 would flatten a log axis.
   fig = plot_curves(curves, xlabel="in-context examples", ylabel="squared error / d",
-                    logy=True, references={n: (k, c) for n, c in base.items()})
+                    references={n: (k, c) for n, c in base.items()})
   rows = [{label: w, "error/d at last": mean_std(np.asarray(r.final_metrics["icl_curve"])[:, -1],
                                                  ".4g"),
            **{f"{n} at last": float(c[-1]) for n, c in base.items()}}
@@ -105,5 +106,5 @@ def icl_report(rep: Any, result: Any, label: str = "weighting") -> dict[str, np.
                           "the baselines on the same test prompts")
   rep.figure(fig, f"{result.task.name}_vs_least_squares",
              "Squared error / d vs number of in-context examples (mean ± std over seeds; "
-             "dashed: baselines), as in Garg et al.'s figure 2.")
+             "black/gray: baselines), as in Garg et al.'s figure 2.")
   return base

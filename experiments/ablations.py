@@ -30,6 +30,12 @@ b = −log n; ReLU — held if ÷L is not worse than softmax and "none" is worse
 held if its accuracy drop from ``train_len`` to the longest evaluation length is smaller than
 softmax's (better on −drop). Inconclusive when the seeds cannot tell.
 
+Measured (default, 13 min on one shared CPU core): all three inconclusive. digits: softmax
+0.952, sigmoid b = −log n 0.960 and b = 0 0.954, relu ÷L 0.963, ÷Σ 0.947, none 0.957 (3 seeds:
+no difference resolved; with 17 tokens −log n and 1/L change little). MQAR: neither model
+solves it at the training length at this budget (softmax 0.37, ssmax 0.27); both lose ≈ 0.1
+from length 64 to 256.
+
 Presets (each the default changed by one small function, see PRESET_FNS):
   default  python launch.py --config=experiments/ablations.py --workdir=runs/ablations
            digits: 6 variants × 3 seeds × 1000 steps; MQAR: 2 variants × 2 seeds × 1500 steps

@@ -18,7 +18,12 @@ fresh prompts): attnx.data's ``icl_regression`` with d = 5, 20 points per prompt
 and 1000 test prompts; a causal pre-LN transformer (attnx.nn.SequenceRegressor: 3 layers,
 width 64, 4 heads, MLP 128, learned positions) reading the prediction for y_i at x-token i
 (loss "icl_mse"); AdamW with warmup-cosine. No curriculum (Garg et al. grow d and k during
-training; at d = 5 it was not needed here).
+training; untried here).
+
+Measured (default, 2 seeds, 26 min on one shared CPU core): softmax's error / d falls from
+1.04 at k = 0 to 0.076 at k = 19 (3-nearest neighbours 0.44, least squares 2e-15) — the shape
+of Garg et al.'s curve, but 0.09 above least squares over k ≥ 7, so the claim did not hold at
+this budget; relu 0.24 and linear (elu+1) 0.18 at the last position.
 
 Verdict (the shared rule, attnx.train.verdict, 95 % paired t-interval over seeds): per
 weighting, the mean error / d over positions k ≥ match_from is compared with least squares'
@@ -28,6 +33,8 @@ the claim held if softmax tracks it and its error falls with k.
 Presets (each the default changed by one small function, see PRESET_FNS):
   default  python launch.py --config=experiments/icl_regression.py --workdir=runs/icl
            softmax, relu, linear_elu; 2 seeds; 3000 steps of batch 64 (runtime in the README).
+  long     python launch.py --config=experiments/icl_regression.py:long --workdir=runs/icl_long
+           softmax only, 10 000 steps: the budget question (runtime in the README).
   tiny     python launch.py --config=experiments/icl_regression.py:tiny --workdir=/tmp/icl
            softmax only, d = 3, 30 steps: a smoke test.
 """
@@ -45,7 +52,7 @@ from attnx.train import verdict
 from attnx.train.experiment import Task, TaskResult, Variant, run_comparison
 from experiments import _common
 
-PRESETS = ("default", "tiny")
+PRESETS = ("default", "long", "tiny")
 WEIGHTINGS = ("softmax", "relu", "linear_elu")
 
 
@@ -73,6 +80,11 @@ def _default() -> ml_collections.ConfigDict:
   return c
 
 
+def _long(c: ml_collections.ConfigDict) -> None:
+  c.update(dict(weightings="softmax", num_steps=10000, eval_every=1000, checkpoint_every=2000))
+  c.optimizer.warmup_steps = 500
+
+
 def _tiny(c: ml_collections.ConfigDict) -> None:
   c.update(dict(weightings="softmax", num_steps=30, eval_every=15, log_every=5,
                 checkpoint_every=0))
@@ -81,7 +93,7 @@ def _tiny(c: ml_collections.ConfigDict) -> None:
   c.data.update(dim=3, num_points=8, num_train=512, num_test=64)
 
 
-PRESET_FNS = {"default": lambda c: None, "tiny": _tiny}
+PRESET_FNS = {"default": lambda c: None, "long": _long, "tiny": _tiny}
 assert tuple(PRESET_FNS) == PRESETS
 
 

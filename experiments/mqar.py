@@ -18,7 +18,7 @@ requires vocabulary > sequence length; 256 keeps the embedding and output layers
 one learning rate (3e-3, AdamW, warmup-cosine) instead of their sweep. Model: a causal
 pre-LN transformer (attnx.nn.SequenceClassifier, per-token logits) with 2 layers, one head
 (Zoology's attention baseline uses one), learned positions and an MLP of width 2d in each
-block (Zoology's MQAR models have none; it helps neither side here). Metric: accuracy of the
+block (Zoology's MQAR models have none; we kept attnx's standard block). Metric: accuracy of the
 predicted value at the query positions on 1000 held-out examples.
 
 Verdict (the shared rule, attnx.train.verdict, 95 % paired t-interval over seeds):
@@ -27,6 +27,11 @@ accuracies is ≥ ``solve_threshold`` (0.99) — reported per d; held if it does
 largest width tried; (2) "linear attention needs a larger d": at the smallest width where
 softmax solves it, each linear feature map is *worse* than softmax (margin ``margin``), and
 its accuracy rises with d. Inconclusive when the seeds cannot tell.
+
+Measured (default, 2 seeds, ≈ 52 min on one shared CPU core): softmax 0.997 / 0.998 at
+d = 32 / 64 (every seed ≥ 0.996; 2 seeds cannot certify ≥ 0.99 by the rule, so the verdict is
+inconclusive); every other weighting, linear attention included, stays at 0.23–0.25 at both
+widths (the plateau softmax leaves after ≈ 700 steps).
 
 Presets (each the default changed by one small function, see PRESET_FNS):
   default  python launch.py --config=experiments/mqar.py --workdir=runs/mqar

@@ -254,7 +254,8 @@ def plot_curves(curves: Mapping[str, Curve], *, xlabel: str = "step", ylabel: st
 
   `curves`: {label: (x [n], values [n] or [n, num_seeds])} (seeds on the last axis).
   `band`: "fill" (shaded ±std), "errorbar" (±std bars with caps) or "none"; no band for a
-  single seed. `references`: {label: (x, y)} drawn as dashed black/gray lines (baselines);
+  single seed. `references`: {label: (x, y)} drawn as black/gray dashed, dotted and dash-dotted
+  lines (baselines);
   `hline`: a dotted horizontal line (a target). `logx`: True or a log base. `ax`: draw into
   an existing Axes (e.g. one panel of `subplots`); its figure is returned.
   """
@@ -265,8 +266,8 @@ def plot_curves(curves: Mapping[str, Curve], *, xlabel: str = "step", ylabel: st
   else:
     fig = ax.figure
   for i, (label, (x, y)) in enumerate((references or {}).items()):
-    ax.plot(np.asarray(x), np.asarray(y, np.float64), "--", color=("k", "0.5")[i % 2], lw=1.2,
-            label=label)
+    ax.plot(np.asarray(x), np.asarray(y, np.float64), ("--", ":", "-.")[i % 3],
+            color=("k", "0.45", "0.25")[i % 3], lw=1.3, label=label)
   if band == "errorbar" and marker is None:
     marker = "o"  # error bars mark measured points
   for label, (x, values) in curves.items():

@@ -108,3 +108,24 @@ def icl_report(rep: Any, result: Any, label: str = "weighting") -> dict[str, np.
              "Squared error / d vs number of in-context examples (mean ± std over seeds; "
              "black/gray: baselines), as in Garg et al.'s figure 2.")
   return base
+
+
+def attention_variants(config: Any, key: str = "weightings",
+                       reference: str | None = None) -> list[str]:
+  """The attention variants named in ``config[key]`` (comma-separated or a sequence), each
+  checked with attnx.nn.attention_spec (name and parameters); a ValueError names the key and
+  the valid names, or the missing ``reference``."""
+  from attnx import nn
+  from attnx.train.config import split_list
+
+  names = split_list(config[key])
+  if not names:
+    raise ValueError(f"config.{key} is empty; valid: {', '.join(nn.list_attention_variants())}.")
+  for name in names:
+    try:
+      nn.attention_spec(name)
+    except ValueError as e:
+      raise ValueError(f"config.{key}: {e}") from None
+  if reference is not None and reference not in names:
+    raise ValueError(f"config.{key} must include {reference} (the reference).")
+  return names

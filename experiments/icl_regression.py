@@ -109,12 +109,7 @@ def match_from(config: ml_collections.ConfigDict) -> int:
 
 def validate_config(config: ml_collections.ConfigDict) -> None:
   """Raises ValueError naming bad keys and the valid choices."""
-  names = train_config.split_list(config.weightings)
-  valid = nn.list_attention_variants()
-  bad = [w for w in names if w.split(":")[0] not in valid]
-  if bad or not names:
-    raise ValueError(f"config.weightings: unknown {bad or '(empty)'}; valid: "
-                     f"{', '.join(valid)}.")
+  _common.attention_variants(config, "weightings")
   if not 0 <= match_from(config) < config.data.num_points:
     raise ValueError(f"config.match_from={config.match_from} must be < config.data."
                      f"num_points={config.data.num_points} (-1: d + 2).")

@@ -117,6 +117,7 @@ from attnx.train import config as train_config
 from attnx.train import evaluators as evaluators_lib
 from attnx.train import verdict
 from attnx.train.experiment import Task, TaskResult, Variant, run_comparison
+from experiments import _common
 
 PRESETS = ("default", "survey", "tiny")
 WEIGHTINGS = ("softmax", "relu:normalization=length", "sigmoid:normalization=none",
@@ -233,14 +234,7 @@ def context_windows(tokens: np.ndarray, context: int, multipliers: Sequence[int]
 
 def validate_config(config: ml_collections.ConfigDict) -> None:
   """Raises ValueError naming bad keys and the valid choices."""
-  names = train_config.split_list(config.weightings)
-  valid = nn.list_attention_variants()
-  bad = [w for w in names if w.split(":")[0] not in valid]
-  if bad or not names:
-    raise ValueError(f"config.weightings: unknown {bad or '(empty)'}; valid: "
-                     f"{', '.join(valid)}.")
-  if "softmax" not in names:
-    raise ValueError("config.weightings must include softmax (the reference).")
+  names = _common.attention_variants(config, "weightings", reference="softmax")
   for w in names:  # every name builds a GPT (raises a ValueError naming the problem)
     build_model(config, vocab_size=2)(nn.attention_spec(w))
   if config.model.positions not in nn.gpt.POSITIONS:

@@ -55,6 +55,7 @@ from attnx import nn, train
 from attnx.train import config as train_config
 from attnx.train import verdict
 from attnx.train.experiment import Task, TaskResult, Variant, run_comparison
+from experiments import _common
 
 PRESETS = ("default", "wide", "tiny")
 WEIGHTINGS = ("softmax", "linear_elu", "linear_favor", "relu", "sigmoid", "sparsemax")
@@ -111,13 +112,7 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
 
 def validate_config(config: ml_collections.ConfigDict) -> None:
   """Raises ValueError naming bad keys and the valid choices."""
-  names = train_config.split_list(config.weightings)
-  valid = nn.list_attention_variants()
-  bad = [w for w in names if w.split(":")[0] not in valid]
-  if bad:
-    raise ValueError(f"config.weightings: unknown {bad}; valid: {', '.join(valid)}.")
-  if "softmax" not in names:
-    raise ValueError("config.weightings must include softmax (the reference).")
+  _common.attention_variants(config, "weightings", reference="softmax")
   widths = [int(d) for d in config.widths]
   if not widths or min(widths) < 1 or any(d % config.num_heads for d in widths):
     raise ValueError(f"config.widths={tuple(config.widths)} must be ≥ 1 and divisible by "

@@ -67,7 +67,7 @@ def test_config_checks_and_positions():
   with pytest.raises(ValueError, match="must include softmax"):
     exp.validate_config(c)
   c.weightings = "softmax,nope"
-  with pytest.raises(ValueError, match="unknown"):
+  with pytest.raises(ValueError, match="config.weightings: Unknown"):
     exp.validate_config(c)
   survey = exp.get_config("survey")
   exp.validate_config(survey)  # every weighting and special variant builds a GPT

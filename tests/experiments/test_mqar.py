@@ -69,3 +69,18 @@ def test_tiny_preset_end_to_end(tmp_path, monkeypatch):
   assert os.path.exists(tmp_path / "wd" / "mqar_accuracy_vs_width.png")
   results = json.load(open(tmp_path / "wd" / "results.json"))
   assert len(results["verdicts"]) == 1  # one verdict: the experiment's, not one per width
+
+
+def test_bad_weightings_name_the_key():
+  import pytest
+
+  c = exp.get_config("tiny")
+  c.weightings = "softmax,relux"
+  with pytest.raises(ValueError, match="config.weightings: .*relux"):
+    exp.validate_config(c)
+  c.weightings = "relu,sigmoid"
+  with pytest.raises(ValueError, match="must include softmax"):
+    exp.validate_config(c)
+  c.weightings = "softmax,power:p=abc"  # parameters are checked too
+  with pytest.raises(ValueError, match="config.weightings"):
+    exp.validate_config(c)

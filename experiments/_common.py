@@ -129,3 +129,18 @@ def attention_variants(config: Any, key: str = "weightings",
   if reference is not None and reference not in names:
     raise ValueError(f"config.{key} must include {reference} (the reference).")
   return names
+
+
+def parse_shapes(value: Any, key: str = "shapes") -> list[tuple[int, int, int, int]]:
+  """Benchmark shapes 'BxTxNxH,...' (or a sequence of such strings) as (B, T, N, H) tuples; a
+  ValueError names the key and the bad item."""
+  from attnx.train.config import split_list
+
+  out = []
+  for item in split_list(value):
+    try:
+      b, t, n, h = (int(x) for x in item.lower().split("x"))
+    except ValueError:
+      raise ValueError(f"config.{key}: bad shape {item!r}; expected 'BxTxNxH'") from None
+    out.append((b, t, n, h))
+  return out

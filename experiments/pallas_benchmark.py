@@ -92,14 +92,9 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
 
 
 def _shapes(config) -> list[tuple[int, int, int, int]]:
-  out = []
-  for item in train.split_list(config.shapes):
-    try:
-      b, t, n, h = (int(x) for x in item.lower().split("x"))
-    except ValueError:
-      raise ValueError(f"config.shapes: bad shape {item!r}; expected 'BxTxNxH'") from None
-    out.append((b, t, n, h))
-  return out
+  from experiments import _common  # noqa: PLC0415  (as in the standalone entry below)
+
+  return _common.parse_shapes(config.shapes)
 
 
 def _weightings(config) -> list[str]:

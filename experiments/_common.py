@@ -110,15 +110,29 @@ def icl_report(rep: Any, result: Any, label: str = "weighting") -> dict[str, np.
   return base
 
 
+def variant_list(value: Any) -> list[str]:
+  """Attention variants from 'a,b:k=v,k2=v2,c' (or a sequence): an item ``k=v`` without a
+  ``:`` continues the previous variant's parameters, so
+  ``"softmax,sigmoid:normalization=none,bias=0"`` is two variants."""
+  from attnx.train.config import split_list
+
+  out: list[str] = []
+  for item in split_list(value):
+    if out and ":" in out[-1] and ":" not in item and "=" in item:
+      out[-1] += "," + item
+    else:
+      out.append(item)
+  return out
+
+
 def attention_variants(config: Any, key: str = "weightings",
                        reference: str | None = None) -> list[str]:
   """The attention variants named in ``config[key]`` (comma-separated or a sequence), each
   checked with attnx.nn.attention_spec (name and parameters); a ValueError names the key and
   the valid names, or the missing ``reference``."""
   from attnx import nn
-  from attnx.train.config import split_list
 
-  names = split_list(config[key])
+  names = variant_list(config[key])
   if not names:
     raise ValueError(f"config.{key} is empty; valid: {', '.join(nn.list_attention_variants())}.")
   for name in names:

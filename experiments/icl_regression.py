@@ -187,7 +187,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   """Trains every weighting, writes the report, returns the numbers."""
   validate_config(config)
   variants = [Variant(w, nn.attention_spec(w))
-              for w in train_config.split_list(config.weightings)]
+              for w in _common.variant_list(config.weightings)]
   d, m = config.data, config.model
   return run_comparison(
       config, workdir, title="In-context linear regression (Garg et al. 2022)",

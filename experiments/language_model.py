@@ -91,6 +91,12 @@ Presets (each the default changed by one small function, see PRESET_FNS):
            per step for both seeds of softmax (0.56 s stick-breaking), so ≈ 15-20 min per
            weighting with the final evaluation, ≈ 2-2.5 h for all 8.
            With nanoGPT's text: add --config.text_file=/path/to/input.txt
+  ablations python launch.py --config=experiments/language_model.py:ablations \
+             --workdir=runs/lm_ablations
+           the papers' own ablations on this task (context 64, so b = −log 64 = −4.2 and the
+           1/L factor matter more than on 17-token digits): softmax; sigmoid with b = −log n
+           and with b = 0 (Ramapuram et al. 2024); ReLU ÷ L, ÷ Σ ReLU and unscaled (Wortsman
+           et al. 2023). Each vs softmax by the shared rule; 2 seeds, 2000 steps.
   survey   python launch.py --config=experiments/language_model.py:survey --workdir=runs/lm_all
            every weighting of attnx.core.list_weightings() plus linear_elu, linear_favor and
            metric attention (23 weightings × 2 seeds: ≈ 6-8 h on one CPU core; unnormalized
@@ -119,10 +125,14 @@ from attnx.train import verdict
 from attnx.train.experiment import Task, TaskResult, Variant, run_comparison
 from experiments import _common
 
-PRESETS = ("default", "survey", "tiny")
+PRESETS = ("default", "ablations", "survey", "tiny")
 WEIGHTINGS = ("softmax", "relu:normalization=length", "sigmoid:normalization=none",
               "softpick", "ssmax", "stick_breaking", "entmax15", "linear_elu")
 SURVEY_EXTRA = ("linear_elu", "linear_favor", "metric")
+# The papers' own ablations (the `ablations` preset): sigmoid with and without b = −log n
+# (Ramapuram et al. 2024), ReLU ÷ L vs ÷ Σ vs unscaled (Wortsman et al. 2023).
+ABLATIONS = ("softmax", "sigmoid:normalization=none", "sigmoid:normalization=none,bias=0",
+             "relu:normalization=length", "relu", "relu:normalization=none")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_TEXT = os.path.join(ROOT, "tests", "data", "fixtures", "tiny_text.txt")
 LN2 = math.log(2.0)
@@ -169,6 +179,10 @@ def _survey(c: ml_collections.ConfigDict) -> None:
   c.weightings = ",".join(["softmax", *names, *SURVEY_EXTRA])
 
 
+def _ablations(c: ml_collections.ConfigDict) -> None:
+  c.weightings = ",".join(ABLATIONS)
+
+
 def _tiny(c: ml_collections.ConfigDict) -> None:
   c.update(dict(weightings="softmax,relu:normalization=length", text_file=TINY_TEXT,
                 num_steps=20, batch_size=8, eval_every=10, log_every=5, checkpoint_every=20,
@@ -178,7 +192,8 @@ def _tiny(c: ml_collections.ConfigDict) -> None:
   c.sample.num_tokens = 40
 
 
-PRESET_FNS = {"default": lambda c: None, "survey": _survey, "tiny": _tiny}
+PRESET_FNS = {"default": lambda c: None, "ablations": _ablations, "survey": _survey,
+              "tiny": _tiny}
 assert tuple(PRESET_FNS) == PRESETS
 
 
@@ -376,6 +391,36 @@ def position_nll(fn: Any, params: Any, extra: Any, arrays: Mapping[str, np.ndarr
     total = total + np.asarray(fn(params, extra or {}, x[i:i + step], y[i:i + step]),
                                np.float64)
   return total / len(x)
+
+
+def length_comparisons(fits: Mapping[str, Any], multipliers: Sequence[int], margin: float,
+                       reference: str = "softmax") -> dict[str, verdict.Comparison]:
+  """{F: F vs ``reference`` on the loss increase from 1× to the largest multiplier}.
+
+  Lower is better (F "degrades less"); paired by seed, the shared rule with ``margin`` nats.
+  Weightings without a loss at the largest multiplier (learned positions) are left out, and
+  so is everything when the reference has none or only 1× was evaluated.
+  """
+  mults = [int(k) for k in multipliers]
+  if reference not in fits or max(mults) == 1:
+    return {}
+  first, last = mults.index(1), mults.index(max(mults))
+
+  def increase(name: str) -> np.ndarray:
+    loss = np.asarray(fits[name].final_metrics["loss_by_context"], np.float64)
+    return loss[:, last] - loss[:, first]
+
+  ref = increase(reference)
+  if np.isnan(ref).any():
+    return {}
+  out = {}
+  for name in fits:
+    if name == reference or np.isnan(inc := increase(name)).any():
+      continue
+    out[name] = verdict.compare(inc, ref, margin=margin, higher_is_better=False, a_name=name,
+                                b_name=reference,
+                                metric=f"loss increase 1×→{max(mults)}× (nats)")
+  return out
 
 
 def _options(task: Any) -> dict[str, Any]:
@@ -642,6 +687,20 @@ def _finish(config: ml_collections.ConfigDict, specs: Mapping[str, Any], vocab: 
         pos_curves[name] = ((np.arange(nb) + 0.5) * bucket, binned.T)
     rep.table(lrows, caption="Validation loss (nats) at k × the training context, mean ± std "
                              "over seeds")
+    length_verdicts = length_comparisons(fits, mults, config.margin)
+    if length_verdicts:
+      k = max(mults)
+      rep.text(f"Does F degrade less than softmax beyond the training context (the claim of "
+               "SSMax, Nakanishi 2025, and stick-breaking, Tan et al. 2024)? Metric: the "
+               f"*increase* of validation loss from 1× to {k}× (lower is better), each F vs "
+               "softmax, paired by seed. "
+               + verdict.Comparison.rule(config.margin, config.num_seeds,
+                                         f"loss increase 1× → {k}× (nats)"))
+      rep.table([c.row() for c in length_verdicts.values()],
+                caption=f"Each weighting (A) vs softmax (B): increase of the loss from 1× to "
+                        f"{k}× the training context")
+      for c in length_verdicts.values():
+        rep.verdict(c.not_worse, c.sentence() + ".")
     if curves:
       fig, axes = train.subplots(ncols=2, size=(5.5, 4.0))
       train.plot_curves(curves, xlabel="evaluation context (characters)",
@@ -716,6 +775,7 @@ def _finish(config: ml_collections.ConfigDict, specs: Mapping[str, Any], vocab: 
                               for w, r in fits.items()},
         "compile_seconds": {w: r.compile_seconds for w, r in fits.items()},
         "outcomes": {w: c.outcome for w, c in comparisons.items()},
+        "length_outcomes": {w: c.outcome for w, c in length_verdicts.items()},
         "failures": dict(result.failures), "samples": texts, "runs": runs,
     }
     rep.save_json("language_model", payload)
@@ -727,7 +787,7 @@ def _finish(config: ml_collections.ConfigDict, specs: Mapping[str, Any], vocab: 
 def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   """Trains every weighting, writes the report and the sample.py files, returns the numbers."""
   validate_config(config)
-  names = train_config.split_list(config.weightings)
+  names = _common.variant_list(config.weightings)
   specs = {w: nn.attention_spec(w) for w in names}
   variants = [Variant(w, specs[w]) for w in names]
   text_file = data_kwargs(config).get("text_file")

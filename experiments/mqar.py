@@ -218,7 +218,7 @@ def judge(acc: dict[str, dict[int, np.ndarray]], threshold: float, margin: float
 
 def _finish(config: ml_collections.ConfigDict) -> Any:
   widths = [int(d) for d in config.widths]
-  weightings = train_config.split_list(config.weightings)
+  weightings = _common.variant_list(config.weightings)
 
   def finish(rep: train.Report, results: dict[str, TaskResult]) -> dict[str, Any]:
     acc = _accuracy_table(results, widths, weightings)
@@ -246,7 +246,7 @@ def _finish(config: ml_collections.ConfigDict) -> Any:
 def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   """Trains every weighting at every width, writes the report, returns the numbers."""
   validate_config(config)
-  variants = [Variant(w, nn.attention_spec(w)) for w in train_config.split_list(
+  variants = [Variant(w, nn.attention_spec(w)) for w in _common.variant_list(
       config.weightings)]
   d = config.data
   return run_comparison(

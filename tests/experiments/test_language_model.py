@@ -7,6 +7,7 @@ import json
 import math
 import os
 import sys
+import types
 
 import numpy as np
 import pytest
@@ -32,6 +33,23 @@ def test_bits_per_char_and_the_loss_verdict():
   assert (worse.outcome, same.outcome, better.outcome, unclear.outcome) == (
       "worse", "within noise", "better", "inconclusive")
   assert worse.not_worse is False and better.diff == pytest.approx(0.1)
+
+
+def test_length_comparisons_judge_the_loss_increase():
+  def fit(loss_by_context):
+    return types.SimpleNamespace(final_metrics={"loss_by_context": np.asarray(loss_by_context)})
+
+  nan = float("nan")
+  fits = {"softmax": fit([[1.5, 1.9, 2.4], [1.6, 2.0, 2.5]]),  # +0.9 from 1× to 4×
+          "ssmax": fit([[1.6, 1.7, 1.8], [1.7, 1.81, 1.91]]),  # +0.2, +0.21: degrades less
+          "same": fit([[1.0, 1.5, 1.9], [1.1, 1.6, 2.0]]),  # +0.9 (lower loss, same increase)
+          "linear_elu": fit([[1.7, nan, nan], [1.8, nan, nan]])}  # learned positions: n/a
+  out = exp.length_comparisons(fits, (1, 2, 4), margin=0.02)
+  assert set(out) == {"ssmax", "same"}
+  assert out["ssmax"].outcome == "better" and out["ssmax"].diff == pytest.approx(0.695)
+  assert out["same"].outcome == "within noise"
+  assert exp.length_comparisons(fits, (1,), margin=0.02) == {}
+  assert exp.length_comparisons({"ssmax": fits["ssmax"]}, (1, 2, 4), margin=0.02) == {}
 
 
 def test_attention_statistics_on_a_hand_computed_example():
@@ -120,7 +138,13 @@ def test_tiny_preset_end_to_end(tmp_path, monkeypatch, capsys):
   for fig in ("shakespeare_char_curves", "length_generalization", "attention_heatmap"):
     assert os.path.exists(os.path.join(wd, f"{fig}.png"))
   results = json.load(open(os.path.join(wd, "results.json")))
-  assert len(results["verdicts"]) == 1  # one per alternative weighting
+  # one per alternative weighting on the loss, one on the loss increase 1× → 4×
+  assert len(results["verdicts"]) == 2
+  inc = result.fits["relu:normalization=length"].final_metrics["loss_by_context"]
+  ref = result.fits["softmax"].final_metrics["loss_by_context"]
+  assert fin["length_outcomes"]["relu:normalization=length"] == verdict.compare(
+      inc[:, 2] - inc[:, 0], ref[:, 2] - ref[:, 0], margin=0.02,
+      higher_is_better=False).outcome
   assert json.load(open(os.path.join(wd, "language_model.json")))["runs"] == {
       "softmax": "softmax", "relu:normalization=length": "relu_normalization_length"}
 
@@ -135,3 +159,19 @@ def test_tiny_preset_end_to_end(tmp_path, monkeypatch, capsys):
   assert code == 0, printed.err
   assert printed.out == fin["samples"]["relu:normalization=length"] + "\n"
   assert "step 10" in printed.err
+
+
+def test_ablations_preset_keeps_parameters_with_their_variant():
+  from attnx import nn
+  from experiments import _common
+
+  c = exp.get_config("ablations")
+  names = _common.variant_list(c.weightings)
+  assert names == list(exp.ABLATIONS) and len(names) == 6
+  assert nn.attention_spec(names[2])["weighting"] == "sigmoid:normalization=none,bias=0"
+  assert _common.variant_list("softmax, relu:normalization=none ,bias=1,ssmax") == [
+      "softmax", "relu:normalization=none,bias=1", "ssmax"]
+  assert _common.variant_list("bias=0,softmax") == ["bias=0", "softmax"]  # nothing to continue
+  c.weightings = "softmax,sigmoid:normalization=none,bogus=1"
+  with pytest.raises(ValueError, match="config.weightings"):
+    exp.validate_config(c)

@@ -2,7 +2,7 @@
 
   python sample.py --workdir=runs/lm [--run=NAME] [--prompt="ROMEO:"] [--num_tokens=500]
       [--temperature=0.8] [--top_k=40] [--seed=0] [--num_samples=1] [--seed_index=0]
-      [--step=LATEST] [--use_cache=auto|true|false]
+      [--step=LATEST] [--use_cache=auto|true|false] [--context=TRAINING_CONTEXT]
 
 Prints the prompt followed by the sampled continuation (``--num_samples`` of them, separated
 by a line of dashes). The same ``--seed`` gives the same text; ``--temperature=0`` is greedy.
@@ -26,7 +26,9 @@ e.g. ``experiments/language_model.py``), for each trained model ``<run>``:
 
 The model is rebuilt with ``attnx.nn.gpt.gpt_from_spec`` (dropout is off when sampling), and
 text is drawn with ``attnx.nn.generate`` (KV cache where the attention has one, else the
-prefix is recomputed each step; see attnx/nn/gpt.py).
+prefix is recomputed each step; see attnx/nn/gpt.py). Each character is predicted from the
+latest ``--context`` characters, by default the model's training context (nanoGPT crops to
+its block size the same way); rotary models accept a longer one.
 """
 
 from __future__ import annotations
@@ -138,12 +140,12 @@ def encode_prompt(prompt: str, vocab: Sequence[str]) -> np.ndarray:
 def sample_text(model: GPT, params: Any, vocab: Sequence[str], prompt: str, num_tokens: int, *,
                 seed: int = 0, temperature: float = 1.0, top_k: int | None = None,
                 num_samples: int = 1, use_cache: bool | None = None,
-                extra_variables: Any = None) -> list[str]:
+                context: int | None = None, extra_variables: Any = None) -> list[str]:
   """``num_samples`` texts: the prompt and ``num_tokens`` sampled characters each."""
   ids = encode_prompt(prompt, vocab)
   batch = np.tile(ids[None], (num_samples, 1))
   out = generate(model, params, batch, num_tokens, rng=jax.random.PRNGKey(seed),
-                 temperature=temperature, top_k=top_k, use_cache=use_cache,
+                 temperature=temperature, top_k=top_k, use_cache=use_cache, context=context,
                  extra_variables=extra_variables)
   return ["".join(vocab[int(i)] for i in row) for row in np.asarray(out)]
 
@@ -164,6 +166,8 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
   p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
   p.add_argument("--use_cache", choices=("auto", "true", "false"), default="auto",
                  help="KV cache (auto: where the attention has one)")
+  p.add_argument("--context", type=int, default=None,
+                 help="characters the model sees per step (default: its training context)")
   return p.parse_args(argv)
 
 
@@ -182,7 +186,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         args.prompt, args.num_tokens, seed=args.seed,
                         temperature=args.temperature, top_k=args.top_k,
                         num_samples=args.num_samples, use_cache=use_cache,
-                        extra_variables=loaded["extra"])
+                        context=args.context, extra_variables=loaded["extra"])
   except (SampleError, ValueError, FileNotFoundError) as e:
     print(f"FATAL: {e}", file=sys.stderr)
     return 2

@@ -62,7 +62,8 @@ Reported per F: validation and test loss in nats and bits per character (nats / 
 std over seeds; next-character accuracy; tokens/s per model (batch·context / seconds per step;
 the seeds of a run are trained together, vmapped) and compile time; learning curves; one
 generated sample (seed index 0, prompt "ROMEO:", 300 characters, temperature 0.8, top-k 20,
-sampling seed 0); the verdict vs softmax. Length generalization: the loss on validation
+sampling seed 0; each character predicted from the latest L characters, nanoGPT's crop); the
+verdict vs softmax. Length generalization: the loss on validation
 windows of 1×, 2× and 4× the training context (the same text, cut into longer windows; the
 mean over every position of a window), a table, a plot, and the loss per position bucket at
 4×. Attention statistics per F and layer on the first ``stats_windows`` validation windows,
@@ -747,7 +748,8 @@ def _finish(config: ml_collections.ConfigDict, specs: Mapping[str, Any], vocab: 
     texts = samples(config, result, specs, vocab)
     rep.text(f"One sample per weighting: seed index 0, prompt {s.prompt!r}, {s.num_tokens} "
              f"characters, temperature {s.temperature:g}, top-k {s.top_k}, sampling seed "
-             f"{s.seed} (attnx.nn.generate). More with `python sample.py "
+             f"{s.seed} (attnx.nn.generate; each character from the latest {L}, the "
+             "training context, as nanoGPT crops to its block size). More with `python sample.py "
              f"--workdir={rep.workdir} --run=RUN --prompt='{s.prompt}'` (runs: "
              f"{', '.join(runs.values())}).")
     for name, text in texts.items():

@@ -43,6 +43,13 @@ Presets (each the default changed by one small function, see PRESET_FNS):
   wide     python launch.py --config=experiments/mqar.py:wide --workdir=runs/mqar_wide
            the same plus d = 128 (≈ 3× the default's runtime; the default's two widths are
            identical runs, so a wide run's first columns are the default's results).
+  conv     python launch.py --config=experiments/mqar.py:conv --workdir=runs/mqar_conv
+           softmax and linear attention (elu+1, FAVOR+) at d ∈ {32, 64, 128} with a short
+           causal convolution of width 3 on the embeddings for every F (``short_conv``; the
+           short convolution of Zoology's gated-convolution models and of Based): it hands
+           every model the previous-token step of recall, which linear attention cannot learn
+           from positions (its smooth kernel cannot single out the previous position), so
+           what remains is the lookup whose capacity grows with the state, Zoology's point.
   tiny     python launch.py --config=experiments/mqar.py:tiny --workdir=/tmp/mqar_tiny
            softmax vs linear_elu, d ∈ {16, 32}, 30 steps: a smoke test (seconds).
 """
@@ -60,7 +67,7 @@ from attnx.train import verdict
 from attnx.train.experiment import Task, TaskResult, Variant, run_comparison
 from experiments import _common
 
-PRESETS = ("default", "wide", "tiny")
+PRESETS = ("default", "wide", "conv", "tiny")
 WEIGHTINGS = ("softmax", "linear_elu", "linear_favor", "relu", "sigmoid", "sparsemax")
 LINEAR = ("linear_elu", "linear_favor")
 
@@ -75,6 +82,7 @@ def _default() -> ml_collections.ConfigDict:
   c.num_layers = 2
   c.num_heads = 1
   c.mlp_ratio = 2
+  c.short_conv = 0  # > 0: a depthwise causal convolution of this width on the embeddings
   c.num_steps = 1200
   c.batch_size = 64
   c.eval_every = 300
@@ -97,6 +105,12 @@ def _wide(c: ml_collections.ConfigDict) -> None:
   c.widths = (32, 64, 128)
 
 
+def _conv(c: ml_collections.ConfigDict) -> None:
+  c.weightings = ",".join(("softmax", *LINEAR))
+  c.widths = (32, 64, 128)
+  c.short_conv = 3
+
+
 def _tiny(c: ml_collections.ConfigDict) -> None:
   c.update(dict(weightings="softmax,linear_elu", widths=(16, 32), num_steps=30, eval_every=15,
                 log_every=5, checkpoint_every=0))
@@ -104,7 +118,7 @@ def _tiny(c: ml_collections.ConfigDict) -> None:
   c.data.update(vocab_size=32, seq_len=24, num_train=512, num_test=64)
 
 
-PRESET_FNS = {"default": lambda c: None, "wide": _wide, "tiny": _tiny}
+PRESET_FNS = {"default": lambda c: None, "wide": _wide, "conv": _conv, "tiny": _tiny}
 assert tuple(PRESET_FNS) == PRESETS
 
 
@@ -120,6 +134,8 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   if not widths or min(widths) < 1 or any(d % config.num_heads for d in widths):
     raise ValueError(f"config.widths={tuple(config.widths)} must be ≥ 1 and divisible by "
                      f"config.num_heads={config.num_heads}.")
+  if int(config.short_conv) < 0:
+    raise ValueError(f"config.short_conv={config.short_conv} must be ≥ 0 (0: none).")
   if not 0 < config.solve_threshold <= 1:
     raise ValueError("config.solve_threshold must be in (0, 1].")
   train.check_batch_size(config, "batch_size", config.data.num_train,
@@ -134,7 +150,7 @@ def _task(config: ml_collections.ConfigDict, d: int) -> Task:
         vocab_size=data["vocab_size"], num_classes=data["vocab_size"], hidden_dim=d,
         num_layers=config.num_layers, num_heads=config.num_heads,
         mlp_dim=config.mlp_ratio * d, max_len=data["seq_len"], pool="none", is_causal=True,
-        attention=spec)
+        short_conv=int(config.short_conv), attention=spec)
 
   return Task(name=f"d={d}", dataset="associative_recall", data_kwargs=data,
               build_model=build, metric="accuracy", margin=float(config.margin),
@@ -256,7 +272,9 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
       intro=f"MQAR: length {d.seq_len}, {d.num_kv_pairs} key-value pairs, {d.num_queries} "
             f"queries (power-law gaps, a = {d.query_power_a:g}), vocabulary {d.vocab_size}, "
             f"{d.num_train} training / {d.num_test} test examples. Causal transformer, "
-            f"{config.num_layers} layers, {config.num_heads} head(s), MLP {config.mlp_ratio}d; "
+            f"{config.num_layers} layers, {config.num_heads} head(s), MLP {config.mlp_ratio}d"
+            + (f", a short causal convolution of width {config.short_conv} on the embeddings "
+               "(every weighting)" if config.short_conv else "") + "; "
             f"{config.num_steps} steps of batch {config.batch_size}, AdamW lr "
             f"{config.optimizer.learning_rate:g} (warmup-cosine); seeds {config.seed}.."
             f"{config.seed + config.num_seeds - 1}.",

@@ -259,7 +259,7 @@ def _generate_recompute(model: GPT, variables: dict, buf: Array, rng: Array,
 
 def generate(model: GPT, params: Any, prompt: Array | np.ndarray, num_new_tokens: int, *,
              rng: Array, temperature: float = 1.0, top_k: int | None = None,
-             use_cache: bool | None = None,
+             use_cache: bool | None = None, context: int | None = None,
              extra_variables: Mapping[str, Any] | None = None) -> Array:
   """Samples ``num_new_tokens`` continuations of ``prompt``: ``[B, T0] -> [B, T0 + n]`` int32.
 
@@ -274,9 +274,14 @@ def generate(model: GPT, params: Any, prompt: Array | np.ndarray, num_new_tokens
     rng: a PRNG key.
     temperature: softmax temperature; 0 = greedy (argmax).
     top_k: sample among the k most likely tokens only (None: all).
-    use_cache: True: KV cache (a ValueError for attention types without one, or for learned
-      positions beyond ``max_len``); False: recompute the window every step; None: the cache
-      when possible.
+    use_cache: True: KV cache (a ValueError for attention types without one, or when the
+      sequence outgrows ``context``: the cache does not slide); False: recompute the window
+      every step; None: the cache when possible.
+    context: how many of the latest tokens the model sees when it predicts the next one.
+      None: ``model.max_len``, the context it was trained with — nanoGPT's crop to its
+      block size, so a long sample never asks the model for positions it has not seen.
+      Rotary models may look further (e.g. ``context=4 * model.max_len``); learned
+      positions cannot exceed ``max_len``.
     extra_variables: non-trained collections, e.g. ``{"favor": ...}`` for FAVOR+ (what
       ``attnx.train.fit`` returns as ``extra_variables``).
   """
@@ -297,9 +302,17 @@ def generate(model: GPT, params: Any, prompt: Array | np.ndarray, num_new_tokens
   if model.positions == "learned" and prompt_len > model.max_len:
     raise ValueError(f"generate: prompt length {prompt_len} exceeds max_len={model.max_len} of "
                      "the learned position embedding; give a shorter prompt.")
+  ctx = model.max_len if context is None else context
+  if not isinstance(ctx, int | np.integer) or isinstance(ctx, bool) or ctx < 1:
+    raise ValueError(f"generate: context must be a positive int (tokens the model sees), got "
+                     f"{context!r}.")
+  if model.positions == "learned" and ctx > model.max_len:
+    raise ValueError(f"generate: context={ctx} exceeds max_len={model.max_len} of the learned "
+                     "position embedding.")
+  ctx = int(ctx)
   if n == 0:
     return prompt
-  fits = model.positions == "rotary" or total <= model.max_len
+  fits = total <= ctx
   if use_cache is None:
     use_cache = model.supports_kv_cache and fits
   elif use_cache and not model.supports_kv_cache:
@@ -308,16 +321,17 @@ def generate(model: GPT, params: Any, prompt: Array | np.ndarray, num_new_tokens
                      "cache in attnx (only types 'dot' and 'metric' do); use use_cache=False "
                      "or None to recompute the prefix at every step.")
   elif use_cache and not fits:
-    raise ValueError(f"generate: {total} tokens exceed max_len={model.max_len} of the learned "
-                     "position embedding; the KV cache cannot slide (use_cache=None crops the "
-                     "context to the last max_len tokens instead).")
+    raise ValueError(f"generate: {total} tokens exceed context={ctx} (default: max_len="
+                     f"{model.max_len}); the KV cache cannot slide (use_cache=None crops the "
+                     "context to the latest tokens instead, or pass a larger context for "
+                     "rotary positions).")
   variables = _variables(params, extra_variables)
   buf = jnp.zeros((prompt.shape[0], total), jnp.int32).at[:, :prompt_len].set(prompt)
   temp = jnp.asarray(temperature, jnp.float32)
   k = None if top_k is None else int(top_k)
   if use_cache:
     return _generate_cached(model, variables, buf, rng, temp, prompt_len=prompt_len, top_k=k)
-  window = total if model.positions == "rotary" else min(total, model.max_len)
+  window = min(total, ctx)
   return _generate_recompute(model, variables, buf, rng, temp, prompt_len=prompt_len, top_k=k,
                              window=window)
 

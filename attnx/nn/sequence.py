@@ -28,6 +28,15 @@ def _encoder(m: nn.Module) -> Encoder:
                  param_dtype=m.param_dtype, name="encoder")
 
 
+def short_convolution(x: Array, width: int, *, dtype: Any = None,
+                      param_dtype: Any = jnp.float32, name: str = "short_conv") -> Array:
+  """Depthwise causal convolution of ``x [B, L, D]`` over L with ``width`` taps per channel:
+  output t depends on inputs t−width+1..t only (left zero padding)."""
+  d = x.shape[-1]
+  return nn.Conv(d, kernel_size=(width,), padding=((width - 1, 0),), feature_group_count=d,
+                 dtype=dtype, param_dtype=param_dtype, name=name)(x)
+
+
 class SequenceClassifier(nn.Module, kw_only=True):
   """Token sequences ``[B, L]`` int → logits ``[B, C]`` (or per token ``[B, L, C]``).
 
@@ -40,6 +49,12 @@ class SequenceClassifier(nn.Module, kw_only=True):
     pool: ``"cls"``, ``"mean"`` or ``"none"`` (per-token logits, e.g. associative recall).
     is_causal: causal self-attention.
     position: ``"learned"``, ``"sinusoidal"`` or ``"none"``.
+    short_conv: width w > 0 of a depthwise causal convolution added (residually) to the
+      token embeddings before the first block: token t then also carries tokens t−w+1..t,
+      the "short convolution" of Zoology's gated-convolution models and of Based (Arora et
+      al. 2023, 2024). It gives every weighting the previous-token step of associative
+      recall for free, which smooth kernels such as linear attention cannot learn from
+      positions alone. 0 (default): none. Causal whatever ``is_causal`` says.
     dropout_rate, attention_dropout_rate: dropout on residual branches / attention weights.
     attention: attention dict (``attnx.nn.attention_spec(...)``).
     dtype, param_dtype: as in flax.
@@ -55,6 +70,7 @@ class SequenceClassifier(nn.Module, kw_only=True):
   pool: str = "cls"
   is_causal: bool = False
   position: str = "learned"
+  short_conv: int = 0
   dropout_rate: float = 0.0
   attention_dropout_rate: float = 0.0
   attention: Mapping[str, Any] | str | None = None
@@ -62,6 +78,9 @@ class SequenceClassifier(nn.Module, kw_only=True):
   param_dtype: Any = jnp.float32
 
   def __post_init__(self):
+    if not isinstance(self.short_conv, int) or self.short_conv < 0:
+      raise ValueError(f"SequenceClassifier: short_conv must be an int ≥ 0 (a convolution "
+                       f"width; 0 for none), got {self.short_conv!r}.")
     if self.pool not in POOLS:
       raise ValueError(f"SequenceClassifier: unknown pool {self.pool!r}; valid: {POOLS}.")
     if self.hidden_dim % self.num_heads:
@@ -83,6 +102,9 @@ class SequenceClassifier(nn.Module, kw_only=True):
     valid = tokens != PAD_ID  # [B, L]
     x = nn.Embed(self.vocab_size, self.hidden_dim, dtype=self.dtype,
                  param_dtype=self.param_dtype, name="embed")(tokens)
+    if self.short_conv:
+      x = x + short_convolution(x, self.short_conv, dtype=self.dtype,
+                                param_dtype=self.param_dtype)
     pos = position_embedding(self.position, self.max_len + 1, self.param_dtype,
                              name="pos_embedding")
     if self.pool == "cls":

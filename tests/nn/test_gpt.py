@@ -142,8 +142,28 @@ def test_generate_learned_positions_beyond_max_len_crops_the_context():
   # The last token is the argmax given the last max_len tokens before it.
   last = model.apply({"params": params}, out[:, -T - 1:-1])[:, -1]
   np.testing.assert_array_equal(np.asarray(out[:, -1]), np.asarray(jnp.argmax(last, -1)))
-  with pytest.raises(ValueError, match="exceed max_len=10"):
+  with pytest.raises(ValueError, match="exceed context=10"):
     generate(model, params, TOKENS[:, :4], 2 * T, rng=jax.random.PRNGKey(0), use_cache=True)
+  with pytest.raises(ValueError, match="context=11 exceeds max_len=10"):
+    generate(model, params, TOKENS[:, :4], 2, rng=jax.random.PRNGKey(0), context=11)
+  with pytest.raises(ValueError, match="context must be a positive int"):
+    generate(model, params, TOKENS[:, :4], 2, rng=jax.random.PRNGKey(0), context=0)
+
+
+def test_generate_rotary_crops_to_the_training_context_unless_told_otherwise():
+  model = tiny(positions="rotary")
+  params = init(model)["params"]
+  gen = lambda **kw: generate(model, params, TOKENS[:, :4], 2 * T, rng=jax.random.PRNGKey(0),
+                              temperature=0.0, **kw)
+  cropped, longer = gen(), gen(context=4 + 2 * T)
+  # Default (nanoGPT): each token is the argmax given the last max_len tokens before it.
+  last = model.apply({"params": params}, cropped[:, -T - 1:-1])[:, -1]
+  np.testing.assert_array_equal(np.asarray(cropped[:, -1]), np.asarray(jnp.argmax(last, -1)))
+  # A context that holds everything: the KV cache, equal to the argmax of the full forward.
+  np.testing.assert_array_equal(np.asarray(longer),
+                                greedy_reference(model, params, TOKENS[:, :4], 2 * T))
+  np.testing.assert_array_equal(np.asarray(gen(context=4 + 2 * T, use_cache=False)),
+                                np.asarray(longer))
 
 
 def test_dropout_only_when_not_deterministic():

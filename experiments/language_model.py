@@ -88,9 +88,9 @@ window. Every trained model is saved for ``sample.py``:
 Presets (each the default changed by one small function, see PRESET_FNS):
   default  python launch.py --config=experiments/language_model.py --workdir=runs/lm
            the 8 weightings above, 2 seeds, 2000 steps. nanoGPT: ≈ 3 min per softmax model on a
-           laptop. Here (measured for 30 steps on one busy core of a 2-core Xeon): ≈ 0.45 s
-           per step for both seeds of softmax (0.56 s stick-breaking), so ≈ 15-20 min per
-           weighting with the final evaluation, ≈ 2-2.5 h for all 8.
+           laptop. Here, measured (2026-11-24, 2-core Xeon, both cores): 39 min 22 s in all,
+           ≈ 100 ms per step for both seeds (88-117 ms depending on F), so ≈ 3.5 min of
+           training and ≈ 1.5 min of evaluation, checkpoints and sampling per weighting.
            With nanoGPT's text: add --config.text_file=/path/to/input.txt
   ablations python launch.py --config=experiments/language_model.py:ablations \
              --workdir=runs/lm_ablations
@@ -100,8 +100,9 @@ Presets (each the default changed by one small function, see PRESET_FNS):
            et al. 2023). Each vs softmax by the shared rule; 2 seeds, 2000 steps.
   survey   python launch.py --config=experiments/language_model.py:survey --workdir=runs/lm_all
            every weighting of attnx.core.list_weightings() plus linear_elu, linear_favor and
-           metric attention (23 weightings × 2 seeds: ≈ 6-8 h on one CPU core; unnormalized
-           weightings that diverge are reported as such).
+           metric attention (23 weightings × 2 seeds: ≈ 2 h on 2 cores at the default's
+           ≈ 5 min per weighting, not run; unnormalized weightings that diverge are reported
+           as such).
   tiny     python launch.py --config=experiments/language_model.py:tiny --workdir=/tmp/lm_tiny
            softmax vs relu:normalization=length, 1 layer of width 16, 20 steps on the
            1 kB test fixture tests/data/fixtures/tiny_text.txt: a smoke test (seconds).

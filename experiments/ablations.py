@@ -34,7 +34,9 @@ Measured (default, 13 min on one shared CPU core): all three inconclusive. digit
 0.952, sigmoid b = −log n 0.960 and b = 0 0.954, relu ÷L 0.963, ÷Σ 0.947, none 0.957 (3 seeds:
 no difference resolved; with 17 tokens −log n and 1/L change little). MQAR: neither model
 solves it at the training length at this budget (softmax 0.37, ssmax 0.27); both lose ≈ 0.1
-from length 64 to 256.
+from length 64 to 256. The same ablations where they can discriminate — a 4-layer GPT on
+Shakespeare at context 64, SSMax read at 2× and 4× its context — are the ``ablations`` preset
+and the length generalization of experiments/language_model.py (README, "Reproductions").
 
 Presets (each the default changed by one small function, see PRESET_FNS):
   default  python launch.py --config=experiments/ablations.py --workdir=runs/ablations

@@ -84,3 +84,18 @@ def test_bad_weightings_name_the_key():
   c.weightings = "softmax,power:p=abc"  # parameters are checked too
   with pytest.raises(ValueError, match="config.weightings"):
     exp.validate_config(c)
+
+
+def test_conv_preset_gives_every_model_the_short_convolution():
+  import pytest
+
+  from attnx import nn
+
+  c = exp.get_config("conv")
+  assert tuple(c.widths) == (32, 64, 128) and c.short_conv == 3
+  for w in ("softmax", "linear_elu"):
+    assert exp._task(c, 32).build_model(nn.attention_spec(w)).short_conv == 3
+  assert exp._task(exp.get_config(), 32).build_model(nn.attention_spec("softmax")).short_conv == 0
+  c.short_conv = -1
+  with pytest.raises(ValueError, match="short_conv"):
+    exp.validate_config(c)

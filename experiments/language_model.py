@@ -64,9 +64,10 @@ the seeds of a run are trained together, vmapped) and compile time; learning cur
 generated sample (seed index 0, prompt "ROMEO:", 300 characters, temperature 0.8, top-k 20,
 sampling seed 0; each character predicted from the latest L characters, nanoGPT's crop); the
 verdict vs softmax. Length generalization: the loss on validation
-windows of 1×, 2× and 4× the training context (the same text, cut into longer windows; the
-mean over every position of a window), a table, a plot, and the loss per position bucket at
-4×. Attention statistics per F and layer on the first ``stats_windows`` validation windows,
+windows of 1×, 2× and 4× the training context (the same text — the first ``length_windows`` ·
+L = 65 536 validation characters — cut into longer windows; the mean over every position of a
+window), a table, a plot, and the loss per position bucket at 4×. Attention statistics per F
+and layer on the first ``stats_windows`` validation windows,
 after Zuhri et al.'s softpick paper: the *sink rate* (share of heads, averaged over windows,
 whose mean attention weight on the window's first token over all query positions exceeds
 ``sink_threshold`` = 0.3 — the definition of Gu et al. 2024, "When Attention Sink Emerges in
@@ -140,7 +141,10 @@ TINY_TEXT = os.path.join(ROOT, "tests", "data", "fixtures", "tiny_text.txt")
 LN2 = math.log(2.0)
 # nanoGPT README, shakespeare_char on CPU (the configuration of the default preset).
 NANOGPT_VAL_LOSS = 1.88
-EVAL_TOKENS = 16384  # tokens per evaluation batch (CPU memory, not results)
+# Tokens per evaluation batch: only speed depends on it. Measured (2026-11-24, 2-core Xeon, the
+# default GPT, 2 seeds, whole validation split): 4096 tokens take 0.77× the time of 16384 at
+# 1× the context and 0.74× at 4× (smaller batches stay in cache); 2048 is no faster.
+EVAL_TOKENS = 4096
 TASK = "shakespeare_char"
 
 
@@ -163,8 +167,11 @@ def _default() -> ml_collections.ConfigDict:
   c.optimizer = train.optimizer_config(
       name="adamw", learning_rate=1e-3, schedule="warmup_cosine", warmup_steps=100,
       end_learning_rate_ratio=0.1, weight_decay=0.1, b1=0.9, b2=0.99, grad_clip_norm=1.0)
-  c.curve_windows = 256  # validation windows per learning-curve point (final: all of them)
+  c.curve_windows = 128  # validation windows per learning-curve point (final: all of them)
   c.eval_windows = 0  # 0: every validation (and test) window for the final metrics
+  # Length generalization on the first length_windows·L validation characters (65 536 of
+  # 245 454; 0: all), cut into windows of 1×, 2×, 4× L: a quarter of the evaluation time.
+  c.length_windows = 1024
   c.context_multipliers = (1, 2, 4)
   c.stats_windows = 32  # validation windows for the attention statistics and heat map
   c.sink_threshold = 0.3
@@ -188,7 +195,7 @@ def _ablations(c: ml_collections.ConfigDict) -> None:
 def _tiny(c: ml_collections.ConfigDict) -> None:
   c.update(dict(weightings="softmax,relu:normalization=length", text_file=TINY_TEXT,
                 num_steps=20, batch_size=8, eval_every=10, log_every=5, checkpoint_every=20,
-                curve_windows=4, stats_windows=4))
+                curve_windows=4, stats_windows=4, length_windows=4))
   c.model.update(num_layers=1, num_heads=2, hidden_dim=16, mlp_dim=32, context=16)
   c.optimizer.warmup_steps = 2
   c.sample.num_tokens = 40
@@ -265,6 +272,10 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     raise ValueError("config.sink_threshold and config.small_weight must be in (0, 1).")
   if not config.margin > 0:
     raise ValueError("config.margin must be > 0 (nats).")
+  if config.length_windows and not config.length_windows >= max(mults):
+    raise ValueError(f"config.length_windows={config.length_windows} must be 0 (all) or at "
+                     f"least the largest context multiplier {max(mults)} (one window at "
+                     f"{max(mults)}×).")
   if not -config.model.num_layers <= config.heatmap_layer < config.model.num_layers:
     raise ValueError(f"config.heatmap_layer={config.heatmap_layer} is not a layer of "
                      f"{config.model.num_layers}.")
@@ -371,28 +382,43 @@ def kurtosis(hidden: Any) -> Any:
 
 
 def _token_nll(model: Any):
-  """jit(vmap over seeds) of ``(params, extra, inputs, targets) -> Σ_batch NLL [T]``."""
+  """jit(vmap over seeds) of ``(params, extra, inputs, targets) -> (NLL [B, T], number of
+  correct argmax predictions per window [B])``."""
   import jax
   import jax.numpy as jnp
 
   def one(p, e, x, y):
     logits = model.apply({"params": p, **e}, x).astype(jnp.float32)
     lp = jax.nn.log_softmax(logits, axis=-1)
-    return -jnp.take_along_axis(lp, y[..., None], axis=-1)[..., 0].sum(0)
+    nll = -jnp.take_along_axis(lp, y[..., None], axis=-1)[..., 0]
+    return nll, (jnp.argmax(logits, -1) == y).sum(-1)
 
   return jax.jit(jax.vmap(one, in_axes=(0, 0, None, None)))
 
 
-def position_nll(fn: Any, params: Any, extra: Any, arrays: Mapping[str, np.ndarray]
-                 ) -> np.ndarray:
-  """Mean NLL per position over all windows, ``[seeds, T]`` (batches of ~EVAL_TOKENS)."""
+def window_nll(fn: Any, params: Any, extra: Any, arrays: Mapping[str, np.ndarray]
+               ) -> dict[str, np.ndarray]:
+  """One pass over every window: ``position`` — mean NLL per position over the windows
+  [seeds, T]; ``window`` — mean NLL of each window [seeds, N]; ``accuracy`` — share of
+  correct next-token argmax predictions [seeds].
+
+  Batches of ~EVAL_TOKENS tokens; the last one is padded to the same shape (and the padding
+  dropped), so a split costs one compile per window length.
+  """
   x, y = np.asarray(arrays["inputs"]), np.asarray(arrays["targets"])
-  step = max(1, EVAL_TOKENS // x.shape[1])
-  total = 0.0
-  for i in range(0, len(x), step):
-    total = total + np.asarray(fn(params, extra or {}, x[i:i + step], y[i:i + step]),
-                               np.float64)
-  return total / len(x)
+  n, t = x.shape
+  step = min(n, max(1, EVAL_TOKENS // t))
+  nll, correct = [], []
+  for i in range(0, n, step):
+    xb, yb = x[i:i + step], y[i:i + step]
+    if (pad := step - len(xb)):
+      xb, yb = (np.concatenate([a, np.zeros((pad, t), a.dtype)]) for a in (xb, yb))
+    out = fn(params, extra or {}, xb, yb)
+    nll.append(np.asarray(out[0], np.float64)[:, :step - pad])
+    correct.append(np.asarray(out[1], np.float64)[:, :step - pad])
+  nll_all = np.concatenate(nll, axis=1)  # [seeds, N, T]
+  return {"position": nll_all.mean(1), "window": nll_all.mean(2),
+          "accuracy": np.concatenate(correct, axis=1).sum(1) / x.size}
 
 
 def length_comparisons(fits: Mapping[str, Any], multipliers: Sequence[int], margin: float,
@@ -441,30 +467,45 @@ def _lm_test_loss(model: Any, arrays: Mapping[str, np.ndarray], task: Any):
                          opts.get("limit_tokens"))[1]
 
   def eval_fn(params_stacked, extra_variables=None) -> dict[str, np.ndarray]:
-    return {"test_loss": position_nll(fn, params_stacked, extra_variables, test).mean(-1)}
+    return {"test_loss": window_nll(fn, params_stacked, extra_variables, test)["position"]
+            .mean(-1)}
 
   return eval_fn
 
 
 @evaluators_lib.register_evaluator("lm_context_loss", overwrite=True)
 def _lm_context_loss(model: Any, arrays: Mapping[str, np.ndarray], task: Any):
-  """Validation loss at k × the training context for k in ``context_multipliers``:
-  ``loss_by_context`` [seeds, K] (NaN where learned positions cannot reach k·L) and
-  ``loss_by_position`` [seeds, k_max·L] at the largest k that runs."""
+  """Validation ``loss`` and ``accuracy`` [seeds] on every training-length window, and the
+  length generalization on the first ``length_windows`` of them (their text cut into windows
+  of k × the training context): ``loss_by_context`` [seeds, K] for k in
+  ``context_multipliers`` (NaN where learned positions cannot reach k·L) and
+  ``loss_by_position`` [seeds, k_max·L] at the largest k that runs.
+
+  One pass at 1× gives both the whole-split loss and the 1× entry of the length table (the
+  mean over the windows of the shared text), so the 1× windows are evaluated once.
+  """
   opts = _options(task)
   mults = tuple(int(k) for k in opts.get("context_multipliers", (1,)))
   context = int(opts["context"])
   fn = _token_nll(model)
   stream = token_stream("validation", opts.get("text_file") or None)
-  wins = context_windows(stream, context, mults, opts.get("limit_tokens"))
+  full = context_windows(stream, context, (1,), opts.get("limit_tokens"))[1]
+  share = [n for n in (int(opts.get("length_windows") or 0) * context,
+                       int(opts.get("limit_tokens") or 0)) if n]
+  wins = context_windows(stream, context, mults, min(share, default=None))
   runs = [k for k in mults if model.positions == "rotary" or k * context <= model.max_len]
 
   def eval_fn(params_stacked, extra_variables=None) -> dict[str, np.ndarray]:
-    per_pos = {k: position_nll(fn, params_stacked, extra_variables, wins[k]) for k in runs}
-    seeds = next(iter(per_pos.values())).shape[0]
-    loss = np.stack([per_pos[k].mean(-1) if k in per_pos else np.full(seeds, np.nan)
-                     for k in mults], axis=1)
-    return {"loss_by_context": loss, "loss_by_position": per_pos[max(runs)]}
+    one = window_nll(fn, params_stacked, extra_variables, full)
+    per_pos = {1: one["position"]}  # at 1×: over every window
+    per_pos.update({k: window_nll(fn, params_stacked, extra_variables, wins[k])["position"]
+                    for k in runs if k != 1})
+    by_k = {k: v.mean(-1) for k, v in per_pos.items()}
+    by_k[1] = one["window"][:, :len(wins[1]["inputs"])].mean(-1)  # the shared text
+    nan = np.full(by_k[1].shape, np.nan)
+    return {"loss": one["window"].mean(-1), "accuracy": one["accuracy"],
+            "loss_by_context": np.stack([by_k.get(k, nan) for k in mults], axis=1),
+            "loss_by_position": per_pos[max(runs)]}
 
   return eval_fn
 
@@ -523,13 +564,15 @@ def _task(config: ml_collections.ConfigDict, vocab_size: int) -> Task:
       build_model=build_model(config, vocab_size), metric="loss", higher_is_better=False,
       margin=float(config.margin), eval_split="validation",
       eval_limit=int(config.eval_windows) or None,
-      evaluators=("loss", "accuracy", "lm_test_loss", "lm_context_loss", "lm_attention_stats"),
+      # lm_context_loss computes loss and accuracy in its 1× pass (no second pass).
+      evaluators=("lm_test_loss", "lm_context_loss", "lm_attention_stats"),
       curve_evaluators=("loss",), curve_limit=int(config.curve_windows),
       description=f"Next-character prediction on {source}, context {config.model.context}; "
                   "metric: validation cross-entropy in nats per character.",
       eval_options=dict(text_file=text_file or "", context=int(config.model.context),
                         context_multipliers=tuple(int(k) for k in config.context_multipliers),
-                        limit_tokens=limit, stats_windows=int(config.stats_windows),
+                        limit_tokens=limit, length_windows=int(config.length_windows),
+                        stats_windows=int(config.stats_windows),
                         sink_threshold=float(config.sink_threshold),
                         small_weight=float(config.small_weight)))
 
@@ -661,8 +704,10 @@ def _finish(config: ml_collections.ConfigDict, specs: Mapping[str, Any], vocab: 
                                if text_file else "test: Macbeth, Much Ado, two poems."))
 
     rep.section("Length generalization (1×, 2×, 4× the training context)")
-    rep.text(f"Every model trained on windows of {L} characters is evaluated on the same "
-             "validation text cut into windows of k·L characters; the loss is the mean over "
+    shared = (f"the first {int(config.length_windows) * L:,} characters of the validation "
+              "text" if config.length_windows else "the validation text")
+    rep.text(f"Every model trained on windows of {L} characters is evaluated on {shared}, "
+             "cut into windows of k·L characters; the loss is the mean over "
              "every position of a window, so positions beyond L are a growing share "
              f"(half at 2×, three quarters at 4×). Positions: {config.model.positions} "
              + ("(RoPE; nanoGPT uses learned positions, which cannot evaluate beyond L). "

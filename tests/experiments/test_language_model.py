@@ -16,6 +16,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, ROOT)
 
 from attnx.train import verdict  # noqa: E402
+from attnx.train.data import loader  # noqa: E402
+from attnx.train.evaluate import evaluate  # noqa: E402
 from experiments import language_model as exp  # noqa: E402
 
 
@@ -87,6 +89,11 @@ def test_config_checks_and_positions():
   c.weightings = "softmax,nope"
   with pytest.raises(ValueError, match="config.weightings: Unknown"):
     exp.validate_config(c)
+  c.weightings = "softmax"
+  for bad in (2, -1):  # fewer windows than one at 4×; negative
+    c.length_windows = bad
+    with pytest.raises(ValueError, match="config.length_windows"):
+      exp.validate_config(c)
   survey = exp.get_config("survey")
   exp.validate_config(survey)  # every weighting and special variant builds a GPT
   names = survey.weightings.split(",")
@@ -118,8 +125,24 @@ def test_tiny_preset_end_to_end(tmp_path, monkeypatch, capsys):
   for name, res in result.fits.items():
     m = res.final_metrics
     assert m["loss_by_context"].shape == (2, 3) and np.isfinite(m["loss_by_context"]).all()
-    # 1× windows of the token stream are the dataset's validation windows: the same loss
-    np.testing.assert_allclose(m["loss_by_context"][:, 0], m["loss"], rtol=1e-4)
+    # The one 1× pass of the token stream gives the loss and accuracy that the generic
+    # evaluation (attnx.train.evaluate) computes on the dataset's validation windows ...
+    model = result.task.build_model(exp.nn.attention_spec(name))
+    generic = evaluate(model, res.params, loader(result.arrays["eval"], 3),
+                       ("loss", "accuracy"))
+    np.testing.assert_allclose(m["loss"], generic["loss"], rtol=1e-5)
+    np.testing.assert_allclose(m["accuracy"], generic["accuracy"], rtol=1e-6)
+    # ... and the 1× entry of the length table is the loss on the shared first
+    # length_windows windows, the text that 2× and 4× cut longer (a separate pass here).
+    shared = exp.context_windows(exp.token_stream("validation", exp.TINY_TEXT),
+                                 c.model.context, (1, 4), c.length_windows * c.model.context)
+    assert [len(shared[k]["inputs"]) for k in (1, 4)] == [4, 1]
+    assert len(result.arrays["eval"]["inputs"]) > 4  # so the subset is a real subset
+    fn = exp._token_nll(model)
+    for i, k in ((0, 1), (2, 4)):
+      np.testing.assert_allclose(
+          m["loss_by_context"][:, i],
+          exp.window_nll(fn, res.params, None, shared[k])["position"].mean(-1), rtol=1e-5)
     assert m["loss_by_position"].shape == (2, 4 * c.model.context)
     assert m["sink_rate"].shape == (2, 1) and np.all(m["max_kurtosis"] >= 1)
     assert np.allclose(fin["val_bpc"][name], np.asarray(m["loss"]) / math.log(2))

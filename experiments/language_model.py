@@ -89,9 +89,10 @@ window. Every trained model is saved for ``sample.py``:
 Presets (each the default changed by one small function, see PRESET_FNS):
   default  python launch.py --config=experiments/language_model.py --workdir=runs/lm
            the 8 weightings above, 2 seeds, 2000 steps. nanoGPT: ≈ 3 min per softmax model on a
-           laptop. Here, measured (2026-11-24, 2-core Xeon, both cores): 39 min 22 s in all,
-           ≈ 100 ms per step for both seeds (88-117 ms depending on F), so ≈ 3.5 min of
-           training and ≈ 1.5 min of evaluation, checkpoints and sampling per weighting.
+           laptop. Here, measured (2026-11-24, 2-core Xeon, both cores): 41 min 45 s in all,
+           115-149 ms per step for both seeds depending on F (128 on average; 88-117 ms in an
+           earlier session on the same machine), so ≈ 4.3 min of training and ≈ 1 min of
+           evaluation, compiles, checkpoints and sampling per weighting.
            With nanoGPT's text: add --config.text_file=/path/to/input.txt
   ablations python launch.py --config=experiments/language_model.py:ablations \
              --workdir=runs/lm_ablations

@@ -38,6 +38,7 @@ def test_skips_baselines_that_need_too_much_memory():
 
 def test_tiny_end_to_end(tmp_path):
   config = exp.get_config("tiny")
+  config.shapes = config.shapes.split(",")[0]  # one of its two shapes: half the compiles
   out = exp.run(config, str(tmp_path))
   for name in ("benchmark.md", "benchmark.json", "report.md"):
     assert (tmp_path / name).exists(), name
@@ -45,7 +46,7 @@ def test_tiny_end_to_end(tmp_path):
   rows = data["rows"]
   assert data["matmul_gflops"] > 0 and rows == json.loads(json.dumps(out["rows"], default=str))
   shapes = {r["shape"] for r in rows}
-  assert len(shapes) == 2
+  assert shapes == {config.shapes}
   weightings = config.weightings.split(",")
   for shape in shapes:
     head_dim = int(shape.split("x")[-1])

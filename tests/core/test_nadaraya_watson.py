@@ -1,4 +1,7 @@
-"""Nadaraya-Watson regression against a brute-force numpy computation (seed 004)."""
+"""Nadaraya-Watson regression against a brute-force numpy computation.
+
+Data and kernels as in the lecture slides on attention mechanisms cited in the README.
+"""
 
 import jax
 import jax.numpy as jnp

@@ -1,7 +1,8 @@
 """sparsemax / entmax against closed forms, a brute-force simplex solver and finite differences.
 
-The brute-force reference solves max_{p∈Δ} ⟨p, z⟩ − Ω(p) with scipy's SLSQP (seed 002;
-Blondel et al. 2020): Gini → sparsemax, Tsallis-α → α-entmax, Shannon → softmax.
+The brute-force reference solves max_{p∈Δ} ⟨p, z⟩ − Ω(p) with scipy's SLSQP (attention as a
+regularized argmax, after Blondel et al. 2020): Gini → sparsemax, Tsallis-α → α-entmax,
+Shannon → softmax.
 """
 
 import chex

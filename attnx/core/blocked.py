@@ -79,7 +79,7 @@ def default_block_sizes(t: int, s: int, group: int = 1, is_causal: bool = False,
   block_k = 256 and block_q as tall as the budget (:data:`TILE_BUDGET`) allows (group ·
   block_q · block_k scores); both capped at the (8-aligned) lengths. Causal: the side d of
   the masked diagonal tiles (:func:`causal_leaves`); the squares below the diagonal get
-  the non-causal tiles of their own size.
+  the non-causal tiles of their own size, cut down to divisors of the square's side.
   """
   if is_causal:
     d = causal_leaves(min(t, s), CAUSAL_LEAF)[1]
@@ -310,6 +310,18 @@ def _out_cols(cfg: _Cfg, hv: int) -> int:
   return hv + 1 if cfg.raw and cfg.w.normalization == "sum" else hv
 
 
+def _check_tiling(q: Array, k: Array, cfg: _Cfg) -> None:
+  """Trace-time guard: the kernels slice whole tiles, so padded lengths must be whole tiles.
+
+  lax.dynamic_slice clamps a slice that runs past the end, which would silently read earlier
+  rows instead of failing.
+  """
+  if q.shape[2] != cfg.nq * cfg.bq or k.shape[1] != cfg.nk * cfg.bk:
+    raise AssertionError(
+        f"blocked kernel: padded lengths (T {q.shape[2]}, S {k.shape[1]}) are not whole tiles "
+        f"of ({cfg.bq}, {cfg.bk})")
+
+
 def _forward_chunk(q, k, v, bias, mask, scale, cfg: _Cfg):
   """One chunk of :func:`_forward`: O [xc, G, Tp, Hv] and the row statistic [xc, G, Tp].
 
@@ -323,6 +335,7 @@ def _forward_chunk(q, k, v, bias, mask, scale, cfg: _Cfg):
   (``"length"``) or Σ F / 0 as the statistic.
   """
   w = cfg.w
+  _check_tiling(q, k, cfg)
   x, g, tp, _ = q.shape
   hv = v.shape[-1]
   row_shape = (x, g * cfg.bq)
@@ -452,6 +465,7 @@ def _backward(q, k, v, bias, mask, scale, out, stat, do, cfg: _Cfg):
 def _backward_chunk(q, k, v, bias, mask, scale, out, stat, do, cfg: _Cfg):
   """One chunk of :func:`_backward`."""
   w = cfg.w
+  _check_tiling(q, k, cfg)
   norm = w.normalization
   f32 = jnp.float32
   q_raw = q
@@ -551,7 +565,9 @@ def _backward_chunk(q, k, v, bias, mask, scale, out, stat, do, cfg: _Cfg):
 # The Tp = P·d queries and keys (P = 2^L leaves of d rows) split into
 #   * level l = 0 … L−1: 2^l squares of side s = Tp / 2^(l+1); square m holds the queries
 #     [(2m+1)s, (2m+2)s) and the keys [2m·s, (2m+1)s), all of them strictly below the diagonal,
-#     so they run the plain (non-causal) kernel with tall tiles and no masking work;
+#     so they run the plain (non-causal) kernel with tall tiles and no masking work. Squares
+#     are not padded, so their tiles divide s (_dividing_tile): a tile running past the end
+#     would be clamped by dynamic_slice onto earlier keys, silently;
 #   * the P diagonal d×d tiles, the only ones that are masked (causally).
 # Together they cover exactly j ≤ i, and nothing above the diagonal is ever computed: Tp²/2 +
 # Tp·d/2 scores of Tp². The squares of one level (and the diagonal tiles) are one call of the
@@ -644,12 +660,22 @@ def _piece_cfg(cfg: _Cfg, m: int, side: int, causal: bool, raw: bool) -> _Cfg:
   if causal:
     bq = bk = side
   else:
+    # Pieces are not padded, so their tiles must divide the side: a last tile running past the
+    # end would be clamped by dynamic_slice onto earlier keys/queries (wrong, not an error).
     bq, bk = default_block_sizes(side, side, cfg.b5[2])
-    bq, bk = min(bq, cfg.user_bq or bq), min(bk, cfg.user_bk or bk)
+    bq = _dividing_tile(side, min(bq, cfg.user_bq or bq))
+    bk = _dividing_tile(side, min(bk, cfg.user_bk or bk))
   b, kh, g = cfg.b5
   return dataclasses.replace(
       cfg, t=side, s=side, bq=bq, bk=bk, is_causal=causal, raw=raw, fkeys=cfg.num_keys, nleaf=0,
       b5=(m * b, kh, g), xc=heads_per_chunk(m * b, kh, g, bq, bk))
+
+
+def _dividing_tile(side: int, cap: int) -> int:
+  """The largest tile ≤ cap that divides `side`, a multiple of 8 where one fits (SIMD)."""
+  divisors = [t for t in range(min(cap, side), 0, -1) if side % t == 0]
+  aligned = [t for t in divisors if t % _ALIGN == 0]
+  return (aligned or divisors)[0]
 
 
 def _fold5(x5: Array | None, b: int) -> tuple[Array | None, str]:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 from typing import Any
 
 import jax
@@ -384,10 +385,16 @@ def attention(query: Array, key: Array, value: Array, bias: Array | None = None,
     it: a dropped weight of a NaN row is still NaN, a zero row stays zero.
 
   Raises:
-    ValueError: bad shapes or dtypes, an unknown or incompatible weighting/score/
-      implementation, ``dropout_rate`` outside [0, 1), dropout without ``dropout_rng``, or
-      dropout / ``return_weights`` with ``implementation="blocked"``.
+    ValueError: bad shapes or dtypes, a tile size below 1 (whatever the implementation), an
+      unknown or incompatible weighting/score/implementation, ``dropout_rate`` outside
+      [0, 1), dropout without ``dropout_rng``, or dropout / ``return_weights`` with
+      ``implementation="blocked"``.
   """
+  for name, blk in (("block_q", block_q), ("block_k", block_k)):
+    # Checked for every implementation, so a bad tile fails the same way whichever one runs.
+    bad = not isinstance(blk, numbers.Integral) or isinstance(blk, bool) or blk < 1
+    if blk is not None and bad:
+      raise ValueError(f"{name} must be a positive int tile size or None, got {blk!r}.")
   dropout = _dropout_active(dropout_rate, deterministic)
   if dropout and dropout_rng is None:
     raise ValueError(f"attention dropout (dropout_rate={dropout_rate}, deterministic=False) "
@@ -404,6 +411,9 @@ def attention(query: Array, key: Array, value: Array, bias: Array | None = None,
                        "which picks it).")
     impl = "dense"
   out_dtype = q.dtype
+  if impl == "pallas":  # the backend's tile rules, checked for empty inputs too
+    pallas_lib.check_block_sizes(pallas_lib.resolve_backend(None, interpret), q.dtype,
+                                 block_q=block_q, block_k=block_k)
   if q.size == 0 or s == 0:  # no query, or no key: every row has no valid key
     out = jnp.zeros((*batch, t, n, v.shape[-1]), out_dtype)
     return (out, jnp.zeros((*batch, n, t, s), jnp.float32)) if return_weights else out

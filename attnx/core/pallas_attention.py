@@ -289,11 +289,12 @@ def _as_4d(x: Array | None, shape4: tuple[int, int, int, int], name: str) -> Arr
   return x
 
 
-def _pad(x: Array, sizes: dict[int, int], value: Any = 0) -> Array:
-  """Pads the given axes (that are not broadcast, size 1) at the end to the given sizes."""
+def _pad(x: Array, sizes: dict[int, int], value: Any = 0, keep_one: bool = False) -> Array:
+  """Pads the given axes at the end to the given sizes; with ``keep_one`` a size-1 axis is a
+  broadcast (of a bias or mask) and stays as is. q, k and v of length 1 are padded."""
   pads = [(0, 0)] * x.ndim
   for axis, size in sizes.items():
-    if x.shape[axis] not in (1, size):
+    if x.shape[axis] != size and not (keep_one and x.shape[axis] == 1):
       pads[axis] = (0, size - x.shape[axis])
   if all(p == (0, 0) for p in pads):
     return x
@@ -395,10 +396,10 @@ def pallas_attention(q: Array, k: Array, v: Array, *, weighting: Pointwise,
   if bias4 is not None:
     if bias4.dtype != jnp.bfloat16 or (be == "tpu" and (min_bq % 16 or bias4.shape[2] == 1)):
       bias4 = bias4.astype(jnp.float32)
-    bias4 = _pad(bias4, {2: tp, 3: sp})
+    bias4 = _pad(bias4, {2: tp, 3: sp}, keep_one=True)
   if mask4 is not None:
     wide = be == "tpu" and (min_bq % 32 or mask4.shape[2] == 1)
-    mask4 = _pad(mask4.astype(jnp.int32 if wide else jnp.int8), {2: tp, 3: sp})
+    mask4 = _pad(mask4.astype(jnp.int32 if wide else jnp.int8), {2: tp, 3: sp}, keep_one=True)
   out = _make_kernel(cfg)(q, k, v, bias4, mask4, q_len, kv_len)
   return out[:, :t, :, :hv]
 

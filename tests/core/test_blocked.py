@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from absl.testing import parameterized
+from support import differential as diff
 
 from attnx.core import blocked as blocked_lib
 from attnx.core import weightings as wlib
@@ -503,3 +504,69 @@ class ApiTest(parameterized.TestCase):
       blocked_attention(q, k, v, weighting=wlib.get_weighting("softmax"), scale=1.0)
     with self.assertRaisesRegex(TypeError, "Pointwise"):
       blocked_attention(q, k, v, weighting=wlib.get_weighting("sparsemax"), scale=1.0)
+
+
+# --------------------------------------------------------------------------------------------
+# Causal attention was wrong at most lengths above 512 and for tiles that do not divide the
+# triangle's squares (see the README's "Known issues fixed"): the
+# squares ran the plain kernel unpadded, and a last tile running past a square's end was
+# clamped by dynamic_slice onto earlier keys. Every case of the first three tests below failed
+# before the fix (37 of 37); each is compared with the float64 brute force
+# (tests/support/reference.py), outputs and gradients.
+# --------------------------------------------------------------------------------------------
+
+def _check_against_float64(**case):
+  failures = diff.check(diff.Case(**case))
+  assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("t", [513, 700, 1025, 1500, 2049, 3000])
+def test_causal_default_dispatch_at_lengths_above_512(t):
+  # implementation=None, as a user calls it (the blocked kernel at these lengths on a CPU).
+  _check_against_float64(seed=t, t=t, s=t, n=2, h=32, hv=32, causal=True, only=("auto",))
+
+
+ISSUE_TILES = [(64, 24), (70, 32), (100, 24), (100, 40), (130, 32), (130, 64), (200, 24),
+               (200, 40), (200, 64), (257, 32), (257, 64), (257, 128)]
+
+
+@pytest.mark.parametrize("t,tile", ISSUE_TILES)
+def test_causal_tiles_that_do_not_divide_the_squares(t, tile):
+  _check_against_float64(seed=t + tile, t=t, s=t, causal=True, block_q=tile, block_k=tile,
+                         only=("blocked",))
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_causal_every_pointwise_weighting_gqa_mask_bias(name):
+  # T = 70 with 32-row tiles (unnormalized relu was off by 14), GQA, a random mask with
+  # fully masked rows and a per-batch [B, 1, T, S] bias.
+  score = "neg_sq_dist" if wlib.get_weighting(name).distance_kernel else "scaled_dot"
+  _check_against_float64(seed=70, b=2, t=70, s=70, n=4, kh=2, causal=True, block_q=32,
+                         block_k=32, weighting=name, score=score, mask="random", bias="x1xx",
+                         magnitude=0.3 if score == "neg_sq_dist" else 1.0, only=("blocked",))
+
+
+@pytest.mark.parametrize("t,s", [(70, 45), (45, 70), (600, 530), (530, 600)])
+def test_causal_t_not_s_with_mask_and_bias(t, s):
+  _check_against_float64(seed=t * s, t=t, s=s, n=2, causal=True, mask="padding", bias="1xxx",
+                         block_q=32 if t < 100 else None, block_k=32 if t < 100 else None,
+                         only=("blocked",))
+
+
+def test_squares_get_tiles_that_divide_them():
+  for side in (8, 72, 96, 136, 144, 288, 576, 1088):
+    for cap in (1, 7, 8, 24, 32, 256, 4096):
+      tile = blocked_lib._dividing_tile(side, cap)
+      assert side % tile == 0 and tile <= max(cap, 1)
+      if cap >= 8:
+        assert tile % 8 == 0
+
+
+def test_tiles_that_do_not_cover_the_padded_length_fail_at_trace_time():
+  q, k, v, *_ = _inputs(b=1, t=40, s=40, n=1, kh=1)
+  cfg = blocked_lib._Cfg(w=wlib.get_weighting("softmax"), t=40, s=40, bq=16, bk=16,
+                         is_causal=False, has_mask=False, has_bias=False)
+  q4 = jnp.zeros((1, 1, 40, 8))  # 40 rows are not whole 16-row tiles (48 would be)
+  k3 = jnp.zeros((1, 40, 8))
+  with pytest.raises(AssertionError, match="not whole tiles"):
+    blocked_lib._forward(q4, k3, k3, None, None, jnp.float32(1.0), cfg)

@@ -1,0 +1,124 @@
+"""The differential net: dense, blocked, the automatic choice and the Pallas kernels (GPU and
+TPU, in Pallas' interpreter) against a float64 brute force, values and gradients.
+
+Two samples (machinery in tests/support/differential.py, reference in tests/support/reference.py):
+
+* CI: :data:`BRANCH_CASES`, written to reach every branch point of the kernels on purpose —
+  the causal triangle at lengths above 512 and above the causal leaf size through the default
+  dispatch, every tile-size branch (None, powers of 2, multiples of 8 that are not, odd,
+  rejected), T ≠ S with causal, length 1, GQA, chunks of heads, every bias shape, every mask
+  kind — plus :data:`CI_RANDOM` random draws.
+* ``-m differential``: ``ATTNX_DIFF_CASES`` (default 5000) random cases: configurations drawn
+  from seeds ``ATTNX_DIFF_FIRST`` (default 0) on — B, T and S from 0 to 3000, GQA, head sizes,
+  causal, masks with fully masked rows, bias shapes, tiles, every registered weighting and
+  score, f32/bf16 — each run on :data:`INSTANCES` independent random inputs (data, masks,
+  padding lengths), which reuse its compiled programs.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from support import differential as diff
+
+C = diff.Case
+_NO_PALLAS = dict(pallas="none")
+# Each entry reaches a branch point of a kernel (blocked.py, pallas_attention.py, dispatch.py)
+# that a random draw reaches only by luck; the comment says which.
+BRANCH_CASES = (
+    # The issue's lengths through the default dispatch (causal triangle with P > 1 leaves of
+    # d = 72, 96, 136 rows: squares whose default 256-key tile does not divide them).
+    C(seed=1, t=513, s=513, n=2, h=32, hv=32, causal=True, only=("auto",)),
+    C(seed=2, t=700, s=700, n=2, h=32, hv=32, causal=True, only=("auto",)),
+    C(seed=3, t=1500, s=1500, n=2, h=32, hv=32, causal=True, only=("auto",)),
+    C(seed=4, t=1025, s=1025, b=2, n=4, kh=2, h=16, hv=16, causal=True, bias="1x1x",
+      mask="padding", only=("auto",)),
+    # The issue's tile table, unnormalized relu (off by 14 before the fix), tiles capping the
+    # squares (user_bq/user_bk), 8k and odd tiles.
+    C(seed=5, t=70, s=70, weighting="relu:normalization=none", causal=True, block_q=32,
+      block_k=32, **_NO_PALLAS),
+    C(seed=6, t=100, s=100, causal=True, block_q=24, block_k=40, **_NO_PALLAS),
+    C(seed=7, t=257, s=257, weighting="sigmoid:normalization=none", causal=True, block_q=128,
+      block_k=128, **_NO_PALLAS),
+    C(seed=8, t=120, s=120, weighting="power:p=3", causal=True, block_q=7, block_k=13,
+      **_NO_PALLAS),
+    # Causal T ≠ S (keys past T never seen; rows past S see every key), GQA, bias + mask.
+    C(seed=9, t=300, s=130, b=2, n=4, kh=2, causal=True, bias="xx1x", mask="random",
+      **_NO_PALLAS),
+    C(seed=10, t=130, s=300, n=3, kh=1, causal=True, bias="x1xx", mask="rows", block_q=64,
+      block_k=32, **_NO_PALLAS),
+    # Causal bias blocks: [1, N, T, S] over B = 2 (broadcast to the pieces), [B, 1, 1, S]
+    # (key rows only), [1, 1, T, 1] (query rows only), [B, N, 1, 1] (the same block).
+    C(seed=11, t=100, s=100, b=2, n=2, causal=True, bias="1xxx", block_q=16, **_NO_PALLAS),
+    C(seed=12, t=100, s=100, b=2, n=2, causal=True, bias="x11x", block_q=16, **_NO_PALLAS),
+    C(seed=13, t=100, s=100, b=2, n=2, causal=True, bias="11x1", block_q=16, **_NO_PALLAS),
+    C(seed=14, t=100, s=100, b=2, n=2, causal=True, bias="xx11", block_q=16, **_NO_PALLAS),
+    # Chunks of heads (heads_per_chunk < B·K: the fori loop over chunks, bias chunk slices).
+    C(seed=15, t=256, s=256, b=4, n=8, kh=4, h=16, hv=16, block_q=256, block_k=256,
+      bias="xx11", mask="columns", **_NO_PALLAS),
+    C(seed=16, t=256, s=256, b=3, n=8, kh=4, h=16, hv=16, block_q=256, block_k=256,
+      causal=True, bias="1xxx", **_NO_PALLAS),
+    C(seed=35, t=256, s=256, b=4, n=8, kh=4, h=16, hv=16, block_q=256, block_k=256,
+      **_NO_PALLAS),  # chunks without a bias
+    C(seed=36, t=100, s=100, b=2, n=2, causal=True, bias="1x11", block_q=16,
+      **_NO_PALLAS),  # one [1, N, 1, 1] bias block for every piece
+    # Normalizations and F: online max with a denominator offset, α ≠ 1, "length" with and
+    # without masking, "none", every F' branch; bf16.
+    C(seed=17, t=600, s=600, weighting="softmax_plus_one", causal=True, **_NO_PALLAS),
+    C(seed=18, t=90, s=77, weighting="softmax:alpha=2", dtype="bfloat16", mask="random",
+      **_NO_PALLAS),
+    C(seed=19, t=530, s=530, weighting="relu:normalization=length", causal=True,
+      **_NO_PALLAS),
+    C(seed=20, t=64, s=90, weighting="relu:normalization=length", **_NO_PALLAS),
+    C(seed=37, t=64, s=64, weighting="relu:normalization=length", block_q=32, block_k=32,
+      **_NO_PALLAS),  # "length" with every key valid and no padding: l = S
+    C(seed=21, t=45, s=45, weighting="gaussian:h=0.5,normalization=none", score="neg_sq_dist",
+      magnitude=0.3, causal=True, block_q=16, **_NO_PALLAS),
+    C(seed=22, t=40, s=52, weighting="triangular:h=2", score="metric", magnitude=0.3,
+      **_NO_PALLAS),
+    C(seed=23, t=33, s=33, weighting="entmax:alpha=1.3", score="cosine", causal=True,
+      mask="rows", **_NO_PALLAS),
+    C(seed=24, t=40, s=40, weighting="stick_breaking", score="additive", causal=True,
+      **_NO_PALLAS),
+    C(seed=25, t=31, s=47, weighting="sparsemax", score="bilinear", mask="padding",
+      **_NO_PALLAS),
+    # Empty sequences and rejected tiles (every implementation raises the same ValueError).
+    C(seed=26, t=0, s=17, **_NO_PALLAS),
+    C(seed=27, t=17, s=0, causal=True, **_NO_PALLAS),
+    C(seed=28, t=40, s=40, block_q=0, block_k=0),
+    # Pallas (GPU and TPU kernels in the interpreter): length 1 and head size 1 (padded),
+    # causal T ≠ S, GQA, bias and mask, bf16, tiles.
+    C(seed=29, t=1, s=1, n=2, h=1, hv=1),
+    C(seed=30, t=1, s=37, n=4, kh=2, causal=True, bias="xxxx"),
+    C(seed=31, t=70, s=33, b=1, n=4, kh=2, causal=True, mask="random", bias="1x1x"),
+    C(seed=32, t=45, s=100, n=2, dtype="bfloat16", weighting="relu", causal=True,
+      mask="padding"),
+    C(seed=33, t=130, s=130, weighting="sigmoid", block_q=32, block_k=128, bias="x11x"),
+    C(seed=34, t=40, s=40, weighting="softmax", block_q=24, block_k=24),  # GPU/TPU reject 24
+)
+CI_RANDOM = 4
+INSTANCES = 5  # random inputs per configuration in the large run (compiling dominates a case)
+_FIRST = int(os.environ.get("ATTNX_DIFF_FIRST", "0"))
+_COUNT = int(os.environ.get("ATTNX_DIFF_CASES", "5000"))
+
+
+def _assert_passes(case: diff.Case, instances: int = 1) -> None:
+  failures = diff.check(case, instances)
+  assert not failures, f"{case.label()}\n" + "\n".join(failures)
+
+
+@pytest.mark.differential
+@pytest.mark.parametrize("seed", range(_FIRST, _FIRST + -(-_COUNT // INSTANCES)))
+def test_random_case(seed):
+  _assert_passes(diff.draw(seed), INSTANCES)
+
+
+@pytest.mark.parametrize("case", BRANCH_CASES, ids=lambda c: f"branch{c.seed}")
+def test_branch_case(case):
+  _assert_passes(case)
+
+
+@pytest.mark.parametrize("seed", range(CI_RANDOM))
+def test_random_case_ci_sample(seed):
+  _assert_passes(diff.draw(1_000_000 + seed))

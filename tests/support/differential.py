@@ -1,0 +1,423 @@
+"""The differential net: every attention implementation against the float64 brute force.
+
+A :class:`Case` is one attention problem (shapes, GQA, dtype, weighting, score, causal, mask,
+bias, tiles) drawn from a seed by :func:`draw`, or written by hand to reach a branch of a
+kernel. :func:`check` runs it through every implementation that accepts it — dense, blocked,
+the automatic choice, the Pallas GPU kernels and the Pallas TPU kernels (both in Pallas'
+interpreter) — and compares outputs and the gradients of q, k, v and bias with
+:func:`support.reference.reference`. Tiles an implementation rejects must raise a ValueError.
+
+Errors are measured as max |got − ref| / scale per array, over the entries that do not
+touch a kink of F (see :func:`support.reference.reference`). The scale is not max |ref| but
+the largest sum of |terms| behind an entry (:attr:`support.reference.Reference.bounds`): sums
+that cancel (the gradient of a broadcast bias, dq of a weighting invariant to the scale of q)
+keep their rounding error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from attnx import core
+from attnx.core import dispatch
+from attnx.core import pallas_attention as pallas_lib
+from attnx.core import weightings as wlib
+from support import reference as ref_lib
+
+# Every registered weighting and the variants whose code paths differ (normalizations, p < 1
+# with its unbounded F', α-entmax by bisection, a denominator offset, α ≠ 1).
+WEIGHTINGS = tuple(core.list_weightings()) + (
+    "power:p=0.5", "power:p=3", "relu:normalization=length", "relu:normalization=none",
+    "sigmoid:normalization=none", "softmax:alpha=2", "gaussian:h=0.5,normalization=none",
+    "triangular:h=2", "epanechnikov:h=3", "boxcar:h=2", "entmax:alpha=1.3", "entmax:alpha=3",
+    "sparsemax:scale=2", "ssmax:s=0.5")
+SCORES = ("scaled_dot", "dot", "cosine", "neg_sq_dist", "bilinear", "metric", "additive")
+# max |got − ref| / max |ref|: float32 accumulates in float32; bfloat16 rounds the weights
+# (and dS) to bfloat16 before the matmuls, ~2^-8 relative per term.
+TOL = {"float32": 2e-3, "bfloat16": 4e-2}
+MASKS = ("none", "padding", "random", "rows", "columns")
+PALLAS_MAX_LEN = 160  # Pallas' interpreter is slow: short sequences only
+IMPLEMENTATIONS = ("dense", "blocked", "auto", "pallas", "pallas_tpu")
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+  """One attention problem. ``bias`` is a 4-letter pattern over [B, N, T, S] ('1' or 'x')."""
+  seed: int
+  b: int = 1
+  t: int = 16
+  s: int = 16
+  n: int = 2
+  kh: int = 1
+  h: int = 8
+  hv: int = 8
+  dtype: str = "float32"
+  weighting: str = "softmax"
+  score: str = "scaled_dot"
+  causal: bool = False
+  mask: str = "none"
+  bias: str | None = None
+  block_q: int | None = None
+  block_k: int | None = None
+  magnitude: float = 1.0
+  scale: float | None = None
+  pallas: str = "both"  # which Pallas kernels run (if they can): "none", "gpu" or "both"
+  mask_bn: str = "xx"  # mask="random": its [B, N] dims, each '1' (broadcast) or 'x' (full)
+  per_head: bool = False  # bilinear: W per head [N, H, H] instead of shared [H, H]
+  only: tuple[str, ...] | None = None  # restrict to these implementations
+
+  def implementations(self) -> list[str]:
+    """The implementations this case runs; on a CPU the automatic choice replaces the
+    dense or blocked call it is identical to."""
+    w = wlib.get_weighting(self.weighting)
+    streaming = isinstance(w, wlib.Pointwise) and self.score != "additive"
+    auto_picks = ("blocked" if streaming and self.t * self.s >= dispatch.BLOCKED_MIN_SCORES
+                  else "dense")
+    out = ["dense"] + (["blocked"] if streaming else [])
+    if self.block_q is None and self.block_k is None or auto_picks == "dense":
+      out[out.index(auto_picks)] = "auto"
+    else:
+      out.append("auto")
+    small = max(self.t, self.s) <= PALLAS_MAX_LEN and self.b * self.n <= 8
+    if streaming and small and self.pallas != "none":
+      out.append("pallas")
+      if self.score in ("dot", "scaled_dot") and self.pallas == "both":
+        out.append("pallas_tpu")
+    return [i for i in out if self.only is None or i in self.only]
+
+  def label(self) -> str:
+    f = dataclasses.asdict(self)
+    return " ".join(f"{k}={v}" for k, v in f.items()
+                    if v != getattr(Case, k, None) or k in ("seed", "t", "s"))
+
+
+# --------------------------------------------------------------------------------------------
+# Drawing cases.
+# --------------------------------------------------------------------------------------------
+
+_EDGE_LENGTHS = (0, 1, 2, 7, 8, 9, 15, 16, 17, 127, 128, 129, 255, 257, 511, 512, 513, 1023,
+                 1025)
+_TILES_POW2 = (8, 16, 32, 64, 128, 256)
+_TILES_8K = (24, 40, 72, 136)
+_TILES_ODD = (1, 3, 7, 13, 33)
+
+
+def _length(rng: np.random.Generator) -> int:
+  u = rng.random()
+  if u < 0.08:
+    return int(rng.choice(_EDGE_LENGTHS))
+  if u < 0.66:
+    return int(rng.integers(1, 80))
+  if u < 0.92:
+    return int(rng.integers(80, 600))
+  return int(rng.integers(600, 3001))
+
+
+def _tile(rng: np.random.Generator, length: int) -> int | None:
+  u = rng.random()
+  if u < 0.45:
+    return None
+  if u < 0.03 + 0.45:
+    return int(rng.choice((0, -4)))  # rejected by every implementation
+  big = length > 600
+  if u < 0.75:
+    pool = tuple(x for x in _TILES_POW2 if not big or x >= 64)
+  elif u < 0.9:
+    pool = tuple(x for x in _TILES_8K if not big or x >= 64)
+  else:
+    pool = _TILES_ODD if length <= 200 else _TILES_8K[2:]
+  return int(rng.choice(pool))
+
+
+def _compatible_scores(weighting: str) -> list[str]:
+  out = []
+  for sc in SCORES:
+    try:
+      core.check_compatible(weighting, sc)
+      out.append(sc)
+    except ValueError:
+      pass
+  return out
+
+
+def draw(seed: int) -> Case:
+  """The random case of this seed (the same on every machine)."""
+  rng = np.random.default_rng([20261125, seed])
+  weighting = str(rng.choice(WEIGHTINGS))
+  scores = _compatible_scores(weighting)
+  score = "scaled_dot" if "scaled_dot" in scores and rng.random() < 0.5 else str(
+      rng.choice(scores))
+  t = _length(rng)
+  s = t if rng.random() < 0.5 else _length(rng)
+  big = t * s > 600 * 600
+  kh = int(rng.choice((1, 1, 2, 3)))
+  g = int(rng.choice((1, 1, 2, 4)))
+  b = int(rng.integers(1, 2 if big else 4))
+  if big and kh * g > 2:
+    kh, g = 1, 2
+  h = int(rng.choice((1, 3, 8, 16, 32, 64) if not big else (8, 16, 32)))
+  hv = h if rng.random() < 0.7 else int(rng.choice((1, 5, 16)))
+  if score == "additive":
+    t, s = min(t, 300), min(s, 300)
+  block_q = _tile(rng, t)
+  block_k = block_q if rng.random() < 0.5 else _tile(rng, s)
+  if (block_q is None) != (block_k is None) and rng.random() < 0.5:
+    block_k = block_q
+  mag = float(rng.choice((0.3, 1.0, 2.0)))
+  if score in ("neg_sq_dist", "metric"):
+    mag = 0.3 / math.sqrt(max(h, 1) / 8)
+  scale = None if rng.random() < 0.8 else float(rng.choice((0.1, 0.5, 1.7)))
+  bias = None
+  if rng.random() < 0.35:
+    bias = "".join(rng.choice(("1", "x")) for _ in range(4))
+  # Pallas' interpreter costs ~1.5 s a call: a share of the cases runs it.
+  u = rng.random()
+  pallas = "none" if u < 0.7 else "gpu" if u < 0.9 else "both"
+  return Case(seed=seed, b=b, t=t, s=s, n=kh * g, kh=kh, h=h, hv=hv, pallas=pallas,
+              mask_bn="".join(rng.choice(("1", "x")) for _ in range(2)),
+              per_head=bool(rng.random() < 0.5),
+              dtype="bfloat16" if rng.random() < 0.25 else "float32", weighting=weighting,
+              score=score, causal=bool(rng.random() < 0.45), mask=str(rng.choice(MASKS)),
+              bias=bias, block_q=block_q, block_k=block_k, magnitude=mag, scale=scale)
+
+
+# --------------------------------------------------------------------------------------------
+# Inputs.
+# --------------------------------------------------------------------------------------------
+
+def _mask(case: Case, rng: np.random.Generator) -> np.ndarray | None:
+  b, n, t, s = case.b, case.n, case.t, case.s
+  if case.mask == "none":
+    return None
+  if case.mask == "padding":  # key padding per batch row; a length of 0 masks whole rows
+    lengths = rng.integers(0, s + 1, size=b)
+    return (np.arange(s)[None, :] < lengths[:, None]).reshape(b, 1, 1, s)
+  if case.mask == "rows":  # some query rows see nothing
+    return (rng.random((b, 1, t, 1)) < 0.7)
+  if case.mask == "columns":  # per head, some keys hidden
+    return (rng.random((1, n, 1, s)) < 0.7)
+  lead = tuple(d if c == "x" else 1 for c, d in zip(case.mask_bn, (b, n), strict=True))
+  return rng.random(lead + (t, s)) < 0.6
+
+
+def inputs(case: Case, instance: int = 0) -> dict[str, Any]:
+  """Arrays of the case (numpy, in the case's dtype; bias float32): instance i of its inputs
+  (data, masks, padding lengths), all of the same shapes."""
+  rng = np.random.default_rng([7, case.seed, instance])
+  dt = jnp.dtype(case.dtype)
+  normal = lambda *shape: (rng.standard_normal(shape) * case.magnitude).astype(dt)
+  arrs = dict(q=normal(case.b, case.t, case.n, case.h), k=normal(case.b, case.s, case.kh, case.h),
+              v=np.asarray(rng.standard_normal((case.b, case.s, case.kh, case.hv)), dt),
+              ct=np.asarray(rng.standard_normal((case.b, case.t, case.n, case.hv)), dt))
+  arrs["mask"] = _mask(case, rng)
+  arrs["bias"] = None
+  if case.bias:
+    full = (case.b, case.n, case.t, case.s)
+    shape = tuple(d if c == "x" else 1 for c, d in zip(case.bias, full, strict=True))
+    arrs["bias"] = rng.standard_normal(shape).astype(np.float32)
+  h = case.h
+  params: dict[str, Any] = {}
+  if case.score == "cosine":
+    params = {"temperature": 0.5}
+  elif case.score == "bilinear":
+    shape = (case.n, h, h) if case.per_head else (h, h)
+    params = {"W": (rng.standard_normal(shape) / math.sqrt(h)).astype(np.float32)}
+  elif case.score == "metric":
+    params = {"L": (rng.standard_normal((h, 4)) / math.sqrt(h)).astype(np.float32)}
+  elif case.score == "additive":
+    params = {"Wq": (rng.standard_normal((h, 6)) / math.sqrt(h)).astype(np.float32),
+              "Wk": (rng.standard_normal((h, 6)) / math.sqrt(h)).astype(np.float32),
+              "v": rng.standard_normal(6).astype(np.float32)}
+  arrs["score_params"] = params
+  return arrs
+
+
+# --------------------------------------------------------------------------------------------
+# Running one implementation.
+# --------------------------------------------------------------------------------------------
+
+def rejects(case: Case, impl: str) -> bool:
+  """Whether the implementation must refuse the case's tiles with a ValueError."""
+  tiles = [x for x in (case.block_q, case.block_k) if x is not None]
+  if any(x < 1 for x in tiles):
+    return impl != "dense"
+  if impl == "pallas":
+    return any(x < pallas_lib.GPU_MIN_BLOCK or x & (x - 1) for x in tiles)
+  if impl == "pallas_tpu":
+    return ((case.block_q is not None and case.block_q % pallas_lib._q_align("tpu", case.dtype))
+            or (case.block_k is not None and case.block_k % pallas_lib.TPU_LANES != 0))
+  return False
+
+
+def _call(case: Case, impl: str, scalar_params: tuple):
+  """fn(q, k, v, bias, mask, array_params) -> output of implementation ``impl``."""
+  kw = dict(weighting=case.weighting, is_causal=case.causal, block_q=case.block_q,
+            block_k=case.block_k)
+  if impl == "pallas_tpu":
+    w = wlib.get_weighting(case.weighting)
+    scale = case.scale
+    if scale is None:
+      scale = 1.0 / math.sqrt(case.h) if case.score == "scaled_dot" else 1.0
+    return lambda q, k, v, bias, mask, params: pallas_lib.pallas_attention(
+        q, k, v, weighting=w, scale=scale, bias=bias, mask=mask, is_causal=case.causal,
+        block_q=case.block_q, block_k=case.block_k, backend="tpu", interpret=True)
+  implementation = {"auto": None}.get(impl, impl)
+  if impl == "dense":
+    kw.update(block_q=None, block_k=None)
+  return lambda q, k, v, bias, mask, params: core.attention(
+      q, k, v, bias=bias, mask=mask, score=case.score,
+      score_params={**params, **dict(scalar_params)} or None, scale=case.scale,
+      implementation=implementation, interpret=impl == "pallas", **kw)
+
+
+@functools.lru_cache(maxsize=16)
+def _program(config: Case, impl: str, scalar_params: tuple):
+  """The jitted output-and-gradients program of one implementation for a case's
+  configuration (the seed left out): the inputs of every instance reuse it."""
+  fn = _call(config, impl, scalar_params)
+
+  @jax.jit
+  def both(q, k, v, bias, mask, ct, params):
+    out, vjp = jax.vjp(lambda q, k, v, bias: fn(q, k, v, bias, mask, params), q, k, v, bias)
+    return out, vjp(ct)
+
+  return both
+
+
+def run_impl(case: Case, impl: str, arrs) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+  """Output and gradients (q, k, v, bias) of one implementation, compiled as one program."""
+  sp = arrs["score_params"]
+  scalars = tuple(sorted((k, v) for k, v in sp.items() if np.isscalar(v)))
+  params = {k: jnp.asarray(v) for k, v in sp.items() if not np.isscalar(v)}
+  names = ("q", "k", "v") + (("bias",) if arrs["bias"] is not None else ())
+  config = dataclasses.replace(case, seed=0, only=None, pallas="both")
+  args = [jnp.asarray(arrs[x]) if arrs[x] is not None else None
+          for x in ("q", "k", "v", "bias", "mask", "ct")]
+  out, grads = _program(config, impl, scalars)(*args, params)
+  return np.asarray(out, np.float64), {n: np.asarray(g, np.float64)
+                                       for n, g in zip(names, grads, strict=False)}
+
+
+# --------------------------------------------------------------------------------------------
+# Comparing.
+# --------------------------------------------------------------------------------------------
+
+def _error(got: np.ndarray, want: np.ndarray, keep: np.ndarray | None,
+           scale: float | None = None) -> float:
+  if got.shape != want.shape:
+    return math.inf
+  if keep is not None:
+    got, want = got[np.broadcast_to(keep, got.shape)], want[np.broadcast_to(keep, want.shape)]
+  if got.size == 0:
+    return 0.0
+  if not np.all(np.isfinite(got)):
+    return math.inf
+  if scale is None:
+    scale = float(np.max(np.abs(want)))
+  return float(np.max(np.abs(got - want)) / max(scale, 1e-6))
+
+
+KINK_REL = 2e-5  # float32 scores are off by ~1e-6 relative; a kink closer than this is skipped
+
+
+@functools.lru_cache(maxsize=4)
+def _reference(case: Case, instance: int = 0):
+  arrs = inputs(case, instance)
+  ref = ref_lib.reference(
+      arrs["q"], arrs["k"], arrs["v"], weighting=case.weighting, score=case.score,
+      score_params=arrs["score_params"], scale=case.scale, bias=arrs["bias"], mask=arrs["mask"],
+      is_causal=case.causal, cotangent=arrs["ct"], kink_rel=KINK_REL)
+  want = {"out": ref.out, **ref.grads}
+  bounds = dict(ref.bounds)
+  if case.bias:  # full [B, N, T, S] gradient -> the bias' shape
+    axes = tuple(a for a, c in enumerate(case.bias) if c == "1")
+    want["bias"] = ref.grads["bias"].sum(axis=axes, keepdims=True)
+    bounds["bias"] = bounds["bias"].sum(axis=axes, keepdims=True)
+  scales = {k: float(np.max(b, initial=0.0)) for k, b in bounds.items()}
+  # A result that is exactly 0 (dq of a row with one valid key) has a bound of 0 and keeps
+  # the rounding noise of its neighbours: a floor relative to the case's largest scale.
+  floor = 1e-3 * max(scales.values(), default=0.0)
+  scales = {k: max(v, floor) for k, v in scales.items()}
+  return arrs, ref, want, scales
+
+
+def _keeps(case: Case, ref: ref_lib.Reference) -> dict[str, np.ndarray | None]:
+  """Which entries of each array are compared: those not touched by a kink of F."""
+  slope, jump = ref.kink_slope, ref.kink_jump
+  any_kink = slope | jump
+  if not any_kink.any():
+    return dict.fromkeys(("out", "q", "k", "v", "bias"))
+  b, n, t, s = any_kink.shape
+  row_ok = ~any_kink.any(-1)  # [B, N, T]
+  rows = np.moveaxis(row_ok, 1, 2)[..., None]  # [B, T, N, 1]
+  if not isinstance(wlib.get_weighting(case.weighting), wlib.Pointwise):
+    # A whole-row weighting couples the row: a kink moves the gradient of every entry in it.
+    any_kink = ref.valid & ~row_ok[..., None]
+  # A key is touched when any query head of its group sits on a kink with it.
+  col = any_kink.any(2).reshape(b, case.kh, n // case.kh, s).any(2)  # [B, K, S]
+  keys = np.moveaxis(~col, 1, 2)[..., None]  # [B, S, K, 1]
+  jumped = bool(jump.any())  # F itself jumped: a whole row's weights differ
+  if jumped:
+    keys = np.zeros_like(keys)
+  bias_keep = None
+  if case.bias:
+    axes = tuple(a for a, c in enumerate(case.bias) if c == "1")
+    bias_keep = ~any_kink.any(axis=axes, keepdims=True)
+    if jumped:
+      bias_keep = np.zeros_like(bias_keep)
+  return {"out": rows if jumped else None, "q": rows, "k": keys,
+          "v": keys if jumped else None, "bias": bias_keep}
+
+
+def check(case: Case, instances: int = 1) -> list[str]:
+  """Runs the case on its first ``instances`` random inputs (one compiled program per
+  implementation serves them all); returns one line per failure (empty: all agree)."""
+  failures = []
+  for instance in range(instances):
+    failures += [f"inputs {instance}: {f}" if instances > 1 else f
+                 for f in _check_instance(case, instance)]
+  return failures
+
+
+def _check_instance(case: Case, instance: int) -> list[str]:
+  failures = []
+  arrs = ref = keeps = want = scales = None
+  for impl in case.implementations():
+    if rejects(case, impl):
+      try:
+        run_impl(case, impl, inputs(case, instance))
+      except ValueError:
+        continue
+      failures.append(f"{impl}: tiles ({case.block_q}, {case.block_k}) were not rejected")
+      continue
+    if ref is None:
+      arrs, ref, want, scales = _reference(case, instance)
+      keeps = _keeps(case, ref)
+    try:
+      out, grads = run_impl(case, impl, arrs)
+    except Exception as e:  # noqa: BLE001 - any crash is a failure of the case
+      failures.append(f"{impl}: raised {type(e).__name__}: {str(e)[:300]}")
+      continue
+    tol = TOL[case.dtype]
+    errs = {"out": _error(out, want["out"], keeps["out"], scales["out"])}
+    for name, g in grads.items():
+      errs[name] = _error(g, want[name], keeps[name], scales.get(name))
+    bad = {k: e for k, e in errs.items() if not e <= (tol if k == "out" else 2 * tol)}
+    if bad:
+      failures.append(f"{impl}: " + ", ".join(f"{k} error {e:.3g}" for k, e in bad.items())
+                      + f" (tolerance {tol:g}, grads {2 * tol:g})")
+  return failures
+
+
+def timed_check(case: Case, instances: int = 1) -> tuple[list[str], float]:
+  start = time.perf_counter()
+  failures = check(case, instances)
+  return failures, time.perf_counter() - start

@@ -121,7 +121,8 @@ class Weights(parameterized.TestCase):
     chex.assert_trees_all_close(w, ref, atol=1e-6)
 
   def test_shift_invariance_only_for_softmax(self):
-    """Seed 000: adding M to every score leaves exp-weights unchanged, and only them."""
+    """Adding M to every score leaves exp-weights unchanged, and only them (Alam et al.,
+    "Attention in machine learning: how to explain the empirical formula")."""
     s = jax.random.normal(jax.random.PRNGKey(1), (16, 12))
     for name in core.list_weightings("pointwise"):
       w = core.get_weighting(name)

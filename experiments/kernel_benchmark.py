@@ -8,6 +8,9 @@ of sum(out) w.r.t. q, k, v) of
 * ``attnx.core.attention(implementation="dense")`` (softmax),
 * ``attnx.core.attention(implementation="blocked")`` (attnx.core.blocked: online softmax,
   Dao et al. 2022 / Rabe & Staats 2021) for softmax and every other pointwise weighting F,
+* the whole-row weightings (``row_weightings``: SSMax, softpick, stick-breaking, sparsemax,
+  1.5-entmax, α-entmax; attnx.core.blocked_rows) blocked and dense, on the shapes with at most
+  ``row_max_scores`` scores per head; longer shapes compile them for their memory only,
 
 and reports the median time, GFLOP/s, the fraction of this machine's float32 matmul rate
 (measured in the same run), XLA's scratch memory (``memory_analysis().temp_size_in_bytes``) and
@@ -49,10 +52,13 @@ import numpy as np  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
 from attnx import core, train  # noqa: E402
+from attnx.core import blocked_rows  # noqa: E402
 from attnx.core import weightings as wlib  # noqa: E402
 from attnx.train import config as train_config  # noqa: E402
 
 DEFAULT_SHAPES = "8x256x8x64,2x1024x8x64,1x4096x4x64,1x16384x1x64,1x65536x1x64"
+ROW_WEIGHTINGS = ("ssmax", "softpick", "stick_breaking", "sparsemax", "entmax15",
+                  "entmax:alpha=1.3")
 BASELINES = ("jax.nn (xla)", "flax.linen", "attnx dense")
 MODES = ("fwd", "fwd+bwd")
 CAUSAL = ("full", "causal")
@@ -70,6 +76,12 @@ def _default() -> ml_collections.ConfigDict:
   # ... and shapes with more than this many scores per head only `huge_weightings`.
   c.huge_min_scores = 32768 * 32768
   c.huge_weightings = "softmax"
+  # Whole-row weightings, blocked and dense ("attnx dense"), timed up to this many scores per
+  # head; above it their blocked fwd+bwd is compiled for its memory only (not run).
+  c.row_weightings = ",".join(ROW_WEIGHTINGS)
+  c.row_max_scores = 4096 * 4096
+  # Shapes with more scores per head than this are compiled but not run (0 = run every shape).
+  c.memory_only_min_scores = 0
   c.modes = "fwd,fwd+bwd"
   c.baselines = ",".join(BASELINES)
   c.dtype = "float32"
@@ -92,14 +104,24 @@ def _quick(c: ml_collections.ConfigDict) -> None:
 
 def _tiny(c: ml_collections.ConfigDict) -> None:
   """python launch.py --config=experiments/kernel_benchmark.py:tiny (< 30 s): two small
-  shapes, four weightings, one timed run (a smoke test; the timings mean nothing)."""
+  shapes, four pointwise and two whole-row weightings, one timed run (a smoke test; the
+  timings mean nothing)."""
   c.update(dict(shapes="2x64x2x16,1x128x2x32", repeats=1, matmul_size=512,
-                weightings="softmax,relu,gaussian,triangular", error_queries=32))
+                weightings="softmax,relu,gaussian,triangular", error_queries=32,
+                row_weightings="stick_breaking,sparsemax"))
+
+
+def _rows(c: ml_collections.ConfigDict) -> None:
+  """python launch.py --config=experiments/kernel_benchmark.py:rows (≈ 25 min): the
+  whole-row weightings against blocked softmax and their dense form at T = 256 … 4096, and
+  the memory of their blocked fwd+bwd at T = 65 536 (compiled, not run)."""
+  c.update(dict(shapes="8x256x8x64,2x1024x8x64,1x4096x4x64,1x65536x1x64",
+                weightings="softmax", baselines="", memory_only_min_scores=4096 * 4096))
 
 
 # Each preset is the default changed by one small function (see the module docstring).
 PRESET_FNS: dict[str, Callable[[ml_collections.ConfigDict], None]] = {
-    "default": lambda c: None, "quick": _quick, "tiny": _tiny}
+    "default": lambda c: None, "quick": _quick, "tiny": _tiny, "rows": _rows}
 PRESETS = tuple(PRESET_FNS)
 
 
@@ -118,7 +140,12 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   for name in (_weightings(config) + train.split_list(config.large_weightings)
                + train.split_list(config.huge_weightings)):
     if not isinstance(wlib.get_weighting(name), wlib.Pointwise):
-      raise ValueError(f"config.weightings: {name!r} is not a pointwise (streamable) weighting")
+      raise ValueError(f"config.weightings: {name!r} is not a pointwise weighting (whole-row "
+                       "weightings go into config.row_weightings)")
+  for name in train.split_list(config.row_weightings):
+    if not blocked_rows.streams(wlib.get_weighting(name)):
+      raise ValueError(f"config.row_weightings: {name!r} is not a streaming whole-row "
+                       "weighting")
   if config.dtype not in ("float32", "bfloat16"):
     raise ValueError(f"config.dtype must be float32 or bfloat16, got {config.dtype!r}")
 
@@ -226,7 +253,8 @@ def _reference(q, k, v, weighting: str, nq: int, is_causal: bool, mode: str,
       valid = None
       if is_causal:
         valid = jnp.arange(s)[None, :] <= jnp.arange(nq)[:, None]
-      p = wlib.pointwise_weights(scores, w, where=valid)
+      p = (wlib.pointwise_weights(scores, w, where=valid) if isinstance(w, wlib.Pointwise)
+           else wlib.apply_weighting(scores, w, where=valid))
       return jnp.einsum("bnts,bsnh->btnh", p, vv)
 
     res = out(q64) if mode == "fwd" else jax.grad(lambda x: jnp.sum(out(x)))(q64)
@@ -262,6 +290,13 @@ def _cases(config) -> list[dict[str, Any]]:
           weighting, score = case_weighting(name, h)
           cases.append(dict(shape=shape, impl="attnx blocked", weighting=weighting,
                             score=score, mode=mode, causal=causal))
+        row_timed = t * t <= int(config.row_max_scores)
+        if not row_timed and mode == "fwd":
+          continue  # long shapes: the memory of fwd+bwd only
+        for name in train.split_list(config.row_weightings):
+          for impl in ("attnx blocked", "attnx dense") if row_timed else ("attnx blocked",):
+            cases.append(dict(shape=shape, impl=impl, weighting=name, score="scaled_dot",
+                              mode=mode, causal=causal, memory_only=not row_timed))
   return cases
 
 
@@ -300,6 +335,10 @@ def prepare_case(case: dict[str, Any], inputs, config,
                        + float(mem.output_size_in_bytes)) / 2**20
   if is_baseline and temp > float(config.dense_max_gib) * GIB:
     row["note"] = f"skipped: needs {temp / GIB:.1f} GiB of scratch for the T×S scores"
+    return row, None
+  memory_only = int(config.memory_only_min_scores)
+  if case.get("memory_only") or (memory_only and t * t > memory_only):
+    row["note"] = "compiled for its memory only (not run)"
     return row, None
   try:
     t0 = time.perf_counter()
@@ -375,17 +414,26 @@ def _add_ratios(rows: list[dict[str, Any]]) -> None:
     full = by_key.get((r["shape"], r["mode"], r["impl"], r["weighting"], False), {})
     if causal(r) and "time ms" in full:
       r["causal / full"] = r["time ms"] / full["time ms"]
+    dense = by_key.get((r["shape"], r["mode"], "attnx dense", r["weighting"], causal(r)), {})
+    if r["impl"] == "attnx blocked" and r["weighting"] != "softmax" and "time ms" in dense:
+      r["speed-up vs dense"] = dense["time ms"] / r["time ms"]
 
 
 COLUMNS = ["shape", "impl", "weighting", "score", "mode", "causal", "time ms", "GFLOP/s",
            "% matmul", "scratch MiB", "peak MiB", "max abs err", "speed-up vs jax.nn",
-           "time / softmax", "causal / full", "note"]
+           "time / softmax", "causal / full", "speed-up vs dense", "note"]
 
 
 # The targets of the kernel issue, checked on the T = 4096 and T = 65536 shapes of a run.
 TARGET_SHAPE = "1x4096x4x64"
 LONG_SHAPE = "1x65536x1x64"
 CAUSAL_MIN_T, CAUSAL_TARGET = 1024, 0.6  # causal attention at (about) half the cost
+# Whole-row weightings: causal fwd+bwd time over blocked softmax at TARGET_SHAPE (by family
+# name: "entmax" is α-entmax by bisection), blocked over dense, scratch memory at LONG_SHAPE.
+ROW_TIME_TARGETS = {"ssmax": 1.3, "softpick": 1.3, "stick_breaking": 2.0, "sparsemax": 3.0,
+                    "entmax15": 3.0, "entmax": 5.0}
+ROW_DENSE_MIN_T, ROW_DENSE_TARGET = 1024, 2.0  # blocked faster from T = 1024, 2× at T = 4096
+ROW_MEMORY_TARGET_MIB = 256.0
 
 
 def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -428,6 +476,25 @@ def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
           lambda x: x >= 20, "{:.0f}× lower")
   add(f"one-head fwd+bwd at {LONG_SHAPE} under 2 GiB peak",
       get(LONG_SHAPE, "fwd+bwd", blk, "softmax", "peak MiB"), lambda x: x < 2048, "{:.0f} MiB")
+  for r in rows:  # the whole-row weightings
+    name = wlib.parse_weighting_name(r["weighting"])[0]
+    if r["impl"] != blk or name not in ROW_TIME_TARGETS or r["mode"] != "fwd+bwd":
+      continue
+    t_len = int(r["shape"].split("x")[1])
+    kind = "causal" if r.get("causal") else "full"
+    if r.get("causal") and r["shape"] == t:
+      add(f"{r['weighting']} causal fwd+bwd ≤ {ROW_TIME_TARGETS[name]}× blocked softmax at "
+          f"{t}", r.get("time / softmax"), lambda x, n=name: x <= ROW_TIME_TARGETS[n],
+          "{:.2f}×")
+    if t_len >= ROW_DENSE_MIN_T:
+      need = ROW_DENSE_TARGET if r["shape"] == t else 1.0
+      add(f"{r['weighting']} blocked ≥ {need:g}× faster than dense at {r['shape']} "
+          f"({kind}, fwd+bwd)", r.get("speed-up vs dense"), lambda x, n=need: x >= n,
+          "{:.2f}×")
+    if r["shape"] == LONG_SHAPE and not r.get("causal"):
+      add(f"{r['weighting']} blocked fwd+bwd scratch < {ROW_MEMORY_TARGET_MIB:.0f} MiB at "
+          f"{LONG_SHAPE}", r.get("scratch MiB"), lambda x: x < ROW_MEMORY_TARGET_MIB,
+          "{:.0f} MiB")
   for r in rows:  # causal costs half: blocked softmax, every shape with T ≥ 1024
     if (r.get("causal") and r["impl"] == blk and r["weighting"] == "softmax"
         and int(r["shape"].split("x")[1]) >= CAUSAL_MIN_T and "causal / full" in r):
@@ -467,6 +534,33 @@ def plot_scaling(rows: list[dict[str, Any]]):
   return fig
 
 
+def plot_rows(rows: list[dict[str, Any]], row_weightings: list[str]):
+  """fwd+bwd time of each whole-row weighting vs T, blocked and dense, over blocked softmax."""
+  import matplotlib  # noqa: PLC0415
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # noqa: PLC0415
+  fig, axes = plt.subplots(1, 2, figsize=(12, 4), sharey=True)
+  for ax, causal in zip(axes, (False, True), strict=True):
+    for i, name in enumerate(row_weightings):
+      for impl, style in (("attnx blocked", "-o"), ("attnx dense", ":x")):
+        pts = sorted((int(r["shape"].split("x")[1]), r["time / softmax"]) for r in rows
+                     if r["weighting"] == name and r["impl"] == impl
+                     and r["mode"] == "fwd+bwd" and bool(r.get("causal")) == causal
+                     and "time / softmax" in r)
+        if pts:
+          ax.plot(*zip(*pts, strict=True), style, color=f"C{i}",
+                  label=f"{name} ({impl.split()[1]})")
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("sequence length T (= S)")
+    ax.set_title(f"fwd+bwd time / blocked softmax ({'causal' if causal else 'full'})")
+    ax.grid(alpha=0.3)
+  axes[1].legend(fontsize=7, ncol=2)
+  fig.tight_layout()
+  return fig
+
+
 def _fmt(v: Any) -> str:
   if isinstance(v, float):
     if not np.isfinite(v):
@@ -496,6 +590,27 @@ def markdown_table(rows: list[dict[str, Any]], rate: float, config) -> str:
       "softmax(s/2h²). Triangular's F'(s) = 1/(2h√−s) is unbounded as s → 0⁻, so its dq "
       "error measures the conditioning of F, not the kernel.")
   return train.markdown_table(rows, COLUMNS, caption=caption, fmt=_fmt)
+
+
+def threshold_passes(config) -> list[dict[str, Any]]:
+  """Threshold passes of the sparsemax/entmax row weightings on every timed shape."""
+  out = []
+  for shape in _shapes(config):
+    b, t, n, h = shape
+    if t * t > int(config.row_max_scores):
+      continue
+    ks = jax.random.split(jax.random.PRNGKey(int(config.seed)), 3)
+    q, k, v = (jax.random.normal(kk, shape, jnp.dtype(config.dtype)) for kk in ks)
+    for name in train.split_list(config.row_weightings):
+      w = wlib.get_weighting(name)
+      if w.stream.family != "entmax":
+        continue
+      for causal in (c == "causal" for c in train.split_list(config.causal)):
+        p = blocked_rows.threshold_passes(q, k, v, weighting=w, scale=1.0 / np.sqrt(h),
+                                          is_causal=causal)
+        out.append({"shape": "x".join(map(str, shape)), "weighting": name, "causal": causal,
+                    "passes": int(p)})
+  return out
 
 
 def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
@@ -542,8 +657,9 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
 
   rep = train.Report("Kernel benchmark: blocked vs dense attention", workdir, config=config,
                      claim="The blocked kernel is faster than materializing the T×S scores, "
-                           "needs O(T) memory, and every pointwise F costs about the same "
-                           "as softmax.")
+                           "needs O(T) memory, every pointwise F costs about the same as "
+                           "softmax, and the whole-row weightings stream within the issue's "
+                           "factors of blocked softmax.")
   import platform  # noqa: PLC0415
   rep.text(f"Hardware: `{platform.processor() or platform.machine()}`, {os.cpu_count()} CPU "
            f"cores, jax devices {jax.devices()}; float32 matmul rate {rate:.1f} GFLOP/s. "
@@ -556,9 +672,20 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     rep.verdict(not missed, "every target met." if not missed else
                 f"{len(goals) - len(missed)} of {len(goals)} targets met; missed: "
                 + "; ".join(missed) + ".")
+  passes = threshold_passes(config)
+  if passes:
+    rep.section("Threshold passes")
+    rep.text("Passes over the key tiles that sparsemax/entmax need to find every row's "
+             "threshold τ before their output pass (the largest over query blocks; the row-max "
+             "pass and the exact last step included), on the benchmark's inputs.")
+    rep.table(passes, columns=["shape", "weighting", "causal", "passes"])
   rep.section("Results")
   rep.figure(plot_scaling(rows), "scaling", "Softmax attention: time, fraction of the matmul "
              "rate and scratch memory vs sequence length (the shapes' batch and heads differ).")
+  row_names = train.split_list(config.row_weightings)
+  if any("time / softmax" in r and r["weighting"] in row_names for r in rows):
+    rep.figure(plot_rows(rows, row_names), "row_weightings", "Whole-row weightings: fwd+bwd "
+               "time over blocked softmax, blocked kernel (solid) and dense (dotted).")
   rep.text(table)
   path = rep.write()
   return {"report": path, "rows": rows, "matmul_gflops": rate, "targets": goals}

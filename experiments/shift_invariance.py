@@ -52,9 +52,16 @@ from experiments import _common  # noqa: E402
 
 # Weightings defined on distances: they take the score s = −‖q − k‖² (≤ 0).
 _DISTANCE_KERNELS = ("gaussian", "boxcar", "triangular", "epanechnikov")
-# The exp family in F(s)/ΣF(s) form (exact registry names; gaussian is exp of −‖q−k‖²/h). The
-# functional equation says these, and only these, are invariant to a global score shift.
-EXP_FAMILY = ("softmax", "exp", "gaussian")
+# The exp family in F(s)/ΣF(s) form: the pointwise weightings that declare the shift_invariant
+# trait (softmax, exp and gaussian, which is exp of −‖q−k‖²/2h²). The functional equation says
+# these, and only these, are invariant to a global score shift; (a) measures it.
+EXP_FAMILY = tuple(core.list_weightings("pointwise", shift_invariant=True))
+
+
+def _exp_family(name: str) -> bool:
+  """Whether the weighting ``name`` (parameters allowed) is in the exp family."""
+  w = core.get_weighting(name)
+  return w.kind == "pointwise" and w.shift_invariant
 
 
 def _default() -> ml_collections.ConfigDict:
@@ -215,10 +222,9 @@ def functional_equation(config: ml_collections.ConfigDict) -> list[dict]:
 
 
 def _sum_form(name: str) -> bool:
-  """True if the weights are F(s)/ΣF(s): sum normalization and no denominator offset (the
+  """True if the pointwise weights are F(s)/ΣF(s), i.e. they declare sums_to_one (the
   functional equation is about this form; softmax_plus_one's 1 + ΣF is not)."""
-  w = core.get_weighting(name)
-  return w.normalization == "sum" and not w.denominator_offset
+  return core.get_weighting(name).sums_to_one
 
 
 def kernel_summary(inv: list[dict], fe: list[dict]) -> dict[str, Any]:
@@ -234,7 +240,7 @@ def kernel_summary(inv: list[dict], fe: list[dict]) -> dict[str, Any]:
   g_const = {r["weighting"] for r in fe if r["g(M) constant"]}
   offset = {n for n in g_const if not _sum_form(n)}
   predicted = g_const - offset
-  family = {n for n in names if core.parse_weighting_name(n)[0] in EXP_FAMILY}
+  family = {n for n in names if _exp_family(n)}
   held = None if not family else bool(invariant == predicted == family)
   return {"invariant": sorted(invariant), "g_const": sorted(g_const), "offset": sorted(offset),
           "predicted": sorted(predicted), "exp_family": sorted(family), "held": held,
@@ -403,7 +409,7 @@ def training_summary(tr: dict[str, Any], sigmas, margins=None) -> dict[str, Any]
   """
   m = dict(margins or {"tv": 0.01, "accuracy": 0.01})
   dot = [lab for lab in tr["accuracy"] if tr["scores"][lab] == "dot"]
-  family = [lab for lab in dot if core.parse_weighting_name(lab)[0] in EXP_FAMILY]
+  family = [lab for lab in dot if _exp_family(lab)]
   noisy = [x for x in sigmas if x > min(sigmas)]
   per_sigma = []
   for x in noisy:

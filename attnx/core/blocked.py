@@ -45,6 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from attnx.core import streaming
 from attnx.core.contract import nonfinite_inputs
 from attnx.core.weightings import Pointwise
 
@@ -329,7 +330,8 @@ def _forward_chunk(q, k, v, bias, mask, scale, cfg: _Cfg):
   every recomputed weight 0) and the normalizer l otherwise (1 for ``"none"``).
 
   With ``cfg.raw`` the result is the unnormalized state of the keys seen, to be merged with
-  other key ranges of the same rows (:func:`_merge`) and normalized once (:func:`_finalize`):
+  other key ranges of the same rows (:func:`attnx.core.streaming.pointwise_merge`) and normalized
+  once (:func:`attnx.core.streaming.pointwise_finalize`):
   acc = Σ F·[V, 1] whose last column is Σ F for ``"sum"`` (online max: Σ exp(z − m) with the
   running max m as the statistic), acc = Σ F·V otherwise, with the valid-key count
   (``"length"``) or Σ F / 0 as the statistic.
@@ -358,19 +360,11 @@ def _forward_chunk(q, k, v, bias, mask, scale, cfg: _Cfg):
 
     if w.online_max:
       def k_block(j, c):
-        acc, m = c
         z, vj, valid = tile(j)
-        if valid is not None:
-          z = jnp.where(valid, z, -jnp.inf)
-        m_new = jnp.maximum(m, jnp.max(z, axis=-1))
-        m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # fully masked so far: no shift
-        p = jnp.exp(z - m_use[..., None])
-        corr = jnp.exp(m - m_use)
-        acc = acc * corr[..., None] + _pv(p, vj)
-        return acc, m_new
+        return streaming.online_max_update(*c, z, valid, vj)
 
       # The offset is a virtual key with z = 0: start m at 0 and l at the offset (raw: no
-      # offset; :func:`_finalize` adds it once after the partial states are merged).
+      # offset; streaming.pointwise_finalize adds it once after the partial states are merged).
       off = 0.0 if cfg.raw else offset
       m0 = jnp.full(row_shape, 0.0 if off > 0 else -jnp.inf, jnp.float32)
       acc0 = jnp.zeros(row_shape + (hv + 1,), jnp.float32).at[..., hv].set(off)
@@ -386,17 +380,8 @@ def _forward_chunk(q, k, v, bias, mask, scale, cfg: _Cfg):
       norm = w.normalization
 
       def k_block(j, c):
-        acc, l = c
         s, vj, valid = tile(j)
-        if valid is None:
-          f = w.fn(s, cfg.num_keys)
-        else:
-          # F never sees masked scores, so they cannot produce NaN/inf (or their gradients).
-          f = jnp.where(valid, w.fn(jnp.where(valid, s, 0.0), cfg.num_keys), 0.0)
-        acc = acc + _pv(f, vj)  # for "sum", the last column accumulates rowsum(F)
-        if norm == "length" and valid is not None:
-          l = l + jnp.sum(jnp.broadcast_to(valid, f.shape), axis=-1, dtype=jnp.float32)
-        return acc, l
+        return streaming.pointwise_update(w, *c, s, valid, vj, cfg.num_keys)
 
       l0 = jnp.zeros(row_shape, jnp.float32)
       acc0 = jnp.zeros(row_shape + (v_fwd.shape[-1],), jnp.float32)
@@ -711,44 +696,6 @@ def _pieces(fn, cfg: _Cfg, m: int, q, k, v, bias, mask, *rows):
   return out, unflat, how
 
 
-def _merge(a: tuple[Array, Array], b: tuple[Array, Array], cfg: _Cfg) -> tuple[Array, Array]:
-  """Merges two raw states (acc, stat) of the same rows over disjoint key ranges."""
-  (acc_a, st_a), (acc_b, st_b) = a, b
-  if not cfg.w.online_max:
-    return acc_a + acc_b, st_a + st_b
-  m = jnp.maximum(st_a, st_b)
-  m_use = jnp.where(m == -jnp.inf, 0.0, m)
-  return (acc_a * jnp.exp(st_a - m_use)[..., None] + acc_b * jnp.exp(st_b - m_use)[..., None],
-          m)
-
-
-def _finalize(acc: Array, st: Array, cfg: _Cfg) -> tuple[Array, Array]:
-  """A raw state -> (O, row statistic) as the non-raw forward returns them (offset added)."""
-  w, norm = cfg.w, cfg.w.normalization
-  offset = float(w.denominator_offset)
-  if w.online_max:
-    hv = acc.shape[-1] - 1
-    acc, l, m = acc[..., :hv], acc[..., hv], st
-    if offset > 0:  # the virtual key of score 0
-      m_new = jnp.maximum(m, 0.0)
-      corr = jnp.exp(m - m_new)
-      acc, l, m = acc * corr[..., None], l * corr + offset * jnp.exp(-m_new), m_new
-    m = jnp.where(m == -jnp.inf, 0.0, m)
-    empty = l == 0
-    o = jnp.where(empty[..., None], 0.0, acc / jnp.where(empty, 1.0, l)[..., None])
-    return o, jnp.where(empty, jnp.inf, m + jnp.log(jnp.where(empty, 1.0, l)))
-  if norm == "none":
-    return acc, jnp.ones(st.shape, jnp.float32)
-  if norm == "sum":
-    hv = acc.shape[-1] - 1
-    acc, l = acc[..., :hv], acc[..., hv] + offset
-  else:
-    l = st
-  empty = l == 0
-  inv = jnp.where(empty, 0.0, 1.0 / jnp.where(empty, 1.0, l))
-  return acc * inv[..., None], l
-
-
 def _causal_forward(q, k, v, bias, mask, scale, cfg: _Cfg):
   """The causal forward (T = S = P·d): O [X, G, Tp, Hv] and the row statistic [X, G, Tp]."""
   p, d = cfg.nleaf, cfg.bq
@@ -768,10 +715,10 @@ def _causal_forward(q, k, v, bias, mask, scale, cfg: _Cfg):
   for m, side in _levels(cfg):
     acc_l, st_l = run(m, side, 1, 0, 2, False)
     rows = (_q_part(acc, m, 2, side, 1), _q_part(st, m, 2, side, 1))
-    acc_r, st_r = _merge(rows, (acc_l, st_l), cfg)
+    acc_r, st_r = streaming.pointwise_merge(cfg.w, rows, (acc_l, st_l))
     acc = _q_unpart(acc_r, acc, m, 2, side, 1)
     st = _q_unpart(st_r, st, m, 2, side, 1)
-  return _finalize(acc, st, cfg)
+  return streaming.pointwise_finalize(cfg.w, acc, st)
 
 
 def _causal_backward(q, k, v, bias, mask, scale, out, stat, do, cfg: _Cfg):

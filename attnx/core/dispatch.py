@@ -25,6 +25,7 @@ module call :func:`attention`.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import numbers
@@ -33,6 +34,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from attnx.core import blocked_rows, rownorm
 from attnx.core import pallas_attention as pallas_lib
 from attnx.core import params as params_lib
 from attnx.core import scores as scores_lib
@@ -57,6 +59,16 @@ STREAMING = ("blocked", "pallas")  # need a pointwise F and a dot-product score
 # small, blocked wins everywhere from T = 512 on, so the threshold stays at 512².
 # (experiments/kernel_benchmark.py times both implementations at larger shapes.)
 BLOCKED_MIN_SCORES = 512 * 512
+# The whole-row weightings are slower dense than softmax (a sort-free threshold search,
+# cumulative sums, two transcendentals per score) and their blocked kernel wins earlier. fwd+bwd
+# time blocked / dense, float32, 2-core AMD EPYC, full | causal (experiments/kernel_benchmark.py
+# rows "whole-row crossover"):
+#   T = 128 (16×128×4×64): ssmax 0.94 | 0.94, softpick 0.63 | 0.73, stick_breaking 0.90 | 0.93,
+#                          sparsemax 1.33 | 0.95, entmax15 0.93 | 0.89
+#   T = 256 (8×256×4×64):  ssmax 0.66 | 0.72, softpick 0.83 | 0.94, stick_breaking 0.88 | 0.94,
+#                          sparsemax 0.66 | 1.00, entmax15 0.53 | 0.59
+# so blocked is the default for them from 256² scores per head on.
+ROW_BLOCKED_MIN_SCORES = 256 * 256
 
 
 def _fail(msg: str) -> None:
@@ -125,18 +137,25 @@ def _combined_mask(mask: Array | None, is_causal: bool, t: int, s: int) -> Array
   return mask
 
 
-def _zero_on_distances(weighting: Any) -> bool:
-  """Whether every weight is 0 on a row of negative scores (relu, relu², power, softpick...)."""
-  if isinstance(weighting, str):
-    return _zero_on_distances_by_name(weighting)
-  with jax.ensure_compile_time_eval():  # a constant check, also while tracing
+def _zero_on_distances(weighting: Any, w: Any) -> bool:
+  """Whether every weight is 0 on a distance score (s = −d² ≤ 0): the ``zero_on_nonpositive``
+  trait the resolved weighting ``w`` declares (relu, relu2, power, softpick)."""
+  if w.zero_on_nonpositive:
+    return True
+  if isinstance(weighting, (str, weightings_lib.Pointwise, weightings_lib.RowNormalizer)):
+    return False
+  # A bare callable F declares nothing (its trait reads False, "not known"), and accepting a
+  # relu-like F here would silently give all-zero attention: probe it on a row of negative
+  # scores instead. One constant evaluation of F, also while tracing.
+  with jax.ensure_compile_time_eval():
     row = jnp.linspace(-50.0, -1e-3, 33, dtype=jnp.float32)
-    return not bool(jnp.any(weightings_lib.weights(row, weighting) != 0))
+    return not bool(jnp.any(weightings_lib.apply_weighting(row, w) != 0))
 
 
-@functools.lru_cache(maxsize=256)
-def _zero_on_distances_by_name(name: str) -> bool:
-  return _zero_on_distances(weightings_lib.get_weighting(name))
+def streams(w: Any) -> bool:
+  """Whether the blocked kernel runs the resolved weighting ``w`` (every pointwise F, and the
+  whole-row weightings that declare a streaming family)."""
+  return isinstance(w, weightings_lib.Pointwise) or blocked_rows.streams(w)
 
 
 def _check_implementation(implementation: str | None, w: Any, sc: scores_lib.Score) -> None:
@@ -145,12 +164,10 @@ def _check_implementation(implementation: str | None, w: Any, sc: scores_lib.Sco
   if implementation not in IMPLEMENTATIONS:
     raise ValueError(f"Unknown implementation {implementation!r}; valid: "
                      f"{', '.join(IMPLEMENTATIONS)} or None (automatic).")
-  if implementation in STREAMING and not isinstance(w, weightings_lib.Pointwise):
+  if implementation in STREAMING and not streams(w):
     raise ValueError(
-        f"Weighting {w.name!r} normalizes whole rows and cannot stream "
-        f"(implementation={implementation!r}); use "
-        "implementation='dense' (or None). Streamable weightings: "
-        f"{', '.join(weightings_lib.list_weightings('pointwise'))}.")
+        f"Weighting {w.name!r} normalizes whole rows and has no streaming form "
+        f"(implementation={implementation!r}); use implementation='dense' (or None).")
   if implementation in STREAMING and sc.to_dot is None:
     raise ValueError(f"Score {sc.name!r} is not a dot product of transformed vectors and "
                      f"cannot stream (implementation={implementation!r}); use "
@@ -164,7 +181,8 @@ def check_compatible(weighting: Any, score: Any = "scaled_dot",
   * The distance kernels (``gaussian``, ``boxcar``, ``triangular``, ``epanechnikov``) read the
     score as s = −d²: on a similarity score they would silently threshold q·k, so they need a
     distance score (``neg_sq_dist`` or ``metric``).
-  * Conversely, a weighting that is 0 for every s ≤ 0 (``relu``, ``relu2``, ``power``,
+  * Conversely, a weighting that declares ``zero_on_nonpositive`` (0 for every s ≤ 0:
+    ``list_weightings(zero_on_nonpositive=True)``, i.e. ``relu``, ``relu2``, ``power``,
     ``softpick``) gives all-zero weights on a distance score, which is always ≤ 0.
   * ``implementation="blocked"`` needs a pointwise weighting and a dot-product score.
 
@@ -185,7 +203,7 @@ def check_compatible(weighting: Any, score: Any = "scaled_dot",
         f"−d²; score {sc.name!r} is not a distance. Use score="
         f"{' or '.join(repr(n) for n in distance_scores)}, or a weighting of a similarity "
         "(e.g. 'softmax').")
-  if sc.distance and _zero_on_distances(weighting):
+  if sc.distance and _zero_on_distances(weighting, w):
     raise ValueError(
         f"Weighting {w.name!r} is 0 for every score ≤ 0, and score {sc.name!r} = −d² is never "
         "positive: every weight would be 0. Use a distance kernel ('gaussian', 'triangular', "
@@ -231,8 +249,10 @@ def _resolve(weighting, score, scale, score_params, head_dim):
 def _choose_implementation(implementation, w, sc, t: int, s: int) -> str:
   _check_implementation(implementation, w, sc)
   if implementation is None:
-    blocked_ok = isinstance(w, weightings_lib.Pointwise) and sc.to_dot is not None
-    return "blocked" if blocked_ok and t * s >= BLOCKED_MIN_SCORES else "dense"
+    blocked_ok = streams(w) and sc.to_dot is not None
+    threshold = (BLOCKED_MIN_SCORES if isinstance(w, weightings_lib.Pointwise)
+                 else ROW_BLOCKED_MIN_SCORES)
+    return "blocked" if blocked_ok and t * s >= threshold else "dense"
   return implementation
 
 
@@ -289,6 +309,21 @@ def attention_weights(query: Array, key: Array, bias: Array | None = None,
   return weightings_lib.apply_weighting(scores, w, axis=-1, where=valid)
 
 
+def _ssmax_param(w: Any, weighting_params: dict[str, Any] | None, n: int) -> Array | None:
+  """SSMax's learned s from ``weighting_params`` (float32, shape () or [N]), checked."""
+  if not weighting_params:
+    return None
+  family = getattr(getattr(w, "stream", None), "family", None)
+  if family != "ssmax" or set(weighting_params) != {"s"}:
+    raise ValueError(f"weighting_params {sorted(weighting_params)} do not apply to weighting "
+                     f"{w.name!r}: only 'ssmax' takes learnable parameters ({{'s': array}}).")
+  s = jnp.asarray(weighting_params["s"], jnp.float32)
+  if s.shape not in ((), (n,)):
+    raise ValueError(f"weighting_params['s'] must be a scalar or one value per query head "
+                     f"[N] = [{n}], got shape {s.shape}.")
+  return s
+
+
 def _dropout_active(dropout_rate: Any, deterministic: Any) -> bool:
   """Validates the dropout arguments; whether dropout applies (rate > 0, not deterministic)."""
   try:
@@ -321,7 +356,8 @@ def attention(query: Array, key: Array, value: Array, bias: Array | None = None,
               block_q: int | None = None, block_k: int | None = None,
               dropout_rate: float = 0.0, dropout_rng: Array | None = None,
               deterministic: bool = False, broadcast_dropout: bool = True,
-              return_weights: bool = False, interpret: bool = False) -> Array | tuple[Array, Array]:
+              return_weights: bool = False, interpret: bool = False,
+              weighting_params: dict[str, Any] | None = None) -> Array | tuple[Array, Array]:
   """Attention with a pluggable score s and weighting F, optional dropout on the weights.
 
   Args:
@@ -359,6 +395,10 @@ def attention(query: Array, key: Array, value: Array, bias: Array | None = None,
       :func:`attention_weights` gives them: before dropout.
     interpret: run ``implementation="pallas"`` in Pallas' interpreter (the only way on a CPU:
       for tests; slow).
+    weighting_params: arrays for the weighting's learnable parameters, which then get
+      gradients: ``{"s": s}`` for ``ssmax`` (a scalar or one value per query head, shape
+      ``[N]``; Nakanishi 2025 learn s per head). Every implementation that runs the weighting
+      takes them.
 
   Dropout and ``return_weights`` need the weights themselves, so they run the dense
   implementation (``implementation=None`` picks it); ``implementation="blocked"``, which never
@@ -402,6 +442,7 @@ def attention(query: Array, key: Array, value: Array, bias: Array | None = None,
   q, k, v, bias, mask, w, sc, params, scale = _prepare(
       query, key, value, bias, mask, weighting, score, scale, score_params)
   batch, (t, n), s = q.shape[:-3], q.shape[-3:-1], k.shape[-3]
+  ssmax_s = _ssmax_param(w, weighting_params, n)
   impl = _choose_implementation(implementation, w, sc, t, s)
   if dropout or return_weights:
     if implementation not in (None, "dense"):  # the streaming kernels never form them
@@ -422,11 +463,14 @@ def attention(query: Array, key: Array, value: Array, bias: Array | None = None,
     flat = lambda x: x.reshape((-1,) + x.shape[len(batch):])
     # Scores that transform q/k in float32 (distances, cosine) upcast v too: one dtype.
     compute = jnp.result_type(qd.dtype, kd.dtype, v.dtype)
-    if implementation is None and pallas_lib.choose_pallas(
+    pointwise = isinstance(w, weightings_lib.Pointwise)
+    if implementation is None and pointwise and pallas_lib.choose_pallas(
         None, w, compute, qd.shape[-1], value_head_dim=v.shape[-1]):
       impl = "pallas"  # GPU/TPU, self-check passed; never consulted for an explicit choice
-    kernel = (functools.partial(pallas_lib.pallas_attention, interpret=interpret)
-              if impl == "pallas" else blocked_attention)
+    kernel = (functools.partial(pallas_lib.pallas_attention, interpret=interpret,
+                                **({} if ssmax_s is None else {"ssmax_s": ssmax_s}))
+              if impl == "pallas" else blocked_attention if pointwise
+              else functools.partial(blocked_rows.blocked_row_attention, ssmax_s=ssmax_s))
     out = kernel(flat(qd.astype(compute)), flat(kd.astype(compute)), flat(v.astype(compute)),
                  weighting=w, scale=scale, bias=_to_4d(bias, batch), mask=_to_4d(mask, batch),
                  is_causal=is_causal, block_q=block_q, block_k=block_k)
@@ -434,6 +478,10 @@ def attention(query: Array, key: Array, value: Array, bias: Array | None = None,
   q, k, v, bias = nonfinite_inputs(q, k, v, bias)
   scores = _dense_scores(q, _repeat_kv(k, n), bias, sc, params, scale)
   valid = _combined_mask(mask, is_causal, t, s)
+  if ssmax_s is not None:  # s per head: [N] against the [..., N, T, S] scores
+    s_rows = ssmax_s.reshape(ssmax_s.shape + (1, 1)) if ssmax_s.ndim else ssmax_s
+    w = dataclasses.replace(w, fn=lambda z, wh, ax: rownorm.ssmax(z, axis=ax, where=wh,
+                                                                  s=s_rows))
   probs = weightings_lib.apply_weighting(scores, w, axis=-1, where=valid)
   used = (_drop_weights(probs, dropout_rng, float(dropout_rate), broadcast_dropout, k.ndim)
           if dropout else probs)

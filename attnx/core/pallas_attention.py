@@ -21,6 +21,11 @@ Entry points:
   weighting, dtype, head size): :func:`self_check` compares with the blocked kernel, and a
   failure logs one warning and answers False from then on.
 
+The whole-row weightings with a streaming family (SSMax, softpick, stick-breaking, sparsemax,
+α-entmax) run the kernels of :mod:`attnx.core.pallas_rows` through the same entry point, with
+the same inputs, tile rules and contract; they are used on explicit request only (the
+automatic choice consults Pallas for pointwise weightings).
+
 Supported inputs (both backends): every :class:`~attnx.core.weightings.Pointwise` weighting,
 GQA (N a multiple of K), T ≠ S, ragged T and S (padded internally), H ≠ Hv, ``is_causal``
 (top-left aligned; tiles above the diagonal are skipped), an additive ``bias`` and a boolean
@@ -46,6 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from attnx.core import pallas_kernels as kernels
+from attnx.core import pallas_rows
 from attnx.core.contract import nonfinite_inputs
 from attnx.core.weightings import Pointwise
 
@@ -99,14 +105,15 @@ def supported(weighting: Any, *, backend: str | None = None, dtype: Any = None,
               interpret: bool = False) -> str | None:
   """Why ``implementation="pallas"`` cannot run this combination, or None if it can.
 
-  Checks the weighting (pointwise only), the backend (a GPU/TPU, or ``interpret`` on a CPU),
+  Checks the weighting (pointwise, or a whole-row weighting with a streaming family:
+  :mod:`attnx.core.pallas_rows`), the backend (a GPU/TPU, or ``interpret`` on a CPU),
   the dtype (float32/bfloat16, and float16 on the GPU) and the GPU's head-size limit
   (:data:`GPU_MAX_HEAD_DIM` after padding to a multiple of 16). Whether F lowers on the backend is
   found out by compiling it (:func:`self_check`).
   """
-  if not isinstance(weighting, Pointwise):
+  if not isinstance(weighting, Pointwise) and not pallas_rows.streams(weighting):
     name = getattr(weighting, "name", type(weighting).__name__)
-    return (f"weighting {name!r} normalizes whole rows and cannot stream; use "
+    return (f"weighting {name!r} normalizes whole rows and has no streaming form; use "
             "implementation='dense'")
   try:
     be = resolve_backend(backend, interpret)
@@ -311,19 +318,22 @@ def _lengths(x: Array | None, b: int, full: int, name: str) -> Array:
   return jnp.clip(jnp.broadcast_to(x, (b,)).astype(jnp.int32), 0, full)
 
 
-def pallas_attention(q: Array, k: Array, v: Array, *, weighting: Pointwise,
+def pallas_attention(q: Array, k: Array, v: Array, *, weighting: Any,
                      scale: float | Array, bias: Array | None = None, mask: Array | None = None,
                      is_causal: bool = False, q_lengths: Array | None = None,
                      kv_lengths: Array | None = None, block_q: int | None = None,
                      block_k: int | None = None, backend: str | None = None,
-                     interpret: bool = False) -> Array:
-  """Fused attention out_i = Σ_j w_ij v_j for a pointwise weighting F, as Pallas kernels.
+                     interpret: bool = False, ssmax_s: Array | float | None = None) -> Array:
+  """Fused attention out_i = Σ_j w_ij v_j for a pointwise weighting F, or a whole-row weighting
+  with a streaming family (SSMax, softpick, stick-breaking, sparsemax, entmax: the kernels of
+  :mod:`attnx.core.pallas_rows`), as Pallas kernels.
 
   Args:
     q: queries [B, T, N, H].
     k: keys [B, S, K, H]; N a multiple of K (GQA: query head n uses kv head n // (N // K)).
     v: values [B, S, K, Hv].
-    weighting: the :class:`~attnx.core.weightings.Pointwise` F and its normalization.
+    weighting: the :class:`~attnx.core.weightings.Pointwise` F and its normalization, or a
+      :class:`~attnx.core.weightings.RowNormalizer` with a ``stream``.
     scale: multiplies q·k; a Python/NumPy number is compiled into the kernels, an array is
       multiplied into q beforehand (in float32, then cast back to q's dtype).
     bias: additive bias broadcastable to [B, N, T, S] (≤ 4 dims, each 1 or full).
@@ -335,6 +345,8 @@ def pallas_attention(q: Array, k: Array, v: Array, *, weighting: Pointwise,
       validated by :func:`check_block_sizes`. T and S need not be multiples of them.
     backend: ``"gpu"`` (Triton), ``"tpu"`` (Mosaic) or None (the default device).
     interpret: run the kernels in Pallas' interpreter (any machine, slow; for testing).
+    ssmax_s: SSMax only: s as a scalar or one value per query head [N] (an array gets a
+      gradient); default the weighting's own s.
 
   Returns:
     [B, T, N, Hv] in q's dtype, equal up to float rounding to
@@ -344,7 +356,8 @@ def pallas_attention(q: Array, k: Array, v: Array, *, weighting: Pointwise,
     ValueError: for an unsupported combination (see :func:`supported`; the message names the
       alternative implementation), bad shapes or tile sizes.
   """
-  if not isinstance(weighting, Pointwise):
+  rows = not isinstance(weighting, Pointwise)
+  if rows and not pallas_rows.streams(weighting):
     raise ValueError(f"implementation='pallas' cannot run this: {supported(weighting)}.")
   q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
   if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
@@ -366,11 +379,18 @@ def pallas_attention(q: Array, k: Array, v: Array, *, weighting: Pointwise,
   bias4 = _as_4d(bias, (b, n, t, s), "bias")
   mask4 = _as_4d(mask, (b, n, t, s), "mask")
   blocks = default_block_sizes(be, t, s, q.dtype, block_q, block_k)
+  if rows and weighting.stream.reverse:
+    # Stick-breaking's dQ pass saves its carries at the dK/dV pass's key tiles.
+    blocks = dataclasses.replace(blocks, block_k_dq=blocks.block_k_dkv)
   q_len = _lengths(q_lengths, b, t, "q_lengths")
   kv_len = _lengths(kv_lengths, b, s, "kv_lengths")
   if q.size == 0 or s == 0:  # no query, or no key (every row has no valid key)
     return jnp.zeros((b, t, n, hv), q.dtype)
 
+  rowc = None
+  if rows and weighting.stream.needs_row_scale:  # SSMax's c_i = s·log n_i, from the raw masks
+    rowc = pallas_rows.row_scale(weighting.stream, b, n, t, s, bias4, mask4, is_causal,
+                                 None if kv_lengths is None else kv_len, ssmax_s)
   q, k, v, bias4 = nonfinite_inputs(q, k, v, bias4)
   if not isinstance(scale, numbers.Real):  # a traced/learned scale: fold it into q
     q = (q.astype(jnp.float32) * jnp.asarray(scale, jnp.float32)).astype(q.dtype)
@@ -380,6 +400,8 @@ def pallas_attention(q: Array, k: Array, v: Array, *, weighting: Pointwise,
   # GPU: head dims padded to a multiple of 16, processed in power-of-2 chunks (head_chunks).
   hp, hvp = ((_round_up(h, GPU_MIN_BLOCK), _round_up(hv, GPU_MIN_BLOCK)) if be == "gpu"
              else (h, hv))
+  if rows and be == "gpu":  # the streaming state's value rows: one power-of-2 array
+    hvp = _pow2(hv)
   cfg = kernels.KernelConfig(
       w=weighting, backend=be, interpret=bool(interpret), s=s, tp=tp, sp=sp, g=n // kh,
       scale=float(scale), is_causal=bool(is_causal), q_bound=q_lengths is not None or tp != t,
@@ -400,7 +422,19 @@ def pallas_attention(q: Array, k: Array, v: Array, *, weighting: Pointwise,
   if mask4 is not None:
     wide = be == "tpu" and (min_bq % 32 or mask4.shape[2] == 1)
     mask4 = _pad(mask4.astype(jnp.int32 if wide else jnp.int8), {2: tp, 3: sp}, keep_one=True)
-  out = _make_kernel(cfg)(q, k, v, bias4, mask4, q_len, kv_len)
+  if rows:
+    if be == "tpu":
+      need = pallas_rows.tpu_vmem_bytes(cfg, q.dtype, h, hv, bias4, mask4, backward=True)
+      if need > pallas_rows.TPU_VMEM_LIMIT:
+        raise ValueError(
+            f"implementation='pallas' cannot run this: the TPU kernels of {weighting.name!r} "
+            f"hold whole sequences in VMEM, ~{need / 2**20:.0f} MiB here (limit "
+            f"{pallas_rows.TPU_VMEM_LIMIT / 2**20:.0f} MiB); use implementation='blocked'.")
+    if rowc is not None:
+      rowc = _pad(rowc, {2: tp})
+    out = pallas_rows.make_kernel(cfg)(q, k, v, bias4, mask4, q_len, kv_len, rowc)
+  else:
+    out = _make_kernel(cfg)(q, k, v, bias4, mask4, q_len, kv_len)
   return out[:, :t, :, :hv]
 
 
@@ -504,8 +538,11 @@ def choose_pallas(backend: str | None, weighting: Any, dtype: Any, head_dim: int
   runs ``check_fn(backend, weighting, dtype, head_dim)`` (default :func:`self_check`); if it
   raises or returns a reason, one warning naming the combination is logged and the answer is
   False from then on (the caller uses "blocked").
-  Explicit ``implementation="pallas"`` must not call this: it never falls back.
+  Explicit ``implementation="pallas"`` must not call this: it never falls back. Whole-row
+  weightings answer False (their Pallas kernels run on explicit request only).
   """
+  if not isinstance(weighting, Pointwise):  # the whole-row kernels run on explicit request
+    return False
   try:
     be = resolve_backend(backend)
   except ValueError:  # a CPU (backend None or "cpu"): no Pallas without the interpreter

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 
 from attnx.core import params as params_lib
 from attnx.core import weightings as weightings_lib
+from attnx.core.streaming import RowStream
 
 Array = jax.Array
 
@@ -162,7 +163,9 @@ def _make_ssmax(s: float = SSMAX_DEFAULT_S) -> weightings_lib.RowNormalizer:
   s = params_lib.number("weighting 'ssmax'", "s", s)
   return weightings_lib.RowNormalizer(
       name=weightings_lib._label("ssmax", s=None if s == SSMAX_DEFAULT_S else s),
-      fn=lambda z, w, ax: ssmax(z, axis=ax, where=w, s=s))
+      fn=lambda z, w, ax: ssmax(z, axis=ax, where=w, s=s), stream=RowStream("ssmax", s=s),
+      # softmax of c·z, c = s·log n per row: a shift c·M of every c·z cancels.
+      sums_to_one=True, shift_invariant=True)
 
 
 def _make_softpick(eps: float = SOFTPICK_EPS) -> weightings_lib.RowNormalizer:
@@ -170,13 +173,16 @@ def _make_softpick(eps: float = SOFTPICK_EPS) -> weightings_lib.RowNormalizer:
   eps = params_lib.number("weighting 'softpick'", "eps", eps, low=0.0)
   return weightings_lib.RowNormalizer(
       name=weightings_lib._label("softpick", eps=None if eps == SOFTPICK_EPS else eps),
-      fn=lambda z, w, ax: softpick(z, axis=ax, where=w, eps=eps))
+      fn=lambda z, w, ax: softpick(z, axis=ax, where=w, eps=eps),
+      stream=RowStream("softpick", eps=eps),
+      zero_on_nonpositive=True)  # relu(e^z − 1) = 0 for z ≤ 0; rows sum to < 1
 
 
 def _make_stick_breaking() -> weightings_lib.RowNormalizer:
   """σ(z_j) Π_{k>j}(1 − σ(z_k)) (Tan et al. 2024)."""
   return weightings_lib.RowNormalizer(
-      name="stick_breaking", fn=lambda z, w, ax: stick_breaking(z, axis=ax, where=w))
+      name="stick_breaking", fn=lambda z, w, ax: stick_breaking(z, axis=ax, where=w),
+      stream=RowStream("stick_breaking"))  # σ(z) > 0; rows sum to ≤ 1; no trait holds
 
 
 weightings_lib.register_weighting(

@@ -41,6 +41,7 @@ import jax.numpy as jnp
 
 from attnx.core import params as params_lib
 from attnx.core import weightings as weightings_lib
+from attnx.core.streaming import RowStream
 
 Array = jax.Array
 
@@ -301,22 +302,29 @@ def _check_scale(name: str, scale: float) -> float:
   return params_lib.number(f"weighting {name!r}", "scale", scale, low=0.0)
 
 
-def _row(base: str, fn, scale: float, **params) -> weightings_lib.RowNormalizer:
+def _row(base: str, fn, scale: float, stream: RowStream,
+         **params) -> weightings_lib.RowNormalizer:
   name = weightings_lib._label(base, **params, scale=None if scale == 1.0 else scale)
+  # Projections onto the simplex: rows sum to one, and [x − τ]₊ moves τ with a shift of x.
+  traits = dict(sums_to_one=True, shift_invariant=True)
   if scale == 1.0:
-    return weightings_lib.RowNormalizer(name=name, fn=lambda s, w, ax: fn(s, axis=ax, where=w))
+    return weightings_lib.RowNormalizer(name=name, fn=lambda s, w, ax: fn(s, axis=ax, where=w),
+                                        stream=stream, **traits)
   return weightings_lib.RowNormalizer(name=name,
-                                      fn=lambda s, w, ax: fn(scale * s, axis=ax, where=w))
+                                      fn=lambda s, w, ax: fn(scale * s, axis=ax, where=w),
+                                      stream=stream, **traits)
 
 
 def _make_sparsemax(scale: float = 1.0) -> weightings_lib.RowNormalizer:
   """sparsemax(scale·s) = [scale·s − τ]₊ (Martins & Astudillo 2016)."""
-  return _row("sparsemax", sparsemax, _check_scale("sparsemax", scale))
+  scale = _check_scale("sparsemax", scale)
+  return _row("sparsemax", sparsemax, scale, RowStream("entmax", alpha=2.0, scale=scale))
 
 
 def _make_entmax15(scale: float = 1.0) -> weightings_lib.RowNormalizer:
   """1.5-entmax(scale·s), exact (Peters et al. 2019)."""
-  return _row("entmax15", entmax15, _check_scale("entmax15", scale))
+  scale = _check_scale("entmax15", scale)
+  return _row("entmax15", entmax15, scale, RowStream("entmax", alpha=1.5, scale=scale))
 
 
 def _make_entmax(alpha: float = 1.5, n_iter: int | None = None,
@@ -334,7 +342,9 @@ def _make_entmax(alpha: float = 1.5, n_iter: int | None = None,
   else:
     fn = functools.partial(entmax_bisect, alpha=alpha,
                            n_iter=DEFAULT_N_ITER if n_iter is None else int(n_iter))
-  return _row("entmax", fn, scale, alpha=alpha, n_iter=n_iter)
+  stream = RowStream("entmax", alpha=alpha, scale=scale,
+                     renormalize=fn not in (sparsemax, entmax15))
+  return _row("entmax", fn, scale, stream, alpha=alpha, n_iter=n_iter)
 
 
 weightings_lib.register_weighting(

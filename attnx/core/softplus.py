@@ -56,3 +56,15 @@ def _softplus_jvp(primals, tangents):
   t = jnp.exp(-jnp.abs(x))
   sig = jnp.where(x >= 0, 1.0, t) / (1.0 + t)
   return softplus(z), (sig * dz).astype(z.dtype)
+
+
+def log_sigmoid_pair(z: Array) -> tuple[Array, Array, Array]:
+  """(log σ(z), log σ(−z), σ(z)) of float32 z from one exp (stick-breaking's β and 1 − β).
+
+  Both logs are −max(∓z, 0) − log1p(e^{−|z|}), sharing t = e^{−|z|}, and σ(z) is 1/(1 + t) or
+  t/(1 + t): exact to float32 rounding at both ends, where z − softplus(z) would cancel.
+  """
+  t = jnp.exp(-jnp.abs(z))
+  l1 = t * _q(t)
+  sig = jnp.where(z >= 0, 1.0, t) / (1.0 + t)
+  return -(jnp.maximum(-z, 0.0) + l1), -(jnp.maximum(z, 0.0) + l1), sig

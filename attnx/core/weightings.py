@@ -29,6 +29,7 @@ import jax.numpy as jnp
 
 from attnx.core import params as params_lib
 from attnx.core.softplus import softplus
+from attnx.core.streaming import RowStream
 
 Array = jax.Array
 Normalization = str  # "sum" | "length" | "none"
@@ -53,6 +54,13 @@ class Pointwise:
     distance_kernel: F is a kernel of a distance, K(d) with s = −d²: it is meaningful only on
       a distance score (``neg_sq_dist``, ``metric``), which :func:`attnx.core.attention`
       enforces.
+    zero_on_nonpositive: declared trait (see :data:`TRAITS`): F(s) = 0 for every s ≤ 0, so
+      every weight at a score ≤ 0 is 0 under any normalization. Default False ("not known"),
+      also for a callable F: pass ``get_weighting(F, zero_on_nonpositive=True)`` to declare it.
+
+  The other traits follow from the fields: ``sums_to_one`` from the normalization,
+  ``shift_invariant`` from ``exp_alpha`` (declare F = exp(αs) through ``exp_alpha``, not as a
+  callable, for it to be known), ``stream_rule`` from :attr:`online_max` and the normalization.
   """
 
   name: str
@@ -61,6 +69,7 @@ class Pointwise:
   exp_alpha: float | None = None
   denominator_offset: float = 0.0
   distance_kernel: bool = False
+  zero_on_nonpositive: bool = False
 
   kind = "pointwise"
 
@@ -68,6 +77,29 @@ class Pointwise:
   def online_max(self) -> bool:
     """Whether kernels should stream this weighting with a running maximum (softmax-like)."""
     return self.exp_alpha is not None and self.normalization == "sum"
+
+  @property
+  def sums_to_one(self) -> bool:
+    """F(s)/ΣF(s): sum normalization without a denominator offset (true for any F; rows where
+    every valid F(s) is 0 stay all zero, see :data:`TRAITS`)."""
+    return self.normalization == "sum" and self.denominator_offset == 0
+
+  @property
+  def shift_invariant(self) -> bool:
+    """exp(αs)/Σexp(αs): the only sum-normalized increasing F with w(s + c) = w(s) (Alam et
+    al.); an offset in the denominator breaks it (a virtual key of fixed score 0)."""
+    return self.online_max and self.denominator_offset == 0
+
+  @property
+  def stream_rule(self) -> str:
+    """How the streaming kernels accumulate it: ``"online_max"`` (running max, softmax-like)
+    or the normalization (``"sum"``, ``"length"``, ``"none"``)."""
+    return "online_max" if self.online_max else self.normalization
+
+  @property
+  def traits(self) -> dict[str, Any]:
+    """``{trait: value}`` for every name in :data:`TRAITS`."""
+    return _traits(self)
 
   def __call__(self, z: Array, num_keys: int) -> Array:
     return self.fn(z, num_keys)
@@ -79,17 +111,63 @@ class Pointwise:
 
 @dataclasses.dataclass(frozen=True)
 class RowNormalizer:
-  """A weighting that needs the whole row: ``fn(scores, where, axis) -> weights``."""
+  """A weighting that needs the whole row: ``fn(scores, where, axis) -> weights``.
+
+  Attributes:
+    name: registry name (with parameters).
+    fn: the dense implementation.
+    stream: how the streaming kernels run it (:class:`attnx.core.streaming.RowStream`), or
+      None for a weighting that runs dense only.
+    sums_to_one, zero_on_nonpositive, shift_invariant: declared traits (see :data:`TRAITS`),
+      set where the weighting is registered. Default False: "not known to hold".
+  """
 
   name: str
   fn: Callable[[Array, Array | None, int], Array]
+  stream: RowStream | None = None
+  sums_to_one: bool = False
+  zero_on_nonpositive: bool = False
+  shift_invariant: bool = False
 
   kind = "row"
   online_max = False
 
+  @property
+  def stream_rule(self) -> str | None:
+    """The streaming family (``stream.family``), or None for a dense-only weighting."""
+    return None if self.stream is None else self.stream.family
+
+  @property
+  def traits(self) -> dict[str, Any]:
+    """``{trait: value}`` for every name in :data:`TRAITS`."""
+    return _traits(self)
+
 
 Weighting = Pointwise | RowNormalizer
 WeightingLike = str | Weighting | Callable[[Array], Array]
+
+# Facts a weighting declares about itself (``w.traits``; filter with ``list_weightings``). They
+# hold for every row of scores, masked keys excluded, up to float32 rounding
+# (tests/core/test_traits.py checks each declaration numerically):
+#   sums_to_one: every row's weights sum to one, except rows that get no weight at all: a row
+#     without a valid key and, for F(s)/ΣF(s), a row where every valid F(s) is 0 (relu on
+#     all-negative scores, a compact distance kernel beyond its bandwidth). So each row sums
+#     to 1 or is all zero; for F > 0 (softmax) only rows without a valid key are all zero.
+#   zero_on_nonpositive: the weight is exactly 0 at every score s ≤ 0, whatever the rest of the
+#     row (such a weighting gives all-zero weights on a distance score, −d² ≤ 0).
+#   shift_invariant: adding one constant to every score of a row leaves its weights unchanged.
+#   stream: how the streaming kernels run it: for a Pointwise ``"online_max"`` (running
+#     maximum) or its normalization ``"sum"``/``"length"``/``"none"``; for a RowNormalizer the
+#     ``RowStream`` family (``"ssmax"``, ``"softpick"``, ``"stick_breaking"``, ``"entmax"``)
+#     or None (dense only). (``w.stream_rule``: a RowNormalizer's ``w.stream`` is the
+#     RowStream itself, which callers duck-type on.)
+# A trait that is not declared reads False: "not known to hold", never "known to fail".
+TRAITS = ("sums_to_one", "zero_on_nonpositive", "shift_invariant", "stream")
+
+
+def _traits(w: Weighting) -> dict[str, Any]:
+  return {"sums_to_one": bool(w.sums_to_one), "zero_on_nonpositive": bool(w.zero_on_nonpositive),
+          "shift_invariant": bool(w.shift_invariant), "stream": w.stream_rule}
 
 # --------------------------------------------------------------------------------------------
 # Registry.
@@ -126,14 +204,34 @@ def unregister_weighting(name: str) -> None:
   del _REGISTRY[name], _DOCS[name]
 
 
-def list_weightings(kind: str | None = None) -> list[str]:
-  """Names of all registered weightings (``kind="pointwise"``/``"row"`` to filter)."""
-  names = sorted(_REGISTRY)
-  if kind is None:
-    return names
-  if kind not in ("pointwise", "row"):
+def list_weightings(kind: str | None = None, **traits: Any) -> list[str]:
+  """Names of the registered weightings, sorted, filtered by kind and by trait values.
+
+  ``kind="pointwise"``/``"row"`` keeps one family; each keyword is a trait of :data:`TRAITS`
+  and keeps the weightings whose trait equals the value, e.g.
+  ``list_weightings(zero_on_nonpositive=True)``, ``list_weightings("pointwise",
+  shift_invariant=True)``, ``list_weightings(stream="entmax")``. Traits are those of each
+  weighting at its default parameters (``"relu"`` sums to one, ``"relu:normalization=length"``
+  does not: ask ``get_weighting(spec).traits`` for a parametrized spec).
+  """
+  if kind not in (None, "pointwise", "row"):
     raise ValueError(f"kind must be 'pointwise', 'row' or None, got {kind!r}")
-  return [n for n in names if get_weighting(n).kind == kind]
+  unknown = sorted(set(traits) - set(TRAITS))
+  if unknown:
+    raise ValueError(f"Unknown weighting trait(s) {unknown}; valid traits: "
+                     f"{', '.join(TRAITS)}.")
+  names = sorted(_REGISTRY)
+  if kind is None and not traits:
+    return names
+  out = []
+  for n in names:
+    w = get_weighting(n)
+    if kind is not None and w.kind != kind:
+      continue
+    have = w.traits
+    if all(have[t] == v for t, v in traits.items()):
+      out.append(n)
+  return out
 
 
 def describe_weightings() -> dict[str, str]:
@@ -395,10 +493,12 @@ def _softmax_plus_one(alpha: float = 1.0, normalization: str = "sum") -> Pointwi
   return _exp_like("softmax_plus_one", alpha, normalization, offset=1.0)
 
 
-def _simple(name: str, fn: Callable[[Array], Array], doc: str) -> None:
+def _simple(name: str, fn: Callable[[Array], Array], doc: str,
+            zero_on_nonpositive: bool = False) -> None:
   def factory(normalization: str = "sum") -> Pointwise:
     return _pointwise(_label(name, normalization=None if normalization == "sum"
-                             else normalization), lambda z, n: fn(z), normalization)
+                             else normalization), lambda z, n: fn(z), normalization,
+                      zero_on_nonpositive=zero_on_nonpositive)
   register_weighting(name, factory, doc=doc)
 
 
@@ -407,8 +507,10 @@ def _elu_plus_one(z: Array) -> Array:
   return jnp.where(z >= 0, z + 1.0, jnp.exp(jnp.minimum(z, 0.0)))
 
 
-_simple("relu", jax.nn.relu, "max(s, 0) (Wortsman et al. 2023 use normalization=length)")
-_simple("relu2", lambda z: jnp.square(jax.nn.relu(z)), "max(s, 0)^2 (squared ReLU)")
+_simple("relu", jax.nn.relu, "max(s, 0) (Wortsman et al. 2023 use normalization=length)",
+        zero_on_nonpositive=True)
+_simple("relu2", lambda z: jnp.square(jax.nn.relu(z)), "max(s, 0)^2 (squared ReLU)",
+        zero_on_nonpositive=True)
 _simple("softplus", softplus, "log(1 + exp(s)) (one exp per score, see attnx.core.softplus)")
 _simple("elu_plus_one", _elu_plus_one, "elu(s) + 1 (the linear-attention feature map as F)")
 _simple("taylor_exp", lambda z: 1.0 + z + 0.5 * z * z,
@@ -435,7 +537,8 @@ def _power_fn(p: float) -> Callable[[Array], Array]:
 def _power(p: float = 2.0, normalization: str = "sum") -> Pointwise:
   p = params_lib.number("weighting 'power'", "p", p, low=0.0)
   fn = _power_fn(p)
-  return _pointwise(_label("power", p=p), lambda z, n: fn(z), normalization)
+  return _pointwise(_label("power", p=p), lambda z, n: fn(z), normalization,
+                    zero_on_nonpositive=True)
 
 
 @register_weighting("sigmoid", doc="σ(s + b); b = −log n by default when unnormalized "

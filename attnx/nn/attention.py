@@ -29,6 +29,12 @@ Array = jax.Array
 SCORE_DIM_SCORES = ("metric", "additive")
 
 
+def _ssmax_init(weighting: Any) -> float | None:
+  """SSMax's s of ``weighting`` (the initial value of a learned s), None for other weightings."""
+  stream = getattr(core.get_weighting(weighting), "stream", None)
+  return stream.s if stream is not None and stream.family == "ssmax" else None
+
+
 class MultiHeadAttention(nn.Module, kw_only=True):
   """Multi-head attention, ``w_ij = F(s(q_i, k_j)) / Σ_l F(s(q_i, k_l))`` per head.
 
@@ -52,6 +58,9 @@ class MultiHeadAttention(nn.Module, kw_only=True):
     scale: score multiplier (default 1/√H for ``scaled_dot``, 1 otherwise); for ``metric`` the
       temperature τ (fixed, or the initial value when learned; default 1/√R).
     learn_temperature: ``metric`` only: learn τ_h = exp(log_temperature_h) (default True).
+    learn_ssmax_s: ``ssmax`` only: learn its s per head (param ``ssmax_s`` [N], initialized
+      at the weighting's s, e.g. ``"ssmax:s=0.43"``), as Nakanishi ("Scalable-Softmax Is
+      Superior for Attention") does; gradients reach it through every implementation.
     implementation: ``None`` | ``"dense"`` | ``"blocked"`` | ``"pallas"`` (GPU/TPU; see
       ``core.attention``). Dropout and weights (``sow_weights``, ``return_weights``) need the
       dense one.
@@ -78,6 +87,7 @@ class MultiHeadAttention(nn.Module, kw_only=True):
   score_dim: int | None = None
   scale: float | None = None
   learn_temperature: bool | None = None
+  learn_ssmax_s: bool = False
   implementation: str | None = None
   is_causal: bool = False
   dropout_rate: float = 0.0
@@ -121,6 +131,9 @@ class MultiHeadAttention(nn.Module, kw_only=True):
     elif self.learn_temperature is not None:
       raise ValueError(f"{where}: learn_temperature applies only to score='metric', not to "
                        f"score {self.score!r}.")
+    if self.learn_ssmax_s and _ssmax_init(self.weighting) is None:
+      raise ValueError(f"{where}: learn_ssmax_s applies only to weighting 'ssmax', not to "
+                       f"{self.weighting!r}.")
     if self.implementation not in (None, "dense") and (self.dropout_rate > 0
                                                         or self.sow_weights):
       needs = "dropout_rate > 0" if self.dropout_rate > 0 else "sow_weights=True"
@@ -217,8 +230,14 @@ class MultiHeadAttention(nn.Module, kw_only=True):
                                                                  is_causal)
     need_weights = return_weights or self.sow_weights
     dropout = self.dropout_rate > 0.0 and not deterministic
+    weighting_params = None
+    if self.learn_ssmax_s:
+      s = self.param("ssmax_s", nn.initializers.constant(_ssmax_init(self.weighting)),
+                     (self.num_heads,), self.param_dtype)
+      weighting_params = {"s": s}
     x = core.attention(
         query, key, value, bias, mask, weighting=self.weighting, score=score,
+        weighting_params=weighting_params,
         is_causal=is_causal, scale=scale, score_params=score_params,
         implementation=self.implementation, dropout_rate=self.dropout_rate,
         dropout_rng=self.make_rng("dropout") if dropout else None,

@@ -29,8 +29,9 @@ class MetricAttention(MultiHeadAttention, kw_only=True):
   Every field, argument and parameter is :class:`~attnx.nn.MultiHeadAttention`'s (params
   ``metric`` [D, N, R], ``log_temperature`` [N], ``value``, ``out``), so the two are
   interchangeable on the same parameters. Scores are ≤ 0 here, so weightings that vanish there
-  (``relu``, ``relu2``, ``power``, ``softpick``) are rejected; exp-like weightings, the simplex
-  projections and the distance kernels are meaningful.
+  (``core.list_weightings(zero_on_nonpositive=True)``: ``relu``, ``relu2``, ``power``,
+  ``softpick``) are rejected; exp-like weightings, the simplex projections and the distance
+  kernels are meaningful.
 
   Attributes:
     rank: rank R of each L_h (default qkv_features // N); another name for ``score_dim``.

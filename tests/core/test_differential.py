@@ -12,7 +12,9 @@ Two samples (machinery in tests/support/differential.py, reference in tests/supp
   from seeds ``ATTNX_DIFF_FIRST`` (default 0) on — B, T and S from 0 to 3000, GQA, head sizes,
   causal, masks with fully masked rows, bias shapes, tiles, every registered weighting and
   score, f32/bf16 — each run on :data:`INSTANCES` independent random inputs (data, masks,
-  padding lengths), which reuse its compiled programs.
+  padding lengths), which reuse its compiled programs. ``ATTNX_DIFF_KIND=row`` (or
+  ``pointwise``) draws the weighting from one family only, for a kernel change that touches
+  only that family's kernels.
 """
 
 from __future__ import annotations
@@ -96,11 +98,69 @@ BRANCH_CASES = (
       mask="padding"),
     C(seed=33, t=130, s=130, weighting="sigmoid", block_q=32, block_k=128, bias="x11x"),
     C(seed=34, t=40, s=40, weighting="softmax", block_q=24, block_k=24),  # GPU/TPU reject 24
+    # The whole-row kernels (blocked_rows.py, streaming.py): every family; several query blocks
+    # with causal tile skipping (T > CAUSAL_BLOCK_Q) and the reverse walk of stick-breaking;
+    # ragged and odd tiles; threshold passes of sparsemax / entmax (Newton from the left for
+    # α ≤ 2, from the right for α > 2, the exact last step for α ∈ {1.5, 2}, renormalized for
+    # other α); SSMax's per-row n from masks, bias and causal; chunks of heads; bf16.
+    C(seed=38, t=600, s=600, weighting="stick_breaking", causal=True, only=("auto",)),
+    C(seed=39, t=600, s=600, weighting="sparsemax", causal=True, only=("auto",)),
+    C(seed=40, t=130, s=77, b=2, n=4, kh=2, weighting="ssmax", causal=True, mask="random",
+      bias="x1xx", block_q=24, block_k=16),
+    C(seed=41, t=77, s=130, weighting="ssmax:s=0.5", causal=True, mask="rows", block_q=7,
+      block_k=13),
+    C(seed=42, t=100, s=90, weighting="softpick", mask="padding", bias="1x1x", block_q=16,
+      block_k=24, magnitude=2.0),
+    C(seed=43, t=300, s=300, b=2, n=2, weighting="softpick", causal=True, dtype="bfloat16",
+      block_k=64),
+    C(seed=44, t=120, s=150, b=2, n=4, kh=2, weighting="stick_breaking", mask="random",
+      bias="xxxx", block_q=32, block_k=40),
+    C(seed=45, t=150, s=120, weighting="stick_breaking", causal=True, mask="columns",
+      block_q=16, block_k=8),
+    C(seed=46, t=90, s=90, weighting="entmax15", causal=True, mask="rows", bias="11xx",
+      block_q=16, block_k=16),
+    C(seed=47, t=70, s=110, n=2, weighting="entmax:alpha=1.3", bias="x11x", block_q=24,
+      block_k=32),
+    C(seed=48, t=70, s=70, weighting="entmax:alpha=3", causal=True, block_q=16, block_k=16),
+    C(seed=49, t=64, s=100, weighting="sparsemax:scale=2", dtype="bfloat16", mask="padding",
+      block_q=32, block_k=24),
+    C(seed=50, t=256, s=256, b=4, n=8, kh=4, h=16, hv=16, weighting="entmax15",
+      block_q=256, block_k=256, bias="xx11", mask="columns"),  # chunks of heads
+    C(seed=51, t=256, s=256, b=3, n=8, kh=4, h=16, hv=16, weighting="ssmax", causal=True,
+      block_q=256, block_k=256, bias="1xxx"),  # chunks of heads, causal
+    # The whole-row Pallas kernels (pallas_rows.py, GPU and TPU kernels in the interpreter):
+    # tiles (16, 128) are valid on both backends and give S > 128 two ragged key tiles (the
+    # default GPU tiles give 64-key tiles); causal tile skipping with T > 128 and stick-
+    # breaking's reverse walk and carries; entmax threshold passes; masks with empty rows,
+    # every bias shape, GQA, T ≠ S, bf16, length 1, a non-dot score (GPU kernels only).
+    C(seed=60, t=70, s=150, b=2, n=4, kh=2, weighting="ssmax", causal=True, mask="random",
+      bias="x1xx", block_q=16, block_k=128),
+    C(seed=61, t=150, s=140, weighting="ssmax:s=0.5", mask="rows", block_q=32, block_k=128),
+    C(seed=62, t=100, s=150, weighting="softpick", mask="padding", bias="1x1x", magnitude=2.0,
+      block_q=16, block_k=128),
+    C(seed=63, t=150, s=150, weighting="stick_breaking", causal=True, mask="columns",
+      block_q=16, block_k=128),
+    C(seed=64, t=60, s=140, b=2, n=4, kh=2, weighting="stick_breaking", mask="random",
+      bias="xxxx"),
+    C(seed=65, t=90, s=150, weighting="sparsemax", causal=True, mask="rows", bias="11xx",
+      block_q=16, block_k=128),
+    C(seed=66, t=130, s=130, weighting="entmax15", dtype="bfloat16", causal=True, block_q=16,
+      block_k=128),
+    C(seed=67, t=70, s=140, weighting="entmax:alpha=1.3", bias="x11x"),
+    C(seed=68, t=70, s=150, n=4, kh=1, weighting="entmax:alpha=3", causal=True, block_q=16,
+      block_k=128),
+    C(seed=69, t=64, s=100, weighting="sparsemax:scale=2", dtype="bfloat16", mask="padding"),
+    C(seed=70, t=150, s=150, weighting="softpick", dtype="bfloat16", causal=True, block_q=16,
+      block_k=128),
+    C(seed=71, t=40, s=150, weighting="stick_breaking", score="cosine", causal=True,
+      mask="rows"),
+    C(seed=72, t=1, s=1, n=2, h=1, hv=1, weighting="ssmax"),
 )
 CI_RANDOM = 4
 INSTANCES = 5  # random inputs per configuration in the large run (compiling dominates a case)
 _FIRST = int(os.environ.get("ATTNX_DIFF_FIRST", "0"))
 _COUNT = int(os.environ.get("ATTNX_DIFF_CASES", "5000"))
+_KIND = os.environ.get("ATTNX_DIFF_KIND") or None  # "pointwise" or "row": one family only
 
 
 def _assert_passes(case: diff.Case, instances: int = 1) -> None:
@@ -111,7 +171,7 @@ def _assert_passes(case: diff.Case, instances: int = 1) -> None:
 @pytest.mark.differential
 @pytest.mark.parametrize("seed", range(_FIRST, _FIRST + -(-_COUNT // INSTANCES)))
 def test_random_case(seed):
-  _assert_passes(diff.draw(seed), INSTANCES)
+  _assert_passes(diff.draw(seed, _KIND), INSTANCES)
 
 
 @pytest.mark.parametrize("case", BRANCH_CASES, ids=lambda c: f"branch{c.seed}")

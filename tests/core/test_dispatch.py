@@ -16,6 +16,11 @@ from attnx import core
 KERNELS = set(core.weightings.POINTWISE_KERNELS)
 
 
+# A whole-row weighting without a streaming family (every built-in one has one).
+_STREAM_LESS = core.RowNormalizer(name="row_softmax",
+                                  fn=lambda s, w, ax: jax.nn.softmax(s, axis=ax, where=w))
+
+
 def _score_for(weighting: str) -> str:
   return "neg_sq_dist" if weighting.split(":")[0] in KERNELS else "scaled_dot"
 
@@ -128,7 +133,7 @@ class Weights(parameterized.TestCase):
       w = core.get_weighting(name)
       for shift in (0.5, 3.0):
         diff = float(jnp.max(jnp.abs(core.weights(s + shift, w) - core.weights(s, w))))
-        if w.online_max and w.denominator_offset == 0:  # softmax, exp, gaussian: all exp(αs)
+        if w.shift_invariant:  # softmax, exp, gaussian: all exp(αs)
           self.assertLess(diff, 1e-6, name)
         else:  # including softmax_plus_one, whose +1 breaks the invariance
           self.assertGreater(diff, 1e-3, f"{name} should not be shift invariant")
@@ -224,8 +229,8 @@ class Errors(parameterized.TestCase):
 
   def test_unsupported_combinations_say_what_to_use(self):
     q, kk, v, _, _ = _inputs(n=2, k=2)
-    with pytest.raises(ValueError, match=r"implementation='dense'"):
-      core.attention(q, kk, v, weighting="sparsemax", implementation="blocked")
+    with pytest.raises(ValueError, match=r"no streaming form.*implementation='dense'"):
+      core.attention(q, kk, v, weighting=_STREAM_LESS, implementation="blocked")
     params = dict(Wq=jnp.ones((8, 3)), Wk=jnp.ones((8, 3)), v=jnp.ones(3))
     with pytest.raises(ValueError, match=r"implementation='dense'"):
       core.attention(q, kk, v, score="additive", score_params=params, implementation="blocked")
@@ -408,8 +413,9 @@ class PallasDispatch(parameterized.TestCase):
     q, k, v = self._qkv()
     with pytest.raises(ValueError, match="interpret=True.*implementation='blocked'"):
       core.attention(q, k, v, implementation="pallas")
-    with pytest.raises(ValueError, match="cannot stream.*'pallas'.*implementation='dense'"):
-      core.attention(q, k, v, weighting="sparsemax", implementation="pallas")
+    with pytest.raises(ValueError,
+                       match="normalizes whole rows.*'pallas'.*implementation='dense'"):
+      core.attention(q, k, v, weighting=_STREAM_LESS, implementation="pallas")
     with pytest.raises(ValueError, match="return_weights.*implementation='dense'"):
       core.attention(q, k, v, implementation="pallas", interpret=True, return_weights=True)
 

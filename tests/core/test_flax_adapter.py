@@ -85,7 +85,8 @@ def test_unknown_weighting_fails_at_construction():
 
 @pytest.mark.parametrize("kwargs,match", [
     (dict(implementation="fast"), "Unknown implementation 'fast'"),
-    (dict(weighting="sparsemax", implementation="blocked"), "normalizes whole rows"),
+    (dict(weighting=core.RowNormalizer(name="row_softmax", fn=lambda s, w, ax: s),
+          implementation="blocked"), "no streaming form"),
     (dict(score="additive", implementation="blocked",
           score_params={"Wq": 1.0, "Wk": 1.0, "v": 1.0}), "not a dot product"),
     (dict(weighting="gaussian"), "is not a distance"),

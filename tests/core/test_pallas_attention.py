@@ -214,9 +214,13 @@ def test_cpu_needs_interpret_and_unsupported_combinations_name_the_alternative()
   if jax.default_backend() == "cpu":
     with pytest.raises(ValueError, match="interpret=True.*implementation='blocked'"):
       pa.pallas_attention(q, q, q, weighting=w, scale=1.0)
+  # A whole-row weighting without a streaming family (the built-in ones all have one:
+  # test_pallas_rows.py) runs dense only.
+  stream_less = wlib.RowNormalizer(name="rows", fn=lambda s, w, ax: jax.nn.softmax(s, axis=ax))
   with pytest.raises(ValueError, match="implementation='dense'"):
-    pa.pallas_attention(q, q, q, weighting=wlib.get_weighting("sparsemax"), scale=1.0)
-  assert "implementation='dense'" in pa.supported(wlib.get_weighting("entmax15"), backend="gpu")
+    pa.pallas_attention(q, q, q, weighting=stream_less, scale=1.0)
+  assert "implementation='dense'" in pa.supported(stream_less, backend="gpu")
+  assert pa.supported(wlib.get_weighting("entmax15"), backend="gpu") is None
   assert "blocked" in pa.supported(w, backend="gpu", dtype=np.float64)
   assert "blocked" in pa.supported(w, backend="tpu", dtype=jnp.float16)
   assert pa.supported(w, backend="gpu", dtype=jnp.float16) is None

@@ -95,11 +95,13 @@ class ScoresTest(parameterized.TestCase):
       out = core.attention(q, k, v, weighting=kernel, score="neg_sq_dist")
       self.assertTrue(bool(jnp.all(jnp.isfinite(out))))
     # Weightings that vanish for every s ≤ 0 give all-zero weights on a distance score.
-    for name in ("relu", "relu2", "power:p=3", "softpick"):
+    zero = core.list_weightings(zero_on_nonpositive=True)
+    self.assertTrue({"relu", "softpick"} <= set(zero), zero)
+    for name in [*zero, "power:p=3"]:
       for score in ("neg_sq_dist", "metric"):
         with self.assertRaisesRegex(ValueError, "every weight would be 0"):
           core.check_compatible(name, score)
-    for name in ("softmax", "sigmoid", "sparsemax", "elu_plus_one", "taylor_exp"):
+    for name in core.list_weightings(zero_on_nonpositive=False):
       core.check_compatible(name, "neg_sq_dist")
     with self.assertRaisesRegex(ValueError, "every weight would be 0"):
       core.attention(q, k, v, weighting="relu", score="neg_sq_dist")

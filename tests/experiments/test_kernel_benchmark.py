@@ -12,7 +12,7 @@ from experiments import kernel_benchmark as exp  # noqa: E402
 
 
 def test_presets_and_validation():
-  assert set(exp.PRESETS) == {"default", "quick", "tiny"}
+  assert set(exp.PRESETS) == {"default", "quick", "tiny", "rows"}
   assert exp.get_config().experiment == "kernel_benchmark"
   assert len(exp.get_config("quick").shapes.split(",")) == 3
   assert len(exp.get_config("default").shapes.split(",")) == 5

@@ -20,8 +20,9 @@ X = jax.random.normal(jax.random.PRNGKey(1), (2, 4, 8))
     (lambda: an.MultiHeadAttention(num_heads=4, num_kv_heads=3), "multiple of num_kv_heads"),
     (lambda: an.MultiHeadAttention(num_heads=2, score="additive", implementation="blocked"),
      "cannot stream"),
-    (lambda: an.MultiHeadAttention(num_heads=2, weighting="sparsemax",
-                                   implementation="blocked"), "normalizes whole rows"),
+    (lambda: an.MultiHeadAttention(num_heads=2, weighting=core.RowNormalizer(
+        name="row_softmax", fn=lambda s, w, ax: s), implementation="blocked"),
+     "no streaming form"),
     (lambda: an.MultiHeadAttention(num_heads=2, implementation="fast"), "Unknown implementation"),
     (lambda: an.MultiHeadAttention(num_heads=2, score="nope"), "Valid scores"),
     (lambda: an.LuongAttention(score="bilinear"), "unknown Luong score"),

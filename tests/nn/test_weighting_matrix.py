@@ -40,18 +40,15 @@ def _is_distance_kernel(w: str) -> bool:
 ALL = core.list_weightings()
 SIMILARITY = [w for w in ALL if not _is_distance_kernel(w)]  # for similarity-only scores
 NO_DERIVATIVE = ("boxcar",)  # F' = 0 almost everywhere: no gradient through the weights
-# Positive-part weightings vanish on scores ≤ 0, so on metric attention's −τ‖L(x − y)‖² every
-# weight would be 0: core.check_compatible rejects the pair (test below).
-ZERO_ON_NONPOSITIVE = ("power", "relu", "relu2", "softpick")
+# Weightings that vanish on scores ≤ 0 (relu, relu2, power, softpick) would give all-zero
+# weights on metric attention's −τ‖L(x − y)‖²: core.check_compatible rejects the pair (test below).
+ZERO_ON_NONPOSITIVE = core.list_weightings(zero_on_nonpositive=True)
 ON_DISTANCES = [w for w in ALL if w not in ZERO_ON_NONPOSITIVE]  # for distance scores
 
 
 def _normalized(w: str) -> bool:
-  """Weightings whose nonzero rows sum to exactly one."""
-  f = core.get_weighting(w)
-  if f.kind == "pointwise":
-    return f.normalization == "sum" and f.denominator_offset == 0.0
-  return core.parse_weighting_name(w)[0] in ("sparsemax", "entmax", "entmax15", "ssmax")
+  """Weightings whose nonzero rows sum to exactly one (the declared trait)."""
+  return core.get_weighting(w).traits["sums_to_one"]
 
 
 def _mha_score(w: str) -> str:

@@ -78,15 +78,16 @@ class Case:
     """The implementations this case runs; on a CPU the automatic choice replaces the
     dense or blocked call it is identical to."""
     w = wlib.get_weighting(self.weighting)
-    streaming = isinstance(w, wlib.Pointwise) and self.score != "additive"
-    auto_picks = ("blocked" if streaming and self.t * self.s >= dispatch.BLOCKED_MIN_SCORES
-                  else "dense")
+    streaming = dispatch.streams(w) and self.score != "additive"
+    auto_picks = ("blocked" if streaming and dispatch._choose_implementation(
+        None, w, core.get_score(self.score), self.t, self.s) == "blocked" else "dense")
     out = ["dense"] + (["blocked"] if streaming else [])
     if self.block_q is None and self.block_k is None or auto_picks == "dense":
       out[out.index(auto_picks)] = "auto"
     else:
       out.append("auto")
     small = max(self.t, self.s) <= PALLAS_MAX_LEN and self.b * self.n <= 8
+    # Pallas runs every streaming weighting: pointwise F and the whole-row families.
     if streaming and small and self.pallas != "none":
       out.append("pallas")
       if self.score in ("dot", "scaled_dot") and self.pallas == "both":
@@ -148,10 +149,12 @@ def _compatible_scores(weighting: str) -> list[str]:
   return out
 
 
-def draw(seed: int) -> Case:
-  """The random case of this seed (the same on every machine)."""
+def draw(seed: int, kind: str | None = None) -> Case:
+  """The random case of this seed (the same on every machine); ``kind`` ("pointwise" or
+  "row") draws the weighting from that family only."""
   rng = np.random.default_rng([20261125, seed])
-  weighting = str(rng.choice(WEIGHTINGS))
+  pool = [w for w in WEIGHTINGS if kind is None or wlib.get_weighting(w).kind == kind]
+  weighting = str(rng.choice(pool))
   scores = _compatible_scores(weighting)
   score = "scaled_dot" if "scaled_dot" in scores and rng.random() < 0.5 else str(
       rng.choice(scores))

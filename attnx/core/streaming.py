@@ -1,0 +1,615 @@
+"""Streaming states of the whole-row weightings: one definition per family, shared by kernels.
+
+A streaming kernel never holds a whole row of scores. It visits a row's keys tile by tile and
+keeps, per query row, a small state; this module says what that state is for each family of
+whole-row weighting (see ``docs/references.md``), as pure functions on one tile:
+
+* ``init(rows, hv)``: the state of a row that has seen no key;
+* ``update(state, z, valid, v, ctx)``: the state after one more key tile (z the [rows, keys]
+  float32 scores, ``valid`` the boolean tile, v the [keys, Hv] values); ``reverse`` families
+  (stick-breaking) must be fed the keys from the last one backwards;
+* ``merge(a, b)``: the state of two disjoint key ranges of the same rows (split-K, ring
+  attention); for ``reverse`` families ``a`` holds the later keys;
+* ``finalize(state, ctx)``: (output rows, the row statistics the backward needs);
+* ``tile_grad(...)``: the backward of one tile from the saved statistics: the weights (for dV),
+  dz (the cotangent of the scores) and the family's per-row carries.
+
+``ctx`` holds per-row constants that depend on the whole row but not on the values: the scale
+c_i = s·log n_i of SSMax, the threshold τ_i of sparsemax/entmax (found by
+:func:`entmax_threshold`, a few passes over the key tiles before the output pass).
+
+The families:
+
+* **ssmax** — softmax of c_i·z (Nakanishi 2025): the online softmax with a per-row scale.
+* **softpick** — relu(eᶻ − 1)/(Σ|eᶻ − 1| + ε) (Zuhri et al. 2025) with a running max m ≥ 0
+  (the e^{−m} of the "−1" rescales like e^{z−m}; m ≥ 0 keeps e^{−m} ≤ 1, exact).
+* **stick_breaking** — β = σ(z), keys visited from the last one backwards carrying
+  L = Σ log(1 − β) of the keys already visited (Tan et al. 2024); every log-weight is ≤ 0, so
+  no running max is needed.
+* **entmax** — α-entmax, sparsemax (α = 2) and 1.5-entmax: [x − τ]₊^{1/(α−1)} with
+  x = (α−1)·scale·z shifted by the row max, τ found by passes of Newton's method safeguarded
+  by bisection (Gonçalves et al. 2025, "AdaSplash"), then one output pass that also
+  accumulates Σu·v/Σu, u = p^{2−α}, the statistic of the backward.
+
+Masked keys (``valid`` False, or a score of −∞) contribute nothing: no weight, no
+denominator, no stick. NaN scores at valid keys make the row NaN, as in the dense weightings.
+
+The pointwise F stream with the two rules of :mod:`attnx.core.blocked`
+(:func:`online_max_update`, :func:`pointwise_update`, :func:`pointwise_merge`,
+:func:`pointwise_finalize`); the blocked kernel's causal triangle merges the raw states of its
+pieces with them. :class:`Ops` spells the few primitives a kernel language lacks (Pallas'
+Triton and Mosaic backends), so that every backend runs the same tile math.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from attnx.core.softplus import log_sigmoid_pair
+
+Array = jax.Array
+F32 = jnp.float32
+FAMILIES = ("ssmax", "softpick", "stick_breaking", "entmax")
+# Newton/bisection passes for the threshold: bisection alone reaches float32 resolution of
+# τ ∈ [−1, 0] in 25, and Newton's method needs ~4–8 where it applies.
+MAX_THRESHOLD_PASSES = 40
+_EXPM1_SAFE = 80.0  # e^80 is far from float32 overflow (e^88.7)
+
+
+@dataclasses.dataclass(frozen=True)
+class Ops:
+  """How the tile math spells the primitives that a kernel language lacks.
+
+  The defaults are the XLA forms the blocked kernel uses (:data:`XLA`); the Pallas kernels
+  (:mod:`attnx.core.pallas_rows`) pick alternatives that compute the same functions with other
+  rounding. With the default, every function that takes ``ops`` computes exactly (bit for bit)
+  what it computed before the argument existed.
+
+  Attributes:
+    cumsum_matmul: stick-breaking's reverse exclusive cumsum along a tile's keys as a float32
+      matmul (HIGHEST precision) with the strictly triangular 0/1 matrix: Triton lowers no
+      reverse cumsum, Mosaic no cumsum.
+    expm1: softpick's eᶻ − 1 by ``jnp.expm1`` (True), or from exp and log (Kahan's
+      (u − 1)·z / log u, u = eᶻ, within a few ulp): Mosaic lowers no expm1.
+    concat_pv: entmax's Σp·v and Σu·v as one matmul of the stacked rows [p; u] (True) or as
+      two: Triton concatenates only [..., 1] arrays.
+    all_rows: the threshold loop stops when every row is done, tested with ``jnp.all`` (True)
+      or as a float32 minimum (no boolean reductions: Triton).
+    sign: softpick's sign(z) by ``jnp.sign`` (True) or by comparisons (Mosaic's sign rule asks
+      the TPU for its generation, so it does not lower on a host without one).
+  """
+
+  cumsum_matmul: bool = False
+  expm1: bool = True
+  concat_pv: bool = True
+  all_rows: bool = True
+  sign: bool = True
+
+
+XLA = Ops()
+
+
+@dataclasses.dataclass(frozen=True)
+class RowStream:
+  """How a whole-row weighting streams: its family and parameters.
+
+  Attributes:
+    family: one of :data:`FAMILIES`.
+    s: SSMax's scale of log n (a learned per-head array can also be passed to the kernels).
+    eps: softpick's ε.
+    alpha: entmax's α (2 = sparsemax).
+    scale: entmax's multiplier of the scores (``"sparsemax:scale=2"``).
+    renormalize: divide the output by Σp (entmax by bisection, whose dense form does it);
+      sparsemax and 1.5-entmax end on the exact threshold of their support instead.
+  """
+
+  family: str
+  s: float = 1.0
+  eps: float = 1e-6
+  alpha: float = 2.0
+  scale: float = 1.0
+  renormalize: bool = False
+
+  def __post_init__(self):
+    if self.family not in FAMILIES:
+      raise ValueError(f"Unknown streaming family {self.family!r}; valid: {FAMILIES}")
+
+  @property
+  def reverse(self) -> bool:
+    """Whether key tiles must be visited from the last key backwards."""
+    return self.family == "stick_breaking"
+
+  @property
+  def needs_row_scale(self) -> bool:
+    """Whether the kernels need the per-row scale c_i = s·log n_i (SSMax)."""
+    return self.family == "ssmax"
+
+  @property
+  def needs_threshold(self) -> bool:
+    return self.family == "entmax"
+
+  @property
+  def num_stats(self) -> int:
+    """How many [rows] statistics :meth:`finalize` returns for the backward."""
+    return {"ssmax": 1, "softpick": 1, "stick_breaking": 1, "entmax": 3}[self.family]
+
+  @property
+  def saves_support_mean(self) -> bool:
+    """Whether the backward needs Σu·v/Σu ([rows, Hv]) besides the output (entmax)."""
+    return self.family == "entmax"
+
+
+def pv(p: Array, v: Array) -> Array:
+  """Σ_j p_ij v_j with float32 accumulation; p [..., rows, keys], v [..., keys, Hv]."""
+  return jnp.einsum("...qs,...sd->...qd", p.astype(v.dtype), v, preferred_element_type=F32)
+
+
+def _masked(z: Array, valid: Array, fill: float = 0.0) -> Array:
+  return jnp.where(valid, z, fill)
+
+
+# --------------------------------------------------------------------------------------------
+# Pointwise F (:class:`attnx.core.weightings.Pointwise` ``w``): the two streaming rules of
+# attnx.core.blocked. A raw state is (acc, stat): acc = Σ F·[V, 1] for "sum" (the last column
+# Σ F rides along in the matmul), Σ F·V otherwise; stat the running max m (online max), the
+# valid-key count ("length") or unused.
+# --------------------------------------------------------------------------------------------
+
+def online_max_update(acc: Array, m: Array, z: Array, valid: Array | None,
+                      v: Array) -> tuple[Array, Array]:
+  """One key tile of the online softmax (Milakov & Gimelshein 2018): rescale by e^{m_old − m}."""
+  if valid is not None:
+    z = jnp.where(valid, z, -jnp.inf)
+  m_new = jnp.maximum(m, jnp.max(z, axis=-1))
+  m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # fully masked so far: no shift
+  p = jnp.exp(z - m_use[..., None])
+  corr = jnp.exp(m - m_use)
+  return acc * corr[..., None] + _pv_tile(p, v), m_new
+
+
+def pointwise_update(w: Any, acc: Array, l: Array, s: Array, valid: Array | None, v: Array,
+                     num_keys: int) -> tuple[Array, Array]:
+  """One key tile of a pointwise F without a running max: acc += F·V (+ the valid-key count
+  for ``"length"``)."""
+  if valid is None:
+    f = w.fn(s, num_keys)
+  else:
+    # F never sees masked scores, so they cannot produce NaN/inf (or their gradients).
+    f = jnp.where(valid, w.fn(jnp.where(valid, s, 0.0), num_keys), 0.0)
+  acc = acc + _pv_tile(f, v)  # for "sum", the last column accumulates rowsum(F)
+  if w.normalization == "length" and valid is not None:
+    l = l + jnp.sum(jnp.broadcast_to(valid, f.shape), axis=-1, dtype=F32)
+  return acc, l
+
+
+def pointwise_merge(w: Any, a: tuple[Array, Array], b: tuple[Array, Array]) -> tuple[Array, Array]:
+  """Merges two raw states (acc, stat) of the same rows over disjoint key ranges."""
+  (acc_a, st_a), (acc_b, st_b) = a, b
+  if not w.online_max:
+    return acc_a + acc_b, st_a + st_b
+  m = jnp.maximum(st_a, st_b)
+  m_use = jnp.where(m == -jnp.inf, 0.0, m)
+  return (acc_a * jnp.exp(st_a - m_use)[..., None] + acc_b * jnp.exp(st_b - m_use)[..., None],
+          m)
+
+
+def pointwise_finalize(w: Any, acc: Array, st: Array) -> tuple[Array, Array]:
+  """A raw state -> (O, row statistic: lse for online max, the normalizer l otherwise), with
+  the denominator offset added (a virtual key of score 0)."""
+  norm = w.normalization
+  offset = float(w.denominator_offset)
+  if w.online_max:
+    hv = acc.shape[-1] - 1
+    acc, l, m = acc[..., :hv], acc[..., hv], st
+    if offset > 0:  # the virtual key of score 0
+      m_new = jnp.maximum(m, 0.0)
+      corr = jnp.exp(m - m_new)
+      acc, l, m = acc * corr[..., None], l * corr + offset * jnp.exp(-m_new), m_new
+    m = jnp.where(m == -jnp.inf, 0.0, m)
+    empty = l == 0
+    o = jnp.where(empty[..., None], 0.0, acc / jnp.where(empty, 1.0, l)[..., None])
+    return o, jnp.where(empty, jnp.inf, m + jnp.log(jnp.where(empty, 1.0, l)))
+  if norm == "none":
+    return acc, jnp.ones(st.shape, F32)
+  if norm == "sum":
+    hv = acc.shape[-1] - 1
+    acc, l = acc[..., :hv], acc[..., hv] + offset
+  else:
+    l = st
+  empty = l == 0
+  inv = jnp.where(empty, 0.0, 1.0 / jnp.where(empty, 1.0, l))
+  return acc * inv[..., None], l
+
+
+def _pv_tile(p: Array, v: Array) -> Array:
+  return jnp.einsum("xqs,xsd->xqd", p.astype(v.dtype), v, preferred_element_type=F32)
+
+
+# --------------------------------------------------------------------------------------------
+# SSMax and softpick: a running maximum.
+# --------------------------------------------------------------------------------------------
+
+class MaxState(NamedTuple):
+  acc: Array  # [rows, Hv] Σ weight·v, in units of e^{m}
+  l: Array  # [rows] the denominator's running sum, in the same units
+  m: Array  # [rows] the running maximum
+
+
+def _max_init(rows: tuple[int, ...], hv: int, m0: float) -> MaxState:
+  return MaxState(jnp.zeros(rows + (hv,), F32), jnp.zeros(rows, F32), jnp.full(rows, m0, F32))
+
+
+def _max_merge(a: MaxState, b: MaxState) -> MaxState:
+  m = jnp.maximum(a.m, b.m)
+  m_use = jnp.where(m == -jnp.inf, 0.0, m)
+  ca, cb = jnp.exp(a.m - m_use), jnp.exp(b.m - m_use)
+  return MaxState(a.acc * ca[..., None] + b.acc * cb[..., None], a.l * ca + b.l * cb, m)
+
+
+def _safe_div(acc: Array, l: Array) -> Array:
+  empty = l == 0
+  return jnp.where(empty[..., None], 0.0, acc / jnp.where(empty, 1.0, l)[..., None])
+
+
+def _ssmax_update(st: MaxState, z: Array, valid: Array, v: Array, c: Array) -> MaxState:
+  y = _masked(c[..., None] * _masked(z, valid), valid, -jnp.inf)
+  m_new = jnp.maximum(st.m, jnp.max(y, axis=-1))
+  m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # nothing valid yet: no shift
+  p = jnp.exp(y - m_use[..., None])
+  corr = jnp.exp(st.m - m_use)
+  return MaxState(st.acc * corr[..., None] + pv(p, v), st.l * corr + jnp.sum(p, axis=-1), m_new)
+
+
+def _ssmax_finalize(st: MaxState) -> tuple[Array, tuple[Array, ...]]:
+  m = jnp.where(st.m == -jnp.inf, 0.0, st.m)
+  empty = st.l == 0  # no valid key; a NaN l propagates
+  lse = jnp.where(empty, jnp.inf, m + jnp.log(jnp.where(empty, 1.0, st.l)))
+  return _safe_div(st.acc, st.l), (lse,)
+
+
+def _expm1(x: Array, ops: Ops) -> Array:
+  """eˣ − 1 (x ≤ 80): ``jnp.expm1``, or Kahan's (u − 1)·x / log u (u = eˣ) without expm1."""
+  if ops.expm1:
+    return jnp.expm1(x)
+  u = jnp.exp(x)
+  um1 = u - 1.0
+  exact = (um1 == 0.0) | (u == 0.0)  # x ≈ 0 (eˣ − 1 ≈ x) or eˣ = 0 (eˣ − 1 = −1)
+  ratio = um1 * x / jnp.log(jnp.where(exact, 2.0, u))
+  return jnp.where(exact, jnp.where(u == 0.0, -1.0, x), ratio)
+
+
+def _softpick_d(z: Array, valid: Array, m: Array, ops: Ops = XLA) -> Array:
+  """e^{−m}(eᶻ − 1) on valid keys (0 elsewhere), m ≥ max(0, z): with expm1 while it is exact."""
+  zv = _masked(z, valid)
+  mm = m[..., None]
+  small = mm < _EXPM1_SAFE
+  d_small = jnp.exp(-jnp.minimum(mm, _EXPM1_SAFE)) * _expm1(jnp.minimum(zv, _EXPM1_SAFE), ops)
+  d_large = jnp.exp(zv - mm) - jnp.exp(-mm)
+  return jnp.where(valid, jnp.where(small, d_small, d_large), 0.0)
+
+
+def _softpick_update(st: MaxState, z: Array, valid: Array, v: Array, ops: Ops = XLA) -> MaxState:
+  m_new = jnp.maximum(st.m, jnp.max(_masked(z, valid, -jnp.inf), axis=-1))  # m starts at 0
+  d = _softpick_d(z, valid, m_new, ops)
+  corr = jnp.exp(st.m - m_new)
+  return MaxState(st.acc * corr[..., None] + pv(jax.nn.relu(d), v),
+                  st.l * corr + jnp.sum(jnp.abs(d), axis=-1), m_new)
+
+
+def _softpick_finalize(st: MaxState, eps: float) -> tuple[Array, tuple[Array, ...]]:
+  denom = st.l + eps * jnp.exp(-st.m)
+  empty = denom == 0
+  lse = jnp.where(empty, jnp.inf, st.m + jnp.log(jnp.where(empty, 1.0, denom)))
+  return _safe_div(st.acc, denom), (lse,)
+
+
+# --------------------------------------------------------------------------------------------
+# Stick-breaking: the log of the remaining stick.
+# --------------------------------------------------------------------------------------------
+
+class StickState(NamedTuple):
+  acc: Array  # [rows, Hv] Σ A·v over the keys visited
+  log_rest: Array  # [rows] L = Σ log(1 − β) over the keys visited (≤ 0)
+
+
+def _reverse_exclusive_cumsum(x: Array, ops: Ops = XLA) -> Array:
+  """y_j = Σ_{l > j} x_l along the last axis (shifting the inclusive sum: no cancellation)."""
+  if ops.cumsum_matmul:  # x @ M, M_lj = 1 for l > j: a sum of the later terms, no cancellation
+    n = x.shape[-1]
+    later = (lax.broadcasted_iota(jnp.int32, (n, n), 0)
+             > lax.broadcasted_iota(jnp.int32, (n, n), 1)).astype(F32)
+    return jnp.dot(x.astype(F32), later, precision=lax.Precision.HIGHEST,
+                   preferred_element_type=F32)
+  incl = lax.cumsum(x, axis=x.ndim - 1, reverse=True)
+  return jnp.concatenate([incl[..., 1:], jnp.zeros_like(incl[..., :1])], axis=-1)
+
+
+def _stick_weights(z: Array, valid: Array, log_rest: Array,
+                   ops: Ops = XLA) -> tuple[Array, Array, Array]:
+  """(A, b, β) of one tile: b = log(1 − β) (0 at masked keys), A the weights given the stick
+  L left by the later tiles, β = σ(z)."""
+  log_beta, b, beta = log_sigmoid_pair(_masked(z, valid))
+  b = jnp.where(valid, b, 0.0)
+  log_a = log_beta + _reverse_exclusive_cumsum(b, ops) + log_rest[..., None]
+  return jnp.where(valid, jnp.exp(log_a), 0.0), b, beta
+
+
+def _stick_update(st: StickState, z: Array, valid: Array, v: Array,
+                  ops: Ops = XLA) -> StickState:
+  a, b, _ = _stick_weights(z, valid, st.log_rest, ops)
+  return StickState(st.acc + pv(a, v), st.log_rest + jnp.sum(b, axis=-1))
+
+
+def _stick_merge(later: StickState, earlier: StickState) -> StickState:
+  """Keys of ``later`` come after those of ``earlier``: they break the stick first."""
+  rest = jnp.exp(later.log_rest)
+  return StickState(later.acc + rest[..., None] * earlier.acc,
+                    later.log_rest + earlier.log_rest)
+
+
+# --------------------------------------------------------------------------------------------
+# Sparsemax and α-entmax: a threshold found by passes, then an output pass.
+# --------------------------------------------------------------------------------------------
+
+class Threshold(NamedTuple):
+  """Per-row constants of the entmax output pass: x' = (α−1)·scale·z − m, p = [x' − τ]₊^q."""
+  m: Array  # the row max of (α−1)·scale·z over valid keys (0 for an empty row)
+  tau: Array  # τ ∈ [−1, 0] in the shifted units
+  passes: Array  # int32 scalar: passes over the key tiles that found τ (max pass included)
+
+
+class EntmaxState(NamedTuple):
+  acc: Array  # [rows, Hv] Σ p·v
+  acc_u: Array  # [rows, Hv] Σ u·v, u = p^{2−α}
+  p_sum: Array  # [rows] Σ p
+  u_sum: Array  # [rows] Σ u
+
+
+def _exponent(alpha: float) -> float:
+  return 1.0 / (alpha - 1.0)
+
+
+def _powers(r: Array, alpha: float) -> tuple[Array, Array]:
+  """(p, u) = (r^q, r^{q−1}) for r ≥ 0, q = 1/(α−1) (u = p^{2−α} = dp/dy), 0 where r = 0
+  (NaN where r is NaN: a NaN score makes its row NaN)."""
+  pos = ~(r <= 0)
+  if alpha == 2.0:
+    return r, pos.astype(F32)
+  if alpha == 1.5:
+    return r * r, r
+  q = _exponent(alpha)
+  log_r = jnp.log(jnp.where(pos, r, 1.0))
+  return (jnp.where(pos, jnp.exp(q * log_r), 0.0), jnp.where(pos, jnp.exp((q - 1.0) * log_r), 0.0))
+
+
+def entmax_x(z: Array, valid: Array, rs: RowStream, m: Array | None = None) -> Array:
+  """x = (α−1)·scale·z on valid keys (−∞ elsewhere), minus the row max m if given."""
+  x = ((rs.alpha - 1.0) * rs.scale) * _masked(z, valid)
+  if m is not None:
+    x = x - m[..., None]
+  return _masked(x, valid, -jnp.inf)
+
+
+def entmax_threshold(tile_pass, rows: tuple[int, ...], rs: RowStream,
+                     ops: Ops = XLA) -> Threshold:
+  """τ of every row, from passes over its key tiles.
+
+  ``tile_pass(fn, init)`` folds ``fn(carry, z, valid) -> carry`` over the row block's key
+  tiles (any order) and returns the carry; each call is one pass over the keys.
+
+  Pass 1 finds the row max m (and the count n of valid keys), which brackets τ in
+  [−1, −n^{1−α}] after the shift. Each further pass evaluates f(τ) = Σ r^q − 1 (r = [x' − τ]₊)
+  and its derivative; the step is Newton's (for α = 2 it is Michelot's fixed point, exact once
+  the support is right), replaced by bisection whenever it would leave the bracket. For α ≤ 2
+  f is convex and Newton's method started at the left end approaches τ from below, never
+  overshooting; for α > 2 it is concave and we start at the right end. Rows stop when the
+  step is below float32 resolution; sparsemax and 1.5-entmax then take one exact step on
+  their support (the closed form of Peters et al. 2019).
+  """
+  alpha = rs.alpha
+  q = _exponent(alpha)
+
+  def max_fn(c, z, valid):
+    m, n = c
+    x = entmax_x(z, valid, rs)
+    return jnp.maximum(m, jnp.max(x, axis=-1)), n + jnp.sum(valid, axis=-1, dtype=F32)
+
+  m, n = tile_pass(max_fn, (jnp.full(rows, -jnp.inf, F32), jnp.zeros(rows, F32)))
+  empty = n == 0
+  m = jnp.where(empty, 0.0, m)  # NaN stays NaN: the row's output is NaN
+  lo = jnp.full(rows, -1.0, F32)
+  hi = -jnp.exp((1.0 - alpha) * jnp.log(jnp.maximum(n, 1.0)))  # −n^{1−α}: Σp ≤ 1 there
+  tau0 = lo if alpha <= 2.0 else hi
+
+  def sums_fn(tau):
+    def fn(c, z, valid):
+      r = jnp.maximum(entmax_x(z, valid, rs, m) - tau[..., None], 0.0)
+      p, u = _powers(r, alpha)
+      s1 = r if alpha == 1.5 else u  # Newton's f' / (−q): Σ r^{q−1}
+      return (c[0] + jnp.sum(p, axis=-1), c[1] + jnp.sum(s1, axis=-1),
+              c[2] + jnp.sum((r > 0).astype(F32), axis=-1))
+    zero = jnp.zeros(rows, F32)
+    return tile_pass(fn, (zero, zero, zero))
+
+  tol = 2.0 ** -23
+
+  def step(tau, lo, hi, sums):
+    f_plus1, d, cnt = sums
+    f = f_plus1 - 1.0
+    lo = jnp.where(f >= 0, tau, lo)
+    hi = jnp.where(f <= 0, tau, hi)
+    newton = tau + f / (q * jnp.where(d > 0, d, 1.0))
+    ok = (d > 0) & (newton >= lo) & (newton <= hi)
+    new = jnp.where(ok, newton, 0.5 * (lo + hi))
+    done = (jnp.abs(new - tau) <= tol) | (f == 0) | empty | jnp.isnan(f)
+    return new, lo, hi, done, cnt
+
+  def cond(c):
+    if ops.all_rows:
+      return (c[0] < MAX_THRESHOLD_PASSES) & ~jnp.all(c[4])
+    return (c[0] < MAX_THRESHOLD_PASSES) & (jnp.min(c[4].astype(F32)) == 0.0)
+
+  def body(c):
+    it, tau, lo, hi, _ = c
+    new, lo, hi, done, _ = step(tau, lo, hi, sums_fn(tau))
+    return it + 1, jnp.where(done, tau, new), lo, hi, done
+
+  it, tau, _, _, _ = lax.while_loop(
+      cond, body, (jnp.int32(1), tau0, lo, hi, jnp.zeros(rows, bool)))
+  if alpha in (1.5, 2.0):
+    # One exact step on the support: the closed form given which keys have p > 0.
+    f_plus1, d, cnt = sums_fn(tau)
+    it = it + 1
+    cnt = jnp.where(cnt > 0, cnt, 1.0)
+    if alpha == 2.0:
+      delta = (f_plus1 - 1.0) / cnt  # Σ_S (r − δ) = 1 (p = r)
+    else:  # Σ_S (r − δ)² = 1, the smaller root, written without cancellation
+      s1 = d
+      disc = jnp.maximum(s1 * s1 - cnt * (f_plus1 - 1.0), 0.0)
+      delta = (f_plus1 - 1.0) / jnp.where(s1 + jnp.sqrt(disc) > 0, s1 + jnp.sqrt(disc), 1.0)
+    tau = jnp.where(empty, tau, tau + delta)
+  return Threshold(m, tau, it)
+
+
+def _entmax_update(st: EntmaxState, z: Array, valid: Array, v: Array, th: Threshold,
+                   rs: RowStream, ops: Ops = XLA) -> EntmaxState:
+  r = jnp.maximum(entmax_x(z, valid, rs, th.m) - th.tau[..., None], 0.0)
+  p, u = _powers(r, rs.alpha)
+  if not ops.concat_pv:
+    return EntmaxState(st.acc + pv(p, v), st.acc_u + pv(u, v), st.p_sum + jnp.sum(p, axis=-1),
+                       st.u_sum + jnp.sum(u, axis=-1))
+  rows = p.shape[-2]
+  both = pv(jnp.concatenate([p, u], axis=-2), v)  # one matmul for Σp·v and Σu·v
+  return EntmaxState(st.acc + both[..., :rows, :], st.acc_u + both[..., rows:, :],
+                     st.p_sum + jnp.sum(p, axis=-1), st.u_sum + jnp.sum(u, axis=-1))
+
+
+def _entmax_finalize(st: EntmaxState, th: Threshold,
+                     rs: RowStream) -> tuple[Array, tuple[Array, ...], Array]:
+  o = _safe_div(st.acc, st.p_sum) if rs.renormalize else st.acc
+  support_mean = _safe_div(st.acc_u, st.u_sum)
+  norm = st.p_sum if rs.renormalize else jnp.ones_like(st.p_sum)
+  return o, (th.m, th.tau, norm), support_mean
+
+
+# --------------------------------------------------------------------------------------------
+# The family interface the kernels call.
+# --------------------------------------------------------------------------------------------
+
+def init(rs: RowStream, rows: tuple[int, ...], hv: int) -> Any:
+  """The state of rows that have seen no key."""
+  if rs.family == "ssmax":
+    return _max_init(rows, hv, -jnp.inf)
+  if rs.family == "softpick":
+    return _max_init(rows, hv, 0.0)  # m ≥ 0 keeps e^{−m} ≤ 1
+  if rs.family == "stick_breaking":
+    return StickState(jnp.zeros(rows + (hv,), F32), jnp.zeros(rows, F32))
+  zero = jnp.zeros(rows, F32)
+  return EntmaxState(jnp.zeros(rows + (hv,), F32), jnp.zeros(rows + (hv,), F32), zero, zero)
+
+
+def update(rs: RowStream, state: Any, z: Array, valid: Array, v: Array, ctx: Any,
+           ops: Ops = XLA) -> Any:
+  """The state after one more key tile (see the module docstring)."""
+  if rs.family == "ssmax":
+    return _ssmax_update(state, z, valid, v, ctx)
+  if rs.family == "softpick":
+    return _softpick_update(state, z, valid, v, ops)
+  if rs.family == "stick_breaking":
+    return _stick_update(state, z, valid, v, ops)
+  return _entmax_update(state, z, valid, v, ctx, rs, ops)
+
+
+def merge(rs: RowStream, a: Any, b: Any) -> Any:
+  """The state of the union of two disjoint key ranges (``a`` the later keys if reverse)."""
+  if rs.family in ("ssmax", "softpick"):
+    return _max_merge(a, b)
+  if rs.family == "stick_breaking":
+    return _stick_merge(a, b)
+  return EntmaxState(*(x + y for x, y in zip(a, b, strict=True)))
+
+
+def finalize(rs: RowStream, state: Any, ctx: Any) -> tuple[Array, tuple[Array, ...], Array | None]:
+  """(output rows [rows, Hv], row statistics, Σu·v/Σu or None) of a finished state."""
+  if rs.family == "ssmax":
+    return (*_ssmax_finalize(state), None)
+  if rs.family == "softpick":
+    return (*_softpick_finalize(state, rs.eps), None)
+  if rs.family == "stick_breaking":
+    return state.acc, (state.log_rest,), None
+  return _entmax_finalize(state, ctx, rs)
+
+
+class GradCarry(NamedTuple):
+  """Per-row sums the backward carries across key tiles (zeros where a family has none)."""
+  a: Array  # stick-breaking: L of the keys visited; SSMax: dc = Σ z·dy
+  b: Array  # stick-breaking: Σ A·dP over the keys visited
+
+
+def tile_grad(rs: RowStream, z: Array, valid: Array, dp: Array, stats: tuple[Array, ...],
+              delta: Array, carry: GradCarry, ctx: Any, ops: Ops = XLA,
+              weights_dtype: Any = None) -> tuple[Array, Array, GradCarry]:
+  """The backward of one tile: (weights p, dz = ∂loss/∂z, carry).
+
+  ``dp`` = dO·vᵀ on the tile; ``stats`` the row statistics of :func:`finalize`; ``delta`` the
+  per-row δ_i: dO_i·O_i, or dO_i·(Σu·v/Σu)_i for entmax; ``ctx`` as in :func:`update`;
+  ``weights_dtype`` the dtype the forward rounded the weights to before its P·V matmul (v's).
+  """
+  row = lambda a: a[..., None]
+  if rs.family == "ssmax":
+    (lse,) = stats
+    zv = _masked(z, valid)
+    y = _masked(row(ctx) * zv, valid, -jnp.inf)
+    p = jnp.exp(y - row(lse))
+    dy = jnp.where(valid, p * (dp - row(delta)), 0.0)
+    return p, row(ctx) * dy, GradCarry(carry.a + jnp.sum(zv * dy, axis=-1), carry.b)
+  if rs.family == "softpick":
+    (lse,) = stats
+    zv = _masked(z, valid)
+    e = jnp.where(valid, jnp.exp(zv - row(lse)), 0.0)
+    small = zv < _EXPM1_SAFE
+    p = jnp.where(small, jnp.exp(-row(lse)) * _expm1(jnp.minimum(zv, _EXPM1_SAFE), ops),
+                  e - jnp.exp(-row(lse)))
+    p = jnp.where(valid, jax.nn.relu(p), 0.0)
+    sign = (jnp.sign(zv) if ops.sign
+            else jnp.where(zv > 0, 1.0, jnp.where(zv < 0, -1.0, zv)))  # zv: ±0 and NaN
+    dz = e * (jnp.where(zv > 0, dp, 0.0) - sign * row(delta))
+    return p, jnp.where(valid, dz, 0.0), carry
+  if rs.family == "stick_breaking":
+    a, b, beta = _stick_weights(z, valid, carry.a, ops)
+    # δ = dO·O sums the weights as the forward's P·V saw them (rounded to v's dtype): round
+    # them the same way here, or δ − Σ_{j > k} a_j cancels to the rounding error of 16-bit
+    # weights (Tan et al.'s and flash-linear-attention's kernels take c_i = ⟨dO, O⟩ likewise).
+    a_seen = a if weights_dtype in (None, F32) else a.astype(weights_dtype).astype(F32)
+    ad = a_seen * dp
+    # dz_k = a_k − σ(z_k)·Σ_{j ≤ k} a_j, and Σ_{j ≤ k} a_j = δ − Σ_{j > k} a_j (δ = dO·O).
+    later = _reverse_exclusive_cumsum(ad, ops) + row(carry.b)
+    dz = ad - beta * (row(delta) - later)
+    return a, jnp.where(valid, dz, 0.0), GradCarry(carry.a + jnp.sum(b, axis=-1),
+                                                   carry.b + jnp.sum(ad, axis=-1))
+  m, tau, norm = stats
+  r = jnp.maximum(entmax_x(z, valid, rs, m) - row(tau), 0.0)
+  p, u = _powers(r, rs.alpha)
+  if rs.renormalize:  # p̂ = p/Σp and u = p̂^{2−α}
+    inv = jnp.where(norm > 0, 1.0 / jnp.where(norm > 0, norm, 1.0), 0.0)
+    p = p * row(inv)
+    u = u * row(jnp.exp((2.0 - rs.alpha) * jnp.log(jnp.where(norm > 0, inv, 1.0))))
+  dz = rs.scale * u * (dp - row(delta))
+  return p, jnp.where(valid, dz, 0.0), carry
+
+
+def row_scale(rs: RowStream, n_valid: Array, s: Array | float | None = None) -> Array:
+  """SSMax's c_i = s·log max(n_i, 1) from the count of valid keys per row."""
+  s = rs.s if s is None else s
+  return jnp.asarray(s, F32) * jnp.log(jnp.maximum(n_valid.astype(F32), 1.0))
+
+
+__all__ = ["FAMILIES", "MAX_THRESHOLD_PASSES", "XLA", "EntmaxState", "GradCarry", "MaxState",
+           "Ops", "RowStream", "StickState", "Threshold", "entmax_threshold", "entmax_x",
+           "finalize", "init", "merge", "online_max_update", "pointwise_finalize",
+           "pointwise_merge", "pointwise_update", "pv", "row_scale", "tile_grad", "update"]

@@ -1,0 +1,439 @@
+"""attnx.core.blocked_rows: the blocked kernel of the whole-row weightings against the dense ones.
+
+``attention(..., implementation="blocked")`` runs SSMax (Nakanishi 2025, "Scalable-Softmax Is
+Superior for Attention"), softpick (Zuhri et al. 2025, "Softpick: No Attention Sink, No Massive
+Activations with Rectified Softmax"), stick-breaking (Tan et al. 2024, "Scaling Stick-Breaking
+Attention: An Efficient Implementation and In-depth Study"), sparsemax (Martins & Astudillo
+2016, "From Softmax to Sparsemax") and α-entmax (Peters, Niculae & Martins 2019, "Sparse
+Sequence-to-Sequence Models") tile by tile; ``implementation="dense"`` materializes the weights
+and is the reference here: outputs and the gradients of q, k, v, bias and the scale.
+
+Tiles are small (16 query rows, 24 keys) and the lengths no multiple of them, so every row
+crosses several ragged key tiles. Compilation dominates the runtime: each (case, weighting) is
+one jitted program of both implementations, cached, and the tests index its results.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from attnx import core
+from attnx.core import blocked as blocked_lib
+from attnx.core import streaming
+from attnx.core import weightings as wlib
+from attnx.core.blocked_rows import blocked_row_attention, threshold_passes
+
+BASE = ["ssmax", "softpick", "stick_breaking", "sparsemax", "entmax15", "entmax:alpha=1.3",
+        "entmax:alpha=3"]
+VARIANTS = ["ssmax:s=0.5", "softpick:eps=1e-3", "sparsemax:scale=2"]
+ALL = BASE + VARIANTS
+SIMPLEX = ["sparsemax", "entmax15", "entmax:alpha=1.3", "entmax:alpha=3", "sparsemax:scale=2"]
+BQ, BK = 16, 24
+SCALE = 0.5
+H = 8
+
+# name: (B, T, S, N, K, causal, bias shape or None, mask kind or None, fully masked (b, t) rows)
+CASES = {
+    # GQA, a [B, 1, T, S] mask that empties query 3 of batch 0, a per-head bias.
+    "full": (2, 37, 53, 4, 2, False, (1, 4, 37, 53), "rows", [(0, 3)]),
+    # Causal with more queries than keys, a key mask (key 0 masked: query 0 sees no key) and
+    # a bias shared by the heads.
+    "causal_t_gt_s": (1, 61, 53, 4, 2, True, (1, 1, 61, 53), "keys", [(0, 0)]),
+    # Causal with more keys than queries, no mask and no bias (the kernel's plain path).
+    "causal_t_lt_s": (2, 37, 77, 2, 2, True, None, None, []),
+}
+CASE_NAMES = [("full", n) for n in ALL] + [(c, n) for c in ("causal_t_gt_s", "causal_t_lt_s")
+                                           for n in BASE]
+
+# Tolerances: values ≤ VALUE_TOL · max(1, |dense|) elementwise, gradients ≤ GRAD_TOL · max |dense
+# gradient|. Measured on these cases: values ≤ 1.0e-6, gradients ≤ 5.2e-5 (stick-breaking's
+# d scale; the others ≤ 2e-5). α = 3 entmax has dp/dz ∝ p^{2−α} = p^{−1}, unbounded at the
+# edge of the support, so float32 rounding of a score near the threshold τ is amplified:
+# measured values 2.3e-4 · max(1, |ref|) (causal_t_gt_s; against the float64 reference of
+# support.reference the blocked kernel is off by 1.8e-4 there and dense by 5.1e-5) and
+# gradients ≤ 2.3e-5.
+VALUE_TOL, GRAD_TOL = 1e-5, 1e-4
+LOOSE = {"entmax:alpha=3": (5e-4, 2e-4)}
+NAN_ROW = (0, 7, 1)  # (batch, query, head) whose q holds a NaN in the NaN tests
+NAN_KEY = 5  # a key masked for every query ("full" case), whose value holds a NaN there
+
+
+def _bf16_exact(x):
+  """f32 values that bf16 represents exactly: the bf16 test reuses the f32 dense results."""
+  return np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32))
+
+
+@functools.cache
+def _inputs(case, seed=0):
+  b, t, s, n, kh, _, bias_shape, mask_kind, empty = CASES[case]
+  rng = np.random.default_rng(seed)
+  normal = lambda *shape: rng.standard_normal(shape).astype(np.float32)
+  q, k = _bf16_exact(normal(b, t, n, H)), _bf16_exact(normal(b, s, kh, H))
+  # The last value column is 1: its output is Σ_j p_ij, which is 1 for the simplex families.
+  v = _bf16_exact(np.concatenate([normal(b, s, kh, H - 1), np.ones((b, s, kh, 1), np.float32)],
+                                 axis=-1))
+  bias = None if bias_shape is None else normal(*bias_shape)
+  mask = None
+  if mask_kind == "rows":
+    mask = rng.random((b, 1, t, s)) < 0.7
+    mask[..., NAN_KEY] = False  # a key no query attends (see the NaN tests)
+  elif mask_kind == "keys":
+    mask = rng.random((1, 1, 1, s)) < 0.8
+    mask[..., 0] = False
+  for bi, ti in empty:
+    if mask_kind == "rows":
+      mask[bi, :, ti, :] = False
+  ct = normal(b, t, n, H)
+  return q, k, v, bias, mask, ct
+
+
+def _attention(impl, name, case, mask):
+  causal = CASES[case][5]
+  return lambda q, k, v, bias, scale: core.attention(
+      q, k, v, bias, mask, weighting=name, scale=scale, is_causal=causal, implementation=impl,
+      block_q=BQ, block_k=BK)
+
+
+def _out_and_grads(attn, q, k, v, bias, ct, scale):
+  """Output and the gradients of ⟨out, ct⟩ for q, k, v, bias (if any) and the scale."""
+  def f(q, k, v, bias, scale):
+    o = attn(q, k, v, bias, scale)
+    return jnp.sum(o.astype(jnp.float32) * ct), o
+  args = (q, k, v, bias, scale)
+  argnums = (0, 1, 2, 3, 4) if bias is not None else (0, 1, 2, 4)
+  (_, o), g = jax.value_and_grad(f, argnums=argnums, has_aux=True)(*args)
+  return o, g
+
+
+@functools.cache
+def _case(case, name):
+  q, k, v, bias, mask, ct = _inputs(case)
+
+  @jax.jit
+  def run(q, k, v, bias, ct, scale):
+    return (_out_and_grads(_attention("blocked", name, case, mask), q, k, v, bias, ct, scale),
+            _out_and_grads(_attention("dense", name, case, mask), q, k, v, bias, ct, scale))
+
+  return jax.device_get(run(q, k, v, bias, ct, jnp.float32(SCALE)))
+
+
+def _check_values(got, want, tol, what=""):
+  got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+  assert got.shape == want.shape, (what, got.shape, want.shape)
+  assert np.all(np.isfinite(got)), f"non-finite {what}"
+  err = np.max(np.abs(got - want) / np.maximum(1.0, np.abs(want)), initial=0.0)
+  assert err <= tol, f"{what}: {err:.2e} > {tol:.0e}"
+
+
+def _check_grad(got, want, tol, what=""):
+  got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+  assert got.shape == want.shape, (what, got.shape, want.shape)
+  assert np.all(np.isfinite(got)), f"non-finite {what}"
+  scale = float(np.max(np.abs(want)))
+  assert scale > 0, what
+  err = float(np.max(np.abs(got - want))) / scale
+  assert err <= tol, f"{what}: {err:.2e} > {tol:.0e}"
+
+
+@pytest.mark.parametrize("case,name", CASE_NAMES)
+def test_blocked_matches_dense(case, name):
+  (ob, gb), (od, gd) = _case(case, name)
+  value_tol, grad_tol = LOOSE.get(name, (VALUE_TOL, GRAD_TOL))
+  _check_values(ob, od, value_tol, "out")
+  labels = ("q", "k", "v", "bias", "scale") if CASES[case][6] else ("q", "k", "v", "scale")
+  for label, g, w in zip(labels, gb, gd, strict=True):
+    _check_grad(g, w, grad_tol, f"d{label}")
+  for bi, ti in CASES[case][8]:  # a row with no valid key: zero output, no gradient to q
+    np.testing.assert_array_equal(ob[bi, ti], 0.0)
+    np.testing.assert_array_equal(gb[0][bi, ti], 0.0)
+  if name in SIMPLEX:  # the ones column: Σ_j p_ij = 1 on every row with a valid key
+    sums = np.asarray(ob[..., -1], np.float64)
+    has_key = np.ones(sums.shape, bool)
+    for bi, ti in CASES[case][8]:
+      has_key[bi, ti] = False
+    np.testing.assert_allclose(sums[has_key], 1.0, atol=1e-5)
+
+
+def test_cases_cover_several_ragged_tiles_per_row():
+  for _, t, s, *_ in CASES.values():
+    assert t % BQ and s % BK and s > 2 * BK and t > BQ
+  assert CASES["causal_t_gt_s"][1] > CASES["causal_t_gt_s"][2]
+  assert CASES["causal_t_lt_s"][1] < CASES["causal_t_lt_s"][2]
+
+
+# --------------------------------------------------------------------------------------------
+# bfloat16: the blocked kernel on bf16 inputs against the f32 dense results on the same values.
+# --------------------------------------------------------------------------------------------
+
+BF16_TOL = 3e-2  # values ≤ 3e-2 · max(1, |ref|): bf16 output (2⁻⁸) and bf16 weights in P·V
+
+
+@functools.cache
+def _bf16(name):
+  q, k, v, bias, mask, _ = _inputs("full")
+  f = jax.jit(lambda q, k, v: _attention("blocked", name, "full", mask)(q, k, v, bias, SCALE))
+  return jax.device_get(f(*(jnp.asarray(x, jnp.bfloat16) for x in (q, k, v))))
+
+
+@pytest.mark.parametrize("name", BASE)
+def test_bf16_close_to_f32_dense(name):
+  got = _bf16(name)
+  assert got.dtype == jnp.bfloat16
+  (_, _), (want, _) = _case("full", name)  # dense f32 on the same (bf16-exact) inputs
+  _check_values(np.asarray(got, np.float32), want, BF16_TOL, name)
+  np.testing.assert_array_equal(np.asarray(got, np.float32)[0, 3], 0.0)
+
+
+# --------------------------------------------------------------------------------------------
+# The edge-case contract (attnx.core.contract), identical to dense.
+# --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("t,s", [(0, 7), (5, 0), (0, 0)])
+@pytest.mark.parametrize("name", ALL)
+def test_empty_sequences_give_zeros(name, t, s):
+  rng = np.random.default_rng(0)
+  q = rng.standard_normal((2, t, 4, H)).astype(np.float32)
+  k = rng.standard_normal((2, s, 2, H)).astype(np.float32)
+  v = rng.standard_normal((2, s, 2, 3)).astype(np.float32)
+  for impl in ("blocked", "dense"):
+    f = lambda q, k, v, impl=impl: core.attention(q, k, v, weighting=name, is_causal=True,
+                                                  implementation=impl, block_q=BQ, block_k=BK)
+    out, grads = jax.value_and_grad(lambda *a, f=f: jnp.sum(f(*a)), argnums=(0, 1, 2))(q, k, v)
+    np.testing.assert_array_equal(out, 0.0)
+    assert f(q, k, v).shape == (2, t, 4, 3)
+    for g, x in zip(grads, (q, k, v), strict=True):
+      assert g.shape == x.shape
+      np.testing.assert_array_equal(g, 0.0)
+  direct = blocked_row_attention(q, k, v, weighting=wlib.get_weighting(name), scale=SCALE)
+  assert direct.shape == (2, t, 4, 3)
+  np.testing.assert_array_equal(direct, 0.0)
+
+
+@functools.cache
+def _nan(name):
+  """The blocked outputs of three copies of the "full" inputs stacked on the batch axis (one
+  program): clean, a NaN in q of NAN_ROW, a NaN in the value of the masked key NAN_KEY."""
+  q, k, v, bias, mask, _ = _inputs("full")
+  assert not mask[..., NAN_KEY].any()
+  q_nan, v_nan = q.copy(), v.copy()
+  q_nan[NAN_ROW + (2,)] = np.nan
+  v_nan[0, NAN_KEY, 1, 0] = np.nan
+  qs, vs = np.concatenate([q, q_nan, q]), np.concatenate([v, v, v_nan])
+  ks, masks = np.concatenate([k] * 3), np.concatenate([mask] * 3)
+  run = jax.jit(lambda q, k, v: _attention("blocked", name, "full", masks)(q, k, v, bias, SCALE))
+  return np.split(jax.device_get(run(qs, ks, vs)), 3)
+
+
+NAN_NAMES = BASE
+
+
+# The contract (attnx.core.contract), which dense keeps (tests/core/test_contract.py): row i of
+# the output is all NaN iff q_i holds a NaN (and the row has a valid key); a masked key's value
+# is never touched.
+@pytest.mark.parametrize("name", NAN_NAMES)
+def test_nan_in_q_touches_only_its_row(name):
+  clean, nan_q, _ = _nan(name)
+  expected = np.zeros(clean.shape, bool)
+  expected[NAN_ROW] = True
+  np.testing.assert_array_equal(np.isnan(nan_q), expected)
+  np.testing.assert_array_equal(nan_q[~expected], clean[~expected])
+
+
+@pytest.mark.parametrize("name", BASE)
+def test_nan_value_of_a_masked_key_changes_nothing(name):
+  clean, _, nan_v = _nan(name)
+  (_, _), (dense, _) = _case("full", name)  # the same inputs, without the NaN
+  _check_values(clean, dense, LOOSE.get(name, (VALUE_TOL,))[0])
+  np.testing.assert_array_equal(nan_v, clean)
+
+
+ALL_MASKED_NAMES = ["entmax15"]
+
+
+@functools.cache
+def _all_masked():
+  q, k, v, bias, _, ct = _inputs("full")
+  mask = np.zeros((1, 1, 1, k.shape[1]), bool)
+
+  @jax.jit
+  def run(q, k, v, bias, ct):
+    return {name: _out_and_grads(_attention("blocked", name, "full", mask), q, k, v, bias, ct,
+                                 jnp.float32(SCALE)) for name in ALL_MASKED_NAMES}
+
+  return jax.device_get(run(q, k, v, bias, ct))
+
+
+@pytest.mark.parametrize("name", ALL_MASKED_NAMES)
+def test_fully_masked_gives_zero_output_and_zero_grads(name):
+  # Every row empty (the main cases check single empty rows for every weighting).
+  out, grads = _all_masked()[name]
+  np.testing.assert_array_equal(out, 0.0)
+  for g in grads:
+    assert np.all(np.isfinite(g))
+    np.testing.assert_array_equal(g, 0.0)
+
+
+# --------------------------------------------------------------------------------------------
+# SSMax with a learned s per head.
+# --------------------------------------------------------------------------------------------
+
+def _ssmax_dense(q, k, v, bias, mask, s, causal):
+  """softmax((s_n · log n_i) · z) by core.ssmax on the whole [B, N, T, S] scores."""
+  g = q.shape[2] // k.shape[2]
+  kk, vv = jnp.repeat(k, g, axis=2), jnp.repeat(v, g, axis=2)
+  z = jnp.einsum("btnh,bsnh->bnts", q, kk) * SCALE + bias
+  t, sl = q.shape[1], k.shape[1]
+  valid = jnp.ones((1, 1, t, sl), bool) & mask
+  if causal:
+    valid = valid & jnp.tril(jnp.ones((t, sl), bool))
+  p = core.ssmax(z, where=valid, s=s[:, None, None])
+  return jnp.einsum("bnts,bsnh->btnh", p, vv)
+
+
+def _ssmax_learned(case, causal):
+  q, k, v, bias, mask, ct = _inputs(case)
+  if mask is None:
+    mask = np.ones((1, 1, 1, k.shape[1]), bool)
+  s = jnp.asarray([0.5, 1.0, 1.7, 2.5][:q.shape[2]], jnp.float32)
+  w = wlib.get_weighting("ssmax")
+  blocked = lambda q, k, v, bias, s: blocked_row_attention(
+      q, k, v, weighting=w, scale=SCALE, bias=bias, mask=mask, is_causal=causal, block_q=BQ,
+      block_k=BK, ssmax_s=s)
+  dense = lambda q, k, v, bias, s: _ssmax_dense(q, k, v, bias, mask, s, causal)
+
+  @jax.jit
+  def run(q, k, v, bias, s):
+    res = []
+    for f in (blocked, dense):
+      loss = lambda *a, f=f: jnp.sum(f(*a) * ct)
+      res.append((f(q, k, v, bias, s), jax.grad(loss, argnums=(0, 1, 2, 3, 4))(q, k, v, bias, s)))
+    return res
+
+  return jax.device_get(run(q, k, v, bias, s))
+
+
+@pytest.mark.parametrize("case,causal,chunk", [("full", False, None), ("full", True, 1)])
+def test_ssmax_learned_s_gradient(case, causal, chunk, monkeypatch):
+  if chunk is not None:  # a small tile budget: one (batch, kv head) row per chunk of heads
+    b, _, _, n, kh = CASES[case][:5]
+    monkeypatch.setattr(blocked_lib, "TILE_BUDGET", chunk * (n // kh) * BQ * BK)
+    assert blocked_lib.heads_per_chunk(b, kh, n // kh, BQ, BK) == chunk < b * kh
+  (ob, gb), (od, gd) = _ssmax_learned(case, causal)
+  _check_values(ob, od, VALUE_TOL, "out")
+  for label, g, w in zip(("q", "k", "v", "bias", "s"), gb, gd, strict=True):
+    _check_grad(g, w, GRAD_TOL, f"d{label}")
+  assert gb[4].shape == (4,) and np.all(np.abs(gd[4]) > 1e-3)  # every head's s matters
+
+
+# --------------------------------------------------------------------------------------------
+# Chunks of heads for the family with the most row statistics (entmax by bisection: 3, and
+# Σu·v/Σu); SSMax's per-row scale is chunked in test_ssmax_learned_s_gradient.
+# --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["entmax:alpha=1.3"])
+def test_chunks_of_heads_match_dense(name, monkeypatch):
+  b, _, _, n, kh = CASES["full"][:5]
+  monkeypatch.setattr(blocked_lib, "TILE_BUDGET", (n // kh) * BQ * BK)
+  assert blocked_lib.heads_per_chunk(b, kh, n // kh, BQ, BK) == 1
+  q, k, v, bias, mask, ct = _inputs("full")
+  bias = bias[:, :1]  # [1, 1, T, S]: broadcast over batch and heads
+  run = lambda impl: jax.jit(lambda *a: _out_and_grads(
+      _attention(impl, name, "full", mask), *a, jnp.float32(SCALE)))(q, k, v, bias, ct)
+  (ob, gb), (od, gd) = run("blocked"), run("dense")
+  _check_values(ob, od, VALUE_TOL, "out")
+  for label, g, w in zip(("q", "k", "v", "bias", "scale"), gb, gd, strict=True):
+    _check_grad(g, w, GRAD_TOL, f"d{label}")
+
+
+# --------------------------------------------------------------------------------------------
+# implementation=None, long rows, threshold passes.
+# --------------------------------------------------------------------------------------------
+
+@functools.cache
+def _auto(name):
+  rng = np.random.default_rng(2)
+  big = int(np.sqrt(core.BLOCKED_MIN_SCORES))  # T·S = BLOCKED_MIN_SCORES: blocked
+  args = {t: tuple(rng.standard_normal((1, t, 1, H)).astype(np.float32) for _ in range(3))
+          for t in (big,)}
+
+  @jax.jit
+  def run(args):
+    return {t: {impl or "auto": core.attention(*a, weighting=name, is_causal=True,
+                                               implementation=impl)
+                for impl in (None, "blocked", "dense")} for t, a in args.items()}
+
+  assert big * big >= core.BLOCKED_MIN_SCORES
+  return big, jax.device_get(run(args))
+
+
+@pytest.mark.parametrize("name", ["sparsemax"])
+def test_implementation_none_picks_blocked_for_large_problems(name):
+  big, res = _auto(name)
+  large = res[big]
+  _check_values(large["blocked"], large["dense"], VALUE_TOL)
+  # Bitwise: the blocked and dense results differ in rounding, so they tell which one ran.
+  assert not np.array_equal(large["blocked"], large["dense"])
+  np.testing.assert_array_equal(large["auto"], large["blocked"])
+
+
+LONG = 1100
+
+
+@functools.cache
+def _long(name):
+  rng = np.random.default_rng(3)
+  q, k = (rng.standard_normal((1, LONG, 1, 16)).astype(np.float32) for _ in range(2))
+  v = np.concatenate([rng.standard_normal((1, LONG, 1, 7)).astype(np.float32),
+                      np.ones((1, LONG, 1, 1), np.float32)], axis=-1)
+  ct = rng.standard_normal((1, LONG, 1, 8)).astype(np.float32)
+
+  def attn(impl):
+    # Default query blocks (causal: at most CAUSAL_BLOCK_Q rows), 18 key tiles of 64.
+    return lambda q, k, v: core.attention(q, k, v, weighting=name, is_causal=True,
+                                          implementation=impl, block_k=64)
+
+  @jax.jit
+  def run(q, k, v):
+    res = []
+    for impl in ("blocked", "dense"):
+      o, vjp = jax.vjp(attn(impl), q, k, v)
+      res.append((o, vjp(ct)))
+    return res
+
+  return jax.device_get(run(q, k, v))
+
+
+@pytest.mark.parametrize("name", ["sparsemax", "stick_breaking"])
+def test_long_causal_rows_match_dense(name):
+  (ob, gb), (od, gd) = _long(name)
+  _check_values(ob, od, VALUE_TOL, "out")
+  for label, g, w in zip("qkv", gb, gd, strict=True):
+    _check_grad(g, w, GRAD_TOL, f"d{label}")
+  if name == "sparsemax":
+    np.testing.assert_allclose(ob[..., -1], 1.0, atol=1e-5)
+
+
+@functools.cache
+def _passes():
+  q, k, v, bias, mask, _ = _inputs("full")
+  f = jax.jit(lambda q, k, v, bias: {
+      name: threshold_passes(q, k, v, weighting=wlib.get_weighting(name), scale=SCALE,
+                             bias=bias, mask=mask, block_q=BQ, block_k=BK)
+      for name in ("sparsemax", "entmax15", "softpick")})
+  return jax.device_get(f(q, k, v, bias))
+
+
+@pytest.mark.parametrize("name", ["sparsemax", "entmax15"])
+def test_threshold_passes_are_few(name):
+  passes = _passes()[name]
+  assert np.issubdtype(np.asarray(passes).dtype, np.integer)
+  # The row-max pass, at least one Newton/bisection pass, and (α ∈ {1.5, 2}) the exact step.
+  assert 2 <= int(passes) <= streaming.MAX_THRESHOLD_PASSES
+  assert int(passes) < 20
+
+
+def test_threshold_passes_is_zero_for_families_without_threshold():
+  assert int(_passes()["softpick"]) == 0

@@ -174,7 +174,14 @@ def test_random_case(seed):
   _assert_passes(diff.draw(seed, _KIND), INSTANCES)
 
 
-@pytest.mark.parametrize("case", BRANCH_CASES, ids=lambda c: f"branch{c.seed}")
+# Pallas whole-row branch cases that repeat a family/backend the CI sample already reaches
+# (tests/core/test_pallas_rows.py runs every family on both backends): -m exhaustive.
+_EXHAUSTIVE_BRANCHES = {61, 62, 66, 67, 69, 70, 71}
+
+
+@pytest.mark.parametrize("case", [
+    pytest.param(c, marks=pytest.mark.exhaustive) if c.seed in _EXHAUSTIVE_BRANCHES else c
+    for c in BRANCH_CASES], ids=lambda c: f"branch{c.seed}")
 def test_branch_case(case):
   _assert_passes(case)
 

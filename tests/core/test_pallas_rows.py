@@ -70,6 +70,13 @@ EMPTY = {"full": [(0, 3)], "causal": [(0, 0), (1, 0), (1, 120)]}  # (batch, row)
 MATRIX = ([("full", n, be) for n in BASE for be in pa.BACKENDS]
           + [("full", "ssmax:s=0.5", "tpu"), ("full", "sparsemax:scale=2", "gpu")]
           + [("causal", n, be) for n in BASE[:5] for be in pa.BACKENDS])
+# CI runs every family on the GPU kernel and a sample on the TPU kernel (the two share the
+# tile math); -m exhaustive runs the rest.
+_EXHAUSTIVE = {("full", "softpick", "tpu"), ("full", "entmax15", "tpu"),
+               ("full", "entmax:alpha=1.3", "tpu"), ("causal", "ssmax", "tpu"),
+               ("causal", "softpick", "tpu"), ("causal", "entmax15", "tpu")}
+MATRIX = [pytest.param(*m, marks=pytest.mark.exhaustive) if m in _EXHAUSTIVE else m
+          for m in MATRIX]
 
 
 def _bf16_exact(x):

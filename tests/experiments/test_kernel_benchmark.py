@@ -56,14 +56,18 @@ def test_tiny_end_to_end(tmp_path):
                      if r["shape"] == shape and r["mode"] == mode and r["causal"] == causal)
         want = [(b, "softmax", "scaled_dot") for b in exp.BASELINES]
         want += [("attnx blocked", *exp.case_weighting(w, head_dim)) for w in weightings]
+        want += [(impl, w, "scaled_dot") for w in config.row_weightings.split(",")
+                 for impl in ("attnx blocked", "attnx dense")]
         assert got == sorted(want), (shape, mode, causal)
   for r in rows:
     assert "note" not in r, r
     assert r["time ms"] > 0 and r["GFLOP/s"] > 0 and r["scratch MiB"] >= 0
     assert r["max abs err"] < 1e-4, r
-    assert r["speed-up vs jax.nn"] > 0
+    assert r["speed-up vs jax.nn"] > 0 or r["impl"] == "attnx dense"
     if r["impl"] == "attnx blocked":
       assert r["time / softmax"] > 0
+      if r["weighting"] != "softmax" and r["weighting"] in config.row_weightings:
+        assert r["speed-up vs dense"] > 0
     assert (r["causal / full"] > 0) if r["causal"] else ("causal / full" not in r)
   md = (tmp_path / "benchmark.md").read_text()
   header = md.splitlines()[2]
@@ -73,6 +77,7 @@ def test_tiny_end_to_end(tmp_path):
   report = (tmp_path / "report.md").read_text()
   assert md.strip() in report and "jax" in report and "Command" in report
   assert (tmp_path / "scaling.png").exists() and "scaling.png" in report
+  assert (tmp_path / "row_weightings.png").exists() and "Threshold passes" in report
   assert out["targets"] == []  # the tiny shapes check no target
   for r in rows:
     assert r["peak MiB"] >= r["scratch MiB"]

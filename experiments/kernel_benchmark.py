@@ -464,7 +464,8 @@ def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
   for mode in MODES:
     ratios = {r["weighting"]: r["time / softmax"] for r in full_rows
               if r["shape"] == t and r["mode"] == mode and r["impl"] == blk
-              and "time / softmax" in r}
+              and "time / softmax" in r
+              and isinstance(wlib.get_weighting(r["weighting"]), wlib.Pointwise)}
     if len(ratios) > 1:
       worst = max(ratios, key=ratios.get)
       add(f"every pointwise F within 1.2× of softmax at {t} ({mode}; worst: {worst})",

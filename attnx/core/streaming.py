@@ -455,16 +455,18 @@ def entmax_threshold(tile_pass, rows: tuple[int, ...], rs: RowStream,
     return (c[0] < MAX_THRESHOLD_PASSES) & (jnp.min(c[4].astype(F32)) == 0.0)
 
   def body(c):
-    it, tau, lo, hi, _ = c
-    new, lo, hi, done, _ = step(tau, lo, hi, sums_fn(tau))
-    return it + 1, jnp.where(done, tau, new), lo, hi, done
+    it, tau, lo, hi, _, _ = c
+    sums = sums_fn(tau)
+    new, lo, hi, done, _ = step(tau, lo, hi, sums)
+    return it + 1, jnp.where(done, tau, new), lo, hi, done, sums
 
-  it, tau, _, _, _ = lax.while_loop(
-      cond, body, (jnp.int32(1), tau0, lo, hi, jnp.zeros(rows, bool)))
+  zero = jnp.zeros(rows, F32)
+  it, tau, _, _, done, sums = lax.while_loop(
+      cond, body, (jnp.int32(1), tau0, lo, hi, jnp.zeros(rows, bool), (zero, zero, zero)))
   if alpha in (1.5, 2.0):
-    # One exact step on the support: the closed form given which keys have p > 0.
-    f_plus1, d, cnt = sums_fn(tau)
-    it = it + 1
+    # One exact step on the support: the closed form given which keys have p > 0, from the
+    # sums of the last pass, taken at the final τ of every row that converged (no extra pass).
+    f_plus1, d, cnt = sums
     cnt = jnp.where(cnt > 0, cnt, 1.0)
     if alpha == 2.0:
       delta = (f_plus1 - 1.0) / cnt  # Σ_S (r − δ) = 1 (p = r)
@@ -472,7 +474,7 @@ def entmax_threshold(tile_pass, rows: tuple[int, ...], rs: RowStream,
       s1 = d
       disc = jnp.maximum(s1 * s1 - cnt * (f_plus1 - 1.0), 0.0)
       delta = (f_plus1 - 1.0) / jnp.where(s1 + jnp.sqrt(disc) > 0, s1 + jnp.sqrt(disc), 1.0)
-    tau = jnp.where(empty, tau, tau + delta)
+    tau = jnp.where(empty | ~done, tau, tau + delta)
   return Threshold(m, tau, it)
 
 

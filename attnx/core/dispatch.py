@@ -60,14 +60,12 @@ STREAMING = ("blocked", "pallas")  # need a pointwise F and a dot-product score
 # (experiments/kernel_benchmark.py times both implementations at larger shapes.)
 BLOCKED_MIN_SCORES = 512 * 512
 # The whole-row weightings are slower dense than softmax (a sort-free threshold search,
-# cumulative sums, two transcendentals per score) and their blocked kernel wins earlier. fwd+bwd
-# time blocked / dense, float32, 2-core AMD EPYC, full | causal (experiments/kernel_benchmark.py
-# rows "whole-row crossover"):
-#   T = 128 (16×128×4×64): ssmax 0.94 | 0.94, softpick 0.63 | 0.73, stick_breaking 0.90 | 0.93,
-#                          sparsemax 1.33 | 0.95, entmax15 0.93 | 0.89
-#   T = 256 (8×256×4×64):  ssmax 0.66 | 0.72, softpick 0.83 | 0.94, stick_breaking 0.88 | 0.94,
-#                          sparsemax 0.66 | 1.00, entmax15 0.53 | 0.59
-# so blocked is the default for them from 256² scores per head on.
+# cumulative sums, more transcendentals per score) and their blocked kernel wins earlier.
+# fwd+bwd time blocked / dense, float32, 2-core AMD EPYC, full | causal (kernel benchmark,
+# `rows` preset, 2026-11-25): at T = 256 (8×256×8×64) ssmax 0.78 | 0.83, softpick 0.79 | 0.81,
+# stick_breaking 0.82 | 0.77, sparsemax 0.63 | 0.72, entmax15 0.73 | 0.73, entmax:alpha=1.3
+# 0.50 | 0.55; measured side by side at T = 128 (16×128×4×64, while another process ran) the
+# ratios were 0.63–0.95 with one loss (sparsemax full, 1.33). So blocked from 256² on.
 ROW_BLOCKED_MIN_SCORES = 256 * 256
 
 

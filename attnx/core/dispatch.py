@@ -62,9 +62,9 @@ BLOCKED_MIN_SCORES = 512 * 512
 # The whole-row weightings are slower dense than softmax (a sort-free threshold search,
 # cumulative sums, more transcendentals per score) and their blocked kernel wins earlier.
 # fwd+bwd time blocked / dense, float32, 2-core AMD EPYC, full | causal (kernel benchmark,
-# `rows` preset, 2026-11-25): at T = 256 (8×256×8×64) ssmax 0.78 | 0.83, softpick 0.79 | 0.81,
-# stick_breaking 0.82 | 0.77, sparsemax 0.63 | 0.72, entmax15 0.73 | 0.73, entmax:alpha=1.3
-# 0.50 | 0.55; measured side by side at T = 128 (16×128×4×64, while another process ran) the
+# `rows` preset, 2026-11-25): at T = 256 (8×256×8×64) ssmax 0.83 | 0.78, softpick 0.78 | 0.77,
+# stick_breaking 0.85 | 0.83, sparsemax 0.65 | 0.67, entmax15 0.75 | 0.72, entmax:alpha=1.3
+# 0.48 | 0.50; measured side by side at T = 128 (16×128×4×64, while another process ran) the
 # ratios were 0.63–0.95 with one loss (sparsemax full, 1.33). So blocked from 256² on.
 ROW_BLOCKED_MIN_SCORES = 256 * 256
 

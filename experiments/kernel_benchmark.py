@@ -8,8 +8,8 @@ of sum(out) w.r.t. q, k, v) of
 * ``attnx.core.attention(implementation="dense")`` (softmax),
 * ``attnx.core.attention(implementation="blocked")`` (attnx.core.blocked: online softmax,
   Dao et al. 2022 / Rabe & Staats 2021) for softmax and every other pointwise weighting F,
-* the whole-row weightings (``row_weightings``: SSMax, softpick, stick-breaking, sparsemax,
-  1.5-entmax, α-entmax; attnx.core.blocked_rows) blocked and dense, on the shapes with at most
+* with the ``rows`` preset, the whole-row weightings (``row_weightings``: SSMax, softpick,
+  stick-breaking, sparsemax, 1.5-entmax, α-entmax; attnx.core.blocked_rows) blocked and dense, on the shapes with at most
   ``row_max_scores`` scores per head; longer shapes compile them for their memory only,
 
 and reports the median time, GFLOP/s, the fraction of this machine's float32 matmul rate
@@ -77,8 +77,9 @@ def _default() -> ml_collections.ConfigDict:
   c.huge_min_scores = 32768 * 32768
   c.huge_weightings = "softmax"
   # Whole-row weightings, blocked and dense ("attnx dense"), timed up to this many scores per
-  # head; above it their blocked fwd+bwd is compiled for its memory only (not run).
-  c.row_weightings = ",".join(ROW_WEIGHTINGS)
+  # head; above it their blocked fwd+bwd is compiled for its memory only (not run). Empty in
+  # the default preset (the `rows` preset runs them all).
+  c.row_weightings = ""
   c.row_max_scores = 4096 * 4096
   # Shapes with more scores per head than this are compiled but not run (0 = run every shape).
   c.memory_only_min_scores = 0
@@ -116,7 +117,8 @@ def _rows(c: ml_collections.ConfigDict) -> None:
   whole-row weightings against blocked softmax and their dense form at T = 256 … 4096, and
   the memory of their blocked fwd+bwd at T = 65 536 (compiled, not run)."""
   c.update(dict(shapes="8x256x8x64,2x1024x8x64,1x4096x4x64,1x65536x1x64",
-                weightings="softmax", baselines="", memory_only_min_scores=4096 * 4096))
+                weightings="softmax", baselines="", memory_only_min_scores=4096 * 4096,
+                row_weightings=",".join(ROW_WEIGHTINGS)))
 
 
 # Each preset is the default changed by one small function (see the module docstring).

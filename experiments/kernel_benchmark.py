@@ -10,7 +10,8 @@ of sum(out) w.r.t. q, k, v) of
   Dao et al. 2022 / Rabe & Staats 2021) for softmax and every other pointwise weighting F,
 * with the ``rows`` preset, the whole-row weightings (``row_weightings``: SSMax, softpick,
   stick-breaking, sparsemax, 1.5-entmax, α-entmax; attnx.core.blocked_rows) blocked and dense,
-  on the shapes with at most ``row_max_scores`` scores per head; longer shapes compile them for their memory only,
+  on the shapes with at most ``row_max_scores`` scores per head; longer shapes compile them
+  for their memory only,
 
 and reports the median time, GFLOP/s, the fraction of this machine's float32 matmul rate
 (measured in the same run), XLA's scratch memory (``memory_analysis().temp_size_in_bytes``) and

@@ -72,9 +72,11 @@ MATRIX = ([("full", n, be) for n in BASE for be in pa.BACKENDS]
           + [("causal", n, be) for n in BASE[:5] for be in pa.BACKENDS])
 # CI runs every family on the GPU kernel and a sample on the TPU kernel (the two share the
 # tile math); -m exhaustive runs the rest.
-_EXHAUSTIVE = {("full", "softpick", "tpu"), ("full", "entmax15", "tpu"),
-               ("full", "entmax:alpha=1.3", "tpu"), ("causal", "ssmax", "tpu"),
-               ("causal", "softpick", "tpu"), ("causal", "entmax15", "tpu")}
+_SAMPLE = {("full", n, "gpu") for n in BASE} | {
+    ("full", "stick_breaking", "tpu"), ("full", "sparsemax", "tpu"),
+    ("causal", "stick_breaking", "gpu"), ("causal", "sparsemax", "gpu"),
+    ("causal", "stick_breaking", "tpu")}
+_EXHAUSTIVE = {m for m in MATRIX if m not in _SAMPLE}
 MATRIX = [pytest.param(*m, marks=pytest.mark.exhaustive) if m in _EXHAUSTIVE else m
           for m in MATRIX]
 

@@ -831,17 +831,9 @@ def blocked_attention(q: Array, k: Array, v: Array, *, weighting: Pointwise, sca
   """
   if not isinstance(weighting, Pointwise):
     raise TypeError(f"blocked_attention needs a Pointwise weighting, got {type(weighting)}")
-  if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
-    raise ValueError(f"expected 4-D [B, T, N, H] inputs, got {q.shape}, {k.shape}, {v.shape}")
+  check_layout(q, k, v, mask, block_q, block_k)
   b, t, n, h = q.shape
   _, s, kh, _ = k.shape
-  if kh == 0 or n % kh or k.shape[:3] != v.shape[:3] or k.shape[0] != b or k.shape[-1] != h:
-    raise ValueError(f"incompatible shapes q {q.shape}, k {k.shape}, v {v.shape}")
-  if mask is not None and mask.dtype != jnp.bool_:
-    raise ValueError(f"mask must be boolean, got {mask.dtype}")
-  for name, blk in (("block_q", block_q), ("block_k", block_k)):
-    if blk is not None and blk < 1:
-      raise ValueError(f"{name} must be a positive tile size, got {blk}")
   if q.size == 0 or s == 0:  # no query, or no key (every row has no valid key)
     return jnp.zeros((b, t, n, v.shape[-1]), q.dtype)
   kw = dict(weighting=weighting, scale=scale, block_q=block_q, block_k=block_k, num_keys=s)
@@ -855,6 +847,23 @@ def blocked_attention(q: Array, k: Array, v: Array, *, weighting: Pointwise, sca
                     is_causal=False, **kw)
     return jnp.concatenate([top, rest], axis=1)
   return _blocked(q, k, v, bias=bias, mask=mask, is_causal=is_causal, **kw)
+
+
+def check_layout(q: Array, k: Array, v: Array, mask: Array | None, block_q: int | None,
+                 block_k: int | None) -> None:
+  """The input checks of the blocked kernels: [B, T, N, H] / [B, S, K, H] shapes (N a multiple
+  of K), a boolean mask, positive tile sizes."""
+  if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+    raise ValueError(f"expected 4-D [B, T, N, H] inputs, got {q.shape}, {k.shape}, {v.shape}")
+  b, _, n, h = q.shape
+  kh = k.shape[2]
+  if kh == 0 or n % kh or k.shape[:3] != v.shape[:3] or k.shape[0] != b or k.shape[-1] != h:
+    raise ValueError(f"incompatible shapes q {q.shape}, k {k.shape}, v {v.shape}")
+  if mask is not None and mask.dtype != jnp.bool_:
+    raise ValueError(f"mask must be boolean, got {mask.dtype}")
+  for name, blk in (("block_q", block_q), ("block_k", block_k)):
+    if blk is not None and blk < 1:
+      raise ValueError(f"{name} must be a positive tile size, got {blk}")
 
 
 def _part4(x: Array | None, axis: int, lo: int, hi: int) -> Array | None:

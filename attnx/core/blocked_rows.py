@@ -346,17 +346,7 @@ def blocked_row_attention(q: Array, k: Array, v: Array, *, weighting: RowNormali
 def _check_only(q, k, v, mask, weighting, block_q, block_k) -> None:
   if not streams(weighting):
     raise TypeError(f"blocked_row_attention needs a streaming RowNormalizer, got {weighting!r}")
-  if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
-    raise ValueError(f"expected 4-D [B, T, N, H] inputs, got {q.shape}, {k.shape}, {v.shape}")
-  b, _, n, h = q.shape
-  kh = k.shape[2]
-  if kh == 0 or n % kh or k.shape[:3] != v.shape[:3] or k.shape[0] != b or k.shape[-1] != h:
-    raise ValueError(f"incompatible shapes q {q.shape}, k {k.shape}, v {v.shape}")
-  if mask is not None and mask.dtype != jnp.bool_:
-    raise ValueError(f"mask must be boolean, got {mask.dtype}")
-  for name, blk in (("block_q", block_q), ("block_k", block_k)):
-    if blk is not None and blk < 1:
-      raise ValueError(f"{name} must be a positive tile size, got {blk}")
+  bl.check_layout(q, k, v, mask, block_q, block_k)
 
 
 def threshold_passes(q: Array, k: Array, v: Array, *, weighting: RowNormalizer,

@@ -8,19 +8,23 @@ sum(out) w.r.t. q, k, v) on a GPU or TPU of
 * JAX's own Pallas flash softmax: ``jax.experimental.pallas.ops.gpu.attention.mha`` (Triton)
   on a GPU, ``jax.experimental.pallas.ops.tpu.flash_attention`` on a TPU,
 * ``attnx.core.pallas_attention`` for softmax and every other pointwise F (the distance
-  kernels on score neg_sq_dist through ``Score.to_dot``, bandwidth h = √(2H)),
+  kernels on score neg_sq_dist through ``Score.to_dot``, bandwidth h = √(2H)) and for the
+  whole-row weightings in ``row_weightings`` (SSMax, softpick, stick-breaking, sparsemax,
+  1.5-entmax; attnx/core/pallas_rows.py),
 
 in TFLOP/s, counting 4·B·N·T·S·H FLOPs for fwd and 3.5× that for fwd+bwd (FlashAttention-2's
 convention: 2 matmuls forward, 5 backward; halved when causal). The "Targets" table checks the
 kernel issue's target: every pointwise F at ≥ 60 % of cuDNN softmax's TFLOP/s at T ≥ 4096 (on
-a TPU, of JAX's Pallas flash softmax). On a CPU the benchmark needs an accelerator: it writes a
-report that says so and returns without measuring anything.
+a TPU, of JAX's Pallas flash softmax); the whole-row weightings are reported beside them, with
+no target (their rows do more work per score: passes, carries). On a CPU the benchmark needs
+an accelerator: it writes a report that says so and returns without measuring anything.
 
 Command:
   python launch.py --config=experiments/pallas_benchmark.py:default --workdir=runs/pallas_benchmark
   python experiments/pallas_benchmark.py --preset=quick --workdir=/tmp/pb
-Expected runtime on one H100: quick ≈ 5 min, default ≈ 20 min (mostly compilation).
-No numbers have been measured from this repository (its CI has no accelerator).
+Runtime on one H100 (2026-11-25): quick at one shape with 4 pointwise F and the 5 whole-row
+weightings, 54 s (the README's command and table); the full quick and default presets were not
+timed there (estimates: ≈ 5 and ≈ 20 min, mostly compilation).
 """
 
 from __future__ import annotations
@@ -40,9 +44,9 @@ import jax.numpy as jnp  # noqa: E402
 import ml_collections  # noqa: E402
 import numpy as np  # noqa: E402
 
-from attnx import train  # noqa: E402
+from attnx import core, train  # noqa: E402
+from attnx.core import dispatch  # noqa: E402
 from attnx.core import weightings as wlib  # noqa: E402
-from attnx.core.blocked import blocked_attention  # noqa: E402
 from attnx.core.pallas_attention import pallas_attention  # noqa: E402
 from attnx.core.scores import get_score  # noqa: E402
 
@@ -53,6 +57,7 @@ DEFAULT_SHAPES = ("16x1024x16x128,8x2048x16x128,4x4096x16x128,2x8192x16x128,1x16
 BASELINES = ("cudnn", "xla", "jax pallas flash")
 MODES = ("fwd", "fwd+bwd")
 OURS = "attnx pallas"
+ROW_WEIGHTINGS = ("ssmax", "softpick", "stick_breaking", "sparsemax", "entmax15")
 GIB = 2.0**30
 COLUMNS = ["shape", "impl", "weighting", "mode", "time ms", "TFLOP/s", "vs cuDNN softmax",
            "vs JAX flash", "max abs err", "note"]
@@ -68,6 +73,7 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
   c.preset = name
   c.shapes = DEFAULT_SHAPES  # "BxTxNxH,..." (S = T)
   c.weightings = ""  # empty = every pointwise weighting
+  c.row_weightings = ",".join(ROW_WEIGHTINGS)  # whole-row weightings (no target; "" = none)
   c.baselines = ",".join(BASELINES)
   c.modes = "fwd,fwd+bwd"
   c.dtype = "bfloat16"
@@ -86,6 +92,7 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
   elif name == "tiny":
     c.shapes = "1x1024x2x128"
     c.weightings = "softmax,relu,gaussian"
+    c.row_weightings = "stick_breaking"
     c.repeats = 2
     c.warmup = 1
   return c
@@ -101,6 +108,10 @@ def _weightings(config) -> list[str]:
   return train.split_list(config.weightings) or wlib.list_weightings("pointwise")
 
 
+def _row_weightings(config) -> list[str]:
+  return train.split_list(config.get("row_weightings", ""))
+
+
 def validate_config(config: ml_collections.ConfigDict) -> None:
   """Raises ValueError for bad shapes, modes, baselines, weightings or dtype."""
   _shapes(config)
@@ -111,6 +122,11 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   for name in _weightings(config):
     if not isinstance(wlib.get_weighting(name), wlib.Pointwise):
       raise ValueError(f"config.weightings: {name!r} is not a pointwise (streamable) weighting")
+  for name in _row_weightings(config):
+    w = wlib.get_weighting(name)
+    if w.kind != "row" or not dispatch.streams(w):
+      raise ValueError(f"config.row_weightings: {name!r} is not a whole-row weighting with a "
+                       f"Pallas kernel; valid: {', '.join(wlib.list_weightings('row'))}")
   if config.dtype not in ("bfloat16", "float16", "float32"):
     raise ValueError(f"config.dtype must be bfloat16, float16 or float32, got {config.dtype!r}")
 
@@ -118,7 +134,7 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
 def case_weighting(name: str, head_dim: int) -> tuple[str, str]:
   """(weighting, score): distance kernels run on neg_sq_dist with h = √(2H) unless given."""
   w = wlib.get_weighting(name)
-  if not w.distance_kernel:
+  if not getattr(w, "distance_kernel", False):
     return name, "scaled_dot"
   if "h" not in wlib.parse_weighting_name(name)[1]:
     name = f"{name}{',' if ':' in name else ':'}h={np.sqrt(2.0 * head_dim):.3g}"
@@ -217,13 +233,11 @@ def run_case(case: dict[str, Any], inputs, config, platform: str) -> dict[str, A
 def _error(fn, weighting: str, inputs, config, head_dim: int) -> float:
   """max |pallas − blocked| over the first `error_queries` queries (same dtype and device)."""
   name, score = case_weighting(weighting, head_dim)
-  w = wlib.get_weighting(name)
   scale = 1.0 if score == "neg_sq_dist" else 1.0 / math.sqrt(head_dim)
 
   def ref(q, k, v):
-    qd, kd = get_score(score).to_dot(q, k)
-    return blocked_attention(qd.astype(q.dtype), kd.astype(q.dtype), v, weighting=w,
-                             scale=scale, is_causal=bool(config.is_causal))
+    return core.attention(q, k, v, weighting=name, score=score, scale=scale,
+                          is_causal=bool(config.is_causal), implementation="blocked")
   nq = int(config.error_queries)
   got, want = (np.asarray(jax.jit(f)(*inputs)[:, :nq], np.float32) for f in (fn, ref))
   return float(np.max(np.abs(got - want)))
@@ -236,7 +250,7 @@ def _cases(config) -> list[dict[str, Any]]:
     for mode in train.split_list(config.modes):
       for impl in train.split_list(config.baselines):
         cases.append(dict(shape=shape, impl=impl, weighting="softmax", mode=mode))
-      for name in _weightings(config):
+      for name in _weightings(config) + _row_weightings(config):
         cases.append(dict(shape=shape, impl=OURS, weighting=name, mode=mode,
                           check_error=shape == shapes[0]))
   return cases
@@ -260,10 +274,12 @@ def targets(rows: list[dict[str, Any]], config) -> list[dict[str, Any]]:
   One line per (shape, mode): the worst F and its fraction.
   """
   out = []
+  row_names = set(_row_weightings(config))
   for (shape, mode) in dict.fromkeys((r["shape"], r["mode"]) for r in rows):
     if int(shape.split("x")[1]) < int(config.target_min_t):
       continue
-    ours = [r for r in rows if r["shape"] == shape and r["mode"] == mode and r["impl"] == OURS]
+    ours = [r for r in rows if r["shape"] == shape and r["mode"] == mode and r["impl"] == OURS
+            and r["weighting"] not in row_names]
     for col in ("vs cuDNN softmax", "vs JAX flash"):
       fractions = {r["weighting"]: r.get(col) for r in ours}
       if any(v is None for v in fractions.values()) or not fractions:

@@ -82,6 +82,9 @@ class Ops:
       or as a float32 minimum (no boolean reductions: Triton).
     sign: softpick's sign(z) by ``jnp.sign`` (True) or by comparisons (Mosaic's sign rule asks
       the TPU for its generation, so it does not lower on a host without one).
+    threshold_loop: entmax's threshold passes in a ``lax.while_loop`` that stops once every
+      row is done (``"while"``), or in a ``lax.fori_loop`` of :data:`MAX_THRESHOLD_PASSES`
+      whose passes after that are skipped by ``lax.cond`` (``"fori"``).
   """
 
   cumsum_matmul: bool = False
@@ -89,6 +92,7 @@ class Ops:
   concat_pv: bool = True
   all_rows: bool = True
   sign: bool = True
+  threshold_loop: str = "while"
 
 
 XLA = Ops()
@@ -461,8 +465,12 @@ def entmax_threshold(tile_pass, rows: tuple[int, ...], rs: RowStream,
     return it + 1, jnp.where(done, tau, new), lo, hi, done, sums
 
   zero = jnp.zeros(rows, F32)
-  it, tau, _, _, done, sums = lax.while_loop(
-      cond, body, (jnp.int32(1), tau0, lo, hi, jnp.zeros(rows, bool), (zero, zero, zero)))
+  init = (jnp.int32(1), tau0, lo, hi, jnp.zeros(rows, bool), (zero, zero, zero))
+  if ops.threshold_loop == "while":
+    it, tau, _, _, done, sums = lax.while_loop(cond, body, init)
+  else:
+    it, tau, _, _, done, sums = lax.fori_loop(
+        1, MAX_THRESHOLD_PASSES, lambda _, c: lax.cond(cond(c), body, lambda c: c, c), init)
   if alpha in (1.5, 2.0):
     # One exact step on the support: the closed form given which keys have p > 0, from the
     # sums of the last pass, taken at the final τ of every row that converged (no extra pass).

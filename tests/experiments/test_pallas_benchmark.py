@@ -22,6 +22,7 @@ def test_presets_and_validation():
   for key, value, match in (("shapes", "2x64x2", "BxTxNxH"), ("modes", "bwd", "modes"),
                             ("baselines", "flash3", "baselines"),
                             ("weightings", "softmax,sparsemax", "pointwise"),
+                            ("row_weightings", "relu", "whole-row"),
                             ("dtype", "int8", "dtype")):
     c = exp.get_config("tiny")
     c[key] = value
@@ -33,14 +34,15 @@ def test_cases_ratios_and_targets():
   c = exp.get_config("tiny")
   c.shapes = "1x1024x2x128,1x4096x2x128"
   cases = exp._cases(c)
-  assert len(cases) == 2 * 2 * (len(exp.BASELINES) + 3)
+  assert len(cases) == 2 * 2 * (len(exp.BASELINES) + 3 + 1)  # + stick_breaking
   assert {x["check_error"] for x in cases if x["shape"][1] == 1024 and x["impl"] == exp.OURS} == {
       True}
   rows = []
   for shape in ("1x1024x2x128", "1x4096x2x128"):
     rows.append({"shape": shape, "impl": "cudnn", "weighting": "softmax", "mode": "fwd",
                  "TFLOP/s": 100.0})
-    for w, tf in (("softmax", 80.0), ("relu", 65.0), ("gaussian:h=16", 55.0)):
+    for w, tf in (("softmax", 80.0), ("relu", 65.0), ("gaussian:h=16", 55.0),
+                  ("stick_breaking", 20.0)):  # a whole-row weighting: no target
       rows.append({"shape": shape, "impl": exp.OURS, "weighting": w, "mode": "fwd",
                    "TFLOP/s": tf})
   exp._add_ratios(rows)

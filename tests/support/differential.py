@@ -16,6 +16,7 @@ keep their rounding error.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -44,7 +45,12 @@ SCORES = ("scaled_dot", "dot", "cosine", "neg_sq_dist", "bilinear", "metric", "a
 # (and dS) to bfloat16 before the matmuls, ~2^-8 relative per term.
 TOL = {"float32": 2e-3, "bfloat16": 4e-2}
 MASKS = ("none", "padding", "random", "rows", "columns")
-PALLAS_MAX_LEN = 160  # Pallas' interpreter is slow: short sequences only
+# On a GPU the "pallas" implementation runs the compiled Triton kernels (not the interpreter):
+# long sequences are cheap there, and the TPU kernels, which only the interpreter could run on
+# a GPU, are left out.
+ON_GPU = jax.default_backend() == "gpu"
+PALLAS_MAX_LEN = 4096 if ON_GPU else 160  # Pallas' interpreter is slow: short sequences only
+PALLAS_MAX_HEADS = 64 if ON_GPU else 8  # B·N
 IMPLEMENTATIONS = ("dense", "blocked", "auto", "pallas", "pallas_tpu")
 
 
@@ -86,11 +92,11 @@ class Case:
       out[out.index(auto_picks)] = "auto"
     else:
       out.append("auto")
-    small = max(self.t, self.s) <= PALLAS_MAX_LEN and self.b * self.n <= 8
+    small = max(self.t, self.s) <= PALLAS_MAX_LEN and self.b * self.n <= PALLAS_MAX_HEADS
     # Pallas runs every streaming weighting: pointwise F and the whole-row families.
     if streaming and small and self.pallas != "none":
       out.append("pallas")
-      if self.score in ("dot", "scaled_dot") and self.pallas == "both":
+      if self.score in ("dot", "scaled_dot") and self.pallas == "both" and not ON_GPU:
         out.append("pallas_tpu")
     return [i for i in out if self.only is None or i in self.only]
 
@@ -184,6 +190,8 @@ def draw(seed: int, kind: str | None = None) -> Case:
   # Pallas' interpreter costs ~1.5 s a call: a share of the cases runs it.
   u = rng.random()
   pallas = "none" if u < 0.7 else "gpu" if u < 0.9 else "both"
+  if ON_GPU:  # compiled kernels are cheap: every case runs them
+    pallas = "gpu"
   return Case(seed=seed, b=b, t=t, s=s, n=kh * g, kh=kh, h=h, hv=hv, pallas=pallas,
               mask_bn="".join(rng.choice(("1", "x")) for _ in range(2)),
               per_head=bool(rng.random() < 0.5),
@@ -278,7 +286,7 @@ def _call(case: Case, impl: str, scalar_params: tuple):
   return lambda q, k, v, bias, mask, params: core.attention(
       q, k, v, bias=bias, mask=mask, score=case.score,
       score_params={**params, **dict(scalar_params)} or None, scale=case.scale,
-      implementation=implementation, interpret=impl == "pallas", **kw)
+      implementation=implementation, interpret=impl == "pallas" and not ON_GPU, **kw)
 
 
 @functools.lru_cache(maxsize=16)
@@ -304,7 +312,10 @@ def run_impl(case: Case, impl: str, arrs) -> tuple[np.ndarray, dict[str, np.ndar
   config = dataclasses.replace(case, seed=0, only=None, pallas="both")
   args = [jnp.asarray(arrs[x]) if arrs[x] is not None else None
           for x in ("q", "k", "v", "bias", "mask", "ct")]
-  out, grads = _program(config, impl, scalars)(*args, params)
+  # JAX's GPU default computes float32 matmuls in TF32 (≈ 1e-3 relative scores), which moves
+  # entries across kinks of F; the net compares float32 at float32 precision.
+  with jax.default_matmul_precision("highest") if ON_GPU else contextlib.nullcontext():
+    out, grads = _program(config, impl, scalars)(*args, params)
   return np.asarray(out, np.float64), {n: np.asarray(g, np.float64)
                                        for n, g in zip(names, grads, strict=False)}
 

@@ -1,0 +1,70 @@
+"""The compiled Pallas kernels on a real GPU against the float64 brute force (skipped elsewhere).
+
+On a CPU the Pallas kernels run only in Pallas' interpreter (tests/core/test_pallas_attention.py,
+test_pallas_rows.py) and are lowered for ``cuda``/``tpu`` without compiling them; this module is
+the step after that: on a GPU, ``implementation="pallas"`` compiles the Triton kernels (PTX,
+registers, shared memory) and runs them. Every streaming weighting — each pointwise F and each
+whole-row family — runs forward and backward (q, k, v, bias gradients) through the differential
+net's machinery (tests/support/differential.py), which on a GPU runs the compiled kernels and the
+automatic choice (Pallas after its self-check) at lengths up to 4096:
+
+* a causal GQA problem at T = S = 1000 (no power of 2: ragged last tiles) with padding, f32;
+* a full problem with T ≠ S, a random mask with fully masked rows, a per-key bias, explicit
+  tiles, bf16;
+* long causal rows at T = S = 4096 for one weighting of each family.
+
+Run on a GPU machine with ``pytest tests/core/test_pallas_device.py``; the large random run of
+the net (``-m differential``) also runs the compiled kernels there.
+"""
+
+from __future__ import annotations
+
+import jax
+import pytest
+from support import differential as diff
+
+from attnx.core import dispatch
+from attnx.core import weightings as wlib
+
+pytestmark = pytest.mark.skipif(jax.default_backend() != "gpu",
+                                reason="needs a GPU: the compiled Triton kernels")
+
+STREAMING = [n for n in diff.WEIGHTINGS if dispatch.streams(wlib.get_weighting(n))]
+
+
+def _score(weighting: str) -> str:
+  scores = diff._compatible_scores(weighting)
+  return "scaled_dot" if "scaled_dot" in scores else scores[0]
+
+
+def _magnitude(score: str) -> float:
+  return 0.3 / 8**0.5 if score in ("neg_sq_dist", "metric") else 1.0
+
+
+def _check(case: diff.Case) -> None:
+  assert "pallas" in case.implementations(), case.label()
+  failures = diff.check(case)
+  assert not failures, f"{case.label()}\n" + "\n".join(failures)
+
+
+@pytest.mark.parametrize("weighting", STREAMING)
+def test_causal_gqa_ragged(weighting):
+  score = _score(weighting)
+  _check(diff.Case(seed=101, b=1, t=1000, s=1000, n=4, kh=2, h=64, hv=64, causal=True,
+                   mask="padding", weighting=weighting, score=score,
+                   magnitude=_magnitude(score), only=("pallas", "auto")))
+
+
+@pytest.mark.parametrize("weighting", STREAMING)
+def test_full_mask_bias_bf16_tiles(weighting):
+  score = _score(weighting)
+  _check(diff.Case(seed=102, b=2, t=333, s=777, n=2, kh=1, h=32, hv=48, mask="random",
+                   bias="x11x", block_q=32, block_k=64, dtype="bfloat16", weighting=weighting,
+                   score=score, magnitude=_magnitude(score), only=("pallas",)))
+
+
+@pytest.mark.parametrize("weighting", ["softmax", "relu", "ssmax", "softpick", "stick_breaking",
+                                       "entmax15"])
+def test_long_causal_rows(weighting):
+  _check(diff.Case(seed=103, b=1, t=4096, s=4096, n=2, kh=1, h=128, hv=128, causal=True,
+                   dtype="bfloat16", weighting=weighting, only=("pallas",)))

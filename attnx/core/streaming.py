@@ -71,9 +71,9 @@ class Ops:
   what it computed before the argument existed.
 
   Attributes:
-    cumsum_matmul: stick-breaking's reverse exclusive cumsum along a tile's keys as a float32
-      matmul (HIGHEST precision) with the strictly triangular 0/1 matrix: Triton lowers no
-      reverse cumsum, Mosaic no cumsum.
+    cumsum_matmul: stick-breaking's reverse exclusive cumsum along a tile's keys as matmuls
+      with the strictly triangular 0/1 matrix (float32 split into three bfloat16 parts, each
+      product exact, float32 accumulation): Triton lowers no reverse cumsum, Mosaic no cumsum.
     expm1: softpick's eᶻ − 1 by ``jnp.expm1`` (True), or from exp and log (Kahan's
       (u − 1)·z / log u, u = eᶻ, within a few ulp): Mosaic lowers no expm1.
     concat_pv: entmax's Σp·v and Σu·v as one matmul of the stacked rows [p; u] (True) or as
@@ -326,9 +326,18 @@ def _reverse_exclusive_cumsum(x: Array, ops: Ops = XLA) -> Array:
   if ops.cumsum_matmul:  # x @ M, M_lj = 1 for l > j: a sum of the later terms, no cancellation
     n = x.shape[-1]
     later = (lax.broadcasted_iota(jnp.int32, (n, n), 0)
-             > lax.broadcasted_iota(jnp.int32, (n, n), 1)).astype(F32)
-    return jnp.dot(x.astype(F32), later, precision=lax.Precision.HIGHEST,
-                   preferred_element_type=F32)
+             > lax.broadcasted_iota(jnp.int32, (n, n), 1)).astype(jnp.bfloat16)
+    # x = x₁ + x₂ + x₃ in bfloat16 (8 + 8 + 8 bits of float32's 24): three bf16 matmuls with
+    # the exact 0/1 matrix and float32 accumulation run on tensor cores / the MXU, where a
+    # float32 matmul at HIGHEST precision does not (Triton runs it without tensor cores).
+    x = x.astype(F32)
+    parts = []
+    for _ in range(3):
+      hi = x.astype(jnp.bfloat16)
+      parts.append(hi)
+      x = x - hi.astype(F32)
+    dot = lambda p: jnp.dot(p, later, preferred_element_type=F32)
+    return dot(parts[0]) + (dot(parts[1]) + dot(parts[2]))
   incl = lax.cumsum(x, axis=x.ndim - 1, reverse=True)
   return jnp.concatenate([incl[..., 1:], jnp.zeros_like(incl[..., :1])], axis=-1)
 

@@ -520,7 +520,15 @@ def _check_against_float64(**case):
   assert not failures, "\n".join(failures)
 
 
-@pytest.mark.parametrize("t", [513, 700, 1025, 1500, 2049, 3000])
+def _ci_sample(values, keep):
+  """``values`` as pytest params, those not in ``keep`` marked exhaustive (``-m exhaustive``):
+  CI runs the sample, which keeps it within its 20 minutes."""
+  return [v if v in keep else pytest.param(*(v if isinstance(v, tuple) else (v,)),
+                                           marks=pytest.mark.exhaustive) for v in values]
+
+
+# 513, 700, 1025 and 1500 also run in CI as the differential net's branch cases 1–4.
+@pytest.mark.parametrize("t", _ci_sample([513, 700, 1025, 1500, 2049, 3000], {2049, 3000}))
 def test_causal_default_dispatch_at_lengths_above_512(t):
   # implementation=None, as a user calls it (the blocked kernel at these lengths on a CPU).
   _check_against_float64(seed=t, t=t, s=t, n=2, h=32, hv=32, causal=True, only=("auto",))
@@ -530,13 +538,17 @@ ISSUE_TILES = [(64, 24), (70, 32), (100, 24), (100, 40), (130, 32), (130, 64), (
                (200, 40), (200, 64), (257, 32), (257, 64), (257, 128)]
 
 
-@pytest.mark.parametrize("t,tile", ISSUE_TILES)
+@pytest.mark.parametrize("t,tile", _ci_sample(ISSUE_TILES, {(70, 32), (100, 24), (257, 128)}))
 def test_causal_tiles_that_do_not_divide_the_squares(t, tile):
   _check_against_float64(seed=t + tile, t=t, s=t, causal=True, block_q=tile, block_k=tile,
                          only=("blocked",))
 
 
-@pytest.mark.parametrize("name", ALL)
+# Every pointwise weighting also runs causal with GQA, a mask and a bias against dense in CI
+# (test_causal_matches_dense_every_weighting); against float64 a sample of the three
+# normalizations and a distance kernel.
+@pytest.mark.parametrize("name", _ci_sample(ALL, {"softmax", "sigmoid:normalization=none",
+                                                  "relu:normalization=length", "gaussian"}))
 def test_causal_every_pointwise_weighting_gqa_mask_bias(name):
   # T = 70 with 32-row tiles (unnormalized relu was off by 14), GQA, a random mask with
   # fully masked rows and a per-batch [B, 1, T, S] bias.

@@ -177,7 +177,8 @@ def test_random_case(seed):
 # Whole-row branch cases that repeat a family/backend/branch the CI sample already reaches
 # (tests/core/test_blocked_rows.py and test_pallas_rows.py run every family): -m exhaustive,
 # which keeps CI within its 20 minutes.
-_EXHAUSTIVE_BRANCHES = {41, 42, 43, 45, 47, 49, 51, 60, 61, 62, 64, 65, 66, 67, 68, 69, 70, 71}
+_EXHAUSTIVE_BRANCHES = {41, 42, 43, 45, 46, 47, 48, 49, 50, 51, 60, 61, 62, 63, 64, 65, 66, 67,
+                        68, 69, 70, 71}
 
 
 @pytest.mark.parametrize("case", [

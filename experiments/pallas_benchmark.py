@@ -7,6 +7,8 @@ sum(out) w.r.t. q, k, v) on a GPU or TPU of
   (softmax; "xla" materializes the T×S scores and is skipped where they would not fit),
 * JAX's own Pallas flash softmax: ``jax.experimental.pallas.ops.gpu.attention.mha`` (Triton)
   on a GPU, ``jax.experimental.pallas.ops.tpu.flash_attention`` on a TPU,
+* optionally (``"attnx blocked"`` in ``baselines``) attnx's XLA blocked kernel for every F
+  measured, the fallback of ``implementation=None``,
 * ``attnx.core.pallas_attention`` for softmax and every other pointwise F (the distance
   kernels on score neg_sq_dist through ``Score.to_dot``, bandwidth h = √(2H)) and for the
   whole-row weightings in ``row_weightings`` (SSMax, softpick, stick-breaking, sparsemax,
@@ -55,6 +57,7 @@ PRESETS = ("default", "quick", "tiny")
 DEFAULT_SHAPES = ("16x1024x16x128,8x2048x16x128,4x4096x16x128,2x8192x16x128,1x16384x16x128,"
                   "1x32768x16x128")
 BASELINES = ("cudnn", "xla", "jax pallas flash")
+BLOCKED = "attnx blocked"  # optional baseline: attnx's XLA blocked kernel, for every F
 MODES = ("fwd", "fwd+bwd")
 OURS = "attnx pallas"
 ROW_WEIGHTINGS = ("ssmax", "softpick", "stick_breaking", "sparsemax", "entmax15")
@@ -115,7 +118,7 @@ def _row_weightings(config) -> list[str]:
 def validate_config(config: ml_collections.ConfigDict) -> None:
   """Raises ValueError for bad shapes, modes, baselines, weightings or dtype."""
   _shapes(config)
-  for key, valid in (("modes", MODES), ("baselines", BASELINES)):
+  for key, valid in (("modes", MODES), ("baselines", BASELINES + (BLOCKED,))):
     bad = [m for m in train.split_list(config[key]) if m not in valid]
     if bad:
       raise ValueError(f"config.{key} has invalid entries {bad}; valid: {', '.join(valid)}")
@@ -172,6 +175,9 @@ def _attn_fn(impl: str, weighting: str, config, platform: str, head_dim: int):
   w = wlib.get_weighting(name)
   scale = 1.0 if score == "neg_sq_dist" else sm_scale
   blocks = dict(block_q=int(config.block_q) or None, block_k=int(config.block_k) or None)
+  if impl == BLOCKED:
+    return lambda q, k, v: core.attention(q, k, v, weighting=name, score=score, scale=scale,
+                                          is_causal=causal, implementation="blocked")
 
   def ours(q, k, v):
     qd, kd = get_score(score).to_dot(q, k)  # what attnx.core.attention does for a score
@@ -248,11 +254,15 @@ def _cases(config) -> list[dict[str, Any]]:
   shapes = _shapes(config)
   for shape in shapes:
     for mode in train.split_list(config.modes):
-      for impl in train.split_list(config.baselines):
-        cases.append(dict(shape=shape, impl=impl, weighting="softmax", mode=mode))
+      baselines = train.split_list(config.baselines)
+      for impl in baselines:
+        if impl != BLOCKED:
+          cases.append(dict(shape=shape, impl=impl, weighting="softmax", mode=mode))
       for name in _weightings(config) + _row_weightings(config):
         cases.append(dict(shape=shape, impl=OURS, weighting=name, mode=mode,
                           check_error=shape == shapes[0]))
+        if BLOCKED in baselines:
+          cases.append(dict(shape=shape, impl=BLOCKED, weighting=name, mode=mode))
   return cases
 
 

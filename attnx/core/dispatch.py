@@ -462,7 +462,7 @@ def attention(query: Array, key: Array, value: Array, bias: Array | None = None,
     # Scores that transform q/k in float32 (distances, cosine) upcast v too: one dtype.
     compute = jnp.result_type(qd.dtype, kd.dtype, v.dtype)
     pointwise = isinstance(w, weightings_lib.Pointwise)
-    if implementation is None and pointwise and pallas_lib.choose_pallas(
+    if implementation is None and pallas_lib.choose_pallas(
         None, w, compute, qd.shape[-1], value_head_dim=v.shape[-1]):
       impl = "pallas"  # GPU/TPU, self-check passed; never consulted for an explicit choice
     kernel = (functools.partial(pallas_lib.pallas_attention, interpret=interpret,

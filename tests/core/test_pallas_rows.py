@@ -442,9 +442,14 @@ def test_support_and_the_automatic_choice():
   for name in BASE:
     for be in pa.BACKENDS:
       assert pa.supported(wlib.get_weighting(name), backend=be) is None, (name, be)
-    # implementation=None never picks the row kernels (explicit "pallas" only).
-    assert not pa.choose_pallas("gpu", wlib.get_weighting(name), jnp.float32, 64,
+    # implementation=None picks the row kernels on a GPU once the self-check passed, never on
+    # a TPU (whole sequences in VMEM: explicit "pallas" only).
+    pa.clear_choice_cache()
+    assert pa.choose_pallas("gpu", wlib.get_weighting(name), jnp.float32, 64,
+                            check_fn=lambda *a: None)
+    assert not pa.choose_pallas("tpu", wlib.get_weighting(name), jnp.float32, 64,
                                 check_fn=lambda *a: None)
+  pa.clear_choice_cache()
   # The TPU kernels hold whole sequences in VMEM: too long a sequence is a clear error.
   big = jax.ShapeDtypeStruct((1, 65536, 1, 256), jnp.float32)
   with pytest.raises(ValueError, match="VMEM.*implementation='blocked'"):
@@ -527,3 +532,14 @@ def test_kahan_expm1_and_comparison_sign_match_xla():
   b = streaming.tile_grad(*args)[1]
   np.testing.assert_array_equal(np.signbit(a), np.signbit(b))
   np.testing.assert_allclose(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", ["stick_breaking", "entmax:alpha=1.3"])
+def test_self_check_compares_the_row_kernels_with_blocked(name):
+  # What implementation=None runs on a GPU before choosing a row kernel (here the GPU kernels
+  # in the interpreter): it passes for the real kernel and names a wrong one.
+  w = wlib.get_weighting(name)
+  assert pa.self_check("gpu", w, "float32", 16, interpret=True) is None
+  wrong = lambda q, k, v, **kw: 0.5 * pa.pallas_attention(q, k, v, **kw)
+  assert "output differs" in pa.self_check("gpu", w, "float32", 16, kernel=wrong,
+                                           interpret=True)

@@ -3,10 +3,13 @@
 import os
 import sys
 
+import jax
+import numpy as np
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
+from attnx import core  # noqa: E402
 from experiments import pallas_benchmark as exp  # noqa: E402
 
 
@@ -63,3 +66,17 @@ def test_cpu_exits_cleanly_with_a_report(tmp_path, capsys):
   assert "needs a GPU or TPU" in report and "Inconclusive" in report
   assert "needs a GPU or TPU" in capsys.readouterr().out
   assert not (tmp_path / "benchmark.json").exists()
+
+
+def test_blocked_baseline_runs_every_weighting_measured():
+  c = exp.get_config("tiny")
+  c.baselines = "cudnn,attnx blocked"
+  cases = exp._cases(c)
+  blocked = {x["weighting"] for x in cases if x["impl"] == exp.BLOCKED}
+  assert blocked == {x["weighting"] for x in cases if x["impl"] == exp.OURS}
+  assert {x["impl"] for x in cases if x["weighting"] == "softmax"} == {"cudnn", exp.OURS,
+                                                                         exp.BLOCKED}
+  q = jax.random.normal(jax.random.PRNGKey(0), (1, 40, 2, 16))
+  fn = exp._attn_fn(exp.BLOCKED, "stick_breaking", c, "gpu", 16)
+  want = core.attention(q, q, q, weighting="stick_breaking", scale=0.25, implementation="dense")
+  np.testing.assert_allclose(fn(q, q, q), want, atol=1e-5)

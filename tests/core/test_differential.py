@@ -179,6 +179,9 @@ def test_random_case(seed):
 # which keeps CI within its 20 minutes.
 _EXHAUSTIVE_BRANCHES = {41, 42, 43, 45, 46, 47, 48, 49, 50, 51, 60, 61, 62, 63, 64, 65, 66, 67,
                         68, 69, 70, 71}
+# Pointwise Pallas cases whose causal / mask / bias / GQA / tile grid tests/core/
+# test_pallas_attention.py runs in CI too.
+_EXHAUSTIVE_BRANCHES |= {31, 33}
 
 
 @pytest.mark.parametrize("case", [

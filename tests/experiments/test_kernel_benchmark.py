@@ -39,6 +39,7 @@ def test_skips_baselines_that_need_too_much_memory():
 def test_tiny_end_to_end(tmp_path):
   config = exp.get_config("tiny")
   config.shapes = config.shapes.split(",")[0]  # one of its two shapes: half the compiles
+  config.weightings = "softmax,gaussian"  # a similarity and a distance kernel
   out = exp.run(config, str(tmp_path))
   for name in ("benchmark.md", "benchmark.json", "report.md"):
     assert (tmp_path / name).exists(), name

@@ -451,16 +451,25 @@ def entmax_threshold(tile_pass, rows: tuple[int, ...], rs: RowStream,
 
   tol = 2.0 ** -23
 
-  def step(tau, lo, hi, sums):
+  # For α > 2 a key just inside the support (r → 0⁺) makes f' = −q·Σ r^{q−1} (q − 1 < 0) huge, so
+  # Newton's steps shrink to nothing long before τ: there a step that is not at most half the
+  # previous one bisects instead (the safeguard of Numerical Recipes' rtsafe). For α ≤ 2 f' is
+  # bounded and Newton alone converges.
+  stall_guard = alpha > 2.0
+
+  def step(tau, lo, hi, sums, dx):
     f_plus1, d, cnt = sums
     f = f_plus1 - 1.0
     lo = jnp.where(f >= 0, tau, lo)
     hi = jnp.where(f <= 0, tau, hi)
     newton = tau + f / (q * jnp.where(d > 0, d, 1.0))
     ok = (d > 0) & (newton >= lo) & (newton <= hi)
+    if stall_guard:  # (a step within tol ends the row: never bisect away from there)
+      dn = jnp.abs(newton - tau)
+      ok = ok & ((2.0 * dn <= dx) | (dn <= tol))
     new = jnp.where(ok, newton, 0.5 * (lo + hi))
     done = (jnp.abs(new - tau) <= tol) | (f == 0) | empty | jnp.isnan(f)
-    return new, lo, hi, done, cnt
+    return new, lo, hi, done, jnp.abs(new - tau)
 
   def cond(c):
     if ops.all_rows:
@@ -468,17 +477,19 @@ def entmax_threshold(tile_pass, rows: tuple[int, ...], rs: RowStream,
     return (c[0] < MAX_THRESHOLD_PASSES) & (jnp.min(c[4].astype(F32)) == 0.0)
 
   def body(c):
-    it, tau, lo, hi, _, _ = c
+    it, tau, lo, hi, _, _, dx = c
     sums = sums_fn(tau)
-    new, lo, hi, done, _ = step(tau, lo, hi, sums)
-    return it + 1, jnp.where(done, tau, new), lo, hi, done, sums
+    new, lo, hi, done, step_size = step(tau, lo, hi, sums, dx[0] if dx else None)
+    return (it + 1, jnp.where(done, tau, new), lo, hi, done, sums,
+            (step_size,) if stall_guard else ())
 
   zero = jnp.zeros(rows, F32)
-  init = (jnp.int32(1), tau0, lo, hi, jnp.zeros(rows, bool), (zero, zero, zero))
+  init = (jnp.int32(1), tau0, lo, hi, jnp.zeros(rows, bool), (zero, zero, zero),
+          (hi - lo,) if stall_guard else ())
   if ops.threshold_loop == "while":
-    it, tau, _, _, done, sums = lax.while_loop(cond, body, init)
+    it, tau, _, _, done, sums, _ = lax.while_loop(cond, body, init)
   else:
-    it, tau, _, _, done, sums = lax.fori_loop(
+    it, tau, _, _, done, sums, _ = lax.fori_loop(
         1, MAX_THRESHOLD_PASSES, lambda _, c: lax.cond(cond(c), body, lambda c: c, c), init)
   if alpha in (1.5, 2.0):
     # One exact step on the support: the closed form given which keys have p > 0, from the

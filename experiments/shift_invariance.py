@@ -278,12 +278,13 @@ def _kernel_verdict(ks: dict[str, Any]) -> str:
 # ------------------------------------------------------------------------------------------
 
 class SimilarityAveraging(nn.Module):
-  """The seed-000 model: y_i = Σ_j w_ij x_j, w_ij = F(β x_i·x_j)/Σ_l F(β x_i·x_l), then a
-  per-object MLP classifier on y_i.
+  """The model of Alam et al. ("Attention in machine learning: how to explain the empirical
+  formula"): y_i = Σ_j w_ij x_j, w_ij = F(β x_i·x_j)/Σ_l F(β x_i·x_l), then a per-object MLP
+  classifier on y_i.
 
   No query/key projections, so a global offset g shifts every score of row i by
-  β(‖g‖² + g·x_i) plus the key-dependent cross term β g·x_j — the seed's M and the part of the
-  noise its argument drops. With ``score="neg_sq_dist"`` the scores are −β‖x_i − x_j‖², which
+  β(‖g‖² + g·x_i) plus the key-dependent cross term β g·x_j — Alam et al.'s M and the part of
+  the noise their argument drops. With ``score="neg_sq_dist"`` the scores are −β‖x_i − x_j‖², which
   do not see g at all. β is learned (same initialization for every F).
   """
 

@@ -11,12 +11,21 @@ from attnx.core.blocked import blocked_attention
 from attnx.core.dispatch import (
     BLOCKED_MIN_SCORES,
     IMPLEMENTATIONS,
+    ROW_BLOCKED_MIN_SCORES,
+    Explanation,
     attention,
     attention_weights,
     causal_mask,
     check_compatible,
+    explain,
 )
 from attnx.core.flax_adapter import flax_attention_fn
+from attnx.core.implementations import (
+    Implementation,
+    Problem,
+    get_implementation,
+    list_implementations,
+)
 from attnx.core.linear import (
     elu_plus_one_features,
     favor_features,
@@ -24,6 +33,7 @@ from attnx.core.linear import (
     linear_attention,
 )
 from attnx.core.nadaraya_watson import nadaraya_watson
+from attnx.core.pallas_attention import PallasVerification, verify_pallas
 from attnx.core.rownorm import softpick, ssmax, stick_breaking
 from attnx.core.scores import (
     Score,
@@ -50,12 +60,14 @@ from attnx.core.weightings import (
 )
 
 __all__ = [
-    "BLOCKED_MIN_SCORES", "IMPLEMENTATIONS", "Pointwise", "RowNormalizer", "Score", "additive",
-    "attention", "attention_weights", "bilinear", "blocked_attention", "causal_mask",
-    "check_compatible", "cosine",
-    "describe_weightings", "dot", "elu_plus_one_features", "entmax15", "entmax_bisect",
-    "favor_features", "favor_plus_features", "flax_attention_fn", "get_score", "get_weighting",
-    "linear_attention", "list_scores", "list_weightings", "metric", "nadaraya_watson",
-    "neg_sq_dist", "parse_weighting_name", "register_weighting",
-    "scaled_dot", "softpick", "sparsemax", "ssmax", "stick_breaking", "weights",
+    "BLOCKED_MIN_SCORES", "IMPLEMENTATIONS", "ROW_BLOCKED_MIN_SCORES", "Explanation",
+    "Implementation", "PallasVerification", "Pointwise", "Problem", "RowNormalizer", "Score",
+    "additive", "attention", "attention_weights", "bilinear", "blocked_attention", "causal_mask",
+    "check_compatible", "cosine", "describe_weightings", "dot", "elu_plus_one_features",
+    "entmax15", "entmax_bisect", "explain", "favor_features", "favor_plus_features",
+    "flax_attention_fn", "get_implementation", "get_score", "get_weighting",
+    "linear_attention", "list_implementations", "list_scores", "list_weightings", "metric",
+    "nadaraya_watson", "neg_sq_dist", "parse_weighting_name", "register_weighting",
+    "scaled_dot", "softpick", "sparsemax", "ssmax", "stick_breaking", "verify_pallas",
+    "weights",
 ]

@@ -1,18 +1,29 @@
-"""The attention dispatcher: `attention` (dense or blocked), `attention_weights`, masks.
+"""The attention dispatcher: `attention`, `attention_weights`, masks, and `explain`.
 
 Same layout and mask/bias semantics as ``jax.nn.dot_product_attention``: ``q`` is
 ``[batch..., T, N, H]``, ``k`` and ``v`` are ``[batch..., S, K, H]`` with ``N`` a multiple of
 ``K`` (grouped-query attention), ``mask`` is boolean (True = attend) and ``bias`` additive, both
 broadcastable to ``[batch..., N, T, S]``.
 
-Two implementations:
+The implementations are objects (:mod:`attnx.core.implementations`, one module each), each
+saying whether it can run a problem (``supports(problem)``: None or a reason):
 
-* ``"dense"`` materializes the ``[N, T, S]`` weights; every weighting and score works.
-* ``"blocked"`` streams key tiles flash-style with O(T) memory and a recomputing custom VJP;
-  it runs every :class:`~attnx.core.weightings.Pointwise` weighting with every score that is a
-  dot product of transformed vectors (all built-in scores but ``additive``).
+* ``"pallas"`` — fused Pallas kernels (Triton on a GPU, Mosaic on a TPU);
+* ``"blocked"`` — streams key tiles flash-style in XLA with O(T) memory and a recomputing
+  custom VJP; it runs every :class:`~attnx.core.weightings.Pointwise` weighting and the
+  whole-row weightings with a streaming family, with every score that is a dot product of
+  transformed vectors (all built-in scores but ``additive``);
+* ``"dense"`` — materializes the ``[N, T, S]`` weights; every weighting and score works.
 
-Both obey one edge-case contract (:mod:`attnx.core.contract`): empty sequences, rows without a
+:func:`attention` describes the call once as a :class:`~attnx.core.implementations.Problem`
+(shapes, dtypes, flags: no array). An explicit ``implementation="name"`` runs that object or
+raises a ValueError with its reason; ``implementation=None`` walks the list above in order and
+takes the first implementation that supports the problem and does not decline it (blocked and
+Pallas decline problems too small to pay off; Pallas also declines a CPU and combinations
+whose one-time verification, :func:`~attnx.core.pallas_attention.verify_pallas`, failed).
+:func:`explain` answers which one a call runs and why the others do not.
+
+All obey one edge-case contract (:mod:`attnx.core.contract`): empty sequences, rows without a
 valid key (a zero output where ``jax.nn`` averages all values), NaN/Inf inputs reaching exactly
 the rows that attend them, weightings with an unbounded F', bf16/f16.
 
@@ -26,7 +37,6 @@ module call :func:`attention`.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import numbers
 from typing import Any
@@ -34,39 +44,36 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from attnx.core import blocked_rows, rownorm
-from attnx.core import pallas_attention as pallas_lib
+from attnx.core import implementations as impl_lib
 from attnx.core import params as params_lib
 from attnx.core import scores as scores_lib
 from attnx.core import weightings as weightings_lib
-from attnx.core.blocked import blocked_attention
 from attnx.core.contract import nonfinite_inputs
+from attnx.core.implementations import (
+    BLOCKED_MIN_SCORES,
+    ROW_BLOCKED_MIN_SCORES,
+    Implementation,
+    Inputs,
+    Problem,
+    get_implementation,
+    list_implementations,
+    streams,
+)
+from attnx.core.implementations.blocked import min_scores
+from attnx.core.implementations.dense import (
+    causal_mask,
+    combined_mask,
+    dense_scores,
+    repeat_kv,
+)
 
 Array = jax.Array
-IMPLEMENTATIONS = ("dense", "blocked", "pallas")
-STREAMING = ("blocked", "pallas")  # need a pointwise F and a dot-product score
+IMPLEMENTATIONS = impl_lib.NAMES  # from the simplest; list_implementations(): dispatch order
 
-# Above this many score entries per (batch, head), the blocked kernel is used by default.
-# Re-measured with the triangle-shaped causal kernel (blocked / dense time, float32, one pinned
-# core of a shared 2-core Xeon, medians of 5–25 round-robin runs, fwd | fwd+bwd; full, causal):
-#   T = 17   (64×17×4×8, digits ViT):  full 1.28 | 2.08,  causal 1.19 | 2.00
-#   T = 64   (8×64×4×64):              full 0.79 | 1.11,  causal 0.87 | 1.14
-#   T = 128  (8×128×4×64):             full 0.74 | 1.11,  causal 0.80 | 1.14
-#   T = 256  (2×256×4×64):             full 0.76 | 1.15,  causal 0.62 | 0.92
-#   T = 512  (2×512×4×64):             full 0.82 | 0.92,  causal 0.53 | 0.87
-#   T = 1024 (2×1024×4×64):            full 0.56 | 0.62,  causal 0.34 | 0.54
-# Training is fwd+bwd: dense is faster up to T = 256 (full) and the causal gain at T = 256 is
-# small, blocked wins everywhere from T = 512 on, so the threshold stays at 512².
-# (experiments/kernel_benchmark.py times both implementations at larger shapes.)
-BLOCKED_MIN_SCORES = 512 * 512
-# The whole-row weightings are slower dense than softmax (a sort-free threshold search,
-# cumulative sums, more transcendentals per score) and their blocked kernel wins earlier.
-# fwd+bwd time blocked / dense, float32, 2-core AMD EPYC, full | causal (kernel benchmark,
-# `rows` preset, 2026-11-25): at T = 256 (8×256×8×64) ssmax 0.83 | 0.78, softpick 0.78 | 0.77,
-# stick_breaking 0.85 | 0.83, sparsemax 0.65 | 0.67, entmax15 0.75 | 0.72, entmax:alpha=1.3
-# 0.48 | 0.50; measured side by side at T = 128 (16×128×4×64, while another process ran) the
-# ratios were 0.63–0.95 with one loss (sparsemax full, 1.33). So blocked from 256² on.
-ROW_BLOCKED_MIN_SCORES = 256 * 256
+__all__ = ["BLOCKED_MIN_SCORES", "IMPLEMENTATIONS", "ROW_BLOCKED_MIN_SCORES", "Explanation",
+           "attention", "attention_weights", "causal_mask", "check_compatible",
+           "check_score_params", "explain", "get_implementation", "list_implementations",
+           "streams"]
 
 
 def _fail(msg: str) -> None:
@@ -111,30 +118,6 @@ def _check_inputs(q: Array, k: Array, v: Array, bias: Array | None, mask: Array 
     _fail(f"mask must be boolean (True = attend), got dtype {mask.dtype}.")
 
 
-def _to_4d(x: Array | None, batch: tuple[int, ...]) -> Array | None:
-  """[batch..., N, T, S]-broadcastable -> [B or 1, N or 1, T or 1, S or 1]."""
-  if x is None:
-    return None
-  x = x.reshape((1,) * (len(batch) + 3 - x.ndim) + x.shape)
-  lead = x.shape[:len(batch)]
-  if all(d == 1 for d in lead):
-    return x.reshape((1,) + x.shape[len(batch):])
-  x = jnp.broadcast_to(x, batch + x.shape[len(batch):])
-  return x.reshape((-1,) + x.shape[len(batch):])
-
-
-def causal_mask(t: int, s: int) -> Array:
-  """Boolean [T, S] lower-triangular mask: query i attends key j ≤ i (jax.nn convention)."""
-  return jnp.tril(jnp.ones((t, s), dtype=jnp.bool_))
-
-
-def _combined_mask(mask: Array | None, is_causal: bool, t: int, s: int) -> Array | None:
-  if is_causal:
-    c = causal_mask(t, s)
-    return c if mask is None else jnp.logical_and(mask, c)
-  return mask
-
-
 def _zero_on_distances(weighting: Any, w: Any) -> bool:
   """Whether every weight is 0 on a distance score (s = −d² ≤ 0): the ``zero_on_nonpositive``
   trait the resolved weighting ``w`` declares (relu, relu2, power, softpick)."""
@@ -150,26 +133,14 @@ def _zero_on_distances(weighting: Any, w: Any) -> bool:
     return not bool(jnp.any(weightings_lib.apply_weighting(row, w) != 0))
 
 
-def streams(w: Any) -> bool:
-  """Whether the blocked kernel runs the resolved weighting ``w`` (every pointwise F, and the
-  whole-row weightings that declare a streaming family)."""
-  return isinstance(w, weightings_lib.Pointwise) or blocked_rows.streams(w)
-
-
 def _check_implementation(implementation: str | None, w: Any, sc: scores_lib.Score) -> None:
+  """Raises ValueError for an unknown implementation name, or one that cannot run weighting
+  ``w`` with score ``sc`` whatever the shapes."""
   if implementation is None:
     return
-  if implementation not in IMPLEMENTATIONS:
-    raise ValueError(f"Unknown implementation {implementation!r}; valid: "
-                     f"{', '.join(IMPLEMENTATIONS)} or None (automatic).")
-  if implementation in STREAMING and not streams(w):
-    raise ValueError(
-        f"Weighting {w.name!r} normalizes whole rows and has no streaming form "
-        f"(implementation={implementation!r}); use implementation='dense' (or None).")
-  if implementation in STREAMING and sc.to_dot is None:
-    raise ValueError(f"Score {sc.name!r} is not a dot product of transformed vectors and "
-                     f"cannot stream (implementation={implementation!r}); use "
-                     "implementation='dense' (or None).")
+  reason = get_implementation(implementation).supports_config(w, sc)
+  if reason is not None:
+    raise ValueError(reason)
 
 
 def check_compatible(weighting: Any, score: Any = "scaled_dot",
@@ -182,7 +153,9 @@ def check_compatible(weighting: Any, score: Any = "scaled_dot",
   * Conversely, a weighting that declares ``zero_on_nonpositive`` (0 for every s ≤ 0:
     ``list_weightings(zero_on_nonpositive=True)``, i.e. ``relu``, ``relu2``, ``power``,
     ``softpick``) gives all-zero weights on a distance score, which is always ≤ 0.
-  * ``implementation="blocked"`` needs a pointwise weighting and a dot-product score.
+  * ``implementation="blocked"`` or ``"pallas"`` needs a weighting with a streaming form and
+    a dot-product score (the implementation's ``supports_config``); the checks that need
+    shapes, dtypes and the device come when :func:`attention` runs (:func:`explain`).
 
   A user callable score is trusted. Unknown names raise too, listing the valid ones. Used by
   :func:`attention`, :func:`~attnx.core.flax_attention_fn` and every ``attnx.nn`` module, so a
@@ -244,36 +217,16 @@ def _resolve(weighting, score, scale, score_params, head_dim):
   return w, sc, params, float(scale) if not isinstance(scale, jax.Array) else scale
 
 
-def _choose_implementation(implementation, w, sc, t: int, s: int) -> str:
+def _choose_implementation(implementation: str | None, w: Any, sc: scores_lib.Score, t: int,
+                           s: int) -> str:
+  """The name ``implementation`` checked, or for None the automatic choice between dense and
+  blocked for T×S scores (the answer on a CPU), from the weighting and score alone: for
+  callers that decide before they have arrays (the differential test net)."""
   _check_implementation(implementation, w, sc)
-  if implementation is None:
-    blocked_ok = streams(w) and sc.to_dot is not None
-    threshold = (BLOCKED_MIN_SCORES if isinstance(w, weightings_lib.Pointwise)
-                 else ROW_BLOCKED_MIN_SCORES)
-    return "blocked" if blocked_ok and t * s >= threshold else "dense"
-  return implementation
-
-
-# Scores linear in q: the scale can multiply q ([T, H]) instead of the [T, S] scores.
-_LINEAR_IN_Q = ("dot", "scaled_dot", "bilinear")
-
-
-def _dense_scores(q, k, bias, sc, params, scale):
-  """[B, N, T, S] float32 scores (scale and bias applied); k already has N heads."""
-  if isinstance(scale, float) and scale == 1.0:
-    s = sc.dense(q, k, **params)
-  elif (q.dtype == jnp.float32 and isinstance(scale, float)
-        and any(sc is scores_lib.get_score(n) for n in _LINEAR_IN_Q)):
-    s = sc.dense(q * scale, k, **params)  # one pass over T×H instead of T×S
-  else:
-    s = sc.dense(q, k, **params) * scale
-  if bias is not None:
-    s = s + bias.astype(s.dtype)
-  return s
-
-
-def _repeat_kv(x: Array, n: int) -> Array:
-  return jnp.repeat(x, n // x.shape[-2], axis=-2) if x.shape[-2] != n else x
+  if implementation is not None:
+    return implementation
+  blocked_ok = get_implementation("blocked").supports_config(w, sc) is None
+  return "blocked" if blocked_ok and t * s >= min_scores(w) else "dense"
 
 
 def _prepare(query, key, value, bias, mask, weighting, score, scale, score_params):
@@ -302,8 +255,8 @@ def attention_weights(query: Array, key: Array, bias: Array | None = None,
   if q.size == 0 or s == 0:
     return jnp.zeros((*q.shape[:-3], n, t, s), jnp.float32)
   q, k, _, bias = nonfinite_inputs(q, k, None, bias)
-  scores = _dense_scores(q, _repeat_kv(k, n), bias, sc, params, scale)
-  valid = _combined_mask(mask, is_causal, t, s)
+  scores = dense_scores(q, repeat_kv(k, n), bias, sc, params, scale)
+  valid = combined_mask(mask, is_causal, t, s)
   return weightings_lib.apply_weighting(scores, w, axis=-1, where=valid)
 
 
@@ -335,16 +288,150 @@ def _dropout_active(dropout_rate: Any, deterministic: Any) -> bool:
   return rate > 0.0 and not bool(deterministic)
 
 
-def _drop_weights(w: Array, rng: Array, rate: float, broadcast: bool, key_ndim: int) -> Array:
-  """Dropout on weights [batch..., N, T, S] exactly as ``flax.linen.dot_product_attention``.
+def _problem(q: Array, k: Array, v: Array, bias: Array | None, mask: Array | None, w: Any,
+             sc: scores_lib.Score, params: dict[str, Any], *, is_causal: bool,
+             block_q: int | None, block_k: int | None, dropout_rate: float,
+             broadcast_dropout: bool, return_weights: bool, interpret: bool) -> Problem:
+  """The static description of a checked call (shapes and dtypes only: works on tracers)."""
+  stream_dtype = stream_head_dim = None
+  if sc.to_dot is not None:  # what the streaming kernels will see, without computing it
+    qd, kd = jax.eval_shape(lambda q, k: sc.to_dot(q, k, **params), q, k)
+    stream_dtype = jnp.result_type(qd.dtype, kd.dtype, v.dtype).name
+    stream_head_dim = int(qd.shape[-1])
+  return Problem(
+      weighting=w, score=sc, batch=tuple(q.shape[:-3]), t=q.shape[-3], s=k.shape[-3],
+      num_heads=q.shape[-2], num_kv_heads=k.shape[-2], head_dim=q.shape[-1],
+      value_head_dim=v.shape[-1], dtype=q.dtype.name, stream_dtype=stream_dtype,
+      stream_head_dim=stream_head_dim, is_causal=bool(is_causal), has_mask=mask is not None,
+      has_bias=bias is not None, block_q=None if block_q is None else int(block_q),
+      block_k=None if block_k is None else int(block_k), dropout_rate=dropout_rate,
+      broadcast_dropout=bool(broadcast_dropout), return_weights=bool(return_weights),
+      platform=jax.default_backend(), interpret=bool(interpret))
 
-  Same RNG use, mask shape and rescaling, so equal keys give equal masks: ``broadcast`` draws
-  one [T, S] mask shared by the batch and head dims, otherwise one mask per weight.
+
+def _plan(query: Array, key: Array, value: Array, bias: Array | None = None,
+          mask: Array | None = None, *, weighting: Any = "softmax", score: Any = "scaled_dot",
+          is_causal: bool = False, scale: float | None = None,
+          implementation: str | None = None, score_params: dict[str, Any] | None = None,
+          block_q: int | None = None, block_k: int | None = None, dropout_rate: float = 0.0,
+          dropout_rng: Array | None = None, deterministic: bool = False,
+          broadcast_dropout: bool = True, return_weights: bool = False,
+          interpret: bool = False,
+          weighting_params: dict[str, Any] | None = None) -> tuple[Problem, Inputs]:
+  """Checks the arguments of :func:`attention` (which documents them); the call's Problem and
+  Inputs. The implementation name is checked by :func:`_select`."""
+  del implementation  # chosen by _select, after every argument is checked
+  for name, blk in (("block_q", block_q), ("block_k", block_k)):
+    # Checked for every implementation, so a bad tile fails the same way whichever one runs.
+    bad = not isinstance(blk, numbers.Integral) or isinstance(blk, bool) or blk < 1
+    if blk is not None and bad:
+      raise ValueError(f"{name} must be a positive int tile size or None, got {blk!r}.")
+  dropout = _dropout_active(dropout_rate, deterministic)
+  if dropout and dropout_rng is None:
+    raise ValueError(f"attention dropout (dropout_rate={dropout_rate}, deterministic=False) "
+                     "needs dropout_rng, a PRNG key; pass deterministic=True to turn it off.")
+  q, k, v, bias, mask, w, sc, params, scale = _prepare(
+      query, key, value, bias, mask, weighting, score, scale, score_params)
+  ssmax_s = _ssmax_param(w, weighting_params, q.shape[-2])
+  problem = _problem(q, k, v, bias, mask, w, sc, params, is_causal=is_causal, block_q=block_q,
+                     block_k=block_k, dropout_rate=float(dropout_rate) if dropout else 0.0,
+                     broadcast_dropout=broadcast_dropout, return_weights=return_weights,
+                     interpret=interpret)
+  inputs = Inputs(query=q, key=k, value=v, bias=bias, mask=mask, scale=scale,
+                  score_params=params, ssmax_s=ssmax_s, dropout_rng=dropout_rng)
+  return problem, inputs
+
+
+def _walk(problem: Problem) -> tuple[Implementation, dict[str, str]]:
+  """The automatic choice: the first implementation in dispatch order that supports
+  ``problem`` and does not decline it; also why it passed over the ones before it that could
+  run it."""
+  declined = {}
+  for impl in impl_lib.dispatch_order():
+    if impl.supports(problem) is None:
+      why = impl.declines(problem)
+      if why is None:
+        return impl, declined
+      declined[impl.name] = why
+  raise AssertionError(f"no implementation runs {problem}")  # dense runs every problem
+
+
+def _select(problem: Problem, implementation: str | None) -> Implementation:
+  """The implementation :func:`attention` runs: the explicit one (ValueError with its reason
+  when it cannot run ``problem``) or the automatic choice."""
+  if implementation is None:
+    return _walk(problem)[0]
+  impl = get_implementation(implementation)
+  reason = impl.supports(problem)
+  if reason is not None:
+    raise ValueError(reason)
+  return impl
+
+
+@dataclasses.dataclass(frozen=True)
+class Explanation:
+  """Which implementation :func:`attention` runs for one call, and why the others do not.
+
+  ``str()`` gives one line per implementation.
+
+  Attributes:
+    problem: the static description the implementations judged.
+    chosen: the implementation :func:`attention` runs; None when the explicit
+      ``implementation`` cannot run the problem (:func:`attention` raises
+      ``ValueError(reasons[implementation])``).
+    reasons: for every implementation, in dispatch order (:func:`list_implementations`):
+      None if it can run the problem, else why not.
+    declined: with ``implementation=None``: the implementations before ``chosen`` that could
+      run the problem but were passed over, with why (too small to pay off, a CPU, a failed
+      Pallas verification). Empty for an explicit implementation.
   """
-  keep_prob = 1.0 - rate
-  shape = ((1,) * (key_ndim - 2) + w.shape[-2:]) if broadcast else w.shape
-  keep = jax.random.bernoulli(rng, keep_prob, shape)
-  return w * (keep.astype(w.dtype) / jnp.asarray(keep_prob, w.dtype))
+
+  problem: Problem
+  chosen: str | None
+  reasons: dict[str, str | None]
+  declined: dict[str, str]
+
+  def __str__(self) -> str:
+    lines = []
+    for name, reason in self.reasons.items():
+      if name == self.chosen:
+        status = "runs this call"
+      elif reason is not None:
+        status = f"cannot run it: {reason}"
+      elif name in self.declined:
+        status = f"passed over: {self.declined[name]}"
+      else:
+        status = "can run it (not chosen)"
+      lines.append(f"{name}: {status}")
+    return "\n".join(lines)
+
+
+def explain(query: Array, key: Array, value: Array, bias: Array | None = None,
+            mask: Array | None = None, **kwargs: Any) -> Explanation:
+  """Which implementation ``attention(query, key, value, bias, mask, **kwargs)`` runs, and why
+  each other one cannot run it or was passed over, without running it.
+
+  Takes exactly the arguments of :func:`attention` and raises the same ValueError for bad
+  input (shapes, dtypes, unknown names); an implementation that cannot run the call is not an
+  error here but a reason. With ``implementation=None`` on a GPU/TPU this may run the one-time
+  Pallas verification (:func:`~attnx.core.pallas_attention.verify_pallas`), as the call
+  itself would.
+
+  Example::
+
+      print(core.explain(q, k, v, weighting="sparsemax", implementation="pallas"))
+      # pallas: cannot run it: implementation='pallas' needs a GPU or TPU; ...
+      # blocked: can run it (not chosen)
+      # dense: can run it (not chosen)
+  """
+  problem, _ = _plan(query, key, value, bias, mask, **kwargs)
+  implementation = kwargs.get("implementation")
+  reasons = {impl.name: impl.supports(problem) for impl in impl_lib.dispatch_order()}
+  if implementation is None:
+    chosen, declined = _walk(problem)
+    return Explanation(problem, chosen.name, reasons, declined)
+  name = get_implementation(implementation).name
+  return Explanation(problem, name if reasons[name] is None else None, reasons, {})
 
 
 def attention(query: Array, key: Array, value: Array, bias: Array | None = None,
@@ -372,10 +459,14 @@ def attention(query: Array, key: Array, value: Array, bias: Array | None = None,
     scale: multiplies the score; default 1/√H for ``scaled_dot`` and 1 for the others.
     implementation: ``"dense"``, ``"blocked"`` (flash-style in XLA, O(T) memory), ``"pallas"``
       (fused Pallas kernels: Triton on GPU, Mosaic on TPU; :mod:`attnx.core.pallas_attention`)
-      or None: dense for small problems; for large streamable ones the blocked kernel, or on a
-      GPU/TPU the Pallas kernel once a one-time self-check against blocked passed for that
-      (backend, weighting, dtype, head size) — one warning and blocked if it fails. An
-      explicit ``"pallas"`` never falls back.
+      or None: the first of ``list_implementations()`` (pallas, blocked, dense) that
+      supports the call and does not decline it — dense for small problems; for large
+      streamable ones the blocked kernel, or on a GPU/TPU the Pallas kernel once its one-time
+      verification against blocked passed for that (backend, weighting, dtype, head size)
+      (:func:`~attnx.core.pallas_attention.verify_pallas`: run eagerly on inputs of its own,
+      also when this call is being traced; one warning and blocked if it fails). An explicit
+      name runs that implementation or raises a ValueError saying why it cannot (an explicit
+      ``"pallas"`` never falls back). :func:`explain` shows the choice and the reasons.
     score_params: arrays for parametrized scores: ``bilinear`` (W), ``metric`` (L),
       ``additive`` (Wq, Wk, v); scalars for ``cosine`` (temperature).
     block_q, block_k: tile sizes of the blocked/Pallas kernel (default: chosen by the kernel,
@@ -425,67 +516,20 @@ def attention(query: Array, key: Array, value: Array, bias: Array | None = None,
   Raises:
     ValueError: bad shapes or dtypes, a tile size below 1 (whatever the implementation), an
       unknown or incompatible weighting/score/implementation, ``dropout_rate`` outside
-      [0, 1), dropout without ``dropout_rng``, or dropout / ``return_weights`` with
-      ``implementation="blocked"``.
+      [0, 1), dropout without ``dropout_rng``, or an explicit implementation that cannot run
+      the call (e.g. dropout / ``return_weights`` with ``implementation="blocked"``; the
+      message is that implementation's ``supports`` reason).
   """
-  for name, blk in (("block_q", block_q), ("block_k", block_k)):
-    # Checked for every implementation, so a bad tile fails the same way whichever one runs.
-    bad = not isinstance(blk, numbers.Integral) or isinstance(blk, bool) or blk < 1
-    if blk is not None and bad:
-      raise ValueError(f"{name} must be a positive int tile size or None, got {blk!r}.")
-  dropout = _dropout_active(dropout_rate, deterministic)
-  if dropout and dropout_rng is None:
-    raise ValueError(f"attention dropout (dropout_rate={dropout_rate}, deterministic=False) "
-                     "needs dropout_rng, a PRNG key; pass deterministic=True to turn it off.")
-  q, k, v, bias, mask, w, sc, params, scale = _prepare(
-      query, key, value, bias, mask, weighting, score, scale, score_params)
-  batch, (t, n), s = q.shape[:-3], q.shape[-3:-1], k.shape[-3]
-  ssmax_s = _ssmax_param(w, weighting_params, n)
-  impl = _choose_implementation(implementation, w, sc, t, s)
-  if dropout or return_weights:
-    if implementation not in (None, "dense"):  # the streaming kernels never form them
-      needs = "dropout on the weights" if dropout else "return_weights=True"
-      raise ValueError(f"{needs} needs the [T, S] weights, which implementation="
-                       f"{implementation!r} never forms; use implementation='dense' (or None, "
-                       "which picks it).")
-    impl = "dense"
-  out_dtype = q.dtype
-  if impl == "pallas":  # the backend's tile rules, checked for empty inputs too
-    pallas_lib.check_block_sizes(pallas_lib.resolve_backend(None, interpret), q.dtype,
-                                 block_q=block_q, block_k=block_k)
-  if q.size == 0 or s == 0:  # no query, or no key: every row has no valid key
-    out = jnp.zeros((*batch, t, n, v.shape[-1]), out_dtype)
-    return (out, jnp.zeros((*batch, n, t, s), jnp.float32)) if return_weights else out
-  if impl in STREAMING:
-    qd, kd = sc.to_dot(q, k, **params)
-    flat = lambda x: x.reshape((-1,) + x.shape[len(batch):])
-    # Scores that transform q/k in float32 (distances, cosine) upcast v too: one dtype.
-    compute = jnp.result_type(qd.dtype, kd.dtype, v.dtype)
-    pointwise = isinstance(w, weightings_lib.Pointwise)
-    if implementation is None and pallas_lib.choose_pallas(
-        None, w, compute, qd.shape[-1], value_head_dim=v.shape[-1]):
-      impl = "pallas"  # GPU/TPU, self-check passed; never consulted for an explicit choice
-    kernel = (functools.partial(pallas_lib.pallas_attention, interpret=interpret,
-                                **({} if ssmax_s is None else {"ssmax_s": ssmax_s}))
-              if impl == "pallas" else blocked_attention if pointwise
-              else functools.partial(blocked_rows.blocked_row_attention, ssmax_s=ssmax_s))
-    out = kernel(flat(qd.astype(compute)), flat(kd.astype(compute)), flat(v.astype(compute)),
-                 weighting=w, scale=scale, bias=_to_4d(bias, batch), mask=_to_4d(mask, batch),
-                 is_causal=is_causal, block_q=block_q, block_k=block_k)
-    return out.reshape(batch + out.shape[1:]).astype(out_dtype)
-  q, k, v, bias = nonfinite_inputs(q, k, v, bias)
-  scores = _dense_scores(q, _repeat_kv(k, n), bias, sc, params, scale)
-  valid = _combined_mask(mask, is_causal, t, s)
-  if ssmax_s is not None:  # s per head: [N] against the [..., N, T, S] scores
-    s_rows = ssmax_s.reshape(ssmax_s.shape + (1, 1)) if ssmax_s.ndim else ssmax_s
-    w = dataclasses.replace(w, fn=lambda z, wh, ax: rownorm.ssmax(z, axis=ax, where=wh,
-                                                                  s=s_rows))
-  probs = weightings_lib.apply_weighting(scores, w, axis=-1, where=valid)
-  used = (_drop_weights(probs, dropout_rng, float(dropout_rate), broadcast_dropout, k.ndim)
-          if dropout else probs)
-  vv = _repeat_kv(v, n)
-  out = jnp.einsum("...nts,...snh->...tnh", used.astype(vv.dtype), vv,
-                   preferred_element_type=jnp.promote_types(vv.dtype, jnp.float32))
-  out = out.astype(out_dtype)
-  return (out, probs) if return_weights else out
-
+  problem, inputs = _plan(
+      query, key, value, bias, mask, weighting=weighting, score=score, is_causal=is_causal,
+      scale=scale, score_params=score_params, block_q=block_q, block_k=block_k,
+      dropout_rate=dropout_rate, dropout_rng=dropout_rng, deterministic=deterministic,
+      broadcast_dropout=broadcast_dropout, return_weights=return_weights, interpret=interpret,
+      weighting_params=weighting_params)
+  impl = _select(problem, implementation)
+  if problem.empty:  # no query, or no key: every row has no valid key
+    p = problem
+    out = jnp.zeros((*p.batch, p.t, p.num_heads, p.value_head_dim), p.dtype)
+    return ((out, jnp.zeros((*p.batch, p.num_heads, p.t, p.s), jnp.float32))
+            if p.return_weights else out)
+  return impl(problem, inputs)

@@ -17,14 +17,16 @@ Entry points:
   ``blocked_attention``; plus ``q_lengths`` / ``kv_lengths`` (per-batch valid lengths).
 * :func:`supported` — why a combination cannot run (None when it can).
 * :func:`default_block_sizes` / :func:`check_block_sizes` — per-backend tile rules.
-* :func:`choose_pallas` — the automatic choice with a one-time self-check per (backend,
-  weighting, dtype, head size): :func:`self_check` compares with the blocked kernel, and a
-  failure logs one warning and answers False from then on.
+* :func:`verify_pallas` — the explicit verification: a one-time self-check per (backend,
+  weighting, dtype, head size) (:func:`self_check` compares with the blocked kernel), cached,
+  one warning when it fails. It runs eagerly on inputs of its own, outside any caller's trace.
+* :func:`decline_reason` / :func:`choose_pallas` — the automatic choice's policy: GPU/TPU
+  only, whole-row weightings on a GPU only, verified combinations only
+  (:class:`attnx.core.implementations.pallas.PallasImplementation` asks it).
 
 The whole-row weightings with a streaming family (SSMax, softpick, stick-breaking, sparsemax,
 α-entmax) run the kernels of :mod:`attnx.core.pallas_rows` through the same entry point, with
-the same inputs, tile rules and contract; they are used on explicit request only (the
-automatic choice consults Pallas for pointwise weightings).
+the same inputs, tile rules and contract.
 
 Supported inputs (both backends): every :class:`~attnx.core.weightings.Pointwise` weighting,
 GQA (N a multiple of K), T ≠ S, ragged T and S (padded internally), H ≠ Hv, ``is_causal``
@@ -66,9 +68,10 @@ TPU_SUBLANES = 8
 TPU_LANES = 128
 _LOG = logging.getLogger(__name__)
 
-__all__ = ["BACKENDS", "BlockSizes", "check_block_sizes", "choose_pallas", "clear_choice_cache",
+__all__ = ["BACKENDS", "BlockSizes", "PallasVerification", "backend_for_platform",
+           "check_block_sizes", "choose_pallas", "clear_verifications", "decline_reason",
            "default_block_sizes", "pallas_attention", "resolve_backend", "self_check",
-           "supported"]
+           "supported", "verify_pallas"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -84,20 +87,25 @@ def resolve_backend(backend: str | None = None, interpret: bool = False) -> str:
   machine, so that a CPU can trace and lower the kernels for a GPU/TPU.
   """
   if backend is None:
-    platform = jax.default_backend()
-    if platform in _BACKEND_ALIASES:
-      return _BACKEND_ALIASES[platform]
-    if interpret:
-      return "gpu"
-    raise ValueError(
-        f"implementation='pallas' needs a GPU or TPU; this machine runs JAX on {platform!r}. "
-        "Pass interpret=True to run the kernels in Pallas' interpreter (slow; for testing), or "
-        "use implementation='blocked' (the XLA flash-style kernel) on a CPU.")
+    return backend_for_platform(jax.default_backend(), interpret)
   name = _BACKEND_ALIASES.get(str(backend).lower())
   if name is None:
     raise ValueError(f"Unknown Pallas backend {backend!r}; valid: 'gpu' (Triton) or 'tpu' "
                      "(Mosaic), or None for the default device.")
   return name
+
+
+def backend_for_platform(platform: str, interpret: bool = False) -> str:
+  """``"gpu"`` or ``"tpu"``: the kernel family for the JAX platform ``platform`` (what
+  ``jax.default_backend()`` names); a CPU is an error unless ``interpret``."""
+  if platform in _BACKEND_ALIASES:
+    return _BACKEND_ALIASES[platform]
+  if interpret:
+    return "gpu"
+  raise ValueError(
+      f"implementation='pallas' needs a GPU or TPU; this machine runs JAX on {platform!r}. "
+      "Pass interpret=True to run the kernels in Pallas' interpreter (slow; for testing), or "
+      "use implementation='blocked' (the XLA flash-style kernel) on a CPU.")
 
 
 def supported(weighting: Any, *, backend: str | None = None, dtype: Any = None,
@@ -223,25 +231,6 @@ def default_block_sizes(backend: str, t: int, s: int, dtype: Any = jnp.float32,
 # The custom VJP.
 # --------------------------------------------------------------------------------------------
 
-def _row_values(cfg: kernels.KernelConfig, stat: Array, o: Array, do: Array) -> list[Array]:
-  """(r0, r1, delta) [B, N, Tp] of :func:`attnx.core.pallas_kernels._bwd_tile`."""
-  w = cfg.w
-  zeros = jnp.zeros_like(stat)
-  delta = zeros
-  if w.online_max or w.normalization == "sum":
-    # D_i = dO_i·O_i = Σ_j w_ij dP_ij (also with a denominator offset).
-    delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1).transpose(0, 2, 1)
-  if w.online_max:
-    return [stat, zeros, delta]
-  if w.normalization == "none":
-    return [zeros, zeros, zeros]
-  # 1/l overflows for a denormal l (F ≈ 0 on a whole row): use 1/(l·2^100) on F·2^100.
-  mult = jnp.where(jnp.abs(stat) < 2.0 ** -100, 2.0 ** 100, 1.0)
-  empty = stat == 0
-  inv = jnp.where(empty, 0.0, 1.0 / jnp.where(empty, 1.0, stat * mult))
-  return [mult, inv, delta] if w.normalization == "sum" else [zeros, inv, zeros]
-
-
 def _sum_to(x: Array, shape: tuple[int, ...]) -> Array:
   axes = tuple(a for a, (n, m) in enumerate(zip(x.shape, shape, strict=True)) if m == 1 and n != 1)
   return jnp.sum(x, axis=axes, keepdims=True) if axes else x
@@ -268,7 +257,7 @@ def _make_kernel(cfg: kernels.KernelConfig) -> Callable[..., Array]:
     q, k, v, bias, mask, q_len, kv_len, o, stat, marker = res
     if isinstance(do, jax.custom_derivatives.SymbolicZero):
       return (None,) * 7
-    rows = _row_values(cfg, stat, o, do)
+    rows = kernels.grad_rows(cfg, stat, o, do)
     dq, dk, dv, ds = kernels.backward(cfg, q, k, v, bias, mask, q_len, kv_len, do, rows,
                                       want_ds=marker is not None)
     dbias = None if ds is None else _sum_to(ds, bias.shape).astype(bias.dtype)
@@ -439,10 +428,12 @@ def pallas_attention(q: Array, k: Array, v: Array, *, weighting: Any,
 
 
 # --------------------------------------------------------------------------------------------
-# Automatic choice with a one-time self-check.
+# Verification: a one-time self-check per combination, which the automatic choice consults.
 # --------------------------------------------------------------------------------------------
 
-_CHOICES: dict[tuple[Any, ...], bool] = {}
+# The answers of verify_pallas, per (backend, weighting_key, dtype name, head_dim): None when
+# the self-check passed, else its reason.
+_VERIFIED: dict[tuple[Any, ...], str | None] = {}
 # Relative tolerance of the self-check: max |pallas − blocked| / max |blocked| over the output
 # and the gradients. Wrong kernels are off by O(1); rounding differences (bf16 probabilities,
 # default-precision matmuls on a TPU) stay far below these.
@@ -471,9 +462,9 @@ def weighting_key(w: Any) -> tuple[Any, ...]:
           _value_key(w.fn))
 
 
-def clear_choice_cache() -> None:
-  """Forgets every :func:`choose_pallas` decision (for tests)."""
-  _CHOICES.clear()
+def clear_verifications() -> None:
+  """Forgets every :func:`verify_pallas` answer (for tests, or after changing the kernels)."""
+  _VERIFIED.clear()
 
 
 def self_check(backend: str, weighting: Any, dtype: Any, head_dim: int, *,
@@ -482,7 +473,8 @@ def self_check(backend: str, weighting: Any, dtype: Any, head_dim: int, *,
   """Compiles and runs the Pallas kernel on a small problem and compares it with the blocked
   kernel: output and gradients w.r.t. q, k, v (B = 1, T = S = 256 → 8 × 8 tiles on a GPU, N = 2
   query heads sharing K = 1 kv head, causal). Returns None if they agree within
-  :data:`SELF_CHECK_RTOL`, else a reason; compile/run errors propagate.
+  :data:`SELF_CHECK_RTOL`, else a reason; compile/run errors propagate. The default check
+  of :func:`verify_pallas`, which runs it eagerly outside any caller's trace.
 
   ``kernel`` replaces :func:`pallas_attention` (for tests: a kernel made to fail or to be
   wrong). Distance kernels (``w.distance_kernel``) get scores −‖q − k‖² through
@@ -498,8 +490,8 @@ def self_check(backend: str, weighting: Any, dtype: Any, head_dim: int, *,
   n, t = 2, 64 if interpret else 256
   kw = dict(weighting=weighting, is_causal=True)
   normal = lambda *shape: rng.standard_normal(shape).astype(np.float32)
-  # NumPy only outside the compiled programs: dispatch may call this while tracing the caller's
-  # function, where a jnp operation would be staged into that trace instead of running.
+  # NumPy outside the compiled programs, so that the check stays eager also when called
+  # directly (not through verify_pallas) while a caller's function is traced.
   if getattr(weighting, "distance_kernel", False) and head_dim > 2:
     # Score.to_dot of neg_sq_dist: s = [2q, −‖q‖², −1]·[k, 1, ‖k‖²] = −‖q − k‖².
     xq, xk = normal(1, t, 1, head_dim - 2) * 0.5, normal(1, t, 1, head_dim - 2) * 0.5
@@ -532,42 +524,141 @@ def self_check(backend: str, weighting: Any, dtype: Any, head_dim: int, *,
   return None
 
 
-def choose_pallas(backend: str | None, weighting: Any, dtype: Any, head_dim: int, *,
-                  value_head_dim: int | None = None,
-                  check_fn: Callable[..., str | None] = self_check) -> bool:
-  """Whether ``implementation=None`` should use the Pallas kernel for this combination.
+@dataclasses.dataclass(frozen=True)
+class PallasVerification:
+  """What :func:`verify_pallas` found for one (backend, weighting, dtype, head size).
 
-  ``backend``: "gpu"/"tpu" (aliases as :func:`resolve_backend`) or None for the default
-  device. False on a CPU and for unsupported combinations (:func:`supported`, which also sees
-  ``value_head_dim``). Otherwise the first call per (backend, weighting, dtype, head_dim)
-  runs ``check_fn(backend, weighting, dtype, head_dim)`` (default :func:`self_check`); if it
-  raises or returns a reason, one warning naming the combination is logged and the answer is
-  False from then on (the caller uses "blocked").
-  Explicit ``implementation="pallas"`` must not call this: it never falls back. Whole-row
-  weightings are chosen on a GPU only (measured 3–13× the blocked kernel's fwd+bwd on an H100);
-  on a TPU their kernels hold whole sequences in VMEM and run on explicit request only.
+  Truthy iff ``ok``.
+
+  Attributes:
+    ok: the Pallas kernels compiled, ran and agreed with the blocked kernel (now, or in an
+      earlier call: answers are cached per process).
+    reason: None when ``ok``, else why not: the combination is not supported (no GPU/TPU,
+      dtype, head size: :func:`supported`), a result differs from the blocked kernel, or the
+      compile/run error (its type and first line).
+    backend: "gpu" or "tpu", or None when no Pallas backend applies.
+    weighting: the weighting's name.
+    dtype: the dtype's name.
+    head_dim: the head size verified.
+    checked: whether the answer comes from a self-check (run now or cached); False when the
+      combination was rejected before compiling anything.
+  """
+
+  ok: bool
+  reason: str | None
+  backend: str | None
+  weighting: str
+  dtype: str
+  head_dim: int
+  checked: bool
+
+  def __bool__(self) -> bool:
+    return self.ok
+
+
+def _run_check(check_fn: Callable[..., str | None], backend: str, weighting: Any, dtype: str,
+               head_dim: int) -> str | None:
+  """``check_fn``'s reason (None: passed); an exception it raises is a reason too."""
+  try:
+    # The check builds its own concrete inputs from the static description it gets (never an
+    # array of the caller), and ensure_compile_time_eval makes it run eagerly even when
+    # verify_pallas is called while the caller's function is traced by jit/grad/vmap: nothing
+    # is staged into the caller's program.
+    with jax.ensure_compile_time_eval():
+      return check_fn(backend, weighting, dtype, head_dim)
+  except Exception as e:  # noqa: BLE001 - any compile/run failure means "not verified"
+    first = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
+    return f"{type(e).__name__}: {first}"
+
+
+def verify_pallas(weighting: Any, dtype: Any, head_dim: int, *, backend: str | None = None,
+                  value_head_dim: int | None = None,
+                  check_fn: Callable[..., str | None] | None = None) -> PallasVerification:
+  """Verifies that the Pallas kernels run ``weighting`` correctly on this machine: compiles and
+  runs them once on a small problem of their own and compares with the blocked kernel
+  (:func:`self_check`: output and gradients).
+
+  The automatic choice (``attnx.core.attention(..., implementation=None)``) uses Pallas on a
+  GPU/TPU only for verified combinations, and verifies a new one the first time it meets it.
+  Calling this ahead of time moves that compile and run (seconds) out of the first model call
+  and shows the answer; a failing combination makes the automatic choice use the blocked
+  kernel, with one warning. An explicit ``implementation="pallas"`` never consults it.
+
+  Answers are cached per (backend, weighting, dtype, head_dim) for the process, so the check
+  runs at most once per combination (:func:`clear_verifications` forgets them). The check
+  sees only this static description, never the caller's arrays, and runs eagerly on concrete
+  inputs of its own, also when called while a function is being traced (jit, grad, vmap):
+  it adds nothing to the caller's program.
+
+  Args:
+    weighting: a weighting name (``"softmax"``, ``"power:p=3"``), object or callable F.
+    dtype: the dtype the kernels compute in (the query's, after the score's transform).
+    head_dim: the query/key head size the kernels see (a distance score adds 2 columns).
+    backend: "gpu"/"tpu" (aliases as :func:`resolve_backend`) or None for the default device;
+      a CPU gives ``ok=False`` (the interpreter is for tests, not a backend to choose).
+    value_head_dim: the value head size, checked against the backend's limits (the self-check
+      itself uses ``head_dim`` for the values).
+    check_fn: ``(backend, weighting, dtype_name, head_dim) -> reason | None`` replacing
+      :func:`self_check` (tests use it to make a check fail); a raised exception is a reason.
+
+  Returns:
+    A :class:`PallasVerification` (truthy iff ``ok``).
+  """
+  from attnx.core.weightings import get_weighting  # noqa: PLC0415 (weightings imports jax only)
+
+  w = get_weighting(weighting)
+  dt = jnp.dtype(dtype).name
+  head_dim = int(head_dim)
+  result = functools.partial(PallasVerification, weighting=w.name, dtype=dt, head_dim=head_dim)
+  try:
+    be = resolve_backend(backend)
+  except ValueError as e:  # a CPU (backend None) or an unknown name
+    return result(ok=False, reason=str(e), backend=None, checked=False)
+  reason = supported(w, backend=be, dtype=dt, head_dim=head_dim, value_head_dim=value_head_dim)
+  if reason is not None:
+    return result(ok=False, reason=reason, backend=be, checked=False)
+  key = (be, weighting_key(w), dt, head_dim)
+  if key not in _VERIFIED:
+    reason = _run_check(check_fn or self_check, be, w, dt, head_dim)
+    if reason is not None:
+      _LOG.warning("Pallas attention self-check failed for backend=%s, weighting=%s, dtype=%s, "
+                   "head_dim=%d: %s. Using implementation='blocked' for this combination.",
+                   be, w.name, dt, head_dim, reason)
+    _VERIFIED[key] = reason
+  reason = _VERIFIED[key]
+  return result(ok=reason is None, reason=reason, backend=be, checked=True)
+
+
+def decline_reason(backend: str | None, weighting: Any, dtype: Any, head_dim: int, *,
+                   value_head_dim: int | None = None,
+                   check_fn: Callable[..., str | None] | None = None) -> str | None:
+  """Why the automatic choice should not use the Pallas kernels for this combination, or None
+  when it should (it then runs them instead of the blocked kernel).
+
+  Not on a CPU; whole-row weightings on a GPU only (measured 3–13× the blocked kernel's
+  fwd+bwd on an H100; on a TPU their kernels hold whole sequences in VMEM and run on explicit
+  request only); otherwise only if :func:`verify_pallas` passes (run with ``check_fn`` the
+  first time; one warning if it fails). Arguments as :func:`verify_pallas`.
   """
   try:
     be = resolve_backend(backend)
-  except ValueError:  # a CPU (backend None or "cpu"): no Pallas without the interpreter
-    return False
+  except ValueError as e:
+    return str(e)
   if not isinstance(weighting, Pointwise) and be != "gpu":
-    return False
-  dt = jnp.dtype(dtype).name
-  if supported(weighting, backend=be, dtype=dt, head_dim=head_dim,
-               value_head_dim=value_head_dim) is not None:
-    return False
-  key = (be, weighting_key(weighting), dt, int(head_dim))
-  if key in _CHOICES:
-    return _CHOICES[key]
-  try:
-    reason = check_fn(be, weighting, dt, head_dim)
-  except Exception as e:  # noqa: BLE001 - any compile/run failure means "do not use pallas"
-    reason = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e) else ''}"
-  ok = reason is None
-  if not ok:
-    _LOG.warning("Pallas attention self-check failed for backend=%s, weighting=%s, dtype=%s, "
-                 "head_dim=%d: %s. Using implementation='blocked' for this combination.",
-                 be, weighting.name, dt, int(head_dim), reason)
-  _CHOICES[key] = ok
-  return ok
+    return (f"the automatic choice runs the whole-row Pallas kernels ({weighting.name!r}) on a "
+            "GPU only: on a TPU they hold whole sequences in VMEM (implementation='pallas' runs "
+            "them on request)")
+  v = verify_pallas(weighting, dtype, head_dim, backend=be, value_head_dim=value_head_dim,
+                    check_fn=check_fn)
+  if v.ok:
+    return None
+  return f"the Pallas self-check failed: {v.reason}" if v.checked else v.reason
+
+
+def choose_pallas(backend: str | None, weighting: Any, dtype: Any, head_dim: int, *,
+                  value_head_dim: int | None = None,
+                  check_fn: Callable[..., str | None] | None = None) -> bool:
+  """Whether ``implementation=None`` uses the Pallas kernels for this combination:
+  :func:`decline_reason` is None. Explicit ``implementation="pallas"`` never asks."""
+  return decline_reason(backend, weighting, dtype, head_dim, value_head_dim=value_head_dim,
+                        check_fn=check_fn) is None

@@ -1,6 +1,9 @@
 """core.attention / core.attention_weights against jax.nn and flax.linen, edge cases, errors."""
 
+import contextlib
 import functools
+import logging
+import re
 from unittest import mock
 
 import chex
@@ -12,6 +15,8 @@ import pytest
 from absl.testing import parameterized
 
 from attnx import core
+from attnx.core import pallas_attention as pallas_lib
+from attnx.core.blocked_rows import blocked_row_attention
 
 KERNELS = set(core.weightings.POINTWISE_KERNELS)
 
@@ -419,32 +424,247 @@ class PallasDispatch(parameterized.TestCase):
     with pytest.raises(ValueError, match="return_weights.*implementation='dense'"):
       core.attention(q, k, v, implementation="pallas", interpret=True, return_weights=True)
 
-  def test_automatic_choice_is_consulted_only_for_none(self):
-    from attnx.core import pallas_attention as pallas_lib
 
-    q, k, v = self._qkv(t=600, s=600)  # above BLOCKED_MIN_SCORES: a streaming problem
-    calls, used = [], []
+# --------------------------------------------------------------------------------------------
+# Implementations as objects: the ordered list, supports/declines reasons, explain, and the
+# Pallas verification the automatic choice consults.
+# --------------------------------------------------------------------------------------------
 
-    def choose(backend, w, dtype, head_dim, value_head_dim=None):
-      calls.append((w.name, jnp.dtype(dtype).name, head_dim))
-      return True
+_KEY = jax.random.PRNGKey(0)
+_ADDITIVE = dict(Wq=jnp.ones((8, 3)), Wk=jnp.ones((8, 3)), v=jnp.ones(3))
 
-    def fake_pallas(*args, interpret=False, **kw):  # stands in for the GPU kernel
-      used.append(interpret)
-      return core.blocked_attention(*args, **kw)
 
-    with mock.patch.object(pallas_lib, "choose_pallas", choose), \
+def _qkv(t=7, s=9, h=8, dtype=jnp.float32, seed=0):
+  rng = np.random.default_rng(seed)
+  return (jnp.asarray(rng.normal(size=(1, t, 2, h)), dtype),
+          jnp.asarray(rng.normal(size=(1, s, 1, h)), dtype),
+          jnp.asarray(rng.normal(size=(1, s, 1, h)), dtype))
+
+
+@contextlib.contextmanager
+def _platform(name):
+  """Problems built inside report platform ``name`` ("gpu", "tpu"), as on that device."""
+  with mock.patch.object(jax, "default_backend", lambda: name):
+    yield
+
+
+@contextlib.contextmanager
+def _fake_device(check, ran, platform="gpu"):
+  """The automatic choice as on a GPU/TPU, on this CPU: the platform says ``platform``, the
+  Pallas self-check is ``check`` and the "Pallas kernel" is the blocked one, recording the
+  backend it was asked for in ``ran``. Verifications are forgotten before and after."""
+
+  def fake_pallas(q, k, v, *, backend, interpret, ssmax_s=None, **kw):
+    ran.append(backend)
+    if isinstance(kw["weighting"], core.Pointwise):
+      return core.blocked_attention(q, k, v, **kw)
+    return blocked_row_attention(q, k, v, ssmax_s=ssmax_s, **kw)
+
+  pallas_lib.clear_verifications()
+  try:
+    with _platform(platform), mock.patch.object(pallas_lib, "self_check", check), \
          mock.patch.object(pallas_lib, "pallas_attention", fake_pallas):
-      out = core.attention(q, k, v, weighting="relu")
-      assert calls == [("relu", "float32", 16)] and used == [False]
+      yield
+  finally:
+    pallas_lib.clear_verifications()
+
+
+def _self_check_warnings(caplog):
+  return [r.getMessage() for r in caplog.records
+          if r.levelno == logging.WARNING and "self-check failed" in r.getMessage()]
+
+
+# (implementation, attention kwargs, platform or None for this machine, reason regex or None)
+SUPPORT_CASES = [
+    ("blocked", dict(weighting=_STREAM_LESS), None,
+     r"^Weighting 'row_softmax' normalizes whole rows .*'blocked'.*implementation='dense'"),
+    ("blocked", dict(score="additive", score_params=_ADDITIVE), None,
+     r"^Score 'additive' is not a dot product.*implementation='dense'"),
+    ("blocked", dict(dropout_rate=0.1, dropout_rng=_KEY), None,
+     r"^dropout on the weights needs the \[T, S\] weights.*'blocked'"),
+    ("blocked", dict(return_weights=True), None, r"^return_weights=True needs"),
+    ("blocked", dict(weighting="sparsemax", is_causal=True), None, None),
+    ("pallas", dict(weighting=_STREAM_LESS), "gpu", r"normalizes whole rows.*'pallas'"),
+    ("pallas", dict(score="additive", score_params=_ADDITIVE), "gpu", r"^Score 'additive'"),
+    ("pallas", dict(dropout_rate=0.1, dropout_rng=_KEY, interpret=True), None,
+     r"^dropout on the weights.*'pallas'"),
+    ("pallas", dict(return_weights=True), "tpu", r"^return_weights=True.*'pallas'"),
+    ("pallas", dict(), "cpu", r"needs a GPU or TPU.*interpret=True.*implementation='blocked'"),
+    ("pallas", dict(interpret=True, block_k=48), "cpu", r"block_k=48 .*power-of-2"),
+    ("pallas", dict(block_k=64), "tpu", r"block_k=64 .*multiple of 128"),
+    ("pallas", dict(dtype=jnp.float16), "tpu",
+     r"^implementation='pallas' cannot run this: dtype float16 .*tpu.*'blocked'"),
+    ("pallas", dict(h=300), "gpu", r"cannot run this: head dim 300 exceeds .* 256"),
+    ("pallas", dict(score="neg_sq_dist", weighting="gaussian", h=255), "gpu",
+     r"cannot run this: head dim 257 exceeds"),  # the dot-product form adds 2 columns
+    ("pallas", dict(interpret=True), "cpu", None),
+    ("pallas", dict(weighting="entmax15", h=256, dtype=jnp.bfloat16), "gpu", None),
+    ("pallas", dict(weighting="ssmax", dtype=jnp.bfloat16, block_q=16, block_k=128), "tpu",
+     None),
+    ("dense", dict(weighting=_STREAM_LESS, score="additive", score_params=_ADDITIVE,
+                   return_weights=True, dropout_rate=0.1, dropout_rng=_KEY), None, None),
+]
+
+
+class ImplementationObjects(parameterized.TestCase):
+
+  def test_list_implementations_is_the_dispatch_order(self):
+    assert core.list_implementations() == ["pallas", "blocked", "dense"]
+    assert sorted(core.list_implementations()) == sorted(core.IMPLEMENTATIONS)
+    for name in core.list_implementations():
+      impl = core.get_implementation(name)
+      assert isinstance(impl, core.Implementation) and impl.name == name
+    with pytest.raises(ValueError, match=r"Unknown implementation 'flash'; valid: dense, "
+                                         r"blocked, pallas or None"):
+      core.get_implementation("flash")
+    with pytest.raises(ValueError, match="Unknown implementation 'flash'"):
+      core.explain(*_qkv(), implementation="flash")
+
+  @parameterized.parameters(*SUPPORT_CASES)
+  def test_supports_reason_is_the_explicit_error(self, name, kw, platform, match):
+    kw = dict(kw)
+    q, k, v = _qkv(h=kw.pop("h", 8), dtype=kw.pop("dtype", jnp.float32))
+    with _platform(platform) if platform else contextlib.nullcontext():
+      ex = core.explain(q, k, v, implementation=name, **kw)
+      reason = core.get_implementation(name).supports(ex.problem)
+      assert ex.reasons[name] == reason and ex.declined == {}
+      if match is None:
+        assert reason is None and ex.chosen == name
+      else:
+        assert ex.chosen is None and re.search(match, reason), reason
+        with pytest.raises(ValueError, match=re.escape(reason)):
+          core.attention(q, k, v, implementation=name, **kw)
+    if match is None and name != "pallas" and "dropout_rate" not in kw:
+      ref = core.attention(q, k, v, **{**kw, "implementation": "dense"})
+      chex.assert_trees_all_close(core.attention(q, k, v, implementation=name, **kw), ref,
+                                  atol=1e-5)
+
+  def test_supports_config_is_what_check_compatible_raises(self):
+    for name in core.list_implementations():
+      impl = core.get_implementation(name)
+      for w, sc in ((_STREAM_LESS, "scaled_dot"), ("softmax", "additive"),
+                    ("sparsemax", "cosine")):
+        reason = impl.supports_config(core.get_weighting(w), core.get_score(sc))
+        if reason is None:
+          core.check_compatible(w, sc, name)
+        else:
+          assert name != "dense"
+          with pytest.raises(ValueError, match=re.escape(reason)):
+            core.check_compatible(w, sc, name)
+    assert core.get_implementation("blocked").supports_config(
+        _STREAM_LESS, core.get_score("dot")) is not None
+
+  def test_declines_small_problems_with_the_measured_thresholds(self):
+    # Pointwise F streams from BLOCKED_MIN_SCORES, whole-row ones from ROW_BLOCKED_MIN_SCORES.
+    assert core.ROW_BLOCKED_MIN_SCORES < 300 * 300 < core.BLOCKED_MIN_SCORES
+    q, k, v = _qkv(t=300, s=300)
+    relu = core.explain(q, k, v, weighting="relu")
+    assert relu.chosen == "dense" and relu.reasons["blocked"] is None
+    assert re.search(r"300·300 = 90000 .*BLOCKED_MIN_SCORES = 262144", relu.declined["blocked"])
+    rows = core.explain(q, k, v, weighting="sparsemax")
+    assert rows.chosen == "blocked" and "blocked" not in rows.declined
+    # On this CPU Pallas cannot run; with the interpreter it can, but the choice declines it.
+    assert "needs a GPU or TPU" in rows.reasons["pallas"]
+    interp = core.explain(q, k, v, weighting="sparsemax", interpret=True)
+    assert interp.reasons["pallas"] is None and interp.chosen == "blocked"
+    assert "GPU or TPU only" in interp.declined["pallas"]
+    assert "dense: can run it (not chosen)" in str(interp)
+    assert "pallas: passed over: the automatic choice uses Pallas" in str(interp)
+    # What explain says is what attention runs: here the blocked kernel, equal to dense.
+    chex.assert_trees_all_close(
+        core.attention(q, k, v, weighting="sparsemax"),
+        core.attention(q, k, v, weighting="sparsemax", implementation="dense"), atol=1e-5)
+    with mock.patch.object(core.get_implementation("blocked").__class__, "__call__",
+                           side_effect=AssertionError("blocked ran")):
+      core.attention(q, k, v, weighting="relu")  # dense, as explained
+      with pytest.raises(AssertionError, match="blocked ran"):
+        core.attention(q, k, v, weighting="sparsemax")
+
+  def test_the_walk_takes_pallas_only_when_verified_and_large_enough(self):
+    q, k, v = _qkv(t=512, s=512)
+    ref = core.attention(q, k, v, weighting="relu", implementation="dense")
+    calls, ran = [], []
+
+    def passing(backend, w, dtype, head_dim):
+      calls.append((backend, w.name, dtype, head_dim))
+
+    with _fake_device(passing, ran):
+      ex = core.explain(q, k, v, weighting="relu")
+      assert ex.chosen == "pallas" and ex.declined == {}
+      assert calls == [("gpu", "relu", "float32", 8)]
+      chex.assert_trees_all_close(core.attention(q, k, v, weighting="relu"), ref, atol=1e-5)
+      assert ran == ["gpu"] and len(calls) == 1  # verified once, then cached
+      # Small problems never verify: dense; an explicit blocked never consults Pallas.
+      small = core.explain(*_qkv(), weighting="relu")
+      assert small.chosen == "dense" and "BLOCKED_MIN_SCORES" in small.declined["pallas"]
       core.attention(q, k, v, weighting="relu", implementation="blocked")
-      core.attention(q[:, :8], k[:, :8], v[:, :8], weighting="relu")  # small: dense
-      assert len(calls) == 1 and len(used) == 1
-    np.testing.assert_allclose(out, core.attention(q, k, v, weighting="relu",
-                                                   implementation="dense"), rtol=1e-5,
-                               atol=1e-5)
+      assert ran == ["gpu"] and len(calls) == 1
+      # A distance score: verified at the dot-product form's head dim (H + 2).
+      core.attention(q, k, v, weighting="gaussian", score="neg_sq_dist")
+      assert calls[-1][2:] == ("float32", 10) and ran == ["gpu", "gpu"]
+
+  def test_a_failing_verification_walks_on_to_blocked_with_one_warning(self):
+    q, k, v = _qkv(t=512, s=512)
+    ref = core.attention(q, k, v, weighting="relu", implementation="dense")
+    calls, ran = [], []
+
+    def failing(backend, w, dtype, head_dim):
+      calls.append(w.name)
+      return "output differs from the blocked kernel"
+
+    logger = logging.getLogger(pallas_lib.__name__)
+    with _fake_device(failing, ran), mock.patch.object(logger, "warning") as warn:
+      for _ in range(2):
+        ex = core.explain(q, k, v, weighting="relu")
+        assert ex.chosen == "blocked" and ex.reasons["pallas"] is None
+        assert ex.declined["pallas"] == ("the Pallas self-check failed: output differs from "
+                                         "the blocked kernel")
+        chex.assert_trees_all_close(core.attention(q, k, v, weighting="relu"), ref, atol=1e-5)
+      assert calls == ["relu"] and warn.call_count == 1 and ran == []
+      # An explicit "pallas" is never verified and never falls back.
+      core.attention(q, k, v, weighting="relu", implementation="pallas")
+      assert ran == ["gpu"] and calls == ["relu"]
+
+  def test_whole_row_pallas_is_chosen_on_a_gpu_only(self):
+    q, k, v = _qkv(t=256, s=256)
+    calls = []
+    check = lambda *a: calls.append(a[1].name)
+    for platform, chosen in (("tpu", "blocked"), ("gpu", "pallas")):
+      ran = []
+      with _fake_device(check, ran, platform):
+        ex = core.explain(q, k, v, weighting="stick_breaking", is_causal=True)
+        assert ex.reasons["pallas"] is None and ex.chosen == chosen
+        out = core.attention(q, k, v, weighting="stick_breaking", is_causal=True)
+      assert ran == ([] if chosen == "blocked" else ["gpu"])
+      if platform == "tpu":
+        assert "GPU only" in ex.declined["pallas"] and calls == []
+      chex.assert_trees_all_close(
+          out, core.attention(q, k, v, weighting="stick_breaking", is_causal=True,
+                              implementation="dense"), atol=1e-5)
+    assert calls == ["stick_breaking"]
+
+  def test_verification_runs_outside_the_callers_trace(self):
+    q, k, v = _qkv(t=512, s=512)
+    seen, ran = [], []
+
+    def check(backend, w, dtype, head_dim):
+      x = jnp.cos(jnp.arange(3.0))  # staged into the caller's program if it ran in its trace
+      seen.append((isinstance(x, jax.core.Tracer), backend, w.name, dtype, head_dim))
+      return None if float(x[0]) == 1.0 else "not concrete"
+
+    f = lambda q: core.attention(q, k, v, weighting="relu")
+    with _fake_device(check, ran):
+      jaxpr = str(jax.make_jaxpr(f)(q))
+      out = jax.jit(f)(q)
+      jax.jit(jax.grad(lambda q: jnp.sum(f(q))))(q)  # retraced: answered from the cache
+    assert seen == [(False, "gpu", "relu", "float32", 8)]  # only static arguments, once
+    assert not re.search(r"= cos\b", jaxpr) and ran and set(ran) == {"gpu"}
+    chex.assert_trees_all_close(
+        out, core.attention(q, k, v, weighting="relu", implementation="dense"), atol=1e-5)
 
   def test_on_cpu_none_keeps_dense_and_blocked(self):
-    from attnx.core import pallas_attention as pallas_lib
-
-    assert not pallas_lib.choose_pallas(None, core.get_weighting("softmax"), jnp.float32, 64)
+    assert jax.default_backend() != "cpu" or not pallas_lib.choose_pallas(
+        None, core.get_weighting("softmax"), jnp.float32, 64)
+    v = core.verify_pallas("softmax", jnp.float32, 64)
+    if jax.default_backend() == "cpu":
+      assert not v and not v.checked and "needs a GPU or TPU" in v.reason

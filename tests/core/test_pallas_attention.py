@@ -273,14 +273,15 @@ def test_block_size_rules():
 
 
 # --------------------------------------------------------------------------------------------
-# The automatic choice: self-check, one warning, cache; explicit "pallas" never falls back.
+# The verification (verify_pallas): self-check, one warning, cache; the automatic choice's
+# policy (decline_reason / choose_pallas); explicit "pallas" never falls back.
 # --------------------------------------------------------------------------------------------
 
 @pytest.fixture(autouse=True)
-def _fresh_choices():
-  pa.clear_choice_cache()
+def _fresh_verifications():
+  pa.clear_verifications()
   yield
-  pa.clear_choice_cache()
+  pa.clear_verifications()
 
 
 def _warnings(caplog):
@@ -288,7 +289,7 @@ def _warnings(caplog):
           and "self-check failed" in r.getMessage()]
 
 
-def test_choose_pallas_caches_and_warns_once(caplog):
+def test_verify_pallas_caches_and_warns_once(caplog):
   calls = []
 
   def ok(backend, w, dtype, head_dim):
@@ -299,34 +300,61 @@ def test_choose_pallas_caches_and_warns_once(caplog):
     raise RuntimeError("Mosaic failed to compile\nsecond line")
 
   softmax = lambda: wlib.get_weighting("softmax")  # new objects with equal math
-  assert pa.choose_pallas("gpu", softmax(), jnp.bfloat16, 128, check_fn=ok)
-  assert pa.choose_pallas("cuda", softmax(), "bfloat16", 128, check_fn=ok)
+  v = pa.verify_pallas(softmax(), jnp.bfloat16, 128, backend="gpu", check_fn=ok)
+  assert v and v == pa.PallasVerification(ok=True, reason=None, backend="gpu",
+                                          weighting="softmax", dtype="bfloat16", head_dim=128,
+                                          checked=True)
+  assert pa.verify_pallas("softmax", "bfloat16", 128, backend="cuda", check_fn=broken)  # cached
+  assert pa.choose_pallas("gpu", softmax(), jnp.bfloat16, 128, check_fn=broken)
   assert calls == [("gpu", "softmax", "bfloat16", 128)]
   assert not _warnings(caplog)
   with caplog.at_level(logging.WARNING):
     for _ in range(3):
-      assert not pa.choose_pallas("tpu", softmax(), jnp.bfloat16, 128, check_fn=broken)
-  assert calls.count("broken") == 1
+      v = pa.verify_pallas(softmax(), jnp.bfloat16, 128, backend="tpu", check_fn=broken)
+      assert not v and v.checked and v.backend == "tpu"
+      assert v.reason == "RuntimeError: Mosaic failed to compile"
+      assert not pa.choose_pallas("tpu", softmax(), jnp.bfloat16, 128, check_fn=ok)
+  assert calls.count("broken") == 1 and len(calls) == 2
   (rec,) = _warnings(caplog)
   msg = rec.getMessage()
   assert "backend=tpu, weighting=softmax, dtype=bfloat16, head_dim=128" in msg
   assert "RuntimeError: Mosaic failed to compile" in msg and "second line" not in msg
   assert "blocked" in msg
-  # A reason returned (results differ) also falls back, once.
+  # A reason returned (results differ) also fails, once; the choice's reason says so.
   with caplog.at_level(logging.WARNING):
-    assert not pa.choose_pallas("gpu", softmax(), jnp.float32, 64, check_fn=lambda *a: "off")
-    assert not pa.choose_pallas("gpu", softmax(), jnp.float32, 64, check_fn=ok)
+    assert pa.decline_reason("gpu", softmax(), jnp.float32, 64,
+                             check_fn=lambda *a: "off") == "the Pallas self-check failed: off"
+    assert pa.verify_pallas(softmax(), jnp.float32, 64, backend="gpu", check_fn=ok).reason == "off"
   assert len(_warnings(caplog)) == 2
-  # Unsupported combinations: False without a check and without a warning.
+  # Forgetting the answers checks again.
+  pa.clear_verifications()
+  assert pa.verify_pallas(softmax(), jnp.float32, 64, backend="gpu", check_fn=ok)
+  assert calls[-1] == ("gpu", "softmax", "float32", 64)
+
+
+def test_unsupported_combinations_are_not_verified_nor_chosen(caplog):
+  calls = []
+  broken = lambda *a: calls.append(a) or "broken"
+  softmax = wlib.get_weighting("softmax")
   stream_less = wlib.RowNormalizer(name="rows", fn=lambda s, w, ax: jax.nn.softmax(s, axis=ax))
-  assert not pa.choose_pallas("gpu", stream_less, jnp.float32, 64, check_fn=broken)
-  assert not pa.choose_pallas("tpu", softmax(), jnp.float16, 64, check_fn=broken)
-  assert not pa.choose_pallas("cpu", softmax(), jnp.float32, 64, check_fn=broken)
-  assert not pa.choose_pallas("gpu", softmax(), jnp.float32, 64, value_head_dim=512,
-                              check_fn=broken)
+  for args, kw, match in (
+      ((stream_less, jnp.float32, 64), dict(backend="gpu"), "normalizes whole rows"),
+      ((softmax, jnp.float16, 64), dict(backend="tpu"), "dtype float16"),
+      ((softmax, jnp.float32, 64), dict(backend="gpu", value_head_dim=512), "value head dim"),
+      ((softmax, jnp.float32, 64), dict(backend="cpu"), "Unknown Pallas backend 'cpu'"),
+  ):
+    v = pa.verify_pallas(*args, check_fn=broken, **kw)
+    assert not v and not v.checked and match in v.reason, v
+    assert not pa.choose_pallas(kw.pop("backend"), *args, check_fn=broken, **kw)
   if jax.default_backend() == "cpu":
-    assert not pa.choose_pallas(None, softmax(), jnp.float32, 64, check_fn=broken)
-  assert calls.count("broken") == 1 and len(_warnings(caplog)) == 2
+    v = pa.verify_pallas(softmax, jnp.float32, 64, check_fn=broken)
+    assert not v and v.backend is None and "needs a GPU or TPU" in v.reason
+    assert not pa.choose_pallas(None, softmax, jnp.float32, 64, check_fn=broken)
+  # Whole-row weightings: verified on a TPU too when asked, but never chosen there.
+  sparsemax = wlib.get_weighting("sparsemax")
+  assert pa.verify_pallas(sparsemax, jnp.float32, 64, backend="tpu", check_fn=lambda *a: None)
+  assert "GPU only" in pa.decline_reason("tpu", sparsemax, jnp.float32, 64)
+  assert calls == [] and not _warnings(caplog)
 
 
 def test_weighting_key_separates_different_math():
@@ -352,15 +380,19 @@ def test_self_check_falls_back_on_wrong_or_failing_kernels_also_under_jit(caplog
   failing = functools.partial(pa.self_check, kernel=_failing_kernel, interpret=True)
   chosen = []
 
-  def model(x):  # dispatch calls choose_pallas while the caller's function is traced
-    chosen.append(pa.choose_pallas("gpu", w, x.dtype, 8, check_fn=wrong))
-    chosen.append(pa.choose_pallas("tpu", w, x.dtype, 8, check_fn=failing))
+  def model(x):  # dispatch verifies while the caller's function is traced
+    chosen.append(pa.verify_pallas(w, x.dtype, 8, backend="gpu", check_fn=wrong))
+    chosen.append(pa.verify_pallas(w, x.dtype, 8, backend="tpu", check_fn=failing))
     return x
 
   with caplog.at_level(logging.WARNING):
-    jax.jit(model)(jnp.zeros(3))
+    jaxpr = str(jax.make_jaxpr(model)(jnp.zeros(3)))
     jax.jit(model)(jnp.ones(4))  # retraced: answered from the cache
-  assert chosen == [False, False, False, False]
+  assert [v.ok for v in chosen] == [False] * 4 and all(v.checked for v in chosen)
+  assert "output differs" in chosen[0].reason and chosen[2] == chosen[0]
+  assert "NotImplementedError: lowering rule for 'sort'" in chosen[1].reason
+  # The checks ran their own programs eagerly: nothing of them is in the caller's.
+  assert "pallas_call" not in jaxpr and "custom_vjp" not in jaxpr and "dot_general" not in jaxpr
   msgs = [r.getMessage() for r in _warnings(caplog)]
   assert len(msgs) == 2 and "output differs" in msgs[0]
   assert "NotImplementedError: lowering rule for 'sort'" in msgs[1]
@@ -370,8 +402,9 @@ def test_self_check_passes_for_the_real_kernel_and_explicit_pallas_never_falls_b
   w = wlib.get_weighting("softmax_plus_one")
   check = functools.partial(pa.self_check, interpret=True)
   assert check("gpu", w, "float32", 8) is None
-  assert not pa.choose_pallas("gpu", w, jnp.float32, 8, check_fn=lambda *a: "forced failure")
-  # The cached fallback does not affect an explicit call: the Pallas kernel still runs.
+  assert not pa.verify_pallas(w, jnp.float32, 8, backend="gpu",
+                              check_fn=lambda *a: "forced failure")
+  # The cached failure does not affect an explicit call: the Pallas kernel still runs.
   q = jnp.zeros((1, 16, 2, 8))
   jaxpr = str(jax.make_jaxpr(lambda q: pa.pallas_attention(
       q, q, q, weighting=w, scale=1.0, backend="gpu", interpret=True))(q))

@@ -443,14 +443,14 @@ def test_support_and_the_automatic_choice():
   for name in BASE:
     for be in pa.BACKENDS:
       assert pa.supported(wlib.get_weighting(name), backend=be) is None, (name, be)
-    # implementation=None picks the row kernels on a GPU once the self-check passed, never on
-    # a TPU (whole sequences in VMEM: explicit "pallas" only).
-    pa.clear_choice_cache()
-    assert pa.choose_pallas("gpu", wlib.get_weighting(name), jnp.float32, 64,
-                            check_fn=lambda *a: None)
-    assert not pa.choose_pallas("tpu", wlib.get_weighting(name), jnp.float32, 64,
-                                check_fn=lambda *a: None)
-  pa.clear_choice_cache()
+    # implementation=None picks the row kernels on a GPU once verified, never on a TPU (whole
+    # sequences in VMEM: explicit "pallas" only), even where they pass the verification.
+    pa.clear_verifications()
+    for be in pa.BACKENDS:
+      assert pa.verify_pallas(name, jnp.float32, 64, backend=be, check_fn=lambda *a: None)
+    assert pa.choose_pallas("gpu", wlib.get_weighting(name), jnp.float32, 64)
+    assert "GPU only" in pa.decline_reason("tpu", wlib.get_weighting(name), jnp.float32, 64)
+  pa.clear_verifications()
   # The TPU kernels hold whole sequences in VMEM: too long a sequence is a clear error.
   big = jax.ShapeDtypeStruct((1, 65536, 1, 256), jnp.float32)
   with pytest.raises(ValueError, match="VMEM.*implementation='blocked'"):

@@ -1,0 +1,223 @@
+"""What every attention implementation is: a :class:`Problem` it is asked to solve, and the
+:class:`Implementation` interface the dispatcher (:func:`attnx.core.attention`) walks.
+
+The cut follows tokamax (openxla/tokamax, ``_src/ops/attention/base.py``): an implementation
+is an object that says *whether* it can run a problem (:meth:`Implementation.supports`, a
+human reason when it cannot) apart from *running* it (:meth:`Implementation.__call__`), so
+that the automatic choice is a walk over an ordered list and a user can ask why one does not
+run (:func:`attnx.core.explain`) instead of reading if/else chains.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+
+from attnx.core import scores as scores_lib
+from attnx.core import weightings as weightings_lib
+
+Array = jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+  """The static description of one :func:`attnx.core.attention` call: everything an
+  implementation needs to decide whether (and whether it should) run it, and no array.
+
+  Built once per call by the dispatcher (also while the caller's function is traced: only
+  shapes, dtypes and Python values enter it). :func:`attnx.core.explain` returns the one it
+  built, and ``dataclasses.replace`` gives variants (another platform, other tiles).
+
+  Attributes:
+    weighting: the resolved weighting F (:class:`~attnx.core.weightings.Pointwise` or
+      :class:`~attnx.core.weightings.RowNormalizer`).
+    score: the resolved :class:`~attnx.core.scores.Score`.
+    batch: the batch dims ``[batch...]`` of query, key and value.
+    t, s: query and key lengths.
+    num_heads, num_kv_heads: N query heads and K key/value heads (N a multiple of K).
+    head_dim, value_head_dim: H of query/key and Hv of value.
+    dtype: the query's dtype name (the output's dtype).
+    stream_dtype: the dtype the streaming kernels compute in (of the score's dot-product form
+      ``Score.to_dot`` and the value), or None when the score has no dot-product form.
+    stream_head_dim: the head dim of that dot-product form (a distance score adds 2 columns),
+      or None likewise.
+    is_causal: causal masking (top-left aligned).
+    has_mask, has_bias: whether a boolean mask / an additive bias is given.
+    block_q, block_k: the tile sizes asked for (None: the kernel's default).
+    dropout_rate: the dropout rate on the weights when dropout applies, else 0.0.
+    broadcast_dropout: one dropout mask shared by the batch and head dims.
+    return_weights: whether the weights are returned too.
+    platform: the JAX platform the call runs on (``jax.default_backend()``: "cpu", "gpu",
+      "tpu").
+    interpret: run Pallas kernels in Pallas' interpreter.
+  """
+
+  weighting: Any
+  score: scores_lib.Score
+  batch: tuple[int, ...]
+  t: int
+  s: int
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int
+  value_head_dim: int
+  dtype: str
+  stream_dtype: str | None
+  stream_head_dim: int | None
+  is_causal: bool = False
+  has_mask: bool = False
+  has_bias: bool = False
+  block_q: int | None = None
+  block_k: int | None = None
+  dropout_rate: float = 0.0
+  broadcast_dropout: bool = True
+  return_weights: bool = False
+  platform: str = "cpu"
+  interpret: bool = False
+
+  @property
+  def pointwise(self) -> bool:
+    """Whether F is pointwise (else it normalizes whole rows)."""
+    return isinstance(self.weighting, weightings_lib.Pointwise)
+
+  @property
+  def dropout(self) -> bool:
+    """Whether dropout on the weights applies."""
+    return self.dropout_rate > 0.0
+
+  @property
+  def scores_per_head(self) -> int:
+    """T·S: the score entries of one (batch, head), the size the automatic choice weighs."""
+    return self.t * self.s
+
+  @property
+  def empty(self) -> bool:
+    """No query or no key: the output is empty or zero whatever the implementation."""
+    return self.t == 0 or self.s == 0 or self.num_heads == 0 or 0 in self.batch
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Inputs:
+  """The arrays of one call, after the dispatcher's checks (layout ``[batch..., T, N, H]``).
+
+  Attributes:
+    query, key, value: ``[batch..., T, N, H]``, ``[batch..., S, K, H]``, ``[batch..., S, K, Hv]``.
+    bias, mask: broadcastable to ``[batch..., N, T, S]``, or None.
+    scale: the score's multiplier (a Python float, or an array: a learned scale).
+    score_params: the score's parameters (arrays and numbers), checked.
+    ssmax_s: SSMax's learned s (shape () or [N], float32), or None for the weighting's own.
+    dropout_rng: the PRNG key of dropout on the weights, or None.
+  """
+
+  query: Array
+  key: Array
+  value: Array
+  bias: Array | None
+  mask: Array | None
+  scale: float | Array
+  score_params: dict[str, Any]
+  ssmax_s: Array | None = None
+  dropout_rng: Array | None = None
+
+
+class Implementation(abc.ABC):
+  """One way to compute attention, e.g. dense, blocked (XLA) or Pallas.
+
+  Subclasses set :attr:`name` and implement :meth:`supports` and :meth:`__call__`; the
+  automatic choice also asks :meth:`declines`. The dispatcher calls :meth:`__call__` only for
+  a problem that :meth:`supports` accepted and that is not :attr:`Problem.empty` (the empty
+  cases are answered once, by the dispatcher, for every implementation).
+  """
+
+  name: ClassVar[str]
+
+  def supports_config(self, weighting: Any, score: scores_lib.Score) -> str | None:
+    """The part of :meth:`supports` that depends on the resolved weighting and score alone
+    (what a model knows when it is built, before any shape): None, or why not."""
+    del weighting, score
+    return None
+
+  @abc.abstractmethod
+  def supports(self, problem: Problem) -> str | None:
+    """None if this implementation can run ``problem``, else a sentence saying why not and
+    what to use instead (the ValueError an explicit ``implementation=`` raises)."""
+
+  def declines(self, problem: Problem) -> str | None:
+    """Why the automatic choice (``implementation=None``) passes over this implementation for
+    a problem it supports (e.g. too small to pay off), or None when it takes it. Asked only
+    after :meth:`supports` accepted the problem, and only for ``implementation=None``."""
+    del problem
+    return None
+
+  @abc.abstractmethod
+  def __call__(self, problem: Problem, inputs: Inputs) -> Array | tuple[Array, Array]:
+    """The output ``[batch..., T, N, Hv]`` in the query's dtype, or ``(output, weights)``
+    when ``problem.return_weights``."""
+
+  def __repr__(self) -> str:
+    return f"<attention implementation {self.name!r}>"
+
+
+def streams(w: Any) -> bool:
+  """Whether the streaming kernels (blocked and Pallas) run the resolved weighting ``w``: every
+  pointwise F, and the whole-row weightings that declare a streaming family."""
+  return (isinstance(w, weightings_lib.Pointwise)
+          or (isinstance(w, weightings_lib.RowNormalizer) and w.stream is not None))
+
+
+def streaming_config_reason(name: str, w: Any, sc: scores_lib.Score) -> str | None:
+  """Why a streaming implementation (``name``) cannot run weighting ``w`` with score ``sc``:
+  it needs a weighting with a streaming form and a score that is a dot product of transformed
+  vectors (``Score.to_dot``)."""
+  if not streams(w):
+    return (f"Weighting {w.name!r} normalizes whole rows and has no streaming form "
+            f"(implementation={name!r}); use implementation='dense' (or None).")
+  if sc.to_dot is None:
+    return (f"Score {sc.name!r} is not a dot product of transformed vectors and cannot stream "
+            f"(implementation={name!r}); use implementation='dense' (or None).")
+  return None
+
+
+def needs_weights_reason(name: str, problem: Problem) -> str | None:
+  """Why an implementation that never forms the [T, S] weights cannot run ``problem``: dropout
+  on the weights and ``return_weights`` need them."""
+  if not (problem.dropout or problem.return_weights):
+    return None
+  needs = "dropout on the weights" if problem.dropout else "return_weights=True"
+  return (f"{needs} needs the [T, S] weights, which implementation={name!r} never forms; use "
+          "implementation='dense' (or None, which picks it).")
+
+
+def to_4d(x: Array | None, batch: tuple[int, ...]) -> Array | None:
+  """[batch..., N, T, S]-broadcastable -> [B or 1, N or 1, T or 1, S or 1]."""
+  if x is None:
+    return None
+  x = x.reshape((1,) * (len(batch) + 3 - x.ndim) + x.shape)
+  lead = x.shape[:len(batch)]
+  if all(d == 1 for d in lead):
+    return x.reshape((1,) + x.shape[len(batch):])
+  x = jnp.broadcast_to(x, batch + x.shape[len(batch):])
+  return x.reshape((-1,) + x.shape[len(batch):])
+
+
+def run_streaming(problem: Problem, inputs: Inputs, kernel: Callable[..., Array]) -> Array:
+  """Runs a streaming ``kernel`` (``[B, T, N, H]`` layout, like
+  :func:`attnx.core.blocked.blocked_attention`) on the score's dot-product form.
+
+  The batch dims are flattened into one, bias and mask brought to 4-D, and q', k', v cast to
+  one dtype (scores that transform q/k in float32, distances and cosine, upcast v too).
+  """
+  batch = problem.batch
+  qd, kd = problem.score.to_dot(inputs.query, inputs.key, **inputs.score_params)
+  compute = jnp.result_type(qd.dtype, kd.dtype, inputs.value.dtype)
+  flat = lambda x: x.astype(compute).reshape((-1,) + x.shape[len(batch):])
+  out = kernel(flat(qd), flat(kd), flat(inputs.value), weighting=problem.weighting,
+               scale=inputs.scale, bias=to_4d(inputs.bias, batch),
+               mask=to_4d(inputs.mask, batch), is_causal=problem.is_causal,
+               block_q=problem.block_q, block_k=problem.block_k)
+  return out.reshape(batch + out.shape[1:]).astype(problem.dtype)

@@ -1,0 +1,103 @@
+"""``implementation="dense"``: the reference, which materializes the [N, T, S] weights.
+
+It runs every weighting and every score (including those without a dot-product form, such as
+``additive``), dropout on the weights and ``return_weights``, so it supports every problem and
+ends the automatic choice's list. It is also the fastest for small problems, where the
+streaming kernels' tiling costs more than the T×S weights (see
+:data:`attnx.core.implementations.blocked.BLOCKED_MIN_SCORES`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from attnx.core import rownorm
+from attnx.core import scores as scores_lib
+from attnx.core import weightings as weightings_lib
+from attnx.core.contract import nonfinite_inputs
+from attnx.core.implementations.base import Implementation, Inputs, Problem
+
+Array = jax.Array
+
+# Scores linear in q: the scale can multiply q ([T, H]) instead of the [T, S] scores.
+_LINEAR_IN_Q = ("dot", "scaled_dot", "bilinear")
+
+
+def causal_mask(t: int, s: int) -> Array:
+  """Boolean [T, S] lower-triangular mask: query i attends key j ≤ i (jax.nn convention)."""
+  return jnp.tril(jnp.ones((t, s), dtype=jnp.bool_))
+
+
+def combined_mask(mask: Array | None, is_causal: bool, t: int, s: int) -> Array | None:
+  """The user's mask and the causal mask together (None: every key is valid)."""
+  if is_causal:
+    c = causal_mask(t, s)
+    return c if mask is None else jnp.logical_and(mask, c)
+  return mask
+
+
+def dense_scores(q: Array, k: Array, bias: Array | None, sc: scores_lib.Score,
+                 params: dict[str, Any], scale: float | Array) -> Array:
+  """[B, N, T, S] float32 scores (scale and bias applied); k already has N heads."""
+  if isinstance(scale, float) and scale == 1.0:
+    s = sc.dense(q, k, **params)
+  elif (q.dtype == jnp.float32 and isinstance(scale, float)
+        and any(sc is scores_lib.get_score(n) for n in _LINEAR_IN_Q)):
+    s = sc.dense(q * scale, k, **params)  # one pass over T×H instead of T×S
+  else:
+    s = sc.dense(q, k, **params) * scale
+  if bias is not None:
+    s = s + bias.astype(s.dtype)
+  return s
+
+
+def repeat_kv(x: Array, n: int) -> Array:
+  """[..., S, K, H] -> [..., S, N, H]: each kv head repeated for its N // K query heads."""
+  return jnp.repeat(x, n // x.shape[-2], axis=-2) if x.shape[-2] != n else x
+
+
+def drop_weights(w: Array, rng: Array, rate: float, broadcast: bool, key_ndim: int) -> Array:
+  """Dropout on weights [batch..., N, T, S] exactly as ``flax.linen.dot_product_attention``.
+
+  Same RNG use, mask shape and rescaling, so equal keys give equal masks: ``broadcast`` draws
+  one [T, S] mask shared by the batch and head dims, otherwise one mask per weight.
+  """
+  keep_prob = 1.0 - rate
+  shape = ((1,) * (key_ndim - 2) + w.shape[-2:]) if broadcast else w.shape
+  keep = jax.random.bernoulli(rng, keep_prob, shape)
+  return w * (keep.astype(w.dtype) / jnp.asarray(keep_prob, w.dtype))
+
+
+class DenseImplementation(Implementation):
+  """Scores, weights and the weighted sum as whole [batch..., N, T, S] arrays (float32)."""
+
+  name = "dense"
+
+  def supports(self, problem: Problem) -> str | None:
+    del problem  # every weighting, score, dropout and return_weights
+    return None
+
+  def __call__(self, problem: Problem, inputs: Inputs) -> Array | tuple[Array, Array]:
+    p = problem
+    q, k, v, bias = nonfinite_inputs(inputs.query, inputs.key, inputs.value, inputs.bias)
+    scores = dense_scores(q, repeat_kv(k, p.num_heads), bias, p.score, inputs.score_params,
+                          inputs.scale)
+    valid = combined_mask(inputs.mask, p.is_causal, p.t, p.s)
+    w = p.weighting
+    if inputs.ssmax_s is not None:  # s per head: [N] against the [..., N, T, S] scores
+      s_rows = (inputs.ssmax_s.reshape(inputs.ssmax_s.shape + (1, 1)) if inputs.ssmax_s.ndim
+                else inputs.ssmax_s)
+      w = dataclasses.replace(w, fn=lambda z, wh, ax: rownorm.ssmax(z, axis=ax, where=wh,
+                                                                    s=s_rows))
+    probs = weightings_lib.apply_weighting(scores, w, axis=-1, where=valid)
+    used = (drop_weights(probs, inputs.dropout_rng, p.dropout_rate, p.broadcast_dropout,
+                         k.ndim) if p.dropout else probs)
+    vv = repeat_kv(v, p.num_heads)
+    out = jnp.einsum("...nts,...snh->...tnh", used.astype(vv.dtype), vv,
+                     preferred_element_type=jnp.promote_types(vv.dtype, jnp.float32))
+    out = out.astype(p.dtype)
+    return (out, probs) if p.return_weights else out

@@ -1,0 +1,87 @@
+"""``implementation="pallas"``: fused Pallas kernels, Triton on a GPU and Mosaic on a TPU.
+
+Wraps :func:`attnx.core.pallas_attention.pallas_attention` (pointwise F and the whole-row
+weightings with a streaming family), on the score's dot-product form like the blocked kernel.
+It supports a problem when the weighting streams, the score has a dot-product form, no
+weights are needed (dropout, ``return_weights``), a GPU or TPU runs it (or ``interpret=True``,
+Pallas' interpreter, on any machine), the tiles fit the backend's rules, and the dtype and head
+sizes fit the kernels (:func:`attnx.core.pallas_attention.supported`).
+
+The automatic choice takes it first in its list, but declines it unless a GPU/TPU runs the
+call, the problem is large enough to stream at all (the blocked kernel's thresholds), and the
+combination is verified (:func:`attnx.core.pallas_attention.verify_pallas`, run once per
+combination, eagerly, outside the caller's trace); a failing verification logs one warning
+and the walk goes on to the blocked kernel. An explicit ``implementation="pallas"`` is never
+verified and never falls back: its errors are the kernels' own.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+
+from attnx.core import pallas_attention as pallas_lib
+from attnx.core import scores as scores_lib
+from attnx.core.implementations.base import (
+    Implementation,
+    Inputs,
+    Problem,
+    needs_weights_reason,
+    run_streaming,
+    streaming_config_reason,
+)
+from attnx.core.implementations.blocked import small_problem_reason
+
+Array = jax.Array
+
+
+def _backend(problem: Problem) -> str:
+  """The kernel family ("gpu" or "tpu") of ``problem``; ValueError on a CPU without
+  ``interpret``."""
+  return pallas_lib.backend_for_platform(problem.platform, problem.interpret)
+
+
+class PallasImplementation(Implementation):
+  """The Pallas kernels of :mod:`attnx.core.pallas_attention` and :mod:`attnx.core.pallas_rows`."""
+
+  name = "pallas"
+
+  def supports_config(self, weighting: Any, score: scores_lib.Score) -> str | None:
+    return streaming_config_reason(self.name, weighting, score)
+
+  def supports(self, problem: Problem) -> str | None:
+    reason = (self.supports_config(problem.weighting, problem.score)
+              or needs_weights_reason(self.name, problem))
+    if reason is not None:
+      return reason
+    try:
+      be = _backend(problem)
+      # The backend's tile rules, for empty inputs too (checked on the query's dtype).
+      pallas_lib.check_block_sizes(be, problem.dtype, block_q=problem.block_q,
+                                   block_k=problem.block_k)
+    except ValueError as e:
+      return str(e)
+    reason = pallas_lib.supported(problem.weighting, backend=be, dtype=problem.stream_dtype,
+                                  head_dim=problem.stream_head_dim,
+                                  value_head_dim=problem.value_head_dim,
+                                  interpret=problem.interpret)
+    return None if reason is None else f"implementation='pallas' cannot run this: {reason}."
+
+  def declines(self, problem: Problem) -> str | None:
+    try:
+      be = pallas_lib.backend_for_platform(problem.platform)
+    except ValueError:
+      return (f"the automatic choice uses Pallas on a GPU or TPU only; this call runs on "
+              f"{problem.platform!r}")
+    # Cheap before costly: the size rule, then the policy and the (one-time) verification.
+    return small_problem_reason(problem) or pallas_lib.decline_reason(
+        be, problem.weighting, problem.stream_dtype, problem.stream_head_dim,
+        value_head_dim=problem.value_head_dim)
+
+  def __call__(self, problem: Problem, inputs: Inputs) -> Array:
+    kernel = functools.partial(
+        pallas_lib.pallas_attention, backend=_backend(problem), interpret=problem.interpret,
+        **({} if inputs.ssmax_s is None else {"ssmax_s": inputs.ssmax_s}))
+    return run_streaming(problem, inputs, kernel)

@@ -101,7 +101,7 @@ def causal_leaves(t: int, leaf: int) -> tuple[int, int]:
   return p, _round_up(-(-max(t, 1) // p), _ALIGN)
 
 
-def heads_per_chunk(b: int, kh: int, group: int, bq: int, bk: int,
+def heads_per_chunk(b: int, kv_heads: int, group: int, bq: int, bk: int,
                     budget: int | None = None) -> int:
   """How many of the X = B·K (batch, kv head) rows one tile holds: the largest count within
   the budget (:data:`TILE_BUDGET`) that divides K or is a multiple of K dividing B·K (so
@@ -109,8 +109,8 @@ def heads_per_chunk(b: int, kh: int, group: int, bq: int, bk: int,
   slice)."""
   per_row = group * bq * bk
   fits = max(1, (TILE_BUDGET if budget is None else budget) // per_row)
-  options = [d for d in range(1, kh + 1) if kh % d == 0]
-  options += [kh * d for d in range(1, b + 1) if b % d == 0]
+  options = [d for d in range(1, kv_heads + 1) if kv_heads % d == 0]
+  options += [kv_heads * d for d in range(1, b + 1) if b % d == 0]
   return max(c for c in options if c <= fits) if fits >= 1 else 1
 
 
@@ -125,65 +125,71 @@ class _Cfg:
   is_causal: bool
   has_mask: bool
   has_bias: bool
-  b5: tuple[int, int, int] = (1, 1, 1)  # (B, K, G) of one chunk: X = B·K rows of G query heads
-  kh: int = 1  # K of the whole problem (chunks are rectangles of [batch, kv head])
-  xc: int = 1  # X rows per chunk
+  # (B, K, G): batch, kv heads and query heads per kv head of the rows a kernel call runs on
+  # (the whole problem, then one chunk): X = B·K rows of G query heads.
+  head_dims: tuple[int, int, int] = (1, 1, 1)
+  kv_heads: int = 1  # K of the whole problem (chunks are rectangles of [batch, kv head])
+  heads_in_chunk: int = 1  # X rows (batch, kv head pairs) per chunk
   user_bq: int = 0  # tile sizes asked for (0 = default): caps on the causal path's tiles
   user_bk: int = 0
   raw: bool = False  # forward returns the unnormalized state (see _forward_chunk), no offset
-  nleaf: int = 0  # causal (whole problem): P diagonal tiles of bq = bk = d rows, T = S ≤ P·d
-  fkeys: int = 0  # the key count S that F sees (F(z, S)); 0 = s. Causal sub-blocks keep S.
+  # Causal (whole problem): P diagonal tiles of bq = bk = d rows, T = S ≤ P·d.
+  num_diag_tiles: int = 0
+  # The key count S that F sees (F(z, S)); 0 = s. Causal sub-blocks keep the problem's S.
+  full_num_keys: int = 0
 
   @property
   def num_keys(self) -> int:
-    return self.fkeys or self.s
+    return self.full_num_keys or self.s
 
   @property
-  def nq(self) -> int:
+  def num_q_blocks(self) -> int:
     return -(-self.t // self.bq)
 
   @property
-  def nk(self) -> int:
+  def num_k_blocks(self) -> int:
     return -(-self.s // self.bk)
 
   @property
   def pad_k(self) -> bool:
-    return self.nk * self.bk != self.s
+    return self.num_k_blocks * self.bk != self.s
 
   @property
   def needs_valid(self) -> bool:
     return self.has_mask or self.is_causal or self.pad_k
 
-  def chunk_b5(self) -> tuple[int, int, int]:
-    """(B, K, G) of one chunk of xc consecutive X rows."""
-    if self.xc <= self.kh:
-      return (1, self.xc, self.b5[2])
-    return (self.xc // self.kh, self.kh, self.b5[2])
+  def chunk_head_dims(self) -> tuple[int, int, int]:
+    """(B, K, G) of one chunk of heads_in_chunk consecutive X rows."""
+    if self.heads_in_chunk <= self.kv_heads:
+      return (1, self.heads_in_chunk, self.head_dims[2])
+    return (self.heads_in_chunk // self.kv_heads, self.kv_heads, self.head_dims[2])
 
 
 # --------------------------------------------------------------------------------------------
-# Chunks: the kernels run on xc of the X = B·K rows at a time.
+# Chunks: the kernels run on heads_in_chunk of the X = B·K rows at a time.
 # --------------------------------------------------------------------------------------------
 
 def _chunk_rows(x: Array, c: Array, cfg: _Cfg) -> Array:
-  return lax.dynamic_slice_in_dim(x, c * cfg.xc, cfg.xc, 0)
+  return lax.dynamic_slice_in_dim(x, c * cfg.heads_in_chunk, cfg.heads_in_chunk, 0)
 
 
-def _chunk5_start(x5: Array, c: Array, cfg: _Cfg) -> tuple[tuple[Any, ...], tuple[int, ...]]:
+def _chunk_bias_window(bias_or_mask: Array, c: Array,
+                       cfg: _Cfg) -> tuple[tuple[Any, ...], tuple[int, ...]]:
   """Start and size of chunk c's slice of a [Bb, Kb, Gb, Tb, Sb] bias/mask (or its grad)."""
-  cb, ck, _ = cfg.chunk_b5()
-  x0 = c * cfg.xc
-  b0, k0 = x0 // cfg.kh, x0 % cfg.kh
-  starts = (b0 if x5.shape[0] != 1 else 0, k0 if x5.shape[1] != 1 else 0, 0, 0, 0)
-  sizes = (cb if x5.shape[0] != 1 else 1, ck if x5.shape[1] != 1 else 1) + x5.shape[2:]
+  cb, ck, _ = cfg.chunk_head_dims()
+  x0 = c * cfg.heads_in_chunk
+  b0, k0 = x0 // cfg.kv_heads, x0 % cfg.kv_heads
+  shape = bias_or_mask.shape
+  starts = (b0 if shape[0] != 1 else 0, k0 if shape[1] != 1 else 0, 0, 0, 0)
+  sizes = (cb if shape[0] != 1 else 1, ck if shape[1] != 1 else 1) + shape[2:]
   return starts, sizes
 
 
-def _chunk5(x5: Array | None, c: Array, cfg: _Cfg) -> Array | None:
-  if x5 is None:
+def _chunk_bias(bias_or_mask: Array | None, c: Array, cfg: _Cfg) -> Array | None:
+  if bias_or_mask is None:
     return None
-  starts, sizes = _chunk5_start(x5, c, cfg)
-  return lax.dynamic_slice(x5, starts, sizes)
+  starts, sizes = _chunk_bias_window(bias_or_mask, c, cfg)
+  return lax.dynamic_slice(bias_or_mask, starts, sizes)
 
 
 # --------------------------------------------------------------------------------------------
@@ -207,7 +213,7 @@ def _put_rows(buf: Array, x: Array, i: Array, cfg: _Cfg) -> Array:
   return lax.dynamic_update_slice_in_dim(buf, x, i * cfg.bq, axis=2)
 
 
-def _tile5(x: Array, i: Array, j: Array, cfg: _Cfg) -> Array:
+def _bias_tile(x: Array, i: Array, j: Array, cfg: _Cfg) -> Array:
   """The [Bb, Kb, Gb, bq|1, bk|1] tile (i, j) of a broadcastable bias/mask."""
   if x.shape[3] != 1:
     x = _slice(x, i * cfg.bq, cfg.bq, 3)
@@ -216,18 +222,19 @@ def _tile5(x: Array, i: Array, j: Array, cfg: _Cfg) -> Array:
   return x
 
 
-def _flat_tile(x: Array, i: Array, j: Array, cfg: _Cfg) -> Array:
-  x = jnp.broadcast_to(_tile5(x, i, j, cfg), cfg.b5 + (cfg.bq, cfg.bk))
-  return x.reshape(cfg.b5[0] * cfg.b5[1], cfg.b5[2] * cfg.bq, cfg.bk)
+def _bias_tile_rows(x: Array, i: Array, j: Array, cfg: _Cfg) -> Array:
+  """Tile (i, j) of a bias/mask broadcast to the scores' layout [X, G·bq, bk]."""
+  x = jnp.broadcast_to(_bias_tile(x, i, j, cfg), cfg.head_dims + (cfg.bq, cfg.bk))
+  return x.reshape(cfg.head_dims[0] * cfg.head_dims[1], cfg.head_dims[2] * cfg.bq, cfg.bk)
 
 
 def _valid_tile(mask: Array | None, i: Array, j: Array, cfg: _Cfg) -> Array | None:
   """Boolean tile broadcastable to [X, G·bq, bk], or None if every entry is valid."""
   if not cfg.needs_valid:
     return None
-  valid = _flat_tile(mask, i, j, cfg) if cfg.has_mask else None
+  valid = _bias_tile_rows(mask, i, j, cfg) if cfg.has_mask else None
   if cfg.is_causal or cfg.pad_k:
-    shape = (cfg.b5[2] * cfg.bq, cfg.bk)
+    shape = (cfg.head_dims[2] * cfg.bq, cfg.bk)
     cols = j * cfg.bk + lax.broadcasted_iota(jnp.int32, shape, 1)
     c = None
     if cfg.is_causal:
@@ -246,23 +253,23 @@ def _scores(qi: Array, kj: Array, bias: Array | None, i: Array, j: Array, cfg: _
   if qk_mult is not None:
     z = z * qk_mult
   if cfg.has_bias:
-    bt = _flat_tile(bias, i, j, cfg).astype(jnp.float32)
+    bt = _bias_tile_rows(bias, i, j, cfg).astype(jnp.float32)
     z = z + (bt * bias_mult if bias_mult != 1.0 else bt)
   return z
 
 
 def _k_range(i: Array, cfg: _Cfg) -> tuple[int, Any]:
   """Key blocks seen by query block i: all, or those not entirely above the diagonal."""
-  if not cfg.is_causal or cfg.nk == 1:
-    return 0, cfg.nk
-  return 0, jnp.minimum(cfg.nk, (i * cfg.bq + cfg.bq - 1) // cfg.bk + 1)
+  if not cfg.is_causal or cfg.num_k_blocks == 1:
+    return 0, cfg.num_k_blocks
+  return 0, jnp.minimum(cfg.num_k_blocks, (i * cfg.bq + cfg.bq - 1) // cfg.bk + 1)
 
 
 def _q_range(j: Array, cfg: _Cfg) -> tuple[Any, int]:
   """Query blocks that see key block j (causal: i·bq + bq − 1 ≥ j·bk)."""
-  if not cfg.is_causal or cfg.nq == 1:
-    return 0, cfg.nq
-  return jnp.minimum(cfg.nq, (j * cfg.bk) // cfg.bq), cfg.nq
+  if not cfg.is_causal or cfg.num_q_blocks == 1:
+    return 0, cfg.num_q_blocks
+  return jnp.minimum(cfg.num_q_blocks, (j * cfg.bk) // cfg.bq), cfg.num_q_blocks
 
 
 def _pv(p: Array, vj: Array) -> Array:
@@ -289,21 +296,21 @@ def _prescale(q: Array, scale: Array, cfg: _Cfg) -> tuple[Array, Array | None, f
 def _forward(q, k, v, bias, mask, scale, cfg: _Cfg):
   """Returns O [X, G, Tp, Hv] (f32) and the row statistic [X, G, Tp] (f32), chunk by chunk."""
   x, g, tp, _ = q.shape
-  ccfg = dataclasses.replace(cfg, b5=cfg.chunk_b5())
+  chunk_cfg = dataclasses.replace(cfg, head_dims=cfg.chunk_head_dims())
 
   def chunk(c, carry):
     out, stat = carry
     o, st = _forward_chunk(_chunk_rows(q, c, cfg), _chunk_rows(k, c, cfg),
-                           _chunk_rows(v, c, cfg), _chunk5(bias, c, cfg),
-                           _chunk5(mask, c, cfg), scale, ccfg)
-    return (lax.dynamic_update_slice_in_dim(out, o, c * cfg.xc, 0),
-            lax.dynamic_update_slice_in_dim(stat, st, c * cfg.xc, 0))
+                           _chunk_rows(v, c, cfg), _chunk_bias(bias, c, cfg),
+                           _chunk_bias(mask, c, cfg), scale, chunk_cfg)
+    return (lax.dynamic_update_slice_in_dim(out, o, c * cfg.heads_in_chunk, 0),
+            lax.dynamic_update_slice_in_dim(stat, st, c * cfg.heads_in_chunk, 0))
 
   init = (jnp.zeros((x, g, tp, _out_cols(cfg, v.shape[-1])), jnp.float32),
           jnp.zeros((x, g, tp), jnp.float32))
-  if cfg.xc == x:
-    return _forward_chunk(q, k, v, bias, mask, scale, ccfg)
-  return lax.fori_loop(0, x // cfg.xc, chunk, init)
+  if cfg.heads_in_chunk == x:
+    return _forward_chunk(q, k, v, bias, mask, scale, chunk_cfg)
+  return lax.fori_loop(0, x // cfg.heads_in_chunk, chunk, init)
 
 
 def _out_cols(cfg: _Cfg, hv: int) -> int:
@@ -317,14 +324,15 @@ def _check_tiling(q: Array, k: Array, cfg: _Cfg) -> None:
   lax.dynamic_slice clamps a slice that runs past the end, which would silently read earlier
   rows instead of failing.
   """
-  if q.shape[2] != cfg.nq * cfg.bq or k.shape[1] != cfg.nk * cfg.bk:
+  if q.shape[2] != cfg.num_q_blocks * cfg.bq or k.shape[1] != cfg.num_k_blocks * cfg.bk:
     raise AssertionError(
         f"blocked kernel: padded lengths (T {q.shape[2]}, S {k.shape[1]}) are not whole tiles "
         f"of ({cfg.bq}, {cfg.bk})")
 
 
 def _forward_chunk(q, k, v, bias, mask, scale, cfg: _Cfg):
-  """One chunk of :func:`_forward`: O [xc, G, Tp, Hv] and the row statistic [xc, G, Tp].
+  """One chunk of :func:`_forward`: O [X', G, Tp, Hv] and the row statistic [X', G, Tp]
+  (X' = ``cfg.heads_in_chunk``).
 
   The statistic is lse = m + log l for online-max weightings (+inf where l = 0, which makes
   every recomputed weight 0) and the normalizer l otherwise (1 for ``"none"``).
@@ -341,7 +349,6 @@ def _forward_chunk(q, k, v, bias, mask, scale, cfg: _Cfg):
   x, g, tp, _ = q.shape
   hv = v.shape[-1]
   row_shape = (x, g * cfg.bq)
-  offset = float(w.denominator_offset)
   q, qk_mult, bias_mult, _ = _prescale(q, scale, cfg)
   v_fwd = v
   if w.normalization == "sum":
@@ -363,19 +370,15 @@ def _forward_chunk(q, k, v, bias, mask, scale, cfg: _Cfg):
         z, vj, valid = tile(j)
         return streaming.online_max_update(*c, z, valid, vj)
 
-      # The offset is a virtual key with z = 0: start m at 0 and l at the offset (raw: no
-      # offset; streaming.pointwise_finalize adds it once after the partial states are merged).
-      off = 0.0 if cfg.raw else offset
-      m0 = jnp.full(row_shape, 0.0 if off > 0 else -jnp.inf, jnp.float32)
+      # The offset is a virtual key with z = 0, in l's column of ones (raw: not yet;
+      # streaming.pointwise_finalize adds it once after the partial states are merged).
+      m_start, off = streaming.online_max_start(w, with_offset=not cfg.raw)
+      m0 = jnp.full(row_shape, m_start, jnp.float32)
       acc0 = jnp.zeros(row_shape + (hv + 1,), jnp.float32).at[..., hv].set(off)
       acc, m = lax.fori_loop(*_k_range(i, cfg), k_block, (acc0, m0))
       if cfg.raw:
         return _put_rows(out, acc, i, cfg), _put_rows(stat, m, i, cfg)
-      acc, l = acc[..., :hv], acc[..., hv]
-      m = jnp.where(m == -jnp.inf, 0.0, m)
-      empty = l == 0  # no valid key; a NaN l (NaN score) propagates to o and the statistic
-      o = jnp.where(empty[..., None], 0.0, acc / jnp.where(empty, 1.0, l)[..., None])
-      st = jnp.where(empty, jnp.inf, m + jnp.log(jnp.where(empty, 1.0, l)))
+      o, st = streaming.pointwise_finalize(w, acc, m, add_offset=False)
     else:
       norm = w.normalization
 
@@ -390,24 +393,15 @@ def _forward_chunk(q, k, v, bias, mask, scale, cfg: _Cfg):
         if norm == "length" and not cfg.needs_valid:
           l = jnp.full(row_shape, float(cfg.s), jnp.float32)  # every key of the block
         return _put_rows(out, acc, i, cfg), _put_rows(stat, l, i, cfg)
-      if norm == "sum":
-        acc, l = acc[..., :hv], acc[..., hv]
-      if norm == "none":
-        o, st = acc, jnp.ones(row_shape, jnp.float32)
-      else:
-        if norm == "sum":
-          l = l + offset
-        elif not cfg.needs_valid:
-          l = jnp.full(row_shape, float(cfg.s), jnp.float32)
-        empty = l == 0
-        inv = jnp.where(empty, 0.0, 1.0 / jnp.where(empty, 1.0, l))
-        o, st = acc * inv[..., None], l
+      # Unmasked tiles counted nothing: every row has all cfg.s keys.
+      o, st = streaming.pointwise_finalize(w, acc, l,
+                                           num_keys=None if cfg.needs_valid else cfg.s)
 
     return _put_rows(out, o, i, cfg), _put_rows(stat, st, i, cfg)
 
   out0 = jnp.zeros((x, g, tp, _out_cols(cfg, hv)), jnp.float32)
   stat0 = jnp.zeros((x, g, tp), jnp.float32)
-  return lax.fori_loop(0, cfg.nq, q_block, (out0, stat0))
+  return lax.fori_loop(0, cfg.num_q_blocks, q_block, (out0, stat0))
 
 
 # --------------------------------------------------------------------------------------------
@@ -424,50 +418,43 @@ def _sum_to(x: Array, shape: tuple[int, ...]) -> Array:
 def _backward(q, k, v, bias, mask, scale, out, stat, do, cfg: _Cfg):
   """(dq, dk, dv, dbias, dscale), chunk by chunk; chunks may share a broadcast bias slice."""
   x = q.shape[0]
-  ccfg = dataclasses.replace(cfg, b5=cfg.chunk_b5())
-  if cfg.xc == x:
-    return _backward_chunk(q, k, v, bias, mask, scale, out, stat, do, ccfg)
+  chunk_cfg = dataclasses.replace(cfg, head_dims=cfg.chunk_head_dims())
+  if cfg.heads_in_chunk == x:
+    return _backward_chunk(q, k, v, bias, mask, scale, out, stat, do, chunk_cfg)
   f32 = jnp.float32
 
   def chunk(c, carry):
     dq, dk, dv, dbias, dscale = carry
     rows = lambda a: _chunk_rows(a, c, cfg)
     dq_c, dk_c, dv_c, dbias_c, dscale_c = _backward_chunk(
-        rows(q), rows(k), rows(v), _chunk5(bias, c, cfg), _chunk5(mask, c, cfg), scale,
-        rows(out), rows(stat), rows(do), ccfg)
-    put = lambda buf, a: lax.dynamic_update_slice_in_dim(buf, a, c * cfg.xc, 0)
+        rows(q), rows(k), rows(v), _chunk_bias(bias, c, cfg), _chunk_bias(mask, c, cfg), scale,
+        rows(out), rows(stat), rows(do), chunk_cfg)
+    put = lambda buf, a: lax.dynamic_update_slice_in_dim(buf, a, c * cfg.heads_in_chunk, 0)
     if cfg.has_bias:
-      starts, sizes = _chunk5_start(bias, c, cfg)
+      starts, sizes = _chunk_bias_window(bias, c, cfg)
       dbias = lax.dynamic_update_slice(dbias, lax.dynamic_slice(dbias, starts, sizes) + dbias_c,
                                        starts)
     return put(dq, dq_c), put(dk, dk_c), put(dv, dv_c), dbias, dscale + dscale_c
 
   init = (jnp.zeros(q.shape, f32), jnp.zeros(k.shape, f32), jnp.zeros(v.shape, f32),
           jnp.zeros(bias.shape, f32) if cfg.has_bias else None, jnp.zeros((), f32))
-  return lax.fori_loop(0, x // cfg.xc, chunk, init)
+  return lax.fori_loop(0, x // cfg.heads_in_chunk, chunk, init)
 
 
 def _backward_chunk(q, k, v, bias, mask, scale, out, stat, do, cfg: _Cfg):
   """One chunk of :func:`_backward`."""
   w = cfg.w
   _check_tiling(q, k, cfg)
-  norm = w.normalization
   f32 = jnp.float32
   q_raw = q
   q, qk_mult, bias_mult, alpha = _prescale(q, scale, cfg)
   # D_i = dO_i·O_i = Σ_j w_ij dP_ij (also correct with a denominator offset).
   delta = jnp.sum(do.astype(f32) * out, axis=-1)
-  if not w.online_max:
-    # 1/l overflows for a denormal l (F near 0 on a whole row, e.g. power:p=3 on scores near
-    # 0) and f·inf would be NaN: such rows use 1/(l·2^100) on F·2^100 instead (f ≤ l there).
-    empty = stat == 0
-    tiny = jnp.abs(stat) < 2.0 ** -100
-    row_mult = jnp.where(tiny, 2.0 ** 100, 1.0)
-    inv_l = jnp.where(empty, 0.0, 1.0 / jnp.where(empty, 1.0, stat * row_mult))
+  grad_rows = streaming.pointwise_grad_rows(w, stat, delta)
   bias_shape = bias.shape if cfg.has_bias else None
 
   def k_block(j, carry):
-    dq, dkb, dvb, dbias = carry
+    dq, dk_all, dv_all, dbias = carry
     kj, vj = _slice(k, j * cfg.bk, cfg.bk, 1), _slice(v, j * cfg.bk, cfg.bk, 1)
 
     def q_block(i, c):
@@ -479,7 +466,7 @@ def _backward_chunk(q, k, v, bias, mask, scale, out, stat, do, cfg: _Cfg):
       if qk_mult is not None:
         z = z * qk_mult
       if cfg.has_bias:
-        bt = jnp.swapaxes(_flat_tile(bias, i, j, cfg), 1, 2).astype(f32)
+        bt = jnp.swapaxes(_bias_tile_rows(bias, i, j, cfg), 1, 2).astype(f32)
         z = z + (bt * bias_mult if bias_mult != 1.0 else bt)
       valid = _valid_tile(mask, i, j, cfg)
       if valid is not None:
@@ -487,27 +474,7 @@ def _backward_chunk(q, k, v, bias, mask, scale, out, stat, do, cfg: _Cfg):
       row = lambda a: _rows(a, i, cfg)[:, None, :]  # per-query statistic, broadcast over keys
       dp = jnp.einsum("xsd,xqd->xsq", vj, doi, preferred_element_type=f32)
       # dz: the cotangent of z = α·s (α = 1 unless online max).
-      if w.online_max:
-        if valid is not None:
-          z = jnp.where(valid, z, -jnp.inf)
-        p = jnp.exp(z - row(stat))
-        dz = p * (dp - row(delta))
-      else:
-        sv = z if valid is None else jnp.where(valid, z, 0.0)
-        f, fp = jax.jvp(lambda s: w.fn(s, cfg.num_keys), (sv,), (jnp.ones_like(sv),))
-        if valid is not None:
-          f, fp = jnp.where(valid, f, 0.0), jnp.where(valid, fp, 0.0)
-        if norm == "none":
-          p, dz = f, fp * dp
-        else:
-          il = row(inv_l)
-          if norm == "sum":
-            big = row(row_mult)
-            f, fp = f * big, fp * big
-            dz = fp * ((dp - row(delta)) * il)
-          else:
-            dz = fp * (dp * il)
-          p = f * il
+      p, dz = streaming.pointwise_tile_grad(w, z, valid, dp, grad_rows, cfg.num_keys, row=row)
       dv_j = dv_j + jnp.einsum("xsq,xqd->xsd", p.astype(doi.dtype), doi,
                                preferred_element_type=f32)
       dzc = dz.astype(qi.dtype)
@@ -520,22 +487,22 @@ def _backward_chunk(q, k, v, bias, mask, scale, out, stat, do, cfg: _Cfg):
         start = (0, 0, 0, 0 if bias_shape[3] == 1 else i * cfg.bq,
                  0 if bias_shape[4] == 1 else j * cfg.bk)
         cur = lax.dynamic_slice(dbias, start, tshape)
-        dz5 = jnp.swapaxes(dz, 1, 2).reshape(cfg.b5 + (cfg.bq, cfg.bk))
+        dz5 = jnp.swapaxes(dz, 1, 2).reshape(cfg.head_dims + (cfg.bq, cfg.bk))
         dbias = lax.dynamic_update_slice(dbias, cur + _sum_to(dz5, tshape), start)
       return dq, dk_j, dv_j, dbias
 
     dk0 = jnp.zeros((k.shape[0], cfg.bk, k.shape[-1]), f32)
     dv0 = jnp.zeros((v.shape[0], cfg.bk, v.shape[-1]), f32)
     dq, dk_j, dv_j, dbias = lax.fori_loop(*_q_range(j, cfg), q_block, (dq, dk0, dv0, dbias))
-    dkb = lax.dynamic_update_slice_in_dim(dkb, dk_j, j * cfg.bk, axis=1)
-    dvb = lax.dynamic_update_slice_in_dim(dvb, dv_j, j * cfg.bk, axis=1)
-    return dq, dkb, dvb, dbias
+    dk_all = lax.dynamic_update_slice_in_dim(dk_all, dk_j, j * cfg.bk, axis=1)
+    dv_all = lax.dynamic_update_slice_in_dim(dv_all, dv_j, j * cfg.bk, axis=1)
+    return dq, dk_all, dv_all, dbias
 
   init = (jnp.zeros(q.shape, f32), jnp.zeros(k.shape, f32), jnp.zeros(v.shape, f32),
           jnp.zeros(bias_shape, f32) if cfg.has_bias else jnp.zeros((), f32))
   # The loop accumulated Σ dz·k (into dq) and Σ dzᵀ·q' (into dk) with q' = q·(scale·α) in
   # float32, or the unscaled q otherwise.
-  dq_z, dk_z, dv, dbias_z = lax.fori_loop(0, cfg.nk, k_block, init)
+  dq_z, dk_z, dv, dbias_z = lax.fori_loop(0, cfg.num_k_blocks, k_block, init)
   c = scale * alpha
   dq = dq_z * c
   dk = dk_z if qk_mult is None else dk_z * c
@@ -567,25 +534,26 @@ def _backward_chunk(q, k, v, bias, mask, scale, out, stat, do, cfg: _Cfg):
 
 def _levels(cfg: _Cfg) -> list[tuple[int, int]]:
   """(squares M, side s) of every level of the causal triangle, largest first."""
-  p, d = cfg.nleaf, cfg.bq
+  p, d = cfg.num_diag_tiles, cfg.bq
   return [(1 << lv, p * d >> (lv + 1)) for lv in range(p.bit_length() - 1)]
 
 
-def _pick_blocks(x5: Array | None, m: int, parts: int, side: int, rp: int,
+def _pick_blocks(bias_or_mask: Array | None, m: int, parts: int, side: int, rp: int,
                  cp: int) -> Array | None:
   """[M, Bb, Kb, Gb, side|1, side|1]: block (m·parts + rp, m·parts + cp), m < M, of a
   [Bb, Kb, Gb, Tb, Sb] bias/mask whose T and S (or size-1) axes split into M·parts blocks."""
-  if x5 is None:
+  if bias_or_mask is None:
     return None
-  bb, kb, gb, tb, sb = x5.shape
+  bb, kb, gb, tb, sb = bias_or_mask.shape
   if tb != 1 and sb != 1:
     ar = np.arange(m)
-    return x5.reshape(bb, kb, gb, m, parts, side, m, parts, side)[:, :, :, ar, rp, :, ar, cp, :]
+    grid = bias_or_mask.reshape(bb, kb, gb, m, parts, side, m, parts, side)
+    return grid[:, :, :, ar, rp, :, ar, cp, :]
   if tb != 1:
-    return jnp.moveaxis(x5.reshape(bb, kb, gb, m, parts, side, 1)[:, :, :, :, rp], 3, 0)
+    return jnp.moveaxis(bias_or_mask.reshape(bb, kb, gb, m, parts, side, 1)[:, :, :, :, rp], 3, 0)
   if sb != 1:
-    return jnp.moveaxis(x5.reshape(bb, kb, gb, 1, m, parts, side)[..., cp, :], 4, 0)
-  return jnp.broadcast_to(x5[None], (m,) + x5.shape)
+    return jnp.moveaxis(bias_or_mask.reshape(bb, kb, gb, 1, m, parts, side)[..., cp, :], 4, 0)
+  return jnp.broadcast_to(bias_or_mask[None], (m,) + bias_or_mask.shape)
 
 
 # Blocks go back with pads and stacks, never with .at[] (a scatter, slow on XLA CPU).
@@ -647,13 +615,14 @@ def _piece_cfg(cfg: _Cfg, m: int, side: int, causal: bool, raw: bool) -> _Cfg:
   else:
     # Pieces are not padded, so their tiles must divide the side: a last tile running past the
     # end would be clamped by dynamic_slice onto earlier keys/queries (wrong, not an error).
-    bq, bk = default_block_sizes(side, side, cfg.b5[2])
+    bq, bk = default_block_sizes(side, side, cfg.head_dims[2])
     bq = _dividing_tile(side, min(bq, cfg.user_bq or bq))
     bk = _dividing_tile(side, min(bk, cfg.user_bk or bk))
-  b, kh, g = cfg.b5
+  b, kv_heads, g = cfg.head_dims
   return dataclasses.replace(
-      cfg, t=side, s=side, bq=bq, bk=bk, is_causal=causal, raw=raw, fkeys=cfg.num_keys, nleaf=0,
-      b5=(m * b, kh, g), xc=heads_per_chunk(m * b, kh, g, bq, bk))
+      cfg, t=side, s=side, bq=bq, bk=bk, is_causal=causal, raw=raw, full_num_keys=cfg.num_keys,
+      num_diag_tiles=0, head_dims=(m * b, kv_heads, g),
+      heads_in_chunk=heads_per_chunk(m * b, kv_heads, g, bq, bk))
 
 
 def _dividing_tile(side: int, cap: int) -> int:
@@ -663,20 +632,21 @@ def _dividing_tile(side: int, cap: int) -> int:
   return (aligned or divisors)[0]
 
 
-def _fold5(x5: Array | None, b: int) -> tuple[Array | None, str]:
+def _fold_pieces(bias_or_mask: Array | None, b: int) -> tuple[Array | None, str]:
   """[M, Bb, ...] piece blocks of a bias/mask -> [M·Bb', ...] rows of batch M·B (and how)."""
-  if x5 is None:
+  if bias_or_mask is None:
     return None, ""
-  m, bb = x5.shape[:2]
+  m, bb = bias_or_mask.shape[:2]
   if bb == b or m == 1:  # piece m, batch i -> row m·B + i; or one piece (Bb = 1 broadcasts)
-    return x5.reshape((m * bb,) + x5.shape[2:]), "fold"
-  if x5.shape[-2:] == (1, 1):  # the same block for every piece: Bb = 1 broadcasts as is
-    return x5[0], "same"
-  return jnp.broadcast_to(x5, (m, b) + x5.shape[2:]).reshape((m * b,) + x5.shape[2:]), "bcast"
+    return bias_or_mask.reshape((m * bb,) + bias_or_mask.shape[2:]), "fold"
+  if bias_or_mask.shape[-2:] == (1, 1):  # the same block for every piece: Bb = 1 broadcasts as is
+    return bias_or_mask[0], "same"
+  rest = bias_or_mask.shape[2:]
+  return jnp.broadcast_to(bias_or_mask, (m, b) + rest).reshape((m * b,) + rest), "bcast"
 
 
-def _unfold5(dx: Array, how: str, m: int) -> Array:
-  """The gradient of :func:`_fold5`'s result -> [M or 1, Bb, ...] (piece blocks)."""
+def _unfold_pieces(dx: Array, how: str, m: int) -> Array:
+  """The gradient of :func:`_fold_pieces`'s result -> [M or 1, Bb, ...] (piece blocks)."""
   if how == "same":
     return dx[None]
   dx = dx.reshape((m, -1) + dx.shape[1:])
@@ -687,10 +657,10 @@ def _pieces(fn, cfg: _Cfg, m: int, q, k, v, bias, mask, *rows):
   """Runs ``fn(q, k, v, bias, mask, *rows)`` on M pieces at once, the piece axis folded into
   the batch (rows of X = M·B·K); results come back as [M, X, ...]. No vmap: batching the
   kernels' dynamic slices and updates would turn them into gathers and scatters."""
-  b = cfg.b5[0] // m  # the problem's batch (cfg is the pieces' cfg, of batch M·B)
+  b = cfg.head_dims[0] // m  # the problem's batch (cfg is the pieces' cfg, of batch M·B)
   flat = lambda a: a.reshape((-1,) + a.shape[2:])
-  bias_f, how = _fold5(bias, b)
-  mask_f, _ = _fold5(mask, b)
+  bias_f, how = _fold_pieces(bias, b)
+  mask_f, _ = _fold_pieces(mask, b)
   out = fn(flat(q), flat(k), flat(v), bias_f, mask_f, *(flat(r) for r in rows))
   unflat = lambda a: a.reshape((m, -1) + a.shape[1:])
   return out, unflat, how
@@ -698,7 +668,7 @@ def _pieces(fn, cfg: _Cfg, m: int, q, k, v, bias, mask, *rows):
 
 def _causal_forward(q, k, v, bias, mask, scale, cfg: _Cfg):
   """The causal forward (T = S = P·d): O [X, G, Tp, Hv] and the row statistic [X, G, Tp]."""
-  p, d = cfg.nleaf, cfg.bq
+  p, d = cfg.num_diag_tiles, cfg.bq
 
   def run(m, side, rp, cp, parts, causal):
     c = _piece_cfg(cfg, m, side, causal=causal, raw=True)
@@ -723,7 +693,7 @@ def _causal_forward(q, k, v, bias, mask, scale, cfg: _Cfg):
 
 def _causal_backward(q, k, v, bias, mask, scale, out, stat, do, cfg: _Cfg):
   """The causal backward: the plain backward of every piece with the rows' final statistic."""
-  p, d = cfg.nleaf, cfg.bq
+  p, d = cfg.num_diag_tiles, cfg.bq
   f32 = jnp.float32
 
   def run(m, side, rp, cp, parts, causal):
@@ -734,7 +704,7 @@ def _causal_backward(q, k, v, bias, mask, scale, out, stat, do, cfg: _Cfg):
         lambda q, k, v, b, mk, o, st, g: _backward(q, k, v, b, mk, scale, o, st, g, c), c, m,
         qp(q), kp(k), kp(v), _pick_blocks(bias, m, parts, side, rp, cp),
         _pick_blocks(mask, m, parts, side, rp, cp), qp(out), qp(stat), qp(do))
-    return (unflat(dq), unflat(dk), unflat(dv), None if db is None else _unfold5(db, how, m),
+    return (unflat(dq), unflat(dk), unflat(dv), None if db is None else _unfold_pieces(db, how, m),
             ds)
 
   dq_d, dk_d, dv_d, db_d, ds_d = run(p, d, 0, 0, 1, True)
@@ -783,7 +753,7 @@ def _make_kernel(cfg: _Cfg):
   return kernel
 
 
-def _as_5d(x: Array | None, n: int, kh: int, name: str) -> Array | None:
+def _as_5d(x: Array | None, n: int, kv_heads: int, name: str) -> Array | None:
   """A [B|1, N|1, T|1, S|1]-broadcastable array -> [B|1, K|1, G|1, T|1, S|1]."""
   if x is None:
     return None
@@ -794,7 +764,7 @@ def _as_5d(x: Array | None, n: int, kh: int, name: str) -> Array | None:
     return x[:, :, None]
   if x.shape[1] != n:
     raise ValueError(f"{name} of shape {x.shape} has {x.shape[1]} heads, expected {n} or 1")
-  return x.reshape(x.shape[0], kh, n // kh, *x.shape[2:])
+  return x.reshape(x.shape[0], kv_heads, n // kv_heads, *x.shape[2:])
 
 
 def _pad_axis(x: Array, axis: int, size: int, value: Any = 0, keep_one: bool = False) -> Array:
@@ -833,7 +803,7 @@ def blocked_attention(q: Array, k: Array, v: Array, *, weighting: Pointwise, sca
     raise TypeError(f"blocked_attention needs a Pointwise weighting, got {type(weighting)}")
   check_layout(q, k, v, mask, block_q, block_k)
   b, t, n, h = q.shape
-  _, s, kh, _ = k.shape
+  _, s, kv_heads, _ = k.shape
   if q.size == 0 or s == 0:  # no query, or no key (every row has no valid key)
     return jnp.zeros((b, t, n, v.shape[-1]), q.dtype)
   kw = dict(weighting=weighting, scale=scale, block_q=block_q, block_k=block_k, num_keys=s)
@@ -856,8 +826,9 @@ def check_layout(q: Array, k: Array, v: Array, mask: Array | None, block_q: int 
   if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
     raise ValueError(f"expected 4-D [B, T, N, H] inputs, got {q.shape}, {k.shape}, {v.shape}")
   b, _, n, h = q.shape
-  kh = k.shape[2]
-  if kh == 0 or n % kh or k.shape[:3] != v.shape[:3] or k.shape[0] != b or k.shape[-1] != h:
+  kv_heads = k.shape[2]
+  if (kv_heads == 0 or n % kv_heads or k.shape[:3] != v.shape[:3] or k.shape[0] != b
+      or k.shape[-1] != h):
     raise ValueError(f"incompatible shapes q {q.shape}, k {k.shape}, v {v.shape}")
   if mask is not None and mask.dtype != jnp.bool_:
     raise ValueError(f"mask must be boolean, got {mask.dtype}")
@@ -877,32 +848,34 @@ def _part4(x: Array | None, axis: int, lo: int, hi: int) -> Array | None:
 def _blocked(q, k, v, *, weighting, scale, bias, mask, is_causal, block_q, block_k, num_keys):
   """:func:`blocked_attention` on checked, non-empty inputs; causal ones have T = S."""
   b, t, n, h = q.shape
-  _, s, kh, _ = k.shape
+  _, s, kv_heads, _ = k.shape
   q, k, v, bias = nonfinite_inputs(q, k, v, bias)
-  g = n // kh
+  g = n // kv_heads
   if is_causal:
     asked = [x for x in (block_q, block_k) if x]
-    nleaf, d = causal_leaves(t, min(asked) if asked else CAUSAL_LEAF)
+    num_diag_tiles, d = causal_leaves(t, min(asked) if asked else CAUSAL_LEAF)
     cfg = _Cfg(w=weighting, t=t, s=s, bq=d, bk=d, is_causal=True, has_mask=mask is not None,
-               has_bias=bias is not None, b5=(b, kh, g), kh=kh, nleaf=nleaf,
-               user_bq=block_q or 0, user_bk=block_k or 0, fkeys=num_keys)
-    tp = sp = nleaf * d
+               has_bias=bias is not None, head_dims=(b, kv_heads, g), kv_heads=kv_heads,
+               num_diag_tiles=num_diag_tiles, user_bq=block_q or 0, user_bk=block_k or 0,
+               full_num_keys=num_keys)
+    tp = sp = num_diag_tiles * d
   else:
     dq, dk = default_block_sizes(t, s, g)
     # A tile never needs to be longer than the (8-aligned) sequence.
     bq = min(block_q, _round_up(t, _ALIGN)) if block_q else dq
     bk = min(block_k, _round_up(s, _ALIGN)) if block_k else dk
     cfg = _Cfg(w=weighting, t=t, s=s, bq=bq, bk=bk, is_causal=False,
-               has_mask=mask is not None, has_bias=bias is not None, b5=(b, kh, g), kh=kh,
-               xc=heads_per_chunk(b, kh, g, bq, bk), fkeys=num_keys)
-    tp, sp = cfg.nq * bq, cfg.nk * bk
+               has_mask=mask is not None, has_bias=bias is not None, head_dims=(b, kv_heads, g),
+               kv_heads=kv_heads, heads_in_chunk=heads_per_chunk(b, kv_heads, g, bq, bk),
+               full_num_keys=num_keys)
+    tp, sp = cfg.num_q_blocks * bq, cfg.num_k_blocks * bk
 
   # [B, T, N, H] -> [X, G, Tp, H] and [B, S, K, H] -> [X, Sp, H] (X = B·K), zero padded.
-  q4 = _pad_axis(q.transpose(0, 2, 1, 3).reshape(b * kh, g, t, h), 2, tp)
-  k3 = _pad_axis(k.transpose(0, 2, 1, 3).reshape(b * kh, s, h), 1, sp)
-  v3 = _pad_axis(v.transpose(0, 2, 1, 3).reshape(b * kh, s, -1), 1, sp)
-  bias5 = _as_5d(bias, n, kh, "bias")
-  mask5 = _as_5d(mask, n, kh, "mask")
+  q4 = _pad_axis(q.transpose(0, 2, 1, 3).reshape(b * kv_heads, g, t, h), 2, tp)
+  k3 = _pad_axis(k.transpose(0, 2, 1, 3).reshape(b * kv_heads, s, h), 1, sp)
+  v3 = _pad_axis(v.transpose(0, 2, 1, 3).reshape(b * kv_heads, s, -1), 1, sp)
+  bias5 = _as_5d(bias, n, kv_heads, "bias")
+  mask5 = _as_5d(mask, n, kv_heads, "mask")
   if bias5 is not None:
     bias5 = _pad_axis(_pad_axis(bias5, 3, tp, keep_one=True), 4, sp, keep_one=True)
   if mask5 is not None:

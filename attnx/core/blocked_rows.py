@@ -5,7 +5,10 @@ The kernel walks query blocks and, for each, the key tiles its rows can see (cau
 not entirely above the diagonal), keeping per row the streaming state of the weighting's family
 (:mod:`attnx.core.streaming`): the T×S scores and weights never exist. Sparsemax and entmax
 first find each row's threshold τ with a few passes over the same key tiles, then make one
-output pass. Stick-breaking visits the tiles from the last key backwards.
+output pass; the key tiles in which every weight of the query block is zero (every x ≤ τ) are
+left out of the later passes and of the backward (``lax.cond``, AdaSplash's block skipping), found
+from each tile's row max, which the first pass records. Stick-breaking visits the tiles from the
+last key backwards.
 
 The backward pass is a ``jax.custom_vjp`` that recomputes the tiles: key tiles outside (dK,
 dV of a tile stay in the carry; stick-breaking walks them from the last key backwards, carrying
@@ -37,7 +40,8 @@ F32 = jnp.float32
 # tiles are those of the pointwise kernel.
 CAUSAL_BLOCK_Q = 256
 
-__all__ = ["CAUSAL_BLOCK_Q", "blocked_row_attention", "streams", "threshold_passes"]
+__all__ = ["CAUSAL_BLOCK_Q", "blocked_row_attention", "streams", "threshold_passes",
+           "zero_tiles"]
 
 
 def streams(weighting: Any) -> bool:
@@ -59,183 +63,307 @@ def _tiles(q, k, v, bias, mask, i, cfg: bl._Cfg, qk_mult, bias_mult):
   return tile
 
 
-def _fold(tile, lo, hi, fn, init, reverse: bool = False):
-  """Folds fn(carry, z, valid, v) over key tiles [lo, hi), last tile first if reverse."""
+def _fold(tile, lo, hi, fn, init, reverse: bool = False, zero: Array | None = None):
+  """Folds fn(carry, z, valid, v) over key tiles [lo, hi), last tile first if reverse.
+
+  ``zero`` ([num_k_blocks] bool) marks tiles to leave out: their scores are never computed
+  (``lax.cond`` runs only the taken branch).
+  """
   def body(r, c):
     j = hi - 1 - r if reverse else lo + r
-    z, valid, vj = tile(j)
-    return fn(c, z, valid, vj)
+    if zero is None:
+      return fn(c, *tile(j))
+    return lax.cond(zero[j], lambda c: c, lambda c: fn(c, *tile(j)), c)
   return lax.fori_loop(0, hi - lo, body, init)
 
 
-def _forward_chunk(q, k, v, bias, mask, rowc, scale, cfg: bl._Cfg):
-  """(O [x, G, Tp, Hv], row statistics, Σu·v/Σu or None, max threshold passes) of a chunk."""
+def _entmax_threshold_skipping(tile, i, lo, hi, rows: tuple[int, ...],
+                               cfg: bl._Cfg) -> tuple[st.Threshold, Array]:
+  """τ of a query block (:func:`attnx.core.streaming.entmax_threshold`) with zero tiles left
+  out of the passes, and which tiles are zero at the final τ ([num_k_blocks] bool).
+
+  Pass 1 (the row max) also records each tile's max of x per row, [num_k_blocks, rows] (one
+  float per row and key tile, O(T·S/bk) for the block, like one tile of bk = S/num_k_blocks
+  scores): the test of a tile at any τ then needs no second QKᵀ. A tile whose every x is at or
+  below the threshold of every row adds exact zeros to the sums of a pass, to the output and to
+  the gradients (:func:`attnx.core.streaming.entmax_zero_tiles`). Tiles not visited (above the
+  causal diagonal) keep a max of −∞ and count as zero.
+
+  The padding rows of a ragged last query block (q = 0: every key in their support) would
+  keep every tile of that block: they are made empty rows here instead (no key, done at once).
+  Their outputs are cut off, and their zero dO gives their finite weights no gradient.
+  """
+  rs = cfg.w.stream
+  num_k_blocks = cfg.num_k_blocks
+
+  def max_body(r, c):
+    j = lo + r
+    z, valid, _ = tile(j)
+    m, n, table = c
+    tile_max = st.entmax_tile_max(z, valid, rs)
+    return (jnp.maximum(m, tile_max), n + jnp.sum(valid, axis=-1, dtype=F32),
+            lax.dynamic_update_index_in_dim(table, tile_max, j, 0))
+
+  init = (jnp.full(rows, -jnp.inf, F32), jnp.zeros(rows, F32),
+          jnp.full((num_k_blocks,) + rows, -jnp.inf, F32))
+  m, n, table = lax.fori_loop(0, hi - lo, max_body, init)
+  if cfg.num_q_blocks * cfg.bq != cfg.t:
+    real = i * cfg.bq + jnp.arange(rows[-1]) % cfg.bq < cfg.t  # [G·bq]: not a padding row
+    n = jnp.where(real, n, 0.0)
+    table = jnp.where(real, table, -jnp.inf)
+
+  def sums_pass(fn, init, m_row, tau):
+    return _fold(tile, lo, hi, lambda c, z, ok, _: fn(c, z, ok), init,
+                 zero=st.entmax_zero_tiles(table, m_row, tau))
+
+  def tile_pass(fn, init):  # unused: both passes entmax_threshold makes are the hooks above
+    return _fold(tile, lo, hi, lambda c, z, ok, _: fn(c, z, ok), init)
+
+  th = st.entmax_threshold(tile_pass, rows, rs, row_max=(m, n), sums_pass=sums_pass)
+  return th, st.entmax_zero_tiles(table, th.m, th.tau)
+
+
+def _forward_chunk(q, k, v, bias, mask, row_scales, scale, cfg: bl._Cfg, skip: bool):
+  """(O [x, G, Tp, Hv], row statistics, Σu·v/Σu or None, max threshold passes, zero tiles) of
+  a chunk.
+
+  With ``skip`` (entmax family only), key tiles that are all zero for every row of a query
+  block are left out of the threshold passes after the first and of the output pass; the last
+  result is then the [num_q_blocks, num_k_blocks] table of the tiles the output pass left out
+  (the backward leaves out the same), else None.
+  """
   rs = cfg.w.stream
   bl._check_tiling(q, k, cfg)
   x, g, tp, _ = q.shape
   hv = v.shape[-1]
   rows = (x, g * cfg.bq)
   q, qk_mult, bias_mult, _ = bl._prescale(q, scale, cfg)
+  skip = skip and rs.needs_threshold
 
   def q_block(i, carry):
-    out, stats, smean, passes = carry
+    out, stats, support_mean, passes, zero_table = carry
     tile = _tiles(q, k, v, bias, mask, i, cfg, qk_mult, bias_mult)
     lo, hi = bl._k_range(i, cfg)
-    ctx = bl._rows(rowc, i, cfg) if rs.needs_row_scale else None
-    if rs.needs_threshold:
+    ctx = bl._rows(row_scales, i, cfg) if rs.needs_row_scale else None
+    zero = None
+    if skip:
+      ctx, zero = _entmax_threshold_skipping(tile, i, lo, hi, rows, cfg)
+      passes = jnp.maximum(passes, ctx.passes)
+      zero_table = lax.dynamic_update_index_in_dim(zero_table, zero, i, 0)
+    elif rs.needs_threshold:
       ctx = st.entmax_threshold(
           lambda fn, init: _fold(tile, lo, hi, lambda c, z, ok, _: fn(c, z, ok), init), rows, rs)
       passes = jnp.maximum(passes, ctx.passes)
     state = _fold(tile, lo, hi, lambda c, z, ok, vj: st.update(rs, c, z, ok, vj, ctx),
-                  st.init(rs, rows, hv), rs.reverse)
+                  st.init(rs, rows, hv), rs.reverse, zero)
     o, row_stats, sm = st.finalize(rs, state, ctx)
     put = lambda buf, a: bl._put_rows(buf, a, i, cfg)
     stats = tuple(put(buf, a) for buf, a in zip(stats, row_stats, strict=True))
-    return put(out, o), stats, smean if sm is None else put(smean, sm), passes
+    return (put(out, o), stats, support_mean if sm is None else put(support_mean, sm), passes,
+            zero_table)
 
   init = (jnp.zeros((x, g, tp, hv), F32), tuple(jnp.zeros((x, g, tp), F32)
                                               for _ in range(rs.num_stats)),
-          jnp.zeros((x, g, tp, hv), F32) if rs.saves_support_mean else None, jnp.int32(0))
-  return lax.fori_loop(0, cfg.nq, q_block, init)
+          jnp.zeros((x, g, tp, hv), F32) if rs.saves_support_mean else None, jnp.int32(0),
+          jnp.zeros((cfg.num_q_blocks, cfg.num_k_blocks), bool) if skip else None)
+  return lax.fori_loop(0, cfg.num_q_blocks, q_block, init)
 
 
-def _backward_chunk(q, k, v, bias, mask, rowc, scale, out, stats, smean, do, cfg: bl._Cfg):
-  """(dq, dk, dv, dbias, drowc, dscale) of a chunk."""
+def _backward_chunk(q, k, v, bias, mask, row_scales, scale, out, stats, support_mean, do,
+                    zero, cfg: bl._Cfg):
+  """(dq, dk, dv, dbias, drow_scales, dscale) of a chunk.
+
+  ``zero``: None, or the forward's [num_q_blocks, num_k_blocks] table of all-zero tiles, which
+  add exact zeros to every gradient and are left out, in query blocks whose dO is finite (a
+  NaN or Inf in dO makes even a zero weight's products NaN, as autodiff of the dense weights).
+  """
   rs = cfg.w.stream
   bl._check_tiling(q, k, cfg)
   q_raw = q
   q, qk_mult, bias_mult, alpha = bl._prescale(q, scale, cfg)
-  delta = jnp.sum(do.astype(F32) * (smean if rs.saves_support_mean else out), axis=-1)
+  delta = jnp.sum(do.astype(F32) * (support_mean if rs.saves_support_mean else out), axis=-1)
   bias_shape = bias.shape if cfg.has_bias else None
-  rowsum = lambda a, i: bl._rows(a, i, cfg)
+  block_rows = lambda a, i: bl._rows(a, i, cfg)
+  if zero is not None:
+    do_blocks = do.reshape(do.shape[:2] + (cfg.num_q_blocks, cfg.bq) + do.shape[3:])
+    zero = zero & jnp.all(jnp.isfinite(do_blocks), axis=(0, 1, 3, 4))[:, None]
 
   def k_block(r, carry):
-    j = cfg.nk - 1 - r if rs.reverse else r
+    j = cfg.num_k_blocks - 1 - r if rs.reverse else r
     kj, vj = bl._slice(k, j * cfg.bk, cfg.bk, 1), bl._slice(v, j * cfg.bk, cfg.bk, 1)
 
-    def q_block(i, c):
-      dq, dk_j, dv_j, dbias, ca, cb = c
+    def tile_terms(i, dk_j, dv_j, carry_a, carry_b):
+      """Tile (i, j): dK and dV of key block j with its terms added, its dQ term
+      [X, G·bq, H], dz (for dbias) and the grad carries of its rows."""
       qi, doi = bl._rows(q, i, cfg), bl._rows(do, i, cfg)
       z = bl._scores(qi, kj, bias, i, j, cfg, qk_mult, bias_mult)
       valid = bl._valid_tile(mask, i, j, cfg)
       finite = z != -jnp.inf
       valid = finite if valid is None else valid & finite
       dp = jnp.einsum("xqd,xsd->xqs", doi, vj, preferred_element_type=F32)
-      ctx = rowsum(rowc, i) if rs.needs_row_scale else None
-      p, dz, gc = st.tile_grad(rs, z, valid, dp, tuple(rowsum(a, i) for a in stats),
-                               rowsum(delta, i), st.GradCarry(rowsum(ca, i), rowsum(cb, i)),
-                               ctx, weights_dtype=v.dtype)
+      ctx = block_rows(row_scales, i) if rs.needs_row_scale else None
+      p, dz, gc = st.tile_grad(rs, z, valid, dp, tuple(block_rows(a, i) for a in stats),
+                               block_rows(delta, i), st.GradCarry(carry_a, carry_b), ctx,
+                               weights_dtype=v.dtype)
       dv_j = dv_j + jnp.einsum("xqs,xqd->xsd", p.astype(doi.dtype), doi,
                                preferred_element_type=F32)
       dzc = dz.astype(qi.dtype)
       dk_j = dk_j + jnp.einsum("xqs,xqh->xsh", dzc, qi, preferred_element_type=F32)
-      dq = bl._put_rows(dq, rowsum(dq, i) + jnp.einsum("xqs,xsh->xqh", dzc, kj,
-                                                       preferred_element_type=F32), i, cfg)
-      ca, cb = bl._put_rows(ca, gc.a, i, cfg), bl._put_rows(cb, gc.b, i, cfg)
-      if cfg.has_bias:
-        tshape = bias_shape[:3] + tuple(
-            1 if bias_shape[a] == 1 else (cfg.bq, cfg.bk)[a - 3] for a in (3, 4))
-        start = (0, 0, 0, 0 if bias_shape[3] == 1 else i * cfg.bq,
-                 0 if bias_shape[4] == 1 else j * cfg.bk)
-        cur = lax.dynamic_slice(dbias, start, tshape)
-        dz5 = dz.reshape(cfg.b5 + (cfg.bq, cfg.bk))
-        dbias = lax.dynamic_update_slice(dbias, cur + bl._sum_to(dz5, tshape), start)
-      return dq, dk_j, dv_j, dbias, ca, cb
+      dq_i = jnp.einsum("xqs,xsh->xqh", dzc, kj, preferred_element_type=F32)
+      return dk_j, dv_j, dq_i, dz if cfg.has_bias else None, gc
 
-    dq, dkb, dvb, dbias, ca, cb = carry
+    def add_dbias(dbias, dz, i):
+      tshape = bias_shape[:3] + tuple(
+          1 if bias_shape[a] == 1 else (cfg.bq, cfg.bk)[a - 3] for a in (3, 4))
+      start = (0, 0, 0, 0 if bias_shape[3] == 1 else i * cfg.bq,
+               0 if bias_shape[4] == 1 else j * cfg.bk)
+      cur = lax.dynamic_slice(dbias, start, tshape)
+      dz5 = dz.reshape(cfg.head_dims + (cfg.bq, cfg.bk))
+      return lax.dynamic_update_slice(dbias, cur + bl._sum_to(dz5, tshape), start)
+
+    def q_block(i, c):
+      dq, dk_j, dv_j, dbias, carry_a, carry_b = c
+      dk_j, dv_j, dq_i, dz, gc = tile_terms(i, dk_j, dv_j, block_rows(carry_a, i),
+                                            block_rows(carry_b, i))
+      dq = bl._put_rows(dq, block_rows(dq, i) + dq_i, i, cfg)
+      carry_a, carry_b = bl._put_rows(carry_a, gc.a, i, cfg), bl._put_rows(carry_b, gc.b, i, cfg)
+      if cfg.has_bias:
+        dbias = add_dbias(dbias, dz, i)
+      return dq, dk_j, dv_j, dbias, carry_a, carry_b
+
+    def skipping_q_block(i, c):
+      # Only the tile's own terms sit inside the cond: with the [X, G, Tp, H] dQ (or dbias)
+      # buffer in its operands XLA copies the buffer on every call. A zero tile adds zeros to
+      # dQ and dbias (exact: they start at +0, and x + 0 = x). Entmax has no grad carries.
+      dq, dk_j, dv_j, dbias, carry_a, carry_b = c
+
+      def compute(dk_j, dv_j):
+        dk_j, dv_j, dq_i, dz, _ = tile_terms(i, dk_j, dv_j, None, None)
+        return dk_j, dv_j, dq_i, dz
+
+      def leave_out(dk_j, dv_j):
+        rows = (q.shape[0], q.shape[1] * cfg.bq)
+        return (dk_j, dv_j, jnp.zeros(rows + q.shape[-1:], F32),
+                jnp.zeros(rows + (cfg.bk,), F32) if cfg.has_bias else None)
+
+      dk_j, dv_j, dq_i, dz = lax.cond(zero[i, j], leave_out, compute, dk_j, dv_j)
+      dq = bl._put_rows(dq, block_rows(dq, i) + dq_i, i, cfg)
+      if cfg.has_bias:
+        dbias = add_dbias(dbias, dz, i)
+      return dq, dk_j, dv_j, dbias, carry_a, carry_b
+
+    body = q_block if zero is None else skipping_q_block
+    dq, dk_all, dv_all, dbias, carry_a, carry_b = carry
     dk0 = jnp.zeros((k.shape[0], cfg.bk, k.shape[-1]), F32)
     dv0 = jnp.zeros((v.shape[0], cfg.bk, v.shape[-1]), F32)
-    dq, dk_j, dv_j, dbias, ca, cb = lax.fori_loop(
-        *bl._q_range(j, cfg), q_block, (dq, dk0, dv0, dbias, ca, cb))
-    dkb = lax.dynamic_update_slice_in_dim(dkb, dk_j, j * cfg.bk, axis=1)
-    dvb = lax.dynamic_update_slice_in_dim(dvb, dv_j, j * cfg.bk, axis=1)
-    return dq, dkb, dvb, dbias, ca, cb
+    dq, dk_j, dv_j, dbias, carry_a, carry_b = lax.fori_loop(
+        *bl._q_range(j, cfg), body, (dq, dk0, dv0, dbias, carry_a, carry_b))
+    dk_all = lax.dynamic_update_slice_in_dim(dk_all, dk_j, j * cfg.bk, axis=1)
+    dv_all = lax.dynamic_update_slice_in_dim(dv_all, dv_j, j * cfg.bk, axis=1)
+    return dq, dk_all, dv_all, dbias, carry_a, carry_b
 
   rows0 = jnp.zeros(q.shape[:3], F32)
   init = (jnp.zeros(q.shape, F32), jnp.zeros(k.shape, F32), jnp.zeros(v.shape, F32),
           jnp.zeros(bias_shape, F32) if cfg.has_bias else jnp.zeros((), F32), rows0, rows0)
-  dq_z, dk_z, dv, dbias_z, ca, _ = lax.fori_loop(0, cfg.nk, k_block, init)
+  dq_z, dk_z, dv, dbias_z, carry_a, _ = lax.fori_loop(0, cfg.num_k_blocks, k_block, init)
   c = scale * alpha
   dq = dq_z * c
   dk = dk_z if qk_mult is None else dk_z * c
   dscale = alpha * jnp.sum(dq_z * q_raw.astype(F32))
   dbias = dbias_z * bias_mult if cfg.has_bias else None
-  return dq, dk, dv, dbias, ca, dscale
+  return dq, dk, dv, dbias, carry_a, dscale
 
 
 # --------------------------------------------------------------------------------------------
 # Chunks of heads.
 # --------------------------------------------------------------------------------------------
 
-def _forward(q, k, v, bias, mask, rowc, scale, cfg: bl._Cfg):
+def _forward(q, k, v, bias, mask, row_scales, scale, cfg: bl._Cfg, skip: bool):
+  """:func:`_forward_chunk` over the chunks of heads; the zero-tile table gains a leading
+  chunk axis, [num_chunks, num_q_blocks, num_k_blocks] (or is None)."""
   x = q.shape[0]
-  ccfg = dataclasses.replace(cfg, b5=cfg.chunk_b5())
-  if cfg.xc == x:
-    return _forward_chunk(q, k, v, bias, mask, rowc, scale, ccfg)
+  chunk_cfg = dataclasses.replace(cfg, head_dims=cfg.chunk_head_dims())
+  if cfg.heads_in_chunk == x:
+    *res, zero = _forward_chunk(q, k, v, bias, mask, row_scales, scale, chunk_cfg, skip)
+    return (*res, None if zero is None else zero[None])
   rows = lambda a, c: None if a is None else bl._chunk_rows(a, c, cfg)
 
   def chunk(c, carry):
-    res = _forward_chunk(rows(q, c), rows(k, c), rows(v, c), bl._chunk5(bias, c, cfg),
-                         bl._chunk5(mask, c, cfg), rows(rowc, c), scale, ccfg)
-    put = lambda buf, a: lax.dynamic_update_slice_in_dim(buf, a, c * cfg.xc, 0)
-    out, stats, smean, passes = carry
+    res = _forward_chunk(rows(q, c), rows(k, c), rows(v, c), bl._chunk_bias(bias, c, cfg),
+                         bl._chunk_bias(mask, c, cfg), rows(row_scales, c), scale, chunk_cfg,
+                         skip)
+    put = lambda buf, a: lax.dynamic_update_slice_in_dim(buf, a, c * cfg.heads_in_chunk, 0)
+    out, stats, support_mean, passes, zero = carry
     return (put(out, res[0]), tuple(put(b, a) for b, a in zip(stats, res[1], strict=True)),
-            None if smean is None else put(smean, res[2]), jnp.maximum(passes, res[3]))
+            None if support_mean is None else put(support_mean, res[2]),
+            jnp.maximum(passes, res[3]),
+            None if zero is None else lax.dynamic_update_index_in_dim(zero, res[4], c, 0))
 
   rs = cfg.w.stream
   x, g, tp, _ = q.shape
   hv = v.shape[-1]
+  num_chunks = x // cfg.heads_in_chunk
+  zero0 = None
+  if skip and rs.needs_threshold:
+    zero0 = jnp.zeros((num_chunks, cfg.num_q_blocks, cfg.num_k_blocks), bool)
   init = (jnp.zeros((x, g, tp, hv), F32), tuple(jnp.zeros((x, g, tp), F32)
                                               for _ in range(rs.num_stats)),
-          jnp.zeros((x, g, tp, hv), F32) if rs.saves_support_mean else None, jnp.int32(0))
-  return lax.fori_loop(0, x // cfg.xc, chunk, init)
+          jnp.zeros((x, g, tp, hv), F32) if rs.saves_support_mean else None, jnp.int32(0),
+          zero0)
+  return lax.fori_loop(0, num_chunks, chunk, init)
 
 
-def _backward(q, k, v, bias, mask, rowc, scale, out, stats, smean, do, cfg: bl._Cfg):
+def _backward(q, k, v, bias, mask, row_scales, scale, out, stats, support_mean, do, zero,
+              cfg: bl._Cfg):
   x = q.shape[0]
-  ccfg = dataclasses.replace(cfg, b5=cfg.chunk_b5())
-  if cfg.xc == x:
-    return _backward_chunk(q, k, v, bias, mask, rowc, scale, out, stats, smean, do, ccfg)
+  chunk_cfg = dataclasses.replace(cfg, head_dims=cfg.chunk_head_dims())
+  if cfg.heads_in_chunk == x:
+    return _backward_chunk(q, k, v, bias, mask, row_scales, scale, out, stats, support_mean, do,
+                           None if zero is None else zero[0], chunk_cfg)
   rows = lambda a, c: None if a is None else bl._chunk_rows(a, c, cfg)
 
   def chunk(c, carry):
-    dq, dk, dv, dbias, drowc, dscale = carry
-    dq_c, dk_c, dv_c, dbias_c, drowc_c, dscale_c = _backward_chunk(
-        rows(q, c), rows(k, c), rows(v, c), bl._chunk5(bias, c, cfg), bl._chunk5(mask, c, cfg),
-        rows(rowc, c), scale, rows(out, c), tuple(rows(a, c) for a in stats), rows(smean, c),
-        rows(do, c), ccfg)
-    put = lambda buf, a: lax.dynamic_update_slice_in_dim(buf, a, c * cfg.xc, 0)
+    dq, dk, dv, dbias, drow_scales, dscale = carry
+    dq_c, dk_c, dv_c, dbias_c, drow_scales_c, dscale_c = _backward_chunk(
+        rows(q, c), rows(k, c), rows(v, c), bl._chunk_bias(bias, c, cfg),
+        bl._chunk_bias(mask, c, cfg), rows(row_scales, c), scale, rows(out, c),
+        tuple(rows(a, c) for a in stats), rows(support_mean, c), rows(do, c),
+        None if zero is None else zero[c], chunk_cfg)
+    put = lambda buf, a: lax.dynamic_update_slice_in_dim(buf, a, c * cfg.heads_in_chunk, 0)
     if cfg.has_bias:
-      starts, sizes = bl._chunk5_start(bias, c, cfg)
+      starts, sizes = bl._chunk_bias_window(bias, c, cfg)
       dbias = lax.dynamic_update_slice(
           dbias, lax.dynamic_slice(dbias, starts, sizes) + dbias_c, starts)
-    return (put(dq, dq_c), put(dk, dk_c), put(dv, dv_c), dbias, put(drowc, drowc_c),
+    return (put(dq, dq_c), put(dk, dk_c), put(dv, dv_c), dbias, put(drow_scales, drow_scales_c),
             dscale + dscale_c)
 
   init = (jnp.zeros(q.shape, F32), jnp.zeros(k.shape, F32), jnp.zeros(v.shape, F32),
           jnp.zeros(bias.shape, F32) if cfg.has_bias else None, jnp.zeros(q.shape[:3], F32),
           jnp.zeros((), F32))
-  return lax.fori_loop(0, x // cfg.xc, chunk, init)
+  return lax.fori_loop(0, x // cfg.heads_in_chunk, chunk, init)
 
 
-def _make_kernel(cfg: bl._Cfg):
-  """A custom-VJP function of internal-layout (q, k, v, bias, mask, rowc, scale) -> O."""
+def _make_kernel(cfg: bl._Cfg, skip: bool):
+  """A custom-VJP function of internal-layout (q, k, v, bias, mask, row_scales, scale) -> O;
+  ``skip``: leave out all-zero key tiles (entmax family)."""
 
   @jax.custom_vjp
-  def kernel(q, k, v, bias, mask, rowc, scale):
-    return _forward(q, k, v, bias, mask, rowc, scale, cfg)[0].astype(q.dtype)
+  def kernel(q, k, v, bias, mask, row_scales, scale):
+    return _forward(q, k, v, bias, mask, row_scales, scale, cfg, skip)[0].astype(q.dtype)
 
-  def fwd(q, k, v, bias, mask, rowc, scale):
-    out, stats, smean, _ = _forward(q, k, v, bias, mask, rowc, scale, cfg)
-    return out.astype(q.dtype), (q, k, v, bias, mask, rowc, scale, out, stats, smean)
+  def fwd(q, k, v, bias, mask, row_scales, scale):
+    out, stats, support_mean, _, zero = _forward(q, k, v, bias, mask, row_scales, scale, cfg,
+                                                 skip)
+    return out.astype(q.dtype), (q, k, v, bias, mask, row_scales, scale, out, stats,
+                                 support_mean, zero)
 
   def bwd(res, do):
-    q, k, v, bias, mask, rowc, scale, out, stats, smean = res
-    dq, dk, dv, dbias, drowc, dscale = _backward(q, k, v, bias, mask, rowc, scale, out, stats,
-                                                 smean, do, cfg)
+    q, k, v, bias, mask, row_scales, scale, out, stats, support_mean, zero = res
+    dq, dk, dv, dbias, drow_scales, dscale = _backward(q, k, v, bias, mask, row_scales, scale,
+                                                       out, stats, support_mean, do, zero, cfg)
     return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype),
             None if bias is None else dbias.astype(bias.dtype), None,
-            None if rowc is None else drowc, dscale.astype(scale.dtype))
+            None if row_scales is None else drow_scales, dscale.astype(scale.dtype))
 
   kernel.defvjp(fwd, bwd)
   return kernel
@@ -261,32 +389,33 @@ def _valid_counts(b: int, n: int, t: int, s: int, bias, mask, is_causal: bool) -
   return jnp.broadcast_to(jnp.sum(valid, axis=-1, dtype=F32), (b, n, t))
 
 
-def _problem(t: int, s: int, g: int, b: int, kh: int, is_causal: bool, block_q, block_k):
+def _problem(t: int, s: int, g: int, b: int, kv_heads: int, is_causal: bool, block_q, block_k):
   bq, bk = bl.default_block_sizes(t, s, g)
   if is_causal:
     bq = min(bq, CAUSAL_BLOCK_Q)
   bq = min(block_q, bl._round_up(t, bl._ALIGN)) if block_q else bq
   bk = min(block_k, bl._round_up(s, bl._ALIGN)) if block_k else bk
-  return bq, bk, bl.heads_per_chunk(b, kh, g, bq, bk)
+  return bq, bk, bl.heads_per_chunk(b, kv_heads, g, bq, bk)
 
 
-def _cfg(weighting, t, s, b, kh, g, is_causal, block_q, block_k, has_mask, has_bias):
-  bq, bk, xc = _problem(t, s, g, b, kh, is_causal, block_q, block_k)
+def _cfg(weighting, t, s, b, kv_heads, g, is_causal, block_q, block_k, has_mask, has_bias):
+  bq, bk, heads_in_chunk = _problem(t, s, g, b, kv_heads, is_causal, block_q, block_k)
   return bl._Cfg(w=weighting, t=t, s=s, bq=bq, bk=bk, is_causal=is_causal, has_mask=has_mask,
-                 has_bias=has_bias, b5=(b, kh, g), kh=kh, xc=xc)
+                 has_bias=has_bias, head_dims=(b, kv_heads, g), kv_heads=kv_heads,
+                 heads_in_chunk=heads_in_chunk)
 
 
 def _inputs(q, k, v, bias, mask, weighting, is_causal, block_q, block_k, ssmax_s):
   """Checked, non-empty inputs in the kernel layout, and the problem's cfg."""
   _check_only(q, k, v, mask, weighting, block_q, block_k)
   b, t, n, h = q.shape
-  _, s, kh, _ = k.shape
-  g = n // kh
-  cfg = _cfg(weighting, t, s, b, kh, g, is_causal, block_q, block_k, mask is not None,
+  _, s, kv_heads, _ = k.shape
+  g = n // kv_heads
+  cfg = _cfg(weighting, t, s, b, kv_heads, g, is_causal, block_q, block_k, mask is not None,
              bias is not None)
-  tp, sp = cfg.nq * cfg.bq, cfg.nk * cfg.bk
+  tp, sp = cfg.num_q_blocks * cfg.bq, cfg.num_k_blocks * cfg.bk
   rs = weighting.stream
-  rowc = None
+  row_scales = None
   if rs.needs_row_scale:
     bias4 = None if bias is None else bias.reshape((1,) * (4 - bias.ndim) + bias.shape)
     mask4 = None if mask is None else mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
@@ -294,25 +423,26 @@ def _inputs(q, k, v, bias, mask, weighting, is_causal, block_q, block_k, ssmax_s
     if sv.ndim:  # one s per query head
       sv = jnp.broadcast_to(sv.reshape(-1), (n,))[None, :, None]
     c = st.row_scale(rs, _valid_counts(b, n, t, s, bias4, mask4, is_causal), sv)
-    rowc = bl._pad_axis(c.reshape(b * kh, g, t), 2, tp)
+    row_scales = bl._pad_axis(c.reshape(b * kv_heads, g, t), 2, tp)
   q, k, v, bias = nonfinite_inputs(q, k, v, bias)
-  q4 = bl._pad_axis(q.transpose(0, 2, 1, 3).reshape(b * kh, g, t, h), 2, tp)
-  k3 = bl._pad_axis(k.transpose(0, 2, 1, 3).reshape(b * kh, s, h), 1, sp)
-  v3 = bl._pad_axis(v.transpose(0, 2, 1, 3).reshape(b * kh, s, -1), 1, sp)
-  bias5 = bl._as_5d(bias, n, kh, "bias")
-  mask5 = bl._as_5d(mask, n, kh, "mask")
+  q4 = bl._pad_axis(q.transpose(0, 2, 1, 3).reshape(b * kv_heads, g, t, h), 2, tp)
+  k3 = bl._pad_axis(k.transpose(0, 2, 1, 3).reshape(b * kv_heads, s, h), 1, sp)
+  v3 = bl._pad_axis(v.transpose(0, 2, 1, 3).reshape(b * kv_heads, s, -1), 1, sp)
+  bias5 = bl._as_5d(bias, n, kv_heads, "bias")
+  mask5 = bl._as_5d(mask, n, kv_heads, "mask")
   if bias5 is not None:
     bias5 = bl._pad_axis(bl._pad_axis(bias5, 3, tp, keep_one=True), 4, sp, keep_one=True)
   if mask5 is not None:
     mask5 = bl._pad_axis(bl._pad_axis(mask5, 3, tp, False, True), 4, sp, False, True)
-  return (q4, k3, v3, bias5, mask5, rowc), cfg
+  return (q4, k3, v3, bias5, mask5, row_scales), cfg
 
 
 def blocked_row_attention(q: Array, k: Array, v: Array, *, weighting: RowNormalizer,
                           scale: float | Array, bias: Array | None = None,
                           mask: Array | None = None, is_causal: bool = False,
                           block_q: int | None = None, block_k: int | None = None,
-                          ssmax_s: Array | float | None = None) -> Array:
+                          ssmax_s: Array | float | None = None,
+                          skip_zero_tiles: bool = True) -> Array:
   """Memory-efficient attention for a whole-row weighting (its ``stream`` family).
 
   Args:
@@ -329,6 +459,10 @@ def blocked_row_attention(q: Array, k: Array, v: Array, *, weighting: RowNormali
       :data:`CAUSAL_BLOCK_Q` rows when causal so that tiles above the diagonal are skipped).
     ssmax_s: SSMax only: s as a scalar or one value per query head [N] (an array gets a
       gradient); default the weighting's own s.
+    skip_zero_tiles: sparsemax/entmax only: leave out the key tiles in which every weight of
+      every row of the query block is zero (all x ≤ τ), in the threshold passes after the
+      first, the output pass and the backward (AdaSplash's block skipping). The result is the
+      same bit for bit; False computes every tile (for side-by-side timings).
 
   Returns:
     [B, T, N, Hv] in q's dtype, equal up to float rounding to the dense weights' product with
@@ -339,7 +473,9 @@ def blocked_row_attention(q: Array, k: Array, v: Array, *, weighting: RowNormali
   if q.size == 0 or k.shape[1] == 0:  # no query, or no key (every row has no valid key)
     return jnp.zeros((b, t, n, v.shape[-1]), q.dtype)
   arrays, cfg = _inputs(q, k, v, bias, mask, weighting, is_causal, block_q, block_k, ssmax_s)
-  out = _make_kernel(cfg)(*arrays, jnp.asarray(scale, F32))
+  if not isinstance(skip_zero_tiles, bool):
+    raise ValueError(f"skip_zero_tiles must be a bool, got {skip_zero_tiles!r}")
+  out = _make_kernel(cfg, skip_zero_tiles)(*arrays, jnp.asarray(scale, F32))
   return out[:, :, :t].reshape(b, n, t, -1).transpose(0, 2, 1, 3)
 
 
@@ -357,4 +493,32 @@ def threshold_passes(q: Array, k: Array, v: Array, *, weighting: RowNormalizer,
   threshold τ (sparsemax/entmax; the row-max pass and the exact last step included), for the
   benchmark's report. 0 for the other families."""
   arrays, cfg = _inputs(q, k, v, bias, mask, weighting, is_causal, block_q, block_k, None)
-  return _forward(*arrays, jnp.asarray(scale, F32), cfg)[3]
+  return _forward(*arrays, jnp.asarray(scale, F32), cfg, True)[3]
+
+
+def zero_tiles(q: Array, k: Array, v: Array, *, weighting: RowNormalizer, scale: float | Array,
+               bias: Array | None = None, mask: Array | None = None, is_causal: bool = False,
+               block_q: int | None = None,
+               block_k: int | None = None) -> tuple[Array, Array]:
+  """Which key tiles the sparsemax/entmax kernel leaves out as all zero, for tests and the
+  benchmark's report.
+
+  Returns (skipped, visited), both bool [num_chunks, num_q_blocks, num_k_blocks] (chunks of
+  heads as the kernel runs them, tiles of the kernel's block sizes): ``visited`` the tiles a
+  query block can see (causal: not entirely above the diagonal), ``skipped`` those of them in
+  which every weight of every row of the block is zero at the final τ, which the output pass
+  and the backward leave out (the backward keeps a block's tiles where its dO is not finite).
+  The share of work saved is ``skipped.sum() / visited.sum()`` (the first threshold pass, the
+  row max, visits every tile).
+  """
+  _check_only(q, k, v, mask, weighting, block_q, block_k)
+  if not weighting.stream.needs_threshold:
+    raise ValueError(f"zero_tiles needs a sparsemax/entmax weighting, got {weighting!r}")
+  if q.size == 0 or k.shape[1] == 0:
+    raise ValueError(f"zero_tiles needs queries and keys, got q {q.shape}, k {k.shape}")
+  arrays, cfg = _inputs(q, k, v, bias, mask, weighting, is_causal, block_q, block_k, None)
+  zero = _forward(*arrays, jnp.asarray(scale, F32), cfg, True)[4]
+  hi = jnp.stack([jnp.asarray(bl._k_range(i, cfg)[1]) for i in range(cfg.num_q_blocks)])
+  visited = jnp.arange(cfg.num_k_blocks)[None, :] < hi[:, None]
+  visited = jnp.broadcast_to(visited, zero.shape)
+  return zero & visited, visited

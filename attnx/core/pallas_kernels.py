@@ -11,10 +11,16 @@ Fast and Memory-Efficient Exact Attention with IO-Awareness"):
 * dQ: one query tile per program, looping over key tiles; optionally writes the score
   cotangent dS (the bias gradient before the sum over broadcast dims).
 
-The tile math is the one of :mod:`attnx.core.blocked` (same masking, same empty-row and NaN
-rules): online max with exp2 for ``w.online_max``, ``acc += F(S)·V`` with one division at the
-end otherwise; backward dS = α·P∘(dP − D) (online max), F'(s)∘(dP − D)/l (``"sum"``),
-F'(s)∘dP/n (``"length"``), F'(s)∘dP (``"none"``).
+The tile math is :mod:`attnx.core.streaming`'s two pointwise rules, the blocked kernel's
+(:mod:`attnx.core.blocked`; same masking, same empty-row and NaN rules): the online max
+(:func:`~attnx.core.streaming.online_max_update`) for ``w.online_max``, ``acc += F(S)·V``
+with one division at the end otherwise (:func:`~attnx.core.streaming.pointwise_update`), both
+ended by :func:`~attnx.core.streaming.pointwise_finalize`; the backward's dS from the saved
+statistic is :func:`~attnx.core.streaming.pointwise_tile_grad`: α·P∘(dP − D) (online max),
+F'(s)∘(dP − D)/l (``"sum"``), F'(s)∘dP/n (``"length"``), F'(s)∘dP (``"none"``). The kernels
+spell them with :data:`GPU_OPS` / :data:`TPU_OPS`: scores in base-2 units (exp2, log₂e folded
+into the score's scale), Σ F summed apart from the F·V matmul, and on the TPU row statistics
+replicated over 128 lanes.
 
 Backends:
 
@@ -47,14 +53,19 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as plgpu
 
+from attnx.core import streaming
 from attnx.core.weightings import Pointwise
 
 Array = jax.Array
 LOG2E = math.log2(math.e)
 LANES = 128  # TPU vector lanes: row statistics are stored replicated over 128 lanes
 _NT = (((1,), (1,)), ((), ()))  # a @ b.T
+# The spellings of the streaming rules (see the module docstring and streaming.Ops).
+GPU_OPS = streaming.Ops(exp2=True, ones_column=False)
+TPU_OPS = streaming.Ops(exp2=True, ones_column=False, lanes=LANES)
 
-__all__ = ["LANES", "KernelConfig", "backward", "forward", "head_chunks"]
+__all__ = ["GPU_OPS", "LANES", "TPU_OPS", "KernelConfig", "backward", "forward", "grad_rows",
+           "head_chunks"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,6 +116,11 @@ class KernelConfig:
 
   def needs_valid(self, has_mask: bool) -> bool:
     return has_mask or self.is_causal or self.q_bound or self.kv_bound
+
+  @property
+  def ops(self) -> streaming.Ops:
+    """The backend's spelling of the streaming rules."""
+    return GPU_OPS if self.backend == "gpu" else TPU_OPS
 
 
 # --------------------------------------------------------------------------------------------
@@ -176,35 +192,13 @@ def _scores(cfg: KernelConfig, qs, ks, bias_tile):
   return z
 
 
-def _f(cfg: KernelConfig, z, valid):
-  """F(s) with masked entries replaced before F and zeroed after (the double where)."""
-  if valid is None:
-    return cfg.w.fn(z, cfg.s)
-  return jnp.where(valid, cfg.w.fn(jnp.where(valid, z, 0.0), cfg.s), 0.0)
-
-
-def _bwd_tile(cfg: KernelConfig, z, valid, dp, r0, r1, delta):
+def _bwd_tile(cfg: KernelConfig, z, valid, dp, rows):
   """(P, dZ) of one tile: the weights (for dV) and the cotangent of z in natural units.
 
-  Row values (broadcast to the tile): online max: r0 = log2-sum-exp; ``"sum"``: r0 = row
-  multiplier (2^100 where l < 2^-100), r1 = 1/(l·r0); ``"length"``: r1 = 1/n.
+  ``rows``: (r0, r1, δ) of :func:`attnx.core.streaming.pointwise_grad_rows`, broadcast
+  against the tile (zeros where the rule reads nothing).
   """
-  w = cfg.w
-  if w.online_max:
-    if valid is not None:
-      z = jnp.where(valid, z, -jnp.inf)
-    p = jnp.exp2(z - r0)
-    return p, p * (dp - delta)
-  sv = z if valid is None else jnp.where(valid, z, 0.0)
-  f, fp = jax.jvp(lambda s: w.fn(s, cfg.s), (sv,), (jnp.ones_like(sv),))
-  if valid is not None:
-    f, fp = jnp.where(valid, f, 0.0), jnp.where(valid, fp, 0.0)
-  if w.normalization == "none":
-    return f, fp * dp
-  if w.normalization == "sum":
-    f, fp = f * r0, fp * r0
-    return f * r1, fp * ((dp - delta) * r1)
-  return f * r1, fp * (dp * r1)
+  return streaming.pointwise_tile_grad(cfg.w, z, valid, dp, rows, cfg.s, ops=cfg.ops)
 
 
 def _cols(ref, c0, size: int):
@@ -265,81 +259,48 @@ def _gpu_fwd_kernel(*refs, cfg: KernelConfig, has_bias: bool, has_mask: bool):
   bias_ref = next(it) if has_bias else None
   mask_ref = next(it) if has_mask else None
   qlen_ref, kvlen_ref, o_ref, stat_ref = next(it), next(it), next(it), next(it)
-  w, bq, bk = cfg.w, cfg.bq, cfg.bk
+  w, bq, bk, ops = cfg.w, cfg.bq, cfg.bk, cfg.ops
   hc, vc = head_chunks(q_ref.shape[-1]), head_chunks(v_ref.shape[-1])
   i = pl.program_id(0)
   q_len, kv_len = qlen_ref[0], kvlen_ref[0]
   qs = _load_chunks(q_ref, slice(None), hc)
-  offset = float(w.denominator_offset)
 
   def tile(j):
     c0 = j * bk
     rows = pl.ds(c0, bk)
-    ks, vs = _load_chunks(k_ref, rows, hc), _load_chunks(v_ref, rows, vc)
+    ks, vs = _load_chunks(k_ref, rows, hc), tuple(_load_chunks(v_ref, rows, vc))
     z = _scores(cfg, qs, ks, None if bias_ref is None else _cols(bias_ref, c0, bk))
     mask_t = None if mask_ref is None else _cols(mask_ref, c0, bk)
     return z, vs, _valid(cfg, (bq, bk), i * bq, c0, mask_t, q_len, kv_len)
 
-  def pv(p, vs):
-    return [jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32) for v in vs]
-
+  # The accumulator and V are tuples of head-dim chunks (streaming's rules map over them).
   acc0 = tuple(jnp.zeros((bq, c), jnp.float32) for _, c in vc)
   hi = _kv_hi(cfg, i, bq, bk, q_len, kv_len)
   if w.online_max:
     def body(j, carry):
       acc, m, l = carry
       z, vs, valid = tile(j)
-      if valid is not None:
-        z = jnp.where(valid, z, -jnp.inf)
-      m_new = jnp.maximum(m, jnp.max(z, axis=1))
-      m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # fully masked so far: no shift
-      p = jnp.exp2(z - m_use[:, None])
-      corr = jnp.exp2(m - m_use)
-      l = l * corr + jnp.sum(p, axis=1)
-      acc = tuple(a * corr[:, None] + d for a, d in zip(acc, pv(p, vs), strict=True))
-      return acc, m_new, l
+      return streaming.online_max_update(acc, m, z, valid, vs, l, ops=ops)
 
-    # The offset is a virtual key with z = 0: m starts at 0 and l at the offset.
-    m0 = jnp.full((bq,), 0.0 if offset > 0 else -jnp.inf, jnp.float32)
-    l0 = jnp.full((bq,), offset, jnp.float32)
-    acc, m, l = lax.fori_loop(0, hi, body, (acc0, m0, l0))
-    empty = l == 0  # no valid key; a NaN l propagates
-    l_safe = jnp.where(empty, 1.0, l)
-    os_ = [jnp.where(empty[:, None], 0.0, a / l_safe[:, None]) for a in acc]
-    st = jnp.where(empty, jnp.inf, jnp.where(m == -jnp.inf, 0.0, m) + jnp.log2(l_safe))
+    m0, l0 = streaming.online_max_start(w)  # from the offset's virtual key, if any
+    acc, m, l = lax.fori_loop(0, hi, body, (acc0, jnp.full((bq,), m0, jnp.float32),
+                                            jnp.full((bq,), l0, jnp.float32)))
+    os_, st = streaming.pointwise_finalize(w, acc, m, l, add_offset=False, ops=ops)
   else:
-    norm = w.normalization
-    count = norm == "length" and cfg.needs_valid(has_mask)
-
     def body(j, carry):
-      acc, l = carry
       z, vs, valid = tile(j)
-      f = _f(cfg, z, valid)
-      acc = tuple(a + d for a, d in zip(acc, pv(f, vs), strict=True))
-      if norm == "sum":
-        l = l + jnp.sum(f, axis=1)
-      elif count and valid is not None:
-        l = l + jnp.sum(valid.astype(jnp.float32), axis=1)
-      return acc, l
+      return streaming.pointwise_update(w, *carry, z, valid, vs, cfg.s, ops=ops)
 
     acc, l = lax.fori_loop(0, hi, body, (acc0, jnp.zeros((bq,), jnp.float32)))
-    inv, st = _normalize(cfg, l, count, offset)
-    os_ = [a if inv is None else a * inv[:, None] for a in acc]
+    os_, st = streaming.pointwise_finalize(w, acc, l, num_keys=_uncounted(cfg, has_mask),
+                                           ops=ops)
   _store_chunks(o_ref, os_, vc)
   stat_ref[...] = st
 
 
-def _normalize(cfg: KernelConfig, l, count: bool, offset: float):
-  """(1/normalizer or None for ``"none"``, row statistic) of a non-online-max weighting."""
-  norm = cfg.w.normalization
-  if norm == "none":
-    return None, jnp.ones_like(l)
-  if norm == "sum":
-    l = l + offset
-  elif not count:
-    l = jnp.full_like(l, float(cfg.s))
-  empty = l == 0
-  return jnp.where(empty, 0.0, 1.0 / jnp.where(empty, 1.0, l)), l
+def _uncounted(cfg: KernelConfig, has_mask: bool) -> int | None:
+  """pointwise_finalize's ``num_keys``: S when no tile is masked (so no key was counted)."""
+  return None if cfg.needs_valid(has_mask) else cfg.s
 
 
 def _gpu_specs_bias(x: Array | None, block: tuple[int, ...], index: Callable) -> list:
@@ -398,7 +359,7 @@ def _gpu_dq_kernel(*refs, cfg: KernelConfig, has_bias: bool, has_mask: bool, wan
     z = _scores(cfg, qs, ks, None if bias_ref is None else _cols(bias_ref, c0, bk))
     mask_t = None if mask_ref is None else _cols(mask_ref, c0, bk)
     valid = _valid(cfg, (bq, bk), i * bq, c0, mask_t, q_len, kv_len)
-    _, dz = _bwd_tile(cfg, z, valid, _dot_chunks(dos, vs), r0, r1, delta)
+    _, dz = _bwd_tile(cfg, z, valid, _dot_chunks(dos, vs), (r0, r1, delta))
     if ds_ref is not None:
       ds_ref[:, rows] = dz * gb if gb != 1.0 else dz
     return tuple(a + jnp.dot(dz.astype(k.dtype), k, preferred_element_type=jnp.float32)
@@ -444,7 +405,7 @@ def _gpu_dkv_kernel(*refs, cfg: KernelConfig, has_bias: bool, has_mask: bool):
                           r if mask_ref.shape[1] > 1 else pl.ds(0, 1), :]
       z = _scores(cfg, qs, ks, bias_t)
       valid = _valid(cfg, (bq, bk), i * bq, c0, mask_t, q_len, kv_len)
-      p, dz = _bwd_tile(cfg, z, valid, _dot_chunks(dos, vs), r0, r1, delta)
+      p, dz = _bwd_tile(cfg, z, valid, _dot_chunks(dos, vs), (r0, r1, delta))
       pt, dzt = p.astype(dos[0].dtype).T, dz.astype(qs[0].dtype).T
       dv = tuple(a + jnp.dot(pt, do, preferred_element_type=jnp.float32)
                  for a, do in zip(dv, dos, strict=True))
@@ -519,15 +480,6 @@ def _gpu_backward(cfg: KernelConfig, q, k, v, bias, mask, q_len, kv_len, do, row
 # VMEM scratch accumulators, lengths as scalar prefetch (SMEM).
 # --------------------------------------------------------------------------------------------
 
-def _lanes(x, n: int):
-  """A lane-replicated [rows, 128] value as [rows, n] (n a multiple of 128, or below it)."""
-  if n % LANES == 0:
-    return jnp.tile(x, (1, n // LANES)) if n != LANES else x
-  if n < LANES:
-    return x[:, :n]
-  return jnp.tile(x, (1, -(-n // LANES)))[:, :n]
-
-
 def _tpu_tile(ref):
   return None if ref is None else ref[...]
 
@@ -538,15 +490,13 @@ def _tpu_fwd_kernel(*refs, cfg: KernelConfig, has_bias: bool, has_mask: bool):
   bias_ref = next(it) if has_bias else None
   mask_ref = next(it) if has_mask else None
   o_ref, stat_ref = next(it), next(it)
-  w, bq, bk = cfg.w, cfg.bq, cfg.bk
+  w, bq, bk, ops = cfg.w, cfg.bq, cfg.bk, cfg.ops
   scratch = list(it)
   b, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
   q_len, kv_len = qlen_ref[b], kvlen_ref[b]
-  hv = v_ref.shape[-1]
-  offset = float(w.denominator_offset)
-  norm = w.normalization
-  count = norm == "length" and cfg.needs_valid(has_mask)
 
+  # The state lives in VMEM scratch across the key tiles (the last grid axis): m and l as
+  # lane-replicated [bq, 128] (ops.lanes), acc as [bq, Hv].
   if w.online_max:
     m_sc, l_sc, acc_sc = scratch
   else:
@@ -555,9 +505,12 @@ def _tpu_fwd_kernel(*refs, cfg: KernelConfig, has_bias: bool, has_mask: bool):
   @pl.when(j == 0)
   def _init():
     acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
-    l_sc[...] = jnp.full(l_sc.shape, offset if w.online_max else 0.0, jnp.float32)
     if w.online_max:
-      m_sc[...] = jnp.full(m_sc.shape, 0.0 if offset > 0 else -jnp.inf, jnp.float32)
+      m0, l0 = streaming.online_max_start(w)  # from the offset's virtual key, if any
+      m_sc[...] = jnp.full(m_sc.shape, m0, jnp.float32)
+      l_sc[...] = jnp.full(l_sc.shape, l0, jnp.float32)
+    else:
+      l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
 
   @pl.when(j < _kv_hi(cfg, i, bq, bk, q_len, kv_len))
   def _run():
@@ -565,37 +518,23 @@ def _tpu_fwd_kernel(*refs, cfg: KernelConfig, has_bias: bool, has_mask: bool):
     valid = _valid(cfg, (bq, bk), i * bq, j * bk, _tpu_tile(mask_ref), q_len, kv_len)
     v = v_ref[...]
     if w.online_max:
-      if valid is not None:
-        z = jnp.where(valid, z, -jnp.inf)
-      m_prev, l_prev = m_sc[...], l_sc[...]  # [bq, 128]
-      m_new = jnp.maximum(m_prev, jnp.max(z, axis=1, keepdims=True))
-      m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-      p = jnp.exp2(z - _lanes(m_use, bk))
-      corr = jnp.exp2(m_prev - m_use)
-      l_sc[...] = corr * l_prev + jnp.sum(p, axis=1, keepdims=True)
-      m_sc[...] = m_new
-      pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-      acc_sc[...] = acc_sc[...] * _lanes(corr, hv) + pv
+      acc_sc[...], m_sc[...], l_sc[...] = streaming.online_max_update(
+          acc_sc[...], m_sc[...], z, valid, v, l_sc[...], ops=ops)
     else:
-      f = _f(cfg, z, valid)
-      acc_sc[...] += jnp.dot(f.astype(v.dtype), v, preferred_element_type=jnp.float32)
-      if norm == "sum":
-        l_sc[...] += jnp.sum(f, axis=1, keepdims=True)
-      elif count and valid is not None:
-        l_sc[...] += jnp.sum(valid.astype(jnp.float32), axis=1, keepdims=True)
+      l = l_sc[...]
+      acc_sc[...], l_new = streaming.pointwise_update(w, acc_sc[...], l, z, valid, v, cfg.s,
+                                                      ops=ops)
+      if l_new is not l:  # "none", and "length" on unmasked tiles, leave l as it is
+        l_sc[...] = l_new
 
   @pl.when(j == cfg.sp // bk - 1)
   def _finish():
-    acc, l = acc_sc[...], l_sc[...]
     if w.online_max:
-      m = m_sc[...]
-      empty = l == 0
-      l_safe = jnp.where(empty, 1.0, l)
-      o = jnp.where(_lanes(empty.astype(jnp.float32), hv) > 0, 0.0, acc / _lanes(l_safe, hv))
-      st = jnp.where(empty, jnp.inf, jnp.where(m == -jnp.inf, 0.0, m) + jnp.log2(l_safe))
+      o, st = streaming.pointwise_finalize(w, acc_sc[...], m_sc[...], l_sc[...],
+                                           add_offset=False, ops=ops)
     else:
-      inv, st = _normalize(cfg, l, count, offset)
-      o = acc if inv is None else acc * _lanes(inv, hv)
+      o, st = streaming.pointwise_finalize(w, acc_sc[...], l_sc[...],
+                                           num_keys=_uncounted(cfg, has_mask), ops=ops)
     o_ref[...] = o.astype(o_ref.dtype)
     stat_ref[...] = st
 
@@ -681,8 +620,8 @@ def _tpu_dq_kernel(*refs, cfg: KernelConfig, has_bias: bool, has_mask: bool, wan
     z = _scores(cfg, [q], [k], _tpu_tile(bias_ref))
     valid = _valid(cfg, (bq, bk), i * bq, j * bk, _tpu_tile(mask_ref), q_len, kv_len)
     dp = lax.dot_general(do, v, _NT, preferred_element_type=jnp.float32)
-    rows = [_lanes(r[...], bk) for r in (r0_ref, r1_ref, dl_ref)]
-    _, dz = _bwd_tile(cfg, z, valid, dp, *rows)
+    rows = tuple(TPU_OPS.spread(r[...], bk) for r in (r0_ref, r1_ref, dl_ref))
+    _, dz = _bwd_tile(cfg, z, valid, dp, rows)
     if ds_ref is not None:
       ds_ref[...] = dz * gb if gb != 1.0 else dz
     dq_sc[...] += jnp.dot(dz.astype(k.dtype), k, preferred_element_type=jnp.float32)
@@ -721,8 +660,8 @@ def _tpu_dkv_kernel(*refs, cfg: KernelConfig, has_bias: bool, has_mask: bool):
     z = _scores(cfg, [q], [k], _tpu_tile(bias_ref))
     valid = _valid(cfg, (bq, bk), i * bq, j * bk, _tpu_tile(mask_ref), q_len, kv_len)
     dp = lax.dot_general(do, v, _NT, preferred_element_type=jnp.float32)
-    rows = [_lanes(r[...], bk) for r in (r0_ref, r1_ref, dl_ref)]
-    p, dz = _bwd_tile(cfg, z, valid, dp, *rows)
+    rows = tuple(TPU_OPS.spread(r[...], bk) for r in (r0_ref, r1_ref, dl_ref))
+    p, dz = _bwd_tile(cfg, z, valid, dp, rows)
     # Transposed in float32, then cast (as JAX's TPU flash kernel).
     dv_sc[...] += jnp.dot(p.T.astype(do.dtype), do, preferred_element_type=jnp.float32)
     dk_sc[...] += jnp.dot(dz.T.astype(q.dtype), q, preferred_element_type=jnp.float32)
@@ -830,12 +769,22 @@ def forward(cfg: KernelConfig, q, k, v, bias, mask, q_len, kv_len) -> tuple[Arra
   return _bnth(o), st
 
 
+def grad_rows(cfg: KernelConfig, stat: Array, o: Array, do: Array) -> list[Array]:
+  """The per-row values (r0, r1, δ) [B, N, Tp] of :func:`backward`, from the forward's row
+  statistic [B, N, Tp] and O, dO [B, Tp, N, Hv]: those of
+  :func:`attnx.core.streaming.pointwise_grad_rows`, zeros where the rule reads nothing."""
+  # δ_i = dO_i·O_i; XLA drops it where the rule does not read it ("length", "none").
+  delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1).transpose(0, 2, 1)
+  zeros = jnp.zeros_like(stat)
+  return [zeros if r is None else r for r in streaming.pointwise_grad_rows(cfg.w, stat, delta)]
+
+
 def backward(cfg: KernelConfig, q, k, v, bias, mask, q_len, kv_len, do, rows,
              want_ds: bool) -> tuple[Array, Array, Array, Array | None]:
   """dq, dk, dv (input dtypes) and, when ``want_ds``, dS [B, N, Tp, Sp] float32.
 
-  ``rows``: the three per-row values (r0, r1, delta), each [B, N, Tp] float32 (see
-  :func:`_bwd_tile`).
+  ``rows``: the three per-row values (r0, r1, δ), each [B, N, Tp] float32, of
+  :func:`grad_rows`.
   """
   if cfg.backend == "gpu":
     return _gpu_backward(cfg, q, k, v, bias, mask, q_len, kv_len, do, rows, want_ds)

@@ -34,11 +34,17 @@ The families:
 Masked keys (``valid`` False, or a score of −∞) contribute nothing: no weight, no
 denominator, no stick. NaN scores at valid keys make the row NaN, as in the dense weightings.
 
-The pointwise F stream with the two rules of :mod:`attnx.core.blocked`
-(:func:`online_max_update`, :func:`pointwise_update`, :func:`pointwise_merge`,
-:func:`pointwise_finalize`); the blocked kernel's causal triangle merges the raw states of its
-pieces with them. :class:`Ops` spells the few primitives a kernel language lacks (Pallas'
-Triton and Mosaic backends), so that every backend runs the same tile math.
+A pointwise F streams with one of two rules: the online max with rescaling for softmax-like
+F (:func:`online_max_update`), or acc += F·V with a sum, count or nothing beside it
+(:func:`pointwise_update`); :func:`pointwise_merge` joins raw states of disjoint key ranges,
+:func:`pointwise_finalize` normalizes once (the denominator offset a virtual key of score 0),
+and the backward recomputes each tile's weights and dS from the saved row statistic
+(:func:`pointwise_grad_rows`, :func:`pointwise_tile_grad`). The blocked kernel
+(:mod:`attnx.core.blocked`: its tiles, its causal triangle's merge of the raw states of its
+pieces, its backward) and both Pallas backends (:mod:`attnx.core.pallas_kernels`, forward and
+dQ/dK/dV kernels) run them. :class:`Ops` spells what differs between kernel languages: the
+primitives Triton and Mosaic lack, base-2 exponents, where Σ F accumulates and the layout of
+the row statistics, so that every backend runs the same tile math.
 """
 
 from __future__ import annotations
@@ -63,12 +69,13 @@ _EXPM1_SAFE = 80.0  # e^80 is far from float32 overflow (e^88.7)
 
 @dataclasses.dataclass(frozen=True)
 class Ops:
-  """How the tile math spells the primitives that a kernel language lacks.
+  """How the tile math is spelled in a kernel language: the primitives it lacks, its layouts.
 
-  The defaults are the XLA forms the blocked kernel uses (:data:`XLA`); the Pallas kernels
-  (:mod:`attnx.core.pallas_rows`) pick alternatives that compute the same functions with other
-  rounding. With the default, every function that takes ``ops`` computes exactly (bit for bit)
-  what it computed before the argument existed.
+  The defaults are the XLA forms the blocked kernels use (:data:`XLA`); the Pallas kernels
+  (:mod:`attnx.core.pallas_rows` for the whole-row families, :mod:`attnx.core.pallas_kernels`
+  for a pointwise F) pick alternatives that compute the same functions with other rounding,
+  in other units (exp2) or layouts. With the default, every function that takes ``ops``
+  computes exactly (bit for bit) what it computed before the argument existed.
 
   Attributes:
     cumsum_matmul: stick-breaking's reverse exclusive cumsum along a tile's keys as matmuls
@@ -85,6 +92,16 @@ class Ops:
     threshold_loop: entmax's threshold passes in a ``lax.while_loop`` that stops once every
       row is done (``"while"``), or in a ``lax.fori_loop`` of :data:`MAX_THRESHOLD_PASSES`
       whose passes after that are skipped by ``lax.cond`` (``"fori"``).
+    exp2: the pointwise online max's scores arrive in base-2 units (z·log₂e, the factor
+      folded into the score's scale), so its exponentials are exp2 and its statistic a
+      log2-sum-exp (True: the Pallas kernels, as FlashAttention-2), or natural units (False).
+    ones_column: a pointwise F with ``"sum"`` gets its row sum Σ F from the F·V matmul, V
+      carrying a column of ones the caller appended (True: one pass over the tile fewer), or
+      from a separate sum over the tile's keys (False: Triton arrays have power-of-2 dims and
+      Mosaic's lanes come by 128, so Hv + 1 columns do not fit).
+    lanes: the pointwise rules' row statistics are [..., rows] (0), or [rows, lanes]
+      replicated over the lanes (Mosaic: 1-D vectors and [rows, 1] columns lay out badly on
+      the TPU's (8, 128) vregs); :meth:`row_max`, :meth:`row_sum` and :meth:`spread` follow.
   """
 
   cumsum_matmul: bool = False
@@ -93,9 +110,45 @@ class Ops:
   all_rows: bool = True
   sign: bool = True
   threshold_loop: str = "while"
+  exp2: bool = False
+  ones_column: bool = True
+  lanes: int = 0
+
+  def exp(self, x: Array) -> Array:
+    """The online max's exponential: eˣ, or 2ˣ when the scores are in base-2 units."""
+    return jnp.exp2(x) if self.exp2 else jnp.exp(x)
+
+  def log(self, x: Array) -> Array:
+    """The inverse of :meth:`exp` (for the log-sum-exp statistic)."""
+    return jnp.log2(x) if self.exp2 else jnp.log(x)
+
+  def row_max(self, x: Array) -> Array:
+    """The max over a tile's keys (last axis), in the layout of the row statistics."""
+    return jnp.max(x, axis=-1, keepdims=self.lanes > 0)
+
+  def row_sum(self, x: Array, dtype: Any = None) -> Array:
+    """The sum over a tile's keys (last axis), in the layout of the row statistics."""
+    return jnp.sum(x, axis=-1, dtype=dtype, keepdims=self.lanes > 0)
+
+  def spread(self, r: Array, n: int) -> Array:
+    """A row statistic broadcast against n columns (a tile's keys or an accumulator's)."""
+    if not self.lanes:
+      return r[..., None]
+    if r.dtype == jnp.bool_:  # Mosaic tiles no i1 vectors: through float32
+      return _lanes(r.astype(F32), n, self.lanes) > 0
+    return _lanes(r, n, self.lanes)
 
 
 XLA = Ops()
+
+
+def _lanes(x: Array, n: int, lanes: int) -> Array:
+  """A lane-replicated [rows, lanes] value as [rows, n] (tiled, or sliced below ``lanes``)."""
+  if n % lanes == 0:
+    return jnp.tile(x, (1, n // lanes)) if n != lanes else x
+  if n < lanes:
+    return x[:, :n]
+  return jnp.tile(x, (1, -(-n // lanes)))[:, :n]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,41 +211,92 @@ def _masked(z: Array, valid: Array, fill: float = 0.0) -> Array:
 
 
 # --------------------------------------------------------------------------------------------
-# Pointwise F (:class:`attnx.core.weightings.Pointwise` ``w``): the two streaming rules of
-# attnx.core.blocked. A raw state is (acc, stat): acc = Σ F·[V, 1] for "sum" (the last column
-# Σ F rides along in the matmul), Σ F·V otherwise; stat the running max m (online max), the
-# valid-key count ("length") or unused.
+# Pointwise F (:class:`attnx.core.weightings.Pointwise` ``w``): the two streaming rules, used
+# by the blocked kernel (attnx.core.blocked: its key tiles and its causal triangle's merge)
+# and by the Pallas kernels (attnx.core.pallas_kernels: Triton and Mosaic, through their Ops).
+# A raw state is (acc, st), or (acc, m, l) for the online max without a ones column:
+# * acc = Σ F·V over the keys seen, [..., rows, Hv] or a tuple of head-dim chunks of it (v is
+#   then the tuple of the matching chunks of V); with ``ops.ones_column`` and "sum", V ends in
+#   a column of ones, so acc's last column is Σ F;
+# * st: the running max m (online max), the valid-key count ("length"), Σ F ("sum" without
+#   the ones column), unused otherwise;
+# * l: Σ e^{z − m} (online max without the ones column).
+# Row statistics (m, st, l) are laid out as ``ops`` says: [..., rows], or [rows, lanes].
 # --------------------------------------------------------------------------------------------
 
-def online_max_update(acc: Array, m: Array, z: Array, valid: Array | None,
-                      v: Array) -> tuple[Array, Array]:
-  """One key tile of the online softmax (Milakov & Gimelshein 2018): rescale by e^{m_old − m}."""
+def _rows_times(acc: Any, r: Array, ops: Ops) -> Any:
+  """acc (an array, or a tuple of head-dim chunks) with every row multiplied by r's value."""
+  return jax.tree.map(lambda a: a * ops.spread(r, a.shape[-1]), acc)
+
+
+def _split_ones(acc: Array) -> tuple[Array, Array]:
+  """(Σ F·V, Σ F) of an accumulator whose last column came from V's column of ones."""
+  hv = acc.shape[-1] - 1
+  return acc[..., :hv], acc[..., hv]
+
+
+def _check_l(l: Array | None, ops: Ops, fn: str) -> None:
+  """The online max's l is in acc's ones column or passed apart, never both or neither."""
+  if (l is None) != ops.ones_column:
+    raise ValueError(f"{fn}: pass l (Σ e^(z − m)) exactly when ops.ones_column is False "
+                     f"(ones_column={ops.ones_column}, l given: {l is not None})")
+
+
+def online_max_start(w: Any, with_offset: bool = True) -> tuple[float, float]:
+  """(m, l) of a row that has seen no key, the start of :func:`online_max_update`.
+
+  The denominator offset c (softmax_plus_one, Evan Miller 2023) is a virtual key of score 0.
+  A state may start from it (m = 0, l = c; finalize with ``add_offset=False``) or start
+  empty (m = −∞, l = 0; ``with_offset=False``) and get it in :func:`pointwise_finalize`: raw
+  states that are merged must, or the key would count once per piece.
+  """
+  c = float(w.denominator_offset) if with_offset else 0.0
+  return (0.0 if c > 0 else -float("inf")), c
+
+
+def online_max_update(acc: Any, m: Array, z: Array, valid: Array | None, v: Any,
+                      l: Array | None = None, *, ops: Ops = XLA) -> tuple[Any, ...]:
+  """One key tile of the online softmax (Milakov & Gimelshein 2018): rescale by e^{m_old − m}.
+
+  ``z``: the tile's [..., rows, keys] exponents α·s (in base-2 units with ``ops.exp2``); keys
+  where ``valid`` is False weigh nothing, and a row without a valid key so far keeps m = −∞
+  and is not shifted. Returns (acc, m) with ``ops.ones_column`` (l = Σ e^{z − m} rides in
+  acc's last column), else (acc, m, l).
+  """
+  _check_l(l, ops, "online_max_update")
   if valid is not None:
     z = jnp.where(valid, z, -jnp.inf)
-  m_new = jnp.maximum(m, jnp.max(z, axis=-1))
+  m_new = jnp.maximum(m, ops.row_max(z))
   m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # fully masked so far: no shift
-  p = jnp.exp(z - m_use[..., None])
-  corr = jnp.exp(m - m_use)
-  return acc * corr[..., None] + _pv_tile(p, v), m_new
+  p = ops.exp(z - ops.spread(m_use, z.shape[-1]))
+  corr = ops.exp(m - m_use)
+  acc = jax.tree.map(lambda a, vc: a * ops.spread(corr, a.shape[-1]) + pv(p, vc), acc, v)
+  if ops.ones_column:
+    return acc, m_new
+  return acc, m_new, l * corr + ops.row_sum(p)
 
 
-def pointwise_update(w: Any, acc: Array, l: Array, s: Array, valid: Array | None, v: Array,
-                     num_keys: int) -> tuple[Array, Array]:
-  """One key tile of a pointwise F without a running max: acc += F·V (+ the valid-key count
-  for ``"length"``)."""
+def pointwise_update(w: Any, acc: Any, l: Array, s: Array, valid: Array | None, v: Any,
+                     num_keys: int, *, ops: Ops = XLA) -> tuple[Any, Array]:
+  """One key tile of a pointwise F without a running max: acc += F·V, and the statistic l
+  (``st``) += the tile's valid-key count (``"length"``; with ``valid`` None nothing is counted,
+  see :func:`pointwise_finalize`'s ``num_keys``) or Σ F (``"sum"`` without a ones column)."""
   if valid is None:
     f = w.fn(s, num_keys)
   else:
     # F never sees masked scores, so they cannot produce NaN/inf (or their gradients).
     f = jnp.where(valid, w.fn(jnp.where(valid, s, 0.0), num_keys), 0.0)
-  acc = acc + _pv_tile(f, v)  # for "sum", the last column accumulates rowsum(F)
-  if w.normalization == "length" and valid is not None:
-    l = l + jnp.sum(jnp.broadcast_to(valid, f.shape), axis=-1, dtype=F32)
+  acc = jax.tree.map(lambda a, vc: a + pv(f, vc), acc, v)  # a ones column accumulates Σ F
+  if w.normalization == "sum" and not ops.ones_column:
+    l = l + ops.row_sum(f)
+  elif w.normalization == "length" and valid is not None:
+    l = l + ops.row_sum(jnp.broadcast_to(valid, f.shape), dtype=F32)
   return acc, l
 
 
 def pointwise_merge(w: Any, a: tuple[Array, Array], b: tuple[Array, Array]) -> tuple[Array, Array]:
-  """Merges two raw states (acc, stat) of the same rows over disjoint key ranges."""
+  """Merges two raw states (acc, st) of the same rows over disjoint key ranges (the XLA
+  spelling: natural units, Σ F in a ones column)."""
   (acc_a, st_a), (acc_b, st_b) = a, b
   if not w.online_max:
     return acc_a + acc_b, st_a + st_b
@@ -202,36 +306,110 @@ def pointwise_merge(w: Any, a: tuple[Array, Array], b: tuple[Array, Array]) -> t
           m)
 
 
-def pointwise_finalize(w: Any, acc: Array, st: Array) -> tuple[Array, Array]:
-  """A raw state -> (O, row statistic: lse for online max, the normalizer l otherwise), with
-  the denominator offset added (a virtual key of score 0)."""
+def pointwise_finalize(w: Any, acc: Any, st: Array, l: Array | None = None, *,
+                       add_offset: bool = True, num_keys: int | None = None,
+                       ops: Ops = XLA) -> tuple[Any, Array]:
+  """A raw state -> (O, row statistic): lse = m + log l for the online max (a log2-sum-exp
+  with ``ops.exp2``), the normalizer l otherwise (1 for ``"none"``).
+
+  ``add_offset``: add the denominator offset here, as a virtual key of score 0 (False when
+  the state started from it: :func:`online_max_start`). ``num_keys``: ``"length"`` on tiles
+  that were never masked (nothing was counted): every row has this many keys. A row whose
+  normalizer is 0 (no valid key, or every F 0) gets O = 0 and lse = +∞, which makes every
+  weight the backward recomputes 0; a NaN normalizer (NaN score) propagates.
+  """
   norm = w.normalization
   offset = float(w.denominator_offset)
   if w.online_max:
-    hv = acc.shape[-1] - 1
-    acc, l, m = acc[..., :hv], acc[..., hv], st
-    if offset > 0:  # the virtual key of score 0
+    _check_l(l, ops, "pointwise_finalize")
+    m = st
+    if ops.ones_column:
+      acc, l = _split_ones(acc)
+    if add_offset and offset > 0:  # the virtual key of score 0
       m_new = jnp.maximum(m, 0.0)
-      corr = jnp.exp(m - m_new)
-      acc, l, m = acc * corr[..., None], l * corr + offset * jnp.exp(-m_new), m_new
+      corr = ops.exp(m - m_new)
+      acc, l, m = _rows_times(acc, corr, ops), l * corr + offset * ops.exp(-m_new), m_new
     m = jnp.where(m == -jnp.inf, 0.0, m)
     empty = l == 0
-    o = jnp.where(empty[..., None], 0.0, acc / jnp.where(empty, 1.0, l)[..., None])
-    return o, jnp.where(empty, jnp.inf, m + jnp.log(jnp.where(empty, 1.0, l)))
+    o = jax.tree.map(lambda a: jnp.where(ops.spread(empty, a.shape[-1]), 0.0,
+                                         a / ops.spread(jnp.where(empty, 1.0, l), a.shape[-1])),
+                     acc)
+    return o, jnp.where(empty, jnp.inf, m + ops.log(jnp.where(empty, 1.0, l)))
   if norm == "none":
     return acc, jnp.ones(st.shape, F32)
   if norm == "sum":
-    hv = acc.shape[-1] - 1
-    acc, l = acc[..., :hv], acc[..., hv] + offset
+    if ops.ones_column:
+      acc, l = _split_ones(acc)
+    else:
+      l = st
+    if add_offset:
+      l = l + offset
+  elif num_keys is not None:
+    l = jnp.full(st.shape, float(num_keys), F32)
   else:
     l = st
   empty = l == 0
   inv = jnp.where(empty, 0.0, 1.0 / jnp.where(empty, 1.0, l))
-  return acc * inv[..., None], l
+  return _rows_times(acc, inv, ops), l
 
 
-def _pv_tile(p: Array, v: Array) -> Array:
-  return jnp.einsum("xqs,xsd->xqd", p.astype(v.dtype), v, preferred_element_type=F32)
+def pointwise_grad_rows(w: Any, stat: Array,
+                        delta: Array) -> tuple[Array | None, Array | None, Array | None]:
+  """The per-row values (r0, r1, δ) :func:`pointwise_tile_grad` reads, from the forward's row
+  statistic and δ_i = dO_i·O_i = Σ_j w_ij dP_ij (also right with a denominator offset).
+
+  Online max: (lse, −, δ); ``"sum"``: (μ, 1/(l·μ), δ); ``"length"``: (−, 1/n, −);
+  ``"none"``: nothing (− is None: the rule reads nothing there). μ = 2^100 where
+  |l| < 2^−100, else 1: 1/l overflows for a denormal l (F ≈ 0 on a whole row, e.g.
+  power:p=3 on scores near 0) and F·∞ would be NaN, so such rows use F·2^100 / (l·2^100)
+  (F ≤ l there). A row with l = 0 gets 1/l = 0: zero weights and gradients.
+  """
+  if w.online_max:
+    return stat, None, delta
+  if w.normalization == "none":
+    return None, None, None
+  empty = stat == 0
+  tiny = jnp.abs(stat) < 2.0 ** -100
+  mult = jnp.where(tiny, 2.0 ** 100, 1.0)
+  inv = jnp.where(empty, 0.0, 1.0 / jnp.where(empty, 1.0, stat * mult))
+  if w.normalization == "sum":
+    return mult, inv, delta
+  return None, inv, None
+
+
+def pointwise_tile_grad(w: Any, z: Array, valid: Array | None, dp: Array,
+                        rows: tuple[Array | None, Array | None, Array | None], num_keys: int,
+                        *, row: Any = None, ops: Ops = XLA) -> tuple[Array, Array]:
+  """The backward of one tile from the saved statistic (FlashAttention-2's recomputation):
+  (P, dz), the weights (for dV = Pᵀ·dO) and the cotangent of z in natural units.
+
+  Online max (z = α·s, base 2 with ``ops.exp2``): P = e^{z − lse}, dz = P ∘ (dP − δ);
+  ``"sum"``: dz = F'(s) ∘ (dP − δ)/l; ``"length"``: F'(s) ∘ dP/n; ``"none"``: F'(s) ∘ dP.
+  ``dp`` = dO·Vᵀ on the tile; ``rows`` the (r0, r1, δ) of :func:`pointwise_grad_rows`, each
+  taken onto the tile by ``row`` (default: they are already broadcast against it) only where
+  the rule reads it. Masked keys get P = 0 and dz = 0.
+  """
+  row = (lambda r: r) if row is None else row
+  r0, r1, delta = rows
+  if w.online_max:
+    if valid is not None:
+      z = jnp.where(valid, z, -jnp.inf)
+    p = ops.exp(z - row(r0))
+    return p, p * (dp - row(delta))
+  sv = z if valid is None else jnp.where(valid, z, 0.0)
+  f, fp = jax.jvp(lambda s: w.fn(s, num_keys), (sv,), (jnp.ones_like(sv),))
+  if valid is not None:
+    f, fp = jnp.where(valid, f, 0.0), jnp.where(valid, fp, 0.0)
+  if w.normalization == "none":
+    return f, fp * dp
+  il = row(r1)
+  if w.normalization == "sum":
+    big = row(r0)
+    f, fp = f * big, fp * big
+    dz = fp * ((dp - row(delta)) * il)
+  else:
+    dz = fp * (dp * il)
+  return f * il, dz
 
 
 # --------------------------------------------------------------------------------------------
@@ -408,12 +586,40 @@ def entmax_x(z: Array, valid: Array, rs: RowStream, m: Array | None = None) -> A
   return _masked(x, valid, -jnp.inf)
 
 
+def entmax_tile_max(z: Array, valid: Array, rs: RowStream) -> Array:
+  """[rows]: the max of x = (α−1)·scale·z over a tile's valid keys (−∞ where none; NaN
+  propagates). A tile whose max m_t has (m_t − m) − τ ≤ 0 in every row (m the row max, τ the
+  threshold) holds only zero weights: rounding is monotone, so every key's x − m − τ ≤ 0."""
+  return jnp.max(entmax_x(z, valid, rs), axis=-1)
+
+
+def entmax_zero_tiles(tile_max: Array, m: Array, tau: Array) -> Array:
+  """Whether a key tile is all zero at threshold τ for every row of a block.
+
+  ``tile_max`` holds :func:`entmax_tile_max` of each tile, [..., rows] with any leading tile
+  axes; ``m`` and ``tau`` the [rows] row max and threshold; returns the leading axes (bool).
+  The test is the tile math's own ``(x − m) − τ ≤ 0`` on the tile's largest x, so a zero tile
+  adds exact zeros to every sum and gradient; a NaN row never passes it (its tiles are kept).
+  """
+  rows = tuple(range(tile_max.ndim - m.ndim, tile_max.ndim))
+  return jnp.all((tile_max - m) - tau <= 0.0, axis=rows)
+
+
 def entmax_threshold(tile_pass, rows: tuple[int, ...], rs: RowStream,
-                     ops: Ops = XLA) -> Threshold:
+                     ops: Ops = XLA, *, row_max: tuple[Array, Array] | None = None,
+                     sums_pass=None) -> Threshold:
   """τ of every row, from passes over its key tiles.
 
   ``tile_pass(fn, init)`` folds ``fn(carry, z, valid) -> carry`` over the row block's key
   tiles (any order) and returns the carry; each call is one pass over the keys.
+
+  Two hooks let a kernel skip key tiles that are all zero (AdaSplash, Gonçalves et al. 2025):
+  ``row_max`` is pass 1's result (m, n), the max of x = (α−1)·scale·z over each row's valid
+  keys (−∞ if none) and their count, when the kernel made that pass itself (to record each
+  tile's max with :func:`entmax_tile_max`); it still counts as a pass. ``sums_pass(fn, init,
+  m, tau)`` folds like ``tile_pass`` for the passes at threshold ``tau`` (shifted by the row
+  max ``m``) and may leave out the tiles where :func:`entmax_zero_tiles` holds: they add exact
+  zeros to these sums.
 
   Pass 1 finds the row max m (and the count n of valid keys), which brackets τ in
   [−1, −n^{1−α}] after the shift. Each further pass evaluates f(τ) = Σ r^q − 1 (r = [x' − τ]₊)
@@ -432,7 +638,10 @@ def entmax_threshold(tile_pass, rows: tuple[int, ...], rs: RowStream,
     x = entmax_x(z, valid, rs)
     return jnp.maximum(m, jnp.max(x, axis=-1)), n + jnp.sum(valid, axis=-1, dtype=F32)
 
-  m, n = tile_pass(max_fn, (jnp.full(rows, -jnp.inf, F32), jnp.zeros(rows, F32)))
+  if row_max is None:
+    m, n = tile_pass(max_fn, (jnp.full(rows, -jnp.inf, F32), jnp.zeros(rows, F32)))
+  else:
+    m, n = row_max
   empty = n == 0
   m = jnp.where(empty, 0.0, m)  # NaN stays NaN: the row's output is NaN
   lo = jnp.full(rows, -1.0, F32)
@@ -447,6 +656,8 @@ def entmax_threshold(tile_pass, rows: tuple[int, ...], rs: RowStream,
       return (c[0] + jnp.sum(p, axis=-1), c[1] + jnp.sum(s1, axis=-1),
               c[2] + jnp.sum((r > 0).astype(F32), axis=-1))
     zero = jnp.zeros(rows, F32)
+    if sums_pass is not None:
+      return sums_pass(fn, (zero, zero, zero), m, tau)
     return tile_pass(fn, (zero, zero, zero))
 
   tol = 2.0 ** -23
@@ -640,6 +851,7 @@ def row_scale(rs: RowStream, n_valid: Array, s: Array | float | None = None) -> 
 
 
 __all__ = ["FAMILIES", "MAX_THRESHOLD_PASSES", "XLA", "EntmaxState", "GradCarry", "MaxState",
-           "Ops", "RowStream", "StickState", "Threshold", "entmax_threshold", "entmax_x",
-           "finalize", "init", "merge", "online_max_update", "pointwise_finalize",
-           "pointwise_merge", "pointwise_update", "pv", "row_scale", "tile_grad", "update"]
+           "Ops", "RowStream", "StickState", "Threshold", "entmax_threshold", "entmax_tile_max",
+           "entmax_x", "entmax_zero_tiles", "finalize", "init", "merge", "online_max_start",
+           "online_max_update", "pointwise_finalize", "pointwise_grad_rows", "pointwise_merge",
+           "pointwise_tile_grad", "pointwise_update", "pv", "row_scale", "tile_grad", "update"]

@@ -19,12 +19,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from support import reference
 
 from attnx import core
 from attnx.core import blocked as blocked_lib
 from attnx.core import streaming
 from attnx.core import weightings as wlib
-from attnx.core.blocked_rows import blocked_row_attention, threshold_passes
+from attnx.core.blocked_rows import blocked_row_attention, threshold_passes, zero_tiles
 
 BASE = ["ssmax", "softpick", "stick_breaking", "sparsemax", "entmax15", "entmax:alpha=1.3",
         "entmax:alpha=3"]
@@ -441,3 +442,173 @@ def test_threshold_passes_are_few(name):
 
 def test_threshold_passes_is_zero_for_families_without_threshold():
   assert int(_passes()["softpick"]) == 0
+
+
+# --------------------------------------------------------------------------------------------
+# Zero tiles (sparsemax/entmax): the key tiles in which every weight of a query block is zero
+# are left out of the later threshold passes, the output pass and the backward, bit for bit.
+# --------------------------------------------------------------------------------------------
+
+SKIP_NAMES = ["sparsemax", "entmax15", "entmax:alpha=1.3", "entmax:alpha=3"]
+# name: (B, T, S, N, K, causal, bias shape, mask kind, fully masked (b, t) rows, chunk of heads)
+SKIP_CASES = {
+    # GQA, ragged T and S, a per-head bias, a row mask with an empty row, chunks of one
+    # (batch, kv head) row: the table of zero tiles per chunk.
+    "full": (2, 45, 77, 4, 2, False, (1, 4, 45, 77), "rows", [(1, 20)], 1),
+    # Causal with T > S, a key mask (query 0 sees no key), a bias shared by the heads.
+    "causal": (1, 61, 53, 2, 1, True, (1, 1, 61, 53), "keys", [(0, 0)], None),
+}
+CLUSTERS = 3
+
+
+@functools.cache
+def _clustered(case, seed=4):
+  """Queries of block i and keys of tile j point along direction (i mod 3) and (j mod 3):
+  a query block attends the key tiles of its own direction (scores ≈ 8 apart), so the tiles
+  of the other directions are all zero for every row of the block, except where a causal
+  row sees no key of its own direction."""
+  b, t, s, n, kh, _, bias_shape, mask_kind, empty, _ = SKIP_CASES[case]
+  rng = np.random.default_rng(seed)
+  normal = lambda *shape: rng.standard_normal(shape).astype(np.float32)
+  dirs = 4.0 * np.eye(H, dtype=np.float32)[:CLUSTERS]
+  q = dirs[(np.arange(t) // BQ) % CLUSTERS][None, :, None] + 0.3 * normal(b, t, n, H)
+  k = dirs[(np.arange(s) // BK) % CLUSTERS][None, :, None] + 0.3 * normal(b, s, kh, H)
+  v = normal(b, s, kh, H)
+  bias = 0.3 * normal(*bias_shape)
+  if mask_kind == "rows":
+    mask = rng.random((b, 1, t, s)) < 0.8
+  else:
+    mask = rng.random((1, 1, 1, s)) < 0.9
+    mask[..., 0] = False
+  for bi, ti in empty:
+    if mask_kind == "rows":
+      mask[bi, :, ti] = False
+  return q, k, v, bias, mask, normal(b, t, n, H)
+
+
+def _skip_kernel(case, name, skip):
+  causal = SKIP_CASES[case][5]
+  _, _, _, bias, mask, _ = _clustered(case)
+  return lambda q, k, v, bias, scale: blocked_row_attention(
+      q, k, v, weighting=wlib.get_weighting(name), scale=scale, bias=bias, mask=mask,
+      is_causal=causal, block_q=BQ, block_k=BK, skip_zero_tiles=skip)
+
+
+@functools.cache
+def _skip_case(case, name):
+  """(out, grads) with skipping on and off, the kernel's zero-tile table and visited tiles."""
+  q, k, v, bias, mask, ct = _clustered(case)
+  chunk = SKIP_CASES[case][9]
+  with pytest.MonkeyPatch.context() as mp:
+    if chunk is not None:
+      b, _, _, n, kh = SKIP_CASES[case][:5]
+      mp.setattr(blocked_lib, "TILE_BUDGET", chunk * (n // kh) * BQ * BK)
+      assert blocked_lib.heads_per_chunk(b, kh, n // kh, BQ, BK) == chunk < b * kh
+
+    @jax.jit
+    def run(q, k, v, bias, ct, scale):
+      res = [_out_and_grads(_skip_kernel(case, name, skip), q, k, v, bias, ct, scale)
+             for skip in (True, False)]
+      tiles = zero_tiles(q, k, v, weighting=wlib.get_weighting(name), scale=scale, bias=bias,
+                         mask=mask, is_causal=SKIP_CASES[case][5], block_q=BQ, block_k=BK)
+      return res, tiles
+
+    return jax.device_get(run(q, k, v, bias, ct, jnp.float32(SCALE)))
+
+
+@functools.cache
+def _skip_reference(case, name):
+  """The float64 brute force (tests/support/reference.py) and its weights [B, N, T, S]."""
+  q, k, v, bias, mask, ct = _clustered(case)
+  causal = SKIP_CASES[case][5]
+  ref = reference.reference(q, k, v, weighting=name, scale=SCALE, bias=bias, mask=mask,
+                            is_causal=causal, cotangent=ct)
+  base, params = wlib.parse_weighting_name(name)
+  with jax.enable_x64(True):
+    weights = np.asarray(reference.row_weights64(jnp.asarray(ref.scores), jnp.asarray(ref.valid),
+                                                 base, params))
+  return ref, weights
+
+
+def _zero_tiles64(weights, case):
+  """[chunks, q blocks, k tiles]: tiles whose float64 weights are all 0 for every row of the
+  chunk's (batch, kv head) rows and query heads."""
+  b, t, s, n, kh, *_ = SKIP_CASES[case]
+  chunk = SKIP_CASES[case][9] or b * kh
+  nq, nk = -(-t // BQ), -(-s // BK)
+  w = np.zeros((b, n, nq * BQ, nk * BK))
+  w[:, :, :t, :s] = weights
+  w = w.reshape(b * kh, n // kh, nq, BQ, nk, BK).reshape(b * kh // chunk, -1, nq, BQ, nk, BK)
+  return np.all(w == 0.0, axis=(1, 3, 5))
+
+
+# CI runs three (sparsemax full; 1.5-entmax and entmax by bisection causal), the rest under
+# -m exhaustive (≈ 8 s each).
+SKIP_CI = {("full", "sparsemax"), ("causal", "entmax15"), ("causal", "entmax:alpha=1.3")}
+
+
+@pytest.mark.parametrize("case,name", [
+    (c, n) if (c, n) in SKIP_CI else pytest.param(c, n, marks=pytest.mark.exhaustive)
+    for c in SKIP_CASES for n in SKIP_NAMES])
+def test_skipping_zero_tiles_is_bit_identical_and_matches_float64(case, name):
+  (on, off), (skipped, visited) = _skip_case(case, name)
+  ref, weights = _skip_reference(case, name)
+  # The tiles left out are exactly those of zero float64 weights (among the visited ones).
+  np.testing.assert_array_equal(skipped, _zero_tiles64(weights, case) & visited)
+  assert 0 < skipped.sum() < visited.sum()
+  # Skipping changes no bit of the output or of any gradient.
+  np.testing.assert_array_equal(on[0], off[0])
+  for g_on, g_off in zip(on[1], off[1], strict=True):
+    np.testing.assert_array_equal(g_on, g_off)
+  # Against the float64 brute force: values, and the gradients of q, k, v and the bias.
+  value_tol, grad_tol = LOOSE.get(name, (VALUE_TOL, GRAD_TOL))
+  _check_values(on[0], ref.out, value_tol, "out")
+  bias_shape = SKIP_CASES[case][6]
+  want = dict(ref.grads, bias=blocked_lib._sum_to(ref.grads["bias"], bias_shape))
+  for label, g in zip("qkv", on[1][:3], strict=True):
+    _check_grad(g, want[label], grad_tol, f"d{label}")
+  _check_grad(on[1][3], want["bias"], grad_tol, "dbias")
+  for bi, ti in SKIP_CASES[case][8]:  # a row with no valid key: zero output, no gradient
+    np.testing.assert_array_equal(on[0][bi, ti], 0.0)
+    np.testing.assert_array_equal(on[1][0][bi, ti], 0.0)
+
+
+def test_skip_cases_cover_ragged_tiles_and_chunks():
+  for _, t, s, *_ in SKIP_CASES.values():
+    assert t % BQ and s % BK and s > 2 * BK and t > BQ
+  full, causal = SKIP_CASES["full"], SKIP_CASES["causal"]
+  assert full[3] != full[4] and full[9] is not None  # GQA, chunks of heads
+  assert causal[5] and causal[1] > causal[2]  # causal, T > S
+
+
+@functools.cache
+def _nan_cotangent():
+  """Gradients with a NaN in one row of dO, skipping on and off (sparsemax, causal case)."""
+  q, k, v, bias, _, ct = _clustered("causal")
+  ct = ct.copy()
+  ct[0, 40, 1, 2] = np.nan
+
+  @jax.jit
+  def run(q, k, v, bias, ct):
+    return [_out_and_grads(_skip_kernel("causal", "sparsemax", skip), q, k, v, bias, ct,
+                           jnp.float32(SCALE))[1] for skip in (True, False)]
+
+  return jax.device_get(run(q, k, v, bias, ct))
+
+
+def test_skipping_keeps_the_nan_of_a_nan_cotangent():
+  # A NaN in dO reaches every tile of its query block, zero weights included (0 · NaN), as
+  # autodiff of the dense weights gives: that block's tiles are not left out.
+  on, off = _nan_cotangent()
+  for g_on, g_off in zip(on, off, strict=True):
+    np.testing.assert_array_equal(g_on, g_off)  # NaN in the same places
+  assert np.isnan(on[1]).any() and not np.isnan(on[1]).all()
+
+
+def test_zero_tiles_hook_rejects_other_families_and_skip_flag_must_be_bool():
+  q, k, v, *_ = _clustered("causal")
+  with pytest.raises(ValueError, match="sparsemax/entmax"):
+    zero_tiles(q, k, v, weighting=wlib.get_weighting("softpick"), scale=SCALE)
+  with pytest.raises(ValueError, match="skip_zero_tiles"):
+    blocked_row_attention(q, k, v, weighting=wlib.get_weighting("sparsemax"), scale=SCALE,
+                          skip_zero_tiles=1)

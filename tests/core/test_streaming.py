@@ -29,9 +29,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax import lax
 
 from attnx import core
-from attnx.core import streaming
+from attnx.core import pallas_kernels, streaming
 from attnx.core import weightings as wlib
 
 # The parametrized variants (ssmax:s, softpick:eps, sparsemax:scale) only change constants of
@@ -322,3 +323,288 @@ def test_softpick_extreme_scores_stay_finite():
   assert np.all(np.isfinite(w)) and np.all(np.isfinite(want))
   _close(p, w, rel=1e-5)
   _close(out, want, rel=1e-5)
+
+
+# --------------------------------------------------------------------------------------------
+# Zero tiles of sparsemax/entmax: the test the kernels use to leave tiles out, and the hooks of
+# entmax_threshold that let them.
+# --------------------------------------------------------------------------------------------
+
+ZERO_TILE = 32
+
+
+def _peaked_rows(seed=5, rows=12, keys=150):
+  """Rows whose large scores all lie in keys [32, 64) (tile 1 of 32): the other tiles are all
+  zero for every row (NaN row: see the test)."""
+  rng = np.random.default_rng(seed)
+  z = rng.standard_normal((rows, keys)).astype(np.float32)
+  z[:, ZERO_TILE:2 * ZERO_TILE] += 6.0
+  valid = rng.random((rows, keys)) < 0.9
+  valid[3] = False  # a fully masked row
+  return z, valid
+
+
+@functools.cache
+def _zero_tile_program(alpha):
+  rs = streaming.RowStream("entmax", alpha=alpha)
+  spans = _spans(0, 150, ZERO_TILE)
+
+  @jax.jit
+  def run(z, valid):
+    plain = streaming.entmax_threshold(_tile_pass(z, valid, spans), (z.shape[0],), rs)
+    tile_max = jnp.stack([streaming.entmax_tile_max(z[:, a:b], valid[:, a:b], rs)
+                          for a, b in spans])  # [tiles, rows]
+    m = jnp.max(tile_max, axis=0)
+    n = jnp.sum(valid, axis=-1, dtype=jnp.float32)
+    # The tiles built to be zero (all but tile 1) hold NaN scores when computed: a result
+    # without NaN shows that the passes left them out.
+    poison = z.at[:, :ZERO_TILE].set(jnp.nan).at[:, 2 * ZERO_TILE:].set(jnp.nan)
+
+    def sums_pass(fn, init, m_row, tau):
+      zero = streaming.entmax_zero_tiles(tile_max, m_row, tau)
+      c = init
+      for j, (a, b) in enumerate(spans):
+        c = lax.cond(zero[j], lambda c: c,
+                     lambda c, a=a, b=b: fn(c, poison[:, a:b], valid[:, a:b]), c)
+      return c
+
+    hooked = streaming.entmax_threshold(None, (z.shape[0],), rs, row_max=(m, n),
+                                        sums_pass=sums_pass)
+    # Elementwise, as the output pass computes r: [rows, keys].
+    r = jnp.maximum(streaming.entmax_x(z, valid, rs, plain.m) - plain.tau[:, None], 0.0)
+    per_row = jnp.stack([streaming.entmax_zero_tiles(tile_max[:, i:i + 1], plain.m[i:i + 1],
+                                                     plain.tau[i:i + 1])
+                         for i in range(z.shape[0])])  # [rows, tiles]
+    return plain, hooked, r, per_row, streaming.entmax_zero_tiles(tile_max, plain.m, plain.tau)
+
+  return run
+
+
+@pytest.mark.parametrize("alpha", [1.5, 2.0, 3.0])
+def test_entmax_zero_tiles_are_exactly_the_tiles_of_zero_weights(alpha):
+  z, valid = _peaked_rows()
+  _, _, r, per_row, block = jax.device_get(_zero_tile_program(alpha)(z, valid))
+  spans = _spans(0, z.shape[1], ZERO_TILE)
+  for j, (a, b) in enumerate(spans):
+    # Row by row: zero iff every r of the row's tile is 0 (computed key by key).
+    np.testing.assert_array_equal(per_row[:, j], np.all(r[:, a:b] == 0.0, axis=-1))
+  np.testing.assert_array_equal(block, [True, False, True, True, True])
+  # The float64 threshold agrees: no weight in a zero tile (x ≤ τ).
+  rows = valid.any(-1)
+  x = np.where(valid, (alpha - 1.0) * z.astype(np.float64), -np.inf)[rows]
+  x = x - np.max(x, axis=-1, keepdims=True)
+  tau = _tau64(z[rows], valid[rows], alpha, 1.0)
+  for j, (a, b) in enumerate(spans):
+    assert block[j] == np.all(x[:, a:b] <= tau[:, None]), j
+
+
+@pytest.mark.parametrize("alpha", [1.5, 2.0, 3.0])
+def test_entmax_threshold_with_zero_tiles_left_out_is_bit_identical(alpha):
+  z, valid = _peaked_rows()
+  plain, hooked, *_ = jax.device_get(_zero_tile_program(alpha)(z, valid))
+  for field in ("m", "tau", "passes"):
+    np.testing.assert_array_equal(getattr(hooked, field), getattr(plain, field), err_msg=field)
+
+
+def test_entmax_zero_tiles_keeps_the_tiles_of_a_nan_row():
+  tile_max = jnp.asarray([[-5.0, -5.0], [-5.0, jnp.nan], [jnp.nan, jnp.nan]])  # [tiles, rows]
+  m, tau = jnp.asarray([0.0, 0.0]), jnp.asarray([-1.0, -1.0])
+  np.testing.assert_array_equal(streaming.entmax_zero_tiles(tile_max, m, tau),
+                                [True, False, False])
+  nan_m = jnp.asarray([0.0, jnp.nan])  # a NaN score makes the row max NaN: never zero
+  np.testing.assert_array_equal(streaming.entmax_zero_tiles(tile_max, nan_m, tau),
+                                [False, False, False])
+  # −∞ (no valid key in the tile) is zero for any finite threshold.
+  np.testing.assert_array_equal(
+      streaming.entmax_zero_tiles(jnp.full((1, 2), -jnp.inf), m, tau), [True])
+
+
+# --------------------------------------------------------------------------------------------
+# Pointwise F: the two rules (online max; acc += F·V) in every kernel's spelling, against the
+# dense pointwise weights of attnx.core.weightings (and closed forms in float64).
+# XLA: the blocked kernel's (natural units, Σ F in V's column of ones, [rows] statistics);
+# GPU_OPS / TPU_OPS: the Pallas kernels' (base-2 scores, Σ F summed apart, head-dim chunks of
+# V on the GPU, statistics replicated over 128 lanes on the TPU).
+# --------------------------------------------------------------------------------------------
+
+PW_ROWS, PW_KEYS, PW_HV = 6, 40, 24
+PW_CHUNKS = ((0, 16), (16, 8))  # the GPU's head-dim chunks of Hv = 24
+PW_SPELLINGS = {"xla": (streaming.XLA, False), "gpu": (pallas_kernels.GPU_OPS, True),
+                "tpu": (pallas_kernels.TPU_OPS, False)}
+PW_NAMES = ["softmax", "softmax_plus_one", "softmax:alpha=0.5", "relu",
+            "relu:normalization=length", "sigmoid:normalization=none"]
+
+
+def _pw_data(seed=5):
+  rng = np.random.default_rng(seed)
+  s = (1.5 * rng.standard_normal((PW_ROWS, PW_KEYS))).astype(np.float32)
+  valid = rng.random((PW_ROWS, PW_KEYS)) < 0.75
+  valid[EMPTY_ROW] = False  # no valid key: O = 0
+  valid[ONE_KEY_ROW] = False
+  valid[ONE_KEY_ROW, 30] = True
+  v = rng.standard_normal((PW_KEYS, PW_HV)).astype(np.float32)
+  do = rng.standard_normal((PW_ROWS, PW_HV)).astype(np.float32)
+  return jnp.asarray(s), jnp.asarray(valid), jnp.asarray(v), jnp.asarray(do)
+
+
+def _pw_z(w, ops, s):
+  """The kernels' tile exponent: α·s for the online max (times log₂e in base 2), else s."""
+  if not w.online_max:
+    return s
+  return s * (float(w.exp_alpha) * (np.log2(np.e) if ops.exp2 else 1.0))
+
+
+def _pw_rows(ops, x):
+  """A [rows] start value in the spelling's layout."""
+  return jnp.full((PW_ROWS, ops.lanes) if ops.lanes else (PW_ROWS,), x, jnp.float32)
+
+
+def _pw_forward(w, ops, chunked, s, valid, v, with_offset=True):
+  """O [rows, Hv] and the row statistic [rows] streamed over tiles of 16, 16 and 8 keys."""
+  z = _pw_z(w, ops, s)
+  vv = v
+  if ops.ones_column and w.normalization == "sum":
+    vv = jnp.concatenate([v, jnp.ones((PW_KEYS, 1), v.dtype)], axis=-1)
+  if chunked:
+    vv = tuple(v[:, o:o + c] for o, c in PW_CHUNKS)
+  acc = jax.tree.map(lambda a: jnp.zeros((PW_ROWS, a.shape[-1]), jnp.float32), vv)
+  tile = lambda x, a, b: None if x is None else x[:, a:b]
+  if w.online_max:
+    m0, l0 = streaming.online_max_start(w, with_offset)
+    state = (acc.at[:, -1].set(l0), _pw_rows(ops, m0)) if ops.ones_column else (
+        acc, _pw_rows(ops, m0), _pw_rows(ops, l0))
+    for a, b in _spans(0, PW_KEYS):
+      va = jax.tree.map(lambda x, a=a, b=b: x[a:b], vv)
+      state = streaming.online_max_update(state[0], state[1], z[:, a:b], tile(valid, a, b), va,
+                                          *state[2:], ops=ops)
+    o, st = streaming.pointwise_finalize(w, *state, add_offset=not with_offset, ops=ops)
+  else:
+    acc, l = acc, _pw_rows(ops, 0.0)
+    for a, b in _spans(0, PW_KEYS):
+      va = jax.tree.map(lambda x, a=a, b=b: x[a:b], vv)
+      acc, l = streaming.pointwise_update(w, acc, l, s[:, a:b], tile(valid, a, b), va, PW_KEYS,
+                                          ops=ops)
+    o, st = streaming.pointwise_finalize(w, acc, l, num_keys=PW_KEYS if valid is None else None,
+                                         ops=ops)
+  if chunked:
+    o = jnp.concatenate(o, axis=-1)
+  return o, (st[:, 0] if ops.lanes else st)
+
+
+def _pw_stat64(w, s, valid):
+  """The row statistic in float64: natural log-sum-exp (online max), Σ F + c, n, or 1."""
+  s64 = np.asarray(s, np.float64)
+  ok = np.ones(s64.shape, bool) if valid is None else np.asarray(valid)
+  c = float(w.denominator_offset)
+  if w.online_max:
+    total = np.sum(np.where(ok, np.exp(float(w.exp_alpha) * s64), 0.0), axis=-1) + c
+    with np.errstate(divide="ignore"):
+      return np.where(total > 0, np.log(total), np.inf)
+  if w.normalization == "sum":
+    f = np.asarray(w.fn(jnp.where(ok, s, 0.0), PW_KEYS), np.float64)
+    return np.sum(np.where(ok, f, 0.0), axis=-1) + c
+  if w.normalization == "length":
+    return np.sum(ok, axis=-1).astype(np.float64)
+  return np.ones(s64.shape[0])
+
+
+@pytest.mark.parametrize("spelling", PW_SPELLINGS)
+@pytest.mark.parametrize("name", PW_NAMES)
+def test_pointwise_rules_stream_the_dense_weights(name, spelling):
+  w = wlib.get_weighting(name)
+  ops, chunked = PW_SPELLINGS[spelling]
+  s, valid, v, _ = _pw_data()
+  # The offset (softmax_plus_one) as the state's start and added at the end (raw states);
+  # "length" also on tiles without a mask (nothing counted: num_keys).
+  variants = [(valid, True)] + ([(valid, False)] if w.denominator_offset else []) + (
+      [(None, True)] if w.normalization == "length" else [])
+  for where, with_offset in variants:
+    o, st = _pw_forward(w, ops, chunked, s, where, v, with_offset)
+    o_dense = wlib.pointwise_weights(s, w, where=where, num_keys=PW_KEYS) @ v
+    msg = f"{name} {spelling} masked={where is not None} with_offset={with_offset}"
+    _close(o, o_dense, rel=2e-5, err_msg=msg)
+    st = np.asarray(st, np.float64) * (np.log(2.0) if ops.exp2 and w.online_max else 1.0)
+    st64 = _pw_stat64(w, s, where)
+    np.testing.assert_array_equal(np.isinf(st), np.isinf(st64), err_msg=msg)
+    fin = np.isfinite(st64)
+    _close(st[fin], st64[fin], rel=1e-5, err_msg=msg)
+    if where is not None and not w.denominator_offset:
+      np.testing.assert_array_equal(np.asarray(o)[EMPTY_ROW], 0.0, err_msg=msg)
+
+
+def _pw_backward(w, ops, s, valid, v, do, st, o):
+  """(P, dz) of the whole row from pointwise_tile_grad over the tiles, the Pallas way (row
+  values broadcast against the tile beforehand) or the blocked kernel's (``row``)."""
+  if ops.lanes:  # the TPU's [rows, 128] statistics, spread over a tile's keys
+    st = jnp.broadcast_to(st[:, None], (PW_ROWS, ops.lanes))
+  delta = jnp.sum(do * o, axis=-1)
+  if ops.lanes:
+    delta = jnp.broadcast_to(delta[:, None], (PW_ROWS, ops.lanes))
+  rows = streaming.pointwise_grad_rows(w, st, delta)
+  z = _pw_z(w, ops, s)
+  ps, dzs = [], []
+  for a, b in _spans(0, PW_KEYS):
+    dp = do @ v[a:b].T
+    zt, vt = z[:, a:b], valid[:, a:b]
+    if ops.lanes:
+      tile_rows = tuple(None if r is None else ops.spread(r, b - a) for r in rows)
+      p, dz = streaming.pointwise_tile_grad(w, zt, vt, dp, tile_rows, PW_KEYS, ops=ops)
+    else:
+      p, dz = streaming.pointwise_tile_grad(w, zt, vt, dp, rows, PW_KEYS,
+                                            row=lambda r: r[:, None], ops=ops)
+    ps.append(p)
+    dzs.append(dz)
+  return jnp.concatenate(ps, axis=-1), jnp.concatenate(dzs, axis=-1)
+
+
+@pytest.mark.parametrize("spelling", PW_SPELLINGS)
+@pytest.mark.parametrize("name", PW_NAMES)
+def test_pointwise_tile_grad_equals_autodiff_of_dense_weights(name, spelling):
+  w = wlib.get_weighting(name)
+  ops, chunked = PW_SPELLINGS[spelling]
+  s, valid, v, do = _pw_data()
+  o, st = _pw_forward(w, ops, chunked, s, valid, v)
+  p, dz = _pw_backward(w, ops, s, valid, v, do, st, o)
+  dense = lambda ss: wlib.pointwise_weights(ss, w, where=valid, num_keys=PW_KEYS)
+  w_dense, vjp = jax.vjp(dense, s)
+  ds_dense = vjp(do @ v.T)[0]
+  alpha = float(w.exp_alpha) if w.online_max else 1.0  # dz is the cotangent of z = α·s
+  _close(p, w_dense, rel=2e-5, err_msg=f"{name} {spelling} weights")
+  _close(alpha * dz, ds_dense, rel=5e-5, err_msg=f"{name} {spelling} ds")
+  np.testing.assert_array_equal(np.asarray(dz)[~np.asarray(valid)], 0.0)
+
+
+def test_pointwise_grad_rows_scale_a_tiny_normalizer():
+  """power:p=3 on scores ~1e-12: l = Σ s³ < 2^-100, so the rows scale F by μ = 2^100 and 1/l
+  by 2^-100 (a denormal l, which GPUs keep, would overflow 1/l; XLA's CPU flushes it to 0,
+  so here the scaled path is checked on a small normal l): P, dz match the float64 closed
+  form P = F/l, ds = F'(s)(dP − δ)/l, next to an ordinary row (μ = 1)."""
+  w = wlib.get_weighting("power:p=3")
+  rng = np.random.default_rng(7)
+  s = (rng.uniform(1.0, 2.0, (2, 4)) * 1e-12).astype(np.float32)
+  s[1] = rng.uniform(0.5, 2.0, 4)
+  v = rng.standard_normal((4, 3)).astype(np.float32)
+  do = rng.standard_normal((2, 3)).astype(np.float32)
+  s64, v64, do64 = (np.asarray(x, np.float64) for x in (s, v, do))
+  f64 = s64 ** 3
+  l64 = f64.sum(-1, keepdims=True)
+  p64 = f64 / l64
+  dp64 = do64 @ v64.T
+  delta64 = np.sum(p64 * dp64, axis=-1, keepdims=True)
+  ds64 = 3 * s64 ** 2 * (dp64 - delta64) / l64
+  rows = streaming.pointwise_grad_rows(w, jnp.asarray(l64[:, 0], jnp.float32),
+                                       jnp.asarray(delta64[:, 0], jnp.float32))
+  np.testing.assert_array_equal(rows[0], [2.0 ** 100, 1.0])
+  p, dz = streaming.pointwise_tile_grad(w, jnp.asarray(s), None, jnp.asarray(dp64, jnp.float32),
+                                        rows, 4, row=lambda r: r[:, None])
+  _close(p, p64, rel=1e-5)
+  np.testing.assert_allclose(np.asarray(dz, np.float64), ds64, rtol=1e-5)
+
+
+def test_online_max_l_rides_in_the_ones_column_or_apart_never_both():
+  w = wlib.get_weighting("softmax")
+  z, v, rows = jnp.zeros((2, 4)), jnp.ones((4, 3)), jnp.zeros(2)
+  with pytest.raises(ValueError, match="ones_column"):  # XLA: l is acc's last column
+    streaming.online_max_update(jnp.zeros((2, 3)), rows, z, None, v, rows)
+  with pytest.raises(ValueError, match="ones_column"):  # GPU_OPS: l must be passed
+    streaming.pointwise_finalize(w, jnp.zeros((2, 3)), rows, ops=pallas_kernels.GPU_OPS)

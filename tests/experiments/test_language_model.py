@@ -1,6 +1,8 @@
 """experiments/language_model.py: bits per character and the verdict, the attention statistics
-on a hand-computed example, the length-generalization windows, and the tiny preset end to end
-(report, JSON, figures, sample.py printing text from a trained model)."""
+on a hand-computed example, the length-generalization windows and verdicts, the long-context
+evaluation through the streaming kernels (against dense attention), the config checks, and
+the tiny preset end to end (report, JSON, figures, sample.py printing text from a trained
+model)."""
 
 import importlib.util
 import json
@@ -8,6 +10,7 @@ import math
 import os
 import sys
 import types
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -15,7 +18,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
-from attnx.train import verdict  # noqa: E402
+from attnx.train import evaluators, verdict  # noqa: E402
 from attnx.train.data import loader  # noqa: E402
 from attnx.train.evaluate import evaluate  # noqa: E402
 from experiments import language_model as exp  # noqa: E402
@@ -38,20 +41,24 @@ def test_bits_per_char_and_the_loss_verdict():
 
 
 def test_length_comparisons_judge_the_loss_increase():
-  def fit(loss_by_context):
-    return types.SimpleNamespace(final_metrics={"loss_by_context": np.asarray(loss_by_context)})
-
   nan = float("nan")
-  fits = {"softmax": fit([[1.5, 1.9, 2.4], [1.6, 2.0, 2.5]]),  # +0.9 from 1× to 4×
-          "ssmax": fit([[1.6, 1.7, 1.8], [1.7, 1.81, 1.91]]),  # +0.2, +0.21: degrades less
-          "same": fit([[1.0, 1.5, 1.9], [1.1, 1.6, 2.0]]),  # +0.9 (lower loss, same increase)
-          "linear_elu": fit([[1.7, nan, nan], [1.8, nan, nan]])}  # learned positions: n/a
-  out = exp.length_comparisons(fits, (1, 2, 4), margin=0.02)
+  losses = {"softmax": [[1.5, 1.9, 2.4], [1.6, 2.0, 2.5]],  # +0.9 from 1× to 4×
+            "ssmax": [[1.6, 1.7, 1.8], [1.7, 1.81, 1.91]],  # +0.2, +0.21: degrades less
+            "same": [[1.0, 1.5, 1.9], [1.1, 1.6, 2.0]],  # +0.9 (lower loss, same increase)
+            "linear_elu": [[1.7, nan, nan], [1.8, nan, nan]]}  # learned positions: n/a
+  out = evaluators.length_comparisons(losses, (1, 2, 4), margin=0.02)
   assert set(out) == {"ssmax", "same"}
   assert out["ssmax"].outcome == "better" and out["ssmax"].diff == pytest.approx(0.695)
   assert out["same"].outcome == "within noise"
-  assert exp.length_comparisons(fits, (1,), margin=0.02) == {}
-  assert exp.length_comparisons({"ssmax": fits["ssmax"]}, (1, 2, 4), margin=0.02) == {}
+  assert "1×→4×" in out["ssmax"].metric
+  # at=2: +0.4 (softmax) vs +0.1, +0.11: the 2× column, not the last one
+  at2 = evaluators.length_comparisons(losses, (1, 2, 4), margin=0.02, at=2)
+  assert at2["ssmax"].diff == pytest.approx(0.295) and "1×→2×" in at2["ssmax"].metric
+  assert evaluators.length_comparisons(losses, (1, 2, 4), margin=0.02, at=1) == {}
+  assert evaluators.length_comparisons(losses, (1,), margin=0.02) == {}  # only 1× evaluated
+  assert evaluators.length_comparisons({"ssmax": losses["ssmax"]}, (1, 2, 4), 0.02) == {}
+  with pytest.raises(ValueError, match="at=16"):
+    evaluators.length_comparisons(losses, (1, 2, 4), margin=0.02, at=16)
 
 
 def test_attention_statistics_on_a_hand_computed_example():
@@ -72,13 +79,125 @@ def test_attention_statistics_on_a_hand_computed_example():
 
 def test_context_windows_cut_the_same_text_longer():
   tokens = np.arange(101)
-  w = exp.context_windows(tokens, 8, (1, 2, 4))
-  assert [len(w[k]["inputs"]) for k in (1, 2, 4)] == [12, 6, 3]
-  assert w[4]["inputs"].shape == (3, 32)
+  w = evaluators.context_windows(tokens, 8, (1, 2, 4, 16))
+  assert [len(w[k]["inputs"]) for k in (1, 2, 4, 16)] == [12, 6, 3, 0]  # 16·8 > 100
+  assert w[4]["inputs"].shape == (3, 32) and w[16]["inputs"].shape == (0, 128)
   np.testing.assert_array_equal(w[1]["inputs"][1], np.arange(8, 16))
   np.testing.assert_array_equal(w[4]["inputs"][1], np.arange(32, 64))
   np.testing.assert_array_equal(w[4]["targets"][1], np.arange(33, 65))
-  assert len(exp.context_windows(tokens, 8, (4,), limit_tokens=64)[4]["inputs"]) == 2
+  assert len(evaluators.context_windows(tokens, 8, (4,), limit_tokens=64)[4]["inputs"]) == 2
+
+
+def test_window_nll_batches_pad_and_match_a_float64_reference():
+  rng = np.random.default_rng(0)
+  logits = rng.normal(size=(2, 7, 5))  # [seeds, vocab-indexed table]: logits depend on x
+  calls = []
+
+  def fn(params, extra, x, y):  # a stand-in LM: logits = table[seed, token]
+    calls.append(x.shape)
+    lp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    nll = -np.take_along_axis(lp[:, x], y[None, ..., None], axis=-1)[..., 0]
+    return nll, (lp[:, x].argmax(-1) == y[None]).sum(-1)
+
+  x, y = rng.integers(0, 5, (5, 4)), rng.integers(0, 5, (5, 4))
+  out = evaluators.window_nll(fn, None, None, {"inputs": x, "targets": y}, tokens_per_batch=8)
+  assert calls == [(2, 4)] * 3  # 5 windows in batches of 2, the last padded to the same shape
+  lp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+  ref = -np.take_along_axis(lp[:, x], y[None, ..., None], axis=-1)[..., 0]  # [seeds, N, T]
+  np.testing.assert_allclose(out["position"], ref.mean(1))
+  np.testing.assert_allclose(out["window"], ref.mean(2))
+  np.testing.assert_allclose(out["accuracy"], (lp[:, x].argmax(-1) == y).mean((1, 2)))
+  with pytest.raises(ValueError, match="non-empty shape"):
+    evaluators.window_nll(fn, None, None, {"inputs": x[:0], "targets": y[:0]})
+
+
+def test_length_table_and_octave_buckets_of_the_report():
+  from attnx.train import report
+
+  nan = float("nan")
+  rows = report.length_rows({"a": [[1.0, 2.0], [3.0, 4.0]], "b": [[1.0, nan], [1.0, nan]]},
+                            [64, 4096], "weighting")
+  assert rows == [
+      {"weighting": "a", "1× (64)": "2.0000 ± 1.0000", "64× (4096)": "3.0000 ± 1.0000"},
+      {"weighting": "b", "1× (64)": "1.0000 ± 0.0000", "64× (4096)": "n/a"}]
+  # Position p (1-based) holds the value p: each octave bucket's mean is the mean of its
+  # positions, 1 | 2-3 | 4-7 | ... | 32-64 (a last bucket of one position joins the one before).
+  x, v = report.position_buckets(np.tile(np.arange(1.0, 65.0), (2, 1)))
+  bounds = [(1, 1), (2, 3), (4, 7), (8, 15), (16, 31), (32, 64)]
+  np.testing.assert_allclose(v[:, 0], [np.mean(np.arange(a, b + 1)) for a, b in bounds])
+  np.testing.assert_allclose(x, [math.sqrt(a * b) for a, b in bounds])
+  assert v.shape == (6, 2)
+  x3, v3 = report.position_buckets(np.array([[5.0, 6.0, 7.0]]))  # 1 | 2-3
+  np.testing.assert_allclose(v3[:, 0], [5.0, 6.5])
+
+
+def _spy(monkeypatch, fn):
+  """A Mock wrapping ``fn``, installed wherever an attnx module binds it (the dispatcher
+  imports the kernels by name)."""
+  spy = mock.Mock(wraps=fn)
+  for name, module in list(sys.modules.items()):
+    if name.startswith("attnx") and module is not None:
+      for attr, value in list(vars(module).items()):
+        if value is fn:
+          monkeypatch.setattr(module, attr, spy)
+  return spy
+
+
+@pytest.mark.parametrize("weighting,kind", [("softmax", "pointwise"),
+                                            ("stick_breaking", "whole-row")])
+def test_long_contexts_stream_and_equal_dense_attention(weighting, kind, monkeypatch):
+  import jax
+
+  from attnx.core import blocked, blocked_rows
+
+  c = exp.get_config("tiny")
+  c.model.context = 8  # 64× is 512 characters: past both streaming thresholds (256², 512²)
+  model = exp.build_model(c, vocab_size=11)(exp.nn.attention_spec(weighting))
+  params = model.init(jax.random.PRNGKey(0), np.zeros((1, 8), np.int32))["params"]
+  # Two seeds of random parameters (std 0.3: sharp attention, so the weighting matters).
+  leaves, tree = jax.tree.flatten(params)
+  rng = np.random.default_rng(0)
+  params = jax.tree.unflatten(tree, [0.3 * rng.standard_normal((2, *a.shape), np.float32)
+                                     for a in leaves])
+  stream = rng.integers(0, 11, 1100).astype(np.int32)
+  monkeypatch.setattr(exp, "token_stream", lambda split, text_file=None: stream)
+  monkeypatch.setattr(evaluators, "EVAL_TOKENS", 512)  # several batches per length
+  spies = {"pointwise": _spy(monkeypatch, blocked.blocked_attention),
+           "whole-row": _spy(monkeypatch, blocked_rows.blocked_row_attention)}
+  made = []
+  real = evaluators.token_nll_fn
+  monkeypatch.setattr(evaluators, "token_nll_fn", lambda m: made.append(real(m)) or made[-1])
+  task = types.SimpleNamespace(eval_options=dict(
+      text_file="", context=8, context_multipliers=(1, 64), limit_tokens=None,
+      length_windows=128))
+  m = evaluators.make_eval_fn(("lm_context_loss",), model, {}, task)(params)
+
+  # The 512-long windows ran the streaming kernel of this kind of F, the 8-long ones did not,
+  # and the dispatcher's own answer (attention_kernel, the report's column) says the same.
+  calls = spies[kind].call_args_list
+  assert calls and all(call.args[0].shape[-3] == 512 for call in calls)
+  assert all(s.call_count == 0 for k, s in spies.items() if k != kind)
+  assert (exp.attention_kernel(model, 512), exp.attention_kernel(model, 8)) == (
+      "blocked", "dense")
+  # One compiled program per length: 1100 tokens are 3 batches at 1× and 2 at 64×.
+  assert len(made) == 1 and made[0]._cache_size() == 2
+
+  # Reference: the same parameters with dense attention on the same two 512-long windows,
+  # the log-softmax in float64.
+  win = evaluators.context_windows(stream, 8, (64,), 128 * 8)[64]
+  assert len(win["inputs"]) == 2
+  dense = model.clone(implementation="dense")
+  nll = []
+  for s in range(2):
+    p = jax.tree.map(lambda a, s=s: a[s], params)
+    z = np.asarray(dense.apply({"params": p}, win["inputs"]), np.float64)
+    lp = z - z.max(-1, keepdims=True)
+    lp = lp - np.log(np.exp(lp).sum(-1, keepdims=True))
+    nll.append(-np.take_along_axis(lp, win["targets"][..., None], -1)[..., 0])
+  nll = np.asarray(nll)  # [seeds, windows, T]
+  np.testing.assert_allclose(m["loss_by_context"][:, 1], nll.mean((1, 2)), rtol=1e-5)
+  np.testing.assert_allclose(m["loss_by_position"], nll.mean(1), rtol=1e-4, atol=1e-5)
+  assert m["loss_by_context"].shape == (2, 2) and np.isfinite(m["loss_by_context"]).all()
 
 
 def test_config_checks_and_positions():
@@ -94,6 +213,22 @@ def test_config_checks_and_positions():
     c.length_windows = bad
     with pytest.raises(ValueError, match="config.length_windows"):
       exp.validate_config(c)
+  c.length_windows = 4
+  for bad in ((2, 4), (1, 4, 2), (1, 1, 2), (1, 2.5), (1, True), ()):
+    c.context_multipliers = bad
+    with pytest.raises(ValueError, match="config.context_multipliers.*increasing positive"):
+      exp.validate_config(c)
+  c.context_multipliers = (1, 2, 4)
+  for bad in ((8,), (1,), (2, 3)):
+    c.length_verdicts = bad
+    with pytest.raises(ValueError, match=r"config.length_verdicts.*above 1, \(2, 4\)"):
+      exp.validate_config(c)
+  # 16× the context of 16 is 256 characters; the tiny text's validation split has 105.
+  c.update(dict(context_multipliers=(1, 2, 4, 16), length_verdicts=(16,), length_windows=16))
+  with pytest.raises(ValueError, match="split of 105.*fewer than one window at 16× = 256"):
+    exp.validate_config(c)
+  c.model.positions = "learned"  # evaluates 1× only: the length of the text does not matter
+  exp.validate_config(c)
   survey = exp.get_config("survey")
   exp.validate_config(survey)  # every weighting and special variant builds a GPT
   names = survey.weightings.split(",")
@@ -101,6 +236,8 @@ def test_config_checks_and_positions():
   assert exp.positions_for(exp.nn.attention_spec("linear_elu"), "rotary") == "learned"
   assert exp.positions_for(exp.nn.attention_spec("metric"), "rotary") == "rotary"
   d = exp.get_config()
+  assert tuple(d.context_multipliers) == (1, 2, 4, 16, 64) and d.length_windows >= 64 * 4
+  assert tuple(d.length_verdicts) == (16, 64)
   assert (d.model.num_layers, d.model.num_heads, d.model.hidden_dim, d.model.context,
           d.batch_size, d.num_steps, d.optimizer.learning_rate) == (4, 4, 128, 64, 12, 2000, 1e-3)
 
@@ -134,15 +271,21 @@ def test_tiny_preset_end_to_end(tmp_path, monkeypatch, capsys):
     np.testing.assert_allclose(m["accuracy"], generic["accuracy"], rtol=1e-6)
     # ... and the 1× entry of the length table is the loss on the shared first
     # length_windows windows, the text that 2× and 4× cut longer (a separate pass here).
-    shared = exp.context_windows(exp.token_stream("validation", exp.TINY_TEXT),
-                                 c.model.context, (1, 4), c.length_windows * c.model.context)
+    shared = evaluators.context_windows(exp.token_stream("validation", exp.TINY_TEXT),
+                                        c.model.context, (1, 4),
+                                        c.length_windows * c.model.context)
     assert [len(shared[k]["inputs"]) for k in (1, 4)] == [4, 1]
     assert len(result.arrays["eval"]["inputs"]) > 4  # so the subset is a real subset
-    fn = exp._token_nll(model)
+    fn = evaluators.token_nll_fn(model)
     for i, k in ((0, 1), (2, 4)):
       np.testing.assert_allclose(
           m["loss_by_context"][:, i],
-          exp.window_nll(fn, res.params, None, shared[k])["position"].mean(-1), rtol=1e-5)
+          evaluators.window_nll(fn, res.params, None, shared[k])["position"].mean(-1),
+          rtol=1e-5)
+    assert m["eval_seconds_by_context"].shape == (2, 3)
+    assert np.all(m["eval_seconds_by_context"] > 0)
+    # Short windows (16-64 characters) run the dense implementation, as the dispatcher says.
+    assert fin["kernels"][name] == {16: "dense", 32: "dense", 64: "dense"}
     assert m["loss_by_position"].shape == (2, 4 * c.model.context)
     assert m["sink_rate"].shape == (2, 1) and np.all(m["max_kurtosis"] >= 1)
     assert np.allclose(fin["val_bpc"][name], np.asarray(m["loss"]) / math.log(2))
@@ -165,7 +308,7 @@ def test_tiny_preset_end_to_end(tmp_path, monkeypatch, capsys):
   assert len(results["verdicts"]) == 2
   inc = result.fits["relu:normalization=length"].final_metrics["loss_by_context"]
   ref = result.fits["softmax"].final_metrics["loss_by_context"]
-  assert fin["length_outcomes"]["relu:normalization=length"] == verdict.compare(
+  assert fin["length_outcomes"][4]["relu:normalization=length"] == verdict.compare(
       inc[:, 2] - inc[:, 0], ref[:, 2] - ref[:, 0], margin=0.02,
       higher_is_better=False).outcome
   assert json.load(open(os.path.join(wd, "language_model.json")))["runs"] == {

@@ -22,7 +22,9 @@ The families:
 
 * **ssmax** — softmax of c_i·z (Nakanishi 2025): the online softmax with a per-row scale.
 * **softpick** — relu(eᶻ − 1)/(Σ|eᶻ − 1| + ε) (Zuhri et al. 2025) with a running max m ≥ 0
-  (the e^{−m} of the "−1" rescales like e^{z−m}; m ≥ 0 keeps e^{−m} ≤ 1, exact).
+  (the e^{−m} of the "−1" rescales like e^{z−m}; m ≥ 0 keeps e^{−m} ≤ 1, exact). With 16-bit
+  values its P·V takes each weight as two 16-bit parts: the backward multiplies δ = dO·O by
+  e^z/Σ|e^z − 1|, up to ~1/|z|, so O must hold the weights to better than 16 bits.
 * **stick_breaking** — β = σ(z), keys visited from the last one backwards carrying
   L = Σ log(1 − β) of the keys already visited (Tan et al. 2024); every log-weight is ≤ 0, so
   no running max is needed.
@@ -475,11 +477,30 @@ def _softpick_d(z: Array, valid: Array, m: Array, ops: Ops = XLA) -> Array:
   return jnp.where(valid, jnp.where(small, d_small, d_large), 0.0)
 
 
+def _pv_split(p: Array, v: Array) -> Array:
+  """Σ_j p_ij v_j with p kept to ~2⁻¹⁶ when v is 16-bit: p = hi + lo, both in v's dtype.
+
+  Softpick's backward takes δ_i = dO_i·O_i for Σ_j p_ij dP_ij and multiplies it by
+  e^{z − lse} = e^z/(Σ|e^z − 1| + ε), up to ~1/|z| when every score is near 0: O made of p
+  rounded to 16 bits (up to 2⁻⁸ relative in bfloat16) would put an error up to |dP|/(256·|z|)
+  in dS, while dense autodiff forms Σ p·dP from the float32 weights. hi is p rounded to v's
+  dtype, p − hi is exact in float32 and ≤ 2⁻⁸·p (bfloat16; float16: max(2⁻¹¹·p, 2⁻²⁵), its
+  subnormals), so lo's own rounding leaves ≤ 2⁻¹⁶·p (float16: max(2⁻²²·p, 2⁻²⁵)): each product
+  with a 16-bit v is exact, accumulated in float32. A 32- or 64-bit v: one matmul, as
+  :func:`pv` (p is not rounded).
+  """
+  if jnp.dtype(v.dtype).itemsize >= 4:
+    return pv(p, v)
+  hi = p.astype(v.dtype)
+  lo = (p - hi.astype(F32)).astype(v.dtype)
+  return pv(hi, v) + pv(lo, v)
+
+
 def _softpick_update(st: MaxState, z: Array, valid: Array, v: Array, ops: Ops = XLA) -> MaxState:
   m_new = jnp.maximum(st.m, jnp.max(_masked(z, valid, -jnp.inf), axis=-1))  # m starts at 0
   d = _softpick_d(z, valid, m_new, ops)
   corr = jnp.exp(st.m - m_new)
-  return MaxState(st.acc * corr[..., None] + pv(jax.nn.relu(d), v),
+  return MaxState(st.acc * corr[..., None] + _pv_split(jax.nn.relu(d), v),
                   st.l * corr + jnp.sum(jnp.abs(d), axis=-1), m_new)
 
 

@@ -192,6 +192,34 @@ def test_bf16_close_to_f32_dense(name):
   np.testing.assert_array_equal(np.asarray(got, np.float32)[0, 3], 0.0)
 
 
+def test_bf16_softpick_gradients_of_a_row_with_one_tiny_score():
+  # Query 0 sees key 0 alone, score 2⁻⁸: Σ|e^z − 1| ≈ 2⁻⁸, so dS = e^z/Σ|e^z − 1|·(dP − δ)
+  # multiplies an error in δ = Σ p·dP by ~256. The weight 1 − e^{−z} (in the kernel's units
+  # e^{−m}) sits half-way between two bf16 numbers: the forward's P·V with p rounded to bf16
+  # put an error of 2⁻⁹·dP in δ (here dq and dk off by 3.5 · max |dense|); dense forms δ from
+  # float32 weights. Queries 1 and 2 see every key.
+  rng = np.random.default_rng(1)
+  t, s = 3, 5
+  q, k, v, ct = (np.array(_bf16_exact(rng.standard_normal((1, n, 1, H)))) for n in (t, s, s, t))
+  q[0, 0, 0] = np.eye(H)[0]
+  k[0, 0, 0, 0] = 2.0 ** -8  # q_0·k_0 = 2⁻⁸
+  mask = np.ones((1, 1, t, s), bool)
+  mask[0, 0, 0, 1:] = False
+
+  def grads(impl, dtype):
+    loss = lambda q, k, v: jnp.sum(core.attention(
+        q, k, v, None, mask, weighting="softpick", scale=1.0, implementation=impl, block_q=BQ,
+        block_k=BK).astype(jnp.float32) * ct)
+    return jax.jit(jax.grad(loss, (0, 1, 2)))(*(jnp.asarray(x, dtype) for x in (q, k, v)))
+
+  got, want = grads("blocked", jnp.bfloat16), grads("dense", jnp.float32)
+  assert float(jnp.sum(q[0, 0, 0] * k[0, 0, 0])) == 2.0 ** -8
+  # Measured: dense bf16 against dense f32 ≤ 3.3e-3 · max |dense|, blocked ≤ 4.5e-3.
+  for label, g, w in zip("qkv", got, want, strict=True):
+    assert g.dtype == jnp.bfloat16
+    _check_grad(np.asarray(g, np.float32), w, 2e-2, f"d{label}")
+
+
 # --------------------------------------------------------------------------------------------
 # The edge-case contract (attnx.core.contract), identical to dense.
 # --------------------------------------------------------------------------------------------

@@ -24,11 +24,10 @@ The tests:
 * empty sequences, bf16/f16 (float64 where x64 is on), p < 1, tile rules, bad inputs (the
   same ValueError as dense), what needs the weights.
 
-Two gaps of the contract found here are marked ``xfail(strict=True)`` with their cause (the
-outputs are right; gradients after non-finite numbers in masked entries are not): a masked
-NaN key makes dq NaN and a NaN query row without valid keys makes dk NaN, in every
-implementation; and the streaming implementations give a NaN gradient at a masked non-finite
-entry itself under a distance score.
+One gap of the contract found here is marked ``xfail(strict=True)`` with its cause (the
+outputs are right; some gradients after non-finite numbers in masked entries are not): a
+masked NaN key makes dq NaN and a NaN query row without valid keys makes dk NaN, in every
+implementation.
 
 CI cost: the interpreter compiles a program in seconds, so each implementation compiles one
 program per weighting for all the fixed-case tests (:func:`_program` caches them), the fuzz
@@ -284,13 +283,7 @@ class ContractTests:
     np.testing.assert_array_equal(g2[1], dk, err_msg="masked q: dk")
 
   @pytest.mark.parametrize("weighting", WEIGHTING_PARAMS)
-  def test_a_nonfinite_masked_entry_has_a_zero_gradient(self, request, weighting):
-    score = cl.default_score(weighting)
-    if not self.is_reference and score == "neg_sq_dist":
-      request.applymarker(pytest.mark.xfail(strict=True, reason=(
-          "streaming implementations, distance score: the score's dot form (|k|², |q|²) is "
-          "taken of the raw inputs before attnx.core.contract.nonfinite_inputs, so the "
-          "gradient at a masked non-finite k or q entry is NaN (dense: 0, through the where)")))
+  def test_a_nonfinite_masked_entry_has_a_zero_gradient(self, weighting):
     _, (_, g1), (_, g2), (keys, query) = self._masked_runs(weighting)
     bad_k, bad_v, bad_q = ~np.isfinite(keys.k), ~np.isfinite(keys.v), ~np.isfinite(query.q)
     assert np.all(g1[1][bad_k] == 0), "dk at the masked non-finite k entries"

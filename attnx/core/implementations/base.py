@@ -20,6 +20,7 @@ import jax.numpy as jnp
 
 from attnx.core import scores as scores_lib
 from attnx.core import weightings as weightings_lib
+from attnx.core.contract import nonfinite_inputs
 
 Array = jax.Array
 
@@ -211,13 +212,20 @@ def run_streaming(problem: Problem, inputs: Inputs, kernel: Callable[..., Array]
 
   The batch dims are flattened into one, bias and mask brought to 4-D, and q', k', v cast to
   one dtype (scores that transform q/k in float32, distances and cosine, upcast v too).
+
+  The contract's input step (:func:`~attnx.core.contract.nonfinite_inputs`) runs before the
+  dot-product form too, not only inside the kernel: a score like ``neg_sq_dist`` forms |k|²
+  from k, and its gradient would multiply the zero cotangent of a masked key by that key's
+  NaN; after the step, the ``where`` gives a non-finite entry a zero gradient, as in dense.
   """
   batch = problem.batch
-  qd, kd = problem.score.to_dot(inputs.query, inputs.key, **inputs.score_params)
-  compute = jnp.result_type(qd.dtype, kd.dtype, inputs.value.dtype)
+  query, key, value, bias = nonfinite_inputs(inputs.query, inputs.key, inputs.value,
+                                             inputs.bias)
+  qd, kd = problem.score.to_dot(query, key, **inputs.score_params)
+  compute = jnp.result_type(qd.dtype, kd.dtype, value.dtype)
   flat = lambda x: x.astype(compute).reshape((-1,) + x.shape[len(batch):])
-  out = kernel(flat(qd), flat(kd), flat(inputs.value), weighting=problem.weighting,
-               scale=inputs.scale, bias=to_4d(inputs.bias, batch),
+  out = kernel(flat(qd), flat(kd), flat(value), weighting=problem.weighting,
+               scale=inputs.scale, bias=to_4d(bias, batch),
                mask=to_4d(inputs.mask, batch), is_causal=problem.is_causal,
                block_q=problem.block_q, block_k=problem.block_k)
   return out.reshape(batch + out.shape[1:]).astype(problem.dtype)

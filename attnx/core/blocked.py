@@ -46,7 +46,7 @@ import numpy as np
 from jax import lax
 
 from attnx.core import streaming
-from attnx.core.contract import nonfinite_inputs
+from attnx.core.contract import finite, nonfinite_inputs
 from attnx.core.weightings import Pointwise
 
 Array = jax.Array
@@ -448,6 +448,8 @@ def _backward_chunk(q, k, v, bias, mask, scale, out, stat, do, cfg: _Cfg):
   f32 = jnp.float32
   q_raw = q
   q, qk_mult, bias_mult, alpha = _prescale(q, scale, cfg)
+  # dS·K and dSᵀ·Q take finite copies (attnx.core.contract): 0·NaN at masked pairs.
+  q_f, k_f = finite(q), finite(k)
   # D_i = dO_i·O_i = Σ_j w_ij dP_ij (also correct with a denominator offset).
   delta = jnp.sum(do.astype(f32) * out, axis=-1)
   grad_rows = streaming.pointwise_grad_rows(w, stat, delta)
@@ -456,6 +458,7 @@ def _backward_chunk(q, k, v, bias, mask, scale, out, stat, do, cfg: _Cfg):
   def k_block(j, carry):
     dq, dk_all, dv_all, dbias = carry
     kj, vj = _slice(k, j * cfg.bk, cfg.bk, 1), _slice(v, j * cfg.bk, cfg.bk, 1)
+    kj_f = _slice(k_f, j * cfg.bk, cfg.bk, 1)
 
     def q_block(i, c):
       # Tiles are computed transposed, [X, bk, G·bq] (keys × queries): then dV = Pᵀ·dO and
@@ -478,8 +481,10 @@ def _backward_chunk(q, k, v, bias, mask, scale, out, stat, do, cfg: _Cfg):
       dv_j = dv_j + jnp.einsum("xsq,xqd->xsd", p.astype(doi.dtype), doi,
                                preferred_element_type=f32)
       dzc = dz.astype(qi.dtype)
-      dk_j = dk_j + jnp.einsum("xsq,xqh->xsh", dzc, qi, preferred_element_type=f32)
-      dq_i = _rows(dq, i, cfg) + jnp.einsum("xsq,xsh->xqh", dzc, kj, preferred_element_type=f32)
+      dk_j = dk_j + jnp.einsum("xsq,xqh->xsh", dzc, _rows(q_f, i, cfg),
+                               preferred_element_type=f32)
+      dq_i = _rows(dq, i, cfg) + jnp.einsum("xsq,xsh->xqh", dzc, kj_f,
+                                            preferred_element_type=f32)
       dq = _put_rows(dq, dq_i, i, cfg)
       if cfg.has_bias:
         tshape = bias_shape[:3] + tuple(
@@ -506,7 +511,7 @@ def _backward_chunk(q, k, v, bias, mask, scale, out, stat, do, cfg: _Cfg):
   c = scale * alpha
   dq = dq_z * c
   dk = dk_z if qk_mult is None else dk_z * c
-  dscale = alpha * jnp.sum(dq_z * q_raw.astype(f32))
+  dscale = alpha * jnp.sum(dq_z * finite(q_raw).astype(f32))
   dbias = dbias_z * bias_mult if cfg.has_bias else None
   return dq, dk, dv, dbias, dscale
 
@@ -569,8 +574,11 @@ def _add_blocks(full: Array, blocks: Array, m: int, parts: int, side: int, rp: i
   """Adds the [M, ...] blocks of :func:`_pick_blocks` back into `full` (a bias gradient)."""
   bb, kb, gb, tb, sb = full.shape
   if tb != 1 and sb != 1:
-    # Block m on the diagonal of an [M, side, M, side] grid, then padded into its part.
-    y = jnp.einsum("mn,m...ab->...manb", jnp.eye(m, dtype=blocks.dtype), blocks)
+    # Block m on the diagonal of an [M, side, M, side] grid, then padded into its part. A
+    # select, not a product with the identity: 0·NaN would carry a NaN row's gradient to the
+    # blocks off the diagonal (keys it never attends).
+    on_diag = jnp.eye(m, dtype=jnp.bool_)[:, None, :, None]  # [M, 1, M, 1]
+    y = jnp.where(on_diag, jnp.moveaxis(blocks, 0, 3)[..., None, :], jnp.zeros((), blocks.dtype))
     y = y.reshape(bb, kb, gb, m, 1, side, m, 1, side)
     y = jnp.pad(y, [(0, 0)] * 4 + [(rp, parts - 1 - rp)] + [(0, 0)] * 2
                 + [(cp, parts - 1 - cp), (0, 0)])

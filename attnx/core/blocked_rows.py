@@ -30,7 +30,7 @@ from jax import lax
 
 from attnx.core import blocked as bl
 from attnx.core import streaming as st
-from attnx.core.contract import nonfinite_inputs
+from attnx.core.contract import finite, nonfinite_inputs
 from attnx.core.weightings import RowNormalizer
 
 Array = jax.Array
@@ -181,6 +181,8 @@ def _backward_chunk(q, k, v, bias, mask, row_scales, scale, out, stats, support_
   bl._check_tiling(q, k, cfg)
   q_raw = q
   q, qk_mult, bias_mult, alpha = bl._prescale(q, scale, cfg)
+  # dS·K and dSᵀ·Q take finite copies (attnx.core.contract): 0·NaN at masked pairs.
+  q_f, k_f = finite(q), finite(k)
   delta = jnp.sum(do.astype(F32) * (support_mean if rs.saves_support_mean else out), axis=-1)
   bias_shape = bias.shape if cfg.has_bias else None
   block_rows = lambda a, i: bl._rows(a, i, cfg)
@@ -191,6 +193,7 @@ def _backward_chunk(q, k, v, bias, mask, row_scales, scale, out, stats, support_
   def k_block(r, carry):
     j = cfg.num_k_blocks - 1 - r if rs.reverse else r
     kj, vj = bl._slice(k, j * cfg.bk, cfg.bk, 1), bl._slice(v, j * cfg.bk, cfg.bk, 1)
+    kj_f = bl._slice(k_f, j * cfg.bk, cfg.bk, 1)
 
     def tile_terms(i, dk_j, dv_j, carry_a, carry_b):
       """Tile (i, j): dK and dV of key block j with its terms added, its dQ term
@@ -208,8 +211,9 @@ def _backward_chunk(q, k, v, bias, mask, row_scales, scale, out, stats, support_
       dv_j = dv_j + jnp.einsum("xqs,xqd->xsd", p.astype(doi.dtype), doi,
                                preferred_element_type=F32)
       dzc = dz.astype(qi.dtype)
-      dk_j = dk_j + jnp.einsum("xqs,xqh->xsh", dzc, qi, preferred_element_type=F32)
-      dq_i = jnp.einsum("xqs,xsh->xqh", dzc, kj, preferred_element_type=F32)
+      dk_j = dk_j + jnp.einsum("xqs,xqh->xsh", dzc, bl._rows(q_f, i, cfg),
+                               preferred_element_type=F32)
+      dq_i = jnp.einsum("xqs,xsh->xqh", dzc, kj_f, preferred_element_type=F32)
       return dk_j, dv_j, dq_i, dz if cfg.has_bias else None, gc
 
     def add_dbias(dbias, dz, i):
@@ -269,7 +273,7 @@ def _backward_chunk(q, k, v, bias, mask, row_scales, scale, out, stats, support_
   c = scale * alpha
   dq = dq_z * c
   dk = dk_z if qk_mult is None else dk_z * c
-  dscale = alpha * jnp.sum(dq_z * q_raw.astype(F32))
+  dscale = alpha * jnp.sum(dq_z * finite(q_raw).astype(F32))
   dbias = dbias_z * bias_mult if cfg.has_bias else None
   return dq, dk, dv, dbias, carry_a, dscale
 

@@ -1,4 +1,4 @@
-"""The edge-case contract every attention implementation obeys, and the input step that gives it.
+"""The edge-case contract every attention implementation obeys, and the shared steps that give it.
 
 What :func:`attnx.core.attention` returns on the inputs where "just compute it" is not an
 answer — identically for ``implementation="dense"`` and ``"blocked"`` (and any future one):
@@ -9,13 +9,22 @@ answer — identically for ``implementation="dense"`` and ``"blocked"`` (and any
   ReLU on all-negative scores) give a zero output row with finite (zero) gradients, where
   ``jax.nn.dot_product_attention`` averages all values.
 * **Masked keys are never touched**: whatever a masked (or causally hidden) key, value or bias
-  entry holds, NaN and ±Inf included, the rows that do not attend it are unchanged.
+  entry holds, NaN and ±Inf included, the rows that do not attend it are unchanged, and so is
+  every gradient but the non-finite entry's own, which is zero. Likewise a non-finite q_i of a
+  row without a valid key changes no output and no other gradient.
 * **NaN/Inf inputs** propagate to exactly the rows they touch, as in ``jax.nn``: row i of the
   output is all NaN iff it has at least one valid key and q_i holds a non-finite number, or
   some key j valid for row i has a non-finite k_j, v_j or bias_ij (NaN or +Inf). A bias of
   −Inf is a score of −Inf: weight F(−∞), which is 0 for every built-in F except
-  ``taylor_exp`` (whose F(−∞) = +∞ makes the row NaN). Gradients of a NaN row are NaN where
-  they reach, as autodiff through ``jax.nn`` gives.
+  ``taylor_exp`` (whose F(−∞) = +∞ makes the row NaN). A NaN row's weights are NaN at its
+  valid keys and 0 at the masked ones (as ``jax.nn.softmax(..., where=mask)``). Its gradients
+  are NaN where it reaches, as autodiff gives, and nowhere else: it reaches its own dq_i and
+  the dk_j, dv_j and bias gradients of the keys j it attends; every other gradient is what it
+  is without the row. A non-finite q_i (every score of the row NaN) makes all of these NaN
+  for softmax and every whole-row weighting, in every implementation. Which of them are NaN
+  may differ between implementations where F' is a select (relu, boxcar, ...: dense gives 0
+  at a NaN score, the streaming kernels NaN) or where one bad key leaves some weights finite
+  (stick-breaking's later keys).
 * **Unbounded F'**: ``power:p`` with p < 1 has F'(0⁺) = ∞; attnx uses F(s) = F'(s) = 0 for
   s < 2⁻¹²⁶ (the smallest normal float32), so gradients are finite for finite inputs.
 * **Finite inputs give finite outputs and gradients** for every built-in weighting and score
@@ -23,8 +32,13 @@ answer — identically for ``implementation="dense"`` and ``"blocked"`` (and any
   weightings divide once in the backward so a denormal Σ F does not overflow).
 * **bf16/f16** inputs are computed in float32 (scores, F, accumulators) and cast back.
 
-This module holds the one input step every kernel shares: non-finite numbers are made to travel
-as NaN along a path masks can stop (the scores), never through a product with a zero weight.
+This module holds what every kernel shares: the input step, which makes non-finite numbers
+travel as NaN along a path masks can stop (the scores), never through a product with a zero
+weight; and the backward's rule for the same reason: the products dq = dS·K and dk = dSᵀ·Q
+take :func:`finite` copies of q and k, since dS is 0 at a masked pair and 0·NaN would make a
+masked NaN key poison dq of every row of its group (and a NaN query row without valid keys dk
+of every key). The scores are still recomputed from the real q and k, so a pair that is valid
+has a NaN dS and the rows and keys a NaN reaches keep their NaN gradients.
 """
 
 from __future__ import annotations
@@ -59,3 +73,10 @@ def nonfinite_inputs(q: Array, k: Array, v: Array | None,
   if bias is not None and jnp.issubdtype(bias.dtype, jnp.floating):
     bias = jnp.where(bias == jnp.inf, jnp.nan, bias)
   return q, k, v, bias
+
+
+def finite(x: Array) -> Array:
+  """x with NaN entries replaced by 0: the copy of q or k that the backward's products
+  dS·K and dSᵀ·Q take (see the module docstring). After :func:`nonfinite_inputs` NaN is the
+  only non-finite value; finite inputs pass through unchanged, bit for bit."""
+  return jnp.where(jnp.isnan(x), jnp.zeros((), x.dtype), x)

@@ -501,17 +501,20 @@ def attention(query: Array, key: Array, value: Array, bias: Array | None = None,
 
   * T = 0 gives an empty output, S = 0 a zero output; gradients are zero.
   * A row with no valid key (fully masked, or every F(s) = 0) gives zeros with zero gradients.
-  * Masked keys are never touched: NaN/Inf in a masked key, value or bias entry changes nothing.
+  * Masked keys are never touched: NaN/Inf in a masked key, value or bias entry changes nothing
+    (no output, no gradient but its own, which is 0).
   * NaN/Inf inputs: output row i is all NaN iff it has a valid key and q_i, or k_j, v_j or
     bias_ij (NaN or +Inf) of a valid key j, is non-finite — as in ``jax.nn``. A bias of −Inf
-    is a score of −Inf (weight F(−∞) = 0 for every built-in F but ``taylor_exp``).
+    is a score of −Inf (weight F(−∞) = 0 for every built-in F but ``taylor_exp``). A NaN row's
+    gradients reach only its dq and the keys it attends.
   * Finite inputs give finite outputs and gradients for every built-in weighting (scores up
     to ~1e4); ``power:p<1`` uses F(s) = F'(s) = 0 for s < 2⁻¹²⁶, where F' is unbounded.
   * Parameters are validated when the weighting/score is parsed: ``"power:p=abc"`` or
     ``"cosine:temperature=0"`` raise a ValueError naming the parameter and its range.
   * The returned weights follow the same contract (empty: an empty ``[..., N, T, S]``; zero
-    rows for rows without a valid key; NaN rows where the output is NaN), and dropout keeps
-    it: a dropped weight of a NaN row is still NaN, a zero row stays zero.
+    rows for rows without a valid key; where the output is NaN, NaN at the row's valid keys
+    and 0 at its masked ones), and dropout keeps it: a dropped weight of a NaN row is still
+    NaN, a zero row stays zero.
 
   Raises:
     ValueError: bad shapes or dtypes, a tile size below 1 (whatever the implementation), an

@@ -54,7 +54,7 @@ import numpy as np
 
 from attnx.core import pallas_kernels as kernels
 from attnx.core import pallas_rows
-from attnx.core.contract import nonfinite_inputs
+from attnx.core.contract import finite, nonfinite_inputs
 from attnx.core.weightings import Pointwise
 
 Array = jax.Array
@@ -312,7 +312,8 @@ def pallas_attention(q: Array, k: Array, v: Array, *, weighting: Any,
                      is_causal: bool = False, q_lengths: Array | None = None,
                      kv_lengths: Array | None = None, block_q: int | None = None,
                      block_k: int | None = None, backend: str | None = None,
-                     interpret: bool = False, ssmax_s: Array | float | None = None) -> Array:
+                     interpret: bool = False, ssmax_s: Array | float | None = None,
+                     skip_zero_tiles: bool = True) -> Array:
   """Fused attention out_i = Σ_j w_ij v_j for a pointwise weighting F, or a whole-row weighting
   with a streaming family (SSMax, softpick, stick-breaking, sparsemax, entmax: the kernels of
   :mod:`attnx.core.pallas_rows`), as Pallas kernels.
@@ -336,6 +337,12 @@ def pallas_attention(q: Array, k: Array, v: Array, *, weighting: Any,
     interpret: run the kernels in Pallas' interpreter (any machine, slow; for testing).
     ssmax_s: SSMax only: s as a scalar or one value per query head [N] (an array gets a
       gradient); default the weighting's own s.
+    skip_zero_tiles: sparsemax/entmax only: in the output pass and the backward, a key tile
+      whose scores show every weight of the query tile to be zero (all x ≤ τ) adds nothing and
+      its remaining work (powers, P·V; dP, dS·K, Pᵀ·dO, dSᵀ·Q) is left out (AdaSplash's block
+      skipping; the scores are computed to find out). The result is the same bit for bit;
+      False computes every tile (for side-by-side timings). The threshold passes compute
+      every tile: these kernels keep no table of tile maxima across passes.
 
   Returns:
     [B, T, N, Hv] in q's dtype, equal up to float rounding to
@@ -346,6 +353,8 @@ def pallas_attention(q: Array, k: Array, v: Array, *, weighting: Any,
       alternative implementation), bad shapes or tile sizes.
   """
   rows = not isinstance(weighting, Pointwise)
+  if not isinstance(skip_zero_tiles, bool):
+    raise ValueError(f"skip_zero_tiles must be a bool, got {skip_zero_tiles!r}")
   if rows and not pallas_rows.streams(weighting):
     raise ValueError(f"implementation='pallas' cannot run this: {supported(weighting)}.")
   q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
@@ -382,7 +391,11 @@ def pallas_attention(q: Array, k: Array, v: Array, *, weighting: Any,
                                  None if kv_lengths is None else kv_len, ssmax_s)
   q, k, v, bias4 = nonfinite_inputs(q, k, v, bias4)
   if not isinstance(scale, numbers.Real):  # a traced/learned scale: fold it into q
-    q = (q.astype(jnp.float32) * jnp.asarray(scale, jnp.float32)).astype(q.dtype)
+    # A NaN entry of q stays NaN with no path to the scale's gradient (0·NaN there would make
+    # it NaN even when the NaN's row attends nothing; attnx.core.contract).
+    q32 = q.astype(jnp.float32)
+    q = jnp.where(jnp.isnan(q32), q32,
+                  finite(q32) * jnp.asarray(scale, jnp.float32)).astype(q.dtype)
     scale = 1.0
   tp = _round_up(t, math.lcm(blocks.block_q, blocks.block_q_dq, blocks.block_q_dkv))
   sp = _round_up(s, math.lcm(blocks.block_k, blocks.block_k_dq, blocks.block_k_dkv))
@@ -397,7 +410,7 @@ def pallas_attention(q: Array, k: Array, v: Array, *, weighting: Any,
       kv_bound=kv_lengths is not None or sp != s, bq=blocks.block_q, bk=blocks.block_k,
       bq_dq=blocks.block_q_dq, bk_dq=blocks.block_k_dq, bq_dkv=blocks.block_q_dkv,
       bk_dkv=blocks.block_k_dkv, num_warps=4 if hp <= 64 else 8, num_warps_bwd=4,
-      num_stages=3 if hp <= 128 else 2, num_stages_bwd=2)
+      num_stages=3 if hp <= 128 else 2, num_stages_bwd=2, skip_zero_tiles=skip_zero_tiles)
   q = _pad(q, {1: tp, 3: hp})
   k = _pad(k, {1: sp, 3: hp})
   v = _pad(v, {1: sp, 3: hvp})

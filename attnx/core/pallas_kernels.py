@@ -54,6 +54,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as plgpu
 
 from attnx.core import streaming
+from attnx.core.contract import finite
 from attnx.core.weightings import Pointwise
 
 Array = jax.Array
@@ -97,6 +98,8 @@ class KernelConfig:
   num_warps_bwd: int = 4
   num_stages: int = 2
   num_stages_bwd: int = 2
+  # Sparsemax/entmax: skip the work of key tiles whose every weight is zero (pallas_rows).
+  skip_zero_tiles: bool = True
 
   @property
   def alpha(self) -> float:
@@ -362,7 +365,7 @@ def _gpu_dq_kernel(*refs, cfg: KernelConfig, has_bias: bool, has_mask: bool, wan
     _, dz = _bwd_tile(cfg, z, valid, _dot_chunks(dos, vs), (r0, r1, delta))
     if ds_ref is not None:
       ds_ref[:, rows] = dz * gb if gb != 1.0 else dz
-    return tuple(a + jnp.dot(dz.astype(k.dtype), k, preferred_element_type=jnp.float32)
+    return tuple(a + jnp.dot(dz.astype(k.dtype), finite(k), preferred_element_type=jnp.float32)
                  for a, k in zip(dq, ks, strict=True))
 
   hi = _kv_hi(cfg, i, bq, bk, q_len, kv_len)
@@ -409,7 +412,7 @@ def _gpu_dkv_kernel(*refs, cfg: KernelConfig, has_bias: bool, has_mask: bool):
       pt, dzt = p.astype(dos[0].dtype).T, dz.astype(qs[0].dtype).T
       dv = tuple(a + jnp.dot(pt, do, preferred_element_type=jnp.float32)
                  for a, do in zip(dv, dos, strict=True))
-      dk = tuple(a + jnp.dot(dzt, q, preferred_element_type=jnp.float32)
+      dk = tuple(a + jnp.dot(dzt, finite(q), preferred_element_type=jnp.float32)
                  for a, q in zip(dk, qs, strict=True))
       return dk, dv
     return lax.fori_loop(lo, hi, q_block, carry)
@@ -624,7 +627,7 @@ def _tpu_dq_kernel(*refs, cfg: KernelConfig, has_bias: bool, has_mask: bool, wan
     _, dz = _bwd_tile(cfg, z, valid, dp, rows)
     if ds_ref is not None:
       ds_ref[...] = dz * gb if gb != 1.0 else dz
-    dq_sc[...] += jnp.dot(dz.astype(k.dtype), k, preferred_element_type=jnp.float32)
+    dq_sc[...] += jnp.dot(dz.astype(k.dtype), finite(k), preferred_element_type=jnp.float32)
 
   if ds_ref is not None:
     @pl.when(jnp.logical_not(run))
@@ -664,7 +667,7 @@ def _tpu_dkv_kernel(*refs, cfg: KernelConfig, has_bias: bool, has_mask: bool):
     p, dz = _bwd_tile(cfg, z, valid, dp, rows)
     # Transposed in float32, then cast (as JAX's TPU flash kernel).
     dv_sc[...] += jnp.dot(p.T.astype(do.dtype), do, preferred_element_type=jnp.float32)
-    dk_sc[...] += jnp.dot(dz.T.astype(q.dtype), q, preferred_element_type=jnp.float32)
+    dk_sc[...] += jnp.dot(dz.T.astype(q.dtype), finite(q), preferred_element_type=jnp.float32)
 
   @pl.when((h == cfg.g - 1) & (i == cfg.tp // bq - 1))
   def _finish():

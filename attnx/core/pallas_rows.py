@@ -54,6 +54,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from attnx.core import pallas_kernels as pk
 from attnx.core import streaming as st
+from attnx.core.contract import finite
 from attnx.core.weightings import RowNormalizer
 
 Array = jax.Array
@@ -147,8 +148,8 @@ def _tile_fn(cfg, i, bq, bk, qs, load_k, bias_cols, mask_cols, q_len, kv_len):
     ks = load_k(c0)
     z = pk._scores(cfg, qs, ks, bias_cols(c0))
     valid = pk._valid(cfg, (bq, bk), i * bq, c0, mask_cols(c0), q_len, kv_len)
-    finite = z != -jnp.inf  # a score of −∞ is a masked key (NaN stays valid: the row is NaN)
-    return z, (finite if valid is None else valid & finite), ks
+    scored = z != -jnp.inf  # a score of −∞ is a masked key (NaN stays valid: the row is NaN)
+    return z, (scored if valid is None else valid & scored), ks
   return tile
 
 
@@ -164,13 +165,38 @@ def _forward_rows(cfg, tile, load_v, hi, rowc, bq: int, hv: int):
       return lax.fori_loop(0, hi, lambda j, c: fn(c, *tile(j)[:2]), init)
     ctx = st.entmax_threshold(tile_pass, rows, rs, ops)
 
+  skip = _skips(cfg)
+
   def body(r, state):
     j = hi - 1 - r if rs.reverse else r
     z, valid, _ = tile(j)
-    return st.update(rs, state, z, valid, load_v(j * bk), ctx, ops)
+    add = lambda state: st.update(rs, state, z, valid, load_v(j * bk), ctx, ops)
+    if not skip:
+      return add(state)
+    # A tile of zero weights adds exact zeros: no powers, no P·V (AdaSplash's block skipping).
+    return lax.cond(st.entmax_zero_tile(z, valid, ctx.m, ctx.tau, rs, ops), lambda s: s, add,
+                    state)
 
   state = lax.fori_loop(0, hi, body, st.init(rs, rows, hv))
   return st.finalize(rs, state, ctx)
+
+
+def _skips(cfg) -> bool:
+  """Whether the kernels leave out the work of key tiles whose weights are all zero."""
+  return _rs(cfg).needs_threshold and cfg.skip_zero_tiles
+
+
+def _all_finite(xs) -> Array:
+  """Whether every entry of the arrays xs is finite (a scalar bool; no boolean reductions)."""
+  bad = sum(jnp.max(jnp.where(jnp.abs(x.astype(F32)) < jnp.inf, 0.0, 1.0)) for x in xs)
+  return bad == 0.0
+
+
+def _zero_grad_tile(cfg, z, valid, stats, do_ok) -> Array:
+  """Whether a backward tile adds nothing: all its weights are zero (entmax's m, τ in the row
+  statistics) and dO is finite (NaN or Inf in dO makes even a zero weight's products NaN, as
+  autodiff of the dense weights)."""
+  return st.entmax_zero_tile(z, valid, stats[0], stats[1], _rs(cfg), _ops(cfg)) & do_ok
 
 
 def _one_hot_cols(n: int, j, x):
@@ -192,21 +218,33 @@ def _dq_rows(cfg, tile, qs, load_v, dos, hi, stats, delta, rowc, ds_store, carry
   rs, ops = _rs(cfg), _ops(cfg)
   bq, bk = cfg.bq_dq, cfg.bk_dq
 
+  skip = _skips(cfg)
+  do_ok = _all_finite(dos) if skip else None
+
   def body(r, c):
     dq, ca, cb = c
     j = hi - 1 - r if rs.reverse else r
     c0 = j * bk
     z, valid, ks = tile(j)
-    vt = load_v(c0)
-    dp = pk._dot_chunks(dos, vt)
     if rs.family == "stick_breaking":
       carry_store(j, ca, cb)
-    _, dz, gc = st.tile_grad(rs, z, valid, dp, stats, delta, st.GradCarry(ca, cb), rowc, ops,
-                             weights_dtype=vt[0].dtype)
+
+    def grad(dq):
+      vt = load_v(c0)
+      dp = pk._dot_chunks(dos, vt)
+      _, dz, gc = st.tile_grad(rs, z, valid, dp, stats, delta, st.GradCarry(ca, cb), rowc, ops,
+                               weights_dtype=vt[0].dtype)
+      dq = tuple(a + jnp.dot(dz.astype(k.dtype), finite(k), preferred_element_type=F32)
+                 for a, k in zip(dq, ks, strict=True))
+      return dq, dz, gc.a, gc.b
+
+    if skip:
+      dq, dz, ca, cb = lax.cond(_zero_grad_tile(cfg, z, valid, stats, do_ok),
+                                lambda dq: (dq, jnp.zeros_like(z), ca, cb), grad, dq)
+    else:
+      dq, dz, ca, cb = grad(dq)
     ds_store(c0, dz)
-    dq = tuple(a + jnp.dot(dz.astype(k.dtype), k, preferred_element_type=F32)
-               for a, k in zip(dq, ks, strict=True))
-    return dq, gc.a, gc.b
+    return dq, ca, cb
 
   zero = jnp.zeros((bq,), F32)
   dq0 = tuple(jnp.zeros((bq, x.shape[-1]), F32) for x in qs)
@@ -214,28 +252,32 @@ def _dq_rows(cfg, tile, qs, load_v, dos, hi, stats, delta, rowc, ds_store, carry
   return dq, ca if rs.needs_row_scale else None
 
 
-def _dkv_tile(cfg, j, i, qs, dos, ks, vs, bias_t, mask_t, q_len, kv_len, stats, delta, rowc,
-              carry):
-  """(P, dZ) of query tile i (rows of one head) against key tile j in the dK/dV pass."""
+def _dkv_step(cfg, dkv, j, i, qs, dos, ks, vs, bias_t, mask_t, q_len, kv_len, stats, delta,
+              rowc, carry):
+  """(dK, dV) after query tile i (rows of one head) against key tile j in the dK/dV pass."""
   rs, ops = _rs(cfg), _ops(cfg)
   bq, bk = cfg.bq_dkv, cfg.bk_dkv
   z = pk._scores(cfg, qs, ks, bias_t)
   valid = pk._valid(cfg, (bq, bk), i * bq, j * bk, mask_t, q_len, kv_len)
-  finite = z != -jnp.inf
-  valid = finite if valid is None else valid & finite
-  dp = pk._dot_chunks(dos, vs)
-  p, dz, _ = st.tile_grad(rs, z, valid, dp, stats, delta, carry, rowc, ops,
-                          weights_dtype=vs[0].dtype)
-  return p, dz
+  scored = z != -jnp.inf  # a score of −∞ is a masked key
+  valid = scored if valid is None else valid & scored
 
+  def grad(dkv):
+    dk, dv = dkv
+    dp = pk._dot_chunks(dos, vs)
+    p, dz, _ = st.tile_grad(rs, z, valid, dp, stats, delta, carry, rowc, ops,
+                            weights_dtype=vs[0].dtype)
+    pt, dzt = p.astype(dos[0].dtype).T, dz.astype(qs[0].dtype).T
+    dv = tuple(a + jnp.dot(pt, do, preferred_element_type=F32)
+               for a, do in zip(dv, dos, strict=True))
+    dk = tuple(a + jnp.dot(dzt, finite(q), preferred_element_type=F32)
+               for a, q in zip(dk, qs, strict=True))
+    return dk, dv
 
-def _accumulate_dkv(dk, dv, p, dz, qs, dos):
-  pt, dzt = p.astype(dos[0].dtype).T, dz.astype(qs[0].dtype).T
-  dv = tuple(a + jnp.dot(pt, do, preferred_element_type=F32) for a, do in zip(dv, dos,
-                                                                           strict=True))
-  dk = tuple(a + jnp.dot(dzt, q, preferred_element_type=F32) for a, q in zip(dk, qs,
-                                                                          strict=True))
-  return dk, dv
+  if not _skips(cfg):
+    return grad(dkv)
+  return lax.cond(_zero_grad_tile(cfg, z, valid, stats, _all_finite(dos)), lambda c: c, grad,
+                  dkv)
 
 
 def _split(refs, names):
@@ -416,9 +458,8 @@ def _gpu_dkv_kernel(*refs, cfg, has_bias, has_mask):
       carry = st.GradCarry(jnp.zeros((bq,), F32), jnp.zeros((bq,), F32))
       if r["ca"] is not None:
         carry = st.GradCarry(r["ca"][h, j, rows], r["cb"][h, j, rows])
-      p, dz = _dkv_tile(cfg, j, i, qs, dos, ks, vs, bias_t, mask_t, q_len, kv_len, stats,
-                        r["delta"][h, rows], rowc, carry)
-      return _accumulate_dkv(dk, dv, p, dz, qs, dos)
+      return _dkv_step(cfg, (dk, dv), j, i, qs, dos, ks, vs, bias_t, mask_t, q_len, kv_len,
+                       stats, r["delta"][h, rows], rowc, carry)
     return lax.fori_loop(lo, hi, q_block, carry)
 
   init = (tuple(jnp.zeros((bk, c), F32) for _, c in hc),
@@ -655,9 +696,8 @@ def _tpu_dkv_kernel(*refs, cfg, has_bias, has_mask):
       carry = st.GradCarry(jnp.zeros((bq,), F32), jnp.zeros((bq,), F32))
       if r["ca"] is not None:
         carry = st.GradCarry(_col(r["ca"][h, rows, :], j), _col(r["cb"][h, rows, :], j))
-      p, dz = _dkv_tile(cfg, j, i, qs, dos, ks, vs, bias_t, mask_t, q_len, kv_len, stats,
-                        _lane0(r["delta"][h, rows, :]), rowc, carry)
-      return _accumulate_dkv(dk, dv, p, dz, qs, dos)
+      return _dkv_step(cfg, (dk, dv), j, i, qs, dos, ks, vs, bias_t, mask_t, q_len, kv_len,
+                       stats, _lane0(r["delta"][h, rows, :]), rowc, carry)
     return lax.fori_loop(lo, hi, q_block, carry)
 
   init = ((jnp.zeros((bk, ks[0].shape[-1]), F32),), (jnp.zeros((bk, vs[0].shape[-1]), F32),))

@@ -81,7 +81,9 @@ def ssmax(x: Array, axis: int = -1, where: Array | None = None,
   m = _masked_max(jnp.where(valid, a, -jnp.inf), valid)
   e = jnp.where(valid, jnp.exp(jnp.where(valid, a - m, 0.0)), 0.0)
   denom = jnp.sum(e, axis=-1, keepdims=True)
-  p = e / jnp.where(denom > 0, denom, 1.0)
+  # Only an empty row divides by 1: a NaN denominator (a NaN score) keeps the whole row NaN,
+  # and with it the row's gradient (attnx.core.contract).
+  p = e / jnp.where(denom == 0, 1.0, denom)
   return jnp.moveaxis(p, -1, axis)
 
 
@@ -118,7 +120,7 @@ def softpick(x: Array, axis: int = -1, where: Array | None = None,
   d_large = jnp.exp(z - m) - jnp.exp(-m)
   d = jnp.where(valid, jnp.where(small, d_small, d_large), 0.0)
   denom = jnp.sum(jnp.abs(d), axis=-1, keepdims=True) + eps * jnp.exp(-m)
-  p = jax.nn.relu(d) / jnp.where(denom > 0, denom, 1.0)
+  p = jax.nn.relu(d) / jnp.where(denom == 0, 1.0, denom)  # NaN stays NaN, as in ssmax
   return jnp.moveaxis(p, -1, axis)
 
 

@@ -78,6 +78,12 @@ def _finish(p: Array, valid: Array, axis: int) -> Array:
   return jnp.moveaxis(p, -1, axis)
 
 
+def _support(p: Array) -> Array:
+  """p > 0, with NaN counted in: a NaN row's derivative is then NaN, as the other
+  weightings' (NaN where it reaches, attnx.core.contract), not a zero that hides the NaN."""
+  return ~(p <= 0)
+
+
 def _simplex_jvp(p: Array, s: Array, dz: Array) -> Array:
   """dp = s·dz − (⟨s, dz⟩/Σs)·s, the Jacobian-vector product of α-entmax (s = p^{2−α})."""
   ssum = jnp.sum(s, axis=-1, keepdims=True)
@@ -120,7 +126,8 @@ def _sparsemax_last(z: Array) -> Array:
 def _sparsemax_last_jvp(primals, tangents):
   (z,), (dz,) = primals, tangents
   p = _sparsemax_last(z)
-  return p, _simplex_jvp(p, (p > 0).astype(p.dtype), dz)
+  s = jnp.where(jnp.isnan(p), p, _support(p).astype(p.dtype))  # 1 on the support, or NaN
+  return p, _simplex_jvp(p, s, dz)
 
 
 @functools.partial(jax.jit, static_argnames=("axis",))
@@ -188,7 +195,7 @@ def _entmax15_last(z: Array) -> Array:
 def _entmax15_last_jvp(primals, tangents):
   (z,), (dz,) = primals, tangents
   p = _entmax15_last(z)
-  pos = p > 0  # safe sqrt: keeps second derivatives finite at the support boundary
+  pos = _support(p)  # safe sqrt: keeps second derivatives finite at the support boundary
   return p, _simplex_jvp(p, jnp.where(pos, jnp.sqrt(jnp.where(pos, p, 1.0)), 0.0), dz)
 
 
@@ -222,9 +229,10 @@ def entmax15(x: Array, axis: int = -1, where: Array | None = None) -> Array:
 # δ = logsumexp y) instead of raising a number near 1 to a huge power.
 
 def _entmax_log_p(y: Array, delta: Array, alpha: float) -> tuple[Array, Array]:
-  """(log p, in_support) for p = [1 + (α−1)(y − δ)]₊^{1/(α−1)}."""
+  """(log p, in_support) for p = [1 + (α−1)(y − δ)]₊^{1/(α−1)}; NaN counts as in the support,
+  so that a NaN row's p (and gradient) is NaN rather than 0."""
   a = (alpha - 1.0) * (y - delta)
-  pos = a > -1.0
+  pos = ~(a <= -1.0)
   return jnp.log1p(jnp.where(pos, a, 0.0)) / (alpha - 1.0), pos
 
 
@@ -251,7 +259,7 @@ def _entmax_bisect_last_jvp(alpha, n_iter, primals, tangents):
   (y,), (dy,) = primals, tangents
   p = _entmax_bisect_last(y, alpha, n_iter)
   # s = p^{2−α} on the support (0^0 must be 0 here, not 1).
-  pos = p > 0
+  pos = _support(p)
   s = jnp.where(pos, jnp.exp((2.0 - alpha) * jnp.log(jnp.where(pos, p, 1.0))), 0.0)
   return p, _simplex_jvp(p, s, dy)
 

@@ -364,10 +364,12 @@ def pointwise_grad_rows(w: Any, stat: Array,
   ``"none"``: nothing (− is None: the rule reads nothing there). μ = 2^100 where
   |l| < 2^−100, else 1: 1/l overflows for a denormal l (F ≈ 0 on a whole row, e.g.
   power:p=3 on scores near 0) and F·∞ would be NaN, so such rows use F·2^100 / (l·2^100)
-  (F ≤ l there). A row with l = 0 gets 1/l = 0: zero weights and gradients.
+  (F ≤ l there). A row with l = 0 gets 1/l = 0: zero weights and gradients. A NaN row (NaN
+  lse) gets δ = 0: its P is NaN at every valid key already, and a masked key's
+  dz = 0·(dP − δ) must stay 0, so that the row reaches only the keys it attends.
   """
   if w.online_max:
-    return stat, None, delta
+    return stat, None, jnp.where(jnp.isnan(delta), 0.0, delta)
   if w.normalization == "none":
     return None, None, None
   empty = stat == 0
@@ -389,29 +391,31 @@ def pointwise_tile_grad(w: Any, z: Array, valid: Array | None, dp: Array,
   ``"sum"``: dz = F'(s) ∘ (dP − δ)/l; ``"length"``: F'(s) ∘ dP/n; ``"none"``: F'(s) ∘ dP.
   ``dp`` = dO·Vᵀ on the tile; ``rows`` the (r0, r1, δ) of :func:`pointwise_grad_rows`, each
   taken onto the tile by ``row`` (default: they are already broadcast against it) only where
-  the rule reads it. Masked keys get P = 0 and dz = 0.
+  the rule reads it. Masked keys get P = 0 and dz = 0, also in a NaN row (NaN statistic).
   """
   row = (lambda r: r) if row is None else row
   r0, r1, delta = rows
   if w.online_max:
-    if valid is not None:
-      z = jnp.where(valid, z, -jnp.inf)
     p = ops.exp(z - row(r0))
+    if valid is not None:  # after the exp: e^(−∞ − lse) is NaN where lse is
+      p = jnp.where(valid, p, 0.0)
     return p, p * (dp - row(delta))
   sv = z if valid is None else jnp.where(valid, z, 0.0)
   f, fp = jax.jvp(lambda s: w.fn(s, num_keys), (sv,), (jnp.ones_like(sv),))
-  if valid is not None:
-    f, fp = jnp.where(valid, f, 0.0), jnp.where(valid, fp, 0.0)
   if w.normalization == "none":
-    return f, fp * dp
-  il = row(r1)
-  if w.normalization == "sum":
-    big = row(r0)
-    f, fp = f * big, fp * big
-    dz = fp * ((dp - row(delta)) * il)
+    p, dz = f, fp * dp
   else:
-    dz = fp * (dp * il)
-  return f * il, dz
+    il = row(r1)
+    if w.normalization == "sum":
+      big = row(r0)
+      f, fp = f * big, fp * big
+      dz = fp * ((dp - row(delta)) * il)
+    else:
+      dz = fp * (dp * il)
+    p = f * il
+  if valid is not None:  # after the products: 1/l is NaN in a NaN row
+    p, dz = jnp.where(valid, p, 0.0), jnp.where(valid, dz, 0.0)
+  return p, dz
 
 
 # --------------------------------------------------------------------------------------------
@@ -588,7 +592,7 @@ def _exponent(alpha: float) -> float:
 
 def _powers(r: Array, alpha: float) -> tuple[Array, Array]:
   """(p, u) = (r^q, r^{q−1}) for r ≥ 0, q = 1/(α−1) (u = p^{2−α} = dp/dy), 0 where r = 0
-  (NaN where r is NaN: a NaN score makes its row NaN)."""
+  (NaN where r is NaN: a NaN score makes its row NaN; but u = 1 there for α = 2)."""
   pos = ~(r <= 0)
   if alpha == 2.0:
     return r, pos.astype(F32)
@@ -624,6 +628,17 @@ def entmax_zero_tiles(tile_max: Array, m: Array, tau: Array) -> Array:
   """
   rows = tuple(range(tile_max.ndim - m.ndim, tile_max.ndim))
   return jnp.all((tile_max - m) - tau <= 0.0, axis=rows)
+
+
+def entmax_zero_tile(z: Array, valid: Array, m: Array, tau: Array, rs: RowStream,
+                     ops: Ops = XLA) -> Array:
+  """Whether every weight of one score tile z [rows, keys] is zero at its rows' thresholds:
+  :func:`entmax_zero_tiles` on the tile's own max (a scalar bool, for kernels that test a tile
+  after computing its scores, having no table of tile maxima). NaN rows never pass."""
+  gap = (entmax_tile_max(z, valid, rs) - m) - tau
+  if ops.all_rows:
+    return jnp.all(gap <= 0.0)
+  return jnp.max(jnp.where(gap <= 0.0, 0.0, 1.0)) == 0.0  # no boolean reductions (Triton)
 
 
 def entmax_threshold(tile_pass, rows: tuple[int, ...], rs: RowStream,
@@ -827,7 +842,7 @@ def tile_grad(rs: RowStream, z: Array, valid: Array, dp: Array, stats: tuple[Arr
     (lse,) = stats
     zv = _masked(z, valid)
     y = _masked(row(ctx) * zv, valid, -jnp.inf)
-    p = jnp.exp(y - row(lse))
+    p = _masked(jnp.exp(y - row(lse)), valid)  # e^(−∞ − lse) is NaN where lse is
     dy = jnp.where(valid, p * (dp - row(delta)), 0.0)
     return p, row(ctx) * dy, GradCarry(carry.a + jnp.sum(zv * dy, axis=-1), carry.b)
   if rs.family == "softpick":
@@ -855,8 +870,11 @@ def tile_grad(rs: RowStream, z: Array, valid: Array, dp: Array, stats: tuple[Arr
     return a, jnp.where(valid, dz, 0.0), GradCarry(carry.a + jnp.sum(b, axis=-1),
                                                    carry.b + jnp.sum(ad, axis=-1))
   m, tau, norm = stats
-  r = jnp.maximum(entmax_x(z, valid, rs, m) - row(tau), 0.0)
+  # Masked keys' x is −∞, which a NaN row's m or τ turns into NaN: r = 0 there.
+  r = _masked(jnp.maximum(entmax_x(z, valid, rs, m) - row(tau), 0.0), valid)
   p, u = _powers(r, rs.alpha)
+  if rs.alpha == 2.0:  # u is 1 at NaN r; NaN makes a NaN row's dz NaN, as for the other α
+    u = jnp.where(jnp.isnan(r), r, u)
   if rs.renormalize:  # p̂ = p/Σp and u = p̂^{2−α}
     inv = jnp.where(norm > 0, 1.0 / jnp.where(norm > 0, norm, 1.0), 0.0)
     p = p * row(inv)
@@ -873,6 +891,7 @@ def row_scale(rs: RowStream, n_valid: Array, s: Array | float | None = None) -> 
 
 __all__ = ["FAMILIES", "MAX_THRESHOLD_PASSES", "XLA", "EntmaxState", "GradCarry", "MaxState",
            "Ops", "RowStream", "StickState", "Threshold", "entmax_threshold", "entmax_tile_max",
-           "entmax_x", "entmax_zero_tiles", "finalize", "init", "merge", "online_max_start",
-           "online_max_update", "pointwise_finalize", "pointwise_grad_rows", "pointwise_merge",
-           "pointwise_tile_grad", "pointwise_update", "pv", "row_scale", "tile_grad", "update"]
+           "entmax_x", "entmax_zero_tile", "entmax_zero_tiles", "finalize", "init", "merge",
+           "online_max_start", "online_max_update", "pointwise_finalize", "pointwise_grad_rows",
+           "pointwise_merge", "pointwise_tile_grad", "pointwise_update", "pv", "row_scale",
+           "tile_grad", "update"]

@@ -386,17 +386,21 @@ def pointwise_weights(scores: Array, w: Pointwise, axis: int = -1,
   s = scores.astype(jnp.promote_types(scores.dtype, jnp.float32))
   n = s.shape[axis] if num_keys is None else num_keys
   valid = None if where is None else jnp.broadcast_to(where, s.shape)
+  # A NaN row's normalizer is NaN, and 0/NaN would make its masked weights NaN too: they are
+  # set to 0 after the division, so the row reaches only the keys it attends.
   if w.online_max:
     z = w.exp_alpha * s
-    if valid is not None:
-      z = jnp.where(valid, z, -jnp.inf)
-    return _online_max_weights(z, axis, float(w.denominator_offset))
+    if valid is None:
+      return _online_max_weights(z, axis, float(w.denominator_offset))
+    z = jnp.where(valid, z, -jnp.inf)
+    return jnp.where(valid, _online_max_weights(z, axis, float(w.denominator_offset)), 0.0)
   if valid is None:
     e = w.fn(s, n)
   else:
     e = jnp.where(valid, w.fn(jnp.where(valid, s, 0.0), n), 0.0)
   if w.normalization == "sum":
-    return _sum_normalize(e, axis, float(w.denominator_offset))
+    out = _sum_normalize(e, axis, float(w.denominator_offset))
+    return out if valid is None else jnp.where(valid, out, 0.0)
   if w.normalization == "length":
     denom = (jnp.asarray(float(n), s.dtype) if valid is None
              else jnp.sum(valid, axis=axis, keepdims=True).astype(s.dtype))
@@ -417,7 +421,8 @@ def weights(scores: Array, weighting: WeightingLike = "softmax", axis: int = -1,
     axis: the axis to normalize over.
     where: optional boolean mask broadcastable to ``scores``; False entries get weight 0.
       A row with no valid entry (or where every F is 0) gets all-zero weights; a row with a
-      NaN at a valid entry gets all-NaN weights (as ``jax.nn.softmax``).
+      NaN at a valid entry gets NaN weights at its valid entries and 0 at the masked ones
+      (as ``jax.nn.softmax``).
 
   Returns:
     float32 (or wider) weights with the shape of ``scores``.
@@ -440,10 +445,12 @@ def apply_weighting(scores: Array, w: Weighting, axis: int = -1,
                     where: Array | None = None) -> Array:
   """:func:`weights` for a resolved Weighting and checked arguments (kernels call this).
 
-  NaN contract: a row with a NaN score at a valid (``where``-True) position is all NaN, for
-  every weighting. Pointwise F propagate NaN through their normalizer by themselves; for the
-  whole-row normalizers (bisection, sorting-free thresholds, cumulative products) the rule is
-  applied explicitly, since their algorithms may turn NaN into finite numbers.
+  NaN contract: a row with a NaN score at a valid (``where``-True) position is NaN at its
+  valid entries and 0 at the masked ones, for every weighting. Pointwise F propagate NaN
+  through their normalizer by themselves; for the whole-row normalizers (bisection,
+  sorting-free thresholds, cumulative products) the rule is applied explicitly, since their
+  algorithms may turn NaN into finite numbers (−∞ scores count as masked there, as these
+  weightings treat them).
   """
   if scores.shape[axis] == 0:  # no keys: nothing to weigh
     return jnp.zeros(scores.shape, jnp.promote_types(scores.dtype, jnp.float32))
@@ -452,9 +459,11 @@ def apply_weighting(scores: Array, w: Weighting, axis: int = -1,
   s = scores.astype(jnp.promote_types(scores.dtype, jnp.float32))
   out = w.fn(s, where, axis)
   nan = jnp.isnan(s)
+  masked = s == -jnp.inf
   if where is not None:
     nan = nan & where
-  return jnp.where(jnp.any(nan, axis=axis, keepdims=True), jnp.nan, out)
+    masked = masked | ~where
+  return jnp.where(jnp.any(nan, axis=axis, keepdims=True), jnp.where(masked, 0.0, jnp.nan), out)
 
 
 # --------------------------------------------------------------------------------------------

@@ -13,9 +13,11 @@ The tests:
   masked row and a never-attended key, a bias), compiled once per implementation and run on
   several inputs: finite inputs give finite outputs and gradients that agree with dense (dense
   itself with the float64 brute force of ``support.reference``); rows without a valid key
-  are zero with zero gradients; NaN/±Inf in masked entries change nothing; NaN/±Inf in valid
-  entries reach exactly the rows the contract names (a numpy rule); a −Inf bias is a score of
-  −Inf. The default run takes one weighting per family of the streaming kernels
+  are zero with zero gradients; NaN/±Inf in masked entries (or in q of a row without a valid
+  key) change no output and no gradient but their own, which is zero; NaN/±Inf in valid
+  entries reach exactly the rows the contract names (a numpy rule), and those rows'
+  gradients reach nothing beyond their dq and the keys they attend; a −Inf bias is a score
+  of −Inf. The default run takes one weighting per family of the streaming kernels
   (``support.contract.FAMILY_SAMPLE``: online max, sum/length/none normalizations, distance
   kernels, SSMax, softpick, stick-breaking, sparsemax, 1.5-entmax, α-entmax by bisection);
   every other weighting is marked ``exhaustive``;
@@ -24,10 +26,9 @@ The tests:
 * empty sequences, bf16/f16 (float64 where x64 is on), p < 1, tile rules, bad inputs (the
   same ValueError as dense), what needs the weights.
 
-One gap of the contract found here is marked ``xfail(strict=True)`` with its cause (the
-outputs are right; some gradients after non-finite numbers in masked entries are not): a
-masked NaN key makes dq NaN and a NaN query row without valid keys makes dk NaN, in every
-implementation.
+Module-level tests hold a NaN query row to independent references (``jax.nn`` for softmax,
+the float64 brute force for the whole-row weightings, each without the row): NaN exactly in
+its dq and in dk, dv of the keys it attends, the rest as without it.
 
 CI cost: the interpreter compiles a program in seconds, so each implementation compiles one
 program per weighting for all the fixed-case tests (:func:`_program` caches them), the fuzz
@@ -47,6 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from support import contract as cl
+from support import reference as ref_lib
 
 from attnx import core
 from attnx.core import pallas_attention as pallas_lib
@@ -258,8 +260,8 @@ class ContractTests:
   @pytest.mark.parametrize("weighting", WEIGHTING_PARAMS)
   def test_nonfinite_masked_entries_change_nothing(self, weighting):
     (out, (dq, dk, dv, dbias)), (o1, g1), (o2, g2), (keys, query) = self._masked_runs(weighting)
-    # Outputs, and the gradients the known gaps (the two tests below) leave alone: those of
-    # the finite entries, but dq after a masked NaN key and dk after a NaN query row.
+    # Outputs, and the gradients of the finite entries (dq after masked k, v and dk after the
+    # NaN query row: the next test; the non-finite entries' own: the one after).
     finite_k, finite_q = np.isfinite(keys.k), np.isfinite(query.q)
     np.testing.assert_array_equal(o1, out, err_msg="masked k, v, bias: output")
     np.testing.assert_array_equal(g1[1][finite_k], dk[finite_k], err_msg="masked k, v: dk")
@@ -270,14 +272,9 @@ class ContractTests:
     np.testing.assert_array_equal(g2[2], dv, err_msg="NaN q of a fully masked row: dv")
     np.testing.assert_array_equal(g2[3], dbias, err_msg="NaN q of a fully masked row: dbias")
 
-  @pytest.mark.xfail(strict=True, reason=(
-      "contract gap in every implementation: attnx.core.contract.nonfinite_inputs turns a bad "
-      "k_j/v_j into k_j = NaN and a bad q_i into q_i = NaN, and the backward forms "
-      "dq = Σ_j dS_ij k_j and dk = Σ_i dS_ij q_i with dS_ij = 0 at masked pairs, so 0·NaN "
-      "makes dq NaN for every row of the key's group (a masked NaN key) and dk NaN for every "
-      "key of the row's group (a NaN query row without valid keys); the outputs are right"))
   @pytest.mark.parametrize("weighting", WEIGHTING_PARAMS)
   def test_nonfinite_masked_entries_leave_the_other_gradients_unchanged(self, weighting):
+    # dS = 0 at masked pairs; the backward's dS·K and dSᵀ·Q take NaN-free copies of q and k.
     (_, (dq, dk, _, _)), (_, g1), (_, g2), _ = self._masked_runs(weighting)
     np.testing.assert_array_equal(g1[0], dq, err_msg="masked k, v: dq")
     np.testing.assert_array_equal(g2[1], dk, err_msg="masked q: dk")
@@ -302,6 +299,31 @@ class ContractTests:
     assert not np.isnan(out[~expected]).any(), "NaN rows are all NaN, the others have none"
     clean = _rows(_run(prog, cl.zeroed(poisoned))[0])  # bad entries replaced by zeros
     np.testing.assert_array_equal(out[~expected], clean[~expected], err_msg="untouched rows")
+
+  @pytest.mark.parametrize("weighting", WEIGHTING_PARAMS)
+  def test_nan_rows_reach_only_their_own_gradients(self, weighting):
+    # A NaN row's gradients are NaN at most in its dq and at the keys (and bias entries) it
+    # attends; everything else is what it is without the row: the inputs' non-finite entries
+    # zeroed and the NaN rows' cotangent 0, so that they add nothing anywhere.
+    score = cl.default_score(weighting)
+    self.require(weighting, score)
+    prog = self.fixed_program(weighting, score)
+    poisoned, nan_rows = cl.poison_valid(cl.fixed_inputs(score))  # nan_rows [B, N, T]
+    _, grads = _run(prog, poisoned)
+    rows_t = nan_rows.transpose(0, 2, 1)  # [B, T, N]
+    without = cl.zeroed(poisoned).replace(
+        ct=np.where(rows_t[..., None], 0.0, poisoned.ct).astype(np.float32))
+    _, want = _run(prog, without)
+    pairs = poisoned.valid & nan_rows[..., None]  # [B, N, T, S]
+    b, n, t, s = pairs.shape
+    kh = poisoned.k.shape[2]
+    keys = pairs.reshape(b, kh, n // kh, t, s).any((2, 3)).transpose(0, 2, 1)  # [B, S, K]
+    for name, g, w, reach in zip(("dq", "dk", "dv", "dbias"), grads, want,
+                                 (rows_t[..., None], keys[..., None], keys[..., None], pairs),
+                                 strict=True):
+      out = ~np.broadcast_to(reach, g.shape)  # (the poisoned entries are all within reach)
+      assert not np.isnan(g[out]).any(), f"{name}: NaN beyond the NaN rows' reach"
+      np.testing.assert_array_equal(g[out], w[out], err_msg=f"{name} beyond the NaN rows' reach")
 
   @pytest.mark.parametrize("weighting", WEIGHTING_PARAMS)
   def test_minus_inf_bias_is_a_score_of_minus_inf(self, weighting):
@@ -576,6 +598,88 @@ class TestPallasTPUInterpret(_Pallas):
     if name == "block_k":
       return block >= 1 and block % 128 == 0
     return block >= 1 and block % (8 if jnp.dtype(dtype).itemsize == 4 else 16) == 0
+
+
+# --------------------------------------------------------------------------------------------
+# A NaN query row against independent references: what its gradients reach, exactly.
+# --------------------------------------------------------------------------------------------
+
+NAN_ROW = (1, 6, 3)  # (batch, query, head) whose q holds a NaN (at entry 2)
+ROW_WEIGHTINGS = [w for w in cl.FAMILY_SAMPLE.values()
+                  if isinstance(wlib.get_weighting(w), wlib.RowNormalizer)]
+
+
+def _nan_row_case():
+  """(q with the NaN, k, v, ct, mask, valid) and the reference inputs (q, ct) without the
+  row: its q finite and its cotangent 0, so that it adds nothing to any gradient. Causal GQA;
+  every row has a valid key (jax.nn averages the values of a row without one)."""
+  rng = np.random.default_rng(11)
+  b, t, s, n, kh, h = 2, 12, 12, 4, 2, 8
+  normal = lambda *shape: rng.standard_normal(shape).astype(np.float32)
+  q, k, v, ct = normal(b, t, n, h), normal(b, s, kh, h), normal(b, s, kh, h), normal(b, t, n, h)
+  mask = rng.random((b, n, t, s)) < 0.7
+  mask[..., 0] = True
+  valid = mask & np.tril(np.ones((t, s), bool))
+  nan_q = q.copy()
+  nan_q[NAN_ROW + (2,)] = np.nan
+  q0, ct0 = q.copy(), ct.copy()
+  q0[NAN_ROW], ct0[NAN_ROW] = 0.0, 0.0
+  return (nan_q, k, v, ct, mask, valid), (q0, ct0)
+
+
+def _nan_row_reach(shapes, valid) -> list[np.ndarray]:
+  """Where out, dq, dk, dv must be NaN: the row's output and dq (but the NaN entry's own
+  gradient, 0), and dk, dv of the keys it attends (of its kv head), every entry."""
+  bi, ti, ni = NAN_ROW
+  kv = ni // (shapes[0][2] // shapes[1][2])
+  out, dq = np.zeros(shapes[0], bool), np.zeros(shapes[0], bool)
+  out[bi, ti, ni] = dq[bi, ti, ni] = True
+  dq[NAN_ROW + (2,)] = False
+  dk = np.zeros(shapes[1], bool)
+  dk[bi, valid[bi, ni, ti], kv] = True
+  return [out, dq, dk, dk.copy()]
+
+
+def _out_and_vjp(f, q, k, v, ct):
+  out, vjp = jax.vjp(f, *(jnp.asarray(a) for a in (q, k, v)))
+  return [np.asarray(x) for x in (out, *vjp(jnp.asarray(ct)))]
+
+
+@pytest.mark.parametrize("implementation", ["dense", "blocked", "pallas"])
+def test_a_nan_query_row_reaches_its_dq_and_its_keys_like_jax_nn(implementation):
+  # Softmax. jax.nn itself makes every key of the row's kv head NaN (its dk and dv take
+  # 0·NaN at masked pairs), so the reference is jax.nn without the row, which must agree with
+  # everything the row does not reach.
+  (q, k, v, ct, mask, valid), (q0, ct0) = _nan_row_case()
+  got = _out_and_vjp(lambda q, k, v: core.attention(
+      q, k, v, mask=mask, is_causal=True, implementation=implementation,
+      interpret=implementation == "pallas"), q, k, v, ct)
+  want = _out_and_vjp(lambda q, k, v: jax.nn.dot_product_attention(
+      q, k, v, mask=jnp.asarray(mask), is_causal=True), q0, k, v, ct0)
+  for name, g, w, nan in zip(("out", "dq", "dk", "dv"), got, want,
+                             _nan_row_reach((q.shape, k.shape), valid), strict=True):
+    np.testing.assert_array_equal(np.isnan(g), nan, err_msg=f"{name}: NaN where it reaches")
+    _assert_close(g[~nan], w[~nan], TOL_DENSE["grad"], f"{name} vs jax.nn")
+
+
+@pytest.mark.parametrize("implementation", ["dense", "blocked"])
+@pytest.mark.parametrize("weighting", ROW_WEIGHTINGS)
+def test_a_nan_query_row_reaches_its_dq_and_its_keys_in_every_whole_row_weighting(
+    implementation, weighting):
+  # The whole-row weightings (sparsemax's and entmax's derivative once hid the NaN: 0 on a
+  # NaN row, or finite values in the streaming kernels), against the float64 brute force
+  # without the row. The Pallas kernels are held to dense's NaN in test_pallas_rows.
+  (q, k, v, ct, mask, valid), (q0, ct0) = _nan_row_case()
+  got = _out_and_vjp(lambda q, k, v: core.attention(
+      q, k, v, mask=mask, is_causal=True, weighting=weighting, implementation=implementation,
+      block_q=8, block_k=8), q, k, v, ct)
+  ref = ref_lib.reference(q0, k, v, weighting=weighting, mask=mask, is_causal=True,
+                          cotangent=ct0)
+  want = [ref.out, ref.grads["q"], ref.grads["k"], ref.grads["v"]]
+  for name, g, w, nan in zip(("out", "dq", "dk", "dv"), got, want,
+                             _nan_row_reach((q.shape, k.shape), valid), strict=True):
+    np.testing.assert_array_equal(np.isnan(g), nan, err_msg=f"{name}: NaN where it reaches")
+    _assert_close(g[~nan], w[~nan], TOL_DENSE["grad"], f"{name} vs the float64 reference")
 
 
 # --------------------------------------------------------------------------------------------

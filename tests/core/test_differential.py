@@ -19,10 +19,14 @@ Two samples (machinery in tests/support/differential.py, reference in tests/supp
 
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
 from support import differential as diff
+
+from attnx.core import blocked_rows
+from attnx.core import weightings as wlib
 
 C = diff.Case
 _NO_PALLAS = dict(pallas="none")
@@ -155,6 +159,13 @@ BRANCH_CASES = (
     C(seed=71, t=40, s=150, weighting="stick_breaking", score="cosine", causal=True,
       mask="rows"),
     C(seed=72, t=1, s=1, n=2, h=1, hv=1, weighting="ssmax"),
+    # Zero-tile skipping: banded inputs (local-attention-like rows), so that whole key tiles
+    # are zero: blocked through the default dispatch (every pass skips), and the Pallas
+    # kernels (output pass and backward skip) with several key tiles per row.
+    C(seed=73, t=700, s=700, weighting="sparsemax", causal=True, structure="banded",
+      only=("auto",)),
+    C(seed=74, t=160, s=160, n=2, weighting="entmax15", causal=True, structure="banded",
+      mask="columns", block_q=16, block_k=128),
 )
 CI_RANDOM = 4
 INSTANCES = 5  # random inputs per configuration in the large run (compiling dominates a case)
@@ -189,6 +200,18 @@ _EXHAUSTIVE_BRANCHES |= {31, 33}
     for c in BRANCH_CASES], ids=lambda c: f"branch{c.seed}")
 def test_branch_case(case):
   _assert_passes(case)
+
+
+@pytest.mark.parametrize("case", [c for c in BRANCH_CASES if c.structure == "banded"],
+                         ids=lambda c: f"branch{c.seed}")
+def test_banded_branch_cases_have_zero_tiles(case):
+  # The skip branch is reached: the blocked kernel's table of all-zero tiles is not empty.
+  x = diff.inputs(case)
+  skipped, visited = blocked_rows.zero_tiles(
+      x["q"], x["k"], x["v"], weighting=wlib.get_weighting(case.weighting),
+      scale=1 / math.sqrt(case.h), mask=x["mask"], is_causal=case.causal,
+      block_q=case.block_q, block_k=case.block_k)
+  assert 0 < int(skipped.sum()) < int(visited.sum())
 
 
 @pytest.mark.parametrize("seed", range(CI_RANDOM))

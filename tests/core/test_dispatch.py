@@ -371,11 +371,14 @@ class DropoutAndReturnedWeights(parameterized.TestCase):
       out, w = core.attention(q[:, :t], kk[:, :s], v[:, :s], return_weights=True, **drop)
       chex.assert_shape((out, w), ((2, t, 4, 8), (2, 4, t, s)))
       assert not jnp.any(out) and not jnp.any(w)
-    # A NaN query row stays NaN through dropout; a fully masked row stays zero; others finite.
+    # A NaN query row stays NaN through dropout (its weights: NaN at its valid keys, 0 at the
+    # masked ones, as jax.nn.softmax's with where); a fully masked row stays zero; others finite.
     q = q.at[:, 3, 1].set(jnp.nan)  # row 3, head 1
     mask = mask.at[:, :, 5, :].set(False)  # row 5, every head
     out, w = core.attention(q, kk, v, mask=mask, return_weights=True, **drop)
-    assert jnp.all(jnp.isnan(out[:, 3, 1])) and jnp.all(jnp.isnan(w[:, 1, 3]))
+    assert jnp.all(jnp.isnan(out[:, 3, 1]))
+    assert jnp.array_equal(jnp.isnan(w[:, 1, 3]), mask[:, 1, 3])
+    assert not jnp.any(w[:, 1, 3][~mask[:, 1, 3]])
     assert not jnp.any(out[:, 5]) and not jnp.any(w[:, :, 5])
     finite = jnp.ones((7,), bool).at[3].set(False)
     chex.assert_tree_all_finite((out[:, finite], w[:, :, finite]))

@@ -349,6 +349,124 @@ def test_nan_rows_and_masked_nan_keys_follow_dense(name, backend):
 
 
 # --------------------------------------------------------------------------------------------
+# Zero-tile skipping (sparsemax, entmax): bit-identical, and every kernel takes the branch.
+# --------------------------------------------------------------------------------------------
+
+CLUSTERS = 3
+
+
+@functools.cache
+def _clustered(backend):
+  """Causal GQA inputs whose query tile i and key tile j point along directions i mod 3 and
+  j mod 3 (scores ≈ 8 apart): a query tile's weights on the key tiles of other directions are
+  all zero, except where a causal row sees no key of its own direction."""
+  bq, bk = BLOCKS[backend]
+  b, t, s, n, kh = 1, 3 * bk + 5, 3 * bk + 5, 2, 1  # causal: rows reach every key tile
+  rng = np.random.default_rng(7)
+  normal = lambda *shape: rng.standard_normal(shape).astype(np.float32)
+  dirs = 4.0 * np.eye(H, dtype=np.float32)[:CLUSTERS]
+  q = dirs[(np.arange(t) // bq) % CLUSTERS][None, :, None] + 0.3 * normal(b, t, n, H)
+  k = dirs[(np.arange(s) // bk) % CLUSTERS][None, :, None] + 0.3 * normal(b, s, kh, H)
+  return q, k, normal(b, s, kh, H), normal(b, t, n, H)
+
+
+def _skip_run(name, backend, skip, ct=None, patch=None):
+  q, k, v, ct0 = _clustered(backend)
+  bq, bk = BLOCKS[backend]
+  w = wlib.get_weighting(name)
+  f = lambda q, k, v, bias: pa.pallas_attention(
+      q, k, v, weighting=w, scale=SCALE, is_causal=True, block_q=bq, block_k=bk,
+      backend=backend, interpret=True, skip_zero_tiles=skip)
+  with pytest.MonkeyPatch.context() as mp:
+    if patch is not None:
+      mp.setattr(streaming, "entmax_zero_tile", patch)
+    return jax.device_get(jax.jit(functools.partial(_out_and_grads, f))(
+        q, k, v, None, ct0 if ct is None else ct))
+
+
+@pytest.mark.parametrize("name,backend", [
+    ("sparsemax", "gpu"), ("entmax15", "tpu"), ("entmax:alpha=1.3", "gpu"),
+    pytest.param("sparsemax", "tpu", marks=pytest.mark.exhaustive),
+    pytest.param("entmax15", "gpu", marks=pytest.mark.exhaustive)])
+def test_skipping_zero_tiles_is_bit_identical_and_matches_dense(name, backend):
+  (out, grads), (out_off, grads_off) = (_skip_run(name, backend, s) for s in (True, False))
+  np.testing.assert_array_equal(out, out_off)
+  for g, g_off in zip(grads, grads_off, strict=True):
+    np.testing.assert_array_equal(g, g_off)
+  q, k, v, ct = _clustered(backend)
+  dense = lambda q, k, v, bias: core.attention(q, k, v, weighting=name, scale=SCALE,
+                                               is_causal=True, implementation="dense")
+  want_out, want_grads = jax.device_get(jax.jit(functools.partial(_out_and_grads, dense))(
+      q, k, v, None, ct))
+  value_tol, grad_tol = LOOSE.get(name, (VALUE_TOL, GRAD_TOL))
+  _check_values(out, want_out, value_tol, "out")
+  for label, g, w in zip("qkv", grads, want_grads, strict=True):
+    _check_grad(g, w, grad_tol, f"d{label}")
+  # The inputs do have zero tiles: whole (query tile, key tile) blocks of zero dense weights.
+  bq, bk = BLOCKS[backend]
+  weights = np.asarray(core.attention_weights(q, k, weighting=name, scale=SCALE,
+                                              is_causal=True))[0, 0]
+  t, s = weights.shape
+  blocks = [weights[i:i + bq, j:j + bk] for i in range(0, t, bq) for j in range(0, s, bk)
+            if j <= i + bq - 1]
+  assert sum(np.all(b == 0) for b in blocks) >= 3
+
+
+@pytest.mark.parametrize("backend", pa.BACKENDS)
+def test_every_kernel_leaves_out_the_tiles_the_zero_test_names(backend):
+  # With a zero test that names every tile, the output pass adds nothing (zero output) and
+  # the dQ and dK/dV kernels add nothing (zero gradients): each kernel asks the test and
+  # skips on its answer. The threshold passes are not skipped (the test is not asked there).
+  out, grads = _skip_run("sparsemax", backend, True, patch=lambda *a, **kw: jnp.bool_(True))
+  np.testing.assert_array_equal(out, 0.0)
+  for g in grads:
+    np.testing.assert_array_equal(g, 0.0)
+  out_off, _ = _skip_run("sparsemax", backend, False, patch=lambda *a, **kw: jnp.bool_(True))
+  assert np.abs(out_off).max() > 0.1  # skip_zero_tiles=False never asks
+
+
+def test_skipping_keeps_the_nan_of_a_nan_cotangent_in_pallas():
+  # A NaN in dO reaches every tile of its row's query tile, zero weights included (0·NaN), as
+  # autodiff of the dense weights gives: that query tile's tiles are not left out.
+  ct = _clustered("gpu")[3].copy()
+  ct[0, 40, 1, 2] = np.nan
+  (_, on), (_, off) = (_skip_run("sparsemax", "gpu", s, ct=ct) for s in (True, False))
+  for g_on, g_off in zip(on, off, strict=True):
+    np.testing.assert_array_equal(g_on, g_off)  # NaN in the same places
+  assert np.isnan(on[1]).any() and not np.isnan(on[1]).all()
+
+
+@pytest.mark.parametrize("ops", [streaming.XLA, pallas_rows.GPU_OPS, pallas_rows.TPU_OPS])
+def test_the_one_tile_zero_test_is_the_table_test(ops):
+  rs = streaming.RowStream("entmax", alpha=1.5)
+  rng = np.random.default_rng(3)
+  # Six key tiles, each lower than the one before: at each τ some tiles are zero, some not.
+  z = rng.standard_normal((6, 8, 16)) - 2.0 * np.arange(6)[:, None, None]
+  z = jnp.asarray(z, jnp.float32)
+  valid = jnp.asarray(rng.random((6, 8, 16)) < 0.8)
+  m = jnp.max(streaming.entmax_x(z, valid, rs), axis=(0, 2))
+  seen = set()
+  for tau in (-0.5, -1.0, -2.0):
+    tau_rows = jnp.full((8,), tau, jnp.float32).at[3].set(tau - 0.3)
+    table = streaming.entmax_zero_tiles(streaming.entmax_tile_max(z, valid, rs), m, tau_rows)
+    one = [bool(streaming.entmax_zero_tile(z[j], valid[j], m, tau_rows, rs, ops))
+           for j in range(6)]
+    np.testing.assert_array_equal(one, np.asarray(table))
+    seen.update(one)
+  assert seen == {True, False}
+  nan_m = m.at[2].set(jnp.nan)  # a NaN row never passes
+  assert not any(bool(streaming.entmax_zero_tile(z[j], valid[j], nan_m, jnp.full(8, -3.0), rs,
+                                                 ops)) for j in range(6))
+
+
+def test_pallas_skip_flag_must_be_bool():
+  q, k, v, _ = _clustered("gpu")
+  with pytest.raises(ValueError, match="skip_zero_tiles"):
+    pa.pallas_attention(q, k, v, weighting=wlib.get_weighting("sparsemax"), scale=SCALE,
+                        backend="gpu", interpret=True, skip_zero_tiles=1)
+
+
+# --------------------------------------------------------------------------------------------
 # Lowering for the real targets (Triton IR, Mosaic MLIR) from this CPU, and the tile rules.
 # --------------------------------------------------------------------------------------------
 

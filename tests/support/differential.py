@@ -79,6 +79,10 @@ class Case:
   mask_bn: str = "xx"  # mask="random": its [B, N] dims, each '1' (broadcast) or 'x' (full)
   per_head: bool = False  # bilinear: W per head [N, H, H] instead of shared [H, H]
   only: tuple[str, ...] | None = None  # restrict to these implementations
+  # "banded": q_i and k_j gain a large component along (cos ωi, sin ωi) / (cos ωj, sin ωj), so
+  # q_i·k_j peaks at i = j and sparsemax/entmax rows have a band of support: the key tiles far
+  # from the diagonal are all zero (the kernels' zero-tile skipping), as local attention.
+  structure: str = "none"
 
   def implementations(self) -> list[str]:
     """The implementations this case runs; on a CPU the automatic choice replaces the
@@ -192,12 +196,25 @@ def draw(seed: int, kind: str | None = None) -> Case:
   pallas = "none" if u < 0.7 else "gpu" if u < 0.9 else "both"
   if ON_GPU:  # compiled kernels are cheap: every case runs them
     pallas = "gpu"
-  return Case(seed=seed, b=b, t=t, s=s, n=kh * g, kh=kh, h=h, hv=hv, pallas=pallas,
+  case = Case(seed=seed, b=b, t=t, s=s, n=kh * g, kh=kh, h=h, hv=hv, pallas=pallas,
               mask_bn="".join(rng.choice(("1", "x")) for _ in range(2)),
               per_head=bool(rng.random() < 0.5),
               dtype="bfloat16" if rng.random() < 0.25 else "float32", weighting=weighting,
               score=score, causal=bool(rng.random() < 0.45), mask=str(rng.choice(MASKS)),
               bias=bias, block_q=block_q, block_k=block_k, magnitude=mag, scale=scale)
+  # Drawn last, so that the fields above are those of the seed before this option existed.
+  if can_band(case) and rng.random() < 0.5:
+    case = dataclasses.replace(case, structure="banded")
+  return case
+
+
+def can_band(case: Case) -> bool:
+  """Whether the banded inputs apply: sparsemax/entmax (the weightings that skip zero tiles),
+  a dot score, float32 (bf16 would round the large band component's scores by O(1)), h ≥ 2."""
+  stream = getattr(wlib.get_weighting(case.weighting), "stream", None)
+  return (stream is not None and stream.needs_threshold and case.h >= 2
+          and case.score in ("dot", "scaled_dot") and case.dtype == "float32"
+          and max(case.t, case.s) > 1)
 
 
 # --------------------------------------------------------------------------------------------
@@ -228,6 +245,8 @@ def inputs(case: Case, instance: int = 0) -> dict[str, Any]:
   arrs = dict(q=normal(case.b, case.t, case.n, case.h), k=normal(case.b, case.s, case.kh, case.h),
               v=np.asarray(rng.standard_normal((case.b, case.s, case.kh, case.hv)), dt),
               ct=np.asarray(rng.standard_normal((case.b, case.t, case.n, case.hv)), dt))
+  if case.structure == "banded":
+    _add_band(case, arrs)
   arrs["mask"] = _mask(case, rng)
   arrs["bias"] = None
   if case.bias:
@@ -249,6 +268,26 @@ def inputs(case: Case, instance: int = 0) -> dict[str, Any]:
               "v": rng.standard_normal(6).astype(np.float32)}
   arrs["score_params"] = params
   return arrs
+
+
+def _add_band(case: Case, arrs: dict[str, Any]) -> None:
+  """Sets q_i's first two dims to A·(cos ωi, sin ωi) and k_j's to A·(cos ωj, sin ωj): the
+  scores become c·cos(ω(i − j)) plus the other dims' noise, c = A²·scale, with ω = π / max(T, S)
+  (one peak, at i = j) and c such that without noise sparsemax's support is a band of about a
+  twentieth of the length on each side (c·(1 − cos ωd) = 1 at d = L/20)."""
+  w = wlib.get_weighting(case.weighting)
+  length = max(case.t, case.s)
+  omega = math.pi / length
+  scale = case.scale if case.scale is not None else (
+      1.0 / math.sqrt(case.h) if case.score == "scaled_dot" else 1.0)
+  c = 2.0 / (omega * 0.05 * length) ** 2 / (w.stream.alpha - 1.0) / w.stream.scale
+  amp = math.sqrt(c / scale)
+  for name, n in (("q", case.t), ("k", case.s)):
+    phase = omega * np.arange(n)
+    band = amp * np.stack([np.cos(phase), np.sin(phase)], axis=-1)  # [n, 2]
+    x = arrs[name].astype(np.float32)
+    x[..., :2] = band[None, :, None, :]
+    arrs[name] = x.astype(arrs[name].dtype)
 
 
 # --------------------------------------------------------------------------------------------

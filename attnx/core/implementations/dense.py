@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from attnx.core import rownorm
 from attnx.core import scores as scores_lib
 from attnx.core import weightings as weightings_lib
-from attnx.core.contract import nonfinite_inputs
+from attnx.core.contract import finite, nonfinite_inputs
 from attnx.core.implementations.base import Implementation, Inputs, Problem
 
 Array = jax.Array
@@ -42,17 +42,30 @@ def combined_mask(mask: Array | None, is_causal: bool, t: int, s: int) -> Array 
 
 def dense_scores(q: Array, k: Array, bias: Array | None, sc: scores_lib.Score,
                  params: dict[str, Any], scale: float | Array) -> Array:
-  """[B, N, T, S] float32 scores (scale and bias applied); k already has N heads."""
+  """[B, N, T, S] float32 scores (scale and bias applied); k already has N heads.
+
+  q and k come from :func:`~attnx.core.contract.nonfinite_inputs` (NaN their only non-finite
+  value). The score is formed from their :func:`~attnx.core.contract.finite` copies, and a
+  NaN added to the rows of a NaN q_i and the columns of a NaN k_j outside autodiff: the
+  scores are NaN at exactly the same pairs, but the gradients of q, k (and of the scale and
+  score parameters) are products of dS with finite numbers only. dS is 0 at masked pairs,
+  and 0·NaN would otherwise make a masked NaN key poison dq of every row, and a NaN query row
+  without valid keys dk of every key (the streaming kernels' backward does the same).
+  """
+  q_f, k_f = finite(q), finite(k)
   if isinstance(scale, float) and scale == 1.0:
-    s = sc.dense(q, k, **params)
+    s = sc.dense(q_f, k_f, **params)
   elif (q.dtype == jnp.float32 and isinstance(scale, float)
         and any(sc is scores_lib.get_score(n) for n in _LINEAR_IN_Q)):
-    s = sc.dense(q * scale, k, **params)  # one pass over T×H instead of T×S
+    s = sc.dense(q_f * scale, k_f, **params)  # one pass over T×H instead of T×S
   else:
-    s = sc.dense(q, k, **params) * scale
+    s = sc.dense(q_f, k_f, **params) * scale
   if bias is not None:
     s = s + bias.astype(s.dtype)
-  return s
+  nan_of = lambda x: jnp.where(jnp.any(jnp.isnan(x), axis=-1), jnp.nan, 0.0).astype(s.dtype)
+  rows = jnp.swapaxes(nan_of(q), -1, -2)[..., :, None]  # [..., T, N] -> [..., N, T, 1]
+  cols = jnp.swapaxes(nan_of(k), -1, -2)[..., None, :]  # [..., S, N] -> [..., N, 1, S]
+  return s + jax.lax.stop_gradient(rows + cols)  # + 0 where finite: s unchanged
 
 
 def repeat_kv(x: Array, n: int) -> Array:

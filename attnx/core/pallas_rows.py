@@ -148,9 +148,15 @@ def _tile_fn(cfg, i, bq, bk, qs, load_k, bias_cols, mask_cols, q_len, kv_len):
     ks = load_k(c0)
     z = pk._scores(cfg, qs, ks, bias_cols(c0))
     valid = pk._valid(cfg, (bq, bk), i * bq, c0, mask_cols(c0), q_len, kv_len)
-    scored = z != -jnp.inf  # a score of −∞ is a masked key (NaN stays valid: the row is NaN)
-    return z, (scored if valid is None else valid & scored), ks
+    return z, _scored(z, valid), ks
   return tile
+
+
+def _scored(z, valid):
+  """valid without the keys whose score is −∞, which are masked (NaN stays valid: the row is
+  NaN); ``valid`` None means every key."""
+  scored = z != -jnp.inf
+  return scored if valid is None else valid & scored
 
 
 def _forward_rows(cfg, tile, load_v, hi, rowc, bq: int, hv: int):
@@ -258,9 +264,7 @@ def _dkv_step(cfg, dkv, j, i, qs, dos, ks, vs, bias_t, mask_t, q_len, kv_len, st
   rs, ops = _rs(cfg), _ops(cfg)
   bq, bk = cfg.bq_dkv, cfg.bk_dkv
   z = pk._scores(cfg, qs, ks, bias_t)
-  valid = pk._valid(cfg, (bq, bk), i * bq, j * bk, mask_t, q_len, kv_len)
-  scored = z != -jnp.inf  # a score of −∞ is a masked key
-  valid = scored if valid is None else valid & scored
+  valid = _scored(z, pk._valid(cfg, (bq, bk), i * bq, j * bk, mask_t, q_len, kv_len))
 
   def grad(dkv):
     dk, dv = dkv
@@ -442,8 +446,7 @@ def _gpu_dkv_kernel(*refs, cfg, has_bias, has_mask):
   stat_refs = _stat_refs(r, cfg)
 
   def head(h, carry):
-    def q_block(i, carry):
-      dk, dv = carry
+    def q_block(i, dkv):
       rows = pl.ds(i * bq, bq)
       qs, dos = pk._load_chunks3(q_ref, rows, h, hc), pk._load_chunks3(do_ref, rows, h, vc)
       bias_t = mask_t = None
@@ -458,7 +461,7 @@ def _gpu_dkv_kernel(*refs, cfg, has_bias, has_mask):
       carry = st.GradCarry(jnp.zeros((bq,), F32), jnp.zeros((bq,), F32))
       if r["ca"] is not None:
         carry = st.GradCarry(r["ca"][h, j, rows], r["cb"][h, j, rows])
-      return _dkv_step(cfg, (dk, dv), j, i, qs, dos, ks, vs, bias_t, mask_t, q_len, kv_len,
+      return _dkv_step(cfg, dkv, j, i, qs, dos, ks, vs, bias_t, mask_t, q_len, kv_len,
                        stats, r["delta"][h, rows], rowc, carry)
     return lax.fori_loop(lo, hi, q_block, carry)
 
@@ -680,8 +683,7 @@ def _tpu_dkv_kernel(*refs, cfg, has_bias, has_mask):
   stat_refs = _stat_refs(r, cfg)
 
   def head(h, carry):
-    def q_block(i, carry):
-      dk, dv = carry
+    def q_block(i, dkv):
       rows = pl.ds(pl.multiple_of(i * bq, 8), bq)
       qs, dos = [q_ref[h, rows, :]], [do_ref[h, rows, :]]
       bias_t = mask_t = None
@@ -696,7 +698,7 @@ def _tpu_dkv_kernel(*refs, cfg, has_bias, has_mask):
       carry = st.GradCarry(jnp.zeros((bq,), F32), jnp.zeros((bq,), F32))
       if r["ca"] is not None:
         carry = st.GradCarry(_col(r["ca"][h, rows, :], j), _col(r["cb"][h, rows, :], j))
-      return _dkv_step(cfg, (dk, dv), j, i, qs, dos, ks, vs, bias_t, mask_t, q_len, kv_len,
+      return _dkv_step(cfg, dkv, j, i, qs, dos, ks, vs, bias_t, mask_t, q_len, kv_len,
                        stats, _lane0(r["delta"][h, rows, :]), rowc, carry)
     return lax.fori_loop(lo, hi, q_block, carry)
 

@@ -16,7 +16,12 @@ per row the remaining stick and Σ A·dP of the keys already visited), query blo
 and the per-row carries are updated in place). Saved: the output, one to three row statistics,
 and for entmax Σu·v/Σu — O(T·H) memory.
 
-Layout, tiles, masks, padding and chunks of heads are those of :mod:`attnx.core.blocked`.
+SSMax on full rows without a bias, in float32, is softmax of (c_i·q_i)·k and runs in the
+pointwise kernel of :mod:`attnx.core.blocked` (:func:`_ssmax_as_softmax`); causal, with a bias
+or with 16-bit inputs, here.
+
+Layout, masks, padding and chunks of heads are those of :mod:`attnx.core.blocked`; the tiles
+are chosen per family (:func:`causal_block_sizes`, measured).
 """
 
 from __future__ import annotations
@@ -31,17 +36,32 @@ from jax import lax
 from attnx.core import blocked as bl
 from attnx.core import streaming as st
 from attnx.core.contract import finite, nonfinite_inputs
-from attnx.core.weightings import RowNormalizer
+from attnx.core.weightings import RowNormalizer, get_weighting
 
 Array = jax.Array
 F32 = jnp.float32
 
-# Causal query blocks are short so that the tiles above the diagonal can be skipped; the key
-# tiles are those of the pointwise kernel.
-CAUSAL_BLOCK_Q = 256
+# Causal tiles (block_q, block_k): query blocks short enough that the tiles above the diagonal
+# are skipped, and, measured side by side (2-core Xeon, causal fwd+bwd time over blocked
+# softmax, 1×4096×4×64 unless named; tiles 256×256 → 512×512):
+#   softpick 1.41 → 1.09 (1×8192×2×64: 1.82 → 1.23), sparsemax 3.47 → 2.65, 1.5-entmax
+#   3.71 → 2.56, α = 1.3 5.22 → 4.03; at 2×1024×8×64 softpick 1.11 → 1.10, sparsemax
+#   2.47 → 2.32.
+# Stick-breaking, whose tiles hold the most intermediates (log σ, the in-tile cumulative sums),
+# is slower with 512 keys a tile (2.30 → 2.51) and fastest with 512×256 from T = 2048 on
+# (1×2048×8×64: 1.99 → 1.88; 1×4096×4×64: 2.30 → 2.03; 1×8192×2×64: 3.01 → 2.47) but with
+# 256×256 below (2×1024×8×64: 1.64, 512×256: 1.87).
+# Full (non-causal) rows keep the pointwise kernel's query blocks (4096 rows at this shape) with
+# key tiles of 512 but for stick-breaking (1×4096×4×64, fwd+bwd, ÷ blocked softmax, 256 → 512
+# keys a tile): softpick 1.27 → 1.20, sparsemax 3.12 → 2.86, 1.5-entmax 3.30 → 3.00, α = 1.3
+# 5.44 → 5.21; stick-breaking 2.35 → 3.31.
+CAUSAL_BLOCK_Q = 512
+BLOCK_K = 512
+STICK_BLOCK_K = 256
+STICK_SHORT_BLOCK_Q, STICK_SHORT_T = 256, 2048
 
-__all__ = ["CAUSAL_BLOCK_Q", "blocked_row_attention", "streams", "threshold_passes",
-           "zero_tiles"]
+__all__ = ["BLOCK_K", "CAUSAL_BLOCK_Q", "STICK_BLOCK_K", "blocked_row_attention",
+           "causal_block_sizes", "streams", "threshold_passes", "zero_tiles"]
 
 
 def streams(weighting: Any) -> bool:
@@ -393,17 +413,69 @@ def _valid_counts(b: int, n: int, t: int, s: int, bias, mask, is_causal: bool) -
   return jnp.broadcast_to(jnp.sum(valid, axis=-1, dtype=F32), (b, n, t))
 
 
-def _problem(t: int, s: int, g: int, b: int, kv_heads: int, is_causal: bool, block_q, block_k):
-  bq, bk = bl.default_block_sizes(t, s, g)
+def _ssmax_row_scales(q, k, bias, mask, rs: st.RowStream, is_causal: bool, ssmax_s) -> Array:
+  """SSMax's c_i = s·log n_i, [B, N, T] float32 (s: the weighting's, or ``ssmax_s``)."""
+  b, t, n, _ = q.shape
+  s = k.shape[1]
+  bias4 = None if bias is None else bias.reshape((1,) * (4 - bias.ndim) + bias.shape)
+  mask4 = None if mask is None else mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
+  sv = jnp.asarray(rs.s if ssmax_s is None else ssmax_s, F32)
+  if sv.ndim:  # one s per query head
+    sv = jnp.broadcast_to(sv.reshape(-1), (n,))[None, :, None]
+  return st.row_scale(rs, _valid_counts(b, n, t, s, bias4, mask4, is_causal), sv)
+
+
+def _ssmax_as_softmax(q, k, v, mask, weighting, scale, is_causal, block_q, block_k,
+                      ssmax_s) -> Array:
+  """SSMax without a bias, in float32: softmax of (c_i·q_i)·k, the pointwise kernel
+  (:func:`attnx.core.blocked.blocked_attention`) on the rows of q scaled by c_i = s·log n_i.
+
+  Taken for full (non-causal) rows, where it is as fast as softmax and the row kernel 1.18×
+  (2-core Xeon, fwd+bwd, 1×4096×4×64, side by side). Causal rows stay in the row kernel:
+  1.10× softmax there (the pointwise kernel's causal triangle: 1.00×), but its scratch at
+  T = 65 536 is 100 MiB where the triangle's is 620 MiB.
+
+  The gradient of c_i is Σ_h dq'_ih·q_ih with q's finite copy (:func:`finite`): a NaN q_i of
+  a row without a valid key (dq' = 0) must not reach a learned s; where the row attends a
+  key, dq' is NaN and so is dc_i, as in the row kernel.
+  """
+  c = _ssmax_row_scales(q, k, None, mask, weighting.stream, is_causal, ssmax_s)
+  c = jnp.transpose(c, (0, 2, 1))[..., None]  # [B, T, N, 1]
+  q, _, _, _ = nonfinite_inputs(q, k, None, None)
+  c_fixed = lax.stop_gradient(c)
+  q_scaled = c_fixed * q + (c - c_fixed) * finite(q)  # the value c·q; dc from the finite copy
+  return bl.blocked_attention(q_scaled, k, v, weighting=get_weighting("softmax"), scale=scale,
+                              mask=mask, is_causal=is_causal, block_q=block_q, block_k=block_k)
+
+
+def causal_block_sizes(family: str, t: int, s: int, group: int = 1) -> tuple[int, int]:
+  """Default causal (block_q, block_k) of a streaming family for T queries, S keys and
+  ``group`` query heads per kv head (see :data:`CAUSAL_BLOCK_Q`): capped at the (8-aligned)
+  lengths and, like the pointwise kernel's, at :data:`attnx.core.blocked.TILE_BUDGET` scores
+  per tile."""
+  stick = family == "stick_breaking"
+  bk = min(STICK_BLOCK_K if stick else BLOCK_K, bl._round_up(max(s, 1), bl._ALIGN))
+  bq = STICK_SHORT_BLOCK_Q if stick and t < STICK_SHORT_T else CAUSAL_BLOCK_Q
+  budget = max(bl._ALIGN, (bl.TILE_BUDGET // (bk * max(group, 1))) // bl._ALIGN * bl._ALIGN)
+  return min(bq, budget, bl._round_up(max(t, 1), bl._ALIGN)), bk
+
+
+def _problem(family: str, t: int, s: int, g: int, b: int, kv_heads: int, is_causal: bool,
+             block_q, block_k):
   if is_causal:
-    bq = min(bq, CAUSAL_BLOCK_Q)
+    bq, bk = causal_block_sizes(family, t, s, g)
+  else:  # the pointwise kernel's query blocks, key tiles of BLOCK_K (stick-breaking: 256)
+    bq, bk = bl.default_block_sizes(t, s, g)
+    if family != "stick_breaking":
+      bk = min(BLOCK_K, bl._round_up(max(s, 1), bl._ALIGN))
   bq = min(block_q, bl._round_up(t, bl._ALIGN)) if block_q else bq
   bk = min(block_k, bl._round_up(s, bl._ALIGN)) if block_k else bk
   return bq, bk, bl.heads_per_chunk(b, kv_heads, g, bq, bk)
 
 
 def _cfg(weighting, t, s, b, kv_heads, g, is_causal, block_q, block_k, has_mask, has_bias):
-  bq, bk, heads_in_chunk = _problem(t, s, g, b, kv_heads, is_causal, block_q, block_k)
+  bq, bk, heads_in_chunk = _problem(weighting.stream.family, t, s, g, b, kv_heads, is_causal,
+                                    block_q, block_k)
   return bl._Cfg(w=weighting, t=t, s=s, bq=bq, bk=bk, is_causal=is_causal, has_mask=has_mask,
                  has_bias=has_bias, head_dims=(b, kv_heads, g), kv_heads=kv_heads,
                  heads_in_chunk=heads_in_chunk)
@@ -421,12 +493,7 @@ def _inputs(q, k, v, bias, mask, weighting, is_causal, block_q, block_k, ssmax_s
   rs = weighting.stream
   row_scales = None
   if rs.needs_row_scale:
-    bias4 = None if bias is None else bias.reshape((1,) * (4 - bias.ndim) + bias.shape)
-    mask4 = None if mask is None else mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
-    sv = jnp.asarray(rs.s if ssmax_s is None else ssmax_s, F32)
-    if sv.ndim:  # one s per query head
-      sv = jnp.broadcast_to(sv.reshape(-1), (n,))[None, :, None]
-    c = st.row_scale(rs, _valid_counts(b, n, t, s, bias4, mask4, is_causal), sv)
+    c = _ssmax_row_scales(q, k, bias, mask, rs, is_causal, ssmax_s)
     row_scales = bl._pad_axis(c.reshape(b * kv_heads, g, t), 2, tp)
   q, k, v, bias = nonfinite_inputs(q, k, v, bias)
   q4 = bl._pad_axis(q.transpose(0, 2, 1, 3).reshape(b * kv_heads, g, t, h), 2, tp)
@@ -459,8 +526,10 @@ def blocked_row_attention(q: Array, k: Array, v: Array, *, weighting: RowNormali
     bias: optional additive bias broadcastable to [B, N, T, S] (4-D, size-1 dims allowed).
     mask: optional boolean mask broadcastable to [B, N, T, S]; True = attend.
     is_causal: query i attends key j ≤ i (top-left aligned).
-    block_q, block_k: tile sizes (default: the pointwise kernel's, with query blocks of at most
-      :data:`CAUSAL_BLOCK_Q` rows when causal so that tiles above the diagonal are skipped).
+    block_q, block_k: tile sizes (default, measured per family: :func:`causal_block_sizes`
+      when causal, whose query blocks are short enough that tiles above the diagonal are
+      skipped; else the pointwise kernel's query blocks and key tiles of :data:`BLOCK_K`,
+      stick-breaking's of :data:`STICK_BLOCK_K`).
     ssmax_s: SSMax only: s as a scalar or one value per query head [N] (an array gets a
       gradient); default the weighting's own s.
     skip_zero_tiles: sparsemax/entmax only: leave out the key tiles in which every weight of
@@ -476,9 +545,12 @@ def blocked_row_attention(q: Array, k: Array, v: Array, *, weighting: RowNormali
   b, t, n, _ = q.shape
   if q.size == 0 or k.shape[1] == 0:  # no query, or no key (every row has no valid key)
     return jnp.zeros((b, t, n, v.shape[-1]), q.dtype)
-  arrays, cfg = _inputs(q, k, v, bias, mask, weighting, is_causal, block_q, block_k, ssmax_s)
   if not isinstance(skip_zero_tiles, bool):
     raise ValueError(f"skip_zero_tiles must be a bool, got {skip_zero_tiles!r}")
+  if weighting.stream.needs_row_scale and bias is None and q.dtype == F32 and not is_causal:
+    return _ssmax_as_softmax(q, k, v, mask, weighting, scale, is_causal, block_q, block_k,
+                             ssmax_s)
+  arrays, cfg = _inputs(q, k, v, bias, mask, weighting, is_causal, block_q, block_k, ssmax_s)
   out = _make_kernel(cfg, skip_zero_tiles)(*arrays, jnp.asarray(scale, F32))
   return out[:, :, :t].reshape(b, n, t, -1).transpose(0, 2, 1, 3)
 

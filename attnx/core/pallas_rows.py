@@ -65,8 +65,8 @@ LANES = pk.LANES
 # for α ∉ {1.5, 2} jaxlib 0.11.2 segfaulted compiling it for an H100 (2026-11-25; not reduced
 # to a smaller kernel: a while_loop around libdevice calls alone compiles).
 GPU_OPS = st.Ops(cumsum_matmul=True, concat_pv=False, all_rows=False, threshold_loop="fori")
-# Mosaic: no cumsum, no expm1, a sign that needs the TPU's generation to lower.
-TPU_OPS = st.Ops(cumsum_matmul=True, expm1=False, sign=False)
+# Mosaic: no cumsum, a sign that needs the TPU's generation to lower.
+TPU_OPS = st.Ops(cumsum_matmul=True, sign=False)
 # VMEM a TPU program may use (whole-sequence blocks, double-buffered): about 3/4 of the 128 MiB
 # of a v5e / v6e core; the compiler limit is raised to the estimate.
 TPU_VMEM_LIMIT = 96 * 2**20

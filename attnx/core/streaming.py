@@ -66,7 +66,6 @@ FAMILIES = ("ssmax", "softpick", "stick_breaking", "entmax")
 # Newton/bisection passes for the threshold: bisection alone reaches float32 resolution of
 # τ ∈ [−1, 0] in 25, and Newton's method needs ~4–8 where it applies.
 MAX_THRESHOLD_PASSES = 40
-_EXPM1_SAFE = 80.0  # e^80 is far from float32 overflow (e^88.7)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,8 +82,6 @@ class Ops:
     cumsum_matmul: stick-breaking's reverse exclusive cumsum along a tile's keys as matmuls
       with the strictly triangular 0/1 matrix (float32 split into three bfloat16 parts, each
       product exact, float32 accumulation): Triton lowers no reverse cumsum, Mosaic no cumsum.
-    expm1: softpick's eᶻ − 1 by ``jnp.expm1`` (True), or from exp and log (Kahan's
-      (u − 1)·z / log u, u = eᶻ, within a few ulp): Mosaic lowers no expm1.
     concat_pv: entmax's Σp·v and Σu·v as one matmul of the stacked rows [p; u] (True) or as
       two: Triton concatenates only [..., 1] arrays.
     all_rows: the threshold loop stops when every row is done, tested with ``jnp.all`` (True)
@@ -107,7 +104,6 @@ class Ops:
   """
 
   cumsum_matmul: bool = False
-  expm1: bool = True
   concat_pv: bool = True
   all_rows: bool = True
   sign: bool = True
@@ -460,25 +456,26 @@ def _ssmax_finalize(st: MaxState) -> tuple[Array, tuple[Array, ...]]:
   return _safe_div(st.acc, st.l), (lse,)
 
 
-def _expm1(x: Array, ops: Ops) -> Array:
-  """eˣ − 1 (x ≤ 80): ``jnp.expm1``, or Kahan's (u − 1)·x / log u (u = eˣ) without expm1."""
-  if ops.expm1:
-    return jnp.expm1(x)
-  u = jnp.exp(x)
-  um1 = u - 1.0
-  exact = (um1 == 0.0) | (u == 0.0)  # x ≈ 0 (eˣ − 1 ≈ x) or eˣ = 0 (eˣ − 1 = −1)
-  ratio = um1 * x / jnp.log(jnp.where(exact, 2.0, u))
-  return jnp.where(exact, jnp.where(u == 0.0, -1.0, x), ratio)
+# Below this |z| softpick's eᶻ − 1 is a Taylor polynomial: e^{z−m} − e^{−m} would lose up to
+# log2(e^z/|e^z − 1|) bits to cancellation (3 bits at |z| = 1/8, all of them as z → 0).
+_TAYLOR_Z = 0.125
 
 
-def _softpick_d(z: Array, valid: Array, m: Array, ops: Ops = XLA) -> Array:
-  """e^{−m}(eᶻ − 1) on valid keys (0 elsewhere), m ≥ max(0, z): with expm1 while it is exact."""
+def _scaled_expm1(z: Array, e_shifted: Array, e_neg_shift: Array) -> Array:
+  """e^{−c}(eᶻ − 1) from e_shifted = e^{z−c} and e_neg_shift = e^{−c}, with one exponential per
+  entry (the caller's e^{z−c}): e^{z−c} − e^{−c} where |z| ≥ 1/8 (≤ 3 bits of cancellation:
+  relative error ≲ 1e-6), the degree-6 Taylor polynomial of eᶻ − 1 times e^{−c} below
+  (truncation ≤ 1e-9 relative). Nothing overflows where e^{z−c} and e^{−c} are finite, where
+  eᶻ − 1 alone overflows past z ≈ 88 (a second exponential for those rows)."""
+  taylor = z * (1.0 + z * (1 / 2 + z * (1 / 6 + z * (1 / 24 + z * (1 / 120 + z * (1 / 720))))))
+  return jnp.where(jnp.abs(z) < _TAYLOR_Z, taylor * e_neg_shift, e_shifted - e_neg_shift)
+
+
+def _softpick_d(z: Array, valid: Array, m: Array) -> Array:
+  """e^{−m}(eᶻ − 1) on valid keys (0 elsewhere), m ≥ max(0, z)."""
   zv = _masked(z, valid)
   mm = m[..., None]
-  small = mm < _EXPM1_SAFE
-  d_small = jnp.exp(-jnp.minimum(mm, _EXPM1_SAFE)) * _expm1(jnp.minimum(zv, _EXPM1_SAFE), ops)
-  d_large = jnp.exp(zv - mm) - jnp.exp(-mm)
-  return jnp.where(valid, jnp.where(small, d_small, d_large), 0.0)
+  return jnp.where(valid, _scaled_expm1(zv, jnp.exp(zv - mm), jnp.exp(-mm)), 0.0)
 
 
 def _pv_split(p: Array, v: Array) -> Array:
@@ -502,7 +499,7 @@ def _pv_split(p: Array, v: Array) -> Array:
 
 def _softpick_update(st: MaxState, z: Array, valid: Array, v: Array, ops: Ops = XLA) -> MaxState:
   m_new = jnp.maximum(st.m, jnp.max(_masked(z, valid, -jnp.inf), axis=-1))  # m starts at 0
-  d = _softpick_d(z, valid, m_new, ops)
+  d = _softpick_d(z, valid, m_new)
   corr = jnp.exp(st.m - m_new)
   return MaxState(st.acc * corr[..., None] + _pv_split(jax.nn.relu(d), v),
                   st.l * corr + jnp.sum(jnp.abs(d), axis=-1), m_new)
@@ -849,10 +846,8 @@ def tile_grad(rs: RowStream, z: Array, valid: Array, dp: Array, stats: tuple[Arr
     (lse,) = stats
     zv = _masked(z, valid)
     e = jnp.where(valid, jnp.exp(zv - row(lse)), 0.0)
-    small = zv < _EXPM1_SAFE
-    p = jnp.where(small, jnp.exp(-row(lse)) * _expm1(jnp.minimum(zv, _EXPM1_SAFE), ops),
-                  e - jnp.exp(-row(lse)))
-    p = jnp.where(valid, jax.nn.relu(p), 0.0)
+    # lse ≥ log ε (m ≥ 0 and the denominator ≥ ε·e^{−m}): e^{−lse} ≤ 1/ε, no overflow.
+    p = jnp.where(valid, jax.nn.relu(_scaled_expm1(zv, e, jnp.exp(-row(lse)))), 0.0)
     sign = (jnp.sign(zv) if ops.sign
             else jnp.where(zv > 0, 1.0, jnp.where(zv < 0, -1.0, zv)))  # zv: ±0 and NaN
     dz = e * (jnp.where(zv > 0, dp, 0.0) - sign * row(delta))

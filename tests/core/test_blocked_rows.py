@@ -326,15 +326,17 @@ def _ssmax_dense(q, k, v, bias, mask, s, causal):
   return jnp.einsum("bnts,bsnh->btnh", p, vv)
 
 
-def _ssmax_learned(case, causal):
+def _ssmax_learned(case, causal, with_bias=True):
   q, k, v, bias, mask, ct = _inputs(case)
+  if not with_bias:  # blocked: no bias (the softmax kernel on scaled q); dense: a zero bias
+    bias = jnp.zeros((1, 1, 1, 1), jnp.float32)
   if mask is None:
     mask = np.ones((1, 1, 1, k.shape[1]), bool)
   s = jnp.asarray([0.5, 1.0, 1.7, 2.5][:q.shape[2]], jnp.float32)
   w = wlib.get_weighting("ssmax")
   blocked = lambda q, k, v, bias, s: blocked_row_attention(
-      q, k, v, weighting=w, scale=SCALE, bias=bias, mask=mask, is_causal=causal, block_q=BQ,
-      block_k=BK, ssmax_s=s)
+      q, k, v, weighting=w, scale=SCALE, bias=bias if with_bias else None, mask=mask,
+      is_causal=causal, block_q=BQ, block_k=BK, ssmax_s=s)
   dense = lambda q, k, v, bias, s: _ssmax_dense(q, k, v, bias, mask, s, causal)
 
   @jax.jit
@@ -359,6 +361,40 @@ def test_ssmax_learned_s_gradient(case, causal, chunk, monkeypatch):
   for label, g, w in zip(("q", "k", "v", "bias", "s"), gb, gd, strict=True):
     _check_grad(g, w, GRAD_TOL, f"d{label}")
   assert gb[4].shape == (4,) and np.all(np.abs(gd[4]) > 1e-3)  # every head's s matters
+
+
+@pytest.mark.parametrize("case,causal", [("full", False), ("causal_t_lt_s", False),
+                                         ("causal_t_lt_s", True)])
+def test_ssmax_without_bias_runs_softmax_on_scaled_queries(case, causal, monkeypatch):
+  # float32 SSMax on full rows without a bias is softmax of (c_i·q_i)·k: the pointwise kernel
+  # runs it. Causal rows stay in the row kernel (O(T) scratch, unlike the causal triangle).
+  calls = []
+  real = blocked_lib.blocked_attention
+  monkeypatch.setattr(blocked_lib, "blocked_attention",
+                      lambda *a, **kw: calls.append(kw["weighting"].name) or real(*a, **kw))
+  (ob, gb), (od, gd) = _ssmax_learned(case, causal, with_bias=False)
+  assert (calls == []) if causal else (calls and set(calls) == {"softmax"})
+  _check_values(ob, od, VALUE_TOL, "out")
+  for label, g, w in zip(("q", "k", "v", "s"), gb[:3] + gb[4:], gd[:3] + gd[4:], strict=True):
+    _check_grad(g, w, GRAD_TOL, f"d{label}")
+  assert np.all(np.abs(gd[4]) > 1e-3)  # every head's s matters
+
+
+def test_ssmax_nan_query_of_an_empty_row_does_not_reach_a_learned_s():
+  # Query 3 of batch 0 has no valid key ("full"'s mask): a NaN there changes no gradient.
+  q, k, v, _, mask, ct = _inputs("full")
+  s = jnp.asarray([0.5, 1.0, 1.7, 2.5], jnp.float32)
+  w = wlib.get_weighting("ssmax")
+
+  def grads(q):
+    loss = lambda q, k, v, s: jnp.sum(blocked_row_attention(
+        q, k, v, weighting=w, scale=SCALE, mask=mask, block_q=BQ, block_k=BK, ssmax_s=s) * ct)
+    return jax.grad(loss, argnums=(0, 1, 2, 3))(q, k, v, s)
+
+  q = jnp.asarray(q)
+  clean, poisoned = grads(q), grads(q.at[0, 3].set(jnp.nan))
+  for label, a, b in zip("qkvs", clean, poisoned, strict=True):
+    np.testing.assert_array_equal(np.asarray(b), np.asarray(a), err_msg=f"d{label}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -424,7 +460,7 @@ def _long(name):
   ct = rng.standard_normal((1, LONG, 1, 8)).astype(np.float32)
 
   def attn(impl):
-    # Default query blocks (causal: at most CAUSAL_BLOCK_Q rows), 18 key tiles of 64.
+    # Default query blocks (blocked_rows.causal_block_sizes: 256 or 512 rows), 18 key tiles of 64.
     return lambda q, k, v: core.attention(q, k, v, weighting=name, is_causal=True,
                                           implementation=impl, block_k=64)
 

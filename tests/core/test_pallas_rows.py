@@ -635,13 +635,25 @@ def test_kernel_ops_agree_with_xla_ops(name, backend):
     np.testing.assert_allclose(got, want, rtol=2e-6, atol=2e-6 * max(1.0, np.max(np.abs(want))))
 
 
-def test_kahan_expm1_and_comparison_sign_match_xla():
+def test_softpick_scaled_expm1_matches_float64():
+  # e^{−c}(eᶻ − 1) from one exponential: Taylor below |z| = 1/8, a difference above, for the
+  # shifts the kernels use (the running max m ≥ max(0, z) and lse ≥ log ε).
+  x = np.asarray([0.0, -0.0, 1e-30, -1e-30, 1e-7, -1e-7, 0.1249, -0.1249, 0.125, -0.125, 0.3,
+                  -0.3, 5.0, -20.0, -200.0, 80.0, 95.0], np.float32)
+  for c in (-13.8, 0.0, 5.0, 95.0, 300.0):
+    z = x[x <= max(c, 0.0)] if c >= 0 else x[np.abs(x) < 1]
+    zj = jnp.asarray(z)
+    got = streaming._scaled_expm1(zj, jnp.exp(zj - c), jnp.exp(jnp.float32(-c)))
+    want = np.exp(-c) * np.expm1(z.astype(np.float64))
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-37, err_msg=f"c = {c}")
+    normal = np.abs(want) > 1e-30  # e^{−95} and below are float32 subnormals
+    np.testing.assert_array_equal(np.signbit(np.asarray(got)[normal]), np.signbit(want[normal]))
+  assert np.isnan(streaming._scaled_expm1(jnp.float32(np.nan), jnp.float32(np.nan), 1.0))
+
+
+def test_comparison_sign_matches_xla():
   x = jnp.asarray([0.0, -0.0, 1e-30, -1e-30, 1e-7, -1e-7, 0.3, -0.3, 5.0, -20.0, -200.0, 80.0,
                    np.nan], jnp.float32)
-  got = streaming._expm1(x, streaming.Ops(expm1=False))
-  want = jnp.expm1(x)
-  np.testing.assert_allclose(got, want, rtol=4e-7)
-  assert np.isnan(got[-1]) and float(got[-3]) == -1.0
   rs = wlib.get_weighting("softpick").stream
   z = x[None, :-1]
   ok = jnp.ones(z.shape, bool)

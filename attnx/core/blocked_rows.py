@@ -425,8 +425,7 @@ def _ssmax_row_scales(q, k, bias, mask, rs: st.RowStream, is_causal: bool, ssmax
   return st.row_scale(rs, _valid_counts(b, n, t, s, bias4, mask4, is_causal), sv)
 
 
-def _ssmax_as_softmax(q, k, v, mask, weighting, scale, is_causal, block_q, block_k,
-                      ssmax_s) -> Array:
+def _ssmax_as_softmax(q, k, v, mask, weighting, scale, block_q, block_k, ssmax_s) -> Array:
   """SSMax without a bias, in float32: softmax of (c_i·q_i)·k, the pointwise kernel
   (:func:`attnx.core.blocked.blocked_attention`) on the rows of q scaled by c_i = s·log n_i.
 
@@ -439,13 +438,19 @@ def _ssmax_as_softmax(q, k, v, mask, weighting, scale, is_causal, block_q, block
   a row without a valid key (dq' = 0) must not reach a learned s; where the row attends a
   key, dq' is NaN and so is dc_i, as in the row kernel.
   """
-  c = _ssmax_row_scales(q, k, None, mask, weighting.stream, is_causal, ssmax_s)
+  c = _ssmax_row_scales(q, k, None, mask, weighting.stream, False, ssmax_s)
   c = jnp.transpose(c, (0, 2, 1))[..., None]  # [B, T, N, 1]
   q, _, _, _ = nonfinite_inputs(q, k, None, None)
   c_fixed = lax.stop_gradient(c)
   q_scaled = c_fixed * q + (c - c_fixed) * finite(q)  # the value c·q; dc from the finite copy
   return bl.blocked_attention(q_scaled, k, v, weighting=get_weighting("softmax"), scale=scale,
-                              mask=mask, is_causal=is_causal, block_q=block_q, block_k=block_k)
+                              mask=mask, block_q=block_q, block_k=block_k)
+
+
+def _block_k(family: str, s: int) -> int:
+  """Key tiles of :data:`BLOCK_K` (stick-breaking: :data:`STICK_BLOCK_K`), capped at S."""
+  bk = STICK_BLOCK_K if family == "stick_breaking" else BLOCK_K
+  return min(bk, bl._round_up(max(s, 1), bl._ALIGN))
 
 
 def causal_block_sizes(family: str, t: int, s: int, group: int = 1) -> tuple[int, int]:
@@ -453,9 +458,9 @@ def causal_block_sizes(family: str, t: int, s: int, group: int = 1) -> tuple[int
   ``group`` query heads per kv head (see :data:`CAUSAL_BLOCK_Q`): capped at the (8-aligned)
   lengths and, like the pointwise kernel's, at :data:`attnx.core.blocked.TILE_BUDGET` scores
   per tile."""
-  stick = family == "stick_breaking"
-  bk = min(STICK_BLOCK_K if stick else BLOCK_K, bl._round_up(max(s, 1), bl._ALIGN))
-  bq = STICK_SHORT_BLOCK_Q if stick and t < STICK_SHORT_T else CAUSAL_BLOCK_Q
+  bk = _block_k(family, s)
+  bq = (STICK_SHORT_BLOCK_Q if family == "stick_breaking" and t < STICK_SHORT_T
+        else CAUSAL_BLOCK_Q)
   budget = max(bl._ALIGN, (bl.TILE_BUDGET // (bk * max(group, 1))) // bl._ALIGN * bl._ALIGN)
   return min(bq, budget, bl._round_up(max(t, 1), bl._ALIGN)), bk
 
@@ -464,10 +469,8 @@ def _problem(family: str, t: int, s: int, g: int, b: int, kv_heads: int, is_caus
              block_q, block_k):
   if is_causal:
     bq, bk = causal_block_sizes(family, t, s, g)
-  else:  # the pointwise kernel's query blocks, key tiles of BLOCK_K (stick-breaking: 256)
-    bq, bk = bl.default_block_sizes(t, s, g)
-    if family != "stick_breaking":
-      bk = min(BLOCK_K, bl._round_up(max(s, 1), bl._ALIGN))
+  else:  # the pointwise kernel's query blocks
+    bq, bk = bl.default_block_sizes(t, s, g)[0], _block_k(family, s)
   bq = min(block_q, bl._round_up(t, bl._ALIGN)) if block_q else bq
   bk = min(block_k, bl._round_up(s, bl._ALIGN)) if block_k else bk
   return bq, bk, bl.heads_per_chunk(b, kv_heads, g, bq, bk)
@@ -548,8 +551,7 @@ def blocked_row_attention(q: Array, k: Array, v: Array, *, weighting: RowNormali
   if not isinstance(skip_zero_tiles, bool):
     raise ValueError(f"skip_zero_tiles must be a bool, got {skip_zero_tiles!r}")
   if weighting.stream.needs_row_scale and bias is None and q.dtype == F32 and not is_causal:
-    return _ssmax_as_softmax(q, k, v, mask, weighting, scale, is_causal, block_q, block_k,
-                             ssmax_s)
+    return _ssmax_as_softmax(q, k, v, mask, weighting, scale, block_q, block_k, ssmax_s)
   arrays, cfg = _inputs(q, k, v, bias, mask, weighting, is_causal, block_q, block_k, ssmax_s)
   out = _make_kernel(cfg, skip_zero_tiles)(*arrays, jnp.asarray(scale, F32))
   return out[:, :, :t].reshape(b, n, t, -1).transpose(0, 2, 1, 3)

@@ -497,7 +497,7 @@ def _pv_split(p: Array, v: Array) -> Array:
   return pv(hi, v) + pv(lo, v)
 
 
-def _softpick_update(st: MaxState, z: Array, valid: Array, v: Array, ops: Ops = XLA) -> MaxState:
+def _softpick_update(st: MaxState, z: Array, valid: Array, v: Array) -> MaxState:
   m_new = jnp.maximum(st.m, jnp.max(_masked(z, valid, -jnp.inf), axis=-1))  # m starts at 0
   d = _softpick_d(z, valid, m_new)
   corr = jnp.exp(st.m - m_new)
@@ -793,7 +793,7 @@ def update(rs: RowStream, state: Any, z: Array, valid: Array, v: Array, ctx: Any
   if rs.family == "ssmax":
     return _ssmax_update(state, z, valid, v, ctx)
   if rs.family == "softpick":
-    return _softpick_update(state, z, valid, v, ops)
+    return _softpick_update(state, z, valid, v)
   if rs.family == "stick_breaking":
     return _stick_update(state, z, valid, v, ops)
   return _entmax_update(state, z, valid, v, ctx, rs, ops)

@@ -25,7 +25,12 @@ from attnx import core
 from attnx.core import blocked as blocked_lib
 from attnx.core import streaming
 from attnx.core import weightings as wlib
-from attnx.core.blocked_rows import blocked_row_attention, threshold_passes, zero_tiles
+from attnx.core.blocked_rows import (
+    blocked_row_attention,
+    causal_block_sizes,
+    threshold_passes,
+    zero_tiles,
+)
 
 BASE = ["ssmax", "softpick", "stick_breaking", "sparsemax", "entmax15", "entmax:alpha=1.3",
         "entmax:alpha=3"]
@@ -676,3 +681,30 @@ def test_zero_tiles_hook_rejects_other_families_and_skip_flag_must_be_bool():
   with pytest.raises(ValueError, match="skip_zero_tiles"):
     blocked_row_attention(q, k, v, weighting=wlib.get_weighting("sparsemax"), scale=SCALE,
                           skip_zero_tiles=1)
+
+
+# --------------------------------------------------------------------------------------------
+# Default tiles.
+# --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("family", streaming.FAMILIES)
+@pytest.mark.parametrize("t,s,group", [(1, 1, 1), (37, 53, 4), (1100, 1100, 1), (4096, 4096, 1),
+                                       (4096, 300, 16), (65536, 65536, 64)])
+def test_causal_block_sizes_fit_lengths_and_budget(family, t, s, group):
+  bq, bk = causal_block_sizes(family, t, s, group)
+  assert bq % 8 == 0 and bk % 8 == 0 and bq >= 8 and bk >= 8
+  assert bq <= max(8, -(-t // 8) * 8) and bk <= max(8, -(-s // 8) * 8)
+  assert group * bq * bk <= max(blocked_lib.TILE_BUDGET, group * 8 * bk)
+
+
+def test_default_causal_tiles_are_causal_block_sizes():
+  # The kernel with default tiles is the kernel with causal_block_sizes' tiles, bit for bit, at
+  # a length where the families' tiles differ (stick-breaking 256 × 256, the others 512 × 512).
+  rng = np.random.default_rng(5)
+  q, k, v = (rng.standard_normal((1, 1100, n, 16)).astype(np.float32) for n in (2, 1, 1))
+  for name in ("softpick", "stick_breaking", "sparsemax"):
+    w = wlib.get_weighting(name)
+    bq, bk = causal_block_sizes(w.stream.family, 1100, 1100, 2)
+    run = lambda w=w, **kw: np.asarray(blocked_row_attention(
+        q, k, v, weighting=w, scale=0.25, is_causal=True, **kw))
+    np.testing.assert_array_equal(run(), run(block_q=bq, block_k=bk), err_msg=name)

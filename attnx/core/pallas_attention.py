@@ -53,7 +53,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from attnx.core import pallas_kernels as kernels
-from attnx.core import pallas_rows
+from attnx.core import pallas_rows, platforms
 from attnx.core.contract import finite, nonfinite_inputs
 from attnx.core.weightings import Pointwise
 
@@ -333,8 +333,12 @@ def pallas_attention(q: Array, k: Array, v: Array, *, weighting: Any,
       output), keys j ≥ kv_lengths[b] are masked (and their tiles skipped).
     block_q, block_k: tile sizes for every kernel (default :func:`default_block_sizes`);
       validated by :func:`check_block_sizes`. T and S need not be multiples of them.
-    backend: ``"gpu"`` (Triton), ``"tpu"`` (Mosaic) or None (the default device).
-    interpret: run the kernels in Pallas' interpreter (any machine, slow; for testing).
+    backend: ``"gpu"`` (Triton) or ``"tpu"`` (Mosaic); None (default) chooses per lowering
+      platform: the Triton kernels where the program is lowered for a GPU, the Mosaic ones for
+      a TPU (:func:`attnx.core.platforms.by_platform`), so that a CPU host can lower, export
+      or compile it for either, or for both at once. Lowering it for a CPU raises ValueError.
+    interpret: run the kernels in Pallas' interpreter (any machine, slow; for testing); with
+      ``backend=None`` they are the kernels of the host's kind of device (GPU on a CPU).
     ssmax_s: SSMax only: s as a scalar or one value per query head [N] (an array gets a
       gradient); default the weighting's own s.
     skip_zero_tiles: sparsemax/entmax only: in the output pass and the backward, a key tile
@@ -352,6 +356,11 @@ def pallas_attention(q: Array, k: Array, v: Array, *, weighting: Any,
     ValueError: for an unsupported combination (see :func:`supported`; the message names the
       alternative implementation), bad shapes or tile sizes.
   """
+  if backend is None and not interpret:
+    return _per_platform(
+        q, k, v, weighting=weighting, scale=scale, bias=bias, mask=mask, is_causal=is_causal,
+        q_lengths=q_lengths, kv_lengths=kv_lengths, block_q=block_q, block_k=block_k,
+        ssmax_s=ssmax_s, skip_zero_tiles=skip_zero_tiles)
   rows = not isinstance(weighting, Pointwise)
   if not isinstance(skip_zero_tiles, bool):
     raise ValueError(f"skip_zero_tiles must be a bool, got {skip_zero_tiles!r}")
@@ -438,6 +447,31 @@ def pallas_attention(q: Array, k: Array, v: Array, *, weighting: Any,
   else:
     out = _make_kernel(cfg)(q, k, v, bias4, mask4, q_len, kv_len)
   return out[:, :t, :, :hv]
+
+
+def _per_platform(q: Array, k: Array, v: Array, **kwargs: Any) -> Array:
+  """:func:`pallas_attention` with the Triton kernels where the program is lowered for a GPU
+  and the Mosaic kernels for a TPU. Array arguments travel as operands, the rest (tiles, a
+  Python scale, the weighting) is compiled into both branches."""
+  q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
+  if q.ndim != 4 or v.ndim != 4:
+    raise ValueError(f"expected 4-D [B, T, N, H] inputs, got {q.shape}, {k.shape}, {v.shape}")
+  arrays = {n: kwargs[n] for n in ("scale", "bias", "mask", "q_lengths", "kv_lengths", "ssmax_s")
+            if kwargs[n] is not None and not isinstance(kwargs[n], numbers.Number)}
+  static = {n: x for n, x in kwargs.items() if n not in arrays}
+
+  def kernel(backend: str) -> Callable[..., Array]:
+    return lambda q, k, v, arrays: pallas_attention(q, k, v, backend=backend, **static,
+                                                    **arrays)
+
+  return platforms.by_platform(
+      q, k, v, arrays, gpu=kernel("gpu"), tpu=kernel("tpu"),
+      out=jax.ShapeDtypeStruct((*q.shape[:3], v.shape[-1]), q.dtype),
+      other=("implementation='pallas' needs a GPU or TPU; this program is being lowered or run "
+             "for a platform with neither (the CPU host, unless lowered with "
+             "lowering_platforms=('cuda',) or ('tpu',)). Pass interpret=True to run the kernels "
+             "in Pallas' interpreter (slow; for testing), or use implementation='blocked' (the "
+             "XLA flash-style kernel) on a CPU."))
 
 
 # --------------------------------------------------------------------------------------------

@@ -3,9 +3,13 @@
 Wraps :func:`attnx.core.pallas_attention.pallas_attention` (pointwise F and the whole-row
 weightings with a streaming family), on the score's dot-product form like the blocked kernel.
 It supports a problem when the weighting streams, the score has a dot-product form, no
-weights are needed (dropout, ``return_weights``), a GPU or TPU runs it (or ``interpret=True``,
-Pallas' interpreter, on any machine), the tiles fit the backend's rules, and the dtype and head
-sizes fit the kernels (:func:`attnx.core.pallas_attention.supported`).
+weights are needed (dropout, ``return_weights``), the tiles fit the backend's rules, and the
+dtype and head sizes fit the kernels (:func:`attnx.core.pallas_attention.supported`): the
+host's GPU or TPU kernels, or on a CPU host either kind. The kernels are chosen per lowering
+platform (:func:`attnx.core.platforms.by_platform`): Triton where the program is lowered for a
+GPU, Mosaic for a TPU, so a CPU host can lower, export or AOT-compile a model for either; run or
+lowered for the CPU it raises ValueError (``interpret=True`` runs the kernels in Pallas'
+interpreter on any machine).
 
 The automatic choice takes it first in its list, but declines it unless a GPU/TPU runs the
 call, the problem is large enough to stream at all (the blocked kernel's thresholds), and the
@@ -37,10 +41,14 @@ from attnx.core.implementations.blocked import small_problem_reason
 Array = jax.Array
 
 
-def _backend(problem: Problem) -> str:
-  """The kernel family ("gpu" or "tpu") of ``problem``; ValueError on a CPU without
-  ``interpret``."""
-  return pallas_lib.backend_for_platform(problem.platform, problem.interpret)
+def _backends(problem: Problem) -> tuple[str, ...]:
+  """The kernel families ("gpu", "tpu") that must be able to run ``problem``: the host's, or
+  on a CPU host without ``interpret`` either one (the call lowers for the platform it is
+  compiled for: :func:`attnx.core.platforms.by_platform`)."""
+  try:
+    return (pallas_lib.backend_for_platform(problem.platform, problem.interpret),)
+  except ValueError:
+    return pallas_lib.BACKENDS
 
 
 class PallasImplementation(Implementation):
@@ -56,15 +64,20 @@ class PallasImplementation(Implementation):
               or needs_weights_reason(self.name, problem))
     if reason is not None:
       return reason
-    try:
-      be = _backend(problem)
-      # The backend's tile rules, for empty inputs too (checked on the query's dtype).
-      pallas_lib.check_block_sizes(be, problem.dtype, block_q=problem.block_q,
+    reasons = [self._backend_reason(problem, be) for be in _backends(problem)]
+    if None in reasons:
+      return None
+    return "; ".join(dict.fromkeys(reasons))  # on a CPU host: why neither kind can
+
+  @staticmethod
+  def _backend_reason(problem: Problem, backend: str) -> str | None:
+    try:  # the backend's tile rules, for empty inputs too (checked on the query's dtype)
+      pallas_lib.check_block_sizes(backend, problem.dtype, block_q=problem.block_q,
                                    block_k=problem.block_k)
     except ValueError as e:
       return str(e)
-    reason = pallas_lib.supported(problem.weighting, backend=be, dtype=problem.stream_dtype,
-                                  head_dim=problem.stream_head_dim,
+    reason = pallas_lib.supported(problem.weighting, backend=backend,
+                                  dtype=problem.stream_dtype, head_dim=problem.stream_head_dim,
                                   value_head_dim=problem.value_head_dim,
                                   interpret=problem.interpret)
     return None if reason is None else f"implementation='pallas' cannot run this: {reason}."
@@ -81,7 +94,9 @@ class PallasImplementation(Implementation):
         value_head_dim=problem.value_head_dim)
 
   def __call__(self, problem: Problem, inputs: Inputs) -> Array:
+    # backend=None: Triton or Mosaic by the platform the program is lowered for.
+    backend = _backends(problem)[0] if problem.interpret else None
     kernel = functools.partial(
-        pallas_lib.pallas_attention, backend=_backend(problem), interpret=problem.interpret,
+        pallas_lib.pallas_attention, backend=backend, interpret=problem.interpret,
         **({} if inputs.ssmax_s is None else {"ssmax_s": inputs.ssmax_s}))
     return run_streaming(problem, inputs, kernel)

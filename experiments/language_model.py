@@ -166,6 +166,10 @@ def _default() -> ml_collections.ConfigDict:
   c.num_seeds = 2
   c.weightings = ",".join(WEIGHTINGS)
   c.text_file = ""  # a UTF-8 file (e.g. nanoGPT's input.txt) instead of Gutenberg Shakespeare
+  # The attention kernel of every dot/metric model ("" = automatic; "dense", "blocked" or
+  # "pallas": e.g. the GPU check's training with the Pallas kernels). The attention statistics
+  # read the weights through the dense kernel whatever this is.
+  c.implementation = ""
   c.model = ml_collections.ConfigDict(dict(
       num_layers=4, num_heads=4, hidden_dim=128, mlp_dim=512, context=64, positions="rotary",
       dropout_rate=0.0, tie_embeddings=True))
@@ -262,6 +266,10 @@ def vocabulary(text_file: str | None = None) -> str:
 def validate_config(config: ml_collections.ConfigDict) -> None:
   """Raises ValueError naming bad keys and the valid choices."""
   names = _common.attention_variants(config, "weightings", reference="softmax")
+  impl = config.get("implementation", "")
+  if impl and impl not in core.IMPLEMENTATIONS:
+    raise ValueError(f"config.implementation={impl!r}; valid: '' (automatic), "
+                     f"{', '.join(core.IMPLEMENTATIONS)}.")
   for w in names:  # every name builds a GPT (raises a ValueError naming the problem)
     build_model(config, vocab_size=2)(nn.attention_spec(w))
   if config.model.positions not in nn.gpt.POSITIONS:
@@ -324,11 +332,15 @@ def build_model(config: ml_collections.ConfigDict, vocab_size: int):
   """``spec -> GPT`` with the config's sizes (training context = ``model.context``)."""
   m = config.model
 
+  impl = config.get("implementation") or None
+
   def build(spec: Any) -> nn.GPT:
+    kind = nn.spec.resolve_attention(spec)["type"]
     return nn.GPT(vocab_size=int(vocab_size), num_layers=m.num_layers, num_heads=m.num_heads,
                   hidden_dim=m.hidden_dim, mlp_dim=m.mlp_dim, max_len=m.context,
                   attention=spec, positions=positions_for(spec, m.positions),
-                  tie_embeddings=m.tie_embeddings, dropout_rate=m.dropout_rate)
+                  tie_embeddings=m.tie_embeddings, dropout_rate=m.dropout_rate,
+                  implementation=impl if kind in ("dot", "metric") else None)
 
   return build
 
@@ -350,7 +362,7 @@ def probe(model: Any, params: Any, extra: Any, tokens: Any) -> tuple[list, list]
   weights = has_weights(model)
   if weights:
     model = model.clone(attention={**nn.spec.resolve_attention(model.attention),
-                                   "sow_weights": True})
+                                   "sow_weights": True}, implementation=None)
   _, state = model.apply({"params": params, **(extra or {})}, tokens,
                          mutable=["intermediates"],
                          capture_intermediates=lambda m, name: (isinstance(m, EncoderBlock)

@@ -160,12 +160,46 @@ class BlockSizes:
   block_k_dkv: int
 
 
-# Defaults (not tuned on hardware from this repository): GPU tiles as in the Triton fused
-# attention tutorial (forward 128 × 64; backward: a tall tile of the dimension a kernel keeps
-# in registers, a short one of the dimension it streams); TPU tiles as in JAX's splash
-# attention (bigger tiles amortize the ~0.35 µs per-grid-step overhead).
-_GPU_DEFAULT = dict(block_q=128, block_k=64, block_q_dq=64, block_k_dq=32, block_q_dkv=32,
-                    block_k_dkv=64)
+# Defaults. GPU tiles and warps per kernel (queries × keys, warps), by dtype width and padded
+# head size, with overrides per streaming family: the first entry of a small grid of
+# candidates that compiled with 0 spill bytes for an H100 *and* an A100 (ptxas at XLA's
+# production settings; experiments/kernel_compile.py) for the F of the tier (pointwise: softmax,
+# sigmoid, power, softplus; every whole-row family), causal GQA at T = 2048. The tutorial tiles
+# of Triton's fused attention (forward 128 × 64, dQ 64 × 32, dK/dV 32 × 64, 4 warps at H ≤ 64)
+# spilled 12–1700 B in the backward of most F on one of the two chips; an A100 (no wgmma: the
+# MMA operands live in registers) binds most often. A tile's row dimension stays ≥ 64 where 8
+# warps share it (dQ at 32 × 16 with 8 warps spilled where 64 × 16 did not: the warps' layout,
+# not the tile's size). Where no candidate was spill-free (the distance kernels' dK/dV on an
+# A100; float32 at H > 128) the table keeps the best one and README's Known limits give the
+# figures. TPU tiles as in JAX's splash attention (bigger tiles amortize the ~0.35 µs
+# per-grid-step overhead); none of them overflows VMEM on a v5e or v6e.
+_GpuTier = dict[str, tuple[int, int, int]]  # kernel -> (block_q, block_k, num_warps)
+# (float32?, largest padded head size) -> tiles, tried in order. The distance kernels run their
+# dot form (H + 2 columns) in float32: H = 64 and 128 land in the float32 tiers of 80 and 144.
+_GPU_TIERS: tuple[tuple[bool, int, _GpuTier], ...] = (
+    (False, 64, dict(fwd=(128, 64, 8), dq=(64, 16, 8), dkv=(16, 32, 4))),
+    (False, 128, dict(fwd=(128, 32, 8), dq=(64, 16, 8), dkv=(32, 64, 8))),
+    (False, 256, dict(fwd=(64, 64, 8), dq=(64, 16, 8), dkv=(16, 64, 8))),
+    (True, 64, dict(fwd=(128, 32, 8), dq=(64, 16, 8), dkv=(16, 32, 4))),
+    (True, 128, dict(fwd=(32, 64, 4), dq=(64, 16, 8), dkv=(16, 64, 8))),
+    (True, 160, dict(fwd=(32, 32, 8), dq=(64, 16, 8), dkv=(16, 64, 8))),
+    (True, 256, dict(fwd=(32, 32, 8), dq=(32, 16, 4), dkv=(16, 64, 8))),
+)
+# Per family, per tier (same keys): the kernels whose tiles differ. Stick-breaking's dQ keeps
+# 32 query rows on 4 warps (its carries; its key tile is the dK/dV kernel's).
+_GPU_FAMILY_TIERS: dict[str, dict[tuple[bool, int], _GpuTier]] = {
+    "entmax": {(False, 64): dict(fwd=(64, 64, 8)), (False, 128): dict(fwd=(32, 64, 4)),
+               (False, 256): dict(fwd=(32, 64, 8), dkv=(16, 32, 8)),
+               (True, 128): dict(fwd=(32, 64, 8), dkv=(16, 16, 8))},
+    "softpick": {(False, 128): dict(fwd=(64, 64, 8)), (False, 256): dict(fwd=(32, 64, 8))},
+    "stick_breaking": {
+        (False, 64): dict(fwd=(128, 32, 8), dq=(32, 32, 4), dkv=(16, 32, 4)),
+        (False, 128): dict(dq=(32, 32, 4), dkv=(16, 32, 4)),
+        (False, 256): dict(fwd=(32, 64, 8), dq=(16, 16, 4), dkv=(16, 16, 8)),
+        (True, 64): dict(dq=(32, 32, 4)),
+        (True, 128): dict(fwd=(32, 64, 8), dkv=(16, 16, 4)),
+    },
+}
 _TPU_DEFAULT = dict(block_q=256, block_k=512, block_q_dq=256, block_k_dq=256,
                     block_q_dkv=256, block_k_dkv=256)
 
@@ -203,18 +237,38 @@ def check_block_sizes(backend: str, dtype: Any = jnp.float32, **blocks: int | No
             f"({'sublanes of a ' + jnp.dtype(dtype).name + ' tile' if is_q else 'lanes'}).")
 
 
+def _gpu_tiles(head_dim: int | None, family: str | None, dtype: Any) -> dict[str, int]:
+  """The GPU kernels' tiles and warps for a padded head size, a dtype and a streaming family
+  (None: pointwise F): :class:`BlockSizes` fields plus ``num_warps`` (forward), ``num_warps_dq``
+  and ``num_warps_bwd`` (dK/dV), from :data:`_GPU_TIERS` and :data:`_GPU_FAMILY_TIERS`."""
+  wide = jnp.dtype(dtype).itemsize > 2
+  hp = head_dim or 0
+  key, tier = next(((w, h), t) for w, h, t in _GPU_TIERS if w == wide and (hp <= h or h == 256))
+  tier = {**tier, **_GPU_FAMILY_TIERS.get(family or "", {}).get(key, {})}
+  (bq, bk, w), (bq_dq, bk_dq, w_dq), (bq_dkv, bk_dkv, w_dkv) = (tier["fwd"], tier["dq"],
+                                                                tier["dkv"])
+  return dict(block_q=bq, block_k=bk, block_q_dq=bq_dq, block_k_dq=bk_dq, block_q_dkv=bq_dkv,
+              block_k_dkv=bk_dkv, num_warps=w, num_warps_dq=w_dq, num_warps_bwd=w_dkv)
+
+
 def default_block_sizes(backend: str, t: int, s: int, dtype: Any = jnp.float32,
-                        block_q: int | None = None, block_k: int | None = None) -> BlockSizes:
+                        block_q: int | None = None, block_k: int | None = None, *,
+                        head_dim: int | None = None, family: str | None = None) -> BlockSizes:
   """The tiles used for T queries and S keys (``block_q``/``block_k`` override all kernels).
 
-  Defaults (queries × keys): GPU forward 128 × 64, dQ 64 × 32, dK/dV 32 × 64; TPU forward
-  256 × 512, backward 256 × 256. Every tile is then capped at the (aligned) sequence: GPU at
-  the next power of 2 (≥ 16), TPU at T rounded up to 8 (16 for 16-bit dtypes) and S rounded up
-  to 128.
+  Defaults (queries × keys): GPU by dtype width and head size (``head_dim``, the padded one;
+  without it bf16 at H ≤ 64: forward 128 × 64, dQ 64 × 16, dK/dV 32 × 32) and by a whole-row
+  weighting's streaming ``family``, the tiles that compiled without register spills for an
+  H100 and an A100 (:data:`_GPU_TIERS`); TPU forward 256 × 512, backward
+  256 × 256. Every tile is then capped at the (aligned) sequence: GPU at the next power of 2
+  (≥ 16), TPU at T rounded up to 8 (16 for 16-bit dtypes) and S rounded up to 128.
   """
   be = resolve_backend(backend)
   check_block_sizes(be, dtype, block_q=block_q, block_k=block_k)
-  sizes = dict(_GPU_DEFAULT if be == "gpu" else _TPU_DEFAULT)
+  sizes = dict(_TPU_DEFAULT)
+  if be == "gpu":
+    sizes = {n: v for n, v in _gpu_tiles(head_dim, family, dtype).items()
+             if n.startswith("block_")}
   for name in sizes:
     given = block_q if name.startswith("block_q") else block_k
     if given is not None:
@@ -385,7 +439,12 @@ def pallas_attention(q: Array, k: Array, v: Array, *, weighting: Any,
     raise ValueError(f"mask must be boolean, got {jnp.asarray(mask).dtype}")
   bias4 = _as_4d(bias, (b, n, t, s), "bias")
   mask4 = _as_4d(mask, (b, n, t, s), "mask")
-  blocks = default_block_sizes(be, t, s, q.dtype, block_q, block_k)
+  # The GPU's padded head size (a multiple of 16) picks its tiles.
+  family = weighting.stream.family if rows else None
+  blocks = default_block_sizes(be, t, s, q.dtype, block_q, block_k,
+                               head_dim=_round_up(max(h, hv), GPU_MIN_BLOCK), family=family)
+  warps = {n: v for n, v in _gpu_tiles(_round_up(max(h, hv), GPU_MIN_BLOCK), family,
+                                       q.dtype).items() if n.startswith("num_warps")}
   if rows and weighting.stream.reverse:
     # Stick-breaking's dQ pass saves its carries at the dK/dV pass's key tiles.
     blocks = dataclasses.replace(blocks, block_k_dq=blocks.block_k_dkv)
@@ -418,8 +477,10 @@ def pallas_attention(q: Array, k: Array, v: Array, *, weighting: Any,
       scale=float(scale), is_causal=bool(is_causal), q_bound=q_lengths is not None or tp != t,
       kv_bound=kv_lengths is not None or sp != s, bq=blocks.block_q, bk=blocks.block_k,
       bq_dq=blocks.block_q_dq, bk_dq=blocks.block_k_dq, bq_dkv=blocks.block_q_dkv,
-      bk_dkv=blocks.block_k_dkv, num_warps=4 if hp <= 64 else 8, num_warps_bwd=4,
-      num_stages=3 if hp <= 128 else 2, num_stages_bwd=2, skip_zero_tiles=skip_zero_tiles)
+      bk_dkv=blocks.block_k_dkv, **warps,
+      # 3 stages of f32 tiles (a bias tile too) overflow an A100's 163 KiB of shared memory.
+      num_stages=3 if hp <= 128 and q.dtype.itemsize == 2 else 2, num_stages_bwd=2,
+      skip_zero_tiles=skip_zero_tiles)
   q = _pad(q, {1: tp, 3: hp})
   k = _pad(k, {1: sp, 3: hp})
   v = _pad(v, {1: sp, 3: hvp})

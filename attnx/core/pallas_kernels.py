@@ -95,7 +95,8 @@ class KernelConfig:
   bq_dkv: int
   bk_dkv: int
   num_warps: int = 4  # GPU forward
-  num_warps_bwd: int = 4
+  num_warps_bwd: int = 4  # GPU dK/dV
+  num_warps_dq: int = 4  # GPU dQ
   num_stages: int = 2
   num_stages_bwd: int = 2
   # Sparsemax/entmax: skip the work of key tiles whose every weight is zero (pallas_rows).
@@ -432,6 +433,7 @@ def _gpu_backward(cfg: KernelConfig, q, k, v, bias, mask, q_len, kv_len, do, row
   has = dict(has_bias=bias is not None, has_mask=mask is not None)
   lens = [pl.BlockSpec((1,), lambda i, bb, h: (bb,))] * 2
   params = plgpu.CompilerParams(num_warps=cfg.num_warps_bwd, num_stages=cfg.num_stages_bwd)
+  dq_params = plgpu.CompilerParams(num_warps=cfg.num_warps_dq, num_stages=cfg.num_stages_bwd)
   args = [q, k, v, do, *rows] + [x for x in (bias, mask) if x is not None] + [q_len, kv_len]
 
   # dQ (and dS): grid over query tiles of every query head.
@@ -450,7 +452,7 @@ def _gpu_backward(cfg: KernelConfig, q, k, v, bias, mask, q_len, kv_len, do, row
   res = pl.pallas_call(
       functools.partial(_gpu_dq_kernel, cfg=cfg, want_ds=want_ds, **has),
       grid=(tp // bq, b, n), in_specs=in_specs + lens, out_specs=out_specs,
-      out_shape=out_shape, compiler_params=params, interpret=cfg.interpret,
+      out_shape=out_shape, compiler_params=dq_params, interpret=cfg.interpret,
       name="attnx_pallas_dq")(*args)
   dq, ds = res[0], (res[1] if want_ds else None)
 

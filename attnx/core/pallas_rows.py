@@ -482,6 +482,7 @@ def _gpu_backward(cfg, q, k, v, bias, mask, q_len, kv_len, do, rows, rowc, want_
   has = dict(has_bias=bias is not None, has_mask=mask is not None)
   lens = [pl.BlockSpec((1,), lambda i, bb, h: (bb,))] * 2
   params = plgpu.CompilerParams(num_warps=cfg.num_warps_bwd, num_stages=cfg.num_stages_bwd)
+  dq_params = plgpu.CompilerParams(num_warps=cfg.num_warps_dq, num_stages=cfg.num_stages_bwd)
   rows = list(rows) + ([rowc] if rowc is not None else [])
   nrows = len(rows)
   ncols = _carry_cols(cfg)
@@ -510,7 +511,7 @@ def _gpu_backward(cfg, q, k, v, bias, mask, q_len, kv_len, do, rows, rowc, want_
   res = list(pl.pallas_call(
       functools.partial(_gpu_dq_kernel, cfg=cfg, want_ds=want_ds, **has),
       grid=(tp // bq, b, n), in_specs=in_specs + lens, out_specs=out_specs,
-      out_shape=out_shape, compiler_params=params, interpret=cfg.interpret,
+      out_shape=out_shape, compiler_params=dq_params, interpret=cfg.interpret,
       name="attnx_pallas_rows_dq")(*args))
   dq = res.pop(0)
   ds = res.pop(0) if want_ds else None

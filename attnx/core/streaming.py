@@ -715,20 +715,22 @@ def entmax_threshold(tile_pass, rows: tuple[int, ...], rs: RowStream,
     done = (jnp.abs(new - tau) <= tol) | (f == 0) | empty | jnp.isnan(f)
     return new, lo, hi, done, jnp.abs(new - tau)
 
+  # `done` travels through the loop as 0./1. float32: Mosaic cannot carry a boolean vector
+  # through a loop ("failed to legalize operation 'scf.yield'" compiling for a TPU).
   def cond(c):
     if ops.all_rows:
-      return (c[0] < MAX_THRESHOLD_PASSES) & ~jnp.all(c[4])
-    return (c[0] < MAX_THRESHOLD_PASSES) & (jnp.min(c[4].astype(F32)) == 0.0)
+      return (c[0] < MAX_THRESHOLD_PASSES) & ~jnp.all(c[4] > 0)
+    return (c[0] < MAX_THRESHOLD_PASSES) & (jnp.min(c[4]) == 0.0)
 
   def body(c):
     it, tau, lo, hi, _, _, dx = c
     sums = sums_fn(tau)
     new, lo, hi, done, step_size = step(tau, lo, hi, sums, dx[0] if dx else None)
-    return (it + 1, jnp.where(done, tau, new), lo, hi, done, sums,
+    return (it + 1, jnp.where(done, tau, new), lo, hi, done.astype(F32), sums,
             (step_size,) if stall_guard else ())
 
   zero = jnp.zeros(rows, F32)
-  init = (jnp.int32(1), tau0, lo, hi, jnp.zeros(rows, bool), (zero, zero, zero),
+  init = (jnp.int32(1), tau0, lo, hi, zero, (zero, zero, zero),
           (hi - lo,) if stall_guard else ())
   if ops.threshold_loop == "while":
     it, tau, _, _, done, sums, _ = lax.while_loop(cond, body, init)
@@ -746,7 +748,7 @@ def entmax_threshold(tile_pass, rows: tuple[int, ...], rs: RowStream,
       s1 = d
       disc = jnp.maximum(s1 * s1 - cnt * (f_plus1 - 1.0), 0.0)
       delta = (f_plus1 - 1.0) / jnp.where(s1 + jnp.sqrt(disc) > 0, s1 + jnp.sqrt(disc), 1.0)
-    tau = jnp.where(empty | ~done, tau, tau + delta)
+    tau = jnp.where(empty | (done == 0), tau, tau + delta)
   return Threshold(m, tau, it)
 
 

@@ -258,14 +258,41 @@ def test_block_size_rules():
   pa.check_block_sizes("tpu", jnp.float32, block_q=8, block_k=384)
   pa.check_block_sizes("gpu", block_q=16, block_k=256)
   # Defaults, capped at the (aligned) sequence lengths; an override applies to every kernel.
-  assert pa.default_block_sizes("gpu", 4096, 4096) == pa.BlockSizes(128, 64, 64, 32, 32, 64)
-  assert pa.default_block_sizes("gpu", 37, 53) == pa.BlockSizes(64, 64, 64, 32, 32, 64)
+  assert pa.default_block_sizes("gpu", 4096, 4096) == pa.BlockSizes(128, 32, 64, 16, 16, 32)
+  assert pa.default_block_sizes("gpu", 37, 53, jnp.bfloat16) == pa.BlockSizes(64, 64, 64, 16,
+                                                                              16, 32)
   assert pa.default_block_sizes("tpu", 4096, 4096) == pa.BlockSizes(256, 512, 256, 256, 256,
                                                                      256)
   assert pa.default_block_sizes("tpu", 37, 53, jnp.bfloat16) == pa.BlockSizes(
       48, 128, 48, 128, 48, 128)
   assert pa.default_block_sizes("gpu", 4096, 4096, block_q=32, block_k=128) == pa.BlockSizes(
       32, 128, 32, 128, 32, 128)
+  # GPU tiles by dtype width and padded head size, per family where measured (no register
+  # spills when compiled for an H100 and an A100: tests/experiments/test_kernel_compile.py);
+  # an override still applies to every kernel; warps come with the tiles.
+  gpu = functools.partial(pa.default_block_sizes, "gpu", 4096, 4096)
+  assert gpu(jnp.bfloat16, head_dim=64) == gpu(jnp.bfloat16) == pa.BlockSizes(128, 64, 64, 16,
+                                                                              16, 32)
+  assert gpu(jnp.float32, head_dim=64) == gpu() == pa.BlockSizes(128, 32, 64, 16, 16, 32)
+  assert gpu(jnp.bfloat16, head_dim=128) == pa.BlockSizes(128, 32, 64, 16, 32, 64)
+  assert gpu(jnp.bfloat16, head_dim=144) == gpu(jnp.bfloat16, head_dim=256) == pa.BlockSizes(
+      64, 64, 64, 16, 16, 64)
+  assert gpu(jnp.float32, head_dim=256) == pa.BlockSizes(32, 32, 32, 16, 16, 64)
+  assert gpu(jnp.bfloat16, head_dim=128, family="entmax").block_q == 32
+  assert gpu(jnp.bfloat16, head_dim=128, family="softpick") == pa.BlockSizes(64, 64, 64, 16, 32,
+                                                                             64)
+  assert gpu(jnp.bfloat16, head_dim=128, family="ssmax") == gpu(jnp.bfloat16, head_dim=128)
+  stick = gpu(jnp.bfloat16, head_dim=128, family="stick_breaking")
+  assert (stick.block_q_dq, stick.block_q_dkv, stick.block_k_dkv) == (32, 16, 32)
+  assert pa.default_block_sizes("gpu", 20, 40, jnp.float32, head_dim=256,
+                                family="entmax") == pa.BlockSizes(32, 32, 32, 16, 16, 64)
+  assert gpu(block_q=32, block_k=128, head_dim=256) == pa.BlockSizes(32, 128, 32, 128, 32, 128)
+  for wide in (jnp.bfloat16, jnp.float32):  # every tier and family: warps of 4 or 8, tiles ≥ 16
+    for hp in (16, 64, 80, 128, 144, 256):
+      for family in (None, "entmax", "softpick", "ssmax", "stick_breaking"):
+        t = pa._gpu_tiles(hp, family, wide)
+        assert {t[w] for w in ("num_warps", "num_warps_dq", "num_warps_bwd")} <= {4, 8}
+        pa.check_block_sizes("gpu", **{n: v for n, v in t.items() if n.startswith("block")})
   with pytest.raises(ValueError, match="power-of-2"):
     pa.pallas_attention(jnp.zeros((1, 8, 1, 8)), jnp.zeros((1, 8, 1, 8)),
                         jnp.zeros((1, 8, 1, 8)), weighting=wlib.get_weighting("relu"),

@@ -12,6 +12,8 @@ import sys
 import types
 from unittest import mock
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -240,6 +242,25 @@ def test_config_checks_and_positions():
   assert tuple(d.length_verdicts) == (16, 64)
   assert (d.model.num_layers, d.model.num_heads, d.model.hidden_dim, d.model.context,
           d.batch_size, d.num_steps, d.optimizer.learning_rate) == (4, 4, 128, 64, 12, 2000, 1e-3)
+
+
+def test_implementation_applies_to_training_and_not_to_the_weight_probe():
+  c = exp.get_config("tiny")
+  c.implementation = "fast"
+  with pytest.raises(ValueError, match="config.implementation='fast'; valid"):
+    exp.validate_config(c)
+  c.implementation = "blocked"
+  exp.validate_config(c)
+  build = exp.build_model(c, vocab_size=11)
+  model = build(exp.nn.attention_spec("softmax"))
+  assert model.implementation == "blocked" and build(
+      exp.nn.attention_spec("linear_elu")).implementation is None
+  tokens = jnp.arange(2 * 16).reshape(2, 16) % 11
+  params = model.init(jax.random.key(0), tokens)["params"]
+  weights, hidden = exp.probe(model, params, None, tokens)  # blocked has no weights: dense
+  assert len(weights) == c.model.num_layers and weights[0].shape == (2, c.model.num_heads, 16, 16)
+  np.testing.assert_allclose(np.sum(weights[0], -1), 1.0, atol=1e-5)
+  assert hidden[0].shape == (2, 16, c.model.hidden_dim)
 
 
 def _sample_module():

@@ -1,0 +1,99 @@
+#!/usr/bin/env bash
+# The GPU check: what compiling cannot tell, measured on a real GPU, in one command.
+#
+#   tools/gpu_check.sh [OUT]        (OUT: where results go; default runs/gpu_check)
+#
+# Runs, in order, from the repository root:
+#   1. the Pallas tests on the GPU, compiled kernels, no interpreter
+#      (tests/core/test_pallas_device.py: every streaming weighting vs a float64 brute force;
+#      tests/core/test_platforms.py: lowering per platform);
+#   2. the Pallas benchmark's quick preset (TFLOP/s per F vs cuDNN softmax and JAX's Pallas
+#      flash; the kernel issue's target: every pointwise F >= 60 % of cuDNN softmax at T >= 4k);
+#   3. a short language_model run with implementation="pallas" (4 weightings, 200 steps).
+# and writes OUT/gpu_check.md (date, chip, driver, JAX version, each step's outcome and time,
+# the benchmark's target table) plus each step's log and report, for the README to quote.
+#
+# The GPU machine has JAX with CUDA, flax, optax, chex and orbax but not attnx's other
+# dependencies, and no network: run tools/fetch_gpu_wheels.sh beforehand on a machine that
+# has one; this script installs .whl/*.whl (if present) into a private directory with
+# --no-index --no-deps and puts it and the checkout on PYTHONPATH. Nothing is installed into
+# the machine's Python.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out="${1:-runs/gpu_check}"
+mkdir -p "$out"
+py="${PYTHON:-python3}"
+export PYTHONUNBUFFERED=1
+
+if compgen -G ".whl/*.whl" > /dev/null; then
+  site="${TMPDIR:-/tmp}/attnx-gpu-check-site"
+  "$py" -m pip install --quiet --no-index --no-deps --no-compile --upgrade --target "$site" \
+    .whl/*.whl || { echo "gpu_check: installing .whl/*.whl failed" >&2; exit 2; }
+  export PYTHONPATH="$site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+else
+  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+fi
+
+if ! "$py" -c "import jax, sys; sys.exit(jax.default_backend() != 'gpu')"; then
+  echo "gpu_check: JAX sees no GPU here ($("$py" -c 'import jax; print(jax.devices())' 2>&1 |
+    tail -1)); nothing measured." >&2
+  exit 3
+fi
+missing=$("$py" - <<'EOF'
+import importlib.util
+names = ["ml_collections", "tensorflow_datasets", "grain", "array_record", "tensorboardX",
+         "flax", "optax", "chex", "orbax.checkpoint", "matplotlib", "sklearn", "pytest"]
+print(" ".join(n for n in names if importlib.util.find_spec(n.split(".")[0]) is None))
+EOF
+)
+if [ -n "$missing" ]; then
+  echo "gpu_check: missing Python packages: $missing (run tools/fetch_gpu_wheels.sh on a" \
+       "machine with network, copy .whl/ here)" >&2
+  exit 2
+fi
+
+summary="$out/gpu_check.md"
+{
+  echo "# attnx GPU check"
+  echo
+  echo "- date: $(date -u +%Y-%m-%dT%H:%MZ)"
+  echo "- chip: $(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader \
+    2>/dev/null | head -1)"
+  echo "- $("$py" -c 'import jax, jaxlib; print(f"jax {jax.__version__}, jaxlib '\
+'{jaxlib.__version__}, devices {jax.devices()}")')"
+  echo "- commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+  echo
+  echo "| step | result | seconds |"
+  echo "|---|---|---|"
+} > "$summary"
+
+status=0
+step() {  # step NAME COMMAND...: runs it, logs to OUT/NAME.log, records the outcome
+  local name=$1; shift
+  local t0=$SECONDS
+  echo "== $name: $*"
+  "$@" > "$out/$name.log" 2>&1
+  local rc=$?
+  local result="passed"
+  [ $rc -ne 0 ] && { result="FAILED (exit $rc)"; status=1; }
+  echo "| $name | $result: $(tail -1 "$out/$name.log" | cut -c1-160) | $((SECONDS - t0)) |" \
+    >> "$summary"
+  echo "   $result ($((SECONDS - t0)) s); log: $out/$name.log"
+}
+
+step pallas_tests "$py" -m pytest -q -p no:cacheprovider tests/core/test_pallas_device.py \
+  tests/core/test_platforms.py
+step pallas_benchmark "$py" launch.py --config=experiments/pallas_benchmark.py:quick \
+  --workdir="$out/pallas_benchmark"
+step language_model "$py" launch.py --config=experiments/language_model.py \
+  --config.weightings=softmax,relu,sparsemax,stick_breaking --config.num_seeds=1 \
+  --config.num_steps=200 --config.eval_every=100 --config.implementation=pallas \
+  --workdir="$out/language_model"
+
+if [ -f "$out/pallas_benchmark/report.md" ]; then
+  { echo; echo "## Pallas benchmark (quick)"; echo;
+    sed -n '/^## Targets/,/^## Results/p' "$out/pallas_benchmark/report.md" | sed '$d'; } \
+    >> "$summary"
+fi
+echo "summary: $summary"
+exit $status

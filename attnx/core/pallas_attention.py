@@ -257,9 +257,9 @@ def default_block_sizes(backend: str, t: int, s: int, dtype: Any = jnp.float32,
   """The tiles used for T queries and S keys (``block_q``/``block_k`` override all kernels).
 
   Defaults (queries × keys): GPU by dtype width and head size (``head_dim``, the padded one;
-  without it bf16 at H ≤ 64: forward 128 × 64, dQ 64 × 16, dK/dV 32 × 32) and by a whole-row
-  weighting's streaming ``family``, the tiles that compiled without register spills for an
-  H100 and an A100 (:data:`_GPU_TIERS`); TPU forward 256 × 512, backward
+  without it the H ≤ 64 tier, e.g. bf16: forward 128 × 64, dQ 64 × 16, dK/dV 16 × 32) and by
+  a whole-row weighting's streaming ``family``, the tiles that compiled without register
+  spills for an H100 and an A100 (:data:`_GPU_TIERS`); TPU forward 256 × 512, backward
   256 × 256. Every tile is then capped at the (aligned) sequence: GPU at the next power of 2
   (≥ 16), TPU at T rounded up to 8 (16 for 16-bit dtypes) and S rounded up to 128.
   """

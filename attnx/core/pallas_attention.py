@@ -167,37 +167,43 @@ class BlockSizes:
 # sigmoid, power, softplus; every whole-row family), causal GQA at T = 2048. The tutorial tiles
 # of Triton's fused attention (forward 128 × 64, dQ 64 × 32, dK/dV 32 × 64, 4 warps at H ≤ 64)
 # spilled 12–1700 B in the backward of most F on one of the two chips; an A100 (no wgmma: the
-# MMA operands live in registers) binds most often. A tile's row dimension stays ≥ 64 where 8
-# warps share it (dQ at 32 × 16 with 8 warps spilled where 64 × 16 did not: the warps' layout,
-# not the tile's size). Where no candidate was spill-free (the distance kernels' dK/dV on an
-# A100; float32 at H > 128) the table keeps the best one and README's Known limits give the
-# figures. TPU tiles as in JAX's splash attention (bigger tiles amortize the ~0.35 µs
-# per-grid-step overhead); none of them overflows VMEM on a v5e or v6e.
-_GpuTier = dict[str, tuple[int, int, int]]  # kernel -> (block_q, block_k, num_warps)
+# MMA operands live in registers) binds most often. Where the fused dK/dV pass spilled at every
+# tile (float32 at H > 64: the dK and dV accumulators and the K, V tiles in registers), dK and
+# dV run as two passes (split_dkv: scores recomputed, one accumulator each; the dV pass needs
+# neither V nor dP). Where no candidate was spill-free (the distance kernels' dK at H = 128;
+# stick-breaking's dK at float32 H = 256 with a bias) the table keeps the best one and README's
+# Known limits give the figures. TPU tiles as in JAX's splash attention (bigger tiles
+# amortize the ~0.35 µs per-grid-step overhead); none of them overflows VMEM on a v5e or v6e.
+# kernel -> (block_q, block_k, num_warps); dK/dV may add a 4th entry, True: split_dkv (dK and
+# dV in two passes of one accumulator each, where the fused pass spilled at every tile tried).
+_GpuTier = dict[str, tuple[int, ...]]
 # (float32?, largest padded head size) -> tiles, tried in order. The distance kernels run their
-# dot form (H + 2 columns) in float32: H = 64 and 128 land in the float32 tiers of 80 and 144.
+# dot form (H + 2 columns) in float32: H = 64 and 128 land in the float32 tiers of 80 and 160.
 _GPU_TIERS: tuple[tuple[bool, int, _GpuTier], ...] = (
     (False, 64, dict(fwd=(128, 64, 8), dq=(64, 16, 8), dkv=(16, 32, 4))),
     (False, 128, dict(fwd=(128, 32, 8), dq=(64, 16, 8), dkv=(32, 64, 8))),
     (False, 256, dict(fwd=(64, 64, 8), dq=(64, 16, 8), dkv=(16, 64, 8))),
     (True, 64, dict(fwd=(128, 32, 8), dq=(64, 16, 8), dkv=(16, 32, 4))),
-    (True, 128, dict(fwd=(32, 64, 4), dq=(64, 16, 8), dkv=(16, 64, 8))),
-    (True, 160, dict(fwd=(32, 32, 8), dq=(64, 16, 8), dkv=(16, 64, 8))),
-    (True, 256, dict(fwd=(32, 32, 8), dq=(32, 16, 4), dkv=(16, 64, 8))),
+    (True, 80, dict(fwd=(32, 64, 4), dq=(64, 16, 8), dkv=(16, 16, 8, True))),
+    (True, 128, dict(fwd=(32, 32, 8), dq=(64, 16, 8), dkv=(16, 64, 8, True))),
+    (True, 160, dict(fwd=(32, 32, 8), dq=(64, 16, 8), dkv=(16, 64, 8, True))),
+    (True, 256, dict(fwd=(32, 32, 8), dq=(16, 16, 8), dkv=(16, 16, 8, True))),
 )
 # Per family, per tier (same keys): the kernels whose tiles differ. Stick-breaking's dQ keeps
 # 32 query rows on 4 warps (its carries; its key tile is the dK/dV kernel's).
 _GPU_FAMILY_TIERS: dict[str, dict[tuple[bool, int], _GpuTier]] = {
     "entmax": {(False, 64): dict(fwd=(64, 64, 8)), (False, 128): dict(fwd=(32, 64, 4)),
                (False, 256): dict(fwd=(32, 64, 8), dkv=(16, 32, 8)),
-               (True, 128): dict(fwd=(32, 64, 8), dkv=(16, 16, 8))},
+               (True, 128): dict(fwd=(32, 64, 8), dkv=(16, 16, 8)),
+               (True, 256): dict(dq=(32, 16, 8))},
     "softpick": {(False, 128): dict(fwd=(64, 64, 8)), (False, 256): dict(fwd=(32, 64, 8))},
     "stick_breaking": {
         (False, 64): dict(fwd=(128, 32, 8), dq=(32, 32, 4), dkv=(16, 32, 4)),
         (False, 128): dict(dq=(32, 32, 4), dkv=(16, 32, 4)),
         (False, 256): dict(fwd=(32, 64, 8), dq=(16, 16, 4), dkv=(16, 16, 8)),
         (True, 64): dict(dq=(32, 32, 4)),
-        (True, 128): dict(fwd=(32, 64, 8), dkv=(16, 16, 4)),
+        (True, 128): dict(fwd=(32, 64, 8), dq=(32, 16, 4), dkv=(16, 16, 8, True)),
+        (True, 256): dict(dq=(16, 16, 4)),
     },
 }
 _TPU_DEFAULT = dict(block_q=256, block_k=512, block_q_dq=256, block_k_dq=256,
@@ -245,10 +251,11 @@ def _gpu_tiles(head_dim: int | None, family: str | None, dtype: Any) -> dict[str
   hp = head_dim or 0
   key, tier = next(((w, h), t) for w, h, t in _GPU_TIERS if w == wide and (hp <= h or h == 256))
   tier = {**tier, **_GPU_FAMILY_TIERS.get(family or "", {}).get(key, {})}
-  (bq, bk, w), (bq_dq, bk_dq, w_dq), (bq_dkv, bk_dkv, w_dkv) = (tier["fwd"], tier["dq"],
-                                                                tier["dkv"])
+  (bq, bk, w), (bq_dq, bk_dq, w_dq) = tier["fwd"], tier["dq"]
+  bq_dkv, bk_dkv, w_dkv, *split = tier["dkv"]
   return dict(block_q=bq, block_k=bk, block_q_dq=bq_dq, block_k_dq=bk_dq, block_q_dkv=bq_dkv,
-              block_k_dkv=bk_dkv, num_warps=w, num_warps_dq=w_dq, num_warps_bwd=w_dkv)
+              block_k_dkv=bk_dkv, num_warps=w, num_warps_dq=w_dq, num_warps_bwd=w_dkv,
+              split_dkv=bool(split and split[0]))
 
 
 def default_block_sizes(backend: str, t: int, s: int, dtype: Any = jnp.float32,
@@ -444,7 +451,8 @@ def pallas_attention(q: Array, k: Array, v: Array, *, weighting: Any,
   blocks = default_block_sizes(be, t, s, q.dtype, block_q, block_k,
                                head_dim=_round_up(max(h, hv), GPU_MIN_BLOCK), family=family)
   warps = {n: v for n, v in _gpu_tiles(_round_up(max(h, hv), GPU_MIN_BLOCK), family,
-                                       q.dtype).items() if n.startswith("num_warps")}
+                                       q.dtype).items() if not n.startswith("block_")}
+  warps["split_dkv"] &= be == "gpu"  # the TPU's dK/dV kernels accumulate in VMEM
   if rows and weighting.stream.reverse:
     # Stick-breaking's dQ pass saves its carries at the dK/dV pass's key tiles.
     blocks = dataclasses.replace(blocks, block_k_dq=blocks.block_k_dkv)

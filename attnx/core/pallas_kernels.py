@@ -99,6 +99,8 @@ class KernelConfig:
   num_warps_dq: int = 4  # GPU dQ
   num_stages: int = 2
   num_stages_bwd: int = 2
+  # GPU: dK and dV in two passes of one accumulator each (their registers, at wide heads).
+  split_dkv: bool = False
   # Sparsemax/entmax: skip the work of key tiles whose every weight is zero (pallas_rows).
   skip_zero_tiles: bool = True
 
@@ -379,17 +381,23 @@ def _gpu_dq_kernel(*refs, cfg: KernelConfig, has_bias: bool, has_mask: bool, wan
     lax.fori_loop(hi, cfg.sp // bk, zero, 0)
 
 
-def _gpu_dkv_kernel(*refs, cfg: KernelConfig, has_bias: bool, has_mask: bool):
+def _gpu_dkv_kernel(*refs, cfg: KernelConfig, has_bias: bool, has_mask: bool,
+                    want_dk: bool = True, want_dv: bool = True):
+  """dK and/or dV of one key tile (``cfg.split_dkv``: one of them per pass)."""
   it = iter(refs)
   q_ref, k_ref, v_ref, do_ref, r0_ref, r1_ref, dl_ref = (next(it) for _ in range(7))
   bias_ref = next(it) if has_bias else None
   mask_ref = next(it) if has_mask else None
-  qlen_ref, kvlen_ref, dk_ref, dv_ref = next(it), next(it), next(it), next(it)
+  qlen_ref, kvlen_ref = next(it), next(it)
+  dk_ref = next(it) if want_dk else None
+  dv_ref = next(it) if want_dv else None
   bq, bk = cfg.bq_dkv, cfg.bk_dkv
   hc, vc = head_chunks(k_ref.shape[-1]), head_chunks(v_ref.shape[-1])
   j = pl.program_id(0)
   q_len, kv_len = qlen_ref[0], kvlen_ref[0]
-  ks, vs = _load_chunks(k_ref, slice(None), hc), _load_chunks(v_ref, slice(None), vc)
+  ks = _load_chunks(k_ref, slice(None), hc)
+  # dV needs the weights only; dP = dO·Vᵀ (and V) only for dK.
+  vs = _load_chunks(v_ref, slice(None), vc) if want_dk else None
   c0 = j * bk
   lo, hi = _q_range(cfg, j, bq, bk, q_len, kv_len)
   gq, _ = cfg.grad_mult
@@ -409,20 +417,52 @@ def _gpu_dkv_kernel(*refs, cfg: KernelConfig, has_bias: bool, has_mask: bool):
                           r if mask_ref.shape[1] > 1 else pl.ds(0, 1), :]
       z = _scores(cfg, qs, ks, bias_t)
       valid = _valid(cfg, (bq, bk), i * bq, c0, mask_t, q_len, kv_len)
-      p, dz = _bwd_tile(cfg, z, valid, _dot_chunks(dos, vs), (r0, r1, delta))
-      pt, dzt = p.astype(dos[0].dtype).T, dz.astype(qs[0].dtype).T
-      dv = tuple(a + jnp.dot(pt, do, preferred_element_type=jnp.float32)
-                 for a, do in zip(dv, dos, strict=True))
-      dk = tuple(a + jnp.dot(dzt, finite(q), preferred_element_type=jnp.float32)
-                 for a, q in zip(dk, qs, strict=True))
+      dp = _dot_chunks(dos, vs) if want_dk else jnp.zeros((bq, bk), jnp.float32)
+      p, dz = _bwd_tile(cfg, z, valid, dp, (r0, r1, delta))
+      # The fused pass in the order that compiled spill-free (the transposes first).
+      pt = p.astype(dos[0].dtype).T if want_dv else None
+      dzt = dz.astype(qs[0].dtype).T if want_dk else None
+      if want_dv:
+        dv = tuple(a + jnp.dot(pt, do, preferred_element_type=jnp.float32)
+                   for a, do in zip(dv, dos, strict=True))
+      if want_dk:
+        dk = tuple(a + jnp.dot(dzt, finite(q), preferred_element_type=jnp.float32)
+                   for a, q in zip(dk, qs, strict=True))
       return dk, dv
     return lax.fori_loop(lo, hi, q_block, carry)
 
-  init = (tuple(jnp.zeros((bk, c), jnp.float32) for _, c in hc),
-          tuple(jnp.zeros((bk, c), jnp.float32) for _, c in vc))
+  init = (tuple(jnp.zeros((bk, c), jnp.float32) for _, c in hc) if want_dk else (),
+          tuple(jnp.zeros((bk, c), jnp.float32) for _, c in vc) if want_dv else ())
   dk, dv = lax.fori_loop(0, cfg.g, head, init)
-  _store_chunks(dk_ref, dk, hc, gq)
-  _store_chunks(dv_ref, dv, vc)
+  if want_dk:
+    _store_chunks(dk_ref, dk, hc, gq)
+  if want_dv:
+    _store_chunks(dv_ref, dv, vc)
+
+
+def gpu_dkv_passes(kernel: Callable, cfg: KernelConfig, args: list, in_specs: list, k: Array,
+                   v: Array, params: Any, name: str, has: dict) -> tuple[Array, Array]:
+  """(dK, dV) by the GPU dK/dV ``kernel`` (keyword flags ``want_dk``/``want_dv``): one pass
+  named ``{name}_dkv``, or with ``cfg.split_dkv`` two (``{name}_dk``, ``{name}_dv``) that
+  each hold one accumulator, for heads whose two accumulators spill registers."""
+  b, sp, kh, _ = k.shape
+  bk = cfg.bk_dkv
+  out = lambda x: (pl.BlockSpec((None, bk, None, x.shape[-1]), lambda j, bb, h: (bb, j, h, 0)),
+                   jax.ShapeDtypeStruct(x.shape, x.dtype))
+
+  def call(want_dk: bool, want_dv: bool, suffix: str) -> list[Array]:
+    outs = [out(x) for x, on in ((k, want_dk), (v, want_dv)) if on]
+    return pl.pallas_call(
+        functools.partial(kernel, cfg=cfg, want_dk=want_dk, want_dv=want_dv, **has),
+        grid=(sp // bk, b, kh), in_specs=in_specs, out_specs=[o[0] for o in outs],
+        out_shape=[o[1] for o in outs], compiler_params=params, interpret=cfg.interpret,
+        name=f"{name}_{suffix}")(*args)
+
+  if cfg.split_dkv:
+    (dk,), (dv,) = call(True, False, "dk"), call(False, True, "dv")
+    return dk, dv
+  dk, dv = call(True, True, "dkv")
+  return dk, dv
 
 
 def _gpu_backward(cfg: KernelConfig, q, k, v, bias, mask, q_len, kv_len, do, rows, want_ds):
@@ -470,13 +510,8 @@ def _gpu_backward(cfg: KernelConfig, q, k, v, bias, mask, q_len, kv_len, do, row
     blk = (None, 1 if shape[1] == 1 else g, 1 if shape[2] == 1 else tp, 1 if shape[3] == 1 else bk)
     in_specs.append(pl.BlockSpec(
         blk, lambda j, bb, h, shape=shape: _bcast_index(shape, (bb, h, 0, j))))
-  out_specs = [pl.BlockSpec((None, bk, None, hp), lambda j, bb, h: (bb, j, h, 0)),
-               pl.BlockSpec((None, bk, None, hvp), lambda j, bb, h: (bb, j, h, 0))]
-  dk, dv = pl.pallas_call(
-      functools.partial(_gpu_dkv_kernel, cfg=cfg, **has),
-      grid=(sp // bk, b, kh), in_specs=in_specs + lens, out_specs=out_specs,
-      out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
-      compiler_params=params, interpret=cfg.interpret, name="attnx_pallas_dkv")(*args)
+  dk, dv = gpu_dkv_passes(_gpu_dkv_kernel, cfg, args, in_specs + lens, k, v, params,
+                          "attnx_pallas", has)
   return dq, dk, dv, ds
 
 

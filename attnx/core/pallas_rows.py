@@ -259,8 +259,9 @@ def _dq_rows(cfg, tile, qs, load_v, dos, hi, stats, delta, rowc, ds_store, carry
 
 
 def _dkv_step(cfg, dkv, j, i, qs, dos, ks, vs, bias_t, mask_t, q_len, kv_len, stats, delta,
-              rowc, carry):
-  """(dK, dV) after query tile i (rows of one head) against key tile j in the dK/dV pass."""
+              rowc, carry, want_dk: bool = True, want_dv: bool = True):
+  """(dK, dV) after query tile i (rows of one head) against key tile j in the dK/dV pass
+  (``()`` for the one not wanted: dV needs the weights only, not dP = dO·Vᵀ nor V)."""
   rs, ops = _rs(cfg), _ops(cfg)
   bq, bk = cfg.bq_dkv, cfg.bk_dkv
   z = pk._scores(cfg, qs, ks, bias_t)
@@ -268,17 +269,23 @@ def _dkv_step(cfg, dkv, j, i, qs, dos, ks, vs, bias_t, mask_t, q_len, kv_len, st
 
   def grad(dkv):
     dk, dv = dkv
-    dp = pk._dot_chunks(dos, vs)
+    dp = pk._dot_chunks(dos, vs) if want_dk else jnp.zeros((bq, bk), F32)
     p, dz, _ = st.tile_grad(rs, z, valid, dp, stats, delta, carry, rowc, ops,
-                            weights_dtype=vs[0].dtype)
-    pt, dzt = p.astype(dos[0].dtype).T, dz.astype(qs[0].dtype).T
-    dv = tuple(a + jnp.dot(pt, do, preferred_element_type=F32)
-               for a, do in zip(dv, dos, strict=True))
-    dk = tuple(a + jnp.dot(dzt, finite(q), preferred_element_type=F32)
-               for a, q in zip(dk, qs, strict=True))
+                            weights_dtype=dos[0].dtype)
+    # The fused pass in the order that compiled spill-free (the transposes first).
+    pt = p.astype(dos[0].dtype).T if want_dv else None
+    dzt = dz.astype(qs[0].dtype).T if want_dk else None
+    if want_dv:
+      dv = tuple(a + jnp.dot(pt, do, preferred_element_type=F32)
+                 for a, do in zip(dv, dos, strict=True))
+    if want_dk:
+      dk = tuple(a + jnp.dot(dzt, finite(q), preferred_element_type=F32)
+                 for a, q in zip(dk, qs, strict=True))
     return dk, dv
 
-  if not _skips(cfg):
+  # The split passes (GPU, wide heads) do not skip: the branch's merge of the accumulator
+  # spilled registers (entmax dK at float32 H = 256: 3 KB) where the pass without it did not.
+  if not _skips(cfg) or cfg.split_dkv:
     return grad(dkv)
   return lax.cond(_zero_grad_tile(cfg, z, valid, stats, _all_finite(dos)), lambda c: c, grad,
                   dkv)
@@ -320,12 +327,13 @@ def _dq_names(cfg, has_bias, has_mask, want_ds, lens_first: bool):
   return (lens + ins if lens_first else ins + lens) + outs
 
 
-def _dkv_names(cfg, has_bias, has_mask, lens_first: bool):
+def _dkv_names(cfg, has_bias, has_mask, lens_first: bool, want_dk: bool = True,
+               want_dv: bool = True):
   stick = _rs(cfg).family == "stick_breaking"
   ins = [("q", True), ("k", True), ("v", True), ("do", True)] + _bwd_rows_in(cfg) + [
       ("bias", has_bias), ("mask", has_mask), ("ca", stick), ("cb", stick)]
   lens = [("qlen", True), ("kvlen", True)]
-  return (lens + ins if lens_first else ins + lens) + [("dk", True), ("dv", True)]
+  return (lens + ins if lens_first else ins + lens) + [("dk", want_dk), ("dv", want_dv)]
 
 
 def _stat_refs(r, cfg):
@@ -433,14 +441,14 @@ def _gpu_dq_kernel(*refs, cfg, has_bias, has_mask, want_ds):
     lax.fori_loop(hi, cfg.sp // bk, zero, 0)
 
 
-def _gpu_dkv_kernel(*refs, cfg, has_bias, has_mask):
-  r = _split(refs, _dkv_names(cfg, has_bias, has_mask, lens_first=False))
+def _gpu_dkv_kernel(*refs, cfg, has_bias, has_mask, want_dk=True, want_dv=True):
+  r = _split(refs, _dkv_names(cfg, has_bias, has_mask, False, want_dk, want_dv))
   bq, bk = cfg.bq_dkv, cfg.bk_dkv
   hc, vc = pk.head_chunks(r["k"].shape[-1]), pk.head_chunks(r["v"].shape[-1])
   j = pl.program_id(0)
   q_len, kv_len = r["qlen"][0], r["kvlen"][0]
   ks = pk._load_chunks(r["k"], slice(None), hc)
-  vs = pk._load_chunks(r["v"], slice(None), vc)
+  vs = pk._load_chunks(r["v"], slice(None), vc) if want_dk else None
   lo, hi = pk._q_range(cfg, j, bq, bk, q_len, kv_len)
   q_ref, do_ref, bias_ref, mask_ref = r["q"], r["do"], r["bias"], r["mask"]
   stat_refs = _stat_refs(r, cfg)
@@ -462,14 +470,16 @@ def _gpu_dkv_kernel(*refs, cfg, has_bias, has_mask):
       if r["ca"] is not None:
         carry = st.GradCarry(r["ca"][h, j, rows], r["cb"][h, j, rows])
       return _dkv_step(cfg, dkv, j, i, qs, dos, ks, vs, bias_t, mask_t, q_len, kv_len,
-                       stats, r["delta"][h, rows], rowc, carry)
+                       stats, r["delta"][h, rows], rowc, carry, want_dk, want_dv)
     return lax.fori_loop(lo, hi, q_block, carry)
 
-  init = (tuple(jnp.zeros((bk, c), F32) for _, c in hc),
-          tuple(jnp.zeros((bk, c), F32) for _, c in vc))
+  init = (tuple(jnp.zeros((bk, c), F32) for _, c in hc) if want_dk else (),
+          tuple(jnp.zeros((bk, c), F32) for _, c in vc) if want_dv else ())
   dk, dv = lax.fori_loop(0, cfg.g, head, init)
-  pk._store_chunks(r["dk"], dk, hc, cfg.grad_mult[0])
-  pk._store_chunks(r["dv"], dv, vc)
+  if want_dk:
+    pk._store_chunks(r["dk"], dk, hc, cfg.grad_mult[0])
+  if want_dv:
+    pk._store_chunks(r["dv"], dv, vc)
 
 
 def _gpu_backward(cfg, q, k, v, bias, mask, q_len, kv_len, do, rows, rowc, want_ds):
@@ -536,13 +546,8 @@ def _gpu_backward(cfg, q, k, v, bias, mask, q_len, kv_len, do, rows, rowc, want_
   in_specs += [pl.BlockSpec((None, g, ncols, tp), lambda j, bb, h: (bb, h, 0, 0))] * len(carries)
   args = [q, k, v, do, *rows] + [x for x in (bias, mask) if x is not None] + carries + [
       q_len, kv_len]
-  out_specs = [pl.BlockSpec((None, bk, None, hp), lambda j, bb, h: (bb, j, h, 0)),
-               pl.BlockSpec((None, bk, None, hvp), lambda j, bb, h: (bb, j, h, 0))]
-  dk, dv = pl.pallas_call(
-      functools.partial(_gpu_dkv_kernel, cfg=cfg, **has),
-      grid=(sp // bk, b, kh), in_specs=in_specs + lens, out_specs=out_specs,
-      out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
-      compiler_params=params, interpret=cfg.interpret, name="attnx_pallas_rows_dkv")(*args)
+  dk, dv = pk.gpu_dkv_passes(_gpu_dkv_kernel, cfg, args, in_specs + lens, k, v, params,
+                             "attnx_pallas_rows", has)
   return dq, dk, dv, ds, dc
 
 

@@ -167,6 +167,14 @@ BRANCH_CASES = (
       only=("auto",)),
     C(seed=74, t=160, s=160, n=2, weighting="entmax15", causal=True, structure="banded",
       mask="columns", block_q=16, block_k=128),
+    # float32 above H = 64 on the GPU: dK and dV in two passes (the pointwise and the row
+    # kernels' split_dkv; the row pass then does not skip zero tiles), GQA, a bias, masks.
+    C(seed=75, t=90, s=70, n=4, kh=2, h=64, hv=40, weighting="gaussian", score="neg_sq_dist",
+      causal=True, bias="1x1x", mask="padding", pallas="gpu", only=("dense", "pallas")),
+    C(seed=76, t=70, s=90, n=2, h=130, hv=130, weighting="entmax15", mask="columns",
+      pallas="gpu", only=("dense", "pallas")),
+    C(seed=77, t=60, s=60, n=2, h=72, hv=72, weighting="stick_breaking", causal=True,
+      bias="x11x", pallas="gpu", only=("dense", "pallas")),
 )
 CI_RANDOM = 4
 INSTANCES = 5  # random inputs per configuration in the large run (compiling dominates a case)

@@ -10,6 +10,7 @@ default; run it with `-m exhaustive`).
 
 import functools
 import logging
+import re
 
 import jax
 import jax.numpy as jnp
@@ -135,6 +136,8 @@ CASES = [
     ("gpu", jnp.float32, dict(weighting="triangular:normalization=none", h=6)),
     ("gpu", jnp.float32, dict(weighting=_user_f, mask_shape=(37, 53))),
     ("gpu", jnp.bfloat16, dict(weighting="softmax", causal=True, bias_shape=None)),
+    # float32 at head dims 72 / 40 (padded 80: the tier whose dK and dV run as two passes).
+    ("gpu", jnp.float32, dict(weighting="sigmoid", causal=True, h=72, hv=40)),
     ("tpu", jnp.float32, dict(weighting="softmax", causal=True, s=150)),
     ("tpu", jnp.float32, dict(weighting="gaussian", kv_lengths=[150, 90], s=150, h=6,
                               bias_shape=(2, 4, 1, 150), mask_shape=None)),
@@ -277,7 +280,7 @@ def test_block_size_rules():
   assert gpu(jnp.bfloat16, head_dim=128) == pa.BlockSizes(128, 32, 64, 16, 32, 64)
   assert gpu(jnp.bfloat16, head_dim=144) == gpu(jnp.bfloat16, head_dim=256) == pa.BlockSizes(
       64, 64, 64, 16, 16, 64)
-  assert gpu(jnp.float32, head_dim=256) == pa.BlockSizes(32, 32, 32, 16, 16, 64)
+  assert gpu(jnp.float32, head_dim=256) == pa.BlockSizes(32, 32, 16, 16, 16, 16)
   assert gpu(jnp.bfloat16, head_dim=128, family="entmax").block_q == 32
   assert gpu(jnp.bfloat16, head_dim=128, family="softpick") == pa.BlockSizes(64, 64, 64, 16, 32,
                                                                              64)
@@ -285,7 +288,12 @@ def test_block_size_rules():
   stick = gpu(jnp.bfloat16, head_dim=128, family="stick_breaking")
   assert (stick.block_q_dq, stick.block_q_dkv, stick.block_k_dkv) == (32, 16, 32)
   assert pa.default_block_sizes("gpu", 20, 40, jnp.float32, head_dim=256,
-                                family="entmax") == pa.BlockSizes(32, 32, 32, 16, 16, 64)
+                                family="entmax") == pa.BlockSizes(32, 32, 32, 16, 16, 16)
+  # dK and dV in two passes where the fused one spilled: float32 above H = 64 only.
+  assert [hp for hp in (64, 80, 128, 144, 256) if pa._gpu_tiles(hp, None, jnp.float32)[
+      "split_dkv"]] == [80, 128, 144, 256]
+  assert not any(pa._gpu_tiles(hp, f, jnp.bfloat16)["split_dkv"] for hp in (64, 128, 256)
+                 for f in (None, "entmax", "stick_breaking"))
   assert gpu(block_q=32, block_k=128, head_dim=256) == pa.BlockSizes(32, 128, 32, 128, 32, 128)
   for wide in (jnp.bfloat16, jnp.float32):  # every tier and family: warps of 4 or 8, tiles ≥ 16
     for hp in (16, 64, 80, 128, 144, 256):
@@ -297,6 +305,33 @@ def test_block_size_rules():
     pa.pallas_attention(jnp.zeros((1, 8, 1, 8)), jnp.zeros((1, 8, 1, 8)),
                         jnp.zeros((1, 8, 1, 8)), weighting=wlib.get_weighting("relu"),
                         scale=1.0, block_q=24, backend="gpu", interpret=True)
+
+
+@pytest.mark.parametrize("name", ["softmax", "entmax15", "stick_breaking"])
+def test_split_dkv_passes_match_the_fused_pass(monkeypatch, name):
+  # The two passes (dK, then dV without V or dP) give the fused pass's dK and dV bit for bit,
+  # pointwise and whole-row (sparsemax/entmax skip zero tiles in the fused pass only; stick-
+  # breaking reads its carries in both); the names say which kernels ran.
+  w = wlib.get_weighting(name)
+  rng = np.random.default_rng(3)
+  q, k, v = (jnp.asarray(rng.standard_normal(shape), jnp.float32)
+             for shape in ((1, 40, 4, 24), (1, 56, 2, 24), (1, 56, 2, 24)))
+  tiles = pa._gpu_tiles
+
+  def grads(split: bool):
+    monkeypatch.setattr(pa, "_gpu_tiles", lambda *a: {**tiles(*a), "split_dkv": split})
+    loss = lambda q, k, v: jnp.sum(jnp.square(pa.pallas_attention(
+        q, k, v, weighting=w, scale=0.3, is_causal=True, block_q=16, block_k=16, backend="gpu",
+        interpret=True)))
+    g = jax.grad(loss, argnums=(0, 1, 2))
+    jaxpr = str(jax.make_jaxpr(g)(q, k, v))
+    names = set(re.findall(r"attnx_pallas(?:_rows)?_(dkv|dk|dv)\b", jaxpr))
+    return names, g(q, k, v)
+
+  (split_names, split), (fused_names, fused) = grads(True), grads(False)
+  assert split_names == {"dk", "dv"} and fused_names == {"dkv"}
+  for a, b in zip(split, fused, strict=True):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 # --------------------------------------------------------------------------------------------

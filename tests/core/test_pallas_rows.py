@@ -425,6 +425,31 @@ def test_every_kernel_leaves_out_the_tiles_the_zero_test_names(backend):
   assert np.abs(out_off).max() > 0.1  # skip_zero_tiles=False never asks
 
 
+@pytest.mark.parametrize("backend", pa.BACKENDS)
+def test_wide_float32_heads_skip_except_in_the_gpus_split_dkv_passes(backend):
+  # float32 at a head size of 72 (padded 80): the GPU runs dK and dV as two passes, which
+  # do not skip (the branch spilled registers there); the TPU keeps its one dK/dV kernel,
+  # which does. A zero test that names every tile shows who asks it.
+  rng = np.random.default_rng(5)
+  q, k, v, ct = (jnp.asarray(rng.standard_normal((1, 48, 2, 72)), jnp.float32)
+                 for _ in range(4))
+  bq, bk = BLOCKS[backend]
+  f = lambda q, k, v, bias: pa.pallas_attention(
+      q, k, v, weighting=wlib.get_weighting("sparsemax"), scale=SCALE, is_causal=True,
+      block_q=bq, block_k=bk, backend=backend, interpret=True)
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setattr(streaming, "entmax_zero_tile", lambda *a, **kw: jnp.bool_(True))
+    out, (dq, dk, dv) = jax.device_get(jax.jit(functools.partial(_out_and_grads, f))(
+        q, k, v, None, ct))
+  np.testing.assert_array_equal(out, 0.0)
+  np.testing.assert_array_equal(dq, 0.0)
+  for g in (dk, dv):
+    if backend == "gpu":
+      assert np.abs(g).max() > 1e-3
+    else:
+      np.testing.assert_array_equal(g, 0.0)
+
+
 def test_skipping_keeps_the_nan_of_a_nan_cotangent_in_pallas():
   # A NaN in dO reaches every tile of its row's query tile, zero weights included (0·NaN), as
   # autodiff of the dense weights gives: that query tile's tiles are not left out.

@@ -36,10 +36,14 @@ def _check(case: dict) -> None:
   config = kc.get_config("default")
   report, rows = kc.compile_case(case, config)
   status = rows[0]["status"]
+  if status.startswith("n/a"):  # a combination implementation="pallas" refuses by design
+    pytest.skip(status)
   assert status == "pass", f"{case}: {status}\n{report}"
   names = {k.name.removeprefix("attnx_pallas_").removeprefix("rows_") for k in
            report.pallas_kernels}
-  assert names == {"fwd", "dq", "dkv"}, report  # forward, dQ and dK/dV kernels, all compiled
+  # Forward, dQ and dK/dV kernels, all compiled; dK and dV as two passes on a GPU only.
+  assert names in ({"fwd", "dq", "dkv"}, {"fwd", "dq", "dk", "dv"}), report
+  assert "dkv" in names or case["target"] in ("h100", "a100"), report
   target = aot.TARGETS[case["target"]]
   for k in report.pallas_kernels:
     if target.platform == "cuda":
@@ -65,8 +69,27 @@ def test_sample_compiles_without_spills(case):
   _check(case)
 
 
+
+
+def _known_spill(case: dict) -> str | None:
+  """README's Known limits: the programs that spill at every tile tried (strict: one that
+  stops spilling fails here, so that the list and the README follow)."""
+  gpu = case["target"] in ("h100", "a100")
+  # Boxcar's kernels fit; on an H100 only the dQ kernel with a bias spills (4–12 B).
+  spilling = {"a100": ("gaussian", "triangular", "epanechnikov"),
+              "h100": ("gaussian", "epanechnikov") if case["variant"] == "mask_bias" else ()}
+  if case["H"] == 128 and case["weighting"] in spilling.get(case["target"], ()):
+    return "distance kernels at H = 128 (130 float32 columns in two chunks): dK / dQ spill"
+  if gpu and case["weighting"] == "stick_breaking" and case["dtype"] == "float32" and (
+      case["H"] == 256 and case["variant"] == "mask_bias"):
+    return "stick-breaking's dK pass at float32 H = 256 with a bias spills"
+  return None
+
+
 @pytest.mark.aot
-@pytest.mark.parametrize("case", _FULL, ids=_id)
+@pytest.mark.parametrize("case", [
+    pytest.param(c, marks=pytest.mark.xfail(strict=True, reason=r)) if (r := _known_spill(c))
+    else c for c in _FULL], ids=_id)
 def test_full_matrix_compiles_without_spills(case):
   _check(case)
 

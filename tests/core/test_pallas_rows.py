@@ -21,12 +21,12 @@ Compilation dominates: each (case, weighting, backend) is one jitted program, ca
 
 import dataclasses
 import functools
-import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from support import lowering
 
 from attnx import core
 from attnx.core import pallas_attention as pa
@@ -541,7 +541,8 @@ def _lower(name, shape, platform):
                                backend=backend, ssmax_s=s if ssmax else None)
 
   argnums = (0, 1, 2) + ((3,) if shape.bias is not None else ()) + ((4,) if ssmax else ())
-  fn = jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), argnums=argnums)
+  # Σ out²: the cotangent reads the output, so no JAX version drops the forward kernel.
+  fn = jax.grad(lambda *a: jnp.sum(jnp.square(f(*a).astype(jnp.float32))), argnums=argnums)
   return jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,)).as_text()
 
 
@@ -549,11 +550,11 @@ def _lower(name, shape, platform):
 @pytest.mark.parametrize("name,shape", [(n, "full") for n in BASE] + [
     (n, "odd") for n in ("ssmax", "stick_breaking", "entmax15")])
 def test_every_family_lowers_fwd_and_bwd(name, shape, platform):
-  text = _lower(name, {"full": FULL, "odd": ODD}[shape], platform)
-  calls = re.findall(r"custom_call @([\w.$]+)", text)
-  target = PLATFORMS[platform][1]
-  assert calls.count(target) == 3 and set(calls) == {target}, calls  # forward, dQ, dK/dV
-  assert len(re.findall(r"attnx_pallas_rows_(fwd|dq|dkv)", text)) >= 3
+  sh = {"full": FULL, "odd": ODD}[shape]
+  text = _lower(name, sh, platform)
+  assert "attnx_pallas_rows_fwd" in text
+  lowering.custom_calls(text, PLATFORMS[platform][1], lowering.expected_kernels(
+      platform, sh.dtype, sh.h, sh.hv, wlib.get_weighting(name).stream.family))
 
 
 def test_tile_rules_are_the_pointwise_ones():

@@ -419,16 +419,7 @@ def _gpu_dkv_kernel(*refs, cfg: KernelConfig, has_bias: bool, has_mask: bool,
       valid = _valid(cfg, (bq, bk), i * bq, c0, mask_t, q_len, kv_len)
       dp = _dot_chunks(dos, vs) if want_dk else jnp.zeros((bq, bk), jnp.float32)
       p, dz = _bwd_tile(cfg, z, valid, dp, (r0, r1, delta))
-      # The fused pass in the order that compiled spill-free (the transposes first).
-      pt = p.astype(dos[0].dtype).T if want_dv else None
-      dzt = dz.astype(qs[0].dtype).T if want_dk else None
-      if want_dv:
-        dv = tuple(a + jnp.dot(pt, do, preferred_element_type=jnp.float32)
-                   for a, do in zip(dv, dos, strict=True))
-      if want_dk:
-        dk = tuple(a + jnp.dot(dzt, finite(q), preferred_element_type=jnp.float32)
-                   for a, q in zip(dk, qs, strict=True))
-      return dk, dv
+      return accumulate_dkv((dk, dv), p, dz, qs, dos)
     return lax.fori_loop(lo, hi, q_block, carry)
 
   init = (tuple(jnp.zeros((bk, c), jnp.float32) for _, c in hc) if want_dk else (),
@@ -438,6 +429,22 @@ def _gpu_dkv_kernel(*refs, cfg: KernelConfig, has_bias: bool, has_mask: bool,
     _store_chunks(dk_ref, dk, hc, gq)
   if want_dv:
     _store_chunks(dv_ref, dv, vc)
+
+
+def accumulate_dkv(dkv: tuple, p: Array, dz: Array, qs: list, dos: list) -> tuple:
+  """(dK + dZᵀ·Q, dV + Pᵀ·dO) in float32, per head-dim chunk, for the accumulators held (an
+  empty tuple: that one is not wanted, as in a pass of the two-pass form)."""
+  dk, dv = dkv
+  # The transposes first: the order in which the fused pass compiled without spills.
+  pt = p.astype(dos[0].dtype).T if dv else None
+  dzt = dz.astype(qs[0].dtype).T if dk else None
+  if dv:
+    dv = tuple(a + jnp.dot(pt, do, preferred_element_type=jnp.float32)
+               for a, do in zip(dv, dos, strict=True))
+  if dk:
+    dk = tuple(a + jnp.dot(dzt, finite(q), preferred_element_type=jnp.float32)
+               for a, q in zip(dk, qs, strict=True))
+  return dk, dv
 
 
 def gpu_dkv_passes(kernel: Callable, cfg: KernelConfig, args: list, in_specs: list, k: Array,

@@ -259,7 +259,7 @@ def _dq_rows(cfg, tile, qs, load_v, dos, hi, stats, delta, rowc, ds_store, carry
 
 
 def _dkv_step(cfg, dkv, j, i, qs, dos, ks, vs, bias_t, mask_t, q_len, kv_len, stats, delta,
-              rowc, carry, want_dk: bool = True, want_dv: bool = True):
+              rowc, carry):
   """(dK, dV) after query tile i (rows of one head) against key tile j in the dK/dV pass
   (``()`` for the one not wanted: dV needs the weights only, not dP = dO·Vᵀ nor V)."""
   rs, ops = _rs(cfg), _ops(cfg)
@@ -268,20 +268,10 @@ def _dkv_step(cfg, dkv, j, i, qs, dos, ks, vs, bias_t, mask_t, q_len, kv_len, st
   valid = _scored(z, pk._valid(cfg, (bq, bk), i * bq, j * bk, mask_t, q_len, kv_len))
 
   def grad(dkv):
-    dk, dv = dkv
-    dp = pk._dot_chunks(dos, vs) if want_dk else jnp.zeros((bq, bk), F32)
+    dp = pk._dot_chunks(dos, vs) if dkv[0] else jnp.zeros((bq, bk), F32)
     p, dz, _ = st.tile_grad(rs, z, valid, dp, stats, delta, carry, rowc, ops,
                             weights_dtype=dos[0].dtype)
-    # The fused pass in the order that compiled spill-free (the transposes first).
-    pt = p.astype(dos[0].dtype).T if want_dv else None
-    dzt = dz.astype(qs[0].dtype).T if want_dk else None
-    if want_dv:
-      dv = tuple(a + jnp.dot(pt, do, preferred_element_type=F32)
-                 for a, do in zip(dv, dos, strict=True))
-    if want_dk:
-      dk = tuple(a + jnp.dot(dzt, finite(q), preferred_element_type=F32)
-                 for a, q in zip(dk, qs, strict=True))
-    return dk, dv
+    return pk.accumulate_dkv(dkv, p, dz, qs, dos)
 
   # The split passes (GPU, wide heads) do not skip: the branch's merge of the accumulator
   # spilled registers (entmax dK at float32 H = 256: 3 KB) where the pass without it did not.
@@ -470,7 +460,7 @@ def _gpu_dkv_kernel(*refs, cfg, has_bias, has_mask, want_dk=True, want_dv=True):
       if r["ca"] is not None:
         carry = st.GradCarry(r["ca"][h, j, rows], r["cb"][h, j, rows])
       return _dkv_step(cfg, dkv, j, i, qs, dos, ks, vs, bias_t, mask_t, q_len, kv_len,
-                       stats, r["delta"][h, rows], rowc, carry, want_dk, want_dv)
+                       stats, r["delta"][h, rows], rowc, carry)
     return lax.fori_loop(lo, hi, q_block, carry)
 
   init = (tuple(jnp.zeros((bk, c), F32) for _, c in hc) if want_dk else (),

@@ -450,9 +450,10 @@ def pallas_attention(q: Array, k: Array, v: Array, *, weighting: Any,
   family = weighting.stream.family if rows else None
   blocks = default_block_sizes(be, t, s, q.dtype, block_q, block_k,
                                head_dim=_round_up(max(h, hv), GPU_MIN_BLOCK), family=family)
-  warps = {n: v for n, v in _gpu_tiles(_round_up(max(h, hv), GPU_MIN_BLOCK), family,
-                                       q.dtype).items() if not n.startswith("block_")}
-  warps["split_dkv"] &= be == "gpu"  # the TPU's dK/dV kernels accumulate in VMEM
+  # The GPU's launch parameters (warps, dK/dV as two passes); the TPU kernels take none.
+  launch = {} if be != "gpu" else {
+      n: v for n, v in _gpu_tiles(_round_up(max(h, hv), GPU_MIN_BLOCK), family,
+                                  q.dtype).items() if not n.startswith("block_")}
   if rows and weighting.stream.reverse:
     # Stick-breaking's dQ pass saves its carries at the dK/dV pass's key tiles.
     blocks = dataclasses.replace(blocks, block_k_dq=blocks.block_k_dkv)
@@ -485,7 +486,7 @@ def pallas_attention(q: Array, k: Array, v: Array, *, weighting: Any,
       scale=float(scale), is_causal=bool(is_causal), q_bound=q_lengths is not None or tp != t,
       kv_bound=kv_lengths is not None or sp != s, bq=blocks.block_q, bk=blocks.block_k,
       bq_dq=blocks.block_q_dq, bk_dq=blocks.block_k_dq, bq_dkv=blocks.block_q_dkv,
-      bk_dkv=blocks.block_k_dkv, **warps,
+      bk_dkv=blocks.block_k_dkv, **launch,
       # 3 stages of f32 tiles (a bias tile too) overflow an A100's 163 KiB of shared memory.
       num_stages=3 if hp <= 128 and q.dtype.itemsize == 2 else 2, num_stages_bwd=2,
       skip_zero_tiles=skip_zero_tiles)

@@ -18,7 +18,8 @@ Every experiment config has: seed, num_seeds, parallel (none | shard_map | pmap)
 num_cpu_devices (>0 fakes that many CPU devices before JAX starts; equivalent to
 XLA_FLAGS=--xla_force_host_platform_device_count=N), distributed (True calls
 jax.distributed.initialize(coordinator_address, num_processes, process_id); empty values are
-auto-detected), data_dir (TFDS data dir of catalog datasets such as mnist), progress,
+auto-detected; `python -m attnx.launch_local -n N -- launch.py ...` starts N such processes on
+this machine), data_dir (TFDS data dir of catalog datasets such as mnist), progress,
 checkpoint_every, log_every. A rerun with the same --workdir resumes from the latest
 checkpoints; a rerun with a different setup (model, optimizer, steps, batch size, seeds, data)
 stops with the differences named: use another --workdir for it. A damaged checkpoint (e.g. a
@@ -205,6 +206,9 @@ def main(argv: list[str]) -> int:
   if n > 0:
     workarounds.fake_cpu_devices(n)  # with a collective timeout for busy machines
   if config.get("distributed", False):
+    # Collectives between CPU devices of different processes go through gloo (JAX has none
+    # by default); GPUs and TPUs use NCCL / ICI whatever this says.
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(**train_config.distributed_kwargs(config))
   train_config.apply_data_dir(config)
   from attnx import train  # after the device settings above
@@ -216,8 +220,11 @@ def main(argv: list[str]) -> int:
       print(f"FATAL: invalid config: config.{e}", file=sys.stderr)
       return 2
 
-  print(f"Experiment {config.get('experiment')}:{config.get('preset')} -> {workdir} "
-        f"({len(jax.devices())} {jax.default_backend()} device(s))", flush=True)
+  main_process = train.is_main_process()
+  if main_process:
+    processes = f" in {jax.process_count()} processes" if jax.process_count() > 1 else ""
+    print(f"Experiment {config.get('experiment')}:{config.get('preset')} -> {workdir} "
+          f"({len(jax.devices())} {jax.default_backend()} device(s){processes})", flush=True)
   try:
     result = module.run(config, workdir) or {}
   except train.CheckpointMismatchError as e:
@@ -231,7 +238,8 @@ def main(argv: list[str]) -> int:
     return 1
   report = result.get("report") if isinstance(result, dict) else None
   report = report or os.path.join(workdir, "report.md")
-  print(f"Report: {os.path.abspath(report)}", flush=True)
+  if main_process:
+    print(f"Report: {os.path.abspath(report)}", flush=True)
   diverged = train.nonfinite_runs()
   if diverged:  # the experiment reported the other runs; the launch still failed
     print(f"FATAL: {len(diverged)} run(s) stopped on a NaN/Inf loss:\n  "

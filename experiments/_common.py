@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from attnx.train.parallel import is_main_process
 from attnx.train.report import jsonable  # the one implementation (also Report.save_json)
 
 
@@ -60,8 +61,9 @@ def save_json(workdir: str, name: str, payload: Any) -> str:
   attnx.train's `jsonable` (``Report.save_json`` does the same from a Report)."""
   os.makedirs(workdir, exist_ok=True)
   path = os.path.join(workdir, name)
-  with open(path, "w") as f:
-    json.dump(jsonable(payload), f, indent=1)
+  if is_main_process():  # the other processes of a multi-process run write nothing
+    with open(path, "w") as f:
+      json.dump(jsonable(payload), f, indent=1)
   return path
 
 

@@ -68,7 +68,13 @@ from attnx.train.optim import (  # noqa: E402
     make_schedule,
     optimizer_config,
 )
-from attnx.train.parallel import PARALLEL_MODES, Placement, data_mesh  # noqa: E402
+from attnx.train.parallel import (  # noqa: E402
+    PARALLEL_MODES,
+    Placement,
+    data_mesh,
+    is_main_process,
+    process_rows,
+)
 from attnx.train.report import (  # noqa: E402
     Report,
     environment,
@@ -89,9 +95,10 @@ __all__ = [
     "Evaluate", "FitConfig", "FitResult", "Loader", "Log", "NonFiniteLossError", "Placement",
     "Report", "Schedule", "StepContext", "array_stream", "base_config", "check_batch_size",
     "check_choice", "data_mesh", "environment", "evaluate", "fit", "format_experiments",
-    "from_sums", "get_loss", "grain_stream", "init_state", "jsonable", "list_experiments",
+    "from_sums", "get_loss", "grain_stream", "init_state", "is_main_process", "jsonable",
+    "list_experiments",
     "load_module", "loader", "make_apply_fn", "make_optimizer", "make_schedule", "make_step",
     "markdown_table", "mean_std", "mse", "nonfinite_runs", "optimizer_config", "plot_curves",
-    "plot_learning_curves", "reduce_sums", "run_fingerprint", "seed_step", "softmax_xent",
-    "split_list", "subplots", "summary_rows", "validate",
+    "plot_learning_curves", "process_rows", "reduce_sums", "run_fingerprint", "seed_step",
+    "softmax_xent", "split_list", "subplots", "summary_rows", "validate",
 ]

@@ -64,6 +64,7 @@ class TrainClock:
     self.prev_steps = prev_steps
     self.compile_seconds = compile_seconds
     self.steps_run = 0
+    self.untimed_steps = 0  # steps run but not timed (a first step that also compiled)
     self._start = time.perf_counter()
     self._excluded = 0.0
     self._paused_at: float | None = None
@@ -87,13 +88,13 @@ class TrainClock:
     """What a checkpoint stores, so that a resumed run reports the time of every step."""
     now = self._paused_at if self._paused_at is not None else time.perf_counter()
     return {"train_seconds": self.prev_seconds + (now - self._start - self._excluded),
-            "train_steps": self.prev_steps + self.steps_run,
+            "train_steps": self.prev_steps + self.steps_run - self.untimed_steps,
             "compile_seconds": self.compile_seconds}
 
   def seconds_per_step(self) -> float:
     """Per-step time over every step trained, by this process and the ones it resumed from."""
     elapsed = time.perf_counter() - self._start - self._excluded
-    total = self.prev_steps + self.steps_run
+    total = self.prev_steps + self.steps_run - self.untimed_steps
     if not total:
       return float("nan")
     return (self.prev_seconds + (elapsed if self.steps_run else 0.0)) / total

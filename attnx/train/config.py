@@ -36,6 +36,9 @@ def base_config() -> ml_collections.ConfigDict:
       coordinator_address="",  # host:port of process 0
       num_processes=0,
       process_id=-1,
+      # Seconds without a heartbeat after which the other processes count one as dead and
+      # stop (0: JAX's default, 100). launch_local stops them at once on its own.
+      heartbeat_timeout_seconds=0,
       # TFDS data dir of catalog datasets (mnist, ...); "": $TFDS_DATA_DIR or
       # ~/tensorflow_datasets. attnx's own datasets are unaffected ($ATTNX_DATA_DIR).
       data_dir="",
@@ -253,18 +256,25 @@ def _check_distributed(config: ml_collections.ConfigDict) -> None:
   if num < 0 or pid < -1 or (num > 0 and pid >= num):
     raise ValueError(f"config.num_processes={num} (0: auto) and config.process_id={pid} (-1: "
                      "auto) need 0 <= process_id < num_processes")
+  beat = config.get("heartbeat_timeout_seconds", 0)
+  if isinstance(beat, bool) or not isinstance(beat, int) or beat < 0:
+    raise ValueError(f"config.heartbeat_timeout_seconds={beat!r} must be an integer >= 0 "
+                     "(0: JAX's default)")
   if not config.get("distributed", False) and (config.get("coordinator_address") or num > 0
-                                               or pid >= 0):
-    raise ValueError("config.coordinator_address, num_processes and process_id are only used "
-                     "with config.distributed=True")
+                                               or pid >= 0 or beat):
+    raise ValueError("config.coordinator_address, num_processes, process_id and "
+                     "heartbeat_timeout_seconds are only used with config.distributed=True")
 
 
 def distributed_kwargs(config: ml_collections.ConfigDict) -> dict[str, Any]:
   """Keyword arguments for jax.distributed.initialize (None = let JAX auto-detect)."""
   num, pid = int(config.get("num_processes", 0)), int(config.get("process_id", -1))
-  return {"coordinator_address": config.get("coordinator_address") or None,
-          "num_processes": num if num > 0 else None,
-          "process_id": pid if pid >= 0 else None}
+  kwargs = {"coordinator_address": config.get("coordinator_address") or None,
+            "num_processes": num if num > 0 else None,
+            "process_id": pid if pid >= 0 else None}
+  if int(config.get("heartbeat_timeout_seconds", 0) or 0) > 0:
+    kwargs["heartbeat_timeout_seconds"] = int(config.heartbeat_timeout_seconds)
+  return kwargs
 
 
 def apply_data_dir(config: ml_collections.ConfigDict) -> None:

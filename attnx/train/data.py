@@ -22,28 +22,36 @@ PIPELINES = ("numpy", "grain")
 
 
 def _shuffled_batches(arrays: Mapping[str, np.ndarray], batch_size: int, start_step: int,
-                      take: Callable[[int, int, int], np.ndarray]
-                      ) -> Iterator[dict[str, np.ndarray]]:
-  """Batches lo:hi of epoch e's permutation, ``take(e, lo, hi)``, from step `start_step` on."""
+                      take: Callable[[int, int, int], np.ndarray],
+                      rows: tuple[int, int] | None = None) -> Iterator[dict[str, np.ndarray]]:
+  """Batches lo:hi of epoch e's permutation, ``take(e, lo, hi)``, from step `start_step` on.
+
+  `rows` = (a, b): only rows a:b of every batch are gathered (a process's share).
+  """
   n = len(next(iter(arrays.values())))
   per_epoch = n // batch_size
   if per_epoch == 0:
     raise ValueError(f"batch_size={batch_size} is larger than the {n} examples")
+  a, b = rows if rows is not None else (0, batch_size)
+  if not 0 <= a < b <= batch_size:
+    raise ValueError(f"rows={rows} is not a non-empty range of the {batch_size} rows of a batch")
   step = start_step
   while True:
     epoch, i = divmod(step, per_epoch)
-    idx = np.sort(take(epoch, i * batch_size, (i + 1) * batch_size))
+    idx = np.sort(take(epoch, i * batch_size, (i + 1) * batch_size))[a:b]
     yield {k: v[idx] for k, v in arrays.items()}
     step += 1
 
 
 def array_stream(arrays: Mapping[str, np.ndarray], batch_size: int, seed: int,
-                 start_step: int = 0) -> Iterator[dict[str, np.ndarray]]:
+                 start_step: int = 0, rows: tuple[int, int] | None = None
+                 ) -> Iterator[dict[str, np.ndarray]]:
   """Endless shuffled batches over in-memory arrays, resumable at any step.
 
   Epoch e uses the permutation of np.random.default_rng([seed, e]); incomplete final batches
   are dropped. Starting at `start_step` yields exactly the batches an uninterrupted stream
-  yields from that step on, which is what makes checkpoint resume exact.
+  yields from that step on, which is what makes checkpoint resume exact. `rows` = (a, b):
+  rows a:b of each of those batches only.
   """
   n = len(next(iter(arrays.values())))
 
@@ -52,11 +60,12 @@ def array_stream(arrays: Mapping[str, np.ndarray], batch_size: int, seed: int,
     return np.random.default_rng([seed, epoch]).permutation(n)
 
   return _shuffled_batches(arrays, batch_size, start_step,
-                           lambda epoch, lo, hi: permutation(epoch)[lo:hi])
+                           lambda epoch, lo, hi: permutation(epoch)[lo:hi], rows)
 
 
 def grain_stream(arrays: Mapping[str, np.ndarray], batch_size: int, seed: int,
-                 start_step: int = 0) -> Iterator[dict[str, np.ndarray]]:
+                 start_step: int = 0, rows: tuple[int, int] | None = None
+                 ) -> Iterator[dict[str, np.ndarray]]:
   """Endless shuffled batches over in-memory arrays from a grain ``MapDataset``.
 
   The dataset is range(n) → shuffle(seed) → repeat, whose epoch e is a fresh permutation;
@@ -72,7 +81,7 @@ def grain_stream(arrays: Mapping[str, np.ndarray], batch_size: int, seed: int,
   def take(epoch: int, lo: int, hi: int) -> np.ndarray:
     return np.fromiter((order[epoch * n + j] for j in range(lo, hi)), np.int64, hi - lo)
 
-  return _shuffled_batches(arrays, batch_size, start_step, take)
+  return _shuffled_batches(arrays, batch_size, start_step, take, rows)
 
 
 class Loader:
@@ -100,13 +109,17 @@ class Loader:
     self.batch_size = int(batch_size)
     self.pipeline = pipeline
 
-  def __call__(self, seed: int | None = None,
-               start_step: int = 0) -> Iterator[dict[str, np.ndarray]]:
-    """With a seed: the endless shuffled training stream from `start_step`; else one pass."""
+  def __call__(self, seed: int | None = None, start_step: int = 0,
+               rows: tuple[int, int] | None = None) -> Iterator[dict[str, np.ndarray]]:
+    """With a seed: the endless shuffled training stream from `start_step`; else one pass.
+
+    `rows` = (a, b): only rows a:b of every training batch are read, the share of one process
+    of a multi-process run (`fit` passes it; the global batch is the same).
+    """
     if seed is None:
       return self._ordered()
     stream = grain_stream if self.pipeline == "grain" else array_stream
-    return stream(self.arrays, self.batch_size, seed, start_step)
+    return stream(self.arrays, self.batch_size, seed, start_step, rows)
 
   def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
     return self._ordered()

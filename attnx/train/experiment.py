@@ -33,6 +33,7 @@ from attnx.train import verdict as verdict_lib
 from attnx.train.config import FitConfig
 from attnx.train.data import loader
 from attnx.train.loop import FitResult, NonFiniteLossError, fit
+from attnx.train.parallel import is_main_process
 from attnx.train.report import Report, mean_std, plot_learning_curves
 
 
@@ -162,6 +163,12 @@ def _scalar_metrics(res: FitResult) -> dict[str, np.ndarray]:
   return {k: np.asarray(v) for k, v in res.final_metrics.items() if np.asarray(v).ndim == 1}
 
 
+def _say(line: str) -> None:
+  """A progress line on stdout, from process 0 only (all processes run the same loop)."""
+  if is_main_process():
+    print(line, flush=True)
+
+
 def run_task(config: ml_collections.ConfigDict, workdir: str, task: Task,
              variants: Sequence[Variant], reference: str | None,
              arrays: dict[str, dict[str, np.ndarray]] | None = None) -> TaskResult:
@@ -173,18 +180,17 @@ def run_task(config: ml_collections.ConfigDict, workdir: str, task: Task,
   fits: dict[str, FitResult] = {}
   failures: dict[str, str] = {}
   for v in variants:
-    print(f"[{task.name}] {v.name}: training {config.num_seeds} seed(s) x {config.num_steps} "
-          "steps", flush=True)
+    _say(f"[{task.name}] {v.name}: training {config.num_seeds} seed(s) x {config.num_steps} "
+         "steps")
     try:
       res = train_variant(config, workdir, task, v, arrays)
     except NonFiniteLossError as e:
       failures[v.name] = str(e)
-      print(f"[{task.name}] {v.name}: {e}", flush=True)
+      _say(f"[{task.name}] {v.name}: {e}")
       continue
     fits[v.name] = res
     msg = ", ".join(f"{k}={mean_std(x)}" for k, x in _scalar_metrics(res).items())
-    print(f"[{task.name}] {v.name}: {msg}; {1e3 * res.seconds_per_step:.2f} ms/step",
-          flush=True)
+    _say(f"[{task.name}] {v.name}: {msg}; {1e3 * res.seconds_per_step:.2f} ms/step")
   comparisons = {}
   if reference in fits:
     for name, res in fits.items():
@@ -285,6 +291,7 @@ def run_comparison(config: ml_collections.ConfigDict, workdir: str, *, title: st
     rep.table(list(summary.values()), [label] + [t.name for t in tasks],
               caption="Primary metric per task, mean ± std over seeds")
   extra = finish(rep, results) if finish is not None else None
-  with open(os.path.join(workdir, "final_metrics.json"), "w") as f:
-    json.dump(final, f, indent=1)
+  if is_main_process():
+    with open(os.path.join(workdir, "final_metrics.json"), "w") as f:
+      json.dump(final, f, indent=1)
   return {"report": rep.write(), "final_metrics": final, "tasks": results, "finish": extra}

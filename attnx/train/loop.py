@@ -29,7 +29,7 @@ from attnx.train.config import FitConfig
 from attnx.train.evaluate import evaluate
 from attnx.train.losses import get_loss
 from attnx.train.optim import make_optimizer
-from attnx.train.parallel import Placement, validate_parallel
+from attnx.train.parallel import Placement, is_main_process, process_rows, validate_parallel
 from attnx.train.step import accepts_arg, init_state, make_apply_fn, make_step, model_inputs
 
 log = logging.getLogger("attnx.train")
@@ -212,6 +212,37 @@ def _init_or_restore(model, tx, seeds, sample, inputs_fn, ckpt, fingerprint, nam
   return fresh, 0, {}
 
 
+def _read_history(writer: Any, start_step: int, main: bool) -> list[dict]:
+  """The run's logged records up to `start_step`, dropping later ones from the file.
+
+  Process 0 rewrites the file; the others read it after it has (a barrier between), so that
+  every process returns the same history.
+  """
+  history = writer.truncate_after(start_step) if main else []
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils  # noqa: PLC0415
+
+    multihost_utils.sync_global_devices("attnx.fit: metrics.jsonl truncated")
+    if not main:
+      history = writer.truncate_after(start_step)
+  return history
+
+
+def _rows_of(train_data: Callable[..., Iterator[dict]], seed: int, start_step: int,
+             rows: tuple[int, int], batch_size: int) -> Iterator[dict]:
+  """`train_data`'s stream, with only rows `rows` of every batch (this process's share).
+
+  A stream that takes ``rows=`` (a `Loader`) reads only those rows; any other is read whole
+  and sliced.
+  """
+  if rows == (0, batch_size):
+    return iter(train_data(seed, start_step))
+  if accepts_arg(train_data, "rows"):
+    return iter(train_data(seed, start_step, rows=rows))
+  a, b = rows
+  return ({k: v[a:b] for k, v in batch.items()} for batch in train_data(seed, start_step))
+
+
 def fit(model: nn.Module, *,
         train_data: Callable[[int, int], Iterator[dict]],
         config: FitConfig,
@@ -228,6 +259,12 @@ def fit(model: nn.Module, *,
   step, and equal N separate runs. `config.parallel` ("none" | "shard_map" | "pmap")
   additionally shards every batch over all devices (data parallelism on the global mean
   loss; equals the single-device step). See `FitConfig` for the other settings.
+
+  Several processes (``jax.distributed.initialize``; every process calls `fit` with the same
+  arguments): each reads only the rows of every batch its devices hold (`train_data(seed,
+  step, rows=(a, b))` when it takes ``rows``, else it slices), the result equals one process
+  with the same devices, checkpoints are written collectively, and metrics, TensorBoard and
+  the progress bar come from process 0 only. Every process returns the same FitResult.
 
   The loop only runs steps; periodic work is done by the actions of `attnx.train.actions`,
   each on its own schedule (every n steps and at the end): `CheckFinite`, `Evaluate`, `Log`,
@@ -289,26 +326,35 @@ def fit(model: nn.Module, *,
       ckpt.close()
     raise
   # Logs beyond the checkpoint belong to steps that will be trained again: drop them.
-  writer = MetricWriter(workdir, name, tensorboard=c.tensorboard, start_step=start_step)
-  history = writer.truncate_after(start_step)
+  main = is_main_process()
+  writer = MetricWriter(workdir, name, tensorboard=c.tensorboard, start_step=start_step,
+                        readonly=not main)
+  history = _read_history(writer, start_step, main)
   timing = meta.get("timing", {})
 
   step_fn = make_step(apply_fn, loss_fn, tx, c.parallel, placement.mesh)
   state = placement.state(state)
-  iters = [iter(train_data(s, start_step)) for s in seeds]
+  rows = process_rows(c.parallel, batch_size)
+  iters = [iter(_rows_of(train_data, s, start_step, rows, batch_size)) for s in seeds]
 
   def next_batch():
-    return placement.batch(_stack([next(it) for it in iters]))
+    return placement.batch(_stack([next(it) for it in iters]), batch_size)
 
   t0 = time.perf_counter()
   compiled = step_fn
+  # pmap across processes lowers for the global device count and then refuses this process's
+  # local arguments: it compiles lazily in its first step, which is then timed as compilation.
+  lazy = c.parallel == "pmap" and jax.process_count() > 1
   if start_step < c.num_steps:
     first = next_batch()
-    try:
-      compiled = step_fn.lower(state, first, np.int32(start_step)).compile()
-    except Exception:  # noqa: BLE001 - AOT is only used for timing; fall back to lazy jit.
-      compiled = step_fn
-    compile_seconds = time.perf_counter() - t0
+    if lazy:
+      compile_seconds = float("nan")  # the first step's time, compilation included, below
+    else:
+      try:
+        compiled = step_fn.lower(state, first, np.int32(start_step)).compile()
+      except Exception:  # noqa: BLE001 - AOT is only used for timing; fall back to lazy jit.
+        compiled = step_fn
+      compile_seconds = time.perf_counter() - t0
   else:  # a finished run: report the compile time of the process that trained it
     compile_seconds = float(timing.get("compile_seconds", float("nan")))
 
@@ -323,7 +369,7 @@ def fit(model: nn.Module, *,
 
   clock = actions.TrainClock(float(timing.get("train_seconds", 0.0)),
                              int(timing.get("train_steps", 0)), compile_seconds)
-  progress = actions.ProgressBar(c.progress, name, c.num_steps, start_step)
+  progress = actions.ProgressBar(c.progress and main, name, c.num_steps, start_step)
   log_at = actions.Schedule(c.log_every)
   eval_at = actions.Schedule(c.eval_every) if (
       eval_fn is not None or eval_data is not None) else actions.NEVER
@@ -343,7 +389,14 @@ def fit(model: nn.Module, *,
   try:
     for step in range(start_step, c.num_steps):
       batch = first if step == start_step else next_batch()
-      state, metrics = compiled(state, batch, np.int32(step))
+      if lazy and step == start_step:
+        with clock.excluded():
+          state, metrics = compiled(state, batch, np.int32(step))
+          jax.block_until_ready(metrics)
+        clock.compile_seconds = compile_seconds = time.perf_counter() - t0
+        clock.untimed_steps += 1
+      else:
+        state, metrics = compiled(state, batch, np.int32(step))
       if sync_each_step:
         jax.block_until_ready(metrics)
       clock.steps_run += 1

@@ -21,6 +21,8 @@ from typing import Any
 
 import numpy as np
 
+from attnx.train.parallel import is_main_process
+
 Curve = tuple[Any, Any]  # (x [n], values [n] or [n, num_seeds])
 
 
@@ -128,6 +130,9 @@ def environment() -> dict[str, Any]:
 class Report:
   """Accumulates a Markdown report; `write()` saves workdir/report.md and workdir/results.json.
 
+  In a multi-process run only process 0 writes (report, figures, JSON files); every process
+  may build the same report.
+
   The header records the claim under test, the command line, the config, package versions and
   hardware, so a report can be reproduced and judged on its own. results.json holds the
   tables, verdicts, figures and the names of the JSON files written with `save_json`.
@@ -170,7 +175,8 @@ class Report:
     """Save a matplotlib figure as workdir/NAME.png and link it; returns the path."""
     fname = name if name.endswith(".png") else f"{name}.png"
     path = os.path.join(self.workdir, fname)
-    fig.savefig(path, dpi=110, bbox_inches="tight")
+    if is_main_process():
+      fig.savefig(path, dpi=110, bbox_inches="tight")
     try:
       import matplotlib.pyplot as plt
       plt.close(fig)
@@ -186,8 +192,9 @@ class Report:
     path. The file is listed under "data_files" in results.json."""
     fname = name if name.endswith(".json") else f"{name}.json"
     path = os.path.join(self.workdir, fname)
-    with open(path, "w") as f:
-      json.dump(jsonable(payload), f, indent=1)
+    if is_main_process():
+      with open(path, "w") as f:
+        json.dump(jsonable(payload), f, indent=1)
     if fname not in self.data_files:
       self.data_files.append(fname)
     return path
@@ -215,8 +222,13 @@ class Report:
     return "\n".join(head + self._blocks + tail)
 
   def write(self) -> str:
-    """Write report.md and results.json into the workdir; returns the report's path."""
+    """Write report.md and results.json into the workdir; returns the report's path.
+
+    Process 0 writes them; the other processes of a multi-process run only return the path.
+    """
     path = os.path.join(self.workdir, "report.md")
+    if not is_main_process():
+      return path
     with open(path, "w") as f:
       f.write(self.markdown())
     results = {"title": self.title, "claim": self.claim, "command": self.command,

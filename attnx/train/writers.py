@@ -24,6 +24,9 @@ class MetricWriter:
   SummaryWriter, whose flush() misses events still in its background queue), so `flush()`
   puts every event logged so far on disk; `fit` calls it before each checkpoint.
 
+  `readonly`: read the history, write nothing (the processes other than 0 of a multi-process
+  run).
+
   `start_step`: the step training (re)starts from. Events an earlier process logged after it
   (it was killed after its last checkpoint) are hidden from TensorBoard by a purge event
   (SessionLog.START at start_step + 1), as `truncate_after` drops them from the JSON lines, so
@@ -31,11 +34,12 @@ class MetricWriter:
   """
 
   def __init__(self, workdir: str | None, run: str, tensorboard: bool = True,
-               start_step: int = 0):
+               start_step: int = 0, readonly: bool = False):
     self.run = run
     self.path = os.path.join(workdir, "metrics.jsonl") if workdir else None
+    self.readonly = readonly  # the other processes of a multi-process run: reads only
     self._tb = None
-    if workdir:
+    if workdir and not readonly:
       os.makedirs(workdir, exist_ok=True)
       if tensorboard:
         from tensorboardX.event_file_writer import EventsWriter
@@ -55,7 +59,7 @@ class MetricWriter:
 
   def write(self, step: int, values: dict[str, Any]) -> None:
     """`values`: {name: per-seed array or scalar}."""
-    if self.path:
+    if self.path and not self.readonly:
       record = {"run": self.run, "step": int(step)}
       record.update({k: _jsonable(v) for k, v in values.items()})
       with open(self.path, "a") as f:
@@ -88,6 +92,8 @@ class MetricWriter:
             continue
           mine.append({k: v for k, v in rec.items() if k != "run"})
         kept.append(line if line.endswith("\n") else line + "\n")
+    if self.readonly:
+      return mine
     with open(self.path, "w") as f:
       f.writelines(kept)
     return mine

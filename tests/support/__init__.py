@@ -7,6 +7,7 @@ conftest (pytest's default "prepend" import mode).
   train_stand_ins.py   TinyMLP and make_arrays: a model and data for the attnx.train tests
   kill_run.py          a checkpointed fit that SIGKILLs itself mid-run (script and module)
   parallel_check.py    script: fit on 8 fake CPU devices in every parallel mode, prints JSON
+  checkpoints.py       read_state: a run's checkpointed train state as numpy arrays
   fit_reference.json   data: fit's results from before the actions refactoring (test_loop.py)
   nn_models.py         small helpers shared by the attnx.nn tests
 """

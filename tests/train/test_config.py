@@ -27,7 +27,12 @@ def test_distributed_keys_reach_jax_distributed_initialize():
   c.process_id = 4
   with pytest.raises(ValueError, match=r"config\.num_processes=4 .*process_id=4"):
     train.validate(c)
-  c.update(distributed=False, process_id=0)
+  c.update(process_id=3, heartbeat_timeout_seconds=20)
+  assert tc.distributed_kwargs(c)["heartbeat_timeout_seconds"] == 20
+  c.heartbeat_timeout_seconds = -1
+  with pytest.raises(ValueError, match=r"heartbeat_timeout_seconds=-1 must be an integer >= 0"):
+    train.validate(c)
+  c.update(distributed=False, process_id=0, heartbeat_timeout_seconds=0)
   with pytest.raises(ValueError, match=r"only used with config\.distributed=True"):
     train.validate(c)
 

@@ -34,6 +34,21 @@ def test_deterministic_and_resumable(pipeline):
 
 
 @pytest.mark.parametrize("pipeline", train.PIPELINES)
+def test_process_shares_of_a_batch_are_its_rows_and_add_up_to_it(pipeline):
+  # What each process of a multi-process run reads: rows a:b of the global batch of the step.
+  fn = train.loader(_arrays(), B, pipeline)
+  whole = _take(fn(5, 3), 9)
+  shares = [_take(fn(5, 3, rows=r), 9) for r in ((0, 2), (2, 6), (6, 8))]
+  for t in range(9):
+    np.testing.assert_array_equal(np.concatenate([s[t] for s in shares]), whole[t])
+  inputs = next(fn(5, 3, rows=(2, 6)))["inputs"]
+  np.testing.assert_array_equal(inputs[:, 0], whole[0][2:6])  # every array, same rows
+  for bad in ((0, 0), (3, 2), (-1, 4), (0, B + 1)):
+    with pytest.raises(ValueError, match=r"rows=.* is not a non-empty range of the 8 rows"):
+      next(fn(5, 0, rows=bad))
+
+
+@pytest.mark.parametrize("pipeline", train.PIPELINES)
 def test_shuffled_epochs_cover_the_data(pipeline):
   batches = np.concatenate(_take(train.loader(_arrays(), B, pipeline)(0, 0), 6))
   assert len(set(batches.tolist())) == 48  # 6 batches of one epoch: no repeats

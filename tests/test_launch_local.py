@@ -1,0 +1,191 @@
+"""attnx.launch_local: N JAX processes on this machine, end to end in subprocesses.
+
+Two processes with two fake CPU devices each (gloo collectives) against one process with four:
+the same parameters after 20 SGD steps; a dead process stops the others within seconds; a
+SIGKILLed two-process run resumes from its last checkpoint and ends bit-identical to an
+uninterrupted one; only process 0 writes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+
+from support.checkpoints import read_state  # noqa: E402
+
+TINY = "--config=experiments/compare_weightings.py:tiny"
+# The default experiment's model family (a ViT on digits) at the tiny preset's size, one seed,
+# plain SGD: an update proportional to the gradient shows a wrongly reduced gradient (adam is
+# invariant to its scale), and without clipping or decay nothing else enters.
+SGD = [TINY, "--config.weightings=softmax", "--config.num_seeds=1", "--config.num_steps=20",
+       "--config.checkpoint_every=10", "--config.eval_every=0", "--config.progress=False",
+       "--config.optimizer.name=sgd", "--config.optimizer.momentum=0.0",
+       "--config.optimizer.schedule=constant", "--config.optimizer.learning_rate=0.02",
+       "--config.optimizer.weight_decay=0.0", "--config.optimizer.grad_clip_norm=0.0",
+       "--config.max_eval_examples=100"]
+RUN = "digits-softmax"
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+  base = tmp_path_factory.mktemp("launch_local_env")
+  e = dict(os.environ)
+  e.update(PYTHONPATH=ROOT + os.pathsep + e.get("PYTHONPATH", ""), JAX_PLATFORMS="cpu",
+           ATTNX_DATA_DIR=str(base / "data"))
+  return e
+
+
+def _local(env, n, *args, devices=2, timeout=300, **kw):
+  cmd = [sys.executable, "-m", "attnx.launch_local", "-n", str(n),
+         f"--devices_per_process={devices}", "--", *args]
+  return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT,
+                        timeout=timeout, **kw)
+
+
+def _launch(env, *args, timeout=300):
+  return subprocess.run([sys.executable, "launch.py", *args], capture_output=True, text=True,
+                        env=env, cwd=ROOT, timeout=timeout)
+
+
+def _params(workdir: str, step: int) -> list[np.ndarray]:
+  import jax  # noqa: PLC0415
+
+  return [np.asarray(x) for x in jax.tree.leaves(read_state(workdir, RUN, step)["params"])]
+
+
+def _max_rel(a: list[np.ndarray], b: list[np.ndarray]) -> float:
+  """max |a - b| over every parameter / max |b| over every parameter."""
+  diff = max(float(np.max(np.abs(x - y))) for x, y in zip(a, b, strict=True))
+  return diff / max(float(np.max(np.abs(y))) for y in b)
+
+
+def test_two_processes_train_the_default_model_like_one_with_four_devices(env, tmp_path):
+  two = _local(env, 2, "launch.py", *SGD, "--config.parallel=shard_map",
+               f"--workdir={tmp_path / 'two'}")
+  assert two.returncode == 0, two.stderr[-3000:]
+  # Process 0 alone reports; its lines carry its rank.
+  assert "[0] Experiment compare_weightings:tiny" in two.stdout
+  assert "(4 cpu device(s) in 2 processes)" in two.stdout
+  assert "[1] Experiment" not in two.stdout and "[1] Report" not in two.stdout
+  assert "[0] Report: " in two.stdout
+  for args, name in ((["--config.num_cpu_devices=4", "--config.parallel=shard_map"], "four"),
+                     (["--config.parallel=none"], "one")):
+    proc = _launch(env, *SGD, *args, f"--workdir={tmp_path / name}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+  pmap = _local(env, 2, "launch.py", *SGD, "--config.parallel=pmap",
+                f"--workdir={tmp_path / 'two_pmap'}")
+  assert pmap.returncode == 0, pmap.stderr[-3000:]
+  two_p, four_p, one_p, pmap_p = (_params(str(tmp_path / n), 20)
+                                  for n in ("two", "four", "one", "two_pmap"))
+  assert _max_rel(two_p, four_p) <= 1e-6, _max_rel(two_p, four_p)
+  assert _max_rel(two_p, one_p) <= 1e-6, _max_rel(two_p, one_p)
+  assert _max_rel(pmap_p, one_p) <= 1e-6, _max_rel(pmap_p, one_p)
+  # Not vacuous: the last 10 steps alone moved the parameters far beyond that tolerance.
+  assert _max_rel(_params(str(tmp_path / "one"), 10), one_p) > 1e-3
+  # One set of report files, from process 0 (metrics.jsonl has one record per log step).
+  with open(tmp_path / "two" / "metrics.jsonl") as f:
+    steps = [json.loads(line)["step"] for line in f]
+  assert steps == [10, 20]
+  assert (tmp_path / "two" / "report.md").is_file()
+  assert len(os.listdir(tmp_path / "two" / "tb" / RUN)) == 1  # one TensorBoard event file
+
+
+def _pids(workdir: str, rank: int) -> list[int]:
+  """PIDs of the launch.py processes of `workdir` with process id `rank`."""
+  found = []
+  for pid in os.listdir("/proc"):
+    if not pid.isdigit():
+      continue
+    try:
+      with open(f"/proc/{pid}/cmdline", "rb") as f:
+        argv = f.read().split(b"\0")
+    except OSError:
+      continue
+    if (f"--workdir={workdir}".encode() in argv
+        and f"--config.process_id={rank}".encode() in argv):
+      found.append(int(pid))
+  return found
+
+
+def test_a_dead_process_stops_the_others(env, tmp_path):
+  script = tmp_path / "worker.py"
+  script.write_text(
+      "import sys, time\n"
+      "rank = int([a for a in sys.argv if a.startswith('--config.process_id=')][0][-1])\n"
+      "print(f'hello from {rank}', flush=True)\n"
+      "if rank == 1:\n"
+      "  print('giving up', file=sys.stderr, flush=True)\n"
+      "  time.sleep(0.5)\n"
+      "  sys.exit(3)\n"
+      "time.sleep(120)\n")
+  t0 = time.time()
+  proc = _local(env, 2, str(script), devices=0, timeout=60)
+  assert proc.returncode == 3, (proc.returncode, proc.stderr)
+  assert time.time() - t0 < 15
+  assert "[0] hello from 0" in proc.stdout and "[1] hello from 1" in proc.stdout
+  assert "[1] giving up" in proc.stderr
+  assert "launch_local: process 1 exited with status 3; stopping the others" in proc.stderr
+
+
+def test_bad_launcher_arguments_fail_with_usage(env):
+  proc = _local(env, 0, "launch.py", timeout=60)
+  assert proc.returncode == 2 and "-n must be >= 1" in proc.stderr
+  proc = subprocess.run([sys.executable, "-m", "attnx.launch_local", "-n", "2"],
+                        capture_output=True, text=True, env=env, cwd=ROOT, timeout=60)
+  assert proc.returncode == 2 and "no command" in proc.stderr
+
+
+@pytest.mark.slow
+def test_sigkill_of_one_training_process_then_resume_is_bit_identical(env, tmp_path):
+  args = [TINY, "--config.weightings=softmax", "--config.num_seeds=1", "--config.num_steps=200",
+          "--config.checkpoint_every=20", "--config.log_every=20", "--config.eval_every=100",
+          "--config.parallel=shard_map", "--config.progress=False"]
+  ref_dir, run_dir = str(tmp_path / "ref"), str(tmp_path / "killed")
+  ref = _local(env, 2, "launch.py", *args, f"--workdir={ref_dir}")
+  assert ref.returncode == 0, ref.stderr[-3000:]
+  cmd = [sys.executable, "-m", "attnx.launch_local", "-n", "2", "--devices_per_process=2",
+         "--", "launch.py", *args, f"--workdir={run_dir}"]
+  launcher = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+  ckpt = os.path.join(run_dir, "checkpoints", RUN)
+  deadline = time.time() + 240
+  while time.time() < deadline and launcher.poll() is None:
+    if os.path.exists(os.path.join(ckpt, "40", "commit_success.txt")):
+      break
+    time.sleep(0.02)
+  assert launcher.poll() is None, "run finished before it could be killed"
+  victims = _pids(run_dir, 1)
+  assert len(victims) == 1, victims
+  os.kill(victims[0], signal.SIGKILL)
+  killed_at = time.time()
+  out, err = launcher.communicate(timeout=60)
+  assert time.time() - killed_at < 30
+  # Process 1's SIGKILL (137), or process 0 aborting first when gloo loses its peer.
+  assert launcher.returncode != 0, err[-2000:]
+  assert re.search(r"launch_local: process [01] exited with status \d+; stopping the others",
+                   err), err[-2000:]
+  assert not _pids(run_dir, 0), "process 0 outlived the launcher"
+  saved = max(int(d) for d in os.listdir(ckpt) if d.isdigit())
+  assert 40 <= saved < 200
+  resumed = _local(env, 2, "launch.py", *args, f"--workdir={run_dir}")
+  assert resumed.returncode == 0, resumed.stderr[-3000:]
+  assert f"Resuming run '{RUN}' from step" in resumed.stderr
+  a, b = read_state(ref_dir, RUN, 200), read_state(run_dir, RUN, 200)
+  import jax  # noqa: PLC0415
+
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+    steps = [json.loads(line)["step"] for line in f]
+  assert steps == list(range(20, 201, 20))  # no duplicated or lost records

@@ -215,7 +215,8 @@ def main(argv: list[str]) -> int:
 
   if "batch_size" in config:  # against the devices JAX found (GPUs, hosts): still no compile
     try:
-      validate_parallel(config.get("parallel", "none"), int(config.batch_size))
+      validate_parallel(config.get("parallel", "none"), int(config.batch_size),
+                        int(config.get("sequence_parallel", 1)))
     except ValueError as e:
       print(f"FATAL: invalid config: config.{e}", file=sys.stderr)
       return 2

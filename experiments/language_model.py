@@ -143,7 +143,7 @@ from attnx.train import verdict
 from attnx.train.experiment import Task, TaskResult, Variant, run_comparison
 from experiments import _common
 
-PRESETS = ("default", "ablations", "survey", "tiny")
+PRESETS = ("default", "ablations", "survey", "tiny", "sequence_parallel")
 WEIGHTINGS = ("softmax", "relu:normalization=length", "sigmoid:normalization=none",
               "softpick", "ssmax", "stick_breaking", "entmax15", "linear_elu")
 SURVEY_EXTRA = ("linear_elu", "linear_favor", "metric")
@@ -198,6 +198,12 @@ def _default() -> ml_collections.ConfigDict:
   c.sample = ml_collections.ConfigDict(dict(prompt="ROMEO:", num_tokens=300, temperature=0.8,
                                             top_k=20, seed=0))
   c.margin = 0.02  # validation-loss differences (nats) below this count as equal
+  # Context parallelism: > 1 shards every training sequence over that many devices of a
+  # (data, seq) mesh (parallel=shard_map) and runs every attention as ring attention
+  # (attnx.core.ring_attention); "zigzag" balances the causal work over the ring. Evaluation
+  # runs unsharded.
+  c.sequence_parallel = 1
+  c.sequence_layout = "contiguous"
   return c
 
 
@@ -220,8 +226,20 @@ def _tiny(c: ml_collections.ConfigDict) -> None:
   c.sample.num_tokens = 40
 
 
+def _sequence_parallel(c: ml_collections.ConfigDict) -> None:
+  # The tiny model with every training sequence split over 8 fake CPU devices (zigzag ring);
+  # the same run with --config.sequence_parallel=1 --config.parallel=none
+  # --config.num_cpu_devices=0 trains the same losses (tests/experiments/test_language_model.py).
+  _tiny(c)
+  c.update(dict(weightings="softmax,relu:normalization=length,sigmoid:normalization=none,"
+                           "softpick,ssmax", num_seeds=1, num_cpu_devices=8, parallel="shard_map",
+                sequence_parallel=8, sequence_layout="zigzag", context_multipliers=(1, 2),
+                length_verdicts=(2,)))
+  c.model.context = 32
+
+
 PRESET_FNS = {"default": lambda c: None, "ablations": _ablations, "survey": _survey,
-              "tiny": _tiny}
+              "tiny": _tiny, "sequence_parallel": _sequence_parallel}
 assert tuple(PRESET_FNS) == PRESETS
 
 
@@ -276,6 +294,12 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     raise ValueError(f"config.model.positions={config.model.positions!r} is invalid; valid "
                      f"choices: {', '.join(nn.gpt.POSITIONS)}.")
   _check_lengths(config)
+  sp, layout = int(config.sequence_parallel), config.sequence_layout
+  cut = sp * (2 if layout == "zigzag" else 1)
+  if sp > 1 and config.model.context % cut:
+    raise ValueError(f"config.model.context={config.model.context} must be a multiple of "
+                     f"{cut} to split over config.sequence_parallel={sp} devices "
+                     f"({layout} layout).")
   if not 0 < config.sink_threshold < 1 or not 0 < config.small_weight < 1:
     raise ValueError("config.sink_threshold and config.small_weight must be in (0, 1).")
   if not config.margin > 0:
@@ -333,6 +357,7 @@ def build_model(config: ml_collections.ConfigDict, vocab_size: int):
   m = config.model
 
   impl = config.get("implementation") or None
+  sharded = int(config.get("sequence_parallel", 1)) > 1
 
   def build(spec: Any) -> nn.GPT:
     kind = nn.spec.resolve_attention(spec)["type"]
@@ -340,7 +365,9 @@ def build_model(config: ml_collections.ConfigDict, vocab_size: int):
                   hidden_dim=m.hidden_dim, mlp_dim=m.mlp_dim, max_len=m.context,
                   attention=spec, positions=positions_for(spec, m.positions),
                   tie_embeddings=m.tie_embeddings, dropout_rate=m.dropout_rate,
-                  implementation=impl if kind in ("dot", "metric") else None)
+                  implementation=impl if kind in ("dot", "metric") else None,
+                  sequence_axis=train.SEQUENCE_AXIS if sharded else None,
+                  sequence_layout=config.get("sequence_layout", "contiguous"))
 
   return build
 
@@ -361,8 +388,10 @@ def probe(model: Any, params: Any, extra: Any, tokens: Any) -> tuple[list, list]
 
   weights = has_weights(model)
   if weights:
+    # Unsharded (the weights are a whole-sequence matrix): sequence_axis=None.
     model = model.clone(attention={**nn.spec.resolve_attention(model.attention),
-                                   "sow_weights": True}, implementation=None)
+                                   "sow_weights": True}, implementation=None,
+                        sequence_axis=None)
   _, state = model.apply({"params": params, **(extra or {})}, tokens,
                          mutable=["intermediates"],
                          capture_intermediates=lambda m, name: (isinstance(m, EncoderBlock)

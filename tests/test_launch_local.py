@@ -189,3 +189,33 @@ def test_sigkill_of_one_training_process_then_resume_is_bit_identical(env, tmp_p
   with open(os.path.join(run_dir, "metrics.jsonl")) as f:
     steps = [json.loads(line)["step"] for line in f]
   assert steps == list(range(20, 201, 20))  # no duplicated or lost records
+
+
+@pytest.mark.slow
+def test_data_by_sequence_mesh_across_two_processes_trains_the_one_device_losses(env, tmp_path):
+  # The language model's sequence-parallel preset (GPT, zigzag ring attention) on 2 processes
+  # x 2 fake CPU devices: a 2 x 2 (data, seq) mesh (each process holds half the rows), and a
+  # 1 x 4 one (each process holds half of every sequence), against one device.
+  lm = ["--config=experiments/language_model.py:sequence_parallel",
+        "--config.weightings=softmax", "--config.num_steps=10", "--config.log_every=5",
+        "--config.eval_every=10", "--config.batch_size=4"]
+  whole = _launch(env, *lm, "--config.sequence_parallel=1", "--config.parallel=none",
+                  "--config.num_cpu_devices=0", f"--workdir={tmp_path / 'whole'}")
+  assert whole.returncode == 0, whole.stderr[-3000:]
+  ref = _records(tmp_path / "whole")
+  for sp in (2, 4):
+    proc = _local(env, 2, "launch.py", *lm, f"--config.sequence_parallel={sp}",
+                  f"--workdir={tmp_path / f'sp{sp}'}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = _records(tmp_path / f"sp{sp}")
+    assert got.keys() == ref.keys() and len(ref) == 2
+    for key, rec in ref.items():
+      for metric in ("loss", "eval_loss"):
+        if metric in rec:
+          np.testing.assert_allclose(got[key][metric], rec[metric], rtol=1e-5,
+                                     err_msg=f"sp={sp} {key} {metric}")
+
+
+def _records(workdir) -> dict:
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    return {(r["run"], r["step"]): r for r in map(json.loads, f)}

@@ -34,6 +34,7 @@ from attnx.core.linear import (
 )
 from attnx.core.nadaraya_watson import nadaraya_watson
 from attnx.core.pallas_attention import PallasVerification, verify_pallas
+from attnx.core.ring import ring_attention, ring_work, zigzag_permute, zigzag_unpermute
 from attnx.core.rownorm import softpick, ssmax, stick_breaking
 from attnx.core.scores import (
     Score,
@@ -68,6 +69,6 @@ __all__ = [
     "flax_attention_fn", "get_implementation", "get_score", "get_weighting",
     "linear_attention", "list_implementations", "list_scores", "list_weightings", "metric",
     "nadaraya_watson", "neg_sq_dist", "parse_weighting_name", "register_weighting",
-    "scaled_dot", "softpick", "sparsemax", "ssmax", "stick_breaking", "verify_pallas",
-    "weights",
+    "ring_attention", "ring_work", "scaled_dot", "softpick", "sparsemax", "ssmax",
+    "stick_breaking", "verify_pallas", "weights", "zigzag_permute", "zigzag_unpermute",
 ]

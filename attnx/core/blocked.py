@@ -65,12 +65,42 @@ DEFAULT_BLOCK_K = 256
 CAUSAL_LEAF = 128
 _ALIGN = 8  # tiles are multiples of 8 rows (SIMD-friendly)
 
-__all__ = ["CAUSAL_LEAF", "DEFAULT_BLOCK_K", "TILE_BUDGET", "blocked_attention",
-           "causal_leaves", "default_block_sizes"]
+__all__ = ["CAUSAL_LEAF", "DEFAULT_BLOCK_K", "TILE_BUDGET", "block_config", "block_grads",
+           "blocked_attention", "causal_leaves", "default_block_sizes", "raw_block_state"]
 
 
 def _round_up(x: int, m: int) -> int:
   return -(-x // m) * m
+
+
+def manual_axes(*xs: Any) -> tuple[str, ...]:
+  """The mesh axes any of ``xs`` varies over inside ``jax.shard_map(..., check_vma=True)``
+  (empty elsewhere, and with ``check_vma=False``). jax 0.10 keeps them in the aval's
+  ``manual_axis_type``; without it nothing is known and :func:`vary` does nothing."""
+  axes = set()
+  for x in xs:
+    if x is not None:
+      mat = getattr(jax.typeof(x), "manual_axis_type", None)
+      axes |= set(getattr(mat, "varying", ()) or ())
+  return tuple(sorted(axes))
+
+
+def vary(tree: Any, axes: tuple[str, ...]) -> Any:
+  """``tree`` typed as varying over ``axes`` (:func:`manual_axes` of the kernel's inputs).
+
+  Under ``shard_map``'s varying-type check a loop's start (zeros, constants) must have the
+  type of what its body returns, which varies with the inputs, and so must both branches of a
+  ``lax.cond``; ``lax.pcast`` says so. A no-op without axes, so outside ``shard_map`` (and
+  with ``check_vma=False``) nothing changes.
+  """
+  if not axes:
+    return tree
+
+  def one(x):
+    missing = tuple(a for a in axes if a not in manual_axes(x))
+    return lax.pcast(x, missing, to="varying") if missing else x
+
+  return jax.tree.map(one, tree)
 
 
 def default_block_sizes(t: int, s: int, group: int = 1, is_causal: bool = False,
@@ -306,8 +336,8 @@ def _forward(q, k, v, bias, mask, scale, cfg: _Cfg):
     return (lax.dynamic_update_slice_in_dim(out, o, c * cfg.heads_in_chunk, 0),
             lax.dynamic_update_slice_in_dim(stat, st, c * cfg.heads_in_chunk, 0))
 
-  init = (jnp.zeros((x, g, tp, _out_cols(cfg, v.shape[-1])), jnp.float32),
-          jnp.zeros((x, g, tp), jnp.float32))
+  init = vary((jnp.zeros((x, g, tp, _out_cols(cfg, v.shape[-1])), jnp.float32),
+               jnp.zeros((x, g, tp), jnp.float32)), manual_axes(q, k, v, bias, mask))
   if cfg.heads_in_chunk == x:
     return _forward_chunk(q, k, v, bias, mask, scale, chunk_cfg)
   return lax.fori_loop(0, x // cfg.heads_in_chunk, chunk, init)
@@ -349,6 +379,7 @@ def _forward_chunk(q, k, v, bias, mask, scale, cfg: _Cfg):
   x, g, tp, _ = q.shape
   hv = v.shape[-1]
   row_shape = (x, g * cfg.bq)
+  axes = manual_axes(q, k, v, bias, mask)
   q, qk_mult, bias_mult, _ = _prescale(q, scale, cfg)
   v_fwd = v
   if w.normalization == "sum":
@@ -375,7 +406,7 @@ def _forward_chunk(q, k, v, bias, mask, scale, cfg: _Cfg):
       m_start, off = streaming.online_max_start(w, with_offset=not cfg.raw)
       m0 = jnp.full(row_shape, m_start, jnp.float32)
       acc0 = jnp.zeros(row_shape + (hv + 1,), jnp.float32).at[..., hv].set(off)
-      acc, m = lax.fori_loop(*_k_range(i, cfg), k_block, (acc0, m0))
+      acc, m = lax.fori_loop(*_k_range(i, cfg), k_block, vary((acc0, m0), axes))
       if cfg.raw:
         return _put_rows(out, acc, i, cfg), _put_rows(stat, m, i, cfg)
       o, st = streaming.pointwise_finalize(w, acc, m, add_offset=False)
@@ -388,7 +419,7 @@ def _forward_chunk(q, k, v, bias, mask, scale, cfg: _Cfg):
 
       l0 = jnp.zeros(row_shape, jnp.float32)
       acc0 = jnp.zeros(row_shape + (v_fwd.shape[-1],), jnp.float32)
-      acc, l = lax.fori_loop(*_k_range(i, cfg), k_block, (acc0, l0))
+      acc, l = lax.fori_loop(*_k_range(i, cfg), k_block, vary((acc0, l0), axes))
       if cfg.raw:
         if norm == "length" and not cfg.needs_valid:
           l = jnp.full(row_shape, float(cfg.s), jnp.float32)  # every key of the block
@@ -401,7 +432,7 @@ def _forward_chunk(q, k, v, bias, mask, scale, cfg: _Cfg):
 
   out0 = jnp.zeros((x, g, tp, _out_cols(cfg, hv)), jnp.float32)
   stat0 = jnp.zeros((x, g, tp), jnp.float32)
-  return lax.fori_loop(0, cfg.num_q_blocks, q_block, (out0, stat0))
+  return lax.fori_loop(0, cfg.num_q_blocks, q_block, vary((out0, stat0), axes))
 
 
 # --------------------------------------------------------------------------------------------
@@ -438,6 +469,7 @@ def _backward(q, k, v, bias, mask, scale, out, stat, do, cfg: _Cfg):
 
   init = (jnp.zeros(q.shape, f32), jnp.zeros(k.shape, f32), jnp.zeros(v.shape, f32),
           jnp.zeros(bias.shape, f32) if cfg.has_bias else None, jnp.zeros((), f32))
+  init = vary(init, manual_axes(q, k, v, bias, mask, out, do))
   return lax.fori_loop(0, x // cfg.heads_in_chunk, chunk, init)
 
 
@@ -454,6 +486,7 @@ def _backward_chunk(q, k, v, bias, mask, scale, out, stat, do, cfg: _Cfg):
   delta = jnp.sum(do.astype(f32) * out, axis=-1)
   grad_rows = streaming.pointwise_grad_rows(w, stat, delta)
   bias_shape = bias.shape if cfg.has_bias else None
+  axes = manual_axes(q, k, v, bias, mask, out, do)
 
   def k_block(j, carry):
     dq, dk_all, dv_all, dbias = carry
@@ -498,13 +531,14 @@ def _backward_chunk(q, k, v, bias, mask, scale, out, stat, do, cfg: _Cfg):
 
     dk0 = jnp.zeros((k.shape[0], cfg.bk, k.shape[-1]), f32)
     dv0 = jnp.zeros((v.shape[0], cfg.bk, v.shape[-1]), f32)
-    dq, dk_j, dv_j, dbias = lax.fori_loop(*_q_range(j, cfg), q_block, (dq, dk0, dv0, dbias))
+    dq, dk_j, dv_j, dbias = lax.fori_loop(*_q_range(j, cfg), q_block,
+                                          (dq, *vary((dk0, dv0), axes), dbias))
     dk_all = lax.dynamic_update_slice_in_dim(dk_all, dk_j, j * cfg.bk, axis=1)
     dv_all = lax.dynamic_update_slice_in_dim(dv_all, dv_j, j * cfg.bk, axis=1)
     return dq, dk_all, dv_all, dbias
 
-  init = (jnp.zeros(q.shape, f32), jnp.zeros(k.shape, f32), jnp.zeros(v.shape, f32),
-          jnp.zeros(bias_shape, f32) if cfg.has_bias else jnp.zeros((), f32))
+  init = vary((jnp.zeros(q.shape, f32), jnp.zeros(k.shape, f32), jnp.zeros(v.shape, f32),
+               jnp.zeros(bias_shape, f32) if cfg.has_bias else jnp.zeros((), f32)), axes)
   # The loop accumulated Σ dz·k (into dq) and Σ dzᵀ·q' (into dk) with q' = q·(scale·α) in
   # float32, or the unscaled q otherwise.
   dq_z, dk_z, dv, dbias_z = lax.fori_loop(0, cfg.num_k_blocks, k_block, init)
@@ -730,6 +764,71 @@ def _causal_backward(q, k, v, bias, mask, scale, out, stat, do, cfg: _Cfg):
       dbias = _add_blocks(dbias, db_l, m, 2, side, 1, 0)
     dscale = dscale + jnp.sum(ds_l)
   return dq, dk, dv, dbias, dscale
+
+
+# --------------------------------------------------------------------------------------------
+# One block of a larger problem (attnx.core.ring: the local query shard against one visiting
+# key shard). The tile math is the kernel's own; only the cfg and the entry points are new.
+# --------------------------------------------------------------------------------------------
+
+# The causal diagonal block of a ring runs the plain kernel with causal masking (not the
+# triangle of pieces, which needs power-of-2 leaves and padding): short tiles keep the work
+# above the diagonal that tile granularity cannot skip small.
+BLOCK_CAUSAL_TILE = 256
+
+
+def block_config(w: Any, t: int, s: int, head_dims: tuple[int, int, int], *, is_causal: bool,
+                 has_mask: bool, has_bias: bool, num_keys: int, block_q: int | None = None,
+                 block_k: int | None = None, whole_chunk: bool = False) -> _Cfg:
+  """The cfg of one unpadded [t × s] block of a larger attention problem.
+
+  A ring step (:mod:`attnx.core.ring`) computes the local query rows against one visiting key
+  shard; the blocks of all steps must agree on the rows' layout, so nothing is padded: the
+  tiles are the largest that divide t and s (multiples of 8 where one fits) below the caps
+  ``block_q``/``block_k`` (default: :func:`default_block_sizes`, causal
+  :data:`BLOCK_CAUSAL_TILE`). ``num_keys`` is the key count F sees (sigmoid's default
+  b = −log n): the whole problem's, not the block's. ``is_causal``: the block is the diagonal
+  one (query i sees key j ≤ i, block-local indices). ``whole_chunk``: all B·K (batch, kv head)
+  rows in one chunk, the query tile shortened to keep :data:`TILE_BUDGET` scores (the whole-row
+  kernels' raw entry points run one chunk).
+  """
+  b, kv_heads, g = head_dims
+  if is_causal:
+    cap_q = cap_k = BLOCK_CAUSAL_TILE
+  else:
+    cap_q, cap_k = default_block_sizes(t, s, g)
+  cap_q, cap_k = block_q or cap_q, block_k or cap_k
+  bk = _dividing_tile(s, min(cap_k, s))
+  if whole_chunk:
+    cap_q = min(cap_q, max(_ALIGN, TILE_BUDGET // (b * kv_heads * g * bk)))
+  bq = _dividing_tile(t, min(cap_q, t))
+  chunk = b * kv_heads if whole_chunk else heads_per_chunk(b, kv_heads, g, bq, bk)
+  return _Cfg(w=w, t=t, s=s, bq=bq, bk=bk, is_causal=is_causal, has_mask=has_mask,
+              has_bias=has_bias, head_dims=head_dims, kv_heads=kv_heads, heads_in_chunk=chunk,
+              full_num_keys=num_keys)
+
+
+def raw_block_state(q: Array, k: Array, v: Array, bias: Array | None, mask: Array | None,
+                    scale: Array, cfg: _Cfg) -> tuple[Array, Array]:
+  """The unnormalized state (acc, st) of every query row over this block's keys, for a
+  pointwise F, in the kernel layout (q [X, G, t, H], k/v [X, s, H], bias/mask
+  [Bb, Kb, Gb, t|1, s|1]; ``cfg`` from :func:`block_config`).
+
+  States of disjoint key blocks of the same rows merge exactly with
+  :func:`attnx.core.streaming.pointwise_merge` and are normalized once by
+  :func:`attnx.core.streaming.pointwise_finalize` (no ``num_keys``: a ``"length"`` state
+  already counts its keys); see :func:`_forward_chunk` for what acc and st hold.
+  """
+  return _forward(q, k, v, bias, mask, scale, dataclasses.replace(cfg, raw=True))
+
+
+def block_grads(q: Array, k: Array, v: Array, bias: Array | None, mask: Array | None,
+                scale: Array, out: Array, stat: Array, do: Array, cfg: _Cfg):
+  """(dq, dk, dv, dbias, dscale) float32 of this block's scores, given the rows' final output
+  and row statistic (of the whole problem: the backward of a block needs nothing else, as
+  each tile's weights are recomputed from them). Summed over the key blocks, they are the
+  whole problem's gradients."""
+  return _backward(q, k, v, bias, mask, scale, out, stat, do, cfg)
 
 
 # --------------------------------------------------------------------------------------------

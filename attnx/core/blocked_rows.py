@@ -60,8 +60,8 @@ BLOCK_K = 512
 STICK_BLOCK_K = 256
 STICK_SHORT_BLOCK_Q, STICK_SHORT_T = 256, 2048
 
-__all__ = ["BLOCK_K", "CAUSAL_BLOCK_Q", "STICK_BLOCK_K", "blocked_row_attention",
-           "causal_block_sizes", "streams", "threshold_passes", "zero_tiles"]
+__all__ = ["BLOCK_K", "CAUSAL_BLOCK_Q", "STICK_BLOCK_K", "block_grads", "blocked_row_attention",
+           "causal_block_sizes", "raw_block_state", "streams", "threshold_passes", "zero_tiles"]
 
 
 def streams(weighting: Any) -> bool:
@@ -190,12 +190,17 @@ def _forward_chunk(q, k, v, bias, mask, row_scales, scale, cfg: bl._Cfg, skip: b
 
 
 def _backward_chunk(q, k, v, bias, mask, row_scales, scale, out, stats, support_mean, do,
-                    zero, cfg: bl._Cfg):
+                    zero, cfg: bl._Cfg, carry0: tuple[Array, Array] | None = None,
+                    both_carries: bool = False):
   """(dq, dk, dv, dbias, drow_scales, dscale) of a chunk.
 
   ``zero``: None, or the forward's [num_q_blocks, num_k_blocks] table of all-zero tiles, which
   add exact zeros to every gradient and are left out, in query blocks whose dO is finite (a
   NaN or Inf in dO makes even a zero weight's products NaN, as autodiff of the dense weights).
+  ``carry0``: the per-row grad carries ([X, G, Tp] each, :class:`attnx.core.streaming.
+  GradCarry`) left by key blocks of the same rows visited before this chunk's keys (ring
+  attention; default zeros); ``both_carries``: return (carry_a, carry_b) in the place of
+  drow_scales, for the next block.
   """
   rs = cfg.w.stream
   bl._check_tiling(q, k, cfg)
@@ -205,6 +210,7 @@ def _backward_chunk(q, k, v, bias, mask, row_scales, scale, out, stats, support_
   q_f, k_f = finite(q), finite(k)
   delta = jnp.sum(do.astype(F32) * (support_mean if rs.saves_support_mean else out), axis=-1)
   bias_shape = bias.shape if cfg.has_bias else None
+  axes = bl.manual_axes(q, k, v, bias, mask, row_scales, out, do)
   block_rows = lambda a, i: bl._rows(a, i, cfg)
   if zero is not None:
     do_blocks = do.reshape(do.shape[:2] + (cfg.num_q_blocks, cfg.bq) + do.shape[3:])
@@ -281,21 +287,24 @@ def _backward_chunk(q, k, v, bias, mask, row_scales, scale, out, stats, support_
     dk0 = jnp.zeros((k.shape[0], cfg.bk, k.shape[-1]), F32)
     dv0 = jnp.zeros((v.shape[0], cfg.bk, v.shape[-1]), F32)
     dq, dk_j, dv_j, dbias, carry_a, carry_b = lax.fori_loop(
-        *bl._q_range(j, cfg), body, (dq, dk0, dv0, dbias, carry_a, carry_b))
+        *bl._q_range(j, cfg), body, (dq, *bl.vary((dk0, dv0), axes), dbias, carry_a, carry_b))
     dk_all = lax.dynamic_update_slice_in_dim(dk_all, dk_j, j * cfg.bk, axis=1)
     dv_all = lax.dynamic_update_slice_in_dim(dv_all, dv_j, j * cfg.bk, axis=1)
     return dq, dk_all, dv_all, dbias, carry_a, carry_b
 
   rows0 = jnp.zeros(q.shape[:3], F32)
-  init = (jnp.zeros(q.shape, F32), jnp.zeros(k.shape, F32), jnp.zeros(v.shape, F32),
-          jnp.zeros(bias_shape, F32) if cfg.has_bias else jnp.zeros((), F32), rows0, rows0)
-  dq_z, dk_z, dv, dbias_z, carry_a, _ = lax.fori_loop(0, cfg.num_k_blocks, k_block, init)
+  carry_a0, carry_b0 = (rows0, rows0) if carry0 is None else carry0
+  init = bl.vary((jnp.zeros(q.shape, F32), jnp.zeros(k.shape, F32), jnp.zeros(v.shape, F32),
+                  jnp.zeros(bias_shape, F32) if cfg.has_bias else jnp.zeros((), F32), carry_a0,
+                  carry_b0), axes)
+  dq_z, dk_z, dv, dbias_z, carry_a, carry_b = lax.fori_loop(0, cfg.num_k_blocks, k_block,
+                                                            init)
   c = scale * alpha
   dq = dq_z * c
   dk = dk_z if qk_mult is None else dk_z * c
   dscale = alpha * jnp.sum(dq_z * finite(q_raw).astype(F32))
   dbias = dbias_z * bias_mult if cfg.has_bias else None
-  return dq, dk, dv, dbias, carry_a, dscale
+  return dq, dk, dv, dbias, (carry_a, carry_b) if both_carries else carry_a, dscale
 
 
 # --------------------------------------------------------------------------------------------
@@ -365,6 +374,60 @@ def _backward(q, k, v, bias, mask, row_scales, scale, out, stats, support_mean, 
           jnp.zeros(bias.shape, F32) if cfg.has_bias else None, jnp.zeros(q.shape[:3], F32),
           jnp.zeros((), F32))
   return lax.fori_loop(0, x // cfg.heads_in_chunk, chunk, init)
+
+
+# --------------------------------------------------------------------------------------------
+# One block of a larger problem (attnx.core.ring: the local query shard against one visiting
+# key shard): the unnormalized streaming state, and the block's gradients.
+# --------------------------------------------------------------------------------------------
+
+def raw_block_state(q: Array, k: Array, v: Array, bias: Array | None, mask: Array | None,
+                    row_scales: Array | None, scale: Array, cfg: bl._Cfg) -> Any:
+  """The streaming state (:mod:`attnx.core.streaming`: ``MaxState`` of SSMax and softpick,
+  ``StickState`` of stick-breaking) of every query row over this block's keys, its leaves laid
+  out [X, G, t, ...], for :func:`attnx.core.streaming.merge` with other key blocks of the same
+  rows and one :func:`attnx.core.streaming.finalize`.
+
+  Kernel layout as :func:`attnx.core.blocked.raw_block_state`; ``cfg`` from
+  :func:`attnx.core.blocked.block_config` with ``whole_chunk=True`` (one chunk of heads);
+  ``row_scales`` SSMax's c_i = s·log n_i [X, G, t] with n_i the row's count over the whole
+  problem. Not for sparsemax/entmax: their threshold needs every key of the row first.
+  """
+  rs = cfg.w.stream
+  if rs.needs_threshold or cfg.heads_in_chunk != q.shape[0]:
+    raise ValueError(f"raw_block_state: needs a family without a threshold and one chunk of "
+                     f"heads, got {rs.family!r} with {cfg.heads_in_chunk} of {q.shape[0]} rows")
+  bl._check_tiling(q, k, cfg)
+  x, g, tp, _ = q.shape
+  hv = v.shape[-1]
+  rows = (x, g * cfg.bq)
+  axes = bl.manual_axes(q, k, v, bias, mask, row_scales)
+  q, qk_mult, bias_mult, _ = bl._prescale(q, scale, cfg)
+
+  def q_block(i, buf):
+    tile = _tiles(q, k, v, bias, mask, i, cfg, qk_mult, bias_mult)
+    lo, hi = bl._k_range(i, cfg)
+    ctx = bl._rows(row_scales, i, cfg) if rs.needs_row_scale else None
+    state = _fold(tile, lo, hi, lambda c, z, ok, vj: st.update(rs, c, z, ok, vj, ctx),
+                  bl.vary(st.init(rs, rows, hv), axes), rs.reverse)
+    return jax.tree.map(lambda b, a: bl._put_rows(b, a, i, cfg), buf, state)
+
+  return lax.fori_loop(0, cfg.num_q_blocks, q_block, bl.vary(st.init(rs, (x, g, tp), hv), axes))
+
+
+def block_grads(q: Array, k: Array, v: Array, bias: Array | None, mask: Array | None,
+                row_scales: Array | None, scale: Array, out: Array, stats: tuple[Array, ...],
+                do: Array, carry0: tuple[Array, Array], cfg: bl._Cfg):
+  """(dq, dk, dv, dbias, (carry_a, carry_b), dscale) of this block's scores from the rows'
+  final output and statistics (:func:`attnx.core.streaming.finalize` of the merged state).
+
+  ``carry0``: the per-row grad carries after the key blocks visited before this one (SSMax:
+  dc = Σ z·dy so far; stick-breaking, whose blocks must come from the last key backwards: L
+  and Σ A·dP of the later keys); the result's carries go on to the next block. Same layout
+  and cfg as :func:`raw_block_state`.
+  """
+  return _backward_chunk(q, k, v, bias, mask, row_scales, scale, out, stats, None, do, None,
+                         cfg, carry0=carry0, both_carries=True)
 
 
 def _make_kernel(cfg: bl._Cfg, skip: bool):

@@ -75,6 +75,16 @@ class MultiHeadAttention(nn.Module, kw_only=True):
       the rotation R_t, so every score depends on positions only through their offset. With
       ``decode=True`` the positions continue from the cache index. Needs an even head dim.
     rotary_base: the base of the RoPE frequencies θ_i = base^(−2i/H).
+    sequence_axis: context parallelism: the name of a mesh axis the sequence is sharded over.
+      Inside a ``jax.shard_map`` that binds it (e.g. ``attnx.train`` with
+      ``sequence_parallel``), self attention runs as ring attention
+      (:func:`attnx.core.ring_attention`) and rotary positions are the global positions of
+      the local tokens; where the axis is not bound (evaluation on one device) the same module
+      attends over the whole sequence it is given, with the same parameters. Self attention
+      only, without ``decode``, weights or attention dropout; every weighting
+      ``ring_attention`` streams (not sparsemax / entmax).
+    sequence_layout: how the sequence is cut over ``sequence_axis``: ``"contiguous"`` or
+      ``"zigzag"`` (causal load balance; see :func:`attnx.core.zigzag_permute`).
     dtype, param_dtype, kernel_init, bias_init: as in flax.
   """
 
@@ -97,6 +107,8 @@ class MultiHeadAttention(nn.Module, kw_only=True):
   sow_weights: bool = False
   rotary: bool = False
   rotary_base: float = rotary_lib.DEFAULT_BASE
+  sequence_axis: str | None = None
+  sequence_layout: str = "contiguous"
   dtype: Any = None
   param_dtype: Any = jnp.float32
   kernel_init: Any = nn.linear.default_kernel_init
@@ -134,6 +146,7 @@ class MultiHeadAttention(nn.Module, kw_only=True):
     if self.learn_ssmax_s and _ssmax_init(self.weighting) is None:
       raise ValueError(f"{where}: learn_ssmax_s applies only to weighting 'ssmax', not to "
                        f"{self.weighting!r}.")
+    _check_sequence_axis(self, where)
     if self.implementation not in (None, "dense") and (self.dropout_rate > 0
                                                         or self.sow_weights):
       needs = "dropout_rate > 0" if self.dropout_rate > 0 else "sow_weights=True"
@@ -235,6 +248,18 @@ class MultiHeadAttention(nn.Module, kw_only=True):
       s = self.param("ssmax_s", nn.initializers.constant(_ssmax_init(self.weighting)),
                      (self.num_heads,), self.param_dtype)
       weighting_params = {"s": s}
+    if sequence_shards(self.sequence_axis) is not None:
+      if inputs_kv is not inputs_q or decode or return_weights:
+        raise ValueError(f"{where}: with sequence_axis={self.sequence_axis!r} bound (sequence "
+                         "sharded over devices) only self attention runs, without decode or "
+                         "return_weights.")
+      x = core.ring_attention(
+          query, key, value, bias, mask, axis_name=self.sequence_axis,
+          weighting=self.weighting, score=score, weighting_params=weighting_params,
+          is_causal=is_causal, scale=scale, score_params=score_params,
+          layout=self.sequence_layout,
+          implementation=None if self.implementation in (None, "dense") else self.implementation)
+      return self._project_out(x, features)
     x = core.attention(
         query, key, value, bias, mask, weighting=self.weighting, score=score,
         weighting_params=weighting_params,
@@ -246,13 +271,16 @@ class MultiHeadAttention(nn.Module, kw_only=True):
     x, w = x if need_weights else (x, None)
     if self.sow_weights:
       self.sow("intermediates", "attention_weights", w)
-    out = nn.DenseGeneral(features=features, axis=(-2, -1), kernel_init=self.kernel_init,
-                          bias_init=self.bias_init, use_bias=self.use_bias, dtype=self.dtype,
-                          param_dtype=self.param_dtype, name="out")(x)
+    out = self._project_out(x, features)
     if in_range is not None:  # KV-cache overflow: NaN rather than a silently wrong value
       out = jnp.where(in_range, out, jnp.nan)
       w = None if w is None else jnp.where(in_range, w, jnp.nan)
     return (out, w) if return_weights else out
+
+  def _project_out(self, x: Array, features: int) -> Array:
+    return nn.DenseGeneral(features=features, axis=(-2, -1), kernel_init=self.kernel_init,
+                           bias_init=self.bias_init, use_bias=self.use_bias, dtype=self.dtype,
+                           param_dtype=self.param_dtype, name="out")(x)
 
   def _metric_features(self, inputs_q: Array, inputs_kv: Array,
                        head_dim: int) -> tuple[Array, Array]:
@@ -288,6 +316,9 @@ class MultiHeadAttention(nn.Module, kw_only=True):
       start = self.get_variable("cache", "cache_index")
     q_pos = start + jnp.arange(query.shape[-3])
     k_pos = start + jnp.arange(key.shape[-3])
+    if sequence_shards(self.sequence_axis) is not None:  # global positions here
+      q_pos = k_pos = shard_positions(query.shape[-3], self.sequence_axis,
+                                      self.sequence_layout)
     return (rotary_lib.apply_rotary(query, q_pos, self.rotary_base),
             rotary_lib.apply_rotary(key, k_pos, self.rotary_base))
 
@@ -324,3 +355,52 @@ class MultiHeadAttention(nn.Module, kw_only=True):
     step = jnp.broadcast_to(jnp.arange(max_length) <= i, (*batch, 1, 1, max_length))
     mask = step if mask is None else jnp.logical_and(mask, step)
     return *new, mask, False, in_range
+
+
+def sequence_shards(axis_name: str | None) -> int | None:
+  """How many shards the sequence has when mesh axis `axis_name` is bound here (inside a map
+  over it), else None: the whole sequence is on this device."""
+  if axis_name is None:
+    return None
+  try:
+    return int(jax.lax.axis_size(axis_name))
+  except NameError:
+    return None
+
+
+def shard_positions(length: int, axis_name: str, layout: str = "contiguous") -> Array:
+  """The global positions of the `length` tokens this device holds of a sequence sharded over
+  mesh axis `axis_name` in `layout` (call inside a map over the axis)."""
+  p, i = jax.lax.axis_size(axis_name), jax.lax.axis_index(axis_name)
+  positions = jnp.arange(p * length)
+  if layout == "zigzag":
+    positions = core.zigzag_permute(positions, p, axis=0)
+  return jax.lax.dynamic_slice_in_dim(positions, i * length, length)
+
+
+def _check_sequence_axis(module: Any, where: str) -> None:
+  if module.sequence_layout not in core.ring.LAYOUTS:
+    raise ValueError(f"{where}: sequence_layout must be one of {', '.join(core.ring.LAYOUTS)}, "
+                     f"got {module.sequence_layout!r}.")
+  if module.sequence_axis is None:
+    return
+  if module.dropout_rate > 0 or module.sow_weights:
+    raise ValueError(f"{where}: sequence_axis={module.sequence_axis!r} (ring attention) never "
+                     "forms the attention weights: attention dropout and sow_weights need "
+                     "sequence_axis=None.")
+  if module.implementation not in (None, "dense", "blocked"):
+    raise ValueError(f"{where}: sequence_axis={module.sequence_axis!r} runs the blocked kernel "
+                     f"at every ring step; implementation={module.implementation!r} does not "
+                     "apply (use None or 'blocked').")
+  check_ring_attention(module.weighting, module.score, module.sequence_layout,
+                       f"{where}: sequence_axis={module.sequence_axis!r}")
+
+
+def check_ring_attention(weighting: Any, score: Any, layout: str, where: str) -> None:
+  """ValueError (prefixed by `where`) when this weighting and score cannot run as ring
+  attention in `layout` (``score="metric"`` is a plain ``neg_sq_dist`` on learned features)."""
+  score = "neg_sq_dist" if _util.score_name(score) == "metric" else score
+  try:
+    core.ring.check_supported(weighting, score, layout)
+  except ValueError as e:
+    raise ValueError(f"{where}: {e}") from None

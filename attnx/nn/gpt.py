@@ -48,6 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax.core import FrozenDict
 
+from attnx.nn.attention import check_ring_attention, sequence_shards, shard_positions
 from attnx.nn.rotary import DEFAULT_BASE, apply_rotary, rotary_angles
 from attnx.nn.spec import freeze_attention_fields, resolve_attention
 from attnx.nn.transformer import EncoderBlock
@@ -81,6 +82,12 @@ class GPT(nn.Module, kw_only=True):
     attention_dropout_rate: dropout on the attention weights (dense implementation only).
     implementation: the attention implementation (``None``, ``"dense"``, ``"blocked"``,
       ``"pallas"``) for types ``"dot"``/``"metric"``; overrides the spec's.
+    sequence_axis: context parallelism (types ``"dot"``/``"metric"``): the mesh axis the
+      sequence is sharded over. Inside a shard_map binding it (``attnx.train`` with
+      ``sequence_parallel``), every attention is ring attention and positions (learned or
+      rotary) are the global positions of the local tokens; elsewhere the model runs on the
+      whole sequence it is given. See :class:`~attnx.nn.MultiHeadAttention`.
+    sequence_layout: ``"contiguous"`` or ``"zigzag"`` (the causal load balance).
     dtype, param_dtype: as in flax.
   """
 
@@ -97,6 +104,8 @@ class GPT(nn.Module, kw_only=True):
   dropout_rate: float = 0.0
   attention_dropout_rate: float = 0.0
   implementation: str | None = None
+  sequence_axis: str | None = None
+  sequence_layout: str = "contiguous"
   dtype: Any = None
   param_dtype: Any = jnp.float32
 
@@ -119,6 +128,14 @@ class GPT(nn.Module, kw_only=True):
       if (self.hidden_dim // self.num_heads) % 2:
         raise ValueError(f"{where}: positions='rotary' needs an even head dim, got "
                          f"hidden_dim / num_heads = {self.hidden_dim} / {self.num_heads}.")
+    if self.sequence_axis is not None and kind not in _ROTARY_TYPES:
+      raise ValueError(f"{where}: sequence_axis (ring attention) applies to attention types "
+                       f"'dot' and 'metric', not to {kind!r} ({self.attention!r}).")
+    if self.sequence_axis is not None:
+      spec = resolve_attention(self.attention)
+      check_ring_attention(spec.get("weighting", "softmax"),
+                           "metric" if kind == "metric" else spec.get("score", "scaled_dot"),
+                           self.sequence_layout, f"{where}: sequence_axis={self.sequence_axis!r}")
     if self.implementation is not None and kind not in _ROTARY_TYPES:
       raise ValueError(f"{where}: implementation={self.implementation!r} applies to attention "
                        f"types 'dot' and 'metric', not to {kind!r} ({self.attention!r}).")
@@ -133,6 +150,8 @@ class GPT(nn.Module, kw_only=True):
       spec.update(rotary=True, rotary_base=float(self.rotary_base))
     if self.implementation is not None:
       spec["implementation"] = self.implementation
+    if self.sequence_axis is not None:
+      spec.update(sequence_axis=self.sequence_axis, sequence_layout=self.sequence_layout)
     return spec
 
   @property
@@ -154,8 +173,10 @@ class GPT(nn.Module, kw_only=True):
     """
     chex.assert_rank(tokens, 2)
     length = tokens.shape[1]
-    if self.positions == "learned" and length > self.max_len:
-      raise ValueError(f"GPT: sequence length {length} exceeds max_len={self.max_len} of the "
+    shards = sequence_shards(self.sequence_axis)
+    length_all = length * (shards or 1)
+    if self.positions == "learned" and length_all > self.max_len:
+      raise ValueError(f"GPT: sequence length {length_all} exceeds max_len={self.max_len} of the "
                        "learned position embedding (positions='learned' cannot evaluate "
                        "longer contexts; use positions='rotary').")
     embed = nn.Embed(self.vocab_size, self.hidden_dim, embedding_init=nn.initializers.normal(
@@ -171,7 +192,12 @@ class GPT(nn.Module, kw_only=True):
           index.value = start + length
       table = self.param("pos_embedding", nn.initializers.normal(0.02),
                          (self.max_len, self.hidden_dim), self.param_dtype)
-      pos = jax.lax.dynamic_slice_in_dim(table, start, length) if decode else table[:length]
+      if decode:
+        pos = jax.lax.dynamic_slice_in_dim(table, start, length)
+      elif shards is not None:
+        pos = table[shard_positions(length, self.sequence_axis, self.sequence_layout)]
+      else:
+        pos = table[:length]
       x = x + pos.astype(x.dtype)[None]
     x = nn.Dropout(self.dropout_rate)(x, deterministic=deterministic)
     spec = self.block_attention()

@@ -70,6 +70,7 @@ from attnx.train.optim import (  # noqa: E402
 )
 from attnx.train.parallel import (  # noqa: E402
     PARALLEL_MODES,
+    SEQUENCE_AXIS,
     Placement,
     data_mesh,
     is_main_process,
@@ -91,6 +92,7 @@ from attnx.train.step import init_state, make_apply_fn, make_step, seed_step  # 
 __all__ = [
     "evaluators", "experiment", "verdict",
     "IGNORE_INDEX", "LOSSES", "METRICS", "OPTIMIZERS", "PARALLEL_MODES", "PIPELINES", "SCHEDULES",
+    "SEQUENCE_AXIS",
     "Action", "CheckFinite", "Checkpoint", "CheckpointDamagedError", "CheckpointMismatchError",
     "Evaluate", "FitConfig", "FitResult", "Loader", "Log", "NonFiniteLossError", "Placement",
     "Report", "Schedule", "StepContext", "array_stream", "base_config", "check_batch_size",

@@ -19,7 +19,7 @@ import optax
 from attnx.train.data import PIPELINES
 from attnx.train.losses import LOSSES, LossFn
 from attnx.train.optim import validate_optimizer_config
-from attnx.train.parallel import PARALLEL_MODES
+from attnx.train.parallel import PARALLEL_MODES, SEQUENCE_LAYOUTS
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -66,6 +66,12 @@ class FitConfig:
   eval_every, log_every, checkpoint_every: periods in steps (0: only at the end; checkpoints
     also need a workdir). keep_checkpoints: how many recent checkpoints stay on disk.
   parallel: data parallelism over devices, one of PARALLEL_MODES.
+  sequence_parallel: with parallel="shard_map", the devices along the sequence of a 2-D
+    (data, seq) mesh (1: data parallelism only). Every batch array is split along its
+    sequence axis too; the model must run its attention ring-parallel over "seq" (it says so
+    with a ``sequence_axis="seq"`` field, e.g. ``attnx.nn.GPT``). sequence_layout: how the
+    sequence is cut ("contiguous" or "zigzag", the causal load balance; the model's own
+    ``sequence_layout`` must match).
   progress: a tqdm bar when stderr is a tty. tensorboard: event files next to metrics.jsonl.
   """
 
@@ -79,6 +85,8 @@ class FitConfig:
   checkpoint_every: int = 0
   keep_checkpoints: int = 3
   parallel: str = "none"
+  sequence_parallel: int = 1
+  sequence_layout: str = "contiguous"
   progress: bool = True
   tensorboard: bool = True
 
@@ -99,6 +107,13 @@ class FitConfig:
     if self.parallel not in PARALLEL_MODES:
       raise FitConfigError("parallel", f"FitConfig.parallel={self.parallel!r} is not one of "
                                        f"{', '.join(PARALLEL_MODES)}")
+    if self.sequence_layout not in SEQUENCE_LAYOUTS:
+      raise FitConfigError("sequence_layout", f"FitConfig.sequence_layout="
+                           f"{self.sequence_layout!r} is not one of {', '.join(SEQUENCE_LAYOUTS)}")
+    if self.sequence_parallel > 1 and self.parallel != "shard_map":
+      raise FitConfigError("sequence_parallel", f"FitConfig.sequence_parallel="
+                           f"{self.sequence_parallel} needs parallel='shard_map' (a (data, seq) "
+                           f"mesh), got parallel={self.parallel!r}")
     if not callable(self.loss) and self.loss not in LOSSES:
       raise FitConfigError("loss", f"FitConfig.loss={self.loss!r} is not one of "
                                    f"{', '.join(LOSSES)} (or pass a loss function)")
@@ -150,7 +165,7 @@ class FitConfigError(ValueError):
 
 # Integer fields of FitConfig and their smallest meaningful value.
 _FIT_COUNTS = {"num_steps": 1, "num_seeds": 1, "seed": 0, "eval_every": 0, "log_every": 0,
-               "checkpoint_every": 0, "keep_checkpoints": 1}
+               "checkpoint_every": 0, "keep_checkpoints": 1, "sequence_parallel": 1}
 
 
 def preset_config(preset: str | None, default: Callable[[], ml_collections.ConfigDict],
@@ -244,11 +259,28 @@ def _check_batch_split(config: ml_collections.ConfigDict) -> None:
   """With faked CPU devices the device count is known before JAX starts: check the split."""
   parallel = config.get("parallel", "none")
   n = int(config.get("num_cpu_devices", 0) or 0)
-  if parallel != "none" and n > 0 and "batch_size" in config and int(config.batch_size) % n:
+  if config.get("distributed", False) and int(config.get("num_processes", 0) or 0) > 1:
+    n *= int(config.num_processes)  # the same count in every process
+  sp = int(config.get("sequence_parallel", 1) or 1)
+  if sp < 1:
+    raise ValueError(f"config.sequence_parallel must be >= 1, got {sp}")
+  if sp > 1 and parallel != "shard_map":
+    raise ValueError(f"config.sequence_parallel={sp} needs config.parallel='shard_map' (a "
+                     f"(data, seq) mesh), got {parallel!r}")
+  if "sequence_layout" in config:
+    check_choice(config, "sequence_layout", SEQUENCE_LAYOUTS)
+  if sp > 1 and n > 0 and n % sp:
+    raise ValueError(f"config.sequence_parallel={sp} does not divide the {n} fake CPU devices "
+                     f"(config.num_cpu_devices={config.num_cpu_devices} per process)")
+  d = n // sp
+  if parallel != "none" and d > 0 and "batch_size" in config and int(config.batch_size) % d:
+    per = int(config.num_cpu_devices)
+    devices = f"config.num_cpu_devices={per}" + (" per process" if n > per else "")
+    across = (f"the {d} devices of {devices}" if sp == 1 else
+              f"the {d} data-parallel devices ({devices} / config.sequence_parallel={sp})")
     raise ValueError(
-        f"config.batch_size={config.batch_size} is not divisible by the {n} devices of "
-        f"config.num_cpu_devices={n} (config.parallel={parallel!r} splits every batch over "
-        f"them); use a multiple of {n}")
+        f"config.batch_size={config.batch_size} is not divisible by {across} "
+        f"(config.parallel={parallel!r} splits every batch over them); use a multiple of {d}")
 
 
 def _check_distributed(config: ml_collections.ConfigDict) -> None:

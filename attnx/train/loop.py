@@ -29,7 +29,13 @@ from attnx.train.config import FitConfig
 from attnx.train.evaluate import evaluate
 from attnx.train.losses import get_loss
 from attnx.train.optim import make_optimizer
-from attnx.train.parallel import Placement, is_main_process, process_rows, validate_parallel
+from attnx.train.parallel import (
+    SEQUENCE_AXIS,
+    Placement,
+    is_main_process,
+    process_rows,
+    validate_parallel,
+)
 from attnx.train.step import accepts_arg, init_state, make_apply_fn, make_step, model_inputs
 
 log = logging.getLogger("attnx.train")
@@ -212,6 +218,25 @@ def _init_or_restore(model, tx, seeds, sample, inputs_fn, ckpt, fingerprint, nam
   return fresh, 0, {}
 
 
+def _check_sequence_model(model: nn.Module, c: FitConfig) -> None:
+  """With sequence parallelism the model must attend across shards: refuse one that does not
+  say it runs ring attention over the mesh's `seq` axis (its attention would see only the
+  device's own positions, a silently different model)."""
+  if c.sequence_parallel <= 1:
+    return
+  axis = getattr(model, "sequence_axis", None)
+  if axis != SEQUENCE_AXIS:
+    raise ValueError(
+        f"fit: sequence_parallel={c.sequence_parallel} splits the sequence over the mesh axis "
+        f"{SEQUENCE_AXIS!r}, but {type(model).__name__} has sequence_axis={axis!r}: its "
+        f"attention would see only each device's positions. Build it with "
+        f"sequence_axis={SEQUENCE_AXIS!r} (attnx.nn.GPT, MultiHeadAttention).")
+  layout = getattr(model, "sequence_layout", "contiguous")
+  if layout != c.sequence_layout:
+    raise ValueError(f"fit: sequence_layout={c.sequence_layout!r} but the model's is "
+                     f"{layout!r}; they must agree (the positions of each shard differ)")
+
+
 def _read_history(writer: Any, start_step: int, main: bool) -> list[dict]:
   """The run's logged records up to `start_step`, dropping later ones from the file.
 
@@ -299,19 +324,20 @@ def fit(model: nn.Module, *,
     raise TypeError(f"fit: config must be a FitConfig (FitConfig.from_config(config, ...)), "
                     f"got {type(config).__name__}")
   c = config
-  validate_parallel(c.parallel)
+  validate_parallel(c.parallel, sequence_parallel=c.sequence_parallel)
+  _check_sequence_model(model, c)
   loss_fn = get_loss(c.loss)
   if eval_metrics is None:
     eval_metrics = ("mse",) if c.loss == "mse" else ("accuracy", "loss")
   tx = make_optimizer(c.optimizer, c.num_steps)
   seeds = [c.seed + i for i in range(c.num_seeds)]
-  placement = Placement(c.parallel)
+  placement = Placement(c.parallel, c.sequence_parallel, c.sequence_layout)
   apply_fn = make_apply_fn(model, inputs_fn)
 
   # A sample batch fixes the shapes for init (the stream is re-created for training).
   sample = next(iter(train_data(seeds[0], 0)))
   batch_size = len(next(iter(sample.values())))
-  validate_parallel(c.parallel, batch_size)
+  validate_parallel(c.parallel, batch_size, c.sequence_parallel)
   run_fp = run_fingerprint(model, c.optimizer, c.loss, c.num_steps, batch_size, seeds, sample,
                            fingerprint)
 
@@ -334,7 +360,7 @@ def fit(model: nn.Module, *,
 
   step_fn = make_step(apply_fn, loss_fn, tx, c.parallel, placement.mesh)
   state = placement.state(state)
-  rows = process_rows(c.parallel, batch_size)
+  rows = process_rows(c.parallel, batch_size, c.sequence_parallel)
   iters = [iter(_rows_of(train_data, s, start_step, rows, batch_size)) for s in seeds]
 
   def next_batch():

@@ -128,22 +128,27 @@ def make_step(apply_fn: ApplyFn, loss_fn: LossFn, tx: optax.GradientTransformati
 
   parallel="none": jit(vmap(seed_step)). "shard_map": the batch axis (axis 1 of [S, B, ...])
   is sharded over the mesh's `data` axis, params replicated, gradients reduced over it (see
-  `seed_step`). "pmap": the same with jax.pmap; state has a leading device axis and batches
-  are [D, S, B/D, ...].
+  `seed_step`); on a 2-D (data, seq) mesh (`parallel.data_mesh(sequence_parallel)`) every
+  array's sequence axis (axis 2) is sharded over `seq` too, and the loss and gradients are
+  reduced over both (the model's attention must then be ring attention over `seq`, e.g.
+  ``MultiHeadAttention(sequence_axis="seq")``). "pmap": the same as "shard_map" on a 1-D mesh
+  with jax.pmap; state has a leading device axis and batches are [D, S, B/D, ...].
   """
   kw = dict(apply_fn=apply_fn, loss_fn=loss_fn, tx=tx)
   donate_argnums = (0,) if donate else ()
   if parallel == "none":
     f = jax.vmap(functools.partial(seed_step, **kw), in_axes=(0, 0, None))
     return jax.jit(f, donate_argnums=donate_argnums)
-  inner = jax.vmap(functools.partial(seed_step, axis_name="data", **kw), in_axes=(0, 0, None))
+  axes = tuple(mesh.axis_names) if parallel == "shard_map" and mesh is not None else ("data",)
+  axis_name = axes if len(axes) > 1 else axes[0]
+  inner = jax.vmap(functools.partial(seed_step, axis_name=axis_name, **kw), in_axes=(0, 0, None))
   if parallel == "shard_map":
     from jax.sharding import PartitionSpec as P
     assert mesh is not None, "shard_map needs a mesh"
     # check_vma=False: with it on, autodiff already psums the gradient of the replicated
     # (unvarying) params over `data`, and seed_step's own psum would count it D times. Off,
     # shard_map differentiates per shard as pmap does, so one seed_step serves both modes.
-    f = jax.shard_map(inner, mesh=mesh, in_specs=(P(), P(None, "data"), P()),
+    f = jax.shard_map(inner, mesh=mesh, in_specs=(P(), P(None, *axes), P()),
                       out_specs=(P(), P()), check_vma=False)
     return jax.jit(f, donate_argnums=donate_argnums)
   if parallel == "pmap":

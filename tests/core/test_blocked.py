@@ -583,3 +583,46 @@ def test_tiles_that_do_not_cover_the_padded_length_fail_at_trace_time():
   k3 = jnp.zeros((1, 40, 8))
   with pytest.raises(AssertionError, match="not whole tiles"):
     blocked_lib._forward(q4, k3, k3, None, None, jnp.float32(1.0), cfg)
+
+
+@pytest.mark.parametrize("name", ["softmax_plus_one", "relu:normalization=length",
+                                  "sigmoid:normalization=none"])
+def test_raw_block_states_of_key_blocks_merge_to_the_whole(name):
+  # The entry points of ring attention (attnx.core.ring): the raw states of two key blocks
+  # merge to the whole row, F seeing the whole problem's key count, and the blocks' gradients
+  # from the final statistic add up to the whole gradient.
+  from attnx.core import streaming
+
+  w = wlib.get_weighting(name)
+  rng = np.random.default_rng(3)
+  x, g, t, s, h = 2, 2, 24, 40, 8
+  q = jnp.asarray(rng.standard_normal((x, g, t, h)), jnp.float32)
+  k = jnp.asarray(rng.standard_normal((x, s, h)), jnp.float32)
+  v = jnp.asarray(rng.standard_normal((x, s, h)), jnp.float32)
+  do = jnp.asarray(rng.standard_normal((x, g, t, h)), jnp.float32)
+  scale = jnp.float32(SCALE)
+  # [B, T, N, H] views for blocked_attention: X = B·K with K = 1, N = G.
+  q4 = q.transpose(0, 2, 1, 3)
+  k4, v4 = k[:, :, None], v[:, :, None]
+  want, vjp = jax.vjp(lambda q, k, v: blocked_attention(q, k, v, weighting=w, scale=SCALE),
+                      q4, k4, v4)
+  dq_w, dk_w, dv_w = vjp(do.transpose(0, 2, 1, 3))
+  cut = 16
+  states, cfgs = [], []
+  for lo, hi in ((0, cut), (cut, s)):
+    cfg = blocked_lib.block_config(w, t, hi - lo, (x, 1, g), is_causal=False, has_mask=False,
+                                   has_bias=False, num_keys=s)
+    cfgs.append(cfg)
+    states.append(blocked_lib.raw_block_state(q, k[:, lo:hi], v[:, lo:hi], None, None, scale,
+                                              cfg))
+  out, stat = streaming.pointwise_finalize(w, *streaming.pointwise_merge(w, *states))
+  np.testing.assert_allclose(out.transpose(0, 2, 1, 3), want, atol=1e-5)
+  blocks = ((0, cut), (cut, s))
+  grads = [blocked_lib.block_grads(q, k[:, lo:hi], v[:, lo:hi], None, None, scale, out, stat,
+                                   do, cfg) for (lo, hi), cfg in zip(blocks, cfgs, strict=True)]
+  np.testing.assert_allclose((grads[0][0] + grads[1][0]).transpose(0, 2, 1, 3), dq_w,
+                             atol=1e-5)
+  np.testing.assert_allclose(jnp.concatenate([grads[0][1], grads[1][1]], 1)[:, :, None], dk_w,
+                             atol=1e-5)
+  np.testing.assert_allclose(jnp.concatenate([grads[0][2], grads[1][2]], 1)[:, :, None], dv_w,
+                             atol=1e-5)

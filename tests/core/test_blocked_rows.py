@@ -708,3 +708,48 @@ def test_default_causal_tiles_are_causal_block_sizes():
     run = lambda w=w, **kw: np.asarray(blocked_row_attention(
         q, k, v, weighting=w, scale=0.25, is_causal=True, **kw))
     np.testing.assert_array_equal(run(), run(block_q=bq, block_k=bk), err_msg=name)
+
+
+@pytest.mark.parametrize("name", ["ssmax", "softpick", "stick_breaking"])
+def test_raw_block_states_of_key_blocks_merge_to_the_whole(name):
+  # The entry points of ring attention (attnx.core.ring): the streaming states of two key
+  # blocks merge to the whole row (stick-breaking: the later block first), and the blocks'
+  # gradients, the later block's carries going on to the earlier one, add up to the whole.
+  from attnx.core import blocked_rows
+
+  w = wlib.get_weighting(name)
+  rs = w.stream
+  rng = np.random.default_rng(4)
+  x, g, t, s, h = 2, 2, 24, 40, 8
+  q = jnp.asarray(rng.standard_normal((x, g, t, h)), jnp.float32)
+  k = jnp.asarray(rng.standard_normal((x, s, h)), jnp.float32)
+  v = jnp.asarray(rng.standard_normal((x, s, h)), jnp.float32)
+  do = jnp.asarray(rng.standard_normal((x, g, t, h)), jnp.float32)
+  scale = jnp.float32(0.35)
+  q4, k4, v4 = q.transpose(0, 2, 1, 3), k[:, :, None], v[:, :, None]
+  want, vjp = jax.vjp(lambda q, k, v: blocked_row_attention(q, k, v, weighting=w, scale=0.35,
+                                                            is_causal=True), q4, k4, v4)
+  dq_w, dk_w, dv_w = vjp(do.transpose(0, 2, 1, 3))
+  # Causal over T = 24 rows and S = 40 keys: rows see keys j ≤ i; keys past 24 none.
+  mask = (jnp.arange(s)[None, :] <= jnp.arange(t)[:, None])[None, None, None]
+  n = jnp.sum(mask, -1, dtype=jnp.float32)[0, 0]  # [1, T]
+  rsc = jnp.broadcast_to(streaming.row_scale(rs, n), (x, g, t)) if rs.needs_row_scale else None
+  blocks = ((16, s), (0, 16))  # the later block first
+  cfgs = [blocked_lib.block_config(w, t, hi - lo, (x, 1, g), is_causal=False, has_mask=True,
+                                   has_bias=False, num_keys=s, whole_chunk=True)
+          for lo, hi in blocks]
+  states = [blocked_rows.raw_block_state(q, k[:, lo:hi], v[:, lo:hi], None,
+                                         mask[..., lo:hi], rsc, scale, cfg)
+            for (lo, hi), cfg in zip(blocks, cfgs, strict=True)]
+  out, stats, _ = streaming.finalize(rs, streaming.merge(rs, *states), rsc)
+  np.testing.assert_allclose(out.transpose(0, 2, 1, 3), want, atol=1e-5)
+  carries = (jnp.zeros((x, g, t)), jnp.zeros((x, g, t)))
+  dq, dks, dvs = 0.0, [], []
+  for (lo, hi), cfg in zip(blocks, cfgs, strict=True):
+    gq, gk, gv, _, carries, _ = blocked_rows.block_grads(
+        q, k[:, lo:hi], v[:, lo:hi], None, mask[..., lo:hi], rsc, scale, out, stats, do,
+        carries, cfg)
+    dq, dks, dvs = dq + gq, dks + [gk], dvs + [gv]
+  np.testing.assert_allclose(dq.transpose(0, 2, 1, 3), dq_w, atol=1e-5)
+  np.testing.assert_allclose(jnp.concatenate(dks[::-1], 1)[:, :, None], dk_w, atol=1e-5)
+  np.testing.assert_allclose(jnp.concatenate(dvs[::-1], 1)[:, :, None], dv_w, atol=1e-5)

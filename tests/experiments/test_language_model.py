@@ -362,3 +362,50 @@ def test_ablations_preset_keeps_parameters_with_their_variant():
   c.weightings = "softmax,sigmoid:normalization=none,bogus=1"
   with pytest.raises(ValueError, match="config.weightings"):
     exp.validate_config(c)
+
+
+def _records(workdir) -> dict:
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    return {(r["run"], r["step"]): r for r in map(json.loads, f)}
+
+
+@pytest.mark.slow
+def test_sequence_parallel_preset_trains_the_unsharded_losses(tmp_path):
+  # The GPT with every training sequence cut over 8 fake CPU devices (zigzag ring attention)
+  # against the same run on one device: the logged train and validation losses agree.
+  import subprocess  # noqa: PLC0415
+
+  env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+             JAX_PLATFORMS="cpu", ATTNX_DATA_DIR=str(tmp_path / "data"))
+  preset = "--config=experiments/language_model.py:sequence_parallel"
+  runs = {"sharded": [], "whole": ["--config.sequence_parallel=1", "--config.parallel=none",
+                                   "--config.num_cpu_devices=0"]}
+  for name, extra in runs.items():
+    proc = subprocess.run([sys.executable, "launch.py", preset, *extra,
+                           f"--workdir={tmp_path / name}"], capture_output=True, text=True,
+                          env=env, cwd=ROOT, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+  sharded, whole = _records(tmp_path / "sharded"), _records(tmp_path / "whole")
+  assert sharded.keys() == whole.keys() and len(sharded) >= 5 * 4
+  for key, rec in whole.items():
+    for metric in ("loss", "eval_loss"):
+      if metric in rec:
+        np.testing.assert_allclose(sharded[key][metric], rec[metric], rtol=1e-5,
+                                   err_msg=f"{key} {metric}")
+  c = exp.get_config("sequence_parallel")
+  assert (c.sequence_parallel, c.sequence_layout, c.num_cpu_devices) == (8, "zigzag", 8)
+
+
+def test_sequence_parallel_config_checks():
+  c = exp.get_config("sequence_parallel")
+  exp.validate_config(c)
+  c.weightings = "softmax,entmax15"  # the threshold of entmax needs every key: no ring
+  with pytest.raises(ValueError, match="entmax15.*cannot run ring-parallel.*all_gather"):
+    exp.validate_config(c)
+  c.weightings = "softmax,linear_elu"
+  with pytest.raises(ValueError, match="sequence_axis.*not to 'linear'"):
+    exp.validate_config(c)
+  c.weightings = "softmax"
+  c.model.context = 40  # 2·8 zigzag chunks do not divide it
+  with pytest.raises(ValueError, match=r"context=40 must be a multiple of 16 .*zigzag"):
+    exp.validate_config(c)

@@ -36,6 +36,12 @@ def test_shard_map_and_pmap_equal_single_device_on_8_fake_devices():
       for k in ("loss", "accuracy", "eval_accuracy"):
         np.testing.assert_allclose(res[mode][k], res["none"][k], atol=1e-6,
                                    err_msg=f"{case} {mode} {k}")
+  # A (data, seq) mesh splits every example's positions too: the same training.
+  seq = out["sequence"]
+  assert seq["param_change"] > 1e-2, seq
+  for name in ("seq4", "seq4_zigzag", "seq8"):
+    assert seq[f"max_param_diff_{name}"] < 1e-6, (name, seq)
+    np.testing.assert_allclose(seq[name]["loss"], seq["none"]["loss"], atol=1e-6, err_msg=name)
 
 
 def test_unknown_parallel_mode_and_indivisible_batch(monkeypatch):

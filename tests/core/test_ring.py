@@ -1,0 +1,310 @@
+"""Ring (context-parallel) attention, attnx.core.ring.
+
+The multi-device checks run once, in a subprocess with 8 fake CPU devices
+(tests/support/ring_check.py): every case of its table against the float64 brute force of the
+differential net. The checks of arguments, of the layout helpers and of the load balance run
+here, on one device (a ring of one).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+from support import ring_cases
+
+from attnx import core
+from attnx.core import ring
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SUPPORT = os.path.join(ROOT, "tests", "support")
+
+# max |got − ref| / scale (the differential net's scale: the largest Σ|terms| behind an entry,
+# at least max |ref|), float32 ring against the float64 reference.
+OUT_TOL, GRAD_TOL = 1e-5, 1e-4
+
+
+def _subprocess(script: str, *args: str, timeout: int = 600) -> dict:
+  env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+             JAX_PLATFORMS="cpu")
+  proc = subprocess.run([sys.executable, os.path.join(SUPPORT, script), *args],
+                        capture_output=True, text=True, env=env, timeout=timeout, cwd=ROOT)
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
+  return json.loads(line[len("RESULT "):])
+
+
+@functools.lru_cache(maxsize=1)
+def _ring_results() -> dict:
+  return _subprocess("ring_check.py")
+
+
+VMA = ring_cases.VMA  # ring_check.py runs ring_cases.VMA_CASES with check_vma=True too
+
+
+@pytest.mark.parametrize("name", list(ring_cases.CASES) + [n + VMA for n in ring_cases.VMA_CASES])
+def test_ring_equals_float64_reference_on_8_devices(name):
+  res = _ring_results()[name]
+  errs = res["errors"]
+  assert res["nonzero_out"] > 0.1, res  # the output is not trivially zero
+  # Not vacuous: a good share of every array is compared (entries near a kink of F are not;
+  # softpick couples a row, so a key is left out when any row that attends it has a score
+  # near 0: with GQA and causal rows, most of dk).
+  floor = {"k": 0.02} if name.startswith("softpick_causal_gqa") else {}
+  for key, kept in res["kept"].items():
+    assert kept >= floor.get(key, 0.3), (key, res["kept"])
+  case = ring_cases.CASES[name.removesuffix(VMA)][0]
+  expected = {"out", "q", "k", "v"} | ({"bias"} if case.bias else set())
+  assert set(errs) == expected, errs
+  assert errs["out"] <= OUT_TOL, (name, errs)
+  for key in expected - {"out"}:
+    assert errs[key] <= GRAD_TOL, (name, key, errs)
+
+
+def test_sigmoid_uses_the_global_length():
+  # sigmoid:normalization=none has b = −log S: the answer with the shard's S/P is far off.
+  res = _ring_results()["sigmoid_none_causal"]
+  assert res["errors"]["out"] <= OUT_TOL
+  assert res["shard_length_error"] > 1e-2, res
+
+
+@pytest.mark.parametrize("name", ["learned_params", "learned_params" + VMA])
+def test_learned_ssmax_s_scale_and_score_parameter_gradients(name):
+  # Replicated parameters: with check_vma=False shard_map's transpose sums their gradients
+  # over the devices, with check_vma=True the ring's backward does.
+  res = _ring_results()[name]
+  assert res["s"] <= GRAD_TOL, res
+  assert res["scale"] <= GRAD_TOL, res  # against the float64 reference's central difference
+  assert res["bilinear_W"] <= GRAD_TOL, res  # against the float32 dense implementation
+
+
+def test_case_table_covers_every_streamable_weighting():
+  names = {ring_cases.CASES[c][0].weighting.partition(":")[0] for c in ring_cases.CASES}
+  for name in core.list_weightings():
+    w = core.get_weighting(name)
+    if w.kind == "pointwise" or w.stream_rule in ("ssmax", "softpick", "stick_breaking"):
+      assert name in names, name
+  layouts = {(c.causal, layout) for c, layout in ring_cases.CASES.values()}
+  assert layouts == {(False, "contiguous"), (False, "zigzag"), (True, "contiguous"),
+                     (True, "zigzag")}
+
+
+# --------------------------------------------------------------------------------------------
+# Load balance.
+# --------------------------------------------------------------------------------------------
+
+def test_ring_work_zigzag_balances_causal_work():
+  for p in (2, 3, 4, 8, 16):
+    contiguous = ring.ring_work(p, "contiguous", True)
+    zigzag = ring.ring_work(p, "zigzag", True)
+    full = ring.ring_work(p, "contiguous", False)
+    # The causal triangle is half the full square: T²/2 = (2P)²/2 chunk tiles in all.
+    assert contiguous.sum() == zigzag.sum() == full.sum() / 2 == (2 * p) ** 2 / 2
+    assert zigzag.max() <= 1.1 * zigzag.mean()
+    np.testing.assert_allclose(contiguous, 4 * np.arange(p) + 2)
+    assert contiguous.max() >= (2 - 1 / p) * contiguous.mean() - 1e-9
+    np.testing.assert_allclose(full, 4 * p)
+
+
+def test_ring_work_counts_the_kernels_steps():
+  # The table the kernel runs: contiguous causal skips the shards of later devices, zigzag
+  # runs half a shard on every step.
+  p = 4
+  kinds = [[int(ring._step_kind(i, (i - r) % p, "contiguous", True, np)) for r in range(p)]
+           for i in range(p)]
+  assert kinds[0] == [ring._DIAG, ring._SKIP, ring._SKIP, ring._SKIP]
+  assert kinds[3] == [ring._DIAG, ring._FULL, ring._FULL, ring._FULL]
+  zz = [int(ring._step_kind(1, (1 - r) % p, "zigzag", True, np)) for r in range(p)]
+  assert zz == [ring._ZZ_DIAG, ring._ZZ_LOW, ring._ZZ_HIGH, ring._ZZ_HIGH]
+
+
+# --------------------------------------------------------------------------------------------
+# The zigzag layout.
+# --------------------------------------------------------------------------------------------
+
+def test_zigzag_permute_roundtrip_and_order():
+  x = jnp.arange(24).reshape(2, 12, 1)
+  z = ring.zigzag_permute(x, 3)
+  # 6 chunks of 2: device 0 holds chunks 0 and 5, device 1 chunks 1 and 4, device 2 2 and 3.
+  np.testing.assert_array_equal(z[0, :, 0], [0, 1, 10, 11, 2, 3, 8, 9, 4, 5, 6, 7])
+  np.testing.assert_array_equal(ring.zigzag_unpermute(z, 3), x)
+  m = jnp.arange(24).reshape(1, 1, 2, 12)
+  np.testing.assert_array_equal(ring.zigzag_unpermute(ring.zigzag_permute(m, 2, -1), 2, -1), m)
+  with pytest.raises(ValueError, match="2·P = 6 chunks"):
+    ring.zigzag_permute(jnp.zeros((1, 10)), 3)
+
+
+def test_zigzag_positions_match_the_permutation():
+  p, t = 4, 6
+  perm = np.asarray(ring.zigzag_permute(jnp.arange(p * t)[None], p))[0]
+  got = np.concatenate([ring._positions(i, t, p, "zigzag", np) for i in range(p)])
+  np.testing.assert_array_equal(got, perm)
+
+
+# --------------------------------------------------------------------------------------------
+# One device: a ring of one, and the argument checks.
+# --------------------------------------------------------------------------------------------
+
+def _one_device(fn, *args):
+  mesh = jax.make_mesh((1,), ("sp",), axis_types=(jax.sharding.AxisType.Auto,))
+  # One device: every array is its own shard (the axis "sp" is bound, of size 1).
+  return jax.shard_map(fn, mesh=mesh, in_specs=tuple(P() for _ in args), out_specs=P(),
+                       check_vma=False)(*args)
+
+
+def _qkv(t=16, n=2, kh=1, h=8):
+  rng = np.random.default_rng(0)
+  return (jnp.asarray(rng.standard_normal((1, t, n, h)), jnp.float32),
+          jnp.asarray(rng.standard_normal((1, t, kh, h)), jnp.float32),
+          jnp.asarray(rng.standard_normal((1, t, kh, h)), jnp.float32))
+
+
+@pytest.mark.parametrize("weighting,layout", [("softmax", "zigzag"), ("ssmax", "contiguous"),
+                                              ("stick_breaking", "zigzag")])
+def test_ring_of_one_equals_attention(weighting, layout):
+  q, k, v = _qkv(n=4, kh=2)
+  got = _one_device(lambda q, k, v: ring.ring_attention(
+      q, k, v, axis_name="sp", weighting=weighting, is_causal=True, layout=layout), q, k, v)
+  want = core.attention(q, k, v, weighting=weighting, is_causal=True, implementation="dense")
+  np.testing.assert_allclose(got, want, atol=2e-6)
+
+
+def test_ring_of_one_bf16_gqa_bias_padding_mask():
+  q, k, v = (x.astype(jnp.bfloat16) for x in _qkv(t=32, n=4, kh=2))
+  bias = jnp.asarray(np.random.default_rng(1).standard_normal((1, 4, 32, 32)), jnp.float32)
+  mask = jnp.arange(32)[None, None, None, :] < 27
+  got = _one_device(lambda q, k, v, b, m: ring.ring_attention(
+      q, k, v, b, m, axis_name="sp", weighting="softpick", layout="zigzag", is_causal=True),
+      q, k, v, bias, mask)
+  want = core.attention(q, k, v, bias, mask, weighting="softpick", is_causal=True,
+                        implementation="blocked")
+  assert got.dtype == jnp.bfloat16
+  np.testing.assert_allclose(got.astype(jnp.float32), want.astype(jnp.float32), atol=2e-2)
+
+
+def test_ring_of_one_batch_dims_empty_and_masked_nan():
+  rng = np.random.default_rng(2)
+  x = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
+  q, k, v = x(2, 3, 16, 2, 8), x(2, 3, 16, 1, 8), x(2, 3, 16, 1, 4)
+  mask = jnp.arange(16)[None, None, None, None, :] < jnp.asarray([9, 16, 0])[None, :, None,
+                                                                            None, None]
+  k = k.at[:, :, 12].set(jnp.nan)  # a key no row of batch (·, 0) attends
+  got = _one_device(lambda q, k, v, m: ring.ring_attention(
+      q, k, v, None, m, axis_name="sp", weighting="relu:normalization=length",
+      is_causal=True), q, k, v, mask)
+  want = core.attention(q, k, v, mask=mask, weighting="relu:normalization=length",
+                        is_causal=True, implementation="dense")
+  assert got.shape == (2, 3, 16, 2, 4)
+  np.testing.assert_allclose(got[:, 0], want[:, 0], atol=2e-6)  # finite: NaN key masked
+  np.testing.assert_array_equal(got[:, 2], 0.0)  # no valid key: zeros
+  empty = _one_device(lambda q: ring.ring_attention(q, q, q, axis_name="sp"), q[:, :, :0])
+  assert empty.shape == (2, 3, 0, 2, 8)
+
+
+def test_outside_shard_map_or_unknown_axis_raises():
+  q, k, v = _qkv()
+  with pytest.raises(ValueError, match="inside jax.shard_map.*'sp'"):
+    ring.ring_attention(q, k, v, axis_name="sp")
+  with pytest.raises(ValueError, match="axis named 'seq'"):
+    _one_device(lambda q, k, v: ring.ring_attention(q, k, v, axis_name="seq"), q, k, v)
+
+
+def test_check_vma_true_on_one_device():
+  q, k, v = _qkv(n=4, kh=2)
+  mesh = jax.make_mesh((1,), ("sp",), axis_types=(jax.sharding.AxisType.Auto,))
+  got = jax.shard_map(lambda q, k, v: ring.ring_attention(
+      q, k, v, axis_name="sp", weighting="stick_breaking", is_causal=True, layout="zigzag"),
+      mesh=mesh, in_specs=(P(None, "sp"),) * 3, out_specs=P(None, "sp"), check_vma=True)(q, k, v)
+  want = core.attention(q, k, v, weighting="stick_breaking", is_causal=True,
+                        implementation="dense")
+  np.testing.assert_allclose(got, want, atol=2e-6)
+
+
+@pytest.mark.parametrize("weighting", ["sparsemax", "entmax15", "entmax:alpha=1.3"])
+def test_entmax_family_refused_with_the_alternative(weighting):
+  q, k, v = _qkv()
+  with pytest.raises(ValueError, match=r"(?s)cannot run ring-parallel.*all_gather.*"
+                                       r"attnx\.core\.attention.*streamable weighting"):
+    _one_device(lambda q, k, v: ring.ring_attention(q, k, v, axis_name="sp",
+                                                    weighting=weighting), q, k, v)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(layout="striped"), "Unknown layout 'striped'"),
+    (dict(implementation="dense"), "implementation must be None or 'blocked'"),
+    (dict(score="additive"), "not a dot product"),
+    (dict(block_q=0), "block_q must be a positive int"),
+    (dict(weighting="nope"), "Unknown weighting 'nope'"),
+])
+def test_bad_arguments_raise(kwargs, match):
+  q, k, v = _qkv()
+  if kwargs.get("score") == "additive":
+    kwargs["score_params"] = {"Wq": jnp.ones((8, 4)), "Wk": jnp.ones((8, 4)), "v": jnp.ones(4)}
+  with pytest.raises(ValueError, match=match):
+    _one_device(lambda q, k, v: ring.ring_attention(q, k, v, axis_name="sp", **kwargs),
+                q, k, v)
+
+
+def test_shapes_that_do_not_split_raise():
+  q, k, v = _qkv(t=16)
+  with pytest.raises(ValueError, match="T = S"):
+    _one_device(lambda q, k, v: ring.ring_attention(q, k[:, :8], v[:, :8], axis_name="sp",
+                                                    is_causal=True), q, k, v)
+  q, k, v = _qkv(t=15)
+  with pytest.raises(ValueError, match="must be even"):
+    _one_device(lambda q, k, v: ring.ring_attention(q, k, v, axis_name="sp", is_causal=True,
+                                                    layout="zigzag"), q, k, v)
+  q, k, v = _qkv(t=15)
+  with pytest.raises(ValueError, match="stick_breaking in the zigzag layout.*15 must be even"):
+    _one_device(lambda q, k, v: ring.ring_attention(q, k, v, axis_name="sp", layout="zigzag",
+                                                    weighting="stick_breaking"), q, k, v)
+  q, k, v = _qkv(t=257)  # prime: the unpadded blocks would run tiles of one row
+  with pytest.raises(ValueError, match="tiles of 1: use local lengths.*multiples of 8"):
+    _one_device(lambda q, k, v: ring.ring_attention(q, k, v, axis_name="sp"), q, k, v)
+  # Bias/mask shardings (local shapes) that are none of the documented ones.
+  with pytest.raises(ValueError, match="travels around the ring"):
+    ring._kind_of(jnp.zeros((1, 1, 4, 3)), 4, 3, 2, "bias")
+  with pytest.raises(ValueError, match="S axis must be 1, the local key length 3"):
+    ring._kind_of(jnp.zeros((1, 1, 1, 5)), 4, 3, 2, "mask")
+  with pytest.raises(ValueError, match="T axis must be 1 or the local query length 4"):
+    ring._kind_of(jnp.zeros((1, 1, 2, 1)), 4, 3, 2, "mask")
+  assert [ring._kind_of(jnp.zeros(s), 4, 3, 2, "b") for s in
+          ((1, 1, 4, 1), (1, 1, 1, 3), (1, 1, 4, 6))] == ["const", "travel", "rows"]
+
+
+def test_ring_attention_is_exported():
+  assert core.ring_attention is ring.ring_attention
+  assert not math.isnan(float(ring.ring_work(2).sum()))
+
+
+# --------------------------------------------------------------------------------------------
+# Memory: the point of the custom VJP.
+# --------------------------------------------------------------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.parametrize("weighting,causal,bound", [
+    # Causal, zigzag (what ring attention is for): measured 0.040.
+    ("softmax", True, 1 / 6),
+    # Measured 0.173 and 0.241: the ring holds about 12 buffers of a shard's size (the saved
+    # q, k, v, O; dO and dQ; the visiting K/V and the next, and XLA's copy of the one it
+    # sends; dK/dV and the ones received) where the single-device kernels hold about 6.3
+    # (pointwise) or 10 (whole-row, causal) of the whole sequence's: 12 / (8 · 6.3) ≈ 0.24 is
+    # the floor at P = 8. (The single-device causal softmax keeps the triangle's pieces:
+    # 5.8 GB, hence 0.04 above.)
+    ("ssmax", True, 0.2),
+    ("softmax", False, 0.27),
+])
+def test_ring_scratch_per_device_at_64k(weighting, causal, bound):
+  # XLA's temp bytes of fwd+bwd at T = 65 536 (B = 1, N = 8, H = 64) over 8 devices, per
+  # device, against the single-device blocked kernel's: compiled, not run.
+  res = _subprocess("ring_memory.py", "65536", weighting, str(int(causal)))
+  assert res["ratio"] <= bound, res

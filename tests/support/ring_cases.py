@@ -1,0 +1,86 @@
+"""The cases of ring attention's multi-device check (tests/support/ring_check.py, run by
+tests/core/test_ring.py): a module without side effects, so that the test can list them
+without starting JAX with 8 fake devices."""
+
+from __future__ import annotations
+
+from support import differential as diff
+
+DEVICES = 8
+C = diff.Case
+T = DEVICES * 24  # 192: 24 positions per device, 16 zigzag chunks of 12
+Z, K = "zigzag", "contiguous"
+# name: (case, layout). Every pointwise weighting of the registry (and the variants whose
+# streaming rule differs) at least once, the whole-row families that stream, both layouts
+# causal and not, every way a bias or mask can be sharded (key padding masks and [B, 1, 1, S]
+# biases travel with K/V; [.., T, 1] stay; [.., T, S] hold every key), GQA.
+CASES = {
+    "softmax_full_gqa": (C(seed=1, t=T, s=T, b=2, n=4, kh=2, mask="padding", bias="x11x"), K),
+    "softmax_causal": (C(seed=2, t=T, s=T, causal=True, mask="random", bias="xxxx"), K),
+    "softmax_zigzag_gqa": (C(seed=3, t=T, s=T, n=4, kh=2, causal=True, mask="padding",
+                             bias="1x1x"), Z),
+    "softmax_plus_one_zigzag": (C(seed=4, t=T, s=T, weighting="softmax_plus_one", causal=True,
+                                  mask="rows", bias="11x1"), Z),
+    "exp_alpha2_full_zigzag": (C(seed=5, t=T, s=T, weighting="exp:alpha=2",
+                                 mask="columns"), Z),
+    "sigmoid_none_causal": (C(seed=6, t=T, s=T, weighting="sigmoid:normalization=none",
+                              causal=True), K),
+    "sigmoid_none_full": (C(seed=7, t=T, s=T, weighting="sigmoid:normalization=none"), K),
+    "sigmoid_zigzag": (C(seed=8, t=T, s=T, weighting="sigmoid", causal=True, mask="padding"), Z),
+    "relu_length_zigzag": (C(seed=9, t=T, s=T, weighting="relu:normalization=length",
+                             causal=True, mask="random"), Z),
+    "relu_length_full": (C(seed=10, t=T, s=T, weighting="relu:normalization=length"), K),
+    "relu_full_padding": (C(seed=11, t=T, s=T, weighting="relu", mask="padding"), K),
+    "relu_none_zigzag": (C(seed=12, t=T, s=T, weighting="relu:normalization=none",
+                           causal=True), Z),
+    "relu2_causal": (C(seed=13, t=T, s=T, weighting="relu2", causal=True), K),
+    "softplus_zigzag_gqa": (C(seed=14, t=T, s=T, n=4, kh=2, weighting="softplus",
+                              causal=True), Z),
+    "elu_plus_one_full": (C(seed=15, t=T, s=T, weighting="elu_plus_one", mask="columns",
+                            bias="xx11"), K),
+    "taylor_exp_causal": (C(seed=16, t=T, s=T, weighting="taylor_exp", causal=True), K),
+    "power3_zigzag": (C(seed=17, t=T, s=T, weighting="power:p=3", causal=True,
+                        mask="padding"), Z),
+    # (power:p=0.5 has an unbounded F' near 0: the reference's kink rule then leaves out
+    # almost every dq and dk entry, so the non-causal case takes the default p = 2.)
+    "power_full": (C(seed=18, t=T, s=T, weighting="power"), K),
+    "gaussian_zigzag": (C(seed=19, t=T, s=T, weighting="gaussian", score="neg_sq_dist",
+                          magnitude=0.3, causal=True), Z),
+    "gaussian_none_full": (C(seed=20, t=T, s=T, weighting="gaussian:h=0.5,normalization=none",
+                             score="neg_sq_dist", magnitude=0.3), K),
+    "boxcar_causal": (C(seed=21, t=T, s=T, weighting="boxcar:h=2", score="neg_sq_dist",
+                        magnitude=0.3, causal=True), K),
+    "triangular_metric_zigzag": (C(seed=22, t=T, s=T, weighting="triangular:h=2",
+                                   score="metric", magnitude=0.3, causal=True), Z),
+    "epanechnikov_full": (C(seed=23, t=T, s=T, weighting="epanechnikov:h=3",
+                            score="neg_sq_dist", magnitude=0.3, bias="x1x1"), K),
+    "ssmax_zigzag": (C(seed=30, t=T, s=T, weighting="ssmax", causal=True, mask="padding",
+                       bias="x11x"), Z),
+    "ssmax_full_gqa": (C(seed=31, t=T, s=T, n=4, kh=2, weighting="ssmax:s=0.5", mask="random",
+                         bias="xxxx"), K),
+    "ssmax_causal_nomask": (C(seed=32, t=T, s=T, weighting="ssmax", causal=True), K),
+    "ssmax_query_masks": (C(seed=41, t=T, s=T, weighting="ssmax", causal=True, mask="rows",
+                            bias="11x1"), Z),
+    "softpick_zigzag": (C(seed=33, t=T, s=T, weighting="softpick", causal=True,
+                          mask="columns", bias="1x1x", magnitude=2.0), Z),
+    # Causal: a key attended by every row would be left out of the comparison as soon as one
+    # row has a score near softpick's kink at 0 (a whole-row weighting couples the row).
+    "softpick_causal_gqa": (C(seed=34, t=T, s=T, n=4, kh=2, weighting="softpick", bias="xxxx",
+                              causal=True, magnitude=2.0), K),
+    "stick_causal": (C(seed=35, t=T, s=T, weighting="stick_breaking", causal=True,
+                       mask="padding", bias="x11x"), K),
+    "stick_full_gqa": (C(seed=36, t=T, s=T, n=4, kh=2, weighting="stick_breaking",
+                         mask="random"), K),
+    "stick_cosine_causal": (C(seed=37, t=T, s=T, weighting="stick_breaking", score="cosine",
+                              causal=True, mask="rows"), K),
+    "stick_zigzag_causal": (C(seed=38, t=T, s=T, weighting="stick_breaking", causal=True,
+                              mask="padding", bias="x11x"), Z),
+    "stick_zigzag_full_gqa": (C(seed=39, t=T, s=T, n=4, kh=2, weighting="stick_breaking",
+                                mask="random", bias="xxxx"), Z),
+}
+# Also run inside jax.shard_map(..., check_vma=True) (name + VMA): the kernels' loop starts
+# typed as varying, replicated parameters' gradients summed over the devices by the ring.
+VMA = "@check_vma"
+# (A pointwise F with GQA and a travelling bias; a replicated bias, whose gradient the ring
+# sums; stick-breaking's two directions; and learned_params' replicated parameters.)
+VMA_CASES = ("softmax_zigzag_gqa", "elu_plus_one_full", "stick_zigzag_causal")

@@ -1,0 +1,73 @@
+"""Run in a subprocess with 8 fake CPU devices (tests/core/test_ring.py, ``-m slow``): the
+scratch memory of ring attention's forward + backward per device against the single-device
+blocked kernel's, from XLA's ``memory_analysis()`` of the compiled programs (nothing runs).
+
+Prints ``RESULT {json}`` with the temp bytes of both and their ratio. Usage:
+``python ring_memory.py [T] [weighting] [causal 0/1]`` (default 65536 softmax 1).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import jax
+
+from attnx.train import workarounds
+
+DEVICES = 8
+workarounds.fake_cpu_devices(DEVICES)
+
+import jax.numpy as jnp  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+from attnx import core  # noqa: E402
+from attnx.core import ring  # noqa: E402
+from attnx.core import weightings as wlib  # noqa: E402
+
+B, N, H = 1, 8, 64
+
+
+def temp_bytes(fn, *args) -> tuple[int, float]:
+  start = time.perf_counter()
+  compiled = jax.jit(fn).lower(*args).compile()
+  return int(compiled.memory_analysis().temp_size_in_bytes), time.perf_counter() - start
+
+
+def main() -> None:
+  t = int(sys.argv[1]) if len(sys.argv) > 1 else 65536
+  weighting = sys.argv[2] if len(sys.argv) > 2 else "softmax"
+  causal = bool(int(sys.argv[3])) if len(sys.argv) > 3 else True
+  x = jax.ShapeDtypeStruct((B, t, N, H), jnp.float32)
+  w = wlib.get_weighting(weighting)
+
+  def single(q, k, v):
+    out = core.attention(q, k, v, weighting=w, scale=0.125, is_causal=causal,
+                         implementation="blocked")
+    return jnp.sum(out * out)
+
+  one, one_s = temp_bytes(jax.grad(single, (0, 1, 2)), x, x, x)
+  mesh = jax.make_mesh((DEVICES,), ("sp",), axis_types=(jax.sharding.AxisType.Auto,))
+  xs = jax.ShapeDtypeStruct((B, t, N, H), jnp.float32,
+                            sharding=NamedSharding(mesh, P(None, "sp")))
+  sm = jax.shard_map(
+      lambda q, k, v: ring.ring_attention(q, k, v, axis_name="sp", weighting=weighting,
+                                          scale=0.125, is_causal=causal,
+                                          layout="zigzag" if causal else "contiguous"),
+      mesh=mesh, in_specs=(P(None, "sp"),) * 3, out_specs=P(None, "sp"), check_vma=False)
+
+  def ringed(q, k, v):
+    out = sm(q, k, v)
+    return jnp.sum(out * out)
+
+  per_device, ring_s = temp_bytes(jax.grad(ringed, (0, 1, 2)), xs, xs, xs)
+  print("RESULT " + json.dumps({
+      "t": t, "weighting": weighting, "causal": causal, "blocked_temp_bytes": one,
+      "ring_temp_bytes_per_device": per_device, "ratio": per_device / one,
+      "compile_seconds": {"blocked": one_s, "ring": ring_s}}))
+
+
+if __name__ == "__main__":
+  main()

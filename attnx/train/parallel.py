@@ -10,6 +10,7 @@ run on process 0 only (:func:`is_main_process`).
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -69,6 +70,7 @@ def data_mesh(sequence_parallel: int = 1) -> Mesh:
   return Mesh(devices.reshape(-1, sequence_parallel), (DATA_AXIS, SEQUENCE_AXIS))
 
 
+@functools.lru_cache(maxsize=64)  # fixed for the process's life; Placement asks every step
 def process_block(parallel: str, batch_size: int, seq_len: int | None = None,
                   sequence_parallel: int = 1) -> tuple[tuple[int, int], tuple[int, int] | None]:
   """Rows [a, b) of every global batch, and with `sequence_parallel` > 1 the positions [c, d)
@@ -91,7 +93,7 @@ def process_block(parallel: str, batch_size: int, seq_len: int | None = None,
   index = NamedSharding(mesh, spec).addressable_devices_indices_map(shape).values()
   blocks = [tuple(sl.indices(n)[:2] for sl, n in zip(ix, shape, strict=True)) for ix in index]
   box = [(min(b[k][0] for b in blocks), max(b[k][1] for b in blocks)) for k in range(len(shape))]
-  held = {b for b in blocks}  # replicas of one block count once
+  held = set(blocks)  # replicas of one block count once
   area = sum(int(np.prod([hi - lo for lo, hi in b])) for b in held)
   if area != int(np.prod([hi - lo for lo, hi in box])):
     raise ValueError(f"process {jax.process_index()}'s devices hold a non-rectangular part "

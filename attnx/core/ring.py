@@ -234,7 +234,16 @@ def _kind_of(x: Array | None, t: int, s: int, p: int, name: str) -> str:
   if tb not in (1, t):
     raise ValueError(f"{name}'s T axis must be 1 or the local query length {t} (sharded with "
                      f"the queries); got local shape {x.shape}.")
-  if sb == 1:
+  # With one key per device (s = 1) a key padding mask/bias sharded with the keys has a local
+  # S axis of 1, like a broadcast one: with the T axis broadcast (tb = 1 < t) both are right
+  # travelling with the keys (a broadcast one holds the same values on every device).
+  if p > 1 and t == s == 1 and tb == sb == 1:
+    raise ValueError(
+        f"With one query and one key per device, a local {name} of shape {x.shape} may be "
+        f"sharded with the queries or with the keys, which need different rings: give each "
+        f"device more than one position, or pass the {name} with its whole S axis ({p}) on "
+        f"each device.")
+  if sb == 1 and not (s == 1 and tb == 1 < t):
     return "const"
   if sb == p * s:
     return "rows"

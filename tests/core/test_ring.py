@@ -4,6 +4,13 @@ The multi-device checks run once, in a subprocess with 8 fake CPU devices
 (tests/support/ring_check.py): every case of its table against the float64 brute force of the
 differential net. The checks of arguments, of the layout helpers and of the load balance run
 here, on one device (a ring of one).
+
+Random draws (tests/support/ring_draws.py), as the differential net does for the other
+implementations: the CI sample (every family × layout × causal once, the rest random; one
+global length above 1000 that is no power of two) runs in one more subprocess; the large run
+(``-m differential``) runs ``ATTNX_RING_DIFF_CASES`` (default 320) draws from seed
+``ATTNX_RING_DIFF_FIRST`` (default 0) on, in subprocesses of :data:`_LARGE_CHUNK` draws;
+``ATTNX_DIFF_KIND=row`` (or ``pointwise``) draws the weighting from one family only.
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
-from support import ring_cases
+from support import ring_cases, ring_draws
 
 from attnx import core
 from attnx.core import ring
@@ -96,6 +103,83 @@ def test_case_table_covers_every_streamable_weighting():
   layouts = {(c.causal, layout) for c, layout in ring_cases.CASES.values()}
   assert layouts == {(False, "contiguous"), (False, "zigzag"), (True, "contiguous"),
                      (True, "zigzag")}
+
+
+# --------------------------------------------------------------------------------------------
+# Random draws: the differential net's random sample for the ring.
+# --------------------------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=1)
+def _ci_draws() -> dict:
+  return _subprocess("ring_check.py", "--ci")
+
+
+def _failures(results: dict) -> list[str]:
+  return [f"{r['label']}\n  {r['failure']}\n{r.get('traceback', '')}"
+          for r in results.values() if r["failure"] is not None]
+
+
+@pytest.mark.parametrize("index", range(ring_draws.CI_DRAWS))
+def test_random_draw_equals_float64_reference(index):
+  res = _ci_draws()[str(ring_draws.CI_FIRST + index)]
+  assert res["failure"] is None, _failures({index: res})
+  assert set(res["errors"]) >= {"out", "q", "k", "v"}, res
+
+
+def test_random_ci_sample_reaches_every_branch():
+  # What the CI sample must reach: the draws are seeded, this holds them to it.
+  draws = ring_draws.ci_sample()
+  cov = ring_draws.coverage(draws)
+  assert cov["family_layout_causal"] == {
+      (f, layout, causal) for f in ring.FAMILIES for layout in ring.LAYOUTS
+      for causal in (False, True)}
+  assert cov["devices"] >= {2, 8}
+  assert cov["mask"] == {"none", "travel", "rows", "const"}
+  assert cov["bias"] == {"none", "travel", "rows", "const"}
+  for key in ("gqa", "capped", "t_ne_s", "learned_s", "odd_head_dim"):
+    assert cov[key] == {False, True}, key
+  assert cov["batch"] == {1, 2}
+  assert True in cov["long_not_pow2"]  # a global length ≥ 1000 that is no power of two
+  assert any(d.local[0] % 2 for d in draws)  # an odd shard length
+  # The draws compare something: outputs that are not all zero, most entries kept.
+  res = _ci_draws()
+  assert sum(r["nonzero_out"] > 0.1 for r in res.values()) >= len(res) - 2
+  assert np.mean([min(r["kept"].values()) for r in res.values()]) > 0.5
+
+
+def test_large_run_draws_reach_every_weighting_and_length():
+  draws = ring_draws.large_sample(0, 320)
+  cov = ring_draws.coverage(draws)
+  assert cov["weighting"] >= set(ring_draws.streamable_weightings())
+  for name in core.list_weightings():  # every weighting the ring runs is in the pool
+    w = core.get_weighting(name)
+    if w.kind == "pointwise" or w.stream_rule in ("ssmax", "softpick", "stick_breaking"):
+      assert name in cov["weighting"], name
+  assert cov["devices"] == set(ring_draws.DEVICE_COUNTS)
+  assert {(d.family, d.layout, d.case.causal, d.devices) for d in draws} == {
+      (f, layout, causal, p) for f in ring.FAMILIES for layout in ring.LAYOUTS
+      for causal in (False, True) for p in ring_draws.DEVICE_COUNTS}
+  lengths = [d.case.t for d in draws]
+  assert max(lengths) >= 3000 and sum(t >= 1000 and t & (t - 1) for t in lengths) >= 30
+
+
+_LARGE_FIRST = int(os.environ.get("ATTNX_RING_DIFF_FIRST", "0"))
+_LARGE_COUNT = int(os.environ.get("ATTNX_RING_DIFF_CASES", "320"))
+_LARGE_CHUNK = 10  # draws per subprocess (each starts JAX with 8 devices: ~3 s)
+_KIND = os.environ.get("ATTNX_DIFF_KIND") or None
+
+
+@pytest.mark.differential
+@pytest.mark.parametrize("chunk", range(-(-_LARGE_COUNT // _LARGE_CHUNK)))
+def test_random_draws_large_run(chunk):
+  first = _LARGE_FIRST + chunk * _LARGE_CHUNK
+  count = min(_LARGE_CHUNK, _LARGE_FIRST + _LARGE_COUNT - first)
+  kind = ("--kind", _KIND) if _KIND else ()
+  res = _subprocess("ring_check.py", "--random", str(count), "--seed", str(first), *kind,
+                    timeout=3600)
+  assert len(res) == count
+  failures = _failures(res)
+  assert not failures, "\n".join(failures)
 
 
 # --------------------------------------------------------------------------------------------
@@ -279,6 +363,17 @@ def test_shapes_that_do_not_split_raise():
     ring._kind_of(jnp.zeros((1, 1, 2, 1)), 4, 3, 2, "mask")
   assert [ring._kind_of(jnp.zeros(s), 4, 3, 2, "b") for s in
           ((1, 1, 4, 1), (1, 1, 1, 3), (1, 1, 4, 6))] == ["const", "travel", "rows"]
+  # One key per device: a key padding mask's local S axis is 1, as a broadcast one's; both
+  # are right travelling with the keys (the large run's seed 132 read it as broadcast: every
+  # key got the local key's mask). A T axis means the S axis is broadcast.
+  assert [ring._kind_of(jnp.zeros(s), 4, 1, 2, "b") for s in
+          ((1, 4, 1, 1), (1, 1, 4, 1), (1, 1, 4, 2))] == ["travel", "const", "rows"]
+  # One query and one key per device: [.., 1, 1] may be sharded with either (seeds 352, 509
+  # vs 431, 481 of the large run need different rings): refused, unless the ring has one device.
+  with pytest.raises(ValueError, match=r"one query and one key per device.*whole S axis \(2\)"):
+    ring._kind_of(jnp.zeros((1, 4, 1, 1)), 1, 1, 2, "mask")
+  assert ring._kind_of(jnp.zeros((1, 4, 1, 2)), 1, 1, 2, "b") == "rows"
+  assert ring._kind_of(jnp.zeros((1, 4, 1, 1)), 1, 1, 1, "b") == "const"
 
 
 def test_ring_attention_is_exported():

@@ -9,6 +9,7 @@ conftest (pytest's default "prepend" import mode).
   parallel_check.py    script: fit on 8 fake CPU devices in every parallel mode, prints JSON
   checkpoints.py       read_state: a run's checkpointed train state as numpy arrays
   ring_cases.py        the case table of ring attention's 8-device check (no side effects)
+  ring_draws.py        seeded random ring problems (the CI sample, the large run; no side effects)
   ring_check.py        script: ring attention on 8 fake CPU devices vs float64, prints JSON
   ring_memory.py       script: per-device memory of ring vs single-device attention
   sequence_axis_check.py  script: GPT on 8 sequence shards vs the whole sequence, prints JSON

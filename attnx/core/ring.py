@@ -954,11 +954,7 @@ def ring_attention(q: Array, k: Array, v: Array, bias: Array | None = None,
   sc = scores_lib.get_score(score)
   dispatch._check_inputs(q, k, v, None, None, sc)
   w, sc, params, scale = dispatch._resolve(weighting, score, scale, score_params, q.shape[-1])
-  family = _family(w)
-  if sc.to_dot is None:
-    raise ValueError(f"Score {sc.name!r} is not a dot product of transformed vectors and "
-                     "cannot stream: ring_attention needs one (every built-in score but "
-                     "'additive').")
+  family = check_supported(w, sc, layout)
   batch = q.shape[:-3]
   t, n, h = q.shape[-3:]
   s, kv_heads = k.shape[-3], k.shape[-2]
@@ -1023,7 +1019,9 @@ def check_supported(weighting: Any = "softmax", score: Any = "scaled_dot",
   construction (``attnx.nn``), before any shard_map."""
   _check_layout(layout)
   family = _family(get_weighting(weighting))
-  if scores_lib.get_score(score).to_dot is None:
-    raise ValueError(f"Score {score!r} is not a dot product of transformed vectors and cannot "
-                     "stream: ring_attention needs one (every built-in score but 'additive').")
+  sc = scores_lib.get_score(score)
+  if sc.to_dot is None:
+    raise ValueError(f"Score {sc.name!r} is not a dot product of transformed vectors and "
+                     "cannot stream: ring_attention needs one (every built-in score but "
+                     "'additive').")
   return family

@@ -18,11 +18,8 @@ import time
 
 import numpy as np
 import pytest
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "tests"))
-
-from support.checkpoints import read_state  # noqa: E402
+from support.checkpoints import read_state
+from support.scripts import ROOT, cpu_env, metric_records
 
 TINY = "--config=experiments/compare_weightings.py:tiny"
 # The default experiment's model family (a ViT on digits) at the tiny preset's size, one seed,
@@ -39,11 +36,7 @@ RUN = "digits-softmax"
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
-  base = tmp_path_factory.mktemp("launch_local_env")
-  e = dict(os.environ)
-  e.update(PYTHONPATH=ROOT + os.pathsep + e.get("PYTHONPATH", ""), JAX_PLATFORMS="cpu",
-           ATTNX_DATA_DIR=str(base / "data"))
-  return e
+  return cpu_env(ATTNX_DATA_DIR=str(tmp_path_factory.mktemp("launch_local_env") / "data"))
 
 
 def _local(env, n, *args, devices=2, timeout=300, **kw):
@@ -202,12 +195,12 @@ def test_data_by_sequence_mesh_across_two_processes_trains_the_one_device_losses
   whole = _launch(env, *lm, "--config.sequence_parallel=1", "--config.parallel=none",
                   "--config.num_cpu_devices=0", f"--workdir={tmp_path / 'whole'}")
   assert whole.returncode == 0, whole.stderr[-3000:]
-  ref = _records(tmp_path / "whole")
+  ref = metric_records(tmp_path / "whole")
   for sp in (2, 4):
     proc = _local(env, 2, "launch.py", *lm, f"--config.sequence_parallel={sp}",
                   f"--workdir={tmp_path / f'sp{sp}'}")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    got = _records(tmp_path / f"sp{sp}")
+    got = metric_records(tmp_path / f"sp{sp}")
     assert got.keys() == ref.keys() and len(ref) == 2
     for key, rec in ref.items():
       for metric in ("loss", "eval_loss"):
@@ -215,7 +208,3 @@ def test_data_by_sequence_mesh_across_two_processes_trains_the_one_device_losses
           np.testing.assert_allclose(got[key][metric], rec[metric], rtol=1e-5,
                                      err_msg=f"sp={sp} {key} {metric}")
 
-
-def _records(workdir) -> dict:
-  with open(os.path.join(workdir, "metrics.jsonl")) as f:
-    return {(r["run"], r["step"]): r for r in map(json.loads, f)}

@@ -16,11 +16,8 @@ global length above 1000 that is no power of two) runs in one more subprocess; t
 from __future__ import annotations
 
 import functools
-import json
 import math
 import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -28,31 +25,19 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 from support import ring_cases, ring_draws
+from support.scripts import script_result
 
 from attnx import core
 from attnx.core import ring
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SUPPORT = os.path.join(ROOT, "tests", "support")
 
 # max |got − ref| / scale (the differential net's scale: the largest Σ|terms| behind an entry,
 # at least max |ref|), float32 ring against the float64 reference.
 OUT_TOL, GRAD_TOL = 1e-5, 1e-4
 
 
-def _subprocess(script: str, *args: str, timeout: int = 600) -> dict:
-  env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-             JAX_PLATFORMS="cpu")
-  proc = subprocess.run([sys.executable, os.path.join(SUPPORT, script), *args],
-                        capture_output=True, text=True, env=env, timeout=timeout, cwd=ROOT)
-  assert proc.returncode == 0, proc.stderr[-4000:]
-  line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
-  return json.loads(line[len("RESULT "):])
-
-
 @functools.lru_cache(maxsize=1)
 def _ring_results() -> dict:
-  return _subprocess("ring_check.py")
+  return script_result("ring_check.py")
 
 
 VMA = ring_cases.VMA  # ring_check.py runs ring_cases.VMA_CASES with check_vma=True too
@@ -111,7 +96,7 @@ def test_case_table_covers_every_streamable_weighting():
 
 @functools.lru_cache(maxsize=1)
 def _ci_draws() -> dict:
-  return _subprocess("ring_check.py", "--ci")
+  return script_result("ring_check.py", "--ci")
 
 
 def _failures(results: dict) -> list[str]:
@@ -175,7 +160,7 @@ def test_random_draws_large_run(chunk):
   first = _LARGE_FIRST + chunk * _LARGE_CHUNK
   count = min(_LARGE_CHUNK, _LARGE_FIRST + _LARGE_COUNT - first)
   kind = ("--kind", _KIND) if _KIND else ()
-  res = _subprocess("ring_check.py", "--random", str(count), "--seed", str(first), *kind,
+  res = script_result("ring_check.py", "--random", str(count), "--seed", str(first), *kind,
                     timeout=3600)
   assert len(res) == count
   failures = _failures(res)
@@ -401,5 +386,5 @@ def test_ring_attention_is_exported():
 def test_ring_scratch_per_device_at_64k(weighting, causal, bound):
   # XLA's temp bytes of fwd+bwd at T = 65 536 (B = 1, N = 8, H = 64) over 8 devices, per
   # device, against the single-device blocked kernel's: compiled, not run.
-  res = _subprocess("ring_memory.py", "65536", weighting, str(int(causal)))
+  res = script_result("ring_memory.py", "65536", weighting, str(int(causal)))
   assert res["ratio"] <= bound, res

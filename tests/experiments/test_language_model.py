@@ -364,19 +364,15 @@ def test_ablations_preset_keeps_parameters_with_their_variant():
     exp.validate_config(c)
 
 
-def _records(workdir) -> dict:
-  with open(os.path.join(workdir, "metrics.jsonl")) as f:
-    return {(r["run"], r["step"]): r for r in map(json.loads, f)}
-
-
 @pytest.mark.slow
 def test_sequence_parallel_preset_trains_the_unsharded_losses(tmp_path):
   # The GPT with every training sequence cut over 8 fake CPU devices (zigzag ring attention)
   # against the same run on one device: the logged train and validation losses agree.
   import subprocess  # noqa: PLC0415
 
-  env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-             JAX_PLATFORMS="cpu", ATTNX_DATA_DIR=str(tmp_path / "data"))
+  from support.scripts import cpu_env, metric_records  # noqa: PLC0415
+
+  env = cpu_env(ATTNX_DATA_DIR=str(tmp_path / "data"))
   preset = "--config=experiments/language_model.py:sequence_parallel"
   runs = {"sharded": [], "whole": ["--config.sequence_parallel=1", "--config.parallel=none",
                                    "--config.num_cpu_devices=0"]}
@@ -385,7 +381,7 @@ def test_sequence_parallel_preset_trains_the_unsharded_losses(tmp_path):
                            f"--workdir={tmp_path / name}"], capture_output=True, text=True,
                           env=env, cwd=ROOT, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-  sharded, whole = _records(tmp_path / "sharded"), _records(tmp_path / "whole")
+  sharded, whole = metric_records(tmp_path / "sharded"), metric_records(tmp_path / "whole")
   assert sharded.keys() == whole.keys() and len(sharded) >= 5 * 4
   for key, rec in whole.items():
     for metric in ("loss", "eval_loss"):

@@ -7,32 +7,19 @@ errors for what cannot run ring-parallel."""
 from __future__ import annotations
 
 import functools
-import json
-import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
 import pytest
+from support.scripts import script_result
+from support.sequence_axis_check import CASES
 
 from attnx import nn
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(ROOT, "tests"))
-from support.sequence_axis_check import CASES  # noqa: E402
 
 
 @functools.lru_cache(maxsize=1)
 def _results() -> dict:
-  env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-             JAX_PLATFORMS="cpu")
-  proc = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "support",
-                                                      "sequence_axis_check.py")],
-                        capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
-  assert proc.returncode == 0, proc.stderr[-4000:]
-  line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
-  return json.loads(line[len("RESULT "):])
+  return script_result("sequence_axis_check.py")
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -8,6 +8,7 @@ conftest (pytest's default "prepend" import mode).
   kill_run.py          a checkpointed fit that SIGKILLs itself mid-run (script and module)
   parallel_check.py    script: fit on 8 fake CPU devices in every parallel mode, prints JSON
   checkpoints.py       read_state: a run's checkpointed train state as numpy arrays
+  scripts.py           cpu_env, script_result (a support script's RESULT JSON), metric_records
   ring_cases.py        the case table of ring attention's 8-device check (no side effects)
   ring_draws.py        seeded random ring problems (the CI sample, the large run; no side effects)
   ring_check.py        script: ring attention on 8 fake CPU devices vs float64, prints JSON

@@ -39,11 +39,16 @@ device. Autodiff through the forward ring would save every visiting K/V shard fo
 backward (the loop's carries), O(T) per device — the memory ring attention exists to avoid.
 dQ accumulates locally; the dK/dV accumulators (and a key-sharded bias' gradient) travel
 around the ring with their K/V shard, one hop after each step: after P hops they are home.
-Measured at T = 65 536 over 8 devices (B = 1, N = 8, H = 64, XLA CPU, compiled fwd+bwd
-temp bytes per device ÷ the single-device blocked kernel's): causal zigzag softmax 0.040,
-SSMax 0.17, stick-breaking 0.30, non-causal softmax 0.24 — about 12 shard-sized buffers
-(saved q, k, v, O; dO, dQ; the visiting K/V, the next one and XLA's copy of the one sent;
-dK/dV sent and received) against the single-device kernels' 6–10 whole-sequence ones.
+
+A ring holds about 12 buffers of its shard's size (the visiting K/V, the next one and XLA's
+copy of the one it sends, dK/dV sent and received, dQ, the kernel's own accumulators), so the
+kv heads run in passes (``kv_head_block`` per pass, by default as many as keep a pass' query
+shard within :data:`PASS_BUDGET` elements): one whole ring per pass, one pass after the other,
+each over its heads only. The contract's input step runs per pass too, and stick-breaking's
+saved states are reduced to per-row carries before the backward's passes. Measured at
+T = 65 536 over 8 devices (B = 1, N = 8, H = 64, XLA CPU, compiled fwd+bwd temp bytes per
+device ÷ the single-device blocked kernel's): causal zigzag softmax 0.014, SSMax 0.067,
+stick-breaking 0.137, non-causal softmax 0.094 (0.24 in one pass of all heads).
 
 Masks and biases follow :func:`attnx.core.attention` ([batch..., N, T, S]-broadcastable, True
 = attend), with their T and S axes given per device as:
@@ -81,7 +86,8 @@ F32 = jnp.float32
 LAYOUTS = ("contiguous", "zigzag")
 FAMILIES = ("pointwise", "ssmax", "softpick", "stick_breaking")
 
-__all__ = ["LAYOUTS", "ring_attention", "ring_work", "zigzag_permute", "zigzag_unpermute"]
+__all__ = ["LAYOUTS", "PASS_BUDGET", "ring_attention", "ring_work", "zigzag_permute",
+           "zigzag_unpermute"]
 
 # What one ring step computes on a device: (row lo, row hi, key lo, key hi, causal) pieces of
 # the local rows against the visiting shard, in units of half a shard (zigzag chunks).
@@ -502,8 +508,7 @@ def _switch(rc: _Ring, i: Array, src: Array, run, *operands):
 
 
 def _forward(rc: _Ring, q, k, v, bias, mask, rsc, scale):
-  """(out [X, G, T, Hv] float32, row statistics, stick-breaking's (O, L) of the later run,
-  the travelling (k, v, bias, mask) back home)."""
+  """(out [X, G, T, Hv] float32, row statistics, stick-breaking's (O, L) of the later run)."""
   p, hv = rc.p, v.shape[-1]
   i = lax.axis_index(rc.axis)
   rows = q.shape[:2] + (rc.t,)
@@ -529,19 +534,16 @@ def _forward(rc: _Ring, q, k, v, bias, mask, rsc, scale):
     return after, _select(later, low, merged), _select(later, merged, high)
 
   init = (_travelling(rc, k, v, bias, mask), _empty(rc, rows, hv), _empty(rc, rows, hv))
-  # After P hops the travelling shards are home again: the backward's residuals are taken
-  # from the loop's result, so that the loop may reuse the buffers of its inputs (were those
-  # the residuals, XLA would copy each shard into the loop first).
-  home, low, high = lax.fori_loop(0, p, body, init)
+  _, low, high = lax.fori_loop(0, p, body, init)
   if stick:
     state = _merge(rc, high, low)
     out, stats, _ = streaming.finalize(rc.w.stream, state, None)
-    return out, stats, (high.acc, high.log_rest), home
+    return out, stats, (high.acc, high.log_rest)
   if rc.pointwise:
     out, stat = streaming.pointwise_finalize(rc.w, *low)
-    return out, (stat,), None, home
+    return out, (stat,), None
   out, stats, _ = streaming.finalize(rc.w.stream, low, None)
-  return out, stats, None, home
+  return out, stats, None
 
 
 def _backward(rc: _Ring, res, do):
@@ -556,8 +558,7 @@ def _backward(rc: _Ring, res, do):
   # from the later keys backwards: the run of shards after i (high) starts empty, the run of
   # shards up to i (low) starts after all of them: with their L and Σ A·dP = dO·O_high.
   if stick:
-    o_high, l_high = extra
-    low_c = (l_high, jnp.sum(do * o_high, axis=-1))
+    low_c = extra  # (L, Σ A·dP) of the later run: _start_carries
     high_c = (zero_rows, zero_rows)
   else:
     low_c = high_c = (zero_rows, zero_rows)
@@ -708,7 +709,7 @@ def _stick_zigzag_forward(rc: _Ring, q, k, v, bias, mask, scale):
   for name in ("L2", "H2", "H0", "H3"):
     state = _merge(rc, runs[name], state)
   out, stats, _ = streaming.finalize(rc.w.stream, state, None)
-  return out, stats, tuple(runs[name] for name in _RUNS[:-1]), travel
+  return out, stats, tuple(runs[name] for name in _RUNS[:-1])
 
 
 def _stick_zigzag_backward(rc: _Ring, res, do):
@@ -716,14 +717,7 @@ def _stick_zigzag_backward(rc: _Ring, res, do):
   p, c = rc.p, rc.s // 2
   i = lax.axis_index(rc.axis)
   do = do.astype(F32)
-  # Each run starts from the carries of the runs after it: L = Σ log(1 − β) and Σ A·dP, whose
-  # global weights are a run's own times e^{L of the later runs}.
-  carries, a, b = {}, _zeros(rc, q.shape[:3]), _zeros(rc, q.shape[:3])
-  for name, st in zip(_RUNS, extra + (None,), strict=True):
-    carries[name] = (a, b)
-    if st is not None:
-      b = b + jnp.exp(a) * jnp.sum(do * st.acc, axis=-1)
-      a = a + st.log_rest
+  carries = dict(zip(_RUNS, extra, strict=True))  # _start_carries
   dbias_local = None
   if bias is not None and rc.bias_kind != "travel":
     dbias_local = _zeros(rc, bias.shape)
@@ -792,30 +786,177 @@ def _stick_zigzag_backward(rc: _Ring, res, do):
   return dq, dk, dv, dbias, None, dscale
 
 
-def _make_ring(rc: _Ring):
-  """A custom-VJP function (q, k, v, bias, mask, row_scales, scale) -> O of the kernel-layout
-  local shards (see the module docstring for why the backward is not autodiff)."""
+# --------------------------------------------------------------------------------------------
+# Passes over head groups: the custom VJP.
+# --------------------------------------------------------------------------------------------
+
+def _heads(x: Array | None, lo: Any, size: int) -> Array | None:
+  """Heads [lo, lo + size) of a [Bb, Nb, ...] bias/mask/row array (all of a broadcast one)."""
+  if x is None or x.shape[1] == 1:
+    return x
+  return lax.dynamic_slice_in_dim(x, lo, size, axis=1)
+
+
+def _pass_inputs(rc: _Ring, c: Any, qd, kd, vd, bias4, mask4, rsc):
+  """The kernel-layout inputs of pass c (kv heads [c·kc, (c+1)·kc), query heads with them):
+  q [X, G, t, H], k/v [X, s, H], bias/mask [Bb, Kb, Gb, t|1, s|1], row scales [X, G, t].
+
+  The contract's input step (:func:`~attnx.core.contract.nonfinite_inputs`) runs here, on
+  the pass' heads: on the whole inputs it would keep a cleaned copy of each (O(T/P) per
+  input, for the whole backward); :func:`_clean_grads` is its gradient."""
+  b, kc, g = rc.head_dims
+  hq = kc * g
+  q, k, v, bias = nonfinite_inputs(lax.dynamic_slice_in_dim(qd, c * hq, hq, axis=2),
+                                   lax.dynamic_slice_in_dim(kd, c * kc, kc, axis=2),
+                                   lax.dynamic_slice_in_dim(vd, c * kc, kc, axis=2),
+                                   _heads(bias4, c * hq, hq))
+  kv = lambda x: x.transpose(0, 2, 1, 3).reshape(b * kc, x.shape[1], x.shape[3])
+  q4 = q.transpose(0, 2, 1, 3).reshape(b * kc, g, rc.t, q.shape[3])
+  r3 = None if rsc is None else _heads(rsc, c * hq, hq).reshape(b * kc, g, rc.t)
+  return (q4, kv(k), kv(v), bl._as_5d(bias, hq, kc, "bias"),
+          bl._as_5d(_heads(mask4, c * hq, hq), hq, kc, "mask"), r3)
+
+
+def _clean_grads(qd, kd, vd, bias4, dq, dk, dv, dbias):
+  """The gradients through :func:`~attnx.core.contract.nonfinite_inputs`: zero at the entries
+  it replaces (a non-finite q or k entry, every k entry of a key with a non-finite value, a
+  non-finite value entry, a bias of +Inf), passed through elsewhere."""
+  k_ok = jnp.isfinite(kd) & jnp.all(jnp.isfinite(vd), axis=-1, keepdims=True)
+  dq = jnp.where(jnp.isfinite(qd), dq, 0)
+  dk = jnp.where(k_ok, dk, 0)
+  dv = jnp.where(jnp.isfinite(vd), dv, 0)
+  if dbias is not None and jnp.issubdtype(bias4.dtype, jnp.floating):
+    dbias = jnp.where(bias4 == jnp.inf, 0, dbias)
+  return dq, dk, dv, dbias
+
+
+def _pass_rows(rc: _Ring, c: Any, x: Array) -> Array:
+  """Query heads of pass c of a [B, t, N, D] array, in the kernel layout [X, G, t, D]."""
+  b, kc, g = rc.head_dims
+  x = lax.dynamic_slice_in_dim(x, c * kc * g, kc * g, axis=2)
+  return x.transpose(0, 2, 1, 3).reshape(b * kc, g, rc.t, x.shape[3])
+
+
+def _put_heads(full: Array, part: Array, lo: Any, axis: int) -> Array:
+  return lax.dynamic_update_slice_in_dim(full, part.astype(full.dtype), lo, axis=axis)
+
+
+_PLAIN_DOTS = (scores_lib.get_score("dot"), scores_lib.get_score("scaled_dot"))
+PASS_BUDGET = 1 << 19  # elements of one pass' query shard (B·t·heads·H) under the default
+
+
+def _kv_heads_per_pass(block: int | None, b: int, kv_heads: int, g: int, length: int,
+                       head_dim: int) -> int:
+  """How many kv heads one pass of the ring carries: ``block`` when given (it must divide K),
+  else the most whose query shard (B · length · kc·G · head dim) stays within
+  :data:`PASS_BUDGET` elements (at least one)."""
+  if block is not None:
+    if (not isinstance(block, numbers.Integral) or isinstance(block, bool) or block < 1
+        or kv_heads % block):
+      raise ValueError(f"kv_head_block must be a positive int dividing the {kv_heads} kv "
+                       f"heads, got {block!r}.")
+    return int(block)
+  fits = [d for d in range(1, kv_heads + 1)
+          if kv_heads % d == 0 and b * length * d * g * head_dim <= PASS_BUDGET]
+  return max(fits, default=1)
+
+
+def _start_carries(rc: _Ring, extra: Any, do: Array) -> Any:
+  """Stick-breaking: the carries each run of the backward starts from, (L, Σ A·dP) of the
+  keys after the run, from the later runs' forward states (``extra``) and dO [X, G, t, Hv].
+  They are rows only: computed before the backward's ring, the saved states die first."""
+  if rc.family != "stick_breaking":
+    return extra
+  if rc.layout == "contiguous":
+    o_high, l_high = extra
+    return l_high, jnp.sum(do * o_high, axis=-1)
+  # Each run starts from the carries of the runs after it: L = Σ log(1 − β) and Σ A·dP, whose
+  # global weights are a run's own times e^{L of the later runs}.
+  a = b = _zeros(rc, do.shape[:3])
+  carries = []
+  for st in extra + (None,):
+    carries.append((a, b))
+    if st is not None:
+      b = b + jnp.exp(a) * jnp.sum(do * st.acc, axis=-1)
+      a = a + st.log_rest
+  return tuple(carries)
+
+
+def _make_ring(rc: _Ring, passes: int):
+  """A custom-VJP function (q [B, t, N, H], k/v [B, s, K, H|Hv], bias/mask [Bb, Nb, Tb, Sb],
+  row scales [B, N, t], scale) -> O [B, t, N, Hv] of the local shards (see the module
+  docstring for why the backward is not autodiff). ``rc`` describes one pass: its kv heads
+  ``rc.head_dims[1]``, of ``passes`` passes that run one after another (``lax.scan``), each a
+  whole ring over its heads, so that every ring buffer holds only the pass' heads."""
 
   zigzag_stick = rc.family == "stick_breaking" and rc.layout == "zigzag"
   forward = ((lambda rc, q, k, v, bias, mask, rsc, scale:
               _stick_zigzag_forward(rc, q, k, v, bias, mask, scale))
              if zigzag_stick else _forward)
   backward = _stick_zigzag_backward if zigzag_stick else _backward
+  b, kc, g = rc.head_dims
+  hq = kc * g
+
+  def bthd(x: Array) -> Array:  # [X, G, t, D] of one pass -> [B, t, hq, D]
+    return x.reshape(b, hq, x.shape[2], x.shape[3]).transpose(0, 2, 1, 3)
+
+  def run(qd, kd, vd, bias4, mask4, rsc, scale):
+    """(O [B, t, N, Hv] in q's dtype, per pass (row statistics, extra[, float32 O]))."""
+    keep_f32 = qd.dtype != F32  # else O itself is the backward's float32 output
+
+    def one(out, c):
+      o, stats, extra = forward(rc, *_pass_inputs(rc, c, qd, kd, vd, bias4, mask4, rsc),
+                                scale)
+      return _put_heads(out, bthd(o), c * hq, 2), (stats, extra, o if keep_f32 else None)
+
+    out = bl.vary(jnp.zeros(qd.shape[:3] + vd.shape[3:], qd.dtype), rc.vma)
+    if passes == 1:
+      out, saved = one(out, 0)
+      return out, jax.tree.map(lambda x: x[None], saved)
+    return lax.scan(one, out, jnp.arange(passes))
 
   @jax.custom_vjp
-  def ring(q, k, v, bias, mask, rsc, scale):
-    return forward(rc, q, k, v, bias, mask, rsc, scale)[0].astype(q.dtype)
+  def ring(qd, kd, vd, bias4, mask4, rsc, scale):
+    return run(qd, kd, vd, bias4, mask4, rsc, scale)[0]
 
-  def fwd(q, k, v, bias, mask, rsc, scale):
-    out, stats, extra, home = forward(rc, q, k, v, bias, mask, rsc, scale)
-    k, v, bias_t, mask_t = home
-    bias = bias_t if rc.bias_kind == "travel" else bias
-    mask = mask_t if rc.mask_kind == "travel" else mask
-    return out.astype(q.dtype), (q, k, v, bias, mask, rsc, scale, out, stats, extra)
+  def fwd(qd, kd, vd, bias4, mask4, rsc, scale):
+    out, saved = run(qd, kd, vd, bias4, mask4, rsc, scale)
+    return out, (qd, kd, vd, bias4, mask4, rsc, scale, out, saved)
 
   def bwd(res, do):
-    q, k, v, bias, mask, rsc, scale = res[:7]
-    dq, dk, dv, dbias, drsc, dscale = backward(rc, res, do)
+    qd, kd, vd, bias4, mask4, rsc, scale, out, saved = res
+    head_bias = bias4 is not None and bias4.shape[1] != 1
+
+    def one(acc, xs):
+      dq, dk, dv, dbias, drsc, dscale = acc
+      c, (stats, extra, o32) = xs
+      inputs = _pass_inputs(rc, c, qd, kd, vd, bias4, mask4, rsc)
+      o = _pass_rows(rc, c, out).astype(F32) if o32 is None else o32
+      gq, gk, gv, gb, gr, gs = backward(rc, inputs[:6] + (scale, o, stats, extra),
+                                        _pass_rows(rc, c, do))
+      dq = _put_heads(dq, bthd(gq), c * hq, 2)
+      dk = _put_heads(dk, gk.reshape(b, kc, rc.s, -1).transpose(0, 2, 1, 3), c * kc, 2)
+      dv = _put_heads(dv, gv.reshape(b, kc, rc.s, -1).transpose(0, 2, 1, 3), c * kc, 2)
+      if gb is not None:
+        gb = gb.reshape(gb.shape[0], -1, *gb.shape[3:])
+        dbias = _put_heads(dbias, gb, c * hq, 1) if head_bias else dbias + gb
+      if gr is not None:
+        drsc = _put_heads(drsc, gr.reshape(b, hq, rc.t), c * hq, 1)
+      return (dq, dk, dv, dbias, drsc, dscale + gs), None
+
+    zeros = lambda x, dtype: None if x is None else _zeros(rc, x.shape).astype(dtype)
+    acc = (zeros(qd, qd.dtype), zeros(kd, kd.dtype), zeros(vd, vd.dtype), zeros(bias4, F32),
+           zeros(rsc, F32), _zeros(rc, ()))
+    stats, extra, o32 = saved
+    do_passes = (do.reshape(b, rc.t, passes, hq, -1).transpose(2, 0, 3, 1, 4)
+                 .reshape(passes, b * kc, g, rc.t, -1).astype(F32))
+    saved = (stats, jax.vmap(lambda e, d: _start_carries(rc, e, d))(extra, do_passes), o32)
+    if passes == 1:
+      acc, _ = one(acc, (0, jax.tree.map(lambda x: x[0], saved)))
+    else:
+      acc, _ = lax.scan(one, acc, (jnp.arange(passes), saved))
+    dq, dk, dv, dbias, drsc, dscale = acc
+    dq, dk, dv, dbias = _clean_grads(qd, kd, vd, bias4, dq, dk, dv, dbias)
 
     def like(ct, x):
       """The cotangent of an input that does not vary over the ring's axis (a replicated
@@ -823,8 +964,9 @@ def _make_ring(rc: _Ring):
       missing = tuple(a for a in bl.manual_axes(ct) if a not in bl.manual_axes(x))
       return (lax.psum(ct, missing) if missing else ct).astype(x.dtype)
 
-    return (like(dq, q), like(dk, k), like(dv, v), None if bias is None else like(dbias, bias),
-            None, None if rsc is None else like(drsc, rsc), like(dscale, scale))
+    return (like(dq, qd), like(dk, kd), like(dv, vd),
+            None if bias4 is None else like(dbias, bias4), None,
+            None if rsc is None else like(drsc, rsc), like(dscale, scale))
 
   ring.defvjp(fwd, bwd)
   return ring
@@ -904,7 +1046,8 @@ def ring_attention(q: Array, k: Array, v: Array, bias: Array | None = None,
                    score_params: dict[str, Any] | None = None,
                    weighting_params: dict[str, Any] | None = None, is_causal: bool = False,
                    layout: str = "contiguous", block_q: int | None = None,
-                   block_k: int | None = None, implementation: str | None = None) -> Array:
+                   block_k: int | None = None, kv_head_block: int | None = None,
+                   implementation: str | None = None) -> Array:
   """Attention over a sequence sharded along mesh axis ``axis_name``: call it inside
   ``jax.shard_map`` (``check_vma`` either way) on the local shards.
 
@@ -928,6 +1071,10 @@ def ring_attention(q: Array, k: Array, v: Array, bias: Array | None = None,
       device i holds chunks i and 2P − 1 − i, which balances causal work: :func:`ring_work`).
       Without ``is_causal`` it changes nothing but which positions the outputs belong to.
     block_q, block_k: caps on the kernel's tiles (the tiles divide the local lengths).
+    kv_head_block: kv heads per pass (a divisor of K; their query heads go with them): the
+      ring runs once per pass, and its buffers hold only the pass' heads. None: as many as
+      keep a pass' query shard (B · T/P · heads · H) within :data:`PASS_BUDGET` elements, one
+      at least. More heads per pass: fewer, larger transfers and kernels; fewer: less memory.
     implementation: None or ``"blocked"``: every step runs attnx's blocked kernel.
 
   Returns:
@@ -983,31 +1130,29 @@ def ring_attention(q: Array, k: Array, v: Array, bias: Array | None = None,
              bias_kind=_kind_of(bias4, t, s, p, "bias"),
              mask_kind=_kind_of(mask4, t, s, p, "mask"), block_q=block_q, block_k=block_k,
              vma=bl.manual_axes(q, k, v, bias4, mask4, lax.axis_index(axis_name)))
+  g = n // kv_heads
+  kc = _kv_heads_per_pass(kv_head_block, b, kv_heads, g, max(t, s),
+                          max(q.shape[-1], v.shape[-1]))
+  rc = dataclasses.replace(rc, head_dims=(b, kc, g))
   if t == 0 or s == 0:
     return jnp.zeros(batch + (t, n, v.shape[-1]), q.dtype)
   _check_tiles(rc)
 
-  query, key, value, bias4 = nonfinite_inputs(q, k, v, bias4)
+  query, key, value = q, k, v
+  if sc not in _PLAIN_DOTS:  # the score's own vectors: from inputs the contract has cleaned
+    query, key, value, _ = nonfinite_inputs(q, k, v, None)
   qd, kd = sc.to_dot(query, key, **params)
   compute = jnp.result_type(qd.dtype, kd.dtype, value.dtype)
   flat = lambda x: x.astype(compute).reshape((b,) + x.shape[len(batch):])
   qd, kd, value = flat(qd), flat(kd), flat(value)
-  hd = qd.shape[-1]
-  g = n // kv_heads
-  q4 = qd.transpose(0, 2, 1, 3).reshape(b * kv_heads, g, t, hd)
-  k3 = kd.transpose(0, 2, 1, 3).reshape(b * kv_heads, s, hd)
-  v3 = value.transpose(0, 2, 1, 3).reshape(b * kv_heads, s, -1)
   rsc = None
   if family == "ssmax":
     sv = jnp.asarray(w.stream.s if ssmax_s is None else ssmax_s, F32)
     if sv.ndim:
       sv = jnp.broadcast_to(sv.reshape(-1), (n,))[None, :, None]
-    counts = _valid_counts(rc, bias4, mask4, b, n)
-    rsc = streaming.row_scale(w.stream, counts, sv).reshape(b * kv_heads, g, t)
-  bias5 = bl._as_5d(bias4, n, kv_heads, "bias")
-  mask5 = bl._as_5d(mask4, n, kv_heads, "mask")
-  out = _make_ring(rc)(q4, k3, v3, bias5, mask5, rsc, jnp.asarray(scale, F32))
-  out = out.reshape(b, n, t, -1).transpose(0, 2, 1, 3)
+    rsc = streaming.row_scale(w.stream, _valid_counts(rc, bias4, mask4, b, n), sv)
+  out = _make_ring(rc, kv_heads // kc)(qd, kd, value, bias4, mask4, rsc,
+                                       jnp.asarray(scale, F32))
   return out.reshape(batch + out.shape[1:]).astype(q.dtype)
 
 

@@ -121,7 +121,7 @@ def test_random_ci_sample_reaches_every_branch():
   assert cov["devices"] >= {2, 8}
   assert cov["mask"] == {"none", "travel", "rows", "const"}
   assert cov["bias"] == {"none", "travel", "rows", "const"}
-  for key in ("gqa", "capped", "t_ne_s", "learned_s", "odd_head_dim"):
+  for key in ("gqa", "capped", "t_ne_s", "learned_s", "odd_head_dim", "passes"):
     assert cov[key] == {False, True}, key
   assert cov["batch"] == {1, 2}
   assert True in cov["long_not_pow2"]  # a global length ≥ 1000 that is no power of two
@@ -247,6 +247,36 @@ def test_ring_of_one_equals_attention(weighting, layout):
   np.testing.assert_allclose(got, want, atol=2e-6)
 
 
+def test_kv_heads_in_passes_equal_one_pass():
+  # Three passes of one kv head (two query heads each) against one pass of all three, with a
+  # per-head bias: values and gradients. (Every family, broadcast biases and 8 devices: the
+  # case table's PASSES and the random draws, against the float64 reference.)
+  q, k, v = _qkv(t=16, n=6, kh=3)
+  bias = jnp.asarray(np.random.default_rng(3).standard_normal((1, 6, 16, 16)), jnp.float32)
+  mask = jnp.arange(16)[None, None, None, :] < 13
+
+  def run(block):
+    def loss(q, k, v, b):
+      out = ring.ring_attention(q, k, v, b, mask, axis_name="sp", weighting="stick_breaking",
+                                is_causal=True, layout="zigzag", kv_head_block=block)
+      return jnp.sum(out * jnp.cos(out)), out
+    return _one_device(lambda *a: jax.grad(loss, (0, 1, 2, 3), has_aux=True)(*a), q, k, v,
+                       bias)
+
+  (g1, out1), (g3, out3) = run(1), run(3)
+  np.testing.assert_allclose(out1, out3, atol=1e-6)
+  for a, c in zip(g1, g3, strict=True):
+    np.testing.assert_allclose(a, c, atol=1e-5)
+
+
+def test_default_passes_keep_a_pass_within_the_budget():
+  # kv heads per pass: all of them for short shards, one for a 64k/8 shard of 8 heads.
+  assert ring._kv_heads_per_pass(None, 1, 8, 1, 256, 64) == 8
+  assert ring._kv_heads_per_pass(None, 1, 8, 1, 8192, 64) == 1
+  assert ring._kv_heads_per_pass(None, 1, 6, 2, 1024, 64) == 3  # the most that divide K
+  assert ring._kv_heads_per_pass(2, 1, 8, 1, 8192, 64) == 2
+
+
 def test_ring_of_one_bf16_gqa_bias_padding_mask():
   q, k, v = (x.astype(jnp.bfloat16) for x in _qkv(t=32, n=4, kh=2))
   bias = jnp.asarray(np.random.default_rng(1).standard_normal((1, 4, 32, 32)), jnp.float32)
@@ -312,10 +342,11 @@ def test_entmax_family_refused_with_the_alternative(weighting):
     (dict(implementation="dense"), "implementation must be None or 'blocked'"),
     (dict(score="additive"), "not a dot product"),
     (dict(block_q=0), "block_q must be a positive int"),
+    (dict(kv_head_block=3), "kv_head_block must be a positive int dividing the 2 kv heads"),
     (dict(weighting="nope"), "Unknown weighting 'nope'"),
 ])
 def test_bad_arguments_raise(kwargs, match):
-  q, k, v = _qkv()
+  q, k, v = _qkv(n=4, kh=2)
   if kwargs.get("score") == "additive":
     kwargs["score_params"] = {"Wq": jnp.ones((8, 4)), "Wk": jnp.ones((8, 4)), "v": jnp.ones(4)}
   with pytest.raises(ValueError, match=match):
@@ -371,20 +402,14 @@ def test_ring_attention_is_exported():
 # --------------------------------------------------------------------------------------------
 
 @pytest.mark.slow
-@pytest.mark.parametrize("weighting,causal,bound", [
-    # Causal, zigzag (what ring attention is for): measured 0.040.
-    ("softmax", True, 1 / 6),
-    # Measured 0.173 and 0.241: the ring holds about 12 buffers of a shard's size (the saved
-    # q, k, v, O; dO and dQ; the visiting K/V and the next, and XLA's copy of the one it
-    # sends; dK/dV and the ones received) where the single-device kernels hold about 6.3
-    # (pointwise) or 10 (whole-row, causal) of the whole sequence's: 12 / (8 · 6.3) ≈ 0.24 is
-    # the floor at P = 8. (The single-device causal softmax keeps the triangle's pieces:
-    # 5.8 GB, hence 0.04 above.)
-    ("ssmax", True, 0.2),
-    ("softmax", False, 0.27),
-])
-def test_ring_scratch_per_device_at_64k(weighting, causal, bound):
+@pytest.mark.parametrize("weighting,causal", [
+    ("softmax", True), ("ssmax", True), ("stick_breaking", True), ("softmax", False)])
+def test_ring_scratch_per_device_at_64k(weighting, causal):
   # XLA's temp bytes of fwd+bwd at T = 65 536 (B = 1, N = 8, H = 64) over 8 devices, per
-  # device, against the single-device blocked kernel's: compiled, not run.
+  # device, against the single-device blocked kernel's: compiled, not run. The issue's target
+  # is 1/6. Measured 0.014, 0.067, 0.137 (zigzag: the four later runs' states are saved) and
+  # 0.094. In one pass of all 8 heads (kv_head_block=8) the ring holds about 12 buffers of a
+  # shard's size against the single-device kernel's 6.3 of the whole sequence: 0.24 without
+  # causal masking, over the target.
   res = script_result("ring_memory.py", "65536", weighting, str(int(causal)))
-  assert res["ratio"] <= bound, res
+  assert res["ratio"] <= 1 / 6, res

@@ -78,6 +78,11 @@ CASES = {
     "stick_zigzag_full_gqa": (C(seed=39, t=T, s=T, n=4, kh=2, weighting="stick_breaking",
                                 mask="random", bias="xxxx"), Z),
 }
+# Cases that run their kv heads in passes of one (kv_head_block=1: two rings one after the
+# other, each over half the heads): a per-head bias and one broadcast over the heads, SSMax's
+# row scales, stick-breaking's zigzag carries, under check_vma too (softmax_zigzag_gqa).
+PASSES = {"softmax_full_gqa": 1, "softmax_zigzag_gqa": 1, "ssmax_full_gqa": 1,
+          "softpick_causal_gqa": 1, "stick_zigzag_full_gqa": 1}
 # Also run inside jax.shard_map(..., check_vma=True) (name + VMA): the kernels' loop starts
 # typed as varying, replicated parameters' gradients summed over the devices by the ring.
 VMA = "@check_vma"

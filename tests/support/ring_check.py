@@ -42,7 +42,7 @@ from attnx.core import ring  # noqa: E402
 from support import differential as diff  # noqa: E402
 from support import reference as ref_lib  # noqa: E402
 from support import ring_draws  # noqa: E402
-from support.ring_cases import CASES, DEVICES, VMA, VMA_CASES, C, T  # noqa: E402
+from support.ring_cases import CASES, DEVICES, PASSES, VMA, VMA_CASES, C, T  # noqa: E402
 
 AXIS = "sp"
 VMA_RUNS = [n + VMA for n in (*VMA_CASES, "learned_params")]
@@ -111,7 +111,8 @@ def check_case(name: str, check_vma: bool = False) -> dict:
   start = time.perf_counter()
   arrs, ref, want, scales = diff._reference(case)
   keeps = diff._keeps(case, ref)
-  out, grads = run_ring(case, layout, arrs, check_vma=check_vma)
+  out, grads = run_ring(case, layout, arrs, check_vma=check_vma,
+                        kv_head_block=PASSES.get(name))
   errs = {"out": diff._error(out, want["out"], keeps["out"], scales["out"])}
   for key, g in grads.items():
     errs[key] = diff._error(g, want[key], keeps[key], scales.get(key))
@@ -211,7 +212,7 @@ KERNEL_FACTOR = 2.0
 
 @functools.lru_cache(maxsize=4)
 def _draw_program(case: diff.Case, layout: str, devices: int, bias_spec, mask_spec,
-                  scalar_params: tuple, learned: bool):
+                  scalar_params: tuple, learned: bool, kv_head_block: int | None):
   """The jitted (output, vjp) program of a draw's configuration: inputs, masks, score
   parameters and the learned s are arguments, so that the arrays are not compiled in."""
   mesh = _mesh(devices)
@@ -221,7 +222,8 @@ def _draw_program(case: diff.Case, layout: str, devices: int, bias_spec, mask_sp
         q, k, v, bias, mask, axis_name=AXIS, weighting=case.weighting, score=case.score,
         score_params={**params, **dict(scalar_params)} or None,
         weighting_params=None if s is None else {"s": s}, scale=case.scale,
-        is_causal=case.causal, layout=layout, block_q=case.block_q, block_k=case.block_k)
+        is_causal=case.causal, layout=layout, block_q=case.block_q, block_k=case.block_k,
+        kv_head_block=kv_head_block)
 
   specs = (P(None, AXIS),) * 3 + (bias_spec, mask_spec, P(), P() if learned else None)
   sm = jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=P(None, AXIS),
@@ -252,7 +254,7 @@ def run_draw(d: ring_draws.RingDraw, arrs: dict):
   params = {key: put(jnp.asarray(val), P()) for key, val in sp.items() if not np.isscalar(val)}
   s = None if d.learned_s is None else put(jnp.asarray(d.learned_s, jnp.float32), P())
   program = _draw_program(case, d.layout, p, bias_spec, mask_spec, scalars,
-                          d.learned_s is not None)
+                          d.learned_s is not None, d.kv_head_block)
   out, grads = program(q, k, v, bias_d, mask_d, ct, params, s)
   got = dict(zip(("q", "k", "v"), (back(g, 1) for g in grads[:3]), strict=True))
   if bias is not None:

@@ -6,7 +6,8 @@ draws a whole ring problem — the weighting (every streamable family, with the 
 differential net draws), the score, the layout, causal or not, P ∈ {2, 4, 8} devices, local
 lengths (global lengths P·local up to several thousand, most of them no power of two; T ≠ S
 when not causal), GQA, batch, head sizes, a mask and a bias in every sharding the ring
-accepts, tile caps, SSMax with a learned per-head s — as a :class:`RingDraw`.
+accepts, tile caps, SSMax with a learned per-head s, kv heads in several passes — as a
+:class:`RingDraw`.
 tests/support/ring_check.py (``--random``) runs draws on 8 fake CPU devices against the
 float64 brute force; tests/core/test_ring.py holds the CI sample and the large run.
 
@@ -60,6 +61,12 @@ class RingDraw:
   layout: str
   devices: int
   learned_s: tuple[float, ...] | None = None
+  kv_head_block: int | None = None  # kv heads per pass (None: the ring's default)
+
+  @property
+  def passes(self) -> bool:
+    """Whether the ring runs the kv heads in more than one pass."""
+    return self.kv_head_block is not None and self.kv_head_block < self.case.kh
 
   @property
   def family(self) -> str:
@@ -86,6 +93,7 @@ class RingDraw:
 
   def label(self) -> str:
     extra = f" learned_s={list(self.learned_s)}" if self.learned_s else ""
+    extra += f" kv_head_block={self.kv_head_block}" if self.kv_head_block else ""
     return (f"ring seed={self.seed} layout={self.layout} devices={self.devices} "
             f"local={self.local}{extra} | {self.case.label()}")
 
@@ -235,7 +243,11 @@ def draw(seed: int, size: str = "large", family: str | None = None, layout: str 
                      score=score, causal=causal, mask=mask, bias=bias, block_q=block_q,
                      block_k=block_k, magnitude=mag, scale=scale, mask_bn=mask_bn,
                      per_head=per_head, pallas="none")
-    d = RingDraw(seed=seed, case=case, layout=layout, devices=devices, learned_s=learned_s)
+    # Passes over the kv heads, from a stream of their own (the draws before them unchanged).
+    passes = np.random.default_rng([20261126, seed, 1])
+    block = 1 if kh > 1 and passes.random() < 0.5 else None
+    d = RingDraw(seed=seed, case=case, layout=layout, devices=devices, learned_s=learned_s,
+                 kv_head_block=block)
     if _accepted(d):
       return d
   raise AssertionError(f"seed {seed}: no accepted lengths")  # pragma: no cover
@@ -280,6 +292,7 @@ def coverage(draws: list[RingDraw]) -> dict[str, set]:
       "long_not_pow2": {d.case.t >= 1000 and not is_pow2(d.case.t) for d in draws},
       "odd_head_dim": {d.case.h % 2 == 1 or not is_pow2(d.case.h) for d in draws},
       "weighting": {d.case.weighting for d in draws},
+      "passes": {d.passes for d in draws},
   }
 
 

@@ -3,7 +3,8 @@ scratch memory of ring attention's forward + backward per device against the sin
 blocked kernel's, from XLA's ``memory_analysis()`` of the compiled programs (nothing runs).
 
 Prints ``RESULT {json}`` with the temp bytes of both and their ratio. Usage:
-``python ring_memory.py [T] [weighting] [causal 0/1]`` (default 65536 softmax 1).
+``python ring_memory.py [T] [weighting] [causal 0/1] [layout]`` (default 65536 softmax 1, and the
+zigzag layout when causal).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ def main() -> None:
   t = int(sys.argv[1]) if len(sys.argv) > 1 else 65536
   weighting = sys.argv[2] if len(sys.argv) > 2 else "softmax"
   causal = bool(int(sys.argv[3])) if len(sys.argv) > 3 else True
+  layout = sys.argv[4] if len(sys.argv) > 4 else ("zigzag" if causal else "contiguous")
   x = jax.ShapeDtypeStruct((B, t, N, H), jnp.float32)
   w = wlib.get_weighting(weighting)
 
@@ -55,7 +57,7 @@ def main() -> None:
   sm = jax.shard_map(
       lambda q, k, v: ring.ring_attention(q, k, v, axis_name="sp", weighting=weighting,
                                           scale=0.125, is_causal=causal,
-                                          layout="zigzag" if causal else "contiguous"),
+                                          layout=layout),
       mesh=mesh, in_specs=(P(None, "sp"),) * 3, out_specs=P(None, "sp"), check_vma=False)
 
   def ringed(q, k, v):
@@ -64,7 +66,8 @@ def main() -> None:
 
   per_device, ring_s = temp_bytes(jax.grad(ringed, (0, 1, 2)), xs, xs, xs)
   print("RESULT " + json.dumps({
-      "t": t, "weighting": weighting, "causal": causal, "blocked_temp_bytes": one,
+      "t": t, "weighting": weighting, "causal": causal, "layout": layout,
+      "blocked_temp_bytes": one,
       "ring_temp_bytes_per_device": per_device, "ratio": per_device / one,
       "compile_seconds": {"blocked": one_s, "ring": ring_s}}))
 

@@ -446,17 +446,7 @@ def pallas_attention(q: Array, k: Array, v: Array, *, weighting: Any,
     raise ValueError(f"mask must be boolean, got {jnp.asarray(mask).dtype}")
   bias4 = _as_4d(bias, (b, n, t, s), "bias")
   mask4 = _as_4d(mask, (b, n, t, s), "mask")
-  # The GPU's padded head size (a multiple of 16) picks its tiles.
-  family = weighting.stream.family if rows else None
-  blocks = default_block_sizes(be, t, s, q.dtype, block_q, block_k,
-                               head_dim=_round_up(max(h, hv), GPU_MIN_BLOCK), family=family)
-  # The GPU's launch parameters (warps, dK/dV as two passes); the TPU kernels take none.
-  launch = {} if be != "gpu" else {
-      n: v for n, v in _gpu_tiles(_round_up(max(h, hv), GPU_MIN_BLOCK), family,
-                                  q.dtype).items() if not n.startswith("block_")}
-  if rows and weighting.stream.reverse:
-    # Stick-breaking's dQ pass saves its carries at the dK/dV pass's key tiles.
-    blocks = dataclasses.replace(blocks, block_k_dq=blocks.block_k_dkv)
+  blocks, launch = kernel_tiles(be, weighting, t, s, h, hv, q.dtype, block_q, block_k)
   q_len = _lengths(q_lengths, b, t, "q_lengths")
   kv_len = _lengths(kv_lengths, b, s, "kv_lengths")
   if q.size == 0 or s == 0:  # no query, or no key (every row has no valid key)
@@ -466,6 +456,59 @@ def pallas_attention(q: Array, k: Array, v: Array, *, weighting: Any,
   if rows and weighting.stream.needs_row_scale:  # SSMax's c_i = s·log n_i, from the raw masks
     rowc = pallas_rows.row_scale(weighting.stream, b, n, t, s, bias4, mask4, is_causal,
                                  None if kv_lengths is None else kv_len, ssmax_s)
+  cfg, (q, k, v, bias4, mask4) = kernel_inputs(
+      q, k, v, bias4, mask4, weighting=weighting, scale=scale, backend=be, interpret=interpret,
+      blocks=blocks, launch=launch, is_causal=is_causal, q_bound=q_lengths is not None,
+      kv_bound=kv_lengths is not None, skip_zero_tiles=skip_zero_tiles)
+  if rows:
+    if rowc is not None:
+      rowc = _pad(rowc, {2: cfg.tp})
+    out = pallas_rows.make_kernel(cfg)(q, k, v, bias4, mask4, q_len, kv_len, rowc)
+  else:
+    out = _make_kernel(cfg)(q, k, v, bias4, mask4, q_len, kv_len)
+  return out[:, :t, :, :hv]
+
+
+def kernel_tiles(be: str, weighting: Any, t: int, s: int, h: int, hv: int, dtype: Any,
+           block_q: int | None, block_k: int | None) -> tuple[BlockSizes, dict[str, Any]]:
+  """The tiles (:func:`default_block_sizes`, checked) and the GPU's launch parameters (warps,
+  dK/dV as two passes; none on the TPU) of a T × S problem of head sizes H, Hv."""
+  rows = not isinstance(weighting, Pointwise)
+  # The GPU's padded head size (a multiple of 16) picks its tiles.
+  family = weighting.stream.family if rows else None
+  blocks = default_block_sizes(be, t, s, dtype, block_q, block_k,
+                               head_dim=_round_up(max(h, hv), GPU_MIN_BLOCK), family=family)
+  launch = {} if be != "gpu" else {
+      n: v for n, v in _gpu_tiles(_round_up(max(h, hv), GPU_MIN_BLOCK), family,
+                                  dtype).items() if not n.startswith("block_")}
+  if rows and weighting.stream.reverse:
+    # Stick-breaking's dQ pass saves its carries at the dK/dV pass's key tiles.
+    blocks = dataclasses.replace(blocks, block_k_dq=blocks.block_k_dkv)
+  return blocks, launch
+
+
+def kernel_inputs(q: Array, k: Array, v: Array, bias4: Array | None, mask4: Array | None, *,
+                  weighting: Any, scale: float | Array, backend: str, interpret: bool,
+                  blocks: BlockSizes, launch: dict[str, Any], is_causal: bool, q_bound: bool,
+                  kv_bound: bool, skip_zero_tiles: bool = True, num_keys: int | None = None
+                  ) -> tuple[kernels.KernelConfig, tuple[Array | None, ...]]:
+  """The kernels' config and padded operands (q, k, v, bias, mask) of a checked, non-empty
+  problem: q [B, T, N, H], k/v [B, S, K, H|Hv], bias/mask [B|1, N|1, T|1, S|1] (each dim 1 or
+  full; the mask boolean), tiles and launch parameters from :func:`kernel_tiles`.
+
+  Shared by :func:`pallas_attention` and the per-block entry points of ring attention
+  (:mod:`attnx.core.ring_pallas`). Applies the contract's input step (:func:`nonfinite_inputs`),
+  folds an array ``scale`` into q (the config's scale is then 1), pads T and S to whole tiles
+  (``q_bound``/``kv_bound``: the caller passes lengths, so rows/keys past them are invalid even
+  without padding) and, on the GPU, the head dims to multiples of 16. ``num_keys``: the key count
+  F sees (sigmoid's default b = −log n), default S. Raises ValueError where a TPU whole-row kernel
+  would not fit in VMEM.
+  """
+  b, t, n, h = q.shape
+  _, s, kh, _ = k.shape
+  hv = v.shape[-1]
+  be = backend
+  rows = not isinstance(weighting, Pointwise)
   q, k, v, bias4 = nonfinite_inputs(q, k, v, bias4)
   if not isinstance(scale, numbers.Real):  # a traced/learned scale: fold it into q
     # A NaN entry of q stays NaN with no path to the scale's gradient (0·NaN there would make
@@ -482,11 +525,11 @@ def pallas_attention(q: Array, k: Array, v: Array, *, weighting: Any,
   if rows and be == "gpu":  # the streaming state's value rows: one power-of-2 array
     hvp = _pow2(hv)
   cfg = kernels.KernelConfig(
-      w=weighting, backend=be, interpret=bool(interpret), s=s, tp=tp, sp=sp, g=n // kh,
-      scale=float(scale), is_causal=bool(is_causal), q_bound=q_lengths is not None or tp != t,
-      kv_bound=kv_lengths is not None or sp != s, bq=blocks.block_q, bk=blocks.block_k,
-      bq_dq=blocks.block_q_dq, bk_dq=blocks.block_k_dq, bq_dkv=blocks.block_q_dkv,
-      bk_dkv=blocks.block_k_dkv, **launch,
+      w=weighting, backend=be, interpret=bool(interpret), s=s if num_keys is None else num_keys,
+      tp=tp, sp=sp, g=n // kh, scale=float(scale), is_causal=bool(is_causal),
+      q_bound=q_bound or tp != t, kv_bound=kv_bound or sp != s, bq=blocks.block_q,
+      bk=blocks.block_k, bq_dq=blocks.block_q_dq, bk_dq=blocks.block_k_dq,
+      bq_dkv=blocks.block_q_dkv, bk_dkv=blocks.block_k_dkv, **launch,
       # 3 stages of f32 tiles (a bias tile too) overflow an A100's 163 KiB of shared memory.
       num_stages=3 if hp <= 128 and q.dtype.itemsize == 2 else 2, num_stages_bwd=2,
       skip_zero_tiles=skip_zero_tiles)
@@ -503,20 +546,14 @@ def pallas_attention(q: Array, k: Array, v: Array, *, weighting: Any,
   if mask4 is not None:
     wide = be == "tpu" and (min_bq % 32 or mask4.shape[2] == 1)
     mask4 = _pad(mask4.astype(jnp.int32 if wide else jnp.int8), {2: tp, 3: sp}, keep_one=True)
-  if rows:
-    if be == "tpu":
-      need = pallas_rows.tpu_vmem_bytes(cfg, q.dtype, h, hv, bias4, mask4, backward=True)
-      if need > pallas_rows.TPU_VMEM_LIMIT:
-        raise ValueError(
-            f"implementation='pallas' cannot run this: the TPU kernels of {weighting.name!r} "
-            f"hold whole sequences in VMEM, ~{need / 2**20:.0f} MiB here (limit "
-            f"{pallas_rows.TPU_VMEM_LIMIT / 2**20:.0f} MiB); use implementation='blocked'.")
-    if rowc is not None:
-      rowc = _pad(rowc, {2: tp})
-    out = pallas_rows.make_kernel(cfg)(q, k, v, bias4, mask4, q_len, kv_len, rowc)
-  else:
-    out = _make_kernel(cfg)(q, k, v, bias4, mask4, q_len, kv_len)
-  return out[:, :t, :, :hv]
+  if rows and be == "tpu":
+    need = pallas_rows.tpu_vmem_bytes(cfg, q.dtype, h, hv, bias4, mask4, backward=True)
+    if need > pallas_rows.TPU_VMEM_LIMIT:
+      raise ValueError(
+          f"implementation='pallas' cannot run this: the TPU kernels of {weighting.name!r} "
+          f"hold whole sequences in VMEM, ~{need / 2**20:.0f} MiB here (limit "
+          f"{pallas_rows.TPU_VMEM_LIMIT / 2**20:.0f} MiB); use implementation='blocked'.")
+  return cfg, (q, k, v, bias4, mask4)
 
 
 def _per_platform(q: Array, k: Array, v: Array, **kwargs: Any) -> Array:

@@ -318,7 +318,7 @@ def _gpu_specs_bias(x: Array | None, block: tuple[int, ...], index: Callable) ->
   return [pl.BlockSpec(blk, lambda *ids: _bcast_index(shape, index(*ids)))]
 
 
-def _gpu_forward(cfg: KernelConfig, q, k, v, bias, mask, q_len, kv_len):
+def _gpu_forward(cfg: KernelConfig, q, k, v, bias, mask, q_len, kv_len, out_dtype):
   b, tp, n, hp = q.shape
   hvp = v.shape[-1]
   bq, g = cfg.bq, cfg.g
@@ -337,7 +337,7 @@ def _gpu_forward(cfg: KernelConfig, q, k, v, bias, mask, q_len, kv_len):
       kernel, grid=(tp // bq, b, n), in_specs=in_specs,
       out_specs=[pl.BlockSpec((None, bq, None, hvp), lambda i, bb, h: (bb, i, h, 0)),
                  pl.BlockSpec((None, None, bq), lambda i, bb, h: (bb, h, i))],
-      out_shape=[jax.ShapeDtypeStruct((b, tp, n, hvp), q.dtype),
+      out_shape=[jax.ShapeDtypeStruct((b, tp, n, hvp), out_dtype),
                  jax.ShapeDtypeStruct((b, n, tp), jnp.float32)],
       compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
       interpret=cfg.interpret, name="attnx_pallas_fwd")(*args)
@@ -606,7 +606,7 @@ def _kv_clamp(cfg: KernelConfig, b, i, j, bq, bk, ql, kl):
   return jnp.minimum(j, jnp.maximum(hi - 1, 0))
 
 
-def _tpu_forward(cfg: KernelConfig, q, k, v, bias, mask, q_len, kv_len):
+def _tpu_forward(cfg: KernelConfig, q, k, v, bias, mask, q_len, kv_len, out_dtype):
   b, n, tp, h = q.shape
   hv = v.shape[-1]
   bq, bk, g = cfg.bq, cfg.bk, cfg.g
@@ -634,7 +634,7 @@ def _tpu_forward(cfg: KernelConfig, q, k, v, bias, mask, q_len, kv_len):
           out_specs=[pl.BlockSpec((None, None, bq, hv), out_map),
                      pl.BlockSpec((None, None, bq, LANES), out_map)],
           scratch_shapes=scratch),
-      out_shape=[jax.ShapeDtypeStruct((b, n, tp, hv), q.dtype),
+      out_shape=[jax.ShapeDtypeStruct((b, n, tp, hv), out_dtype),
                  jax.ShapeDtypeStruct((b, n, tp, LANES), jnp.float32)],
       compiler_params=_tpu_params(3, 1), interpret=cfg.interpret, name="attnx_pallas_fwd",
   )(q_len, kv_len, *[x for x in (q, k, v, bias, mask) if x is not None])
@@ -805,14 +805,17 @@ def _bnth(x: Array) -> Array:
   return x.transpose(0, 2, 1, 3)
 
 
-def forward(cfg: KernelConfig, q, k, v, bias, mask, q_len, kv_len) -> tuple[Array, Array]:
-  """O [B, Tp, N, Hv] (q's dtype) and the row statistic [B, N, Tp] (float32).
+def forward(cfg: KernelConfig, q, k, v, bias, mask, q_len, kv_len,
+            out_dtype: Any = None) -> tuple[Array, Array]:
+  """O [B, Tp, N, Hv] (``out_dtype``, default q's) and the row statistic [B, N, Tp] (float32).
 
   ``bias``/``mask``: [Bb, Nb, Tb, Sb] with every dim 1 or full (mask as int8/int32).
+  ``out_dtype`` float32 keeps O as accumulated (ring attention merges the O of key blocks).
   """
+  out_dtype = q.dtype if out_dtype is None else out_dtype
   if cfg.backend == "gpu":
-    return _gpu_forward(cfg, q, k, v, bias, mask, q_len, kv_len)
-  o, st = _tpu_forward(cfg, _bnth(q), _bnth(k), _bnth(v), bias, mask, q_len, kv_len)
+    return _gpu_forward(cfg, q, k, v, bias, mask, q_len, kv_len, out_dtype)
+  o, st = _tpu_forward(cfg, _bnth(q), _bnth(k), _bnth(v), bias, mask, q_len, kv_len, out_dtype)
   return _bnth(o), st
 
 

@@ -76,7 +76,8 @@ import numpy as np
 from jax import lax
 
 from attnx.core import blocked as bl
-from attnx.core import blocked_rows, dispatch, streaming
+from attnx.core import blocked_rows, dispatch, ring_pallas, streaming
+from attnx.core import pallas_attention as pa
 from attnx.core import scores as scores_lib
 from attnx.core.contract import nonfinite_inputs
 from attnx.core.weightings import Pointwise, get_weighting
@@ -216,6 +217,8 @@ class _Ring:
   block_q: int | None
   block_k: int | None
   vma: tuple[str, ...] = ()  # axes the inputs vary over (check_vma=True): see blocked.vary
+  pallas: str | None = None  # the Pallas kernels' backend ("gpu"/"tpu") of every step, or XLA
+  interpret: bool = False  # the Pallas kernels in Pallas' interpreter
 
   @property
   def num_keys(self) -> int:
@@ -394,9 +397,14 @@ def _block_state(rc: _Ring, q, kv, bias, mask, rsc, scale, r0, r1, k0, k1, causa
   kp, vp = lax.slice_in_dim(k, k0, k1, axis=1), lax.slice_in_dim(v, k0, k1, axis=1)
   bp = None if bias is None else _sl(_sl(bias, 3, r0, r1 - r0), 4, k0, k1 - k0)
   mp = None if mask is None else _sl(_sl(mask, 3, r0, r1 - r0), 4, k0, k1 - k0)
+  rp = None if rsc is None else lax.slice_in_dim(rsc, r0, r1, axis=2)
+  if rc.pallas is not None:
+    kw = dict(backend=rc.pallas, interpret=rc.interpret)
+    if rc.pointwise:
+      return ring_pallas.raw_block_state(qp, kp, vp, bp, mp, scale, cfg, **kw)
+    return ring_pallas.raw_row_block_state(qp, kp, vp, bp, mp, rp, scale, cfg, **kw)
   if rc.pointwise:
     return bl.raw_block_state(qp, kp, vp, bp, mp, scale, cfg)
-  rp = None if rsc is None else lax.slice_in_dim(rsc, r0, r1, axis=2)
   return blocked_rows.raw_block_state(qp, kp, vp, bp, mp, rp, scale, cfg)
 
 
@@ -437,14 +445,17 @@ def _kind_grads(rc: _Ring, pieces, q, kv, bias, mask, rsc, scale, out, stats, do
     keys = lambda a, lo=klo, hi=khi: lax.slice_in_dim(a, lo, hi, axis=1)
     bp = None if bias is None else _sl(_sl(bias, 3, lo, hi - lo), 4, klo, khi - klo)
     mp = None if mask is None else _sl(_sl(mask, 3, lo, hi - lo), 4, klo, khi - klo)
+    kw = {} if rc.pallas is None else dict(backend=rc.pallas, interpret=rc.interpret)
     if rc.pointwise:
-      gq, gk, gv, gb, gs = bl.block_grads(rows(q), keys(k), keys(v), bp, mp, scale, rows(out),
-                                          rows(stats[0]), rows(do), cfg)
+      grads = ring_pallas.block_grads if rc.pallas else bl.block_grads
+      gq, gk, gv, gb, gs = grads(rows(q), keys(k), keys(v), bp, mp, scale, rows(out),
+                                 rows(stats[0]), rows(do), cfg, **kw)
     else:
       rp = None if rsc is None else rows(rsc)
-      gq, gk, gv, gb, part_carries, gs = blocked_rows.block_grads(
+      grads = ring_pallas.row_block_grads if rc.pallas else blocked_rows.block_grads
+      gq, gk, gv, gb, part_carries, gs = grads(
           rows(q), keys(k), keys(v), bp, mp, rp, scale, rows(out), tuple(map(rows, stats)),
-          rows(do), _rows(carries, lo, hi - lo), cfg)
+          rows(do), _rows(carries, lo, hi - lo), cfg, **kw)
       carries = _put_rows(carries, part_carries, lo)
     dq, dk, dv = _add_at(dq, gq, 2, lo), _add_at(dk, gk, 1, klo), _add_at(dv, gv, 1, klo)
     if db is not None:
@@ -842,6 +853,29 @@ def _put_heads(full: Array, part: Array, lo: Any, axis: int) -> Array:
 
 
 _PLAIN_DOTS = (scores_lib.get_score("dot"), scores_lib.get_score("scaled_dot"))
+def _step_backend(implementation: str | None, backend: str | None, interpret: bool, w: Any,
+                  vma: tuple[str, ...], dtype: Any, head_dim: int,
+                  value_head_dim: int) -> str | None:
+  """The Pallas backend ("gpu"/"tpu") every ring step runs, or None for the blocked kernel."""
+  if implementation == "blocked":
+    return None
+  if implementation is None:  # attention's automatic choice, where the kernels can run
+    if vma or ring_pallas.supported(w, "gpu") is not None or pa.decline_reason(
+        backend, w, dtype, head_dim, value_head_dim=value_head_dim):
+      return None
+    return pa.resolve_backend(backend)
+  be = pa.resolve_backend(backend, interpret)
+  why = ring_pallas.supported(w, be) or pa.supported(
+      w, backend=be, dtype=dtype, head_dim=head_dim, value_head_dim=value_head_dim,
+      interpret=interpret)
+  if why is None and vma:
+    why = ("its inputs are typed by shard_map(check_vma=True), and the Pallas kernels' "
+           "outputs carry no varying mesh axes yet: use check_vma=False")
+  if why is not None:
+    raise ValueError(f"ring_attention(implementation='pallas'): {why}.")
+  return be
+
+
 PASS_BUDGET = 1 << 19  # elements of one pass' query shard (B·t·heads·H) under the default
 
 
@@ -1047,7 +1081,8 @@ def ring_attention(q: Array, k: Array, v: Array, bias: Array | None = None,
                    weighting_params: dict[str, Any] | None = None, is_causal: bool = False,
                    layout: str = "contiguous", block_q: int | None = None,
                    block_k: int | None = None, kv_head_block: int | None = None,
-                   implementation: str | None = None) -> Array:
+                   implementation: str | None = None, pallas_backend: str | None = None,
+                   interpret: bool = False) -> Array:
   """Attention over a sequence sharded along mesh axis ``axis_name``: call it inside
   ``jax.shard_map`` (``check_vma`` either way) on the local shards.
 
@@ -1075,7 +1110,16 @@ def ring_attention(q: Array, k: Array, v: Array, bias: Array | None = None,
       ring runs once per pass, and its buffers hold only the pass' heads. None: as many as
       keep a pass' query shard (B · T/P · heads · H) within :data:`PASS_BUDGET` elements, one
       at least. More heads per pass: fewer, larger transfers and kernels; fewer: less memory.
-    implementation: None or ``"blocked"``: every step runs attnx's blocked kernel.
+    implementation: the kernel of every ring step: ``"blocked"`` (attnx's XLA blocked
+      kernel), ``"pallas"`` (the Pallas kernels, :mod:`attnx.core.ring_pallas`: Triton on a
+      GPU, Mosaic on a TPU) or None: Pallas where the automatic choice of
+      :func:`attnx.core.attention` would take it for this weighting, dtype and head size on
+      ``jax.default_backend()`` (a GPU or TPU, a verified combination:
+      :func:`attnx.core.pallas_attention.decline_reason`) and the inputs are not typed by
+      ``check_vma=True`` (the Pallas kernels' outputs carry no varying axes yet), else blocked.
+    pallas_backend: ``"gpu"`` or ``"tpu"``: the Pallas kernels to build (to lower for a chip
+      from another host); None: ``jax.default_backend()``'s.
+    interpret: run the Pallas kernels in Pallas' interpreter (any machine; slow, for tests).
 
   Returns:
     The local output ``[batch..., T/P, N, Hv]`` in q's dtype: the rows of the global attention
@@ -1090,9 +1134,10 @@ def ring_attention(q: Array, k: Array, v: Array, bias: Array | None = None,
   """
   p = _axis_size(axis_name)
   _check_layout(layout)
-  if implementation not in (None, "blocked"):
-    raise ValueError(f"ring_attention runs attnx's blocked kernel on every step: "
-                     f"implementation must be None or 'blocked', got {implementation!r}.")
+  if implementation not in (None, "blocked", "pallas"):
+    raise ValueError(f"ring_attention runs attnx's blocked kernel or the Pallas kernels on "
+                     f"every step: implementation must be None, 'blocked' or 'pallas', got "
+                     f"{implementation!r}.")
   for name, blk in (("block_q", block_q), ("block_k", block_k)):
     bad = not isinstance(blk, numbers.Integral) or isinstance(blk, bool) or blk < 1
     if blk is not None and bad:
@@ -1133,7 +1178,9 @@ def ring_attention(q: Array, k: Array, v: Array, bias: Array | None = None,
   g = n // kv_heads
   kc = _kv_heads_per_pass(kv_head_block, b, kv_heads, g, max(t, s),
                           max(q.shape[-1], v.shape[-1]))
-  rc = dataclasses.replace(rc, head_dims=(b, kc, g))
+  backend = _step_backend(implementation, pallas_backend, interpret, w, rc.vma,
+                          jnp.result_type(q.dtype, k.dtype, v.dtype), q.shape[-1], v.shape[-1])
+  rc = dataclasses.replace(rc, head_dims=(b, kc, g), pallas=backend, interpret=interpret)
   if t == 0 or s == 0:
     return jnp.zeros(batch + (t, n, v.shape[-1]), q.dtype)
   _check_tiles(rc)

@@ -82,7 +82,8 @@ class MultiHeadAttention(nn.Module, kw_only=True):
       the local tokens; where the axis is not bound (evaluation on one device) the same module
       attends over the whole sequence it is given, with the same parameters. Self attention
       only, without ``decode``, weights or attention dropout; every weighting
-      ``ring_attention`` streams (not sparsemax / entmax).
+      ``ring_attention`` streams (not sparsemax / entmax). ``implementation`` is the ring
+      steps' kernel there: None (automatic), ``"blocked"`` or ``"pallas"``.
     sequence_layout: how the sequence is cut over ``sequence_axis``: ``"contiguous"`` or
       ``"zigzag"`` (causal load balance; see :func:`attnx.core.zigzag_permute`).
     dtype, param_dtype, kernel_init, bias_init: as in flax.
@@ -388,10 +389,6 @@ def _check_sequence_axis(module: Any, where: str) -> None:
     raise ValueError(f"{where}: sequence_axis={module.sequence_axis!r} (ring attention) never "
                      "forms the attention weights: attention dropout and sow_weights need "
                      "sequence_axis=None.")
-  if module.implementation not in (None, "dense", "blocked"):
-    raise ValueError(f"{where}: sequence_axis={module.sequence_axis!r} runs the blocked kernel "
-                     f"at every ring step; implementation={module.implementation!r} does not "
-                     "apply (use None or 'blocked').")
   check_ring_attention(module.weighting, module.score, module.sequence_layout,
                        f"{where}: sequence_axis={module.sequence_axis!r}")
 

@@ -9,7 +9,8 @@ Random draws (tests/support/ring_draws.py), as the differential net does for the
 implementations: the CI sample (every family × layout × causal once, the rest random; one
 global length above 1000 that is no power of two) runs in one more subprocess; the large run
 (``-m differential``) runs ``ATTNX_RING_DIFF_CASES`` (default 320) draws from seed
-``ATTNX_RING_DIFF_FIRST`` (default 0) on, in subprocesses of :data:`_LARGE_CHUNK` draws;
+``ATTNX_RING_DIFF_FIRST`` (default 0) on, in subprocesses of :data:`_LARGE_CHUNK` draws, and
+``ATTNX_RING_PALLAS_CASES`` (default 80) CI-sized ones with every step on the Pallas kernels;
 ``ATTNX_DIFF_KIND=row`` (or ``pointwise``) draws the weighting from one family only.
 """
 
@@ -18,13 +19,14 @@ from __future__ import annotations
 import functools
 import math
 import os
+import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
-from support import ring_cases, ring_draws
+from support import lowering, ring_cases, ring_draws
 from support.scripts import script_result
 
 from attnx import core
@@ -43,9 +45,20 @@ def _ring_results() -> dict:
 VMA = ring_cases.VMA  # ring_check.py runs ring_cases.VMA_CASES with check_vma=True too
 
 
-@pytest.mark.parametrize("name", list(ring_cases.CASES) + [n + VMA for n in ring_cases.VMA_CASES])
+PALLAS = ring_cases.PALLAS  # ring_check.py runs ring_cases.PALLAS_CASES on the Pallas kernels
+
+
+@functools.lru_cache(maxsize=1)
+def _pallas_results() -> dict:
+  return script_result("ring_check.py", *(n + PALLAS for n in ring_cases.PALLAS_CASES))
+
+
+@pytest.mark.parametrize("name", list(ring_cases.CASES) + [n + VMA for n in ring_cases.VMA_CASES]
+                         + [n + PALLAS for n in ring_cases.PALLAS_CASES])
 def test_ring_equals_float64_reference_on_8_devices(name):
-  res = _ring_results()[name]
+  # The XLA blocked kernel at every step, or (name + PALLAS) the Pallas kernels, in Pallas'
+  # interpreter on these CPU devices.
+  res = (_pallas_results() if name.endswith(PALLAS) else _ring_results())[name]
   errs = res["errors"]
   assert res["nonzero_out"] > 0.1, res  # the output is not trivially zero
   # Not vacuous: a good share of every array is compared (entries near a kink of F are not;
@@ -54,7 +67,7 @@ def test_ring_equals_float64_reference_on_8_devices(name):
   floor = {"k": 0.02} if name.startswith("softpick_causal_gqa") else {}
   for key, kept in res["kept"].items():
     assert kept >= floor.get(key, 0.3), (key, res["kept"])
-  case = ring_cases.CASES[name.removesuffix(VMA)][0]
+  case = ring_cases.CASES[name.removesuffix(VMA).removesuffix(PALLAS)][0]
   expected = {"out", "q", "k", "v"} | ({"bias"} if case.bias else set())
   assert set(errs) == expected, errs
   assert errs["out"] <= OUT_TOL, (name, errs)
@@ -162,6 +175,23 @@ def test_random_draws_large_run(chunk):
   kind = ("--kind", _KIND) if _KIND else ()
   res = script_result("ring_check.py", "--random", str(count), "--seed", str(first), *kind,
                     timeout=3600)
+  assert len(res) == count
+  failures = _failures(res)
+  assert not failures, "\n".join(failures)
+
+
+_PALLAS_COUNT = int(os.environ.get("ATTNX_RING_PALLAS_CASES", "80"))
+
+
+@pytest.mark.differential
+@pytest.mark.parametrize("chunk", range(-(-_PALLAS_COUNT // _LARGE_CHUNK)))
+def test_random_draws_on_pallas_steps_large_run(chunk):
+  # The same net with every ring step on the Pallas kernels (Pallas' interpreter: CI-sized
+  # draws), seeds from ATTNX_RING_DIFF_FIRST on.
+  first = _LARGE_FIRST + chunk * _LARGE_CHUNK
+  count = min(_LARGE_CHUNK, _LARGE_FIRST + _PALLAS_COUNT - first)
+  res = script_result("ring_check.py", "--random", str(count), "--seed", str(first),
+                      "--pallas", timeout=3600)
   assert len(res) == count
   failures = _failures(res)
   assert not failures, "\n".join(failures)
@@ -277,6 +307,48 @@ def test_default_passes_keep_a_pass_within_the_budget():
   assert ring._kv_heads_per_pass(2, 1, 8, 1, 8192, 64) == 2
 
 
+@pytest.mark.parametrize("platform,weighting", [("cuda", "softmax"), ("tpu", "sigmoid"),
+                                               ("cuda", "stick_breaking"), ("tpu", "ssmax")])
+def test_pallas_ring_lowers_for_gpu_and_tpu(platform, weighting):
+  # The ring's fwd+bwd on the Pallas kernels, lowered for a chip from this CPU host: one
+  # custom call per kernel (forward, dQ, dK/dV), Triton or Mosaic, nothing else.
+  x = jax.ShapeDtypeStruct((1, 64, 4, 64), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((1, 64, 2, 64), jnp.bfloat16)
+  backend = {"cuda": "gpu", "tpu": "tpu"}[platform]
+
+  def loss(q, k, v):
+    out = ring.ring_attention(q, k, v, axis_name="sp", weighting=weighting, is_causal=True,
+                              layout="zigzag", implementation="pallas", pallas_backend=backend)
+    return jnp.sum(out.astype(jnp.float32))
+
+  mesh = jax.make_mesh((1,), ("sp",), axis_types=(jax.sharding.AxisType.Auto,))
+  grads = jax.shard_map(jax.grad(loss, (0, 1, 2)), mesh=mesh, in_specs=(P(None, "sp"),) * 3,
+                        out_specs=(P(None, "sp"),) * 3, check_vma=False)
+  text = jax.jit(grads).trace(x, kv, kv).lower(lowering_platforms=(platform,)).as_text()
+  family = None if weighting in ("softmax", "sigmoid") else weighting
+  target = "__gpu$xla.gpu.triton" if platform == "cuda" else "tpu_custom_call"
+  calls = re.findall(r"custom_call @([\w.$]+)", text)
+  assert set(calls) == {target}, calls
+  assert set(re.findall(r"attnx_pallas_(?:rows_)?(fwd|dq|dkv|dk|dv)\b", text)) == (
+      lowering.expected_kernels(platform, "bfloat16", 64, 64, family))
+
+
+def test_pallas_ring_refusals():
+  q, k, v = _qkv(n=4, kh=2)
+  with pytest.raises(ValueError, match="needs a GPU or TPU.*interpret=True"):
+    _one_device(lambda q, k, v: ring.ring_attention(q, k, v, axis_name="sp",
+                                                    implementation="pallas"), q, k, v)
+  mesh = jax.make_mesh((1,), ("sp",), axis_types=(jax.sharding.AxisType.Auto,))
+  with pytest.raises(ValueError, match="check_vma=True.*use check_vma=False"):
+    jax.shard_map(lambda q, k, v: ring.ring_attention(
+        q, k, v, axis_name="sp", implementation="pallas", interpret=True), mesh=mesh,
+        in_specs=(P(None, "sp"),) * 3, out_specs=P(None, "sp"), check_vma=True)(q, k, v)
+  # The automatic choice on this CPU host: the blocked kernel (no Pallas custom call).
+  text = jax.jit(lambda q, k, v: _one_device(lambda q, k, v: ring.ring_attention(
+      q, k, v, axis_name="sp"), q, k, v)).lower(q, k, v).as_text()
+  assert "custom_call" not in text
+
+
 def test_ring_of_one_bf16_gqa_bias_padding_mask():
   q, k, v = (x.astype(jnp.bfloat16) for x in _qkv(t=32, n=4, kh=2))
   bias = jnp.asarray(np.random.default_rng(1).standard_normal((1, 4, 32, 32)), jnp.float32)
@@ -339,7 +411,7 @@ def test_entmax_family_refused_with_the_alternative(weighting):
 
 @pytest.mark.parametrize("kwargs,match", [
     (dict(layout="striped"), "Unknown layout 'striped'"),
-    (dict(implementation="dense"), "implementation must be None or 'blocked'"),
+    (dict(implementation="dense"), "implementation must be None, 'blocked' or 'pallas'"),
     (dict(score="additive"), "not a dot product"),
     (dict(block_q=0), "block_q must be a positive int"),
     (dict(kv_head_block=3), "kv_head_block must be a positive int dividing the 2 kv heads"),

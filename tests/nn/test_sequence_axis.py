@@ -11,6 +11,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import pytest
+from jax.sharding import PartitionSpec as P
 from support.scripts import script_result
 from support.sequence_axis_check import CASES
 
@@ -48,12 +49,24 @@ def test_the_same_module_runs_unsharded_where_the_axis_is_not_bound():
     (dict(weighting="sparsemax"), r"cannot run ring-parallel.*streamable weighting"),
     (dict(score="additive"), r"not a dot product"),
     (dict(dropout_rate=0.1), r"never forms the attention weights"),
-    (dict(implementation="pallas"), r"implementation='pallas' does not apply"),
     (dict(sequence_layout="striped"), r"sequence_layout must be one of contiguous, zigzag"),
 ])
 def test_what_cannot_run_ring_parallel_fails_at_construction(kwargs, match):
   with pytest.raises(ValueError, match=match):
     nn.MultiHeadAttention(num_heads=2, sequence_axis="seq", **kwargs)
+
+
+def test_pallas_implementation_reaches_every_ring_step():
+  # implementation="pallas" with the axis bound: the ring runs the Pallas kernels at every
+  # step; on this CPU host (no interpret) the kernels' own error says so.
+  mha = nn.MultiHeadAttention(num_heads=2, sequence_axis="seq", implementation="pallas")
+  x = jnp.ones((1, 8, 4))
+  params = mha.clone(implementation=None).init(jax.random.PRNGKey(0), x)
+  mesh = jax.make_mesh((1,), ("seq",), axis_types=(jax.sharding.AxisType.Auto,))
+  run = jax.shard_map(lambda x: mha.apply(params, x), mesh=mesh, in_specs=P(None, "seq"),
+                      out_specs=P(None, "seq"), check_vma=False)
+  with pytest.raises(ValueError, match="needs a GPU or TPU; this machine runs JAX on 'cpu'"):
+    run(x)
 
 
 def test_gpt_refuses_sequence_axis_for_linear_attention():

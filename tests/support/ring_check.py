@@ -42,7 +42,16 @@ from attnx.core import ring  # noqa: E402
 from support import differential as diff  # noqa: E402
 from support import reference as ref_lib  # noqa: E402
 from support import ring_draws  # noqa: E402
-from support.ring_cases import CASES, DEVICES, PASSES, VMA, VMA_CASES, C, T  # noqa: E402
+from support.ring_cases import (  # noqa: E402
+    CASES,
+    DEVICES,
+    PALLAS,
+    PASSES,
+    VMA,
+    VMA_CASES,
+    C,
+    T,
+)
 
 AXIS = "sp"
 VMA_RUNS = [n + VMA for n in (*VMA_CASES, "learned_params")]
@@ -106,13 +115,14 @@ def run_ring(case: diff.Case, layout: str, arrs: dict, check_vma: bool = False, 
   return back(out, 1), grads
 
 
-def check_case(name: str, check_vma: bool = False) -> dict:
+def check_case(name: str, check_vma: bool = False, pallas: bool = False) -> dict:
   case, layout = CASES[name]
+  kernel = dict(implementation="pallas", interpret=True) if pallas else {}
   start = time.perf_counter()
   arrs, ref, want, scales = diff._reference(case)
   keeps = diff._keeps(case, ref)
   out, grads = run_ring(case, layout, arrs, check_vma=check_vma,
-                        kv_head_block=PASSES.get(name))
+                        kv_head_block=PASSES.get(name), **kernel)
   errs = {"out": diff._error(out, want["out"], keeps["out"], scales["out"])}
   for key, g in grads.items():
     errs[key] = diff._error(g, want[key], keeps[key], scales.get(key))
@@ -212,7 +222,8 @@ KERNEL_FACTOR = 2.0
 
 @functools.lru_cache(maxsize=4)
 def _draw_program(case: diff.Case, layout: str, devices: int, bias_spec, mask_spec,
-                  scalar_params: tuple, learned: bool, kv_head_block: int | None):
+                  scalar_params: tuple, learned: bool, kv_head_block: int | None,
+                  pallas: bool):
   """The jitted (output, vjp) program of a draw's configuration: inputs, masks, score
   parameters and the learned s are arguments, so that the arrays are not compiled in."""
   mesh = _mesh(devices)
@@ -223,7 +234,8 @@ def _draw_program(case: diff.Case, layout: str, devices: int, bias_spec, mask_sp
         score_params={**params, **dict(scalar_params)} or None,
         weighting_params=None if s is None else {"s": s}, scale=case.scale,
         is_causal=case.causal, layout=layout, block_q=case.block_q, block_k=case.block_k,
-        kv_head_block=kv_head_block)
+        kv_head_block=kv_head_block, implementation="pallas" if pallas else "blocked",
+        interpret=pallas)
 
   specs = (P(None, AXIS),) * 3 + (bias_spec, mask_spec, P(), P() if learned else None)
   sm = jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=P(None, AXIS),
@@ -254,7 +266,7 @@ def run_draw(d: ring_draws.RingDraw, arrs: dict):
   params = {key: put(jnp.asarray(val), P()) for key, val in sp.items() if not np.isscalar(val)}
   s = None if d.learned_s is None else put(jnp.asarray(d.learned_s, jnp.float32), P())
   program = _draw_program(case, d.layout, p, bias_spec, mask_spec, scalars,
-                          d.learned_s is not None, d.kv_head_block)
+                          d.learned_s is not None, d.kv_head_block, d.pallas)
   out, grads = program(q, k, v, bias_d, mask_d, ct, params, s)
   got = dict(zip(("q", "k", "v"), (back(g, 1) for g in grads[:3]), strict=True))
   if bias is not None:
@@ -391,16 +403,19 @@ def main() -> None:
     parser.add_argument("--random", type=int, default=0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--kind", default=None)
+    parser.add_argument("--pallas", action="store_true")
     args = parser.parse_args()
     draws = (ring_draws.ci_sample() if args.ci
-             else ring_draws.large_sample(args.seed, args.random, args.kind))
+             else ring_draws.large_sample(args.seed, args.random, args.kind, args.pallas))
     print("RESULT " + json.dumps(run_draws(draws)))
     return
   names = sys.argv[1:] or [*CASES, "learned_params", *VMA_RUNS]
   out = {}
   for name in names:
-    base, vma = name.removesuffix(VMA), name.endswith(VMA)
-    out[name] = (learned_params(vma) if base == "learned_params" else check_case(base, vma))
+    base, vma, pallas = name.removesuffix(VMA).removesuffix(PALLAS), name.endswith(VMA), \
+        name.endswith(PALLAS)
+    out[name] = (learned_params(vma) if base == "learned_params"
+                 else check_case(base, vma, pallas))
     print(name, json.dumps(out[name]), file=sys.stderr, flush=True)
   print("RESULT " + json.dumps(out))
 

@@ -62,6 +62,7 @@ class RingDraw:
   devices: int
   learned_s: tuple[float, ...] | None = None
   kv_head_block: int | None = None  # kv heads per pass (None: the ring's default)
+  pallas: bool = False  # every step on the Pallas kernels (in Pallas' interpreter)
 
   @property
   def passes(self) -> bool:
@@ -94,6 +95,7 @@ class RingDraw:
   def label(self) -> str:
     extra = f" learned_s={list(self.learned_s)}" if self.learned_s else ""
     extra += f" kv_head_block={self.kv_head_block}" if self.kv_head_block else ""
+    extra += " pallas" if self.pallas else ""
     return (f"ring seed={self.seed} layout={self.layout} devices={self.devices} "
             f"local={self.local}{extra} | {self.case.label()}")
 
@@ -296,5 +298,11 @@ def coverage(draws: list[RingDraw]) -> dict[str, set]:
   }
 
 
-def large_sample(first: int, count: int, kind: str | None = None) -> list[RingDraw]:
+def large_sample(first: int, count: int, kind: str | None = None,
+                 pallas: bool = False) -> list[RingDraw]:
+  """Draws ``first`` … ``first + count − 1``: "large" ones on the blocked kernel, or with
+  ``pallas`` "ci"-sized ones (Pallas' interpreter is slow) on the Pallas kernels."""
+  if pallas:
+    return [dataclasses.replace(draw(seed, "ci", kind=kind), pallas=True)
+            for seed in range(first, first + count)]
   return [draw(seed, "large", kind=kind) for seed in range(first, first + count)]

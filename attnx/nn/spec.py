@@ -48,6 +48,10 @@ SPECIAL_VARIANTS: dict[str, dict[str, Any]] = {
     "linear_favor": {"type": "linear", "feature_map": "favor_plus"},
     "metric": {"type": "metric"},
     "additive": {"type": "additive"},
+    # SSMax as published (Nakanishi 2025, "Scalable-Softmax Is Superior for Attention"): s
+    # learned per head, starting from 0.43 (the default of gdevos010/Scalable-Softmax, which
+    # cites the paper for it); the plain name "ssmax" keeps s fixed.
+    "ssmax_learned": {"type": "dot", "weighting": "ssmax:s=0.43", "learn_ssmax_s": True},
 }
 
 
@@ -58,14 +62,15 @@ def is_distance_kernel(weighting: Any) -> bool:
 
 def list_attention_variants() -> list[str]:
   """Every weighting name plus the special variants (``linear_elu``, ``linear_favor``,
-  ``metric``, ``additive``)."""
+  ``metric``, ``additive``, ``ssmax_learned``)."""
   return sorted(set(core.list_weightings()) | set(SPECIAL_VARIANTS))
 
 
 def attention_spec(variant: str) -> dict[str, Any]:
   """Maps an experiment variant name to an attention dict.
 
-  ``"linear_elu"``, ``"linear_favor"``, ``"metric"``, ``"additive"`` are special;
+  ``"linear_elu"``, ``"linear_favor"``, ``"metric"``, ``"additive"``, ``"ssmax_learned"`` (SSMax
+  with s learned per head) are special;
   ``"special:k=v,..."`` adds keys (``"metric:weighting=sparsemax"``,
   ``"linear_favor:num_features=64"``). Anything else is a weighting spec for
   ``{"type": "dot", "weighting": variant}`` (distance kernels such as ``"gaussian:h=2"`` also

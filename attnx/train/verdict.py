@@ -65,6 +65,8 @@ class Comparison:
   margin: float
   outcome: str  # one of OUTCOMES
   deterministic: bool = False
+  sd: float = math.nan  # standard deviation of the paired differences (n ≥ 2)
+  a_wins: int = 0  # seeds whose difference favours A (> 0)
 
   @property
   def not_worse(self) -> bool | None:
@@ -88,6 +90,36 @@ class Comparison:
             "95 % CI": "exact" if self.deterministic else
             f"[{self.ci_low:+.3g}, {self.ci_high:+.3g}]" if self.n > 1 else "—",
             "outcome": self.outcome}
+
+  def seeds_needed(self, limit: int = 1000) -> int | None:
+    """How many seeds the rule would need to decide (better, worse or within noise) if more
+    seeds kept this mean difference and spread: the least n ≥ 2 whose interval
+    d̄ ± t₀.₉₇₅,ₙ₋₁·sd/√n excludes 0 or lies inside ±margin. ``n`` itself when the outcome is
+    decided already; None beyond ``limit`` (or without a spread: one seed)."""
+    if self.outcome != "inconclusive" or self.deterministic:
+      return self.n
+    if not math.isfinite(self.sd):
+      return None
+    d = abs(self.diff)
+    for n in range(max(self.n, 2), limit + 1):
+      half = t_quantile(n - 1) * self.sd / math.sqrt(n)
+      if half < d or d + half < self.margin:
+        return n
+    return None
+
+  def lean(self) -> str:
+    """For an inconclusive outcome: which side the seeds fall on and how many seeds the rule
+    would need at the observed spread (one sentence); empty for a decided one."""
+    if self.outcome != "inconclusive":
+      return ""
+    side = self.a if self.diff > 0 else self.b if self.diff < 0 else "neither"
+    need = self.seeds_needed()
+    more = (f"at this spread (sd {self.sd:.3g} of the paired differences) the rule would "
+            f"decide with about {need} seeds" if need else
+            "at this spread the rule would need more than 1000 seeds" if math.isfinite(self.sd)
+            else "one seed gives no spread")
+    return (f"The {self.n} seed(s) lean towards {side} (mean difference {self.diff:+.4g}; "
+            f"{self.a_wins} of {self.n} favour {self.a}); {more}.")
 
   @staticmethod
   def rule(margin: float, n: int, metric: str = "the metric") -> str:
@@ -146,7 +178,9 @@ def compare(a: Sequence[float] | np.ndarray, b: Sequence[float] | np.ndarray, *,
   return Comparison(a=a_name, b=b_name, metric=metric, higher_is_better=higher_is_better, n=n,
                     a_mean=float(a_arr.mean()), b_mean=float(b_arr.mean()), diff=mean,
                     ci_low=low, ci_high=high, margin=float(margin), outcome=outcome,
-                    deterministic=deterministic)
+                    deterministic=deterministic,
+                    sd=float(d.std(ddof=1)) if n >= 2 else math.nan,
+                    a_wins=int(np.sum(d > 0)))
 
 
 def best(results: dict[str, Sequence[float]], higher_is_better: bool = True) -> str:

@@ -51,3 +51,24 @@ def test_dict_form_builds_the_same_model_as_the_variant_name():
   assert vits[0].attention == vits[1].attention
   # An explicit distance score is kept.
   assert an.resolve_attention({"weighting": "gaussian", "score": "metric"})["score"] == "metric"
+
+
+def test_ssmax_learned_learns_s_per_head_from_0_43():
+  # SSMax as published: s a parameter per head, starting where the fixed "ssmax:s=0.43"
+  # is (the same outputs at initialization), and trained (a non-zero gradient).
+  import jax
+  import jax.numpy as jnp
+
+  tokens = jnp.arange(16).reshape(2, 8) % 5
+  gpt = lambda attention: an.GPT(vocab_size=5, num_layers=1, num_heads=2, hidden_dim=8,
+                                 mlp_dim=16, max_len=8, attention=attention)
+  learned, fixed = gpt("ssmax_learned"), gpt("ssmax:s=0.43")
+  params = learned.init(jax.random.PRNGKey(0), tokens)["params"]
+  s = params["block_0"]["attention"]["ssmax_s"]
+  assert s.shape == (2,) and jnp.allclose(s, 0.43)
+  plain = jax.tree_util.tree_map(lambda x: x, params)
+  del plain["block_0"]["attention"]["ssmax_s"]
+  assert jnp.allclose(learned.apply({"params": params}, tokens),
+                      fixed.apply({"params": plain}, tokens), atol=1e-6)
+  loss = lambda p: jnp.sum(learned.apply({"params": p}, tokens) ** 2)
+  assert jnp.all(jnp.abs(jax.grad(loss)(params)["block_0"]["attention"]["ssmax_s"]) > 0)

@@ -85,3 +85,24 @@ def test_tied_best():
   assert verdict.tied_best(results, margin=0.01) == ["a", "b"]
   assert verdict.tied_best({k: [-x for x in v] for k, v in results.items()}, margin=0.01,
                            higher_is_better=False) == ["a", "b"]
+
+
+def test_seeds_needed_and_lean_of_an_inconclusive_comparison():
+  # Two seeds, 0.02 and 0.07 better (loss, lower is better): d̄ = 0.045, sd = 0.0354.
+  a, b = [1.00, 1.00], [1.02, 1.07]
+  c = verdict.compare(a, b, margin=0.01, higher_is_better=False, a_name="x", b_name="y")
+  assert c.outcome == "inconclusive" and c.a_wins == 2
+  assert c.sd == pytest.approx(float(np.std([0.02, 0.07], ddof=1)))
+  need = c.seeds_needed()
+  # Independently from scipy: the least n whose interval at this mean and sd excludes 0.
+  half = lambda n: scipy.stats.t.ppf(0.975, n - 1) * c.sd / math.sqrt(n)
+  assert half(need) < c.diff and half(need - 1) >= c.diff and need == 5
+  assert "lean towards x" in c.lean() and "about 5 seeds" in c.lean()
+  assert "2 of 2 favour x" in c.lean()
+  # Decided outcomes say nothing and need the seeds they have.
+  d = verdict.compare([0.9, 0.91, 0.92], [0.85, 0.86, 0.87], margin=0.01)
+  assert d.lean() == "" and d.seeds_needed() == 3
+  # A difference near zero with a tight spread: decided "within noise" with more seeds.
+  e = verdict.compare([1.0, 1.001], [1.0, 0.9995], margin=0.01, higher_is_better=False)
+  assert e.outcome == "inconclusive" and e.seeds_needed() == 3
+  assert "one seed gives no spread" in verdict.compare([1.0], [1.1], margin=0.01).lean()

@@ -79,9 +79,16 @@ class Comparison:
     ci = ("exact" if self.deterministic else
           f"95 % CI of the paired difference [{self.ci_low:+.4g}, {self.ci_high:+.4g}]"
           if self.n > 1 else "one seed, no interval")
+    lean = ""
+    if self.outcome == "inconclusive" and self.n > 1 and not self.deterministic:
+      need = self.seeds_needed()
+      side = self.a if self.diff > 0 else self.b
+      lean = (f"; the seeds lean towards {side} ({self.a_wins} of {self.n} favour {self.a}), "
+              + (f"≈ {need} seeds would decide at this spread" if need else
+                 "more than 1000 seeds would be needed at this spread"))
     return (f"{self.a} vs {self.b} ({self.metric} {arrow}): {self.outcome} — "
             f"{self.a_mean:.4g} vs {self.b_mean:.4g}, difference {self.diff:+.4g} "
-            f"(A better if > 0), {ci}, margin ±{self.margin:g}, {self.n} seed(s)")
+            f"(A better if > 0), {ci}, margin ±{self.margin:g}, {self.n} seed(s){lean}")
 
   def row(self) -> dict:
     """A table row: variant, means, difference, interval, outcome."""

@@ -99,6 +99,8 @@ def test_seeds_needed_and_lean_of_an_inconclusive_comparison():
   assert half(need) < c.diff and half(need - 1) >= c.diff and need == 5
   assert "lean towards x" in c.lean() and "about 5 seeds" in c.lean()
   assert "2 of 2 favour x" in c.lean()
+  assert c.sentence().endswith("the seeds lean towards x (2 of 2 favour x), ≈ 5 seeds would "
+                               "decide at this spread")
   # Decided outcomes say nothing and need the seeds they have.
   d = verdict.compare([0.9, 0.91, 0.92], [0.85, 0.86, 0.87], margin=0.01)
   assert d.lean() == "" and d.seeds_needed() == 3

@@ -7,7 +7,10 @@ grows with d) to reach the same accuracy.
 
 Claim under test: softmax attention reaches ≥ 0.99 query accuracy at a modest width, and linear
 attention (elu+1 and FAVOR+ features) needs a larger width than softmax for the same accuracy.
-Also measured: relu, sigmoid and sparsemax weightings.
+Also measured: relu, sigmoid and sparsemax weightings. Also reported, per width: what each
+F's attention does (attnx.analysis: sink rate, shares of zero and small weights, entropy and
+maximum weight per layer and head, hidden-state kurtosis; a heat map) on ``stats_examples``
+test sequences.
 
 Setup (a documented scale-down of Zoology's smallest setting: sequence length 64, 4 key-value
 pairs, all 4 keys queried, 2 layers): data from attnx.data's ``associative_recall`` with
@@ -69,7 +72,7 @@ from typing import Any
 import ml_collections
 import numpy as np
 
-from attnx import nn, train
+from attnx import analysis, nn, train
 from attnx.train import config as train_config
 from attnx.train import verdict
 from attnx.train.experiment import Task, TaskResult, Variant, run_comparison
@@ -106,6 +109,7 @@ def _default() -> ml_collections.ConfigDict:
       random_non_queries=True, num_train=20000, num_test=1000))
   c.solve_threshold = 0.99
   c.margin = 0.01  # accuracy differences below this count as equal
+  c.stats_examples = 16  # test sequences for the attention statistics (attnx.analysis)
   return c
 
 
@@ -146,6 +150,8 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     raise ValueError(f"config.short_conv={config.short_conv} must be ≥ 0 (0: none).")
   if not 0 < config.solve_threshold <= 1:
     raise ValueError("config.solve_threshold must be in (0, 1].")
+  if int(config.stats_examples) < 1:
+    raise ValueError(f"config.stats_examples={config.stats_examples} must be ≥ 1.")
   train.check_batch_size(config, "batch_size", config.data.num_train,
                          "MQAR examples (config.data.num_train)")
 
@@ -162,7 +168,8 @@ def _task(config: ml_collections.ConfigDict, d: int) -> Task:
 
   return Task(name=f"d={d}", dataset="associative_recall", data_kwargs=data,
               build_model=build, metric="accuracy", margin=float(config.margin),
-              evaluators=("accuracy",),
+              evaluators=("accuracy", "attention_stats"), curve_evaluators=("accuracy",),
+              eval_options=dict(stats_examples=int(config.stats_examples)),
               description=f"MQAR, model width d = {d}: accuracy at the query positions")
 
 
@@ -261,8 +268,17 @@ def _finish(config: ml_collections.ConfigDict) -> Any:
     held, text, info = judge(acc, config.solve_threshold, config.margin)
     rep.text(verdict.Comparison.rule(config.margin, config.num_seeds, "accuracy"))
     rep.verdict(held, text)
+    attention = {}
+    for d in widths:  # what the attention of each F does: sinks, sparsity, entropy, kurtosis
+      r = results[f"d={d}"]
+      attention[d] = analysis.report_attention(
+          rep, r.fits, lambda w, r=r: r.task.build_model(nn.attention_spec(w)),
+          r.arrays["eval"]["inputs"], label="weighting", figure=f"attention_heatmap_d{d}",
+          examples=f"the first {config.stats_examples} test sequences, width d = {d} (keys: "
+                   "the causal prefix without padding tokens)",
+          title=f"Attention statistics at d = {d} (attnx.analysis)")
     return {"accuracy": {w: {d: acc[w][d].tolist() for d in widths} for w in weightings},
-            "held": held, **info}
+            "held": held, "attention": attention, **info}
 
   return finish
 

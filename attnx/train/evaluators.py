@@ -36,6 +36,21 @@ Built-in:
   row at the reference level (``eval_options["reference_level"]``, default the lowest of
   ``eval_options["levels"]``), on the first ``eval_options["weight_examples"]`` examples
   (default all) of ``inputs_by_level``; ``weight_tv_by_level`` [seeds, levels].
+* ``"attention_stats"``: what the attention of any attnx model does
+  (:func:`attnx.analysis.statistics`) on the first ``eval_options["stats_examples"]``
+  (default 32) evaluation inputs, per attention layer and head: sink rate at
+  ``sink_threshold`` (default 0.3), shares of the valid weights equal to 0 and below
+  ``small_weight`` (default 1e-3), row entropy and maximum weight (``<stat>`` [seeds, layers],
+  ``<stat>_by_head`` [seeds, layers, heads]; NaN for linear attention), and the hidden-state
+  kurtosis per block (``max_kurtosis``, ``mean_kurtosis`` [seeds, blocks]). The weights come
+  from the dense kernel whatever implementation the model trains with.
+* ``"loss_by_length"``: a language model's loss vs evaluation length (below), on
+  ``eval_options["token_stream"]`` (a 1-D token array, or a function returning it):
+  ``loss``, ``accuracy`` [seeds] on every training-length window, ``loss_by_context``
+  [seeds, K] at each of ``context_multipliers`` on the first ``length_windows`` windows,
+  ``loss_by_position`` [seeds, k_max·L] and ``eval_seconds_by_context`` [seeds, K].
+* ``"stream_loss"``: ``<name>_loss`` [seeds] on the training-length windows of each token
+  stream of ``eval_options["loss_streams"]`` ({name: stream or function}), e.g. a test split.
 Options come from ``task.eval_options`` (:class:`attnx.train.experiment.Task`).
 
 Loss vs evaluation length (language models, any ``model(tokens [B, T]) -> logits``):
@@ -52,6 +67,8 @@ from __future__ import annotations
 
 import collections
 import math
+import numbers
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -422,3 +439,126 @@ def length_comparisons(losses: Mapping[str, Any], multipliers: Sequence[int], ma
     out[name] = verdict.compare(inc, ref, margin=margin, higher_is_better=False, a_name=name,
                                 b_name=reference, metric=f"loss increase 1×→{at}× (nats)")
   return out
+
+
+def shared_tokens(length_windows: int | None, context: int, limit_tokens: int | None
+                  ) -> int | None:
+  """How many tokens of a stream every evaluation length reads: ``length_windows`` windows of
+  ``context``, at most the final evaluation's ``limit_tokens`` (None: the whole stream)."""
+  return min((n for n in (int(length_windows or 0) * int(context), int(limit_tokens or 0))
+              if n), default=None)
+
+
+def check_length_options(multipliers: Sequence[Any], judged: Sequence[Any], length_windows: int,
+                         context: int, available: int | None = None,
+                         limit_tokens: int | None = None) -> None:
+  """ValueError, naming the config keys ``context_multipliers``, ``length_verdicts`` and
+  ``length_windows``, unless the multipliers are increasing integers from 1, each judged k is
+  one of them above 1, and the shared text (the first ``length_windows`` windows of
+  ``context``, at most ``limit_tokens``, of a stream of ``available`` tokens; None: not
+  checked) holds one window at the largest k."""
+  mults = tuple(multipliers)
+  ints = all(isinstance(k, numbers.Integral) and not isinstance(k, bool) for k in mults)
+  if not mults or not ints or mults[0] != 1 or list(mults) != sorted(set(mults)):
+    raise ValueError(f"config.context_multipliers={mults} must be increasing positive "
+                     "integers starting at 1 (the training context), e.g. (1, 2, 4, 16, 64).")
+  if any(k not in mults[1:] for k in tuple(judged)):
+    raise ValueError(f"config.length_verdicts={tuple(judged)}: each must be one of "
+                     f"config.context_multipliers above 1, {mults[1:]}.")
+  if length_windows < 0 or (length_windows and length_windows < max(mults)):
+    raise ValueError(f"config.length_windows={length_windows} must be 0 (all) or at least the "
+                     f"largest context multiplier {max(mults)} (one window at {max(mults)}×).")
+  if available is None:
+    return
+  shared = min(shared_tokens(length_windows, context, limit_tokens) or available, available)
+  if shared < max(mults) * context:
+    cap = f", at most {limit_tokens:,}" if limit_tokens else ""
+    raise ValueError(f"The length evaluation shares {shared:,} tokens (the first "
+                     f"config.length_windows={length_windows} × {context}{cap}, of a split of "
+                     f"{available:,}): fewer than one window at {max(mults)}× = "
+                     f"{max(mults) * context:,}; lower config.context_multipliers or use a "
+                     "longer text.")
+
+
+def _stream(source: Any) -> np.ndarray:
+  return np.asarray(source() if callable(source) else source)
+
+
+@register_evaluator("loss_by_length")
+def _loss_by_length(model: Any, arrays: Mapping[str, np.ndarray], task: Any) -> EvalFn:
+  """Validation ``loss`` and ``accuracy`` [seeds] on every training-length window of the
+  stream, and the length generalization on the first ``length_windows`` of them (their text
+  cut into windows of k × the training context): ``loss_by_context`` [seeds, K] for k in
+  ``context_multipliers`` (NaN where learned positions cannot reach k·L) and
+  ``loss_by_position`` [seeds, k_max·L] at the largest k that runs; ``eval_seconds_by_context``
+  [seeds, K]: the wall time of each length's pass (compile included; the 1× pass reads the
+  whole stream, up to ``limit_tokens``), the same in every seed's row.
+
+  One pass at 1× gives both the whole-stream loss and the 1× entry of the length table (the
+  mean over the windows of the shared text), so the 1× windows are evaluated once. One
+  compiled program per length (:func:`window_nll`); the model keeps its own implementation
+  (``None``: the dispatcher's streaming kernels at long lengths).
+  """
+  opts = _options(task)
+  mults = tuple(int(k) for k in opts.get("context_multipliers", (1,)))
+  context = int(opts["context"])
+  fn = token_nll_fn(model)
+  stream = _stream(opts["token_stream"])
+  full = context_windows(stream, context, (1,), opts.get("limit_tokens"))[1]
+  wins = context_windows(stream, context, mults, shared_tokens(
+      opts.get("length_windows"), context, opts.get("limit_tokens")))
+  rotary, max_len = getattr(model, "positions", None) == "rotary", getattr(model, "max_len", None)
+  runs = [k for k in mults if rotary or max_len is None or k * context <= max_len]
+
+  def eval_fn(params_stacked, extra_variables=None) -> dict[str, np.ndarray]:
+    passes, seconds = {}, {}
+    for k in runs:  # 1 first: the whole stream
+      start = time.perf_counter()
+      passes[k] = window_nll(fn, params_stacked, extra_variables, full if k == 1 else wins[k])
+      seconds[k] = time.perf_counter() - start
+    one, per_pos = passes[1], {k: p["position"] for k, p in passes.items()}
+    by_k = {k: v.mean(-1) for k, v in per_pos.items()}
+    by_k[1] = one["window"][:, :len(wins[1]["inputs"])].mean(-1)  # the shared text
+    nan = np.full(by_k[1].shape, np.nan)
+    return {"loss": one["window"].mean(-1), "accuracy": one["accuracy"],
+            "loss_by_context": np.stack([by_k.get(k, nan) for k in mults], axis=1),
+            "loss_by_position": per_pos[max(runs)],
+            "eval_seconds_by_context": np.stack(
+                [np.full(nan.shape, seconds.get(k, np.nan)) for k in mults], axis=1)}
+
+  return eval_fn
+
+
+@register_evaluator("stream_loss")
+def _stream_loss(model: Any, arrays: Mapping[str, np.ndarray], task: Any) -> EvalFn:
+  opts = _options(task)
+  streams = dict(opts.get("loss_streams") or {})
+  fn = token_nll_fn(model) if streams else None
+  windows = {name: context_windows(_stream(s), int(opts["context"]), (1,),
+                                   opts.get("limit_tokens"))[1] for name, s in streams.items()}
+
+  def eval_fn(params_stacked, extra_variables=None) -> dict[str, np.ndarray]:
+    return {f"{name}_loss": window_nll(fn, params_stacked, extra_variables, w)["position"]
+            .mean(-1) for name, w in windows.items()}
+
+  return eval_fn
+
+
+@register_evaluator("attention_stats")
+def _attention_stats(model: Any, arrays: Mapping[str, np.ndarray], task: Any) -> EvalFn:
+  import jax
+
+  from attnx import analysis
+
+  opts = _options(task)
+  x = np.asarray(arrays["inputs"])[:int(opts.get("stats_examples", 32))]
+  settings = dict(threshold=float(opts.get("sink_threshold", analysis.SINK_THRESHOLD)),
+                  small=float(opts.get("small_weight", analysis.SMALL_WEIGHT)))
+  fn = jax.jit(jax.vmap(lambda p, e, inputs: analysis.statistics(
+      model, p, inputs, extra_variables=e, **settings), in_axes=(0, 0, None)))
+
+  def eval_fn(params_stacked, extra_variables=None) -> dict[str, np.ndarray]:
+    return {k: np.asarray(v, np.float64)
+            for k, v in fn(params_stacked, extra_variables or {}, x).items()}
+
+  return eval_fn

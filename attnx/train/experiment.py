@@ -254,6 +254,21 @@ def report_task(rep: Report, result: TaskResult, config: ml_collections.ConfigDi
   return c.not_worse
 
 
+def report_verdicts(rep: Report, result: TaskResult, num_seeds: int, reference: str,
+                    label: str = "variant", metric: str | None = None) -> None:
+  """One verdict per variant: each vs ``reference`` on the task's primary metric (``metric``:
+  how the rule names it), with the rule and a table; a diverged variant did not reach it."""
+  task = result.task
+  rep.text(verdict_lib.Comparison.rule(task.margin, num_seeds, metric or task.metric))
+  rep.table([c.row() for c in result.comparisons.values()],
+            caption=f"Each {label} (A) vs {reference} (B), {metric or task.metric}")
+  for c in result.comparisons.values():
+    rep.verdict(c.not_worse, c.sentence() + ".")
+  for name in result.failures:
+    rep.verdict(False, f"{name} diverged (non-finite {task.metric}); it did not reach "
+                       f"{reference}'s {task.metric}.")
+
+
 def run_comparison(config: ml_collections.ConfigDict, workdir: str, *, title: str, claim: str,
                    tasks: Sequence[Task], variants: Sequence[Variant],
                    reference: str | None = None, intro: str = "",

@@ -1,8 +1,8 @@
-"""experiments/language_model.py: bits per character and the verdict, the attention statistics
-on a hand-computed example, the length-generalization windows and verdicts, the long-context
-evaluation through the streaming kernels (against dense attention), the config checks, and
-the tiny preset end to end (report, JSON, figures, sample.py printing text from a trained
-model)."""
+"""experiments/language_model.py: bits per character and the verdict, the length-generalization
+windows and verdicts, the long-context evaluation through the streaming kernels (against dense
+attention), the config checks, the tiny preset end to end (report, JSON, figures, attention
+statistics per layer and head, sample.py printing text from a trained model), and a user's own
+text file as the corpus (names, claim, prompt). The statistics themselves: tests/analysis."""
 
 import importlib.util
 import json
@@ -20,6 +20,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
+from attnx import analysis  # noqa: E402
 from attnx.train import evaluators, verdict  # noqa: E402
 from attnx.train.data import loader  # noqa: E402
 from attnx.train.evaluate import evaluate  # noqa: E402
@@ -61,22 +62,6 @@ def test_length_comparisons_judge_the_loss_increase():
   assert evaluators.length_comparisons({"ssmax": losses["ssmax"]}, (1, 2, 4), 0.02) == {}
   with pytest.raises(ValueError, match="at=16"):
     evaluators.length_comparisons(losses, (1, 2, 4), margin=0.02, at=16)
-
-
-def test_attention_statistics_on_a_hand_computed_example():
-  w = np.zeros((1, 2, 3, 3))
-  # head 0: a sink (mean weight on key 0 over the 3 queries = (1 + .5 + .2) / 3 = .567 > .3)
-  w[0, 0] = [[1, 0, 0], [0.5, 0.5, 0], [0.2, 0.3, 0.5]]
-  # head 1: none (mean .0005 / 3); two causal zeros and one weight below 1e-3
-  w[0, 1] = [[0, 0, 0], [0, 1, 0], [0.0005, 0.4995, 0.5]]
-  s = {k: float(v) for k, v in exp.attention_statistics(w, 0.3, 1e-3).items()}
-  # 12 causal entries (6 per head); the 6 above the diagonal do not count
-  assert s == pytest.approx({"sink_rate": 0.5, "zero_share": 2 / 12, "small_share": 3 / 12})
-  assert float(exp.attention_statistics(w, 0.6)["sink_rate"]) == 0.0
-  # Pearson kurtosis over the hidden axis: ±1 -> m4/m2² = 1; one spike of 2 among 8 features:
-  # mean 1/4, m2 = 7/16, m4 = 301/256, kurtosis = (301/256) / (49/256) = 43/7.
-  h = np.array([[[1.0, -1, 1, -1, 1, -1, 1, -1], [2.0, 0, 0, 0, 0, 0, 0, 0]]])
-  assert np.allclose(exp.kurtosis(h), [[1.0, 43 / 7]], rtol=1e-5)
 
 
 def test_context_windows_cut_the_same_text_longer():
@@ -162,7 +147,6 @@ def test_long_contexts_stream_and_equal_dense_attention(weighting, kind, monkeyp
   params = jax.tree.unflatten(tree, [0.3 * rng.standard_normal((2, *a.shape), np.float32)
                                      for a in leaves])
   stream = rng.integers(0, 11, 1100).astype(np.int32)
-  monkeypatch.setattr(exp, "token_stream", lambda split, text_file=None: stream)
   monkeypatch.setattr(evaluators, "EVAL_TOKENS", 512)  # several batches per length
   spies = {"pointwise": _spy(monkeypatch, blocked.blocked_attention),
            "whole-row": _spy(monkeypatch, blocked_rows.blocked_row_attention)}
@@ -170,16 +154,16 @@ def test_long_contexts_stream_and_equal_dense_attention(weighting, kind, monkeyp
   real = evaluators.token_nll_fn
   monkeypatch.setattr(evaluators, "token_nll_fn", lambda m: made.append(real(m)) or made[-1])
   task = types.SimpleNamespace(eval_options=dict(
-      text_file="", context=8, context_multipliers=(1, 64), limit_tokens=None,
+      token_stream=lambda: stream, context=8, context_multipliers=(1, 64), limit_tokens=None,
       length_windows=128))
-  m = evaluators.make_eval_fn(("lm_context_loss",), model, {}, task)(params)
+  m = evaluators.make_eval_fn(("loss_by_length",), model, {}, task)(params)
 
   # The 512-long windows ran the streaming kernel of this kind of F, the 8-long ones did not,
   # and the dispatcher's own answer (attention_kernel, the report's column) says the same.
   calls = spies[kind].call_args_list
   assert calls and all(call.args[0].shape[-3] == 512 for call in calls)
   assert all(s.call_count == 0 for k, s in spies.items() if k != kind)
-  assert (exp.attention_kernel(model, 512), exp.attention_kernel(model, 8)) == (
+  assert (analysis.attention_kernel(model, 512), analysis.attention_kernel(model, 8)) == (
       "blocked", "dense")
   # One compiled program per length: 1100 tokens are 3 batches at 1× and 2 at 64×.
   assert len(made) == 1 and made[0]._cache_size() == 2
@@ -257,7 +241,8 @@ def test_implementation_applies_to_training_and_not_to_the_weight_probe():
       exp.nn.attention_spec("linear_elu")).implementation is None
   tokens = jnp.arange(2 * 16).reshape(2, 16) % 11
   params = model.init(jax.random.key(0), tokens)["params"]
-  weights, hidden = exp.probe(model, params, None, tokens)  # blocked has no weights: dense
+  probe = analysis.probe(model, params, tokens)  # blocked forms no weights: the dense kernel
+  weights, hidden = probe.weights, probe.hidden
   assert len(weights) == c.model.num_layers and weights[0].shape == (2, c.model.num_heads, 16, 16)
   np.testing.assert_allclose(np.sum(weights[0], -1), 1.0, atol=1e-5)
   assert hidden[0].shape == (2, 16, c.model.hidden_dim)
@@ -279,7 +264,8 @@ def test_tiny_preset_end_to_end(tmp_path, monkeypatch, capsys):
   fin = out["finish"]
   assert set(fin["val_loss"]) == {"softmax", "relu:normalization=length"}
   assert fin["test_loss"] == {}  # a text file has no test split
-  result = out["tasks"][exp.TASK]
+  assert exp.task_name(exp.TINY_TEXT) == "tiny_text_char" == fin["task"]
+  result = out["tasks"][fin["task"]]
   for name, res in result.fits.items():
     m = res.final_metrics
     assert m["loss_by_context"].shape == (2, 3) and np.isfinite(m["loss_by_context"]).all()
@@ -309,6 +295,12 @@ def test_tiny_preset_end_to_end(tmp_path, monkeypatch, capsys):
     assert fin["kernels"][name] == {16: "dense", 32: "dense", 64: "dense"}
     assert m["loss_by_position"].shape == (2, 4 * c.model.context)
     assert m["sink_rate"].shape == (2, 1) and np.all(m["max_kurtosis"] >= 1)
+    assert m["entropy_by_head"].shape == m["max_weight_by_head"].shape == (2, 1, 2)
+    if name == "softmax":  # row i: at most log(i + 1) nats, a maximum weight ≥ 1/(i + 1)
+      assert np.all(m["entropy"] <= np.log(np.arange(1, 17)).mean() + 1e-5)
+      assert np.all(m["max_weight"] >= (1 / np.arange(1, 17)).mean() - 1e-6)
+    assert set(fin["attention"][name]) >= {"sink_rate", "entropy_by_head", "max_weight",
+                                           "max_kurtosis", "zero_share_by_head"}
     assert np.allclose(fin["val_bpc"][name], np.asarray(m["loss"]) / math.log(2))
   # The verdict of relu vs softmax is the shared rule on validation loss, lower is better.
   c_relu = result.comparisons["relu:normalization=length"]
@@ -320,9 +312,10 @@ def test_tiny_preset_end_to_end(tmp_path, monkeypatch, capsys):
 
   report = open(out["report"]).read()
   for heading in ("Loss per weighting", "Length generalization", "Attention statistics",
-                  "Samples", "Verdicts", "1.88", "Zuhri", "Verdict rule"):
+                  "Samples", "Verdicts", "1.88", "Zuhri", "Verdict rule", "entropy (nats)",
+                  "max weight", "per weighting, layer and head", "tiny_text.txt"):
     assert heading in report, heading
-  for fig in ("shakespeare_char_curves", "length_generalization", "attention_heatmap"):
+  for fig in ("tiny_text_char_curves", "length_generalization", "attention_heatmap"):
     assert os.path.exists(os.path.join(wd, f"{fig}.png"))
   results = json.load(open(os.path.join(wd, "results.json")))
   # one per alternative weighting on the loss, one on the loss increase 1× → 4×
@@ -405,3 +398,55 @@ def test_sequence_parallel_config_checks():
   c.model.context = 40  # 2·8 zigzag chunks do not divide it
   with pytest.raises(ValueError, match=r"context=40 must be a multiple of 16 .*zigzag"):
     exp.validate_config(c)
+
+
+# A user's own corpus: Python-like source, 60 small functions (≈ 2.3 kB).
+SOURCE = "".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n\n" for i in range(60))
+
+
+def test_a_text_file_names_the_task_and_prompts_in_its_own_style(tmp_path, monkeypatch):
+  monkeypatch.setenv("ATTNX_DATA_DIR", str(tmp_path / "data"))
+  path = tmp_path / "tiny project.py"
+  path.write_text(SOURCE)
+  c = exp.get_config("tiny")
+  c.update(dict(text_file=str(path)))
+  c.sample.prompt = ""  # the tiny preset's "ROMEO:" off: the text's own
+  assert exp.task_name(str(path)) == "tiny_project_char" and exp.task_name(None) == exp.TASK
+  val = "".join(exp.vocabulary(str(path))[i] for i in exp.token_stream("validation", str(path)))
+  prompt = exp.sample_prompt(c)
+  # The first complete non-blank line of the validation text, cut at 20 characters.
+  first = next(line for line in val.split("\n")[1:] if line.strip())
+  assert prompt == first[:20] and 0 < len(prompt) <= 20 and prompt in SOURCE
+  c.sample.prompt = "def g("
+  assert exp.sample_prompt(c) == "def g("  # the user's prompt wins
+  exp.validate_config(c)
+
+
+def test_a_text_file_run_end_to_end(tmp_path, monkeypatch, capsys):
+  monkeypatch.setenv("ATTNX_DATA_DIR", str(tmp_path / "data"))
+  path = tmp_path / "tiny project.py"
+  path.write_text(SOURCE)
+  c = exp.get_config("tiny")
+  c.update(dict(text_file=str(path), weightings="softmax", num_seeds=1, num_steps=4,
+                eval_every=4, checkpoint_every=4, progress=False))
+  c.sample.update(prompt="", num_tokens=12)
+  wd = str(tmp_path / "wd")
+  fin = exp.run(c, wd)["finish"]
+  prompt = exp.sample_prompt(c)
+  assert fin["task"] == "tiny_project_char" and fin["prompt"] == prompt
+  assert fin["samples"]["softmax"].startswith(prompt)
+  results = json.load(open(os.path.join(wd, "results.json")))
+  assert results["claim"].endswith("a small character-level GPT trained on tiny project.py.")
+  assert "tiny project.py" in results["title"] and "Shakespeare" not in results["claim"]
+  assert "ROMEO" not in open(os.path.join(wd, "report.md")).read()
+  assert os.path.exists(os.path.join(wd, "tiny_project_char_curves.png"))
+  assert os.path.isdir(os.path.join(wd, "checkpoints", "tiny_project_char-softmax"))
+  # sample.py finds the run and prints the report's sample from its checkpoint.
+  sample = _sample_module()
+  capsys.readouterr()
+  assert sample.main([f"--workdir={wd}", "--list"]) == 0
+  assert capsys.readouterr().out.split() == ["softmax"]
+  s = c.sample
+  assert sample.main([f"--workdir={wd}", f"--prompt={prompt}", f"--num_tokens={s.num_tokens}",
+                      f"--temperature={s.temperature}", f"--top_k={s.top_k}", "--seed=0"]) == 0
+  assert capsys.readouterr().out == fin["samples"]["softmax"] + "\n"

@@ -69,6 +69,24 @@ def test_tiny_preset_end_to_end(tmp_path, monkeypatch):
   assert os.path.exists(tmp_path / "wd" / "mqar_accuracy_vs_width.png")
   results = json.load(open(tmp_path / "wd" / "results.json"))
   assert len(results["verdicts"]) == 1  # one verdict: the experiment's, not one per width
+  # What the attention does (attnx.analysis), per weighting, layer and head, at each width:
+  # linear attention forms no weights (n/a), softmax's causal rows sum to one.
+  assert "Attention statistics at d = 16" in report
+  assert os.path.exists(tmp_path / "wd" / "attention_heatmap_d16.png")
+  stats = out["finish"]["attention"][16]
+  assert set(stats) == {"softmax", "linear_elu"}
+  soft, lin = stats["softmax"], stats["linear_elu"]
+  layers, heads = c.num_layers, c.num_heads
+  assert np.shape(soft["entropy_by_head"]) == (2, layers, heads)
+  assert np.shape(soft["max_kurtosis"]) == np.shape(soft["sink_rate"]) == (2, layers)
+  assert np.all(np.asarray(soft["max_weight"]) > 0) and np.all(np.asarray(soft["entropy"]) >= 0)
+  assert np.isnan(lin["entropy_by_head"]).all() and np.isfinite(lin["mean_kurtosis"]).all()
+  table = next(t for t in results["tables"] if "layer and head" in (t["caption"] or ""))
+  assert {"weighting", "layer", "head", "sink rate", "share = 0", "share < 0.001",
+          "entropy (nats)", "max weight"} <= set(table["columns"])
+  assert len(table["rows"]) == 2 * layers * heads
+  assert {r["entropy (nats)"] for r in table["rows"] if r["weighting"] == "linear_elu"} == {
+      "n/a"}
 
 
 def test_bad_weightings_name_the_key():

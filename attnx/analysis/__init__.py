@@ -1,0 +1,41 @@
+"""attnx.analysis: what a trained model's attention does, for any attnx model.
+
+:func:`probe` reads every attention layer's weights (through the dense kernel, whatever
+implementation the model trains with) and every block's output; :func:`statistics` turns them
+into per-layer and per-head statistics — sink rate, shares of exact zeros and of small
+weights, row entropy, maximum weight — and the hidden-state kurtosis (:mod:`.stats` defines
+each). Experiments declare them as the ``"attention_stats"`` evaluator (loss vs evaluation
+length: ``"loss_by_length"``, :mod:`attnx.train.evaluators`) and write them with
+:func:`report_attention` / :func:`report_length`; :func:`plot_weights` draws heat maps.
+"""
+
+from attnx.analysis.report import (
+    layer_weights,
+    loss_rows,
+    plot_weights,
+    report_attention,
+    report_length,
+    statistics_rows,
+)
+from attnx.analysis.stats import (
+    HEAD_STATS,
+    HIDDEN_STATS,
+    SINK_THRESHOLD,
+    SMALL_WEIGHT,
+    Probe,
+    attention_kernel,
+    attention_statistics,
+    dense_model,
+    has_weights,
+    hidden_statistics,
+    kurtosis,
+    probe,
+    statistics,
+)
+
+__all__ = [
+    "HEAD_STATS", "HIDDEN_STATS", "SINK_THRESHOLD", "SMALL_WEIGHT", "Probe", "attention_kernel",
+    "attention_statistics", "dense_model", "has_weights", "hidden_statistics", "kurtosis",
+    "layer_weights", "loss_rows", "plot_weights", "probe", "report_attention", "report_length",
+    "statistics", "statistics_rows",
+]

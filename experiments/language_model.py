@@ -13,6 +13,7 @@ judged, each F vs softmax: the loss increase from 1× to 16× and 64× the train
 
 Presets (each the default changed by one small function, see PRESET_FNS), then sample.py:
   python launch.py --config=experiments/language_model.py --workdir=runs/lm  # default
+  python launch.py --config=experiments/language_model.py:claims --workdir=runs/lm_claims
   python launch.py --config=experiments/language_model.py:ablations --workdir=runs/lm_ablations
   python launch.py --config=experiments/language_model.py:survey --workdir=runs/lm_all
   python launch.py --config=experiments/language_model.py:tiny --workdir=/tmp/lm_tiny
@@ -39,12 +40,12 @@ from attnx.train import evaluators as evaluators_lib
 from attnx.train.experiment import Task, TaskResult, Variant, run_comparison, run_name
 from experiments import _common
 
-PRESETS = ("default", "ablations", "survey", "tiny", "sequence_parallel")
+PRESETS = ("default", "ablations", "survey", "claims", "tiny", "sequence_parallel")
 WEIGHTINGS = ("softmax", "relu:normalization=length", "sigmoid:normalization=none",
               "softpick", "ssmax_learned", "stick_breaking", "entmax15", "linear_elu")
 SURVEY_EXTRA = ("linear_elu", "linear_favor", "metric")
-# The papers' own ablations (the `ablations` preset): sigmoid with and without b = −log n
-# (Ramapuram et al. 2024), ReLU ÷ L vs ÷ Σ vs unscaled (Wortsman et al. 2023).
+# The papers' own ablations: sigmoid with and without b = −log n (Ramapuram et al. 2024), ReLU
+# ÷ L vs ÷ Σ vs unscaled (Wortsman et al. 2023).
 ABLATIONS = ("softmax", "sigmoid:normalization=none", "sigmoid:normalization=none,bias=0",
              "relu:normalization=length", "relu", "relu:normalization=none")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -114,6 +115,7 @@ def _sequence_parallel(c: ml_collections.ConfigDict) -> None:
 
 
 PRESET_FNS = {"default": lambda c: None, "ablations": _ablations, "survey": _survey,
+              "claims": lambda c: c.update(weightings="softmax,stick_breaking,ssmax_learned"),
               "tiny": _tiny, "sequence_parallel": _sequence_parallel}
 assert tuple(PRESET_FNS) == PRESETS
 

@@ -97,7 +97,7 @@ def _ablations(c: ml_collections.ConfigDict) -> None:  # 2 seeds: the README's a
 def _tiny(c: ml_collections.ConfigDict) -> None:
   c.update(dict(weightings="softmax,relu:normalization=length", text_file=TINY_TEXT,
                 num_steps=20, batch_size=8, eval_every=10, log_every=5, checkpoint_every=20,
-                curve_windows=4, stats_windows=4, length_windows=4,
+                curve_windows=4, stats_windows=4, length_windows=4, num_seeds=2,
                 context_multipliers=(1, 2, 4), length_verdicts=(4,)))
   c.model.update(num_layers=1, num_heads=2, hidden_dim=16, mlp_dim=32, context=16)
   c.optimizer.warmup_steps = 2

@@ -225,6 +225,11 @@ class _Ring:
     return self.p * self.s
 
   @property
+  def pallas_kw(self) -> dict[str, Any]:
+    """The Pallas step functions' backend arguments (empty for the blocked kernel)."""
+    return {} if self.pallas is None else dict(backend=self.pallas, interpret=self.interpret)
+
+  @property
   def pointwise(self) -> bool:
     return self.family == "pointwise"
 
@@ -399,10 +404,9 @@ def _block_state(rc: _Ring, q, kv, bias, mask, rsc, scale, r0, r1, k0, k1, causa
   mp = None if mask is None else _sl(_sl(mask, 3, r0, r1 - r0), 4, k0, k1 - k0)
   rp = None if rsc is None else lax.slice_in_dim(rsc, r0, r1, axis=2)
   if rc.pallas is not None:
-    kw = dict(backend=rc.pallas, interpret=rc.interpret)
     if rc.pointwise:
-      return ring_pallas.raw_block_state(qp, kp, vp, bp, mp, scale, cfg, **kw)
-    return ring_pallas.raw_row_block_state(qp, kp, vp, bp, mp, rp, scale, cfg, **kw)
+      return ring_pallas.raw_block_state(qp, kp, vp, bp, mp, scale, cfg, **rc.pallas_kw)
+    return ring_pallas.raw_row_block_state(qp, kp, vp, bp, mp, rp, scale, cfg, **rc.pallas_kw)
   if rc.pointwise:
     return bl.raw_block_state(qp, kp, vp, bp, mp, scale, cfg)
   return blocked_rows.raw_block_state(qp, kp, vp, bp, mp, rp, scale, cfg)
@@ -445,7 +449,7 @@ def _kind_grads(rc: _Ring, pieces, q, kv, bias, mask, rsc, scale, out, stats, do
     keys = lambda a, lo=klo, hi=khi: lax.slice_in_dim(a, lo, hi, axis=1)
     bp = None if bias is None else _sl(_sl(bias, 3, lo, hi - lo), 4, klo, khi - klo)
     mp = None if mask is None else _sl(_sl(mask, 3, lo, hi - lo), 4, klo, khi - klo)
-    kw = {} if rc.pallas is None else dict(backend=rc.pallas, interpret=rc.interpret)
+    kw = rc.pallas_kw
     if rc.pointwise:
       grads = ring_pallas.block_grads if rc.pallas else bl.block_grads
       gq, gk, gv, gb, gs = grads(rows(q), keys(k), keys(v), bp, mp, scale, rows(out),

@@ -81,8 +81,7 @@ class Comparison:
           if self.n > 1 else "one seed, no interval")
     lean = ""
     if self.outcome == "inconclusive" and self.n > 1 and not self.deterministic:
-      need = self.seeds_needed()
-      side = self.a if self.diff > 0 else self.b
+      need, side = self.seeds_needed(), self._side()
       lean = (f"; the seeds lean towards {side} ({self.a_wins} of {self.n} favour {self.a}), "
               + (f"≈ {need} seeds would decide at this spread" if need else
                  "more than 1000 seeds would be needed at this spread"))
@@ -114,13 +113,16 @@ class Comparison:
         return n
     return None
 
+  def _side(self) -> str:
+    """The variant the mean difference favours ("neither" at exactly 0)."""
+    return self.a if self.diff > 0 else self.b if self.diff < 0 else "neither"
+
   def lean(self) -> str:
     """For an inconclusive outcome: which side the seeds fall on and how many seeds the rule
     would need at the observed spread (one sentence); empty for a decided one."""
     if self.outcome != "inconclusive":
       return ""
-    side = self.a if self.diff > 0 else self.b if self.diff < 0 else "neither"
-    need = self.seeds_needed()
+    side, need = self._side(), self.seeds_needed()
     more = (f"at this spread (sd {self.sd:.3g} of the paired differences) the rule would "
             f"decide with about {need} seeds" if need else
             "at this spread the rule would need more than 1000 seeds" if math.isfinite(self.sd)

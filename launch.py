@@ -62,6 +62,12 @@ _CONFIG = config_flags.DEFINE_config_file(
 _WORKDIR = flags.DEFINE_string(
     "workdir", None, "Output directory (default runs/<experiment>-<preset>); reruns resume.")
 _LIST = flags.DEFINE_bool("list", False, "List the experiments and their presets, then exit.")
+_DRY_RUN = flags.DEFINE_bool(
+    "dry_run", False,
+    "Check the command line (config file, preset, overrides, flags, the workdir's path) and "
+    "exit: 0 when a launch would start, 2 with the FATAL line it would print (checks that need "
+    "the devices JAX finds, e.g. batch vs device count, are not made). Nothing is "
+    "written, no data is prepared, JAX does not start.")
 
 
 def default_workdir(config) -> str:
@@ -196,6 +202,13 @@ def main(argv: list[str]) -> int:
     print(f"FATAL: invalid config: {e}", file=sys.stderr)
     return 2
   workdir = _WORKDIR.value or default_workdir(config)
+  if _DRY_RUN.value:
+    if os.path.exists(workdir) and not os.path.isdir(workdir):
+      print(f"FATAL: --workdir={workdir} is a file, not a directory", file=sys.stderr)
+      return 2
+    print(f"Dry run: {config.get('experiment')}:{config.get('preset')} -> {workdir}: the "
+          "command line is valid; nothing was run.")
+    return 0
   msg = check_workdir(workdir, flag=bool(_WORKDIR.value))
   if msg:
     print(f"FATAL: {msg}", file=sys.stderr)

@@ -325,3 +325,19 @@ def test_list_shows_experiments_and_presets(env):
   assert "compare_weightings:" in proc.stdout
   from experiments import compare_weightings  # noqa: PLC0415
   assert ", ".join(compare_weightings.PRESETS) in proc.stdout
+
+
+def test_dry_run_checks_the_command_line_and_runs_nothing(env, tmp_path):
+  workdir = tmp_path / "not_created"
+  ok = _launch(env, TINY, f"--workdir={workdir}", "--config.num_steps=7", "--dry_run",
+               timeout=120)
+  assert ok.returncode == 0, ok.stderr[-2000:]
+  assert "compare_weightings:tiny" in ok.stdout and "nothing was run" in ok.stdout
+  assert not workdir.exists()
+  bad = _launch(env, TINY, f"--workdir={workdir}", "--config.num_steps=0", "--dry_run",
+                timeout=120)
+  assert bad.returncode == 2 and bad.stderr.startswith("FATAL: ")
+  assert "config.num_steps must be >= 1" in bad.stderr and not workdir.exists()
+  file = tmp_path / "a_file"
+  file.write_text("x")
+  assert _launch(env, TINY, f"--workdir={file}", "--dry_run", timeout=120).returncode == 2

@@ -153,9 +153,11 @@ class Report:
     os.makedirs(workdir, exist_ok=True)
 
   def section(self, title: str) -> None:
+    """Start a section: a level-2 heading `title`."""
     self._blocks.append(f"## {title}\n")
 
   def text(self, markdown: str) -> None:
+    """Add a paragraph (or any block) of Markdown."""
     self._blocks.append(markdown.rstrip() + "\n")
 
   def table(self, rows: list[dict], columns: list[str] | None = None,
@@ -206,6 +208,8 @@ class Report:
     self.verdicts.append({"held": held, "text": text})
 
   def markdown(self) -> str:
+    """The whole report as Markdown: title, claim, command, the blocks added so far, then the
+    environment and the config."""
     env = environment()
     head = [f"# {self.title}\n", f"Generated {self.created}.\n"]
     if self.claim:
@@ -241,8 +245,13 @@ class Report:
 
 
 def _pyplot() -> Any:
+  import sys  # noqa: PLC0415
+
   import matplotlib  # noqa: PLC0415
-  matplotlib.use("Agg", force=False)
+  if "matplotlib.pyplot" not in sys.modules:
+    # Headless by default (reports are files); a session that already chose a backend through
+    # pyplot (a notebook's inline one, a GUI) keeps it.
+    matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # noqa: PLC0415
 
   return plt

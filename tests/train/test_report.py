@@ -110,3 +110,19 @@ def test_plot_curves_one_line_per_variant_with_seed_bands(tmp_path):
   assert fig.get_size_inches().tolist() == [8.0, 3.0]
   with pytest.raises(ValueError, match="band='shade'"):
     train.plot_curves(curves, band="shade")
+
+
+@pytest.mark.parametrize("chosen", [None, "svg"])
+def test_plots_are_headless_unless_the_session_chose_a_backend(chosen):
+  """A notebook's inline backend (here: svg, chosen through pyplot) survives attnx's plots."""
+  import subprocess  # noqa: PLC0415
+  import sys  # noqa: PLC0415
+
+  choose = (f"import matplotlib.pyplot; import matplotlib; matplotlib.use({chosen!r}); "
+            if chosen else "")
+  code = (f"{choose}import matplotlib; from attnx.train import report; report.subplots(); "
+          "print(matplotlib.get_backend().lower())")
+  env = {k: v for k, v in os.environ.items() if k != "MPLBACKEND"}
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                       check=True).stdout.split()[-1]
+  assert out == (chosen or "agg")

@@ -14,8 +14,8 @@ then SIGKILL after ``--grace_seconds``) and the launcher exits with that process
 Ctrl-C stops them all.
 
 Across real hosts, run launch.py on each host yourself with the same four flags (the address
-of process 0's host, the number of processes, each host's id), as README's "Many processes,
-many hosts" shows; on CPU, collectives between processes go through gloo.
+of process 0's host, the number of processes, each host's id), as "Many processes, many hosts" in
+docs/guides/experiments.md shows; on CPU, collectives between processes go through gloo.
 """
 
 from __future__ import annotations

@@ -36,12 +36,12 @@ no difference resolved; with 17 tokens −log n and 1/L change little). MQAR: ne
 solves it at the training length at this budget (softmax 0.37, ssmax 0.27); both lose ≈ 0.1
 from length 64 to 256. The same ablations where they can discriminate — a 4-layer GPT on
 Shakespeare at context 64, SSMax read at 2× and 4× its context — are the ``ablations`` preset
-and the length generalization of experiments/language_model.py (README, "Reproductions").
+and the length generalization of experiments/language_model.py (docs/results/reproductions.md).
 
 Presets (each the default changed by one small function, see PRESET_FNS):
   default  python launch.py --config=experiments/ablations.py --workdir=runs/ablations
            digits: 6 variants × 3 seeds × 1000 steps; MQAR: 2 variants × 2 seeds × 1500 steps
-           (runtime in the README).
+           (runtime in docs/results/reproductions.md).
   tiny     python launch.py --config=experiments/ablations.py:tiny --workdir=/tmp/abl
            20 steps each, smaller data: a smoke test.
 """

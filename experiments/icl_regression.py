@@ -34,9 +34,11 @@ the claim held if softmax tracks it and its error falls with k.
 
 Presets (each the default changed by one small function, see PRESET_FNS):
   default  python launch.py --config=experiments/icl_regression.py --workdir=runs/icl
-           softmax, relu, linear_elu; 2 seeds; 3000 steps of batch 64 (runtime in the README).
+           softmax, relu, linear_elu; 2 seeds; 3000 steps of batch 64 (runtime:
+           docs/results/reproductions.md).
   long     python launch.py --config=experiments/icl_regression.py:long --workdir=runs/icl_long
-           softmax only, 10 000 steps: the budget question (runtime in the README).
+           softmax only, 10 000 steps: the budget question (runtime:
+           docs/results/reproductions.md).
   tiny     python launch.py --config=experiments/icl_regression.py:tiny --workdir=/tmp/icl
            softmax only, d = 3, 30 steps: a smoke test.
 """

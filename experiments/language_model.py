@@ -4,7 +4,7 @@ Karpathy's nanoGPT CPU configuration for shakespeare_char (a GPT of 4 layers, wi
 context 64; ≈ 1.88 nats validation loss with softmax) trained once per weighting F on
 Gutenberg Shakespeare split by work — or on any UTF-8 text, ``--config.text_file=PATH``,
 which the report, run names, claim and sample prompt then name. Setup, deviations from
-nanoGPT, what is reported and measured runtimes: docs/experiments/language_model.md.
+nanoGPT, what is reported and measured runtimes: docs/results/language_model.md.
 
 Claim under test (one verdict per F): each alternative weighting F reaches softmax's
 validation loss, i.e. is not worse than softmax by the shared rule (attnx.train.verdict,
@@ -90,7 +90,8 @@ def _survey(c: ml_collections.ConfigDict) -> None:
   c.update(weightings=",".join(["softmax", *names, *SURVEY_EXTRA]), num_seeds=2)
 
 
-def _ablations(c: ml_collections.ConfigDict) -> None:  # 2 seeds: the README's ablation run
+def _ablations(c: ml_collections.ConfigDict) -> None:
+  # 2 seeds: the ablation run of docs/results/language_model.md
   c.update(weightings=",".join(ABLATIONS), num_seeds=2)
 
 
@@ -394,7 +395,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
             f"{config.seed}..{config.seed + config.num_seeds - 1}. Learning curves: validation "
             f"loss on the first {config.curve_windows} windows every {config.eval_every} steps; "
             "final metrics on every validation window. The deviations from nanoGPT: "
-            "docs/experiments/language_model.md.",
+            "docs/results/language_model.md.",
       tasks=[_task(config, len(vocab))], variants=[Variant(w, specs[w]) for w in names],
       reference="softmax", label="weighting",
       finish=_finish(config, specs, vocab, sample_prompt(config)))

@@ -49,8 +49,8 @@ at 64 than at 32 (0.997).
 
 Presets (each the default changed by one small function, see PRESET_FNS):
   default  python launch.py --config=experiments/mqar.py --workdir=runs/mqar
-           6 weightings × d ∈ {32, 64}, 2 seeds, 1200 steps of batch 64 (runtime in the
-           README).
+           6 weightings × d ∈ {32, 64}, 2 seeds, 1200 steps of batch 64 (runtime in
+           docs/results/reproductions.md).
   wide     python launch.py --config=experiments/mqar.py:wide --workdir=runs/mqar_wide
            the same plus d = 128 (≈ 3× the default's runtime; the default's two widths are
            identical runs, so a wide run's first columns are the default's results).

@@ -25,8 +25,8 @@ Command:
   python launch.py --config=experiments/pallas_benchmark.py:default --workdir=runs/pallas_benchmark
   python experiments/pallas_benchmark.py --preset=quick --workdir=/tmp/pb
 Runtime on one H100 (2026-11-25): quick at one shape with 4 pointwise F and the 5 whole-row
-weightings, 54 s (the README's command and table); the full quick and default presets were not
-timed there (estimates: ≈ 5 and ≈ 20 min, mostly compilation).
+weightings, 54 s (the command and table in docs/guides/pallas.md); the full quick and
+default presets were not timed there (estimates: ≈ 5 and ≈ 20 min, mostly compilation).
 """
 
 from __future__ import annotations

@@ -54,6 +54,14 @@ def test_requirements_txt_mirrors_pyproject():
   with open(os.path.join(ROOT, "requirements.txt")) as f:
     lines = [line.strip() for line in f if line.strip() and not line.startswith("#")]
   assert lines == want
+  # The optional extras are mirrored as comments, each under its "# NAME extra" line.
+  extras, current = {}, None
   with open(os.path.join(ROOT, "requirements.txt")) as f:
-    aot = [re.sub(r"^#\s*", "", line.strip()) for line in f if re.match(r"#\s*\S+[=<>]", line)]
-  assert aot == project["optional-dependencies"]["aot"]
+    for line in f:
+      header = re.match(r"#\s*(\w+) extra \(", line)
+      if header:
+        current = extras.setdefault(header.group(1), [])
+      elif current is not None and re.match(r"#\s*\S+[=<>]", line):
+        current.append(re.sub(r"^#\s*", "", line.strip()))
+  assert extras == {k: v for k, v in project["optional-dependencies"].items() if k != "test"}
+  assert set(extras) == {"aot", "docs"}

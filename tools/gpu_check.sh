@@ -11,7 +11,7 @@
 #      flash; the kernel issue's target: every pointwise F >= 60 % of cuDNN softmax at T >= 4k);
 #   3. a short language_model run with implementation="pallas" (4 weightings, 200 steps).
 # and writes OUT/gpu_check.md (date, chip, driver, JAX version, each step's outcome and time,
-# the benchmark's target table) plus each step's log and report, for the README to quote.
+# the benchmark's target table) plus each step's log and report, for the docs (docs/guides/pallas.md) to quote.
 #
 # The GPU machine has JAX with CUDA, flax, optax, chex and orbax but not attnx's other
 # dependencies, and no network: run tools/fetch_gpu_wheels.sh beforehand on a machine that

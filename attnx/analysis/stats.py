@@ -108,6 +108,22 @@ def probe(model: linen.Module, params: Any, inputs: Any, *,
   receives and its ``is_causal``; every :class:`~attnx.nn.EncoderBlock` /
   :class:`~attnx.nn.DecoderBlock` output is kept. The model runs as :func:`dense_model`; the
   outputs are unchanged. jit-able; ``params`` may also be a full variables dict.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from attnx import analysis, nn
+    >>> model = nn.GPT(vocab_size=16, num_layers=2, num_heads=2, hidden_dim=16, mlp_dim=32,
+    ...                max_len=8, attention="relu")
+    >>> tokens = jnp.arange(16).reshape(2, 8)
+    >>> params = model.init(jax.random.key(0), tokens)["params"]
+    >>> p = analysis.probe(model, params, tokens)
+    >>> p.attention_names, p.heads
+    (('block_0/attention', 'block_1/attention'), (2, 2))
+    >>> p.weights[0].shape, p.hidden[0].shape  # [B, N, T, S] and [B, T, D]
+    ((2, 2, 8, 8), (2, 8, 16))
+    >>> stats = analysis.statistics(model, params, tokens)
+    >>> stats["entropy"].shape, stats["entropy_by_head"].shape  # [layers], [layers, N]
+    ((2,), (2, 2))
   """
   variables = dict(params) if "params" in params else {"params": params}
   variables.update(extra_variables or {})
@@ -177,12 +193,32 @@ def attention_statistics(weights: Any, valid: Any = None, *, threshold: float = 
   """Per head, over every leading (batch) axis: {statistic: [N]} of one layer's weights
   ``[B..., N, T, S]`` (jnp or numpy), for the statistics of :data:`HEAD_STATS` (module
   docstring). ``valid``: the entries a query may attend, broadcastable to the weights
-  (default all; a causal layer's ``jnp.tril``). NaN where a head has nothing to average."""
+  (default all; a causal layer's ``jnp.tril``). NaN where a head has nothing to average.
+
+  Example:
+    One causal head over three queries; the zeros above the diagonal are not valid entries,
+    so they do not count as zero weights:
+
+    >>> import jax.numpy as jnp
+    >>> from attnx import analysis
+    >>> w = jnp.array([[[[1.0, 0.0, 0.0], [0.5, 0.5, 0.0], [0.9, 0.05, 0.05]]]])  # [B, N, T, S]
+    >>> stats = analysis.attention_statistics(w, jnp.tril(jnp.ones((3, 3), bool)))
+    >>> {name: round(float(value[0]), 3) for name, value in stats.items()}
+    {'sink_rate': 1.0, 'zero_share': 0.0, 'small_share': 0.0, 'entropy': 0.363, 'max_weight': 0.8}
+  """
   return {k: n / d for k, (n, d) in _head_sums(weights, valid, threshold, small).items()}
 
 
 def kurtosis(hidden: Any) -> Any:
-  """Pearson kurtosis m₄/m₂² over the last (hidden) axis, per token: ``[..., D] -> [...]``."""
+  """Pearson kurtosis m₄/m₂² over the last (hidden) axis, per token: ``[..., D] -> [...]``.
+
+  Example:
+    >>> import jax.numpy as jnp, numpy as np
+    >>> from attnx import analysis
+    >>> h = jnp.array([[1.0, -1.0, 1.0, -1.0], [0.0, 0.0, 0.0, 4.0]])  # two tokens, D = 4
+    >>> print(np.asarray(analysis.kurtosis(h)).round(3))  # ±1: 1; one large feature: more
+    [1.    2.333]
+  """
   h = jnp.asarray(hidden, jnp.float32)
   c = h - h.mean(-1, keepdims=True)
   m2 = (c ** 2).mean(-1)

@@ -247,6 +247,18 @@ def attention_weights(query: Array, key: Array, bias: Array | None = None,
   """The attention weights w [batch..., N, T, S] (float32) of :func:`attention`.
 
   Always dense: it materializes the T×S weights. Arguments as in :func:`attention`.
+
+  Example:
+    Equal keys get equal weights; causal rows see keys up to their own position:
+
+    >>> import jax.numpy as jnp, numpy as np
+    >>> from attnx import core
+    >>> q = k = jnp.ones((1, 3, 1, 2))  # [batch, T, N, H]
+    >>> w = core.attention_weights(q, k, is_causal=True)  # [batch, N, T, S]
+    >>> print(np.asarray(w[0, 0]).round(3))
+    [[1.    0.    0.   ]
+     [0.5   0.5   0.   ]
+     [0.333 0.333 0.333]]
   """
   q, k = jnp.asarray(query), jnp.asarray(key)
   q, k, _, bias, mask, w, sc, params, scale = _prepare(
@@ -417,12 +429,17 @@ def explain(query: Array, key: Array, value: Array, bias: Array | None = None,
   Pallas verification (:func:`~attnx.core.pallas_attention.verify_pallas`), as the call
   itself would.
 
-  Example::
-
-      print(core.explain(q, k, v, weighting="sparsemax", implementation="pallas"))
-      # pallas: cannot run it: implementation='pallas' needs a GPU or TPU; ...
-      # blocked: can run it (not chosen)
-      # dense: can run it (not chosen)
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from attnx import core
+    >>> q = k = v = jnp.ones((1, 16, 2, 8))
+    >>> print(core.explain(q, k, v))
+    pallas: ...
+    blocked: passed over: T·S = 16·16 = 256 scores per head is below BLOCKED_MIN_SCORES =
+    262144, where dense is faster
+    dense: runs this call
+    >>> core.explain(q, k, v, implementation="blocked", return_weights=True).chosen is None
+    True
   """
   problem, _ = _plan(query, key, value, bias, mask, **kwargs)
   implementation = kwargs.get("implementation")
@@ -522,6 +539,22 @@ def attention(query: Array, key: Array, value: Array, bias: Array | None = None,
       [0, 1), dropout without ``dropout_rng``, or an explicit implementation that cannot run
       the call (e.g. dropout / ``return_weights`` with ``implementation="blocked"``; the
       message is that implementation's ``supports`` reason).
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from attnx import core
+    >>> kq, kk, kv = jax.random.split(jax.random.key(0), 3)
+    >>> q = jax.random.normal(kq, (2, 5, 4, 8))   # [batch, T, N, H]
+    >>> k = jax.random.normal(kk, (2, 7, 2, 8))   # [batch, S, K, H]: 2 kv heads (GQA)
+    >>> v = jax.random.normal(kv, (2, 7, 2, 16))  # [batch, S, K, Hv]
+    >>> core.attention(q, k, v).shape
+    (2, 5, 4, 16)
+    >>> out, w = core.attention(q, k, v, weighting="sparsemax", return_weights=True)
+    >>> w.shape, bool(jnp.allclose(w.sum(-1), 1.0)), bool((w == 0).any())
+    ((2, 4, 5, 7), True, True)
+    >>> core.attention(q, k, v, weighting="relu", score="cosine:temperature=0.1",
+    ...                is_causal=True).shape
+    (2, 5, 4, 16)
   """
   problem, inputs = _plan(
       query, key, value, bias, mask, weighting=weighting, score=score, is_causal=is_causal,

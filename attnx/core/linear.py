@@ -316,10 +316,10 @@ def linear_attention(q: Array, k: Array, v: Array, *,
       zeroed, their keys and values are never read (nor differentiated), and FAVOR+'s key
       stabilizer ignores them. General [T, S] masks do not factorize and are not supported.
     eps: relative regularizer ε of the denominator: ε r_i is added, with
-      r_i = max_m |φ(q_i)_m| · Σ_j Σ_m |φ(k_j)_m| over the keys query i sees (valid, and j ≤ i
-      when causal), an upper bound of |φ(q_i)·Σ_j φ(k_j)|. It is invariant to rescaling the
-      features, so the output does not depend on FAVOR+'s stabilizers, on other examples or on
-      masked keys. Queries with no valid key get 0.
+      ``r_i = max_m |φ(q_i)_m| · Σ_j Σ_m |φ(k_j)_m|`` over the keys query i sees (valid, and
+      j ≤ i when causal), an upper bound of ``|φ(q_i)·Σ_j φ(k_j)|``. It is invariant to
+      rescaling the features, so the output does not depend on FAVOR+'s stabilizers, on other
+      examples or on masked keys. Queries with no valid key get 0.
     chunk_size: positions per chunk of the causal scan.
     precision: passed to the einsums (e.g. ``jax.lax.Precision.HIGHEST`` on TPU/GPU).
 

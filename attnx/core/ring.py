@@ -133,6 +133,11 @@ def ring_work(num_devices: int, layout: str = "contiguous",
   layout runs the same total per device, but its two half-shards travel on schedules of their
   own: one step costs up to 3 chunk tiles on some devices, where every step of this table
   costs 2.)
+
+  Example:
+    >>> from attnx import core
+    >>> print(core.ring_work(4, "contiguous"), core.ring_work(4, "zigzag"))
+    [ 2.  6. 10. 14.] [8. 8. 8. 8.]
   """
   _check_layout(layout)
   p = int(num_devices)
@@ -171,6 +176,15 @@ def zigzag_permute(x: Array, num_devices: int, axis: int = 1) -> Array:
   Shard the result along ``axis`` over the ring's mesh axis (e.g. ``P(None, "sp")`` for
   [B, T, N, H]); :func:`zigzag_unpermute` restores the natural order of the output. A bias or
   mask with both a T and an S axis is permuted along both.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from attnx import core
+    >>> z = core.zigzag_permute(jnp.arange(8)[None], num_devices=2)  # chunks of 2 positions
+    >>> print(z)  # device 0: chunks 0 and 3, device 1: chunks 1 and 2
+    [[0 1 6 7 2 3 4 5]]
+    >>> print(core.zigzag_unpermute(z, num_devices=2))
+    [[0 1 2 3 4 5 6 7]]
   """
   c, axis = _check_chunks(x, num_devices, axis)
   chunks = x.reshape(x.shape[:axis] + (2 * num_devices, c) + x.shape[axis + 1:])
@@ -1135,6 +1149,24 @@ def ring_attention(q: Array, k: Array, v: Array, bias: Array | None = None,
       tiles divide the local lengths, which must not leave tiles of a few rows), a bias/mask
       sharded otherwise than documented, a weighting that cannot stream (sparsemax, entmax:
       the message names the alternatives), or the checks of :func:`attnx.core.attention`.
+
+  Example:
+    A causal ring over every device (one on a plain CPU: the ring then has one step); the
+    result equals single-device attention:
+
+    >>> import jax, jax.numpy as jnp
+    >>> from jax.sharding import PartitionSpec as P
+    >>> from attnx import core
+    >>> n = jax.device_count()
+    >>> mesh = jax.make_mesh((n,), ("sp",), axis_types=(jax.sharding.AxisType.Auto,))
+    >>> kq, kk, kv = jax.random.split(jax.random.key(0), 3)
+    >>> q, k, v = (jax.random.normal(key, (2, 16 * n, 4, 8)) for key in (kq, kk, kv))
+    >>> ring = jax.shard_map(
+    ...     lambda q, k, v: core.ring_attention(q, k, v, axis_name="sp", is_causal=True),
+    ...     mesh=mesh, in_specs=P(None, "sp"), out_specs=P(None, "sp"))
+    >>> out = ring(q, k, v)  # [2, 16 n, 4, 8], sharded over "sp"
+    >>> bool(jnp.allclose(out, core.attention(q, k, v, is_causal=True), atol=1e-3))
+    True
   """
   p = _axis_size(axis_name)
   _check_layout(layout)

@@ -97,11 +97,11 @@ _EXPM1_SAFE = 80.0  # e^80 is far from float32 overflow (e^88.7)
 @functools.partial(jax.jit, static_argnames=("axis",))
 def softpick(x: Array, axis: int = -1, where: Array | None = None,
              eps: float = SOFTPICK_EPS) -> Array:
-  """Softpick (Zuhri et al. 2025, arXiv 2504.20966): relu(eᶻ − 1)/(Σ_j |e^{z_j} − 1| + ε).
+  """Softpick (Zuhri et al. 2025, arXiv 2504.20966), ``relu(eᶻ − 1)/(Σ_j |e^{z_j} − 1| + ε)``.
 
   Evaluated as relu(d)/(Σ|d| + ε e^{−m}) with d = e^{z−m} − e^{−m} = e^{−m}(eᶻ − 1) and
   m = max(0, row max), which is the same ratio without overflow. For m < 80 we use
-  e^{−m}·expm1(z), exact for small |z| where e^{z−m} − e^{−m} would cancel.
+  e^{−m}·expm1(z), exact for small ``|z|`` where e^{z−m} − e^{−m} would cancel.
 
   Args:
     x: scores, any float dtype (computed in float32).

@@ -157,7 +157,13 @@ _SCORES: dict[str, Score] = {
 
 
 def list_scores() -> list[str]:
-  """Names of the built-in scores."""
+  """Names of the built-in scores.
+
+  Example:
+    >>> from attnx import core
+    >>> core.list_scores()
+    ['additive', 'bilinear', 'cosine', 'dot', 'metric', 'neg_sq_dist', 'scaled_dot']
+  """
   return sorted(_SCORES)
 
 
@@ -165,6 +171,16 @@ def get_score(score: str | Score | Callable[..., Array]) -> Score:
   """Resolves a score name (or ``"cosine:temperature=0.1"``), a Score, or a callable.
 
   A callable ``f(q, k) -> [..., N, T, S]`` becomes a dense-only score.
+
+  Example:
+    >>> from attnx import core
+    >>> s = core.get_score("neg_sq_dist")
+    >>> s.name, s.distance, s.scaled
+    ('neg_sq_dist', True, False)
+    >>> core.get_score("additive").params  # learned arrays, passed as score_params
+    ('Wq', 'Wk', 'v')
+    >>> core.get_score(lambda q, k: -abs(q - k).sum(-1)).to_dot is None  # dense only
+    True
   """
   if isinstance(score, Score):
     return score

@@ -185,6 +185,19 @@ def register_weighting(name: str, factory: Callable[..., Weighting] | None = Non
   come from the name string (``"name:p=3,normalization=length"``). Usable as a decorator.
   After registration the weighting is usable by name everywhere: ``core.attention``,
   ``attnx.nn`` modules and ``--config.weightings=`` on the command line.
+
+  Example:
+    >>> import jax.numpy as jnp, numpy as np
+    >>> from attnx import core
+    >>> @core.register_weighting("cube", doc="max(s, 0)³, sum-normalized")
+    ... def cube():
+    ...   return core.Pointwise("cube", lambda z, num_keys: jnp.maximum(z, 0.0) ** 3)
+    >>> print(np.asarray(core.weights(jnp.array([1.0, 2.0, -1.0]), "cube")).round(3))
+    [0.111 0.889 0.   ]
+    >>> core.describe_weightings()["cube"]
+    'max(s, 0)³, sum-normalized'
+    >>> from attnx.core.weightings import unregister_weighting
+    >>> unregister_weighting("cube")  # registrations last for the process
   """
   def _register(f):
     if not overwrite and name in _REGISTRY:
@@ -213,6 +226,13 @@ def list_weightings(kind: str | None = None, **traits: Any) -> list[str]:
   shift_invariant=True)``, ``list_weightings(stream="entmax")``. Traits are those of each
   weighting at its default parameters (``"relu"`` sums to one, ``"relu:normalization=length"``
   does not: ask ``get_weighting(spec).traits`` for a parametrized spec).
+
+  Example:
+    >>> from attnx import core
+    >>> core.list_weightings(zero_on_nonpositive=True)
+    ['power', 'relu', 'relu2', 'softpick']
+    >>> core.list_weightings("row")
+    ['entmax', 'entmax15', 'softpick', 'sparsemax', 'ssmax', 'stick_breaking']
   """
   if kind not in (None, "pointwise", "row"):
     raise ValueError(f"kind must be 'pointwise', 'row' or None, got {kind!r}")
@@ -252,7 +272,13 @@ def _parse_value(text: str) -> Any:
 
 
 def parse_weighting_name(spec: str) -> tuple[str, dict[str, Any]]:
-  """``"entmax:alpha=1.5"`` -> ``("entmax", {"alpha": 1.5})``."""
+  """``"entmax:alpha=1.5"`` -> ``("entmax", {"alpha": 1.5})``.
+
+  Example:
+    >>> from attnx import core
+    >>> core.parse_weighting_name("power:p=3,normalization=length")
+    ('power', {'p': 3, 'normalization': 'length'})
+  """
   name, _, rest = spec.strip().partition(":")
   params: dict[str, Any] = {}
   if rest:
@@ -271,6 +297,16 @@ def get_weighting(weighting: WeightingLike, **overrides: Any) -> Weighting:
   A plain callable ``F(z)`` becomes a sum-normalized :class:`Pointwise`.
   Raises ValueError listing the valid names for an unknown name, and naming the accepted
   parameters for an unknown parameter.
+
+  Example:
+    >>> from attnx import core
+    >>> w = core.get_weighting("entmax:alpha=1.5")
+    >>> type(w).__name__, w.name
+    ('RowNormalizer', 'entmax:alpha=1.5')
+    >>> core.get_weighting("power:p=3").traits
+    {'sums_to_one': True, 'zero_on_nonpositive': True, 'shift_invariant': False, 'stream': 'sum'}
+    >>> core.get_weighting("relu:normalization=length").traits["sums_to_one"]
+    False
   """
   if isinstance(weighting, (Pointwise, RowNormalizer)):
     if overrides:
@@ -426,6 +462,19 @@ def weights(scores: Array, weighting: WeightingLike = "softmax", axis: int = -1,
 
   Returns:
     float32 (or wider) weights with the shape of ``scores``.
+
+  Example:
+    >>> import jax.numpy as jnp, numpy as np
+    >>> from attnx import core
+    >>> s = jnp.array([1.0, 2.0, -1.0])
+    >>> print(np.asarray(core.weights(s, "softmax")).round(3))
+    [0.259 0.705 0.035]
+    >>> print(np.asarray(core.weights(s, "relu")).round(3))
+    [0.333 0.667 0.   ]
+    >>> print(np.asarray(core.weights(s, "sparsemax")))
+    [0. 1. 0.]
+    >>> print(np.asarray(core.weights(s, "relu", where=jnp.array([True, False, True]))))
+    [1. 0. 0.]
   """
   w = get_weighting(weighting)
   scores = jnp.asarray(scores)

@@ -176,7 +176,17 @@ def make_listops(
   max_depth: int = 4,
   max_args: int = 10,
 ) -> dict[str, np.ndarray]:
-  """n examples: inputs [n, max_length] int32, targets [n] int32, mask [n, max_length]."""
+  """n examples: inputs [n, max_length] int32, targets [n] int32, mask [n, max_length].
+
+  Example:
+    >>> from attnx import data
+    >>> d = data.make_listops(4, seed=0, max_length=16, min_length=4)
+    >>> {k: v.shape for k, v in d.items()}
+    {'inputs': (4, 16), 'targets': (4,), 'mask': (4, 16)}
+    >>> vocab = data.get_info("listops").extras["vocab"]
+    >>> " ".join(vocab[t] for t in d["inputs"][0] if t), int(d["targets"][0])
+    ('[MAX 1 7 0 6 8 5 4 ]', 8)
+  """
   check_params(max_length, min_length, max_depth, max_args)
   rng = random.Random(int(seed))
   inputs = np.zeros((n, max_length), np.int32)

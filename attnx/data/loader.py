@@ -149,6 +149,16 @@ def get_info(
 
   `data_dir` is only used for catalog datasets: when prepared there, their
   real split sizes are reported; otherwise the standard sizes.
+
+  Example:
+    >>> from attnx import data
+    >>> info = data.get_info("listops", config="tiny")
+    >>> info.task, info.input_shape, info.num_classes, info.vocab_size
+    ('classification', (32,), 10, 16)
+    >>> info.splits
+    {'train': 256, 'validation': 64, 'test': 64}
+    >>> data.get_info("listops", max_length=256).config_name  # a field override
+    'default-max_length=256'
   """
   name, kwargs = _parse_name(name, config_kwargs)
   if name in BUILDERS:

@@ -87,6 +87,20 @@ class MultiHeadAttention(nn.Module, kw_only=True):
     sequence_layout: how the sequence is cut over ``sequence_axis``: ``"contiguous"`` or
       ``"zigzag"`` (causal load balance; see :func:`attnx.core.zigzag_permute`).
     dtype, param_dtype, kernel_init, bias_init: as in flax.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from attnx import nn
+    >>> mha = nn.MultiHeadAttention(num_heads=4, weighting="relu", is_causal=True)
+    >>> x = jnp.ones((2, 10, 32))  # [B, T, D]
+    >>> variables = mha.init(jax.random.key(0), x)
+    >>> variables["params"]["query"]["kernel"].shape  # [D, N, H]
+    (32, 4, 8)
+    >>> y, w = mha.apply(variables, x, return_weights=True)
+    >>> y.shape, w.shape  # [B, T, D] and [B, N, T, S]
+    ((2, 10, 32), (2, 4, 10, 10))
+    >>> bool((w[..., 0, 1:] == 0).all())  # causal: the first query sees only key 0
+    True
   """
 
   num_heads: int

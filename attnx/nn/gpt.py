@@ -89,6 +89,18 @@ class GPT(nn.Module, kw_only=True):
       whole sequence it is given. See :class:`~attnx.nn.MultiHeadAttention`.
     sequence_layout: ``"contiguous"`` or ``"zigzag"`` (the causal load balance).
     dtype, param_dtype: as in flax.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from attnx import nn
+    >>> model = nn.GPT(vocab_size=16, num_layers=2, num_heads=2, hidden_dim=16, mlp_dim=32,
+    ...                max_len=8, attention="relu")
+    >>> tokens = jnp.arange(16).reshape(2, 8)  # [B, T]
+    >>> params = model.init(jax.random.key(0), tokens)["params"]
+    >>> model.apply({"params": params}, tokens).shape  # [B, T, vocab_size]
+    (2, 8, 16)
+    >>> nn.generate(model, params, tokens[:, :3], 4, rng=jax.random.key(1)).shape
+    (2, 7)
   """
 
   vocab_size: int

@@ -94,6 +94,8 @@ class SequenceClassifier(nn.Module, kw_only=True):
 
   @nn.compact
   def __call__(self, tokens: Array, *, deterministic: bool = True) -> Array:
+    """``tokens [B, L]`` int (L ≤ ``max_len``, 0 = PAD) -> logits ``[B, C]``, or ``[B, L, C]``
+    with ``pool="none"``. ``deterministic=False`` enables dropout (``"dropout"`` RNG)."""
     chex.assert_rank(tokens, 2)
     chex.assert_type(tokens, int)
     b, length = tokens.shape

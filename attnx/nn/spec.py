@@ -78,6 +78,15 @@ def attention_spec(variant: str) -> dict[str, Any]:
 
   Raises:
     ValueError: unknown variant, listing the valid weightings and the special variants.
+
+  Example:
+    >>> from attnx import nn
+    >>> nn.attention_spec("relu")
+    {'type': 'dot', 'weighting': 'relu'}
+    >>> nn.attention_spec("gaussian:h=2")
+    {'type': 'dot', 'weighting': 'gaussian:h=2', 'score': 'neg_sq_dist'}
+    >>> nn.attention_spec("linear_favor:num_features=64")
+    {'type': 'linear', 'feature_map': 'favor_plus', 'num_features': 64}
   """
   if not isinstance(variant, str) or not variant.strip():
     raise ValueError(f"attention variant must be a non-empty string, got {variant!r}")

@@ -145,6 +145,15 @@ class EncoderBlock(nn.Module, kw_only=True):
   @nn.compact
   def __call__(self, x: Array, *, mask: Array | None = None, key_mask: Array | None = None,
                deterministic: bool = True, decode: bool = False) -> Array:
+    """Self-attention and MLP over ``x [B, L, D]`` -> ``[B, L, D]``.
+
+    Args:
+      x: the block's input ``[B, L, D]``.
+      mask: optional boolean mask broadcastable to ``[B, N, L, L]``; True = attend.
+      key_mask: optional ``[B, L]`` key padding mask (True = real token).
+      deterministic: disables dropout (the ``"dropout"`` RNG is needed otherwise).
+      decode: KV-cache decoding, for attention types that have a cache.
+    """
     chex.assert_rank(x, 3)
     ln = lambda name: nn.LayerNorm(dtype=self.dtype, param_dtype=self.param_dtype, name=name)
     attn = make_attention(self.attention, num_heads=self.num_heads, is_causal=self.is_causal,
@@ -183,6 +192,20 @@ class DecoderBlock(nn.Module, kw_only=True):
   def __call__(self, x: Array, memory: Array, *, mask: Array | None = None,
                key_mask: Array | None = None, memory_key_mask: Array | None = None,
                deterministic: bool = True, decode: bool = False) -> Array:
+    """Causal self-attention over ``x [B, T, D]``, cross-attention to ``memory [B, S, D]``, MLP.
+
+    Args:
+      x: the decoder stream ``[B, T, D]``.
+      memory: the encoder output ``[B, S, D]`` (same batch size).
+      mask: optional boolean mask of the self-attention, broadcastable to ``[B, N, T, T]``.
+      key_mask: optional ``[B, T]`` padding mask of the decoder tokens (True = real token).
+      memory_key_mask: optional ``[B, S]`` padding mask of ``memory``.
+      deterministic: disables dropout (the ``"dropout"`` RNG is needed otherwise).
+      decode: KV-cache decoding of the self-attention, for attention types that have a cache.
+
+    Returns:
+      ``[B, T, D]``.
+    """
     chex.assert_rank([x, memory], 3)
     chex.assert_equal_shape_prefix([x, memory], 1)
     ln = lambda name: nn.LayerNorm(dtype=self.dtype, param_dtype=self.param_dtype, name=name)
@@ -224,6 +247,7 @@ class Encoder(nn.Module, kw_only=True):
   @nn.compact
   def __call__(self, x: Array, *, mask: Array | None = None, key_mask: Array | None = None,
                deterministic: bool = True, decode: bool = False) -> Array:
+    """``x [B, L, D]`` -> ``[B, L, D]``; the arguments are :meth:`EncoderBlock.__call__`'s."""
     for i in range(self.num_layers):
       x = EncoderBlock(num_heads=self.num_heads, mlp_dim=self.mlp_dim,
                        dropout_rate=self.dropout_rate,
@@ -256,6 +280,8 @@ class Decoder(nn.Module, kw_only=True):
   def __call__(self, x: Array, memory: Array, *, mask: Array | None = None,
                key_mask: Array | None = None, memory_key_mask: Array | None = None,
                deterministic: bool = True, decode: bool = False) -> Array:
+    """``x [B, T, D]``, ``memory [B, S, D]`` -> ``[B, T, D]``; the arguments are
+    :meth:`DecoderBlock.__call__`'s."""
     for i in range(self.num_layers):
       x = DecoderBlock(num_heads=self.num_heads, mlp_dim=self.mlp_dim,
                        dropout_rate=self.dropout_rate,

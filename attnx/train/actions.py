@@ -154,6 +154,7 @@ class Action(abc.ABC):
   schedule: Schedule = NEVER
 
   def due(self, step: int, num_steps: int) -> bool:
+    """Whether the action runs after `step` steps (1-based) of `num_steps`: its schedule's."""
     return self.schedule.due(step, num_steps)
 
   @abc.abstractmethod

@@ -58,21 +58,24 @@ class FitConfig:
   a ValueError naming the field. Build it from an experiment config with `from_config`; make
   variants with ``dataclasses.replace(cfg, num_seeds=1)``.
 
-  num_steps: optimizer steps (schedules in a ConfigDict optimizer span them).
-  optimizer: an `optimizer_config()` ConfigDict (inspected for the checkpoint fingerprint and
-    the NaN hint) or a ready optax transformation.
-  num_seeds, seed: seeds seed..seed+num_seeds-1, trained at once (vmap).
-  loss: a name in LOSSES or a LossFn.
-  eval_every, log_every, checkpoint_every: periods in steps (0: only at the end; checkpoints
-    also need a workdir). keep_checkpoints: how many recent checkpoints stay on disk.
-  parallel: data parallelism over devices, one of PARALLEL_MODES.
-  sequence_parallel: with parallel="shard_map", the devices along the sequence of a 2-D
-    (data, seq) mesh (1: data parallelism only). Every batch array is split along its
-    sequence axis too; the model must run its attention ring-parallel over "seq" (it says so
-    with a ``sequence_axis="seq"`` field, e.g. ``attnx.nn.GPT``). sequence_layout: how the
-    sequence is cut ("contiguous" or "zigzag", the causal load balance; the model's own
-    ``sequence_layout`` must match).
-  progress: a tqdm bar when stderr is a tty. tensorboard: event files next to metrics.jsonl.
+  Attributes:
+    num_steps: optimizer steps (schedules in a ConfigDict optimizer span them).
+    optimizer: an `optimizer_config()` ConfigDict (inspected for the checkpoint fingerprint
+      and the NaN hint) or a ready optax transformation.
+    num_seeds, seed: seeds seed..seed+num_seeds-1, trained at once (vmap).
+    loss: a name in LOSSES or a LossFn.
+    eval_every, log_every, checkpoint_every: periods in steps (0: only at the end;
+      checkpoints also need a workdir).
+    keep_checkpoints: how many recent checkpoints stay on disk.
+    parallel: data parallelism over devices, one of PARALLEL_MODES.
+    sequence_parallel: with parallel="shard_map", the devices along the sequence of a 2-D
+      (data, seq) mesh (1: data parallelism only). Every batch array is split along its
+      sequence axis too; the model must run its attention ring-parallel over "seq" (it says
+      so with a ``sequence_axis="seq"`` field, e.g. ``attnx.nn.GPT``).
+    sequence_layout: how the sequence is cut ("contiguous" or "zigzag", the causal load
+      balance; the model's own ``sequence_layout`` must match).
+    progress: a tqdm bar when stderr is a tty.
+    tensorboard: event files next to metrics.jsonl.
   """
 
   num_steps: int

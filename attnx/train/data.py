@@ -139,5 +139,15 @@ def loader(arrays: Mapping[str, np.ndarray], batch_size: int, pipeline: str = "n
 
   ``fit(train_data=loader(train, 32, config.data_pipeline), eval_data=loader(test, 500))``;
   ``evaluate(model, params, loader(test, 500))``.
+
+  Example:
+    >>> import numpy as np
+    >>> from attnx import train
+    >>> data = train.loader({"inputs": np.arange(10), "targets": np.arange(10) % 2}, 4)
+    >>> [batch["inputs"].tolist() for batch in data]  # one ordered pass
+    [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    >>> stream = data(seed=0)  # the endless shuffled training stream of seed 0
+    >>> [next(stream)["inputs"].shape for _ in range(3)]  # full batches only
+    [(4,), (4,), (4,)]
   """
   return Loader(arrays, batch_size, pipeline)

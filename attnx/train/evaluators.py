@@ -32,8 +32,8 @@ Built-in:
   ``arrays["inputs_by_level"]`` [levels, N, ...] (e.g. a growing global-noise component);
   ``accuracy_by_level`` [seeds, levels]. Each level is one jitted call over all N examples.
 * ``"weight_tv_by_level"``: for models with an ``attention_weights(x) -> [..., L, L]`` method:
-  the mean total-variation distance ½ Σ_j |w_ij − w_ij^ref| of each attention row to the same
-  row at the reference level (``eval_options["reference_level"]``, default the lowest of
+  the mean total-variation distance ``½ Σ_j |w_ij − w_ij^ref|`` of each attention row to the
+  same row at the reference level (``eval_options["reference_level"]``, default the lowest of
   ``eval_options["levels"]``), on the first ``eval_options["weight_examples"]`` examples
   (default all) of ``inputs_by_level``; ``weight_tv_by_level`` [seeds, levels].
 * ``"attention_stats"``: what the attention of any attnx model does
@@ -51,6 +51,7 @@ Built-in:
   ``loss_by_position`` [seeds, k_max·L] and ``eval_seconds_by_context`` [seeds, K].
 * ``"stream_loss"``: ``<name>_loss`` [seeds] on the training-length windows of each token
   stream of ``eval_options["loss_streams"]`` ({name: stream or function}), e.g. a test split.
+
 Options come from ``task.eval_options`` (:class:`attnx.train.experiment.Task`).
 
 Loss vs evaluation length (language models, any ``model(tokens [B, T]) -> logits``):

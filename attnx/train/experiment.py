@@ -1,6 +1,6 @@
 """Experiments as declarations: tasks × variants → train → evaluate → compare → report.
 
-A comparison experiment states *what* it compares and leaves *how* to this module:
+A comparison experiment states *what* it compares and leaves *how* to this module::
 
     tasks = [Task(name="digits", dataset="digits", build_model=vit, metric="accuracy", ...)]
     variants = [Variant("softmax", attention_spec("softmax")), Variant("relu", ...)]

@@ -9,6 +9,7 @@ The rule (stated in every report that uses it, see :meth:`Comparison.rule`):
 2. Form the two-sided 95 % confidence interval of the mean difference with Student's t on
    n − 1 degrees of freedom: d̄ ± t₀.₉₇₅,ₙ₋₁ · sd(d)/√n (the paired t-interval).
 3. Decide, with a practical margin δ > 0 stated by the experiment (e.g. 0.01 accuracy):
+
    * **within noise** (equivalent) if the whole interval lies inside (−δ, δ);
    * **better** / **worse** if the interval excludes 0 (above / below) and is not inside
      (−δ, δ);

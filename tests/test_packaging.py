@@ -34,7 +34,8 @@ def test_installed_jax_is_in_the_supported_range():
     assert deps[name].specifier.contains(installed, prereleases=True), (
         f"{name} {installed} is outside pyproject's {deps[name]}")
   jax_range = deps["jax"].specifier
-  # 0.10.2 is what the suite passes on; 0.10.0 and 0.10.1 fail it (README, supported JAX).
+  # 0.10.2 is what the suite passes on; 0.10.0 and 0.10.1 fail it
+  # (docs/development.md, "Supported JAX").
   assert jax_range.contains("0.10.2")
   assert not any(jax_range.contains(v) for v in ("0.10.0", "0.10.1", "0.11.0", "0.9.2"))
 

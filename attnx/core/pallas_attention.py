@@ -171,8 +171,8 @@ class BlockSizes:
 # tile (float32 at H > 64: the dK and dV accumulators and the K, V tiles in registers), dK and
 # dV run as two passes (split_dkv: scores recomputed, one accumulator each; the dV pass needs
 # neither V nor dP). Where no candidate was spill-free (the distance kernels' dK at H = 128;
-# stick-breaking's dK at float32 H = 256 with a bias) the table keeps the best one and README's
-# Known limits give the figures. TPU tiles as in JAX's splash attention (bigger tiles
+# stick-breaking's dK at float32 H = 256 with a bias) the table keeps the best one and
+# docs/known_limits.md gives the figures. TPU tiles as in JAX's splash attention (bigger tiles
 # amortize the ~0.35 µs per-grid-step overhead); none of them overflows VMEM on a v5e or v6e.
 # kernel -> (block_q, block_k, num_warps); dK/dV may add a 4th entry, True: split_dkv (dK and
 # dV in two passes of one accumulator each, where the fused pass spilled at every tile tried).

@@ -516,7 +516,7 @@ class ApiTest(parameterized.TestCase):
 
 # --------------------------------------------------------------------------------------------
 # Causal attention was wrong at most lengths above 512 and for tiles that do not divide the
-# triangle's squares (see the README's "Known issues fixed"): the
+# triangle's squares (see docs/changes.md, "Known issues fixed"): the
 # squares ran the plain kernel unpadded, and a last tile running past a square's end was
 # clamped by dynamic_slice onto earlier keys. Every case of the first three tests below failed
 # before the fix (37 of 37); each is compared with the float64 brute force

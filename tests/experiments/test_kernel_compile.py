@@ -72,8 +72,8 @@ def test_sample_compiles_without_spills(case):
 
 
 def _known_spill(case: dict) -> str | None:
-  """README's Known limits: the programs that spill at every tile tried (strict: one that
-  stops spilling fails here, so that the list and the README follow)."""
+  """docs/known_limits.md: the programs that spill at every tile tried (strict: one that
+  stops spilling fails here, so that the list and that page follow)."""
   gpu = case["target"] in ("h100", "a100")
   # Boxcar's kernels fit; on an H100 only the dQ kernel with a bias spills (4–12 B).
   spilling = {"a100": ("gaussian", "triangular", "epanechnikov"),

@@ -141,8 +141,11 @@ def test_bad_launcher_arguments_fail_with_usage(env):
 
 @pytest.mark.slow
 def test_sigkill_of_one_training_process_then_resume_is_bit_identical(env, tmp_path):
-  args = [TINY, "--config.weightings=softmax", "--config.num_seeds=1", "--config.num_steps=200",
-          "--config.checkpoint_every=20", "--config.log_every=20", "--config.eval_every=100",
+  # 60 steps, a checkpoint every 10, killed once the second (step 20) is committed: 40 steps
+  # (seconds: a two-process step takes tens of ms) are left to land the kill in, and the
+  # resumed run passes an evaluation (every 30) and more checkpoints.
+  args = [TINY, "--config.weightings=softmax", "--config.num_seeds=1", "--config.num_steps=60",
+          "--config.checkpoint_every=10", "--config.log_every=10", "--config.eval_every=30",
           "--config.parallel=shard_map", "--config.progress=False"]
   ref_dir, run_dir = str(tmp_path / "ref"), str(tmp_path / "killed")
   ref = _local(env, 2, "launch.py", *args, f"--workdir={ref_dir}")
@@ -154,7 +157,7 @@ def test_sigkill_of_one_training_process_then_resume_is_bit_identical(env, tmp_p
   ckpt = os.path.join(run_dir, "checkpoints", RUN)
   deadline = time.time() + 240
   while time.time() < deadline and launcher.poll() is None:
-    if os.path.exists(os.path.join(ckpt, "40", "commit_success.txt")):
+    if os.path.exists(os.path.join(ckpt, "20", "commit_success.txt")):
       break
     time.sleep(0.02)
   assert launcher.poll() is None, "run finished before it could be killed"
@@ -170,18 +173,18 @@ def test_sigkill_of_one_training_process_then_resume_is_bit_identical(env, tmp_p
                    err), err[-2000:]
   assert not _pids(run_dir, 0), "process 0 outlived the launcher"
   saved = max(int(d) for d in os.listdir(ckpt) if d.isdigit())
-  assert 40 <= saved < 200
+  assert 20 <= saved < 60
   resumed = _local(env, 2, "launch.py", *args, f"--workdir={run_dir}")
   assert resumed.returncode == 0, resumed.stderr[-3000:]
   assert f"Resuming run '{RUN}' from step" in resumed.stderr
-  a, b = read_state(ref_dir, RUN, 200), read_state(run_dir, RUN, 200)
+  a, b = read_state(ref_dir, RUN, 60), read_state(run_dir, RUN, 60)
   import jax  # noqa: PLC0415
 
   for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
   with open(os.path.join(run_dir, "metrics.jsonl")) as f:
     steps = [json.loads(line)["step"] for line in f]
-  assert steps == list(range(20, 201, 20))  # no duplicated or lost records
+  assert steps == list(range(10, 61, 10))  # no duplicated or lost records
 
 
 @pytest.mark.slow

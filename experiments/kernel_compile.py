@@ -264,7 +264,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   elapsed = time.time() - t0
   table = markdown_table(rows)
   with open(os.path.join(workdir, "compile.md"), "w") as f:
-    f.write(table)
+    # A title: the table can be copied into docs/kernel_compile/ as a page of the site as is.
+    f.write(f"# Compile report: {', '.join(train.split_list(config.targets))}\n\n{table}")
   versions = aot.toolchain_versions()
   with open(os.path.join(workdir, "compile.json"), "w") as f:
     json.dump({"rows": rows, "columns": COLUMNS, "elapsed_s": elapsed, "versions": versions,

@@ -149,3 +149,4 @@ def test_tiny_run_writes_its_table_and_json(tmp_path):
   assert len(out["rows"]) == 6 and not out["failed"]  # 2 programs × 3 kernels
   for name in ("compile.md", "compile.json", "report.md"):
     assert os.path.getsize(tmp_path / name) > 0
+  assert open(tmp_path / "compile.md").read().startswith("# Compile report: h100\n\n| ")

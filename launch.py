@@ -162,16 +162,19 @@ def parse_flags(argv: list[str]) -> list[str]:
   return rest
 
 
-def check_workdir(workdir: str, flag: bool = True) -> str | None:
+def check_workdir(workdir: str, flag: bool = True, create: bool = True) -> str | None:
   """Create `workdir`; an error message when it is not a writable directory, else None.
 
   Checked before JAX starts: otherwise a file or a read-only path given as --workdir fails
   with an OSError traceback, possibly after the data was prepared. `flag`: whether the user
-  gave it (else it is the default).
+  gave it (else it is the default). `create=False` (a dry run) only checks that the path is
+  not a file, and creates nothing.
   """
   name = f"--workdir={workdir}" if flag else f"the default workdir {workdir!r} (see --workdir)"
   if os.path.exists(workdir) and not os.path.isdir(workdir):
     return f"{name} is a file, not a directory; name a directory for the run's outputs"
+  if not create:
+    return None
   try:
     os.makedirs(workdir, exist_ok=True)
   except OSError as e:
@@ -202,17 +205,14 @@ def main(argv: list[str]) -> int:
     print(f"FATAL: invalid config: {e}", file=sys.stderr)
     return 2
   workdir = _WORKDIR.value or default_workdir(config)
-  if _DRY_RUN.value:
-    if os.path.exists(workdir) and not os.path.isdir(workdir):
-      print(f"FATAL: --workdir={workdir} is a file, not a directory", file=sys.stderr)
-      return 2
-    print(f"Dry run: {config.get('experiment')}:{config.get('preset')} -> {workdir}: the "
-          "command line is valid; nothing was run.")
-    return 0
-  msg = check_workdir(workdir, flag=bool(_WORKDIR.value))
+  msg = check_workdir(workdir, flag=bool(_WORKDIR.value), create=not _DRY_RUN.value)
   if msg:
     print(f"FATAL: {msg}", file=sys.stderr)
     return 2
+  if _DRY_RUN.value:
+    print(f"Dry run: {config.get('experiment')}:{config.get('preset')} -> {workdir}: the "
+          "command line is valid; nothing was run.")
+    return 0
 
   import jax  # Device settings below must precede JAX's backend initialization.
   n = int(config.get("num_cpu_devices", 0) or 0)

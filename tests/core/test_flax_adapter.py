@@ -1,5 +1,7 @@
 """flax_attention_fn as a drop-in attention_fn for linen and nnx multi-head attention."""
 
+import inspect
+
 import chex
 import flax.linen as nn
 import jax
@@ -131,3 +133,195 @@ def test_flax_attention_fn_drop_in_linen_and_nnx():
   relu = make(attention_fn=core.flax_attention_fn("relu"))(X8)
   chex.assert_tree_all_finite(relu)
   assert jnp.max(jnp.abs(relu - nnx_ref)) > 1e-3
+
+
+# --- Every argument Flax passes is honoured, argument by argument against Flax's own ---------
+
+def _nnx_mha(attention_fn=None, **kw):
+  extra = {} if attention_fn is None else {"attention_fn": attention_fn}
+  return nnx.MultiHeadAttention(num_heads=4, in_features=16, qkv_features=16, decode=False,
+                                rngs=nnx.Rngs(0), **extra, **kw)
+
+
+_Q, _K, _V = (jax.random.normal(jax.random.PRNGKey(i), (2, 6, 4, 8)) for i in (10, 11, 12))
+_BIAS = 0.3 * jax.random.normal(jax.random.PRNGKey(13), (2, 4, 6, 6))
+_BOOL_MASK = jax.random.bernoulli(jax.random.PRNGKey(14), 0.7, (2, 1, 6, 6)).at[..., 0].set(True)
+
+# Each case: the keywords one call of Flax's dot_product_attention gets, as Flax's modules pass
+# them. nnx's function is the reference (it takes is_causal; linen's takes the rest the same).
+_CASES = {
+    "plain": {},
+    "bias": dict(bias=_BIAS),
+    "bool_mask": dict(mask=_BOOL_MASK),
+    "float_mask": dict(mask=_BOOL_MASK.astype(jnp.float32)),
+    "is_causal": dict(is_causal=True),
+    "is_causal_and_mask": dict(is_causal=True, mask=_BOOL_MASK),
+    "is_causal_mask_bias": dict(is_causal=True, mask=_BOOL_MASK, bias=_BIAS),
+    "dropout_broadcast": dict(dropout_rate=0.3, dropout_rng=jax.random.PRNGKey(7),
+                              broadcast_dropout=True),
+    "dropout_per_weight": dict(dropout_rate=0.3, dropout_rng=jax.random.PRNGKey(7),
+                               broadcast_dropout=False, is_causal=True),
+    "deterministic": dict(dropout_rate=0.3, dropout_rng=jax.random.PRNGKey(7),
+                          deterministic=True),
+    "precision": dict(precision=jax.lax.Precision.HIGHEST, mask=_BOOL_MASK),
+    "dtype_float32": dict(dtype=jnp.float32, is_causal=True),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_CASES))
+def test_each_flax_keyword_equals_flax_dot_product_attention_values_and_gradients(case):
+  kw = _CASES[case]
+  ours = core.flax_attention_fn("softmax")
+
+  def loss(fn, q, k, v, bias):
+    call = dict(kw, bias=bias) if "bias" in kw else kw
+    return fn(q, k, v, **call)
+
+  args = (_Q, _K, _V, kw.get("bias"))
+  ref = loss(nnx.dot_product_attention, *args)
+  out = loss(ours, *args)
+  chex.assert_trees_all_close(out, ref, atol=2e-6, rtol=2e-6)
+  argnums = (1, 2, 3, 4) if "bias" in kw else (1, 2, 3)
+  g = jax.random.normal(jax.random.PRNGKey(3), out.shape)
+  grads = lambda fn: jax.grad(lambda *a: jnp.sum(loss(*a) * g), argnums=argnums)(fn, *args)
+  chex.assert_trees_all_close(grads(ours), grads(nnx.dot_product_attention), atol=1e-5,
+                              rtol=1e-5)
+  if "is_causal" in kw:  # the case must be able to fail: without the flag, outputs differ
+    free = {k_: v_ for k_, v_ in kw.items() if k_ != "is_causal"}
+    assert jnp.max(jnp.abs(ours(_Q, _K, _V, **free) - ref)) > 1e-2
+
+
+def test_precision_reaches_the_matmuls():
+  fn = core.flax_attention_fn("softmax")
+  jaxpr = lambda **kw: str(jax.make_jaxpr(lambda q, k, v: fn(q, k, v, **kw))(_Q, _K, _V))
+  assert "HIGHEST" in jaxpr(precision=jax.lax.Precision.HIGHEST)
+  assert "HIGHEST" in jaxpr(precision="highest")
+  assert "HIGHEST" in jaxpr(precision=(jax.lax.Precision.HIGHEST,) * 2)
+  assert "HIGHEST" not in jaxpr()
+  with pytest.raises(ValueError, match="differs between the two operands"):
+    fn(_Q, _K, _V, precision=(jax.lax.Precision.HIGHEST, jax.lax.Precision.DEFAULT))
+
+
+def test_low_precision_dtype_matches_flax_to_bf16_rounding():
+  ref = nnx.dot_product_attention(_Q, _K, _V, dtype=jnp.bfloat16, is_causal=True)
+  out = core.flax_attention_fn("softmax")(_Q, _K, _V, dtype=jnp.bfloat16, is_causal=True)
+  assert out.dtype == jnp.bfloat16
+  chex.assert_trees_all_close(out.astype(jnp.float32), ref.astype(jnp.float32), atol=3e-2)
+
+
+def test_unknown_keyword_is_a_type_error_naming_it():
+  fn = core.flax_attention_fn("softmax")
+  with pytest.raises(TypeError, match="is_casual"):
+    fn(_Q, _K, _V, is_casual=True)
+  params = inspect.signature(fn).parameters.values()
+  assert all(p.kind is not inspect.Parameter.VAR_KEYWORD for p in params)
+
+
+def test_custom_einsums_are_refused_not_dropped():
+  fn = core.flax_attention_fn("softmax")
+  with pytest.raises(ValueError, match="qk_attn_weights_einsum is not supported"):
+    fn(_Q, _K, _V, qk_attn_weights_einsum=jnp.einsum)
+  model = _linen(fn, qk_attn_weights_einsum_cls=lambda: jnp.einsum)
+  params = _linen().init(jax.random.PRNGKey(1), X, X)
+  with pytest.raises(ValueError, match="qk_attn_weights_einsum is not supported"):
+    model.apply(params, X, X)
+
+
+@pytest.mark.parametrize("force_fp32", [False, True])
+def test_linen_every_module_keyword_equals_stock(force_fp32):
+  kw = dict(dropout_rate=0.2, broadcast_dropout=False, precision=jax.lax.Precision.HIGHEST,
+            force_fp32_for_softmax=force_fp32)
+  params = _linen().init(jax.random.PRNGKey(1), X, X)
+  call = dict(mask=MASK, deterministic=False, rngs={"dropout": jax.random.PRNGKey(4)},
+              sow_weights=True, mutable=["intermediates"])
+  ref = _linen(**kw).apply(params, X, X, **call)
+  out = _linen(core.flax_attention_fn("softmax"), **kw).apply(params, X, X, **call)
+  chex.assert_trees_all_close(out, ref, atol=1e-5)
+  grad = lambda m: jax.grad(lambda p: jnp.sum(m.apply(p, X, X, **call)[0] ** 2))(params)
+  chex.assert_trees_all_close(grad(_linen(core.flax_attention_fn("softmax"), **kw)),
+                              grad(_linen(**kw)), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("mask", [None, "padding"])
+def test_nnx_is_causal_equals_stock_module_values_and_gradients(mask):
+  m = None if mask is None else MASK
+  stock, ours = _nnx_mha(), _nnx_mha(core.flax_attention_fn("softmax"))
+  ref = stock(X, mask=m, is_causal=True)
+  chex.assert_trees_all_close(ours(X, mask=m, is_causal=True), ref, atol=1e-5)
+  assert jnp.max(jnp.abs(ours(X, mask=m) - ref)) > 1e-2  # the flag matters here
+  loss = lambda model, x: jnp.sum(model(x, mask=m, is_causal=True) ** 2)
+  grads = lambda model: nnx.grad(loss, argnums=(0, 1))(model, X)
+  chex.assert_trees_all_close(grads(ours), grads(stock), atol=1e-4, rtol=1e-4)
+
+
+def test_nnx_every_module_keyword_equals_stock():
+  kw = dict(dropout_rate=0.3, broadcast_dropout=False, precision=jax.lax.Precision.HIGHEST)
+  run = lambda model: model(X, mask=MASK, is_causal=True, deterministic=False,
+                            rngs=nnx.Rngs(dropout=3), sow_weights=True)
+  stock, ours = _nnx_mha(**kw), _nnx_mha(core.flax_attention_fn("softmax"), **kw)
+  chex.assert_trees_all_close(run(ours), run(stock), atol=1e-5)
+  sown = lambda model: nnx.state(model, nnx.Intermediate)["attention_weights"]
+  chex.assert_trees_all_close(jax.tree.leaves(sown(ours)), jax.tree.leaves(sown(stock)),
+                              atol=1e-6)
+
+
+def _causal_case(weighting: str) -> tuple[str, str]:
+  distance = getattr(core.get_weighting(weighting), "distance_kernel", False)
+  return weighting, "neg_sq_dist" if distance else "scaled_dot"
+
+
+@pytest.mark.parametrize("implementation", ["dense", "blocked", "pallas"])
+@pytest.mark.parametrize("weighting", core.list_weightings())
+def test_is_causal_no_earlier_output_sees_a_later_token(weighting, implementation):
+  # The NNX user's failure: a causal model whose outputs depend on later tokens. Changing the
+  # last token (its query, key and value) must leave every earlier output exactly as it was.
+  weighting, score = _causal_case(weighting)
+  fn = core.flax_attention_fn(weighting, score, implementation=implementation,
+                              interpret=implementation == "pallas")
+  q, noise, v = (jax.random.normal(jax.random.PRNGKey(i), (1, 7, 2, 8)) for i in (20, 21, 22))
+  k = q + 0.1 * noise  # keys near their queries: compact distance kernels have weights too
+  q2, k2, v2 = (x.at[:, -1].multiply(0.5) for x in (q, k, v))
+  run = jax.jit(lambda *a: fn(*a, is_causal=True))
+  out, out2 = run(q, k, v), run(q2, k2, v2)
+  chex.assert_tree_all_finite((out, out2))
+  chex.assert_trees_all_close(out2[:, :-1], out[:, :-1], atol=1e-6)
+  assert jnp.max(jnp.abs(out2[:, -1] - out[:, -1])) > 1e-3  # the change reached the last one
+
+
+@pytest.mark.parametrize("weighting", ["softmax", "sigmoid", "stick_breaking", "entmax15"])
+def test_nnx_causal_model_sees_no_future(weighting):
+  # The issue's own check, through flax.nnx.MultiHeadAttention(is_causal=True).
+  model = _nnx_mha(core.flax_attention_fn(weighting))
+  x2 = X.at[:, -1].add(5.0)
+  out, out2 = model(X, is_causal=True), model(x2, is_causal=True)
+  chex.assert_trees_all_close(out2[:, :-1], out[:, :-1], atol=1e-5)
+  assert jnp.max(jnp.abs(model(x2)[:, :-1] - model(X)[:, :-1])) > 1e-3  # not causal: it leaks
+
+
+def test_weighting_params_at_construction_and_call_time_with_gradients():
+  s = jnp.array([0.3, 0.5, 0.7, 0.9])
+  want = lambda s_: core.attention(_Q, _K, _V, weighting="ssmax", is_causal=True,
+                                   weighting_params={"s": s_})
+  fixed = core.flax_attention_fn("ssmax", weighting_params={"s": s})
+  chex.assert_trees_all_close(fixed(_Q, _K, _V, is_causal=True), want(s), atol=1e-6)
+  fn = core.flax_attention_fn("ssmax")
+  got = lambda s_: fn(_Q, _K, _V, is_causal=True, weighting_params={"s": s_})
+  chex.assert_trees_all_close(got(s), want(s), atol=1e-6)
+  g_got = jax.grad(lambda s_: jnp.sum(got(s_) ** 2))(s)
+  g_want = jax.grad(lambda s_: jnp.sum(want(s_) ** 2))(s)
+  chex.assert_trees_all_close(g_got, g_want, atol=1e-6)
+  assert jnp.all(jnp.abs(g_got) > 0)
+
+
+def test_nnx_module_learns_ssmax_s_through_the_adapter():
+  class SSMaxAttention(nnx.Module):
+    def __init__(self, rngs):
+      self.s = nnx.Param(jnp.full((4,), 0.43))
+      self.fn = core.flax_attention_fn("ssmax")
+
+    def __call__(self, q, k, v):
+      return self.fn(q, k, v, is_causal=True, weighting_params={"s": self.s[...]})
+
+  model = SSMaxAttention(nnx.Rngs(0))
+  grads = nnx.grad(lambda m: jnp.sum(m(_Q, _K, _V) ** 2))(model)
+  assert jnp.all(jnp.abs(grads["s"][...]) > 0)

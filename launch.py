@@ -28,15 +28,17 @@ intact one beside it. Exit status:
   0  success;
   1  a run stopped on a NaN/Inf loss (after the experiment wrote what it had);
   2  a launch-time mistake, reported in one "FATAL: ..." line before anything compiles (a bad
-     flag, config value, batch size or --workdir), or a rerun whose setup differs from the
-     checkpoint's;
+     flag, an unknown --config.KEY (with the closest key), a config value, batch size or
+     --workdir), or a rerun whose setup differs from the checkpoint's;
   3  a run's checkpoints are all damaged: nothing on disk was changed (move its checkpoint
      directory away to train it from scratch).
 """
 
 from __future__ import annotations
 
+import difflib
 import os
+import re
 import sys
 import tempfile
 from typing import NoReturn
@@ -54,9 +56,13 @@ DEFAULT_CONFIG = os.path.join(EXPERIMENTS_DIR, "compare_weightings.py")
 
 __doc__ += "\n" + train_config.format_experiments(EXPERIMENTS_DIR) + "\n"
 
+# No default here: config_flags would load a default config while this module is imported,
+# applying sys.argv's --config.KEY overrides, so a misspelt KEY would be a traceback before
+# parse_flags runs. parse_flags passes --config=DEFAULT_CONFIG when the command line has none.
 _CONFIG = config_flags.DEFINE_config_file(
-    "config", default=DEFAULT_CONFIG,
-    help_string="Experiment config: experiments/NAME.py[:PRESET]; override fields with "
+    "config", default=None,
+    help_string="Experiment config: experiments/NAME.py[:PRESET] (default: "
+                "experiments/compare_weightings.py); override fields with "
                 "--config.KEY=VALUE (lists as comma-separated strings).\n"
                 + train_config.format_experiments(EXPERIMENTS_DIR))
 _WORKDIR = flags.DEFINE_string(
@@ -76,13 +82,20 @@ def default_workdir(config) -> str:
   return os.path.join("runs", f"{name}-{preset}")
 
 
+# How config_flags recognizes --config itself and an override --config.KEY (or
+# --noconfig.KEY for a boolean), one or two dashes.
+_CONFIG_FLAG = re.compile(r"-{1,2}config(=|$)")
+_OVERRIDE_FLAG = re.compile(r"-{1,2}(?:no)?config\.([^=]*)")
+
+
 def _config_arg(argv: list[str]) -> str:
   """The --config value absl will use (the last one given), else the default experiment."""
   value = DEFAULT_CONFIG
   for i, a in enumerate(argv):
-    if a.startswith("--config="):
+    m = _CONFIG_FLAG.match(a)
+    if m and m.group(1) == "=":
       value = a.split("=", 1)[1]
-    elif a == "--config" and i + 1 < len(argv):
+    elif m and i + 1 < len(argv):
       value = argv[i + 1]
   return value
 
@@ -117,12 +130,36 @@ def check_config_arg(argv: list[str]) -> str | None:
   return None
 
 
+def _unknown_key(config, key: str) -> str | None:
+  """Error message when the dotted `key` (e.g. "model.num_layers") is not in `config`, else None.
+
+  Suggests the closest key at the level that lacks it, with its full dotted path.
+  """
+  parts = key.split(".")
+  node = config
+  for i, part in enumerate(parts):
+    where = ".".join(parts[:i])
+    if not hasattr(node, "keys"):
+      return (f"unknown config key {key!r}: {where!r} is a value "
+              f"({type(node).__name__}), not a group of keys")
+    if part not in node:
+      keys = sorted(node.keys())
+      close = difflib.get_close_matches(part, keys, n=1)
+      if close:
+        return (f"unknown config key {key!r} (did you mean "
+                f"{'.'.join([*parts[:i], close[0], *parts[i + 1:]])!r}?)")
+      return (f"unknown config key {key!r}; valid keys"
+              f"{f' in {where!r}' if where else ''}: {', '.join(keys)}")
+    node = node[part]
+  return None
+
+
 def check_overrides(argv: list[str]) -> str | None:
   """Error message for the first --config.KEY override whose KEY the config lacks, else None.
 
-  ml_collections only reports a bare KeyError; this names the key and the valid keys.
+  config_flags would raise a KeyError traceback while absl parses the flags.
   """
-  overrides = [a[len("--config."):].split("=", 1)[0] for a in argv if a.startswith("--config.")]
+  overrides = [m.group(1) for m in map(_OVERRIDE_FLAG.match, argv) if m]
   if not overrides:
     return None
   path, _, preset = _config_arg(argv).partition(":")
@@ -131,13 +168,9 @@ def check_overrides(argv: list[str]) -> str | None:
   except Exception:  # noqa: BLE001 - check_config_arg reports load errors.
     return None
   for key in overrides:
-    node = config
-    for i, part in enumerate(key.split(".")):
-      if not hasattr(node, "keys") or part not in node:
-        where = ".".join(["config"] + key.split(".")[:i])
-        valid = ", ".join(sorted(node.keys())) if hasattr(node, "keys") else "(not a dict)"
-        return f"Unknown config key config.{key} (no {part!r} in {where}); valid keys: {valid}"
-      node = node[part]
+    msg = _unknown_key(config, key)
+    if msg:
+      return msg
   return None
 
 
@@ -149,9 +182,15 @@ def _fatal(msg: str) -> NoReturn:
 
 def parse_flags(argv: list[str]) -> list[str]:
   """absl flag parsing with readable errors for bad config files, presets and keys."""
-  msg = check_config_arg(argv) or check_overrides(argv)
+  try:  # --flagfile=F: check the flags in F too (config_flags reads them the same way)
+    expanded = flags.FLAGS.read_flags_from_files(argv, force_gnu=False)
+  except flags.Error as e:
+    _fatal(f"flags parsing error: {e}")
+  msg = check_config_arg(expanded) or check_overrides(expanded)
   if msg:
     _fatal(msg)
+  if not any(_CONFIG_FLAG.match(a) for a in expanded):
+    argv = [argv[0], f"--config={DEFAULT_CONFIG}", *argv[1:]]
   try:
     rest = flags.FLAGS(argv)
   except flags.Error as e:

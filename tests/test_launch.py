@@ -114,7 +114,7 @@ _EXH = pytest.mark.exhaustive
 # Cases that repeat a rule another case checks (a choice list, ">= 1", an unwritable parent)
 # run under -m exhaustive, which keeps CI within its 20 minutes.
 @pytest.mark.parametrize("flags, expected", [
-    ("--config.nope=1", r"config\.nope.*valid keys: .*num_seeds"),
+    ("--config.nope=1", r"^FATAL: unknown config key 'nope'; valid keys: .*num_seeds.*\n$"),
     ("--config.weightings=softmax,foo", r"config\.weightings.*'foo'.*relu.*sparsemax"),
     ("--config.parallel=dp", r"config\.parallel='dp'.*none, shard_map, pmap"),
     ("--config.data_pipeline=tfdata", r"config\.data_pipeline='tfdata'.*numpy, grain"),
@@ -139,6 +139,52 @@ def test_bad_flags_fail_fast_naming_key_and_choices(env, flags, expected):
   assert "Traceback" not in proc.stderr
   assert not os.path.exists("/nonexistent/should_not_be_created")
   assert time.time() - t0 < 60  # no data preparation, no compilation
+
+
+# Issue 41: config_flags raised a KeyError traceback (exit 1) for these while absl parsed the
+# flags, before launch.py's checks ran, whenever --config was left to its default.
+@pytest.mark.parametrize("dry_run", [False, True], ids=["run", "dry_run"])
+@pytest.mark.parametrize("key, suggestion", [("num_step", "num_steps"),
+                                             ("model.num_layer", "model.num_layers")])
+def test_misspelt_config_key_is_one_fatal_line_with_the_closest_key(env, tmp_path, key,
+                                                                    suggestion, dry_run):
+  workdir = tmp_path / "not_created"
+  proc = _launch(env, f"--config.{key}=2", f"--workdir={workdir}",
+                 *(["--dry_run"] if dry_run else []), timeout=120)
+  assert proc.returncode == 2, proc.stderr[-3000:]
+  assert proc.stderr == f"FATAL: unknown config key '{key}' (did you mean '{suggestion}'?)\n"
+  assert not workdir.exists()
+
+
+def _key_paths(config, prefix: str = ""):
+  """Every dotted key of a config: its groups and their keys, depth first."""
+  for k in config.keys():
+    yield prefix + k
+    if hasattr(config[k], "keys"):
+      yield from _key_paths(config[k], f"{prefix}{k}.")
+
+
+def test_every_experiment_and_preset_names_a_misspelt_key_and_its_closest_match():
+  """In process over launch.check_overrides (what parse_flags runs before absl parses the
+  flags): every key at every depth of every experiment's presets, misspelt (an extra "x")."""
+  import launch  # noqa: PLC0415
+  from attnx.train import config as train_config  # noqa: PLC0415
+
+  checked = 0
+  for e in train_config.list_experiments(launch.EXPERIMENTS_DIR):
+    for preset in e["presets"] or [""]:
+      arg = f"--config={e['path']}" + (f":{preset}" if preset else "")
+      config = train_config.load_module(e["path"]).get_config(preset or None)
+      paths = list(_key_paths(config))
+      overrides = [f"--config.{p}=1" for p in paths]
+      assert launch.check_overrides(["launch.py", arg, *overrides]) is None, arg
+      for p in paths:
+        head, _, last = p.rpartition(".")
+        typo = f"{head}.{last}x" if head else f"{last}x"
+        msg = launch.check_overrides(["launch.py", arg, f"--config.{typo}=1"])
+        assert msg == f"unknown config key '{typo}' (did you mean '{p}'?)", (arg, msg)
+        checked += 1
+  assert checked > 1000  # 15 experiments, 38 experiment-preset pairs
 
 
 def _unwritable_dir(tmp_path) -> str:

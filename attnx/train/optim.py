@@ -12,7 +12,11 @@ SCHEDULES = ("constant", "warmup_cosine", "cosine", "warmup_constant")
 
 
 def optimizer_config(**overrides: Any) -> ml_collections.ConfigDict:
-  """Default optimizer config; keyword overrides replace fields."""
+  """Default optimizer config; keyword overrides replace fields.
+
+  An unknown keyword (e.g. ``lr=``) is a TypeError naming it: the config would otherwise
+  carry it as a new field that no optimizer reads, leaving the default in place.
+  """
   cfg = ml_collections.ConfigDict(dict(
       name="adamw",
       learning_rate=1e-3,
@@ -25,6 +29,10 @@ def optimizer_config(**overrides: Any) -> ml_collections.ConfigDict:
       b2=0.999,
       grad_clip_norm=0.0,  # 0 disables clipping
   ))
+  unknown = sorted(set(overrides) - set(cfg.keys()))
+  if unknown:
+    raise TypeError(f"optimizer_config() got unexpected keyword argument(s) "
+                    f"{', '.join(unknown)}; fields: {', '.join(cfg.keys())}")
   cfg.update(overrides)
   return cfg
 

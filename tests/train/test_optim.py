@@ -15,3 +15,11 @@ def test_optimizer_config_validation():
   sched = train.make_schedule(train.optimizer_config(learning_rate=1.0, warmup_steps=10), 100)
   assert float(sched(0)) == 0.0 and float(sched(10)) == pytest.approx(1.0)
   assert float(sched(100)) == pytest.approx(0.0, abs=1e-6)
+
+
+def test_optimizer_config_rejects_unknown_keywords():
+  # cfg.update() would add `lr` as a field no optimizer reads, keeping learning_rate=1e-3.
+  with pytest.raises(TypeError, match=r"unexpected keyword argument\(s\) foo, lr; fields: .*"
+                                      r"learning_rate"):
+    train.optimizer_config(lr=0.1, foo=1)
+  assert train.optimizer_config(learning_rate=0.1).learning_rate == 0.1

@@ -56,15 +56,31 @@ DEFAULT_CONFIG = os.path.join(EXPERIMENTS_DIR, "compare_weightings.py")
 
 __doc__ += "\n" + train_config.format_experiments(EXPERIMENTS_DIR) + "\n"
 
+
+def _failed(msg: str, status: int = 2) -> int:
+  """Writes the one FATAL line of a failed launch (no traceback) and returns its exit status."""
+  print(f"FATAL: {msg}", file=sys.stderr, flush=True)
+  return status
+
+
+def _fatal(msg: str) -> NoReturn:
+  """A launch-time mistake found while parsing flags: the FATAL line and exit status 2."""
+  sys.exit(_failed(msg))
+
+
 # No default here: config_flags would load a default config while this module is imported,
 # applying sys.argv's --config.KEY overrides, so a misspelt KEY would be a traceback before
 # parse_flags runs. parse_flags passes --config=DEFAULT_CONFIG when the command line has none.
-_CONFIG = config_flags.DEFINE_config_file(
-    "config", default=None,
-    help_string="Experiment config: experiments/NAME.py[:PRESET] (default: "
-                "experiments/compare_weightings.py); override fields with "
-                "--config.KEY=VALUE (lists as comma-separated strings).\n"
-                + train_config.format_experiments(EXPERIMENTS_DIR))
+try:  # config_flags reads sys.argv's --flagfile files while it defines the flag
+  _CONFIG = config_flags.DEFINE_config_file(
+      "config", default=None,
+      help_string="Experiment config: experiments/NAME.py[:PRESET] (default: "
+                  "experiments/compare_weightings.py); override fields with "
+                  "--config.KEY=VALUE (lists as comma-separated strings).\n"
+                  + train_config.format_experiments(EXPERIMENTS_DIR))
+except flags.Error as e:
+  _fatal(f"flags parsing error: {e}")
+
 _WORKDIR = flags.DEFINE_string(
     "workdir", None, "Output directory (default runs/<experiment>-<preset>); reruns resume.")
 _LIST = flags.DEFINE_bool("list", False, "List the experiments and their presets, then exit.")
@@ -174,12 +190,6 @@ def check_overrides(argv: list[str]) -> str | None:
   return None
 
 
-def _fatal(msg: str) -> NoReturn:
-  """A launch-time mistake: one FATAL line (no traceback) and exit status 2."""
-  print(f"FATAL: {msg}", file=sys.stderr, flush=True)
-  sys.exit(2)
-
-
 def parse_flags(argv: list[str]) -> list[str]:
   """absl flag parsing with readable errors for bad config files, presets and keys."""
   try:  # --flagfile=F: check the flags in F too (config_flags reads them the same way)
@@ -241,13 +251,11 @@ def main(argv: list[str]) -> int:
   try:
     train_config.validate(config, module)
   except ValueError as e:
-    print(f"FATAL: invalid config: {e}", file=sys.stderr)
-    return 2
+    return _failed(f"invalid config: {e}")
   workdir = _WORKDIR.value or default_workdir(config)
   msg = check_workdir(workdir, flag=bool(_WORKDIR.value), create=not _DRY_RUN.value)
   if msg:
-    print(f"FATAL: {msg}", file=sys.stderr)
-    return 2
+    return _failed(msg)
   if _DRY_RUN.value:
     print(f"Dry run: {config.get('experiment')}:{config.get('preset')} -> {workdir}: the "
           "command line is valid; nothing was run.")
@@ -270,8 +278,7 @@ def main(argv: list[str]) -> int:
       validate_parallel(config.get("parallel", "none"), int(config.batch_size),
                         int(config.get("sequence_parallel", 1)))
     except ValueError as e:
-      print(f"FATAL: invalid config: config.{e}", file=sys.stderr)
-      return 2
+      return _failed(f"invalid config: config.{e}")
 
   main_process = train.is_main_process()
   if main_process:
@@ -281,23 +288,19 @@ def main(argv: list[str]) -> int:
   try:
     result = module.run(config, workdir) or {}
   except train.CheckpointMismatchError as e:
-    print(f"FATAL: {e}", file=sys.stderr)
-    return 2
+    return _failed(str(e))
   except train.CheckpointDamagedError as e:  # every checkpoint of a run; the files are kept
-    print(f"FATAL: {e}", file=sys.stderr)
-    return 3
+    return _failed(str(e), 3)
   except train.NonFiniteLossError as e:
-    print(f"FATAL: {e}", file=sys.stderr)
-    return 1
+    return _failed(str(e), 1)
   report = result.get("report") if isinstance(result, dict) else None
   report = report or os.path.join(workdir, "report.md")
   if main_process:
     print(f"Report: {os.path.abspath(report)}", flush=True)
   diverged = train.nonfinite_runs()
   if diverged:  # the experiment reported the other runs; the launch still failed
-    print(f"FATAL: {len(diverged)} run(s) stopped on a NaN/Inf loss:\n  "
-          + "\n  ".join(diverged), file=sys.stderr)
-    return 1
+    return _failed(f"{len(diverged)} run(s) stopped on a NaN/Inf loss:\n  "
+                   + "\n  ".join(diverged), 1)
   return 0
 
 

@@ -156,6 +156,14 @@ def test_misspelt_config_key_is_one_fatal_line_with_the_closest_key(env, tmp_pat
   assert not workdir.exists()
 
 
+def test_missing_flagfile_is_one_fatal_line(env, tmp_path):
+  # config_flags reads --flagfile while launch.py defines its flags, at import.
+  proc = _launch(env, f"--flagfile={tmp_path / 'missing.flags'}", "--dry_run", timeout=120)
+  assert proc.returncode == 2, proc.stderr[-3000:]
+  assert proc.stderr.startswith("FATAL: flags parsing error:") and "missing.flags" in proc.stderr
+  assert proc.stderr.count("\n") == 1, proc.stderr
+
+
 def _key_paths(config, prefix: str = ""):
   """Every dotted key of a config: its groups and their keys, depth first."""
   for k in config.keys():

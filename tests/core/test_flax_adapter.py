@@ -147,6 +147,22 @@ _Q, _K, _V = (jax.random.normal(jax.random.PRNGKey(i), (2, 6, 4, 8)) for i in (1
 _BIAS = 0.3 * jax.random.normal(jax.random.PRNGKey(13), (2, 4, 6, 6))
 _BOOL_MASK = jax.random.bernoulli(jax.random.PRNGKey(14), 0.7, (2, 1, 6, 6)).at[..., 0].set(True)
 
+# nnx takes is_causal from flax 0.12.2 on; before, the same attention is a tril mask.
+_HAS_IS_CAUSAL = "is_causal" in inspect.signature(nnx.dot_product_attention).parameters
+_needs_is_causal = pytest.mark.skipif(
+    not _HAS_IS_CAUSAL, reason="flax < 0.12.2: nnx.MultiHeadAttention takes no is_causal")
+
+
+def _flax_reference(q, k, v, **kw):
+  """nnx.dot_product_attention, with is_causal as Flax ≥ 0.12.2 defines it on every version."""
+  if kw.get("is_causal") and not _HAS_IS_CAUSAL:
+    del kw["is_causal"]
+    causal = jnp.tril(jnp.ones((q.shape[-3], k.shape[-3]), bool))
+    mask = kw.get("mask")
+    kw["mask"] = causal if mask is None else jnp.logical_and(mask.astype(bool), causal)
+  return nnx.dot_product_attention(q, k, v, **kw)
+
+
 # Each case: the keywords one call of Flax's dot_product_attention gets, as Flax's modules pass
 # them. nnx's function is the reference (it takes is_causal; linen's takes the rest the same).
 _CASES = {
@@ -178,13 +194,13 @@ def test_each_flax_keyword_equals_flax_dot_product_attention_values_and_gradient
     return fn(q, k, v, **call)
 
   args = (_Q, _K, _V, kw.get("bias"))
-  ref = loss(nnx.dot_product_attention, *args)
+  ref = loss(_flax_reference, *args)
   out = loss(ours, *args)
   chex.assert_trees_all_close(out, ref, atol=2e-6, rtol=2e-6)
   argnums = (1, 2, 3, 4) if "bias" in kw else (1, 2, 3)
   g = jax.random.normal(jax.random.PRNGKey(3), out.shape)
   grads = lambda fn: jax.grad(lambda *a: jnp.sum(loss(*a) * g), argnums=argnums)(fn, *args)
-  chex.assert_trees_all_close(grads(ours), grads(nnx.dot_product_attention), atol=1e-5,
+  chex.assert_trees_all_close(grads(ours), grads(_flax_reference), atol=1e-5,
                               rtol=1e-5)
   if "is_causal" in kw:  # the case must be able to fail: without the flag, outputs differ
     free = {k_: v_ for k_, v_ in kw.items() if k_ != "is_causal"}
@@ -203,7 +219,7 @@ def test_precision_reaches_the_matmuls():
 
 
 def test_low_precision_dtype_matches_flax_to_bf16_rounding():
-  ref = nnx.dot_product_attention(_Q, _K, _V, dtype=jnp.bfloat16, is_causal=True)
+  ref = _flax_reference(_Q, _K, _V, dtype=jnp.bfloat16, is_causal=True)
   out = core.flax_attention_fn("softmax")(_Q, _K, _V, dtype=jnp.bfloat16, is_causal=True)
   assert out.dtype == jnp.bfloat16
   chex.assert_trees_all_close(out.astype(jnp.float32), ref.astype(jnp.float32), atol=3e-2)
@@ -242,6 +258,7 @@ def test_linen_every_module_keyword_equals_stock(force_fp32):
                               grad(_linen(**kw)), atol=1e-4, rtol=1e-4)
 
 
+@_needs_is_causal
 @pytest.mark.parametrize("mask", [None, "padding"])
 def test_nnx_is_causal_equals_stock_module_values_and_gradients(mask):
   m = None if mask is None else MASK
@@ -254,6 +271,7 @@ def test_nnx_is_causal_equals_stock_module_values_and_gradients(mask):
   chex.assert_trees_all_close(grads(ours), grads(stock), atol=1e-4, rtol=1e-4)
 
 
+@_needs_is_causal
 def test_nnx_every_module_keyword_equals_stock():
   kw = dict(dropout_rate=0.3, broadcast_dropout=False, precision=jax.lax.Precision.HIGHEST)
   run = lambda model: model(X, mask=MASK, is_causal=True, deterministic=False,
@@ -288,6 +306,7 @@ def test_is_causal_no_earlier_output_sees_a_later_token(weighting, implementatio
   assert jnp.max(jnp.abs(out2[:, -1] - out[:, -1])) > 1e-3  # the change reached the last one
 
 
+@_needs_is_causal
 @pytest.mark.parametrize("weighting", ["softmax", "sigmoid", "stick_breaking", "entmax15"])
 def test_nnx_causal_model_sees_no_future(weighting):
   # The issue's own check, through flax.nnx.MultiHeadAttention(is_causal=True).

@@ -21,9 +21,14 @@ The backward pass is a ``jax.custom_vjp`` that recomputes the tiles (FlashAttent
 arXiv 2307.08691): only the output, one row statistic and the inputs are saved. With
 D_i = dO_i·O_i and dP_ij = dO_i·v_j:
 
-* online max: P = exp(α s − lse), dS = α P ∘ (dP − D);
+* online max: P = exp((α s − hi) − lo), dS = α P ∘ (dP − D), with lse = hi + lo saved as two
+  floats (one float32 lse ≈ 20 would be off by up to 2⁻²⁰ relative in every weight);
 * ``"sum"``: dS = F'(s) ∘ (dP − D) / l;  ``"length"``: dS = F'(s) ∘ dP / n;  ``"none"``:
   dS = F'(s) ∘ dP.
+
+Everything is computed in max(float32, the input dtype): float64 inputs (``jax_enable_x64``) in
+float64 (:func:`attnx.core.contract.compute_dtype`). The backward recomputes each tile as the
+forward computed it (the same score function on the same [queries × keys] tile).
 
 Masked keys contribute exactly nothing, and a row without any valid key (or where every F is
 0) gets a zero output with finite, zero gradients, matching
@@ -38,15 +43,16 @@ and nothing above the diagonal is ever computed, in the forward or the backward.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
+from jax import export, lax
 
 from attnx.core import streaming
-from attnx.core.contract import finite, nonfinite_inputs
+from attnx.core.contract import compute_dtype, finite, nonfinite_inputs
 from attnx.core.weightings import Pointwise
 
 Array = jax.Array
@@ -136,11 +142,12 @@ def heads_per_chunk(b: int, kv_heads: int, group: int, bq: int, bk: int,
   """How many of the X = B·K (batch, kv head) rows one tile holds: the largest count within
   the budget (:data:`TILE_BUDGET`) that divides K or is a multiple of K dividing B·K (so
   that a chunk covers a rectangle of [batch, kv head] and a bias/mask slice stays a plain
-  slice)."""
+  slice). A symbolic batch (``jax.export``) is not enumerated: the chunk then divides K."""
   per_row = group * bq * bk
   fits = max(1, (TILE_BUDGET if budget is None else budget) // per_row)
   options = [d for d in range(1, kv_heads + 1) if kv_heads % d == 0]
-  options += [kv_heads * d for d in range(1, b + 1) if b % d == 0]
+  if not export.is_symbolic_dim(b):
+    options += [kv_heads * d for d in range(1, b + 1) if b % d == 0]
   return max(c for c in options if c <= fits) if fits >= 1 else 1
 
 
@@ -278,12 +285,14 @@ def _valid_tile(mask: Array | None, i: Array, j: Array, cfg: _Cfg) -> Array | No
 
 def _scores(qi: Array, kj: Array, bias: Array | None, i: Array, j: Array, cfg: _Cfg,
             qk_mult: Array | None, bias_mult: float) -> Array:
-  """z = qk_mult · q·k + bias_mult · bias on one tile, [X, G·bq, bk] float32."""
-  z = jnp.einsum("xqh,xsh->xqs", qi, kj, preferred_element_type=jnp.float32)
+  """z = qk_mult · q·k + bias_mult · bias on one tile, [X, G·bq, bk] in the compute dtype
+  (float32, or float64 for float64 inputs: :func:`attnx.core.contract.compute_dtype`)."""
+  cd = compute_dtype(qi.dtype)
+  z = jnp.einsum("xqh,xsh->xqs", qi, kj, preferred_element_type=cd)
   if qk_mult is not None:
     z = z * qk_mult
   if cfg.has_bias:
-    bt = _bias_tile_rows(bias, i, j, cfg).astype(jnp.float32)
+    bt = _bias_tile_rows(bias, i, j, cfg).astype(cd)
     z = z + (bt * bias_mult if bias_mult != 1.0 else bt)
   return z
 
@@ -303,18 +312,19 @@ def _q_range(j: Array, cfg: _Cfg) -> tuple[Any, int]:
 
 
 def _pv(p: Array, vj: Array) -> Array:
-  return jnp.einsum("xqs,xsd->xqd", p.astype(vj.dtype), vj, preferred_element_type=jnp.float32)
+  return jnp.einsum("xqs,xsd->xqd", p.astype(vj.dtype), vj,
+                    preferred_element_type=compute_dtype(vj.dtype))
 
 
 def _prescale(q: Array, scale: Array, cfg: _Cfg) -> tuple[Array, Array | None, float, float]:
-  """Folds the score multiplier into q once (float32) instead of into every tile.
+  """Folds the score multiplier into q once (float32/float64) instead of into every tile.
 
   Returns (q', tile multiplier or None, bias multiplier, α) with z = α·s the exponent for
   online-max weightings (α = 1 otherwise).
   """
   alpha = float(cfg.w.exp_alpha) if cfg.w.online_max else 1.0
   c = scale * alpha
-  if q.dtype == jnp.float32:
+  if jnp.dtype(q.dtype).itemsize >= 4:
     return q * c, None, alpha, alpha
   return q, c, alpha, alpha  # low precision: keep q exact, scale the f32 tile
 
@@ -324,7 +334,8 @@ def _prescale(q: Array, scale: Array, cfg: _Cfg) -> tuple[Array, Array | None, f
 # --------------------------------------------------------------------------------------------
 
 def _forward(q, k, v, bias, mask, scale, cfg: _Cfg):
-  """Returns O [X, G, Tp, Hv] (f32) and the row statistic [X, G, Tp] (f32), chunk by chunk."""
+  """Returns O [X, G, Tp, Hv] and the row statistic [X, G, Tp] (online max: lse as the pair
+  [X, G, Tp, 2] of :func:`_stat_shape`) in the compute dtype, chunk by chunk."""
   x, g, tp, _ = q.shape
   chunk_cfg = dataclasses.replace(cfg, head_dims=cfg.chunk_head_dims())
 
@@ -336,11 +347,20 @@ def _forward(q, k, v, bias, mask, scale, cfg: _Cfg):
     return (lax.dynamic_update_slice_in_dim(out, o, c * cfg.heads_in_chunk, 0),
             lax.dynamic_update_slice_in_dim(stat, st, c * cfg.heads_in_chunk, 0))
 
-  init = vary((jnp.zeros((x, g, tp, _out_cols(cfg, v.shape[-1])), jnp.float32),
-               jnp.zeros((x, g, tp), jnp.float32)), manual_axes(q, k, v, bias, mask))
+  cd = compute_dtype(q.dtype)
+  init = vary((jnp.zeros((x, g, tp, _out_cols(cfg, v.shape[-1])), cd),
+               jnp.zeros(_stat_shape(cfg, (x, g, tp)), cd)), manual_axes(q, k, v, bias, mask))
   if cfg.heads_in_chunk == x:
     return _forward_chunk(q, k, v, bias, mask, scale, chunk_cfg)
   return lax.fori_loop(0, x // cfg.heads_in_chunk, chunk, init)
+
+
+def _stat_shape(cfg: _Cfg, rows: tuple[int, ...]) -> tuple[int, ...]:
+  """The forward's row statistic: [rows], or for the online max's lse the pair (hi, lo)
+  [rows, 2] of :func:`attnx.core.streaming.pointwise_finalize` with ``split_lse``: one f32
+  lse near 20 (scores of large mean) is off by up to 2⁻²⁰ relative in every weight the
+  backward recomputes. A raw state's statistic is the running max m, one value."""
+  return rows + (2,) if cfg.w.online_max and not cfg.raw else rows
 
 
 def _out_cols(cfg: _Cfg, hv: int) -> int:
@@ -378,6 +398,7 @@ def _forward_chunk(q, k, v, bias, mask, scale, cfg: _Cfg):
   _check_tiling(q, k, cfg)
   x, g, tp, _ = q.shape
   hv = v.shape[-1]
+  cd = compute_dtype(q.dtype)
   row_shape = (x, g * cfg.bq)
   axes = manual_axes(q, k, v, bias, mask)
   q, qk_mult, bias_mult, _ = _prescale(q, scale, cfg)
@@ -404,12 +425,12 @@ def _forward_chunk(q, k, v, bias, mask, scale, cfg: _Cfg):
       # The offset is a virtual key with z = 0, in l's column of ones (raw: not yet;
       # streaming.pointwise_finalize adds it once after the partial states are merged).
       m_start, off = streaming.online_max_start(w, with_offset=not cfg.raw)
-      m0 = jnp.full(row_shape, m_start, jnp.float32)
-      acc0 = jnp.zeros(row_shape + (hv + 1,), jnp.float32).at[..., hv].set(off)
+      m0 = jnp.full(row_shape, m_start, cd)
+      acc0 = jnp.zeros(row_shape + (hv + 1,), cd).at[..., hv].set(off)
       acc, m = lax.fori_loop(*_k_range(i, cfg), k_block, vary((acc0, m0), axes))
       if cfg.raw:
         return _put_rows(out, acc, i, cfg), _put_rows(stat, m, i, cfg)
-      o, st = streaming.pointwise_finalize(w, acc, m, add_offset=False)
+      o, st = streaming.pointwise_finalize(w, acc, m, add_offset=False, split_lse=True)
     else:
       norm = w.normalization
 
@@ -417,12 +438,12 @@ def _forward_chunk(q, k, v, bias, mask, scale, cfg: _Cfg):
         s, vj, valid = tile(j)
         return streaming.pointwise_update(w, *c, s, valid, vj, cfg.num_keys)
 
-      l0 = jnp.zeros(row_shape, jnp.float32)
-      acc0 = jnp.zeros(row_shape + (v_fwd.shape[-1],), jnp.float32)
+      l0 = jnp.zeros(row_shape, cd)
+      acc0 = jnp.zeros(row_shape + (v_fwd.shape[-1],), cd)
       acc, l = lax.fori_loop(*_k_range(i, cfg), k_block, vary((acc0, l0), axes))
       if cfg.raw:
         if norm == "length" and not cfg.needs_valid:
-          l = jnp.full(row_shape, float(cfg.s), jnp.float32)  # every key of the block
+          l = jnp.full(row_shape, float(cfg.s), cd)  # every key of the block
         return _put_rows(out, acc, i, cfg), _put_rows(stat, l, i, cfg)
       # Unmasked tiles counted nothing: every row has all cfg.s keys.
       o, st = streaming.pointwise_finalize(w, acc, l,
@@ -430,8 +451,8 @@ def _forward_chunk(q, k, v, bias, mask, scale, cfg: _Cfg):
 
     return _put_rows(out, o, i, cfg), _put_rows(stat, st, i, cfg)
 
-  out0 = jnp.zeros((x, g, tp, _out_cols(cfg, hv)), jnp.float32)
-  stat0 = jnp.zeros((x, g, tp), jnp.float32)
+  out0 = jnp.zeros((x, g, tp, _out_cols(cfg, hv)), cd)
+  stat0 = jnp.zeros(_stat_shape(cfg, (x, g, tp)), cd)
   return lax.fori_loop(0, cfg.num_q_blocks, q_block, vary((out0, stat0), axes))
 
 
@@ -452,7 +473,7 @@ def _backward(q, k, v, bias, mask, scale, out, stat, do, cfg: _Cfg):
   chunk_cfg = dataclasses.replace(cfg, head_dims=cfg.chunk_head_dims())
   if cfg.heads_in_chunk == x:
     return _backward_chunk(q, k, v, bias, mask, scale, out, stat, do, chunk_cfg)
-  f32 = jnp.float32
+  cd = compute_dtype(q.dtype)
 
   def chunk(c, carry):
     dq, dk, dv, dbias, dscale = carry
@@ -467,8 +488,8 @@ def _backward(q, k, v, bias, mask, scale, out, stat, do, cfg: _Cfg):
                                        starts)
     return put(dq, dq_c), put(dk, dk_c), put(dv, dv_c), dbias, dscale + dscale_c
 
-  init = (jnp.zeros(q.shape, f32), jnp.zeros(k.shape, f32), jnp.zeros(v.shape, f32),
-          jnp.zeros(bias.shape, f32) if cfg.has_bias else None, jnp.zeros((), f32))
+  init = (jnp.zeros(q.shape, cd), jnp.zeros(k.shape, cd), jnp.zeros(v.shape, cd),
+          jnp.zeros(bias.shape, cd) if cfg.has_bias else None, jnp.zeros((), cd))
   init = vary(init, manual_axes(q, k, v, bias, mask, out, do))
   return lax.fori_loop(0, x // cfg.heads_in_chunk, chunk, init)
 
@@ -477,13 +498,13 @@ def _backward_chunk(q, k, v, bias, mask, scale, out, stat, do, cfg: _Cfg):
   """One chunk of :func:`_backward`."""
   w = cfg.w
   _check_tiling(q, k, cfg)
-  f32 = jnp.float32
+  cd = compute_dtype(q.dtype)  # float32, or float64 for float64 inputs
   q_raw = q
   q, qk_mult, bias_mult, alpha = _prescale(q, scale, cfg)
   # dS·K and dSᵀ·Q take finite copies (attnx.core.contract): 0·NaN at masked pairs.
   q_f, k_f = finite(q), finite(k)
   # D_i = dO_i·O_i = Σ_j w_ij dP_ij (also correct with a denominator offset).
-  delta = jnp.sum(do.astype(f32) * out, axis=-1)
+  delta = jnp.sum(do.astype(cd) * out, axis=-1)
   grad_rows = streaming.pointwise_grad_rows(w, stat, delta)
   bias_shape = bias.shape if cfg.has_bias else None
   axes = manual_axes(q, k, v, bias, mask, out, do)
@@ -494,30 +515,26 @@ def _backward_chunk(q, k, v, bias, mask, scale, out, stat, do, cfg: _Cfg):
     kj_f = _slice(k_f, j * cfg.bk, cfg.bk, 1)
 
     def q_block(i, c):
-      # Tiles are computed transposed, [X, bk, G·bq] (keys × queries): then dV = Pᵀ·dO and
-      # dK = dZᵀ·Q are plain matmuls and only dQ = dZ·K contracts over the tile's rows.
       dq, dk_j, dv_j, dbias = c
       qi, doi = _rows(q, i, cfg), _rows(do, i, cfg)
-      z = jnp.einsum("xsh,xqh->xsq", kj, qi, preferred_element_type=f32)
-      if qk_mult is not None:
-        z = z * qk_mult
-      if cfg.has_bias:
-        bt = jnp.swapaxes(_bias_tile_rows(bias, i, j, cfg), 1, 2).astype(f32)
-        z = z + (bt * bias_mult if bias_mult != 1.0 else bt)
+      # The tile is computed as in the forward, [X, G·bq, bk] (queries × keys), by the
+      # forward's own _scores (the same dot, summed in the same order). A transposed tile
+      # [X, bk, G·bq] (dV = Pᵀ·dO and dK = dZᵀ·Q plain matmuls) is no faster on XLA:CPU, whose
+      # dot for it sums q·k in another order, 2.5× further from the exact scores at T ≫ S
+      # (docs/guides/implementations.md, "Precision and accuracy").
+      z = _scores(qi, kj, bias, i, j, cfg, qk_mult, bias_mult)
       valid = _valid_tile(mask, i, j, cfg)
-      if valid is not None:
-        valid = jnp.swapaxes(valid, -1, -2)
-      row = lambda a: _rows(a, i, cfg)[:, None, :]  # per-query statistic, broadcast over keys
-      dp = jnp.einsum("xsd,xqd->xsq", vj, doi, preferred_element_type=f32)
+      row = lambda a: _rows(a, i, cfg)[..., None]  # per-query statistic, broadcast over keys
+      dp = jnp.einsum("xqd,xsd->xqs", doi, vj, preferred_element_type=cd)
       # dz: the cotangent of z = α·s (α = 1 unless online max).
       p, dz = streaming.pointwise_tile_grad(w, z, valid, dp, grad_rows, cfg.num_keys, row=row)
-      dv_j = dv_j + jnp.einsum("xsq,xqd->xsd", p.astype(doi.dtype), doi,
-                               preferred_element_type=f32)
+      dv_j = dv_j + jnp.einsum("xqs,xqd->xsd", p.astype(doi.dtype), doi,
+                               preferred_element_type=cd)
       dzc = dz.astype(qi.dtype)
-      dk_j = dk_j + jnp.einsum("xsq,xqh->xsh", dzc, _rows(q_f, i, cfg),
-                               preferred_element_type=f32)
-      dq_i = _rows(dq, i, cfg) + jnp.einsum("xsq,xsh->xqh", dzc, kj_f,
-                                            preferred_element_type=f32)
+      dk_j = dk_j + jnp.einsum("xqs,xqh->xsh", dzc, _rows(q_f, i, cfg),
+                               preferred_element_type=cd)
+      dq_i = _rows(dq, i, cfg) + jnp.einsum("xqs,xsh->xqh", dzc, kj_f,
+                                            preferred_element_type=cd)
       dq = _put_rows(dq, dq_i, i, cfg)
       if cfg.has_bias:
         tshape = bias_shape[:3] + tuple(
@@ -525,27 +542,27 @@ def _backward_chunk(q, k, v, bias, mask, scale, out, stat, do, cfg: _Cfg):
         start = (0, 0, 0, 0 if bias_shape[3] == 1 else i * cfg.bq,
                  0 if bias_shape[4] == 1 else j * cfg.bk)
         cur = lax.dynamic_slice(dbias, start, tshape)
-        dz5 = jnp.swapaxes(dz, 1, 2).reshape(cfg.head_dims + (cfg.bq, cfg.bk))
+        dz5 = dz.reshape(cfg.head_dims + (cfg.bq, cfg.bk))
         dbias = lax.dynamic_update_slice(dbias, cur + _sum_to(dz5, tshape), start)
       return dq, dk_j, dv_j, dbias
 
-    dk0 = jnp.zeros((k.shape[0], cfg.bk, k.shape[-1]), f32)
-    dv0 = jnp.zeros((v.shape[0], cfg.bk, v.shape[-1]), f32)
+    dk0 = jnp.zeros((k.shape[0], cfg.bk, k.shape[-1]), cd)
+    dv0 = jnp.zeros((v.shape[0], cfg.bk, v.shape[-1]), cd)
     dq, dk_j, dv_j, dbias = lax.fori_loop(*_q_range(j, cfg), q_block,
                                           (dq, *vary((dk0, dv0), axes), dbias))
     dk_all = lax.dynamic_update_slice_in_dim(dk_all, dk_j, j * cfg.bk, axis=1)
     dv_all = lax.dynamic_update_slice_in_dim(dv_all, dv_j, j * cfg.bk, axis=1)
     return dq, dk_all, dv_all, dbias
 
-  init = vary((jnp.zeros(q.shape, f32), jnp.zeros(k.shape, f32), jnp.zeros(v.shape, f32),
-               jnp.zeros(bias_shape, f32) if cfg.has_bias else jnp.zeros((), f32)), axes)
+  init = vary((jnp.zeros(q.shape, cd), jnp.zeros(k.shape, cd), jnp.zeros(v.shape, cd),
+               jnp.zeros(bias_shape, cd) if cfg.has_bias else jnp.zeros((), cd)), axes)
   # The loop accumulated Σ dz·k (into dq) and Σ dzᵀ·q' (into dk) with q' = q·(scale·α) in
-  # float32, or the unscaled q otherwise.
+  # float32/float64, or the unscaled q otherwise (16-bit q).
   dq_z, dk_z, dv, dbias_z = lax.fori_loop(0, cfg.num_k_blocks, k_block, init)
   c = scale * alpha
   dq = dq_z * c
   dk = dk_z if qk_mult is None else dk_z * c
-  dscale = alpha * jnp.sum(dq_z * finite(q_raw).astype(f32))
+  dscale = alpha * jnp.sum(dq_z * finite(q_raw).astype(cd))
   dbias = dbias_z * bias_mult if cfg.has_bias else None
   return dq, dk, dv, dbias, dscale
 
@@ -730,13 +747,13 @@ def _causal_forward(q, k, v, bias, mask, scale, cfg: _Cfg):
     acc_r, st_r = streaming.pointwise_merge(cfg.w, rows, (acc_l, st_l))
     acc = _q_unpart(acc_r, acc, m, 2, side, 1)
     st = _q_unpart(st_r, st, m, 2, side, 1)
-  return streaming.pointwise_finalize(cfg.w, acc, st)
+  return streaming.pointwise_finalize(cfg.w, acc, st, split_lse=True)
 
 
 def _causal_backward(q, k, v, bias, mask, scale, out, stat, do, cfg: _Cfg):
   """The causal backward: the plain backward of every piece with the rows' final statistic."""
   p, d = cfg.num_diag_tiles, cfg.bq
-  f32 = jnp.float32
+  cd = compute_dtype(q.dtype)
 
   def run(m, side, rp, cp, parts, causal):
     c = _piece_cfg(cfg, m, side, causal=causal, raw=False)
@@ -750,10 +767,10 @@ def _causal_backward(q, k, v, bias, mask, scale, out, stat, do, cfg: _Cfg):
             ds)
 
   dq_d, dk_d, dv_d, db_d, ds_d = run(p, d, 0, 0, 1, True)
-  dq = jnp.moveaxis(dq_d, 0, 2).reshape(q.shape).astype(f32)
-  dk = jnp.moveaxis(dk_d, 0, 1).reshape(k.shape).astype(f32)
-  dv = jnp.moveaxis(dv_d, 0, 1).reshape(v.shape).astype(f32)
-  dbias = _add_blocks(jnp.zeros(bias.shape, f32), db_d, p, 1, d, 0, 0) if cfg.has_bias else None
+  dq = jnp.moveaxis(dq_d, 0, 2).reshape(q.shape).astype(cd)
+  dk = jnp.moveaxis(dk_d, 0, 1).reshape(k.shape).astype(cd)
+  dv = jnp.moveaxis(dv_d, 0, 1).reshape(v.shape).astype(cd)
+  dbias = _add_blocks(jnp.zeros(bias.shape, cd), db_d, p, 1, d, 0, 0) if cfg.has_bias else None
   dscale = jnp.sum(ds_d)
   for m, side in _levels(cfg):
     dq_l, dk_l, dv_l, db_l, ds_l = run(m, side, 1, 0, 2, False)
@@ -824,10 +841,11 @@ def raw_block_state(q: Array, k: Array, v: Array, bias: Array | None, mask: Arra
 
 def block_grads(q: Array, k: Array, v: Array, bias: Array | None, mask: Array | None,
                 scale: Array, out: Array, stat: Array, do: Array, cfg: _Cfg):
-  """(dq, dk, dv, dbias, dscale) float32 of this block's scores, given the rows' final output
-  and row statistic (of the whole problem: the backward of a block needs nothing else, as
-  each tile's weights are recomputed from them). Summed over the key blocks, they are the
-  whole problem's gradients."""
+  """(dq, dk, dv, dbias, dscale) of this block's scores (in the compute dtype: float32, or
+  float64), given the rows' final output and row statistic (of the whole problem: the
+  backward of a block needs nothing else, as each tile's weights are recomputed from them;
+  lse as one value or as the pair of :func:`_stat_shape`). Summed over the key blocks, they
+  are the whole problem's gradients."""
   return _backward(q, k, v, bias, mask, scale, out, stat, do, cfg)
 
 
@@ -835,23 +853,48 @@ def block_grads(q: Array, k: Array, v: Array, bias: Array | None, mask: Array | 
 # Public entry point.
 # --------------------------------------------------------------------------------------------
 
+def finite_residual(tree: Any) -> Any:
+  """``tree`` with +inf replaced by the dtype's largest finite number.
+
+  A row without weight has the statistic lse = +inf (and the kernels mark masked scores with
+  −inf), which the backward reads only through e^{z − lse} = 0: the largest finite number
+  gives the same 0 for every score z ≤ ~1e38. The kernels' forward and backward run under
+  ``jax.jit`` and return their statistics through this, so that what leaves them (output,
+  residuals, gradients) is finite for finite inputs: ``jax.debug_infs`` and
+  ``jax.debug_nans`` check every array an eagerly run operation produces, and the ±inf
+  inside a compiled function (as inside ``jax.nn``'s) never reach them.
+  """
+  def one(x):
+    if x is None or not jnp.issubdtype(x.dtype, jnp.floating):
+      return x
+    return jnp.where(x == jnp.inf, jnp.finfo(x.dtype).max, x)
+  return jax.tree.map(one, tree)
+
+
 def _make_kernel(cfg: _Cfg):
   """A custom-VJP function of internal-layout arrays (q, k, v, bias, mask, scale) -> O."""
 
-  forward = _causal_forward if cfg.is_causal else _forward
-  backward = _causal_backward if cfg.is_causal else _backward
+  causal_or_plain = _causal_forward if cfg.is_causal else _forward
+
+  @jax.jit  # see finite_residual: inside, masked scores and rows without weight are ±inf
+  def forward(q, k, v, bias, mask, scale):
+    out, stat = causal_or_plain(q, k, v, bias, mask, scale, cfg)
+    return out, finite_residual(stat)
+
+  backward = jax.jit(functools.partial(_causal_backward if cfg.is_causal else _backward,
+                                       cfg=cfg))
 
   @jax.custom_vjp
   def kernel(q, k, v, bias, mask, scale):
-    return forward(q, k, v, bias, mask, scale, cfg)[0].astype(q.dtype)
+    return forward(q, k, v, bias, mask, scale)[0].astype(q.dtype)
 
   def fwd(q, k, v, bias, mask, scale):
-    out, stat = forward(q, k, v, bias, mask, scale, cfg)
+    out, stat = forward(q, k, v, bias, mask, scale)
     return out.astype(q.dtype), (q, k, v, bias, mask, scale, out, stat)
 
   def bwd(res, do):
     q, k, v, bias, mask, scale, out, stat = res
-    dq, dk, dv, dbias, dscale = backward(q, k, v, bias, mask, scale, out, stat, do, cfg)
+    dq, dk, dv, dbias, dscale = backward(q, k, v, bias, mask, scale, out, stat, do)
     dbias = None if bias is None else dbias.astype(bias.dtype)
     return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dbias, None,
             dscale.astype(scale.dtype))
@@ -904,7 +947,8 @@ def blocked_attention(q: Array, k: Array, v: Array, *, weighting: Pointwise, sca
 
   Returns:
     [B, T, N, Hv] in q's dtype; equal (up to float rounding) to
-    ``pointwise_weights(s, weighting, where=valid) @ v`` with float32 accumulation.
+    ``pointwise_weights(s, weighting, where=valid) @ v`` with float32 accumulation (float64
+    for float64 inputs: :func:`attnx.core.contract.compute_dtype`).
   """
   if not isinstance(weighting, Pointwise):
     raise TypeError(f"blocked_attention needs a Pointwise weighting, got {type(weighting)}")
@@ -987,6 +1031,6 @@ def _blocked(q, k, v, *, weighting, scale, bias, mask, is_causal, block_q, block
     bias5 = _pad_axis(_pad_axis(bias5, 3, tp, keep_one=True), 4, sp, keep_one=True)
   if mask5 is not None:
     mask5 = _pad_axis(_pad_axis(mask5, 3, tp, False, True), 4, sp, False, True)
-  scale_arr = jnp.asarray(scale, jnp.float32)
+  scale_arr = jnp.asarray(scale, compute_dtype(q.dtype))
   out = _make_kernel(cfg)(q4, k3, v3, bias5, mask5, scale_arr)
   return out[:, :, :t].reshape(b, n, t, -1).transpose(0, 2, 1, 3)

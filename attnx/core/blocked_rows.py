@@ -16,7 +16,7 @@ per row the remaining stick and Σ A·dP of the keys already visited), query blo
 and the per-row carries are updated in place). Saved: the output, one to three row statistics,
 and for entmax Σu·v/Σu — O(T·H) memory.
 
-SSMax on full rows without a bias, in float32, is softmax of (c_i·q_i)·k and runs in the
+SSMax on full rows without a bias, in float32 or float64, is softmax of (c_i·q_i)·k and runs in the
 pointwise kernel of :mod:`attnx.core.blocked` (:func:`_ssmax_as_softmax`); causal, with a bias
 or with 16-bit inputs, here.
 
@@ -27,6 +27,7 @@ are chosen per family (:func:`causal_block_sizes`, measured).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -35,7 +36,7 @@ from jax import lax
 
 from attnx.core import blocked as bl
 from attnx.core import streaming as st
-from attnx.core.contract import finite, nonfinite_inputs
+from attnx.core.contract import compute_dtype, finite, nonfinite_inputs
 from attnx.core.weightings import RowNormalizer, get_weighting
 
 Array = jax.Array
@@ -70,7 +71,8 @@ def streams(weighting: Any) -> bool:
 
 
 def _tiles(q, k, v, bias, mask, i, cfg: bl._Cfg, qk_mult, bias_mult):
-  """tile(j) -> (z [X, G·bq, bk] f32, valid (broadcastable), v tile) of query block i."""
+  """tile(j) -> (z [X, G·bq, bk] in the compute dtype, valid (broadcastable), v tile) of query
+  block i."""
   qi = bl._rows(q, i, cfg)
 
   def tile(j):
@@ -97,8 +99,8 @@ def _fold(tile, lo, hi, fn, init, reverse: bool = False, zero: Array | None = No
   return lax.fori_loop(0, hi - lo, body, init)
 
 
-def _entmax_threshold_skipping(tile, i, lo, hi, rows: tuple[int, ...],
-                               cfg: bl._Cfg) -> tuple[st.Threshold, Array]:
+def _entmax_threshold_skipping(tile, i, lo, hi, rows: tuple[int, ...], cfg: bl._Cfg,
+                               dtype: Any = F32) -> tuple[st.Threshold, Array]:
   """τ of a query block (:func:`attnx.core.streaming.entmax_threshold`) with zero tiles left
   out of the passes, and which tiles are zero at the final τ ([num_k_blocks] bool).
 
@@ -121,11 +123,11 @@ def _entmax_threshold_skipping(tile, i, lo, hi, rows: tuple[int, ...],
     z, valid, _ = tile(j)
     m, n, table = c
     tile_max = st.entmax_tile_max(z, valid, rs)
-    return (jnp.maximum(m, tile_max), n + jnp.sum(valid, axis=-1, dtype=F32),
+    return (jnp.maximum(m, tile_max), n + jnp.sum(valid, axis=-1, dtype=dtype),
             lax.dynamic_update_index_in_dim(table, tile_max, j, 0))
 
-  init = (jnp.full(rows, -jnp.inf, F32), jnp.zeros(rows, F32),
-          jnp.full((num_k_blocks,) + rows, -jnp.inf, F32))
+  init = (jnp.full(rows, -jnp.inf, dtype), jnp.zeros(rows, dtype),
+          jnp.full((num_k_blocks,) + rows, -jnp.inf, dtype))
   m, n, table = lax.fori_loop(0, hi - lo, max_body, init)
   if cfg.num_q_blocks * cfg.bq != cfg.t:
     real = i * cfg.bq + jnp.arange(rows[-1]) % cfg.bq < cfg.t  # [G·bq]: not a padding row
@@ -139,7 +141,8 @@ def _entmax_threshold_skipping(tile, i, lo, hi, rows: tuple[int, ...],
   def tile_pass(fn, init):  # unused: both passes entmax_threshold makes are the hooks above
     return _fold(tile, lo, hi, lambda c, z, ok, _: fn(c, z, ok), init)
 
-  th = st.entmax_threshold(tile_pass, rows, rs, row_max=(m, n), sums_pass=sums_pass)
+  th = st.entmax_threshold(tile_pass, rows, rs, row_max=(m, n), sums_pass=sums_pass,
+                           dtype=dtype)
   return th, st.entmax_zero_tiles(table, th.m, th.tau)
 
 
@@ -157,6 +160,7 @@ def _forward_chunk(q, k, v, bias, mask, row_scales, scale, cfg: bl._Cfg, skip: b
   x, g, tp, _ = q.shape
   hv = v.shape[-1]
   rows = (x, g * cfg.bq)
+  cd = compute_dtype(q.dtype)
   q, qk_mult, bias_mult, _ = bl._prescale(q, scale, cfg)
   skip = skip and rs.needs_threshold
 
@@ -167,24 +171,25 @@ def _forward_chunk(q, k, v, bias, mask, row_scales, scale, cfg: bl._Cfg, skip: b
     ctx = bl._rows(row_scales, i, cfg) if rs.needs_row_scale else None
     zero = None
     if skip:
-      ctx, zero = _entmax_threshold_skipping(tile, i, lo, hi, rows, cfg)
+      ctx, zero = _entmax_threshold_skipping(tile, i, lo, hi, rows, cfg, cd)
       passes = jnp.maximum(passes, ctx.passes)
       zero_table = lax.dynamic_update_index_in_dim(zero_table, zero, i, 0)
     elif rs.needs_threshold:
       ctx = st.entmax_threshold(
-          lambda fn, init: _fold(tile, lo, hi, lambda c, z, ok, _: fn(c, z, ok), init), rows, rs)
+          lambda fn, init: _fold(tile, lo, hi, lambda c, z, ok, _: fn(c, z, ok), init), rows, rs,
+          dtype=cd)
       passes = jnp.maximum(passes, ctx.passes)
     state = _fold(tile, lo, hi, lambda c, z, ok, vj: st.update(rs, c, z, ok, vj, ctx),
-                  st.init(rs, rows, hv), rs.reverse, zero)
+                  st.init(rs, rows, hv, cd), rs.reverse, zero)
     o, row_stats, sm = st.finalize(rs, state, ctx)
     put = lambda buf, a: bl._put_rows(buf, a, i, cfg)
     stats = tuple(put(buf, a) for buf, a in zip(stats, row_stats, strict=True))
     return (put(out, o), stats, support_mean if sm is None else put(support_mean, sm), passes,
             zero_table)
 
-  init = (jnp.zeros((x, g, tp, hv), F32), tuple(jnp.zeros((x, g, tp), F32)
-                                              for _ in range(rs.num_stats)),
-          jnp.zeros((x, g, tp, hv), F32) if rs.saves_support_mean else None, jnp.int32(0),
+  init = (jnp.zeros((x, g, tp, hv), cd), tuple(jnp.zeros((x, g, tp), cd)
+                                             for _ in range(rs.num_stats)),
+          jnp.zeros((x, g, tp, hv), cd) if rs.saves_support_mean else None, jnp.int32(0),
           jnp.zeros((cfg.num_q_blocks, cfg.num_k_blocks), bool) if skip else None)
   return lax.fori_loop(0, cfg.num_q_blocks, q_block, init)
 
@@ -204,11 +209,12 @@ def _backward_chunk(q, k, v, bias, mask, row_scales, scale, out, stats, support_
   """
   rs = cfg.w.stream
   bl._check_tiling(q, k, cfg)
+  cd = compute_dtype(q.dtype)
   q_raw = q
   q, qk_mult, bias_mult, alpha = bl._prescale(q, scale, cfg)
   # dS·K and dSᵀ·Q take finite copies (attnx.core.contract): 0·NaN at masked pairs.
   q_f, k_f = finite(q), finite(k)
-  delta = jnp.sum(do.astype(F32) * (support_mean if rs.saves_support_mean else out), axis=-1)
+  delta = jnp.sum(do.astype(cd) * (support_mean if rs.saves_support_mean else out), axis=-1)
   bias_shape = bias.shape if cfg.has_bias else None
   axes = bl.manual_axes(q, k, v, bias, mask, row_scales, out, do)
   block_rows = lambda a, i: bl._rows(a, i, cfg)
@@ -229,17 +235,17 @@ def _backward_chunk(q, k, v, bias, mask, row_scales, scale, out, stats, support_
       valid = bl._valid_tile(mask, i, j, cfg)
       finite = z != -jnp.inf
       valid = finite if valid is None else valid & finite
-      dp = jnp.einsum("xqd,xsd->xqs", doi, vj, preferred_element_type=F32)
+      dp = jnp.einsum("xqd,xsd->xqs", doi, vj, preferred_element_type=cd)
       ctx = block_rows(row_scales, i) if rs.needs_row_scale else None
       p, dz, gc = st.tile_grad(rs, z, valid, dp, tuple(block_rows(a, i) for a in stats),
                                block_rows(delta, i), st.GradCarry(carry_a, carry_b), ctx,
                                weights_dtype=v.dtype)
       dv_j = dv_j + jnp.einsum("xqs,xqd->xsd", p.astype(doi.dtype), doi,
-                               preferred_element_type=F32)
+                               preferred_element_type=cd)
       dzc = dz.astype(qi.dtype)
       dk_j = dk_j + jnp.einsum("xqs,xqh->xsh", dzc, bl._rows(q_f, i, cfg),
-                               preferred_element_type=F32)
-      dq_i = jnp.einsum("xqs,xsh->xqh", dzc, kj_f, preferred_element_type=F32)
+                               preferred_element_type=cd)
+      dq_i = jnp.einsum("xqs,xsh->xqh", dzc, kj_f, preferred_element_type=cd)
       return dk_j, dv_j, dq_i, dz if cfg.has_bias else None, gc
 
     def add_dbias(dbias, dz, i):
@@ -273,8 +279,8 @@ def _backward_chunk(q, k, v, bias, mask, row_scales, scale, out, stats, support_
 
       def leave_out(dk_j, dv_j):
         rows = (q.shape[0], q.shape[1] * cfg.bq)
-        return (dk_j, dv_j, jnp.zeros(rows + q.shape[-1:], F32),
-                jnp.zeros(rows + (cfg.bk,), F32) if cfg.has_bias else None)
+        return (dk_j, dv_j, jnp.zeros(rows + q.shape[-1:], cd),
+                jnp.zeros(rows + (cfg.bk,), cd) if cfg.has_bias else None)
 
       dk_j, dv_j, dq_i, dz = lax.cond(zero[i, j], leave_out, compute, dk_j, dv_j)
       dq = bl._put_rows(dq, block_rows(dq, i) + dq_i, i, cfg)
@@ -284,25 +290,25 @@ def _backward_chunk(q, k, v, bias, mask, row_scales, scale, out, stats, support_
 
     body = q_block if zero is None else skipping_q_block
     dq, dk_all, dv_all, dbias, carry_a, carry_b = carry
-    dk0 = jnp.zeros((k.shape[0], cfg.bk, k.shape[-1]), F32)
-    dv0 = jnp.zeros((v.shape[0], cfg.bk, v.shape[-1]), F32)
+    dk0 = jnp.zeros((k.shape[0], cfg.bk, k.shape[-1]), cd)
+    dv0 = jnp.zeros((v.shape[0], cfg.bk, v.shape[-1]), cd)
     dq, dk_j, dv_j, dbias, carry_a, carry_b = lax.fori_loop(
         *bl._q_range(j, cfg), body, (dq, *bl.vary((dk0, dv0), axes), dbias, carry_a, carry_b))
     dk_all = lax.dynamic_update_slice_in_dim(dk_all, dk_j, j * cfg.bk, axis=1)
     dv_all = lax.dynamic_update_slice_in_dim(dv_all, dv_j, j * cfg.bk, axis=1)
     return dq, dk_all, dv_all, dbias, carry_a, carry_b
 
-  rows0 = jnp.zeros(q.shape[:3], F32)
+  rows0 = jnp.zeros(q.shape[:3], cd)
   carry_a0, carry_b0 = (rows0, rows0) if carry0 is None else carry0
-  init = bl.vary((jnp.zeros(q.shape, F32), jnp.zeros(k.shape, F32), jnp.zeros(v.shape, F32),
-                  jnp.zeros(bias_shape, F32) if cfg.has_bias else jnp.zeros((), F32), carry_a0,
+  init = bl.vary((jnp.zeros(q.shape, cd), jnp.zeros(k.shape, cd), jnp.zeros(v.shape, cd),
+                  jnp.zeros(bias_shape, cd) if cfg.has_bias else jnp.zeros((), cd), carry_a0,
                   carry_b0), axes)
   dq_z, dk_z, dv, dbias_z, carry_a, carry_b = lax.fori_loop(0, cfg.num_k_blocks, k_block,
                                                             init)
   c = scale * alpha
   dq = dq_z * c
   dk = dk_z if qk_mult is None else dk_z * c
-  dscale = alpha * jnp.sum(dq_z * finite(q_raw).astype(F32))
+  dscale = alpha * jnp.sum(dq_z * finite(q_raw).astype(cd))
   dbias = dbias_z * bias_mult if cfg.has_bias else None
   return dq, dk, dv, dbias, (carry_a, carry_b) if both_carries else carry_a, dscale
 
@@ -335,13 +341,14 @@ def _forward(q, k, v, bias, mask, row_scales, scale, cfg: bl._Cfg, skip: bool):
   rs = cfg.w.stream
   x, g, tp, _ = q.shape
   hv = v.shape[-1]
+  cd = compute_dtype(q.dtype)
   num_chunks = x // cfg.heads_in_chunk
   zero0 = None
   if skip and rs.needs_threshold:
     zero0 = jnp.zeros((num_chunks, cfg.num_q_blocks, cfg.num_k_blocks), bool)
-  init = (jnp.zeros((x, g, tp, hv), F32), tuple(jnp.zeros((x, g, tp), F32)
-                                              for _ in range(rs.num_stats)),
-          jnp.zeros((x, g, tp, hv), F32) if rs.saves_support_mean else None, jnp.int32(0),
+  init = (jnp.zeros((x, g, tp, hv), cd), tuple(jnp.zeros((x, g, tp), cd)
+                                             for _ in range(rs.num_stats)),
+          jnp.zeros((x, g, tp, hv), cd) if rs.saves_support_mean else None, jnp.int32(0),
           zero0)
   return lax.fori_loop(0, num_chunks, chunk, init)
 
@@ -349,6 +356,7 @@ def _forward(q, k, v, bias, mask, row_scales, scale, cfg: bl._Cfg, skip: bool):
 def _backward(q, k, v, bias, mask, row_scales, scale, out, stats, support_mean, do, zero,
               cfg: bl._Cfg):
   x = q.shape[0]
+  cd = compute_dtype(q.dtype)
   chunk_cfg = dataclasses.replace(cfg, head_dims=cfg.chunk_head_dims())
   if cfg.heads_in_chunk == x:
     return _backward_chunk(q, k, v, bias, mask, row_scales, scale, out, stats, support_mean, do,
@@ -370,9 +378,9 @@ def _backward(q, k, v, bias, mask, row_scales, scale, out, stats, support_mean, 
     return (put(dq, dq_c), put(dk, dk_c), put(dv, dv_c), dbias, put(drow_scales, drow_scales_c),
             dscale + dscale_c)
 
-  init = (jnp.zeros(q.shape, F32), jnp.zeros(k.shape, F32), jnp.zeros(v.shape, F32),
-          jnp.zeros(bias.shape, F32) if cfg.has_bias else None, jnp.zeros(q.shape[:3], F32),
-          jnp.zeros((), F32))
+  init = (jnp.zeros(q.shape, cd), jnp.zeros(k.shape, cd), jnp.zeros(v.shape, cd),
+          jnp.zeros(bias.shape, cd) if cfg.has_bias else None, jnp.zeros(q.shape[:3], cd),
+          jnp.zeros((), cd))
   return lax.fori_loop(0, x // cfg.heads_in_chunk, chunk, init)
 
 
@@ -401,6 +409,7 @@ def raw_block_state(q: Array, k: Array, v: Array, bias: Array | None, mask: Arra
   x, g, tp, _ = q.shape
   hv = v.shape[-1]
   rows = (x, g * cfg.bq)
+  cd = compute_dtype(q.dtype)
   axes = bl.manual_axes(q, k, v, bias, mask, row_scales)
   q, qk_mult, bias_mult, _ = bl._prescale(q, scale, cfg)
 
@@ -409,10 +418,11 @@ def raw_block_state(q: Array, k: Array, v: Array, bias: Array | None, mask: Arra
     lo, hi = bl._k_range(i, cfg)
     ctx = bl._rows(row_scales, i, cfg) if rs.needs_row_scale else None
     state = _fold(tile, lo, hi, lambda c, z, ok, vj: st.update(rs, c, z, ok, vj, ctx),
-                  bl.vary(st.init(rs, rows, hv), axes), rs.reverse)
+                  bl.vary(st.init(rs, rows, hv, cd), axes), rs.reverse)
     return jax.tree.map(lambda b, a: bl._put_rows(b, a, i, cfg), buf, state)
 
-  return lax.fori_loop(0, cfg.num_q_blocks, q_block, bl.vary(st.init(rs, (x, g, tp), hv), axes))
+  return lax.fori_loop(0, cfg.num_q_blocks, q_block,
+                       bl.vary(st.init(rs, (x, g, tp), hv, cd), axes))
 
 
 def block_grads(q: Array, k: Array, v: Array, bias: Array | None, mask: Array | None,
@@ -434,20 +444,27 @@ def _make_kernel(cfg: bl._Cfg, skip: bool):
   """A custom-VJP function of internal-layout (q, k, v, bias, mask, row_scales, scale) -> O;
   ``skip``: leave out all-zero key tiles (entmax family)."""
 
-  @jax.custom_vjp
-  def kernel(q, k, v, bias, mask, row_scales, scale):
-    return _forward(q, k, v, bias, mask, row_scales, scale, cfg, skip)[0].astype(q.dtype)
-
-  def fwd(q, k, v, bias, mask, row_scales, scale):
+  @jax.jit  # as the pointwise kernel's: only finite arrays leave (bl.finite_residual)
+  def forward(q, k, v, bias, mask, row_scales, scale):
     out, stats, support_mean, _, zero = _forward(q, k, v, bias, mask, row_scales, scale, cfg,
                                                  skip)
+    return out, bl.finite_residual(stats), support_mean, zero
+
+  backward = jax.jit(functools.partial(_backward, cfg=cfg))
+
+  @jax.custom_vjp
+  def kernel(q, k, v, bias, mask, row_scales, scale):
+    return forward(q, k, v, bias, mask, row_scales, scale)[0].astype(q.dtype)
+
+  def fwd(q, k, v, bias, mask, row_scales, scale):
+    out, stats, support_mean, zero = forward(q, k, v, bias, mask, row_scales, scale)
     return out.astype(q.dtype), (q, k, v, bias, mask, row_scales, scale, out, stats,
                                  support_mean, zero)
 
   def bwd(res, do):
     q, k, v, bias, mask, row_scales, scale, out, stats, support_mean, zero = res
-    dq, dk, dv, dbias, drow_scales, dscale = _backward(q, k, v, bias, mask, row_scales, scale,
-                                                       out, stats, support_mean, do, zero, cfg)
+    dq, dk, dv, dbias, drow_scales, dscale = backward(q, k, v, bias, mask, row_scales, scale,
+                                                      out, stats, support_mean, do, zero)
     return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype),
             None if bias is None else dbias.astype(bias.dtype), None,
             None if row_scales is None else drow_scales, dscale.astype(scale.dtype))
@@ -477,19 +494,21 @@ def _valid_counts(b: int, n: int, t: int, s: int, bias, mask, is_causal: bool) -
 
 
 def _ssmax_row_scales(q, k, bias, mask, rs: st.RowStream, is_causal: bool, ssmax_s) -> Array:
-  """SSMax's c_i = s·log n_i, [B, N, T] float32 (s: the weighting's, or ``ssmax_s``)."""
+  """SSMax's c_i = s·log n_i, [B, N, T] in the compute dtype (s: the weighting's, or
+  ``ssmax_s``)."""
   b, t, n, _ = q.shape
   s = k.shape[1]
   bias4 = None if bias is None else bias.reshape((1,) * (4 - bias.ndim) + bias.shape)
   mask4 = None if mask is None else mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
-  sv = jnp.asarray(rs.s if ssmax_s is None else ssmax_s, F32)
+  cd = compute_dtype(q.dtype)
+  sv = jnp.asarray(rs.s if ssmax_s is None else ssmax_s, cd)
   if sv.ndim:  # one s per query head
     sv = jnp.broadcast_to(sv.reshape(-1), (n,))[None, :, None]
-  return st.row_scale(rs, _valid_counts(b, n, t, s, bias4, mask4, is_causal), sv)
+  return st.row_scale(rs, _valid_counts(b, n, t, s, bias4, mask4, is_causal), sv, cd)
 
 
 def _ssmax_as_softmax(q, k, v, mask, weighting, scale, block_q, block_k, ssmax_s) -> Array:
-  """SSMax without a bias, in float32: softmax of (c_i·q_i)·k, the pointwise kernel
+  """SSMax without a bias, in float32 or float64: softmax of (c_i·q_i)·k, the pointwise kernel
   (:func:`attnx.core.blocked.blocked_attention`) on the rows of q scaled by c_i = s·log n_i.
 
   Taken for full (non-causal) rows, where it is as fast as softmax and the row kernel 1.18×
@@ -605,7 +624,7 @@ def blocked_row_attention(q: Array, k: Array, v: Array, *, weighting: RowNormali
 
   Returns:
     [B, T, N, Hv] in q's dtype, equal up to float rounding to the dense weights' product with
-    v (float32 accumulation).
+    v (float32 accumulation; float64 for float64 inputs).
   """
   _check_only(q, k, v, mask, weighting, block_q, block_k)
   b, t, n, _ = q.shape
@@ -613,10 +632,11 @@ def blocked_row_attention(q: Array, k: Array, v: Array, *, weighting: RowNormali
     return jnp.zeros((b, t, n, v.shape[-1]), q.dtype)
   if not isinstance(skip_zero_tiles, bool):
     raise ValueError(f"skip_zero_tiles must be a bool, got {skip_zero_tiles!r}")
-  if weighting.stream.needs_row_scale and bias is None and q.dtype == F32 and not is_causal:
+  if (weighting.stream.needs_row_scale and bias is None and jnp.dtype(q.dtype).itemsize >= 4
+      and not is_causal):
     return _ssmax_as_softmax(q, k, v, mask, weighting, scale, block_q, block_k, ssmax_s)
   arrays, cfg = _inputs(q, k, v, bias, mask, weighting, is_causal, block_q, block_k, ssmax_s)
-  out = _make_kernel(cfg, skip_zero_tiles)(*arrays, jnp.asarray(scale, F32))
+  out = _make_kernel(cfg, skip_zero_tiles)(*arrays, jnp.asarray(scale, compute_dtype(q.dtype)))
   return out[:, :, :t].reshape(b, n, t, -1).transpose(0, 2, 1, 3)
 
 
@@ -634,7 +654,7 @@ def threshold_passes(q: Array, k: Array, v: Array, *, weighting: RowNormalizer,
   threshold τ (sparsemax/entmax; the row-max pass and the exact last step included), for the
   benchmark's report. 0 for the other families."""
   arrays, cfg = _inputs(q, k, v, bias, mask, weighting, is_causal, block_q, block_k, None)
-  return _forward(*arrays, jnp.asarray(scale, F32), cfg, True)[3]
+  return _forward(*arrays, jnp.asarray(scale, compute_dtype(q.dtype)), cfg, True)[3]
 
 
 def zero_tiles(q: Array, k: Array, v: Array, *, weighting: RowNormalizer, scale: float | Array,
@@ -658,7 +678,7 @@ def zero_tiles(q: Array, k: Array, v: Array, *, weighting: RowNormalizer, scale:
   if q.size == 0 or k.shape[1] == 0:
     raise ValueError(f"zero_tiles needs queries and keys, got q {q.shape}, k {k.shape}")
   arrays, cfg = _inputs(q, k, v, bias, mask, weighting, is_causal, block_q, block_k, None)
-  zero = _forward(*arrays, jnp.asarray(scale, F32), cfg, True)[4]
+  zero = _forward(*arrays, jnp.asarray(scale, compute_dtype(q.dtype)), cfg, True)[4]
   hi = jnp.stack([jnp.asarray(bl._k_range(i, cfg)[1]) for i in range(cfg.num_q_blocks)])
   visited = jnp.arange(cfg.num_k_blocks)[None, :] < hi[:, None]
   visited = jnp.broadcast_to(visited, zero.shape)

@@ -30,7 +30,15 @@ answer — identically for ``implementation="dense"`` and ``"blocked"`` (and any
 * **Finite inputs give finite outputs and gradients** for every built-in weighting and score
   with scores up to |s| ≈ 1e4 (exp is computed with a running maximum; sum-normalized
   weightings divide once in the backward so a denormal Σ F does not overflow).
-* **bf16/f16** inputs are computed in float32 (scores, F, accumulators) and cast back.
+* **Precision**: every implementation computes (scores, F, statistics, accumulators) in
+  max(float32, the input dtype) (:func:`compute_dtype`): bf16/f16 inputs in float32, cast
+  back; float64 inputs (``jax_enable_x64``) in float64, in dense (pointwise F and the
+  whole-row weightings of :mod:`attnx.core.rownorm` and :mod:`attnx.core.simplex`, whose
+  bisections then run to float64 resolution), the blocked kernels (pointwise and whole-row)
+  and the ring's blocked steps. The Pallas kernels have no float64 form:
+  ``implementation="pallas"`` raises a ValueError naming the dtype and
+  ``implementation="blocked"`` (also with ``interpret=True``), and the automatic choice never
+  takes them for float64.
 
 This module holds what every kernel shares: the input step, which makes non-finite numbers
 travel as NaN along a path masks can stop (the scores), never through a product with a zero
@@ -47,6 +55,12 @@ import jax
 import jax.numpy as jnp
 
 Array = jax.Array
+
+
+def compute_dtype(*dtypes) -> jnp.dtype:
+  """The dtype the kernels compute and accumulate in for inputs of ``dtypes``: float32 for
+  16-bit floats and float32, float64 for float64 (with ``jax_enable_x64``)."""
+  return jnp.promote_types(jnp.float32, jnp.result_type(*dtypes))
 
 
 def nonfinite_inputs(q: Array, k: Array, v: Array | None,

@@ -273,14 +273,16 @@ def attention_weights(query: Array, key: Array, bias: Array | None = None,
 
 
 def _ssmax_param(w: Any, weighting_params: dict[str, Any] | None, n: int) -> Array | None:
-  """SSMax's learned s from ``weighting_params`` (float32, shape () or [N]), checked."""
+  """SSMax's learned s from ``weighting_params`` (shape () or [N]), checked: float32, or
+  float64 for a float64 s; the kernels take it in their compute dtype."""
   if not weighting_params:
     return None
   family = getattr(getattr(w, "stream", None), "family", None)
   if family != "ssmax" or set(weighting_params) != {"s"}:
     raise ValueError(f"weighting_params {sorted(weighting_params)} do not apply to weighting "
                      f"{w.name!r}: only 'ssmax' takes learnable parameters ({{'s': array}}).")
-  s = jnp.asarray(weighting_params["s"], jnp.float32)
+  s = jnp.asarray(weighting_params["s"])
+  s = s.astype(jnp.promote_types(s.dtype, jnp.float32))
   if s.shape not in ((), (n,)):
     raise ValueError(f"weighting_params['s'] must be a scalar or one value per query head "
                      f"[N] = [{n}], got shape {s.shape}.")
@@ -532,6 +534,15 @@ def attention(query: Array, key: Array, value: Array, bias: Array | None = None,
     rows for rows without a valid key; where the output is NaN, NaN at the row's valid keys
     and 0 at its masked ones), and dropout keeps it: a dropped weight of a NaN row is still
     NaN, a zero row stays zero.
+  * Under ``jax.debug_infs(True)`` / ``jax.debug_nans(True)`` finite inputs raise nothing
+    (dense, blocked; masks use the dtype's finite minimum, as ``jax.nn``).
+
+  Exporting (``jax.export``) with a symbolic batch: the batch dims ``[batch...]`` (of q, k,
+  v and of a mask/bias that has them) may be symbolic, forward and gradient, for
+  ``"dense"``, ``"blocked"``, None and ``"pallas"`` with ``interpret=True``. T, S, N, K, H
+  and Hv must be static for ``"blocked"`` and ``"pallas"`` (dense takes them symbolic too,
+  and None then runs it). The compiled Pallas kernels take no symbolic batch (JAX's Pallas
+  lowerings need a static grid): ``"pallas"`` raises a ValueError and None runs blocked.
 
   Raises:
     ValueError: bad shapes or dtypes, a tile size below 1 (whatever the implementation), an

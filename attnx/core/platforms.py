@@ -53,7 +53,9 @@ def unlowerable(shape: tuple[int, ...], dtype: Any, reason: str) -> Array:
   """An array of ``shape`` and ``dtype`` that no platform can compute: evaluating it, or
   lowering a program that needs it, raises ``ValueError(reason)``. Tracing is fine, so a
   platform's branch can stand in for code that only another platform runs."""
-  return _unlowerable_p.bind(shape=tuple(int(d) for d in shape), dtype=np.dtype(dtype),
+  # A symbolic dim (jax.export with a polymorphic batch) stays one.
+  shape = tuple(d if jax.export.is_symbolic_dim(d) else int(d) for d in shape)
+  return _unlowerable_p.bind(shape=shape, dtype=np.dtype(dtype),
                              reason=str(reason))
 
 

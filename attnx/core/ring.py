@@ -79,7 +79,7 @@ from attnx.core import blocked as bl
 from attnx.core import blocked_rows, dispatch, ring_pallas, streaming
 from attnx.core import pallas_attention as pa
 from attnx.core import scores as scores_lib
-from attnx.core.contract import nonfinite_inputs
+from attnx.core.contract import compute_dtype, nonfinite_inputs
 from attnx.core.weightings import Pointwise, get_weighting
 
 Array = jax.Array
@@ -233,6 +233,7 @@ class _Ring:
   vma: tuple[str, ...] = ()  # axes the inputs vary over (check_vma=True): see blocked.vary
   pallas: str | None = None  # the Pallas kernels' backend ("gpu"/"tpu") of every step, or XLA
   interpret: bool = False  # the Pallas kernels in Pallas' interpreter
+  dtype: Any = F32  # the compute dtype (contract.compute_dtype): float32, or float64
 
   @property
   def num_keys(self) -> int:
@@ -388,8 +389,9 @@ def _select(pred: Array, a: Any, b: Any) -> Any:
 # --------------------------------------------------------------------------------------------
 
 def _zeros(rc: _Ring, shape: tuple[int, ...]) -> Array:
-  """float32 zeros typed like the ring's inputs (loop starts and branch results)."""
-  return bl.vary(jnp.zeros(shape, F32), rc.vma)
+  """Zeros of the compute dtype typed like the ring's inputs (loop starts and branch
+  results)."""
+  return bl.vary(jnp.zeros(shape, rc.dtype), rc.vma)
 
 
 def _empty(rc: _Ring, rows: tuple[int, ...], hv: int) -> Any:
@@ -397,8 +399,8 @@ def _empty(rc: _Ring, rows: tuple[int, ...], hv: int) -> Any:
   if rc.pointwise:
     cols = hv + 1 if rc.w.normalization == "sum" else hv
     st0 = -jnp.inf if rc.w.online_max else 0.0
-    return bl.vary((jnp.zeros(rows + (cols,), F32), jnp.full(rows, st0, F32)), rc.vma)
-  return bl.vary(streaming.init(rc.w.stream, rows, hv), rc.vma)
+    return bl.vary((jnp.zeros(rows + (cols,), rc.dtype), jnp.full(rows, st0, rc.dtype)), rc.vma)
+  return bl.vary(streaming.init(rc.w.stream, rows, hv, rc.dtype), rc.vma)
 
 
 def _merge(rc: _Ring, a: Any, b: Any) -> Any:
@@ -537,7 +539,8 @@ def _switch(rc: _Ring, i: Array, src: Array, run, *operands):
 
 
 def _forward(rc: _Ring, q, k, v, bias, mask, rsc, scale):
-  """(out [X, G, T, Hv] float32, row statistics, stick-breaking's (O, L) of the later run)."""
+  """(out [X, G, T, Hv] in the compute dtype, row statistics, stick-breaking's (O, L) of the
+  later run)."""
   p, hv = rc.p, v.shape[-1]
   i = lax.axis_index(rc.axis)
   rows = q.shape[:2] + (rc.t,)
@@ -579,7 +582,7 @@ def _backward(rc: _Ring, res, do):
   q, k, v, bias, mask, rsc, scale, out, stats, extra = res
   p = rc.p
   i = lax.axis_index(rc.axis)
-  do = do.astype(F32)
+  do = do.astype(rc.dtype)
   rows = q.shape[:3]
   stick = rc.family == "stick_breaking"
   zero_rows = _zeros(rc, rows)
@@ -745,7 +748,7 @@ def _stick_zigzag_backward(rc: _Ring, res, do):
   q, k, v, bias, mask, _, scale, out, stats, extra = res
   p, c = rc.p, rc.s // 2
   i = lax.axis_index(rc.axis)
-  do = do.astype(F32)
+  do = do.astype(rc.dtype)
   carries = dict(zip(_RUNS, extra, strict=True))  # _start_carries
   dbias_local = None
   if bias is not None and rc.bias_kind != "travel":
@@ -953,8 +956,9 @@ def _make_ring(rc: _Ring, passes: int):
     return x.reshape(b, hq, x.shape[2], x.shape[3]).transpose(0, 2, 1, 3)
 
   def run(qd, kd, vd, bias4, mask4, rsc, scale):
-    """(O [B, t, N, Hv] in q's dtype, per pass (row statistics, extra[, float32 O]))."""
-    keep_f32 = qd.dtype != F32  # else O itself is the backward's float32 output
+    """(O [B, t, N, Hv] in q's dtype, per pass (row statistics, extra[, O in the compute
+    dtype]))."""
+    keep_f32 = qd.dtype != rc.dtype  # else O itself is the backward's compute-dtype output
 
     def one(out, c):
       o, stats, extra = forward(rc, *_pass_inputs(rc, c, qd, kd, vd, bias4, mask4, rsc),
@@ -983,7 +987,7 @@ def _make_ring(rc: _Ring, passes: int):
       dq, dk, dv, dbias, drsc, dscale = acc
       c, (stats, extra, o32) = xs
       inputs = _pass_inputs(rc, c, qd, kd, vd, bias4, mask4, rsc)
-      o = _pass_rows(rc, c, out).astype(F32) if o32 is None else o32
+      o = _pass_rows(rc, c, out).astype(rc.dtype) if o32 is None else o32
       gq, gk, gv, gb, gr, gs = backward(rc, inputs[:6] + (scale, o, stats, extra),
                                         _pass_rows(rc, c, do))
       dq = _put_heads(dq, bthd(gq), c * hq, 2)
@@ -997,11 +1001,11 @@ def _make_ring(rc: _Ring, passes: int):
       return (dq, dk, dv, dbias, drsc, dscale + gs), None
 
     zeros = lambda x, dtype: None if x is None else _zeros(rc, x.shape).astype(dtype)
-    acc = (zeros(qd, qd.dtype), zeros(kd, kd.dtype), zeros(vd, vd.dtype), zeros(bias4, F32),
-           zeros(rsc, F32), _zeros(rc, ()))
+    acc = (zeros(qd, qd.dtype), zeros(kd, kd.dtype), zeros(vd, vd.dtype),
+           zeros(bias4, rc.dtype), zeros(rsc, rc.dtype), _zeros(rc, ()))
     stats, extra, o32 = saved
     do_passes = (do.reshape(b, rc.t, passes, hq, -1).transpose(2, 0, 3, 1, 4)
-                 .reshape(passes, b * kc, g, rc.t, -1).astype(F32))
+                 .reshape(passes, b * kc, g, rc.t, -1).astype(rc.dtype))
     saved = (stats, jax.vmap(lambda e, d: _start_carries(rc, e, d))(extra, do_passes), o32)
     if passes == 1:
       acc, _ = one(acc, (0, jax.tree.map(lambda x: x[0], saved)))
@@ -1228,14 +1232,15 @@ def ring_attention(q: Array, k: Array, v: Array, bias: Array | None = None,
   compute = jnp.result_type(qd.dtype, kd.dtype, value.dtype)
   flat = lambda x: x.astype(compute).reshape((b,) + x.shape[len(batch):])
   qd, kd, value = flat(qd), flat(kd), flat(value)
+  rc = dataclasses.replace(rc, dtype=compute_dtype(compute))  # float64 inputs: float64
   rsc = None
   if family == "ssmax":
-    sv = jnp.asarray(w.stream.s if ssmax_s is None else ssmax_s, F32)
+    sv = jnp.asarray(w.stream.s if ssmax_s is None else ssmax_s, rc.dtype)
     if sv.ndim:
       sv = jnp.broadcast_to(sv.reshape(-1), (n,))[None, :, None]
-    rsc = streaming.row_scale(w.stream, _valid_counts(rc, bias4, mask4, b, n), sv)
+    rsc = streaming.row_scale(w.stream, _valid_counts(rc, bias4, mask4, b, n), sv, rc.dtype)
   out = _make_ring(rc, kv_heads // kc)(qd, kd, value, bias4, mask4, rsc,
-                                       jnp.asarray(scale, F32))
+                                       jnp.asarray(scale, rc.dtype))
   return out.reshape(batch + out.shape[1:]).astype(q.dtype)
 
 

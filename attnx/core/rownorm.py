@@ -11,9 +11,11 @@ None of these is ``F(s)/ΣF(s)`` with a fixed elementwise F, so they are registe
   w_j = β_j Π_{k>j}(1 − β_k), the stick broken from the last position of the axis backwards
   (for causal attention: nearest key first); rows sum to ≤ 1.
 
-All functions compute in float32, accept ``where`` (False → weight exactly 0; a fully masked row
-gives zeros with finite gradients; −inf scores count as masked) and stay finite for scores of
-±1e4. Importing this module registers ``"ssmax"``, ``"softpick"`` and ``"stick_breaking"``.
+All functions compute in float32, or float64 for float64 inputs
+(:func:`attnx.core.contract.compute_dtype`), accept ``where`` (False → weight exactly 0; a fully
+masked row gives zeros with finite gradients; −inf scores count as masked) and stay finite for
+scores of ±1e4. Importing this module registers ``"ssmax"``, ``"softpick"`` and
+``"stick_breaking"``.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import jax.numpy as jnp
 
 from attnx.core import params as params_lib
 from attnx.core import weightings as weightings_lib
+from attnx.core.contract import compute_dtype
 from attnx.core.streaming import RowStream
 
 Array = jax.Array
@@ -34,8 +37,10 @@ SOFTPICK_EPS = 1e-6
 
 
 def _prepare(x: Array, where: Array | None, axis: int) -> tuple[Array, Array]:
-  """(z float32 with the axis last, valid mask); masked/−inf entries of z are set to 0."""
-  z = jnp.moveaxis(jnp.asarray(x).astype(jnp.float32), axis, -1)
+  """(z with the axis last, valid mask); masked/−inf entries of z are set to 0. z is float32,
+  or float64 for float64 ``x`` (:func:`attnx.core.contract.compute_dtype`)."""
+  x = jnp.asarray(x)
+  z = jnp.moveaxis(x.astype(compute_dtype(x.dtype)), axis, -1)
   valid = z != -jnp.inf
   if where is not None:
     where = jnp.broadcast_to(jnp.asarray(where, bool), jnp.shape(x))
@@ -62,18 +67,19 @@ def ssmax(x: Array, axis: int = -1, where: Array | None = None,
   valid keys in the row (at least 1; n = 1 gives weight 1 to the single key).
 
   Args:
-    x: scores, any float dtype (computed in float32).
+    x: scores, any float dtype (computed in float32, or float64 for float64 inputs).
     axis: the axis to normalize over.
     where: optional boolean mask broadcastable to ``x``; False entries get weight 0.
     s: the scaling parameter (learned per head in the paper; any array broadcastable to the
       row-reduced shape with the axis kept, or a scalar). The default 1.0 is our choice.
 
   Returns:
-    float32 weights; non-empty rows sum to one, fully masked rows are all zeros.
+    float32 weights (float64 for float64 inputs); non-empty rows sum to one, fully masked rows
+    are all zeros.
   """
   z, valid = _prepare(x, where, axis)
-  n = jnp.sum(valid, axis=-1, keepdims=True).astype(jnp.float32)
-  s = jnp.asarray(s, jnp.float32)
+  n = jnp.sum(valid, axis=-1, keepdims=True).astype(z.dtype)
+  s = jnp.asarray(s, z.dtype)
   if s.ndim:
     s = jnp.moveaxis(jnp.broadcast_to(s, jnp.broadcast_shapes(s.shape, jnp.shape(x))),
                      axis, -1)
@@ -91,7 +97,14 @@ def ssmax(x: Array, axis: int = -1, where: Array | None = None,
 # softpick.
 # --------------------------------------------------------------------------------------------
 
-_EXPM1_SAFE = 80.0  # e^80 is far from float32 overflow (e^88.7)
+# The largest m for e^{−m}·expm1(z): e^80 is far from float32 overflow (e^88.7), e^700 from
+# float64's (e^709.8). Past it e^{z−m} − e^{−m} cancels only in weights ≲ e^{−m} of the largest.
+_EXPM1_SAFE = 80.0
+_EXPM1_SAFE_F64 = 700.0
+
+
+def _expm1_safe(dtype) -> float:
+  return _EXPM1_SAFE_F64 if jnp.dtype(dtype).itemsize > 4 else _EXPM1_SAFE
 
 
 @functools.partial(jax.jit, static_argnames=("axis",))
@@ -100,23 +113,24 @@ def softpick(x: Array, axis: int = -1, where: Array | None = None,
   """Softpick (Zuhri et al. 2025, arXiv 2504.20966), ``relu(eᶻ − 1)/(Σ_j |e^{z_j} − 1| + ε)``.
 
   Evaluated as relu(d)/(Σ|d| + ε e^{−m}) with d = e^{z−m} − e^{−m} = e^{−m}(eᶻ − 1) and
-  m = max(0, row max), which is the same ratio without overflow. For m < 80 we use
-  e^{−m}·expm1(z), exact for small ``|z|`` where e^{z−m} − e^{−m} would cancel.
+  m = max(0, row max), which is the same ratio without overflow. For m < 80 (700 in float64)
+  we use e^{−m}·expm1(z), exact for small ``|z|`` where e^{z−m} − e^{−m} would cancel.
 
   Args:
-    x: scores, any float dtype (computed in float32).
+    x: scores, any float dtype (computed in float32, or float64 for float64 inputs).
     axis: the axis to normalize over.
     where: optional boolean mask broadcastable to ``x``; False entries get weight 0.
     eps: the ε of the denominator.
 
   Returns:
-    float32 weights in [0, 1); rows sum to less than one by design (exactly 0 if every valid
-    score is ≤ 0; fully masked rows are zeros).
+    float32 (float64 for float64 inputs) weights in [0, 1); rows sum to less than one by
+    design (exactly 0 if every valid score is ≤ 0; fully masked rows are zeros).
   """
   z, valid = _prepare(x, where, axis)
   m = jnp.maximum(_masked_max(z, valid), 0.0)
-  small = m < _EXPM1_SAFE
-  d_small = jnp.exp(-jnp.minimum(m, _EXPM1_SAFE)) * jnp.expm1(jnp.minimum(z, _EXPM1_SAFE))
+  safe = _expm1_safe(z.dtype)
+  small = m < safe
+  d_small = jnp.exp(-jnp.minimum(m, safe)) * jnp.expm1(jnp.minimum(z, safe))
   d_large = jnp.exp(z - m) - jnp.exp(-m)
   d = jnp.where(valid, jnp.where(small, d_small, d_large), 0.0)
   denom = jnp.sum(jnp.abs(d), axis=-1, keepdims=True) + eps * jnp.exp(-m)
@@ -138,13 +152,13 @@ def stick_breaking(x: Array, axis: int = -1, where: Array | None = None) -> Arra
   product of many numbers < 1 underflows before the exp.
 
   Args:
-    x: scores, any float dtype (computed in float32).
+    x: scores, any float dtype (computed in float32, or float64 for float64 inputs).
     axis: the axis to normalize over (position order matters).
     where: optional boolean mask broadcastable to ``x``; masked keys neither receive weight nor
       break the stick.
 
   Returns:
-    float32 weights with Σ w = 1 − Π_valid(1 − β) ≤ 1.
+    float32 (float64 for float64 inputs) weights with Σ w = 1 − Π_valid(1 − β) ≤ 1.
   """
   z, valid = _prepare(x, where, axis)
   log_rest = jnp.where(valid, jax.nn.log_sigmoid(-z), 0.0)

@@ -14,7 +14,9 @@ Niculae 2020, "Learning with Fenchel-Young losses"):
 
 τ is the unique threshold making the weights sum to one. All three are shift invariant
 (p*(z + c) = p*(z)), which we exploit: rows are shifted by their (valid) maximum before any
-other math, so scores of ±1e4 stay exact in float32. Gradients are exact, via ``jax.custom_jvp``
+other math, so scores of ±1e4 stay exact in float32. All compute in float32, or float64 for
+float64 inputs (:func:`attnx.core.contract.compute_dtype`; the bisections then take enough
+steps for float64 resolution). Gradients are exact, via ``jax.custom_jvp``
 (Peters et al. 2019, Prop. 2): with s = p^{2−α} on the support and 0 elsewhere,
 
     dp = s ⊙ dz − (⟨s, dz⟩ / Σ s) s,
@@ -41,16 +43,31 @@ import jax.numpy as jnp
 
 from attnx.core import params as params_lib
 from attnx.core import weightings as weightings_lib
+from attnx.core.contract import compute_dtype
 from attnx.core.streaming import RowStream
 
 Array = jax.Array
 
 DEFAULT_N_ITER = 30  # bisection steps; 24 already reach float32 resolution (docs/references.md)
+# Float64 (jax_enable_x64): 29 more halvings for its 52-bit mantissa (float32's has 23).
+DEFAULT_N_ITER_F64 = DEFAULT_N_ITER + 29
 _ENTMAX15_BISECT_STEPS = 25  # τ ∈ [−1, 0]: 2⁻²⁵ ≈ 3e-8, float32 resolution near 1
+_ENTMAX15_BISECT_STEPS_F64 = 54  # 2⁻⁵⁴ ≈ 6e-17, float64 resolution near 1
+
+
+def _is_f64(dtype) -> bool:
+  return jnp.dtype(dtype).itemsize > 4
+
+
+def default_n_iter(dtype) -> int:
+  """The bisection steps of :func:`entmax_bisect` for scores of ``dtype`` (its n_iter=None):
+  30 in float32 (and for 16-bit inputs, computed in float32), 59 in float64."""
+  return DEFAULT_N_ITER_F64 if _is_f64(compute_dtype(dtype)) else DEFAULT_N_ITER
 
 
 # --------------------------------------------------------------------------------------------
-# Shared plumbing: float32, move the axis last, shift by the valid row max, fill masked entries.
+# Shared plumbing: float32 (float64 for float64 inputs), move the axis last, shift by the valid
+# row max, fill masked entries.
 # --------------------------------------------------------------------------------------------
 
 def _prepare(x: Array, where: Array | None, axis: int, fill: float) -> tuple[Array, Array]:
@@ -59,7 +76,8 @@ def _prepare(x: Array, where: Array | None, axis: int, fill: float) -> tuple[Arr
   Masked entries become ``fill`` (a value below any possible threshold τ after the shift);
   fully masked rows become all zeros, so the core solvers always see a regular row.
   """
-  z = jnp.moveaxis(jnp.asarray(x).astype(jnp.float32), axis, -1)
+  x = jnp.asarray(x)
+  z = jnp.moveaxis(x.astype(compute_dtype(x.dtype)), axis, -1)  # float32, or float64
   # −inf scores (a common way to mask) are treated exactly like where=False.
   valid = z != -jnp.inf
   if where is not None:
@@ -138,13 +156,14 @@ def sparsemax(x: Array, axis: int = -1, where: Array | None = None) -> Array:
   fixed point on the support; no sort).
 
   Args:
-    x: scores, any float dtype (computed in float32).
+    x: scores, any float dtype (computed in float32, or float64 for float64 inputs).
     axis: the axis to normalize over.
     where: optional boolean mask broadcastable to ``x``; False entries get weight exactly 0,
       fully masked rows get all zeros.
 
   Returns:
-    float32 weights of ``x``'s shape; each (non-fully-masked) row sums to one.
+    float32 weights (float64 for float64 inputs) of ``x``'s shape; each (non-fully-masked)
+    row sums to one.
   """
   # After the shift the max is 0 and τ ≥ max − 1 = −1, so −2 is always outside the support.
   z, valid = _prepare(x, where, axis, fill=-2.0)
@@ -174,15 +193,16 @@ def _bisect_threshold(z: Array, mass, n_iter: int, lo: float = -1.0, hi: float =
 def _entmax15_last(z: Array) -> Array:
   """1.5-entmax over the last axis of rows with max 0: [z/2 − τ]₊² (Peters et al. 2019).
 
-  Bisection on τ ∈ [−1, 0] to float32 resolution finds the support S = {z/2 > τ}; τ then comes
-  from the closed form on S (the smaller root of Σ_S (z_j/2 − τ)² = 1), as in the paper's
-  sort-based Algorithm 2 but with ~25 fused passes instead of a sort (10-20× faster on a CPU).
-  Only an entry within 2⁻²⁵ of τ — weight ≤ 1e-15 — could be put on the wrong side.
+  Bisection on τ ∈ [−1, 0] to float32 resolution (float64 for float64 rows) finds the support
+  S = {z/2 > τ}; τ then comes from the closed form on S (the smaller root of
+  Σ_S (z_j/2 − τ)² = 1), as in the paper's sort-based Algorithm 2 but with ~25 fused passes
+  (54 in float64) instead of a sort (10-20× faster on a CPU). Only an entry within 2⁻²⁵ of τ
+  (2⁻⁵⁴ in float64) — weight ≤ 1e-15 (1e-32) — could be put on the wrong side.
   """
   zh = z / 2.0  # the (α−1) z scaling
   t = _bisect_threshold(
       zh, lambda x, t: jnp.sum(jnp.square(jnp.maximum(x - t, 0.0)), axis=-1, keepdims=True),
-      _ENTMAX15_BISECT_STEPS)
+      _ENTMAX15_BISECT_STEPS_F64 if _is_f64(z.dtype) else _ENTMAX15_BISECT_STEPS)
   support = zh > t  # never empty: τ < 0 = max
   k = jnp.sum(support, axis=-1, keepdims=True, dtype=z.dtype)
   mean = jnp.sum(jnp.where(support, zh, 0.0), axis=-1, keepdims=True) / k
@@ -207,13 +227,13 @@ def entmax15(x: Array, axis: int = -1, where: Array | None = None) -> Array:
   smoother; e.g. [−2, 0, 0.5] ↦ [0, 0.326, 0.674].
 
   Args:
-    x: scores, any float dtype (computed in float32).
+    x: scores, any float dtype (computed in float32, or float64 for float64 inputs).
     axis: the axis to normalize over.
     where: optional boolean mask broadcastable to ``x``; False entries get weight exactly 0,
       fully masked rows get all zeros (never NaN).
 
   Returns:
-    float32 weights of ``x``'s shape.
+    float32 weights (float64 for float64 inputs) of ``x``'s shape.
   """
   # After the shift τ ≥ max/2 − 1 = −1, so z = −3 (z/2 = −1.5) is always outside the support.
   z, valid = _prepare(x, where, axis, fill=-3.0)
@@ -276,7 +296,7 @@ def _check_alpha(alpha: float) -> float:
 
 @functools.partial(jax.jit, static_argnames=("alpha", "axis", "n_iter"))
 def entmax_bisect(x: Array, alpha: float = 1.5, axis: int = -1, where: Array | None = None,
-                  n_iter: int = DEFAULT_N_ITER) -> Array:
+                  n_iter: int | None = None) -> Array:
   """α-entmax for any α > 1 by bisection on the threshold (Peters et al. 2019).
 
   entmax_α(z) = argmax_{p∈Δ} ⟨p, z⟩ + H^T_α(p) = [(α−1) z − τ]₊^{1/(α−1)},
@@ -284,17 +304,21 @@ def entmax_bisect(x: Array, alpha: float = 1.5, axis: int = -1, where: Array | N
   :func:`entmax15`, α = 2 equals :func:`sparsemax`; larger α is sparser.
 
   Args:
-    x: scores, any float dtype (computed in float32).
+    x: scores, any float dtype (computed in float32, or float64 for float64 inputs).
     alpha: a concrete Python float > 1 (ValueError otherwise; use softmax for α = 1).
     axis: the axis to normalize over.
     where: optional boolean mask broadcastable to ``x``; False entries get weight exactly 0,
       fully masked rows get all zeros.
     n_iter: bisection steps; the bracket has width ≤ log n, so 30 reach float32 resolution.
+      None (the default) takes enough for the compute dtype: 30 for float32 and 16-bit
+      inputs, 59 for float64 ones (``attnx.core.simplex.default_n_iter``).
 
   Returns:
-    float32 weights of ``x``'s shape.
+    float32 weights (float64 for float64 inputs) of ``x``'s shape.
   """
   alpha = _check_alpha(alpha)
+  if n_iter is None:
+    n_iter = default_n_iter(jnp.asarray(x).dtype)
   n_iter = params_lib.number("entmax_bisect", "n_iter", n_iter, low=1, low_open=False,
                              integer=True)
   # Entries with y ≤ −1/(α−1) have weight 0 for every δ ≥ 0.
@@ -349,7 +373,7 @@ def _make_entmax(alpha: float = 1.5, n_iter: int | None = None,
     fn = entmax15
   else:
     fn = functools.partial(entmax_bisect, alpha=alpha,
-                           n_iter=DEFAULT_N_ITER if n_iter is None else int(n_iter))
+                           n_iter=None if n_iter is None else int(n_iter))
   stream = RowStream("entmax", alpha=alpha, scale=scale,
                      renormalize=fn not in (sparsemax, entmax15))
   return _row("entmax", fn, scale, stream, alpha=alpha, n_iter=n_iter)

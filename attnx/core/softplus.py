@@ -63,8 +63,9 @@ def log_sigmoid_pair(z: Array) -> tuple[Array, Array, Array]:
 
   Both logs are −max(∓z, 0) − log1p(e^{−|z|}), sharing t = e^{−|z|}, and σ(z) is 1/(1 + t) or
   t/(1 + t): exact to float32 rounding at both ends, where z − softplus(z) would cancel.
+  float64 z takes ``jnp.log1p`` (the polynomial is a float32 approximation), as :func:`softplus`.
   """
   t = jnp.exp(-jnp.abs(z))
-  l1 = t * _q(t)
+  l1 = jnp.log1p(t) if z.dtype == jnp.float64 else t * _q(t)
   sig = jnp.where(z >= 0, 1.0, t) / (1.0 + t)
   return -(jnp.maximum(-z, 0.0) + l1), -(jnp.maximum(z, 0.0) + l1), sig

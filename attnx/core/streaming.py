@@ -58,6 +58,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from attnx.core.contract import compute_dtype
 from attnx.core.softplus import log_sigmoid_pair
 
 Array = jax.Array
@@ -66,6 +67,13 @@ FAMILIES = ("ssmax", "softpick", "stick_breaking", "entmax")
 # Newton/bisection passes for the threshold: bisection alone reaches float32 resolution of
 # τ ∈ [−1, 0] in 25, and Newton's method needs ~4–8 where it applies.
 MAX_THRESHOLD_PASSES = 40
+# Float64 scores (jax_enable_x64): bisection needs 29 more halvings for its 52-bit resolution.
+MAX_THRESHOLD_PASSES_F64 = MAX_THRESHOLD_PASSES + 30
+
+
+def max_threshold_passes(dtype: Any = F32) -> int:
+  """The most passes :func:`entmax_threshold` makes for scores of ``dtype``."""
+  return MAX_THRESHOLD_PASSES_F64 if jnp.dtype(dtype).itemsize > 4 else MAX_THRESHOLD_PASSES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,8 +208,10 @@ class RowStream:
 
 
 def pv(p: Array, v: Array) -> Array:
-  """Σ_j p_ij v_j with float32 accumulation; p [..., rows, keys], v [..., keys, Hv]."""
-  return jnp.einsum("...qs,...sd->...qd", p.astype(v.dtype), v, preferred_element_type=F32)
+  """Σ_j p_ij v_j accumulated in max(float32, v's dtype); p [..., rows, keys], v [..., keys,
+  Hv]."""
+  return jnp.einsum("...qs,...sd->...qd", p.astype(v.dtype), v,
+                    preferred_element_type=compute_dtype(v.dtype))
 
 
 def _masked(z: Array, valid: Array, fill: float = 0.0) -> Array:
@@ -288,7 +298,7 @@ def pointwise_update(w: Any, acc: Any, l: Array, s: Array, valid: Array | None, 
   if w.normalization == "sum" and not ops.ones_column:
     l = l + ops.row_sum(f)
   elif w.normalization == "length" and valid is not None:
-    l = l + ops.row_sum(jnp.broadcast_to(valid, f.shape), dtype=F32)
+    l = l + ops.row_sum(jnp.broadcast_to(valid, f.shape), dtype=l.dtype)
   return acc, l
 
 
@@ -306,9 +316,17 @@ def pointwise_merge(w: Any, a: tuple[Array, Array], b: tuple[Array, Array]) -> t
 
 def pointwise_finalize(w: Any, acc: Any, st: Array, l: Array | None = None, *,
                        add_offset: bool = True, num_keys: int | None = None,
-                       ops: Ops = XLA) -> tuple[Any, Array]:
+                       split_lse: bool = False, ops: Ops = XLA) -> tuple[Any, Array]:
   """A raw state -> (O, row statistic): lse = m + log l for the online max (a log2-sum-exp
   with ``ops.exp2``), the normalizer l otherwise (1 for ``"none"``).
+
+  ``split_lse`` (online max): the statistic is [..., rows, 2], lse as the pair (hi, lo) with
+  hi = fl(m + log l) and lo its rounding error (exact, by TwoSum), which
+  :func:`pointwise_tile_grad` subtracts in turn: e^{(z − hi) − lo}. The rounding of a single
+  lse is up to half an ulp of lse (2⁻²⁰ at lse ≈ 20, scores of large mean) of relative error
+  in every recomputed weight of the row, on top of the scores' own; with the pair the
+  weights are as accurate as exp(z − m)/l (docs/guides/implementations.md, "Precision and
+  accuracy").
 
   ``add_offset``: add the denominator offset here, as a virtual key of score 0 (False when
   the state started from it: :func:`online_max_start`). ``num_keys``: ``"length"`` on tiles
@@ -332,9 +350,17 @@ def pointwise_finalize(w: Any, acc: Any, st: Array, l: Array | None = None, *,
     o = jax.tree.map(lambda a: jnp.where(ops.spread(empty, a.shape[-1]), 0.0,
                                          a / ops.spread(jnp.where(empty, 1.0, l), a.shape[-1])),
                      acc)
-    return o, jnp.where(empty, jnp.inf, m + ops.log(jnp.where(empty, 1.0, l)))
+    log_l = ops.log(jnp.where(empty, 1.0, l))
+    lse = m + log_l
+    stat = jnp.where(empty, jnp.inf, lse)
+    if not split_lse:
+      return o, stat
+    # TwoSum (Knuth): lse + lo = m + log_l exactly, whichever of the two is larger.
+    back = lse - m
+    lo = (m - (lse - back)) + (log_l - back)
+    return o, jnp.stack([stat, jnp.where(jnp.isfinite(stat), lo, 0.0)], axis=-1)
   if norm == "none":
-    return acc, jnp.ones(st.shape, F32)
+    return acc, jnp.ones(st.shape, st.dtype)
   if norm == "sum":
     if ops.ones_column:
       acc, l = _split_ones(acc)
@@ -343,7 +369,7 @@ def pointwise_finalize(w: Any, acc: Any, st: Array, l: Array | None = None, *,
     if add_offset:
       l = l + offset
   elif num_keys is not None:
-    l = jnp.full(st.shape, float(num_keys), F32)
+    l = jnp.full(st.shape, float(num_keys), st.dtype)
   else:
     l = st
   empty = l == 0
@@ -356,7 +382,9 @@ def pointwise_grad_rows(w: Any, stat: Array,
   """The per-row values (r0, r1, δ) :func:`pointwise_tile_grad` reads, from the forward's row
   statistic and δ_i = dO_i·O_i = Σ_j w_ij dP_ij (also right with a denominator offset).
 
-  Online max: (lse, −, δ); ``"sum"``: (μ, 1/(l·μ), δ); ``"length"``: (−, 1/n, −);
+  Online max: (lse, −, δ), lse the pair (hi, lo) where ``stat`` is [..., 2] (``split_lse``
+  of :func:`pointwise_finalize`: one more dim than ``delta``); ``"sum"``: (μ, 1/(l·μ), δ);
+  ``"length"``: (−, 1/n, −);
   ``"none"``: nothing (− is None: the rule reads nothing there). μ = 2^100 where
   |l| < 2^−100, else 1: 1/l overflows for a denormal l (F ≈ 0 on a whole row, e.g.
   power:p=3 on scores near 0) and F·∞ would be NaN, so such rows use F·2^100 / (l·2^100)
@@ -365,6 +393,8 @@ def pointwise_grad_rows(w: Any, stat: Array,
   dz = 0·(dP − δ) must stay 0, so that the row reaches only the keys it attends.
   """
   if w.online_max:
+    if stat.ndim == delta.ndim + 1:
+      stat = (stat[..., 0], stat[..., 1])
     return stat, None, jnp.where(jnp.isnan(delta), 0.0, delta)
   if w.normalization == "none":
     return None, None, None
@@ -383,7 +413,8 @@ def pointwise_tile_grad(w: Any, z: Array, valid: Array | None, dp: Array,
   """The backward of one tile from the saved statistic (FlashAttention-2's recomputation):
   (P, dz), the weights (for dV = Pᵀ·dO) and the cotangent of z in natural units.
 
-  Online max (z = α·s, base 2 with ``ops.exp2``): P = e^{z − lse}, dz = P ∘ (dP − δ);
+  Online max (z = α·s, base 2 with ``ops.exp2``): P = e^{z − lse} (e^{(z − hi) − lo} for a
+  split lse), dz = P ∘ (dP − δ);
   ``"sum"``: dz = F'(s) ∘ (dP − δ)/l; ``"length"``: F'(s) ∘ dP/n; ``"none"``: F'(s) ∘ dP.
   ``dp`` = dO·Vᵀ on the tile; ``rows`` the (r0, r1, δ) of :func:`pointwise_grad_rows`, each
   taken onto the tile by ``row`` (default: they are already broadcast against it) only where
@@ -392,7 +423,10 @@ def pointwise_tile_grad(w: Any, z: Array, valid: Array | None, dp: Array,
   row = (lambda r: r) if row is None else row
   r0, r1, delta = rows
   if w.online_max:
-    p = ops.exp(z - row(r0))
+    if isinstance(r0, tuple):  # lse = hi + lo (split_lse)
+      p = ops.exp((z - row(r0[0])) - row(r0[1]))
+    else:
+      p = ops.exp(z - row(r0))
     if valid is not None:  # after the exp: e^(−∞ − lse) is NaN where lse is
       p = jnp.where(valid, p, 0.0)
     return p, p * (dp - row(delta))
@@ -424,8 +458,9 @@ class MaxState(NamedTuple):
   m: Array  # [rows] the running maximum
 
 
-def _max_init(rows: tuple[int, ...], hv: int, m0: float) -> MaxState:
-  return MaxState(jnp.zeros(rows + (hv,), F32), jnp.zeros(rows, F32), jnp.full(rows, m0, F32))
+def _max_init(rows: tuple[int, ...], hv: int, m0: float, dtype: Any = F32) -> MaxState:
+  return MaxState(jnp.zeros(rows + (hv,), dtype), jnp.zeros(rows, dtype),
+                  jnp.full(rows, m0, dtype))
 
 
 def _max_merge(a: MaxState, b: MaxState) -> MaxState:
@@ -592,7 +627,7 @@ def _powers(r: Array, alpha: float) -> tuple[Array, Array]:
   (NaN where r is NaN: a NaN score makes its row NaN; but u = 1 there for α = 2)."""
   pos = ~(r <= 0)
   if alpha == 2.0:
-    return r, pos.astype(F32)
+    return r, pos.astype(r.dtype)
   if alpha == 1.5:
     return r * r, r
   q = _exponent(alpha)
@@ -640,7 +675,7 @@ def entmax_zero_tile(z: Array, valid: Array, m: Array, tau: Array, rs: RowStream
 
 def entmax_threshold(tile_pass, rows: tuple[int, ...], rs: RowStream,
                      ops: Ops = XLA, *, row_max: tuple[Array, Array] | None = None,
-                     sums_pass=None) -> Threshold:
+                     sums_pass=None, dtype: Any = F32) -> Threshold:
   """τ of every row, from passes over its key tiles.
 
   ``tile_pass(fn, init)`` folds ``fn(carry, z, valid) -> carry`` over the row block's key
@@ -660,8 +695,9 @@ def entmax_threshold(tile_pass, rows: tuple[int, ...], rs: RowStream,
   the support is right), replaced by bisection whenever it would leave the bracket. For α ≤ 2
   f is convex and Newton's method started at the left end approaches τ from below, never
   overshooting; for α > 2 it is concave and we start at the right end. Rows stop when the
-  step is below float32 resolution; sparsemax and 1.5-entmax then take one exact step on
-  their support (the closed form of Peters et al. 2019).
+  step is below the resolution of ``dtype`` (the scores' dtype: float32, or float64 with
+  :func:`max_threshold_passes` passes at most); sparsemax and 1.5-entmax then take one exact
+  step on their support (the closed form of Peters et al. 2019).
   """
   alpha = rs.alpha
   q = _exponent(alpha)
@@ -669,15 +705,15 @@ def entmax_threshold(tile_pass, rows: tuple[int, ...], rs: RowStream,
   def max_fn(c, z, valid):
     m, n = c
     x = entmax_x(z, valid, rs)
-    return jnp.maximum(m, jnp.max(x, axis=-1)), n + jnp.sum(valid, axis=-1, dtype=F32)
+    return jnp.maximum(m, jnp.max(x, axis=-1)), n + jnp.sum(valid, axis=-1, dtype=dtype)
 
   if row_max is None:
-    m, n = tile_pass(max_fn, (jnp.full(rows, -jnp.inf, F32), jnp.zeros(rows, F32)))
+    m, n = tile_pass(max_fn, (jnp.full(rows, -jnp.inf, dtype), jnp.zeros(rows, dtype)))
   else:
     m, n = row_max
   empty = n == 0
   m = jnp.where(empty, 0.0, m)  # NaN stays NaN: the row's output is NaN
-  lo = jnp.full(rows, -1.0, F32)
+  lo = jnp.full(rows, -1.0, dtype)
   hi = -jnp.exp((1.0 - alpha) * jnp.log(jnp.maximum(n, 1.0)))  # −n^{1−α}: Σp ≤ 1 there
   tau0 = lo if alpha <= 2.0 else hi
 
@@ -687,13 +723,14 @@ def entmax_threshold(tile_pass, rows: tuple[int, ...], rs: RowStream,
       p, u = _powers(r, alpha)
       s1 = r if alpha == 1.5 else u  # Newton's f' / (−q): Σ r^{q−1}
       return (c[0] + jnp.sum(p, axis=-1), c[1] + jnp.sum(s1, axis=-1),
-              c[2] + jnp.sum((r > 0).astype(F32), axis=-1))
-    zero = jnp.zeros(rows, F32)
+              c[2] + jnp.sum((r > 0).astype(dtype), axis=-1))
+    zero = jnp.zeros(rows, dtype)
     if sums_pass is not None:
       return sums_pass(fn, (zero, zero, zero), m, tau)
     return tile_pass(fn, (zero, zero, zero))
 
-  tol = 2.0 ** -23
+  tol = float(jnp.finfo(dtype).eps)  # 2⁻²³ in float32
+  max_passes = max_threshold_passes(dtype)
 
   # For α > 2 a key just inside the support (r → 0⁺) makes f' = −q·Σ r^{q−1} (q − 1 < 0) huge, so
   # Newton's steps shrink to nothing long before τ: there a step that is not at most half the
@@ -719,24 +756,24 @@ def entmax_threshold(tile_pass, rows: tuple[int, ...], rs: RowStream,
   # through a loop ("failed to legalize operation 'scf.yield'" compiling for a TPU).
   def cond(c):
     if ops.all_rows:
-      return (c[0] < MAX_THRESHOLD_PASSES) & ~jnp.all(c[4] > 0)
-    return (c[0] < MAX_THRESHOLD_PASSES) & (jnp.min(c[4]) == 0.0)
+      return (c[0] < max_passes) & ~jnp.all(c[4] > 0)
+    return (c[0] < max_passes) & (jnp.min(c[4]) == 0.0)
 
   def body(c):
     it, tau, lo, hi, _, _, dx = c
     sums = sums_fn(tau)
     new, lo, hi, done, step_size = step(tau, lo, hi, sums, dx[0] if dx else None)
-    return (it + 1, jnp.where(done, tau, new), lo, hi, done.astype(F32), sums,
+    return (it + 1, jnp.where(done, tau, new), lo, hi, done.astype(dtype), sums,
             (step_size,) if stall_guard else ())
 
-  zero = jnp.zeros(rows, F32)
+  zero = jnp.zeros(rows, dtype)
   init = (jnp.int32(1), tau0, lo, hi, zero, (zero, zero, zero),
           (hi - lo,) if stall_guard else ())
   if ops.threshold_loop == "while":
     it, tau, _, _, done, sums, _ = lax.while_loop(cond, body, init)
   else:
     it, tau, _, _, done, sums, _ = lax.fori_loop(
-        1, MAX_THRESHOLD_PASSES, lambda _, c: lax.cond(cond(c), body, lambda c: c, c), init)
+        1, max_passes, lambda _, c: lax.cond(cond(c), body, lambda c: c, c), init)
   if alpha in (1.5, 2.0):
     # One exact step on the support: the closed form given which keys have p > 0, from the
     # sums of the last pass, taken at the final τ of every row that converged (no extra pass).
@@ -777,16 +814,16 @@ def _entmax_finalize(st: EntmaxState, th: Threshold,
 # The family interface the kernels call.
 # --------------------------------------------------------------------------------------------
 
-def init(rs: RowStream, rows: tuple[int, ...], hv: int) -> Any:
-  """The state of rows that have seen no key."""
+def init(rs: RowStream, rows: tuple[int, ...], hv: int, dtype: Any = F32) -> Any:
+  """The state of rows that have seen no key, in ``dtype`` (the kernel's compute dtype)."""
   if rs.family == "ssmax":
-    return _max_init(rows, hv, -jnp.inf)
+    return _max_init(rows, hv, -jnp.inf, dtype)
   if rs.family == "softpick":
-    return _max_init(rows, hv, 0.0)  # m ≥ 0 keeps e^{−m} ≤ 1
+    return _max_init(rows, hv, 0.0, dtype)  # m ≥ 0 keeps e^{−m} ≤ 1
   if rs.family == "stick_breaking":
-    return StickState(jnp.zeros(rows + (hv,), F32), jnp.zeros(rows, F32))
-  zero = jnp.zeros(rows, F32)
-  return EntmaxState(jnp.zeros(rows + (hv,), F32), jnp.zeros(rows + (hv,), F32), zero, zero)
+    return StickState(jnp.zeros(rows + (hv,), dtype), jnp.zeros(rows, dtype))
+  zero = jnp.zeros(rows, dtype)
+  return EntmaxState(jnp.zeros(rows + (hv,), dtype), jnp.zeros(rows + (hv,), dtype), zero, zero)
 
 
 def update(rs: RowStream, state: Any, z: Array, valid: Array, v: Array, ctx: Any,
@@ -859,7 +896,8 @@ def tile_grad(rs: RowStream, z: Array, valid: Array, dp: Array, stats: tuple[Arr
     # δ = dO·O sums the weights as the forward's P·V saw them (rounded to v's dtype): round
     # them the same way here, or δ − Σ_{j > k} a_j cancels to the rounding error of 16-bit
     # weights (Tan et al.'s and flash-linear-attention's kernels take c_i = ⟨dO, O⟩ likewise).
-    a_seen = a if weights_dtype in (None, F32) else a.astype(weights_dtype).astype(F32)
+    a_seen = (a if weights_dtype is None or jnp.dtype(weights_dtype).itemsize >= 4
+              else a.astype(weights_dtype).astype(a.dtype))
     ad = a_seen * dp
     # dz_k = a_k − σ(z_k)·Σ_{j ≤ k} a_j, and Σ_{j ≤ k} a_j = δ − Σ_{j > k} a_j (δ = dO·O).
     later = _reverse_exclusive_cumsum(ad, ops) + row(carry.b)
@@ -880,15 +918,17 @@ def tile_grad(rs: RowStream, z: Array, valid: Array, dp: Array, stats: tuple[Arr
   return p, jnp.where(valid, dz, 0.0), carry
 
 
-def row_scale(rs: RowStream, n_valid: Array, s: Array | float | None = None) -> Array:
-  """SSMax's c_i = s·log max(n_i, 1) from the count of valid keys per row."""
+def row_scale(rs: RowStream, n_valid: Array, s: Array | float | None = None,
+              dtype: Any = F32) -> Array:
+  """SSMax's c_i = s·log max(n_i, 1) from the count of valid keys per row, in ``dtype``."""
   s = rs.s if s is None else s
-  return jnp.asarray(s, F32) * jnp.log(jnp.maximum(n_valid.astype(F32), 1.0))
+  return jnp.asarray(s, dtype) * jnp.log(jnp.maximum(n_valid.astype(dtype), 1.0))
 
 
-__all__ = ["FAMILIES", "MAX_THRESHOLD_PASSES", "XLA", "EntmaxState", "GradCarry", "MaxState",
-           "Ops", "RowStream", "StickState", "Threshold", "entmax_threshold", "entmax_tile_max",
-           "entmax_x", "entmax_zero_tile", "entmax_zero_tiles", "finalize", "init", "merge",
+__all__ = ["FAMILIES", "MAX_THRESHOLD_PASSES", "MAX_THRESHOLD_PASSES_F64", "XLA", "EntmaxState",
+           "GradCarry", "MaxState", "Ops", "RowStream", "StickState", "Threshold",
+           "entmax_threshold", "entmax_tile_max", "entmax_x", "entmax_zero_tile",
+           "entmax_zero_tiles", "finalize", "init", "max_threshold_passes", "merge",
            "online_max_start", "online_max_update", "pointwise_finalize", "pointwise_grad_rows",
            "pointwise_merge", "pointwise_tile_grad", "pointwise_update", "pv", "row_scale",
            "tile_grad", "update"]

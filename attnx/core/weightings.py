@@ -367,9 +367,12 @@ def _label(base: str, **params: Any) -> str:
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2))
 def _online_max_weights(z: Array, axis: int, offset: float) -> Array:
-  """exp(z) / (Σ exp(z) + offset) along ``axis``, where masked entries are z = −inf.
+  """exp(z) / (Σ exp(z) + offset) along ``axis``.
 
-  A row with no finite z (and no offset) gets zero weights. The custom JVP,
+  Masked entries come as z = the dtype's finite minimum, as in ``jax.nn`` (an array holding
+  −inf would stop ``jax.debug_infs``): next to a valid score below ~1e31 they weigh exactly 0,
+  and a row of nothing but masked entries gets uniform weights, which the caller's ``where``
+  sets to 0. A row with no finite z (and no offset) gets zero weights. The custom JVP,
   dw = w ∘ (dz − Σ w dz), is what makes the dense backward as cheap as ``jax.nn.softmax``'s:
   autodiff through the max, the shift and the guards would keep several T×S intermediates.
   """
@@ -428,7 +431,7 @@ def pointwise_weights(scores: Array, w: Pointwise, axis: int = -1,
     z = w.exp_alpha * s
     if valid is None:
       return _online_max_weights(z, axis, float(w.denominator_offset))
-    z = jnp.where(valid, z, -jnp.inf)
+    z = jnp.where(valid, z, jnp.finfo(z.dtype).min)  # finite: see _online_max_weights
     return jnp.where(valid, _online_max_weights(z, axis, float(w.denominator_offset)), 0.0)
   if valid is None:
     e = w.fn(s, n)
@@ -512,7 +515,9 @@ def apply_weighting(scores: Array, w: Weighting, axis: int = -1,
   if where is not None:
     nan = nan & where
     masked = masked | ~where
-  return jnp.where(jnp.any(nan, axis=axis, keepdims=True), jnp.where(masked, 0.0, jnp.nan), out)
+  nan_row = jnp.any(nan, axis=axis, keepdims=True)
+  # Two selects, so that no array holds a NaN unless a row is NaN (jax.debug_nans).
+  return jnp.where(nan_row & masked, 0.0, jnp.where(nan_row, jnp.nan, out))
 
 
 # --------------------------------------------------------------------------------------------

@@ -111,7 +111,8 @@ class Inputs:
     bias, mask: broadcastable to ``[batch..., N, T, S]``, or None.
     scale: the score's multiplier (a Python float, or an array: a learned scale).
     score_params: the score's parameters (arrays and numbers), checked.
-    ssmax_s: SSMax's learned s (shape () or [N], float32), or None for the weighting's own.
+    ssmax_s: SSMax's learned s (shape () or [N], float32 or float64), or None for the
+      weighting's own.
     dropout_rng: the PRNG key of dropout on the weights, or None.
   """
 
@@ -192,6 +193,20 @@ def needs_weights_reason(name: str, problem: Problem) -> str | None:
   needs = "dropout on the weights" if problem.dropout else "return_weights=True"
   return (f"{needs} needs the [T, S] weights, which implementation={name!r} never forms; use "
           "implementation='dense' (or None, which picks it).")
+
+
+def static_dims_reason(name: str, problem: Problem) -> str | None:
+  """Why a streaming implementation (``name``) cannot run ``problem`` whose sequence lengths,
+  head counts or head dims are symbolic (``jax.export`` shape polymorphism): its tiles and
+  loops are sized from them. The batch dims may be symbolic; ``"dense"`` takes any."""
+  dims = {"T": problem.t, "S": problem.s, "N": problem.num_heads, "K": problem.num_kv_heads,
+          "H": problem.head_dim, "Hv": problem.value_head_dim}
+  symbolic = [d for d, size in dims.items() if jax.export.is_symbolic_dim(size)]
+  if not symbolic:
+    return None
+  return (f"implementation={name!r} needs static {', '.join(symbolic)}: its tiles are sized "
+          "from the sequence lengths, heads and head dims; only the batch dims may be symbolic "
+          "(jax.export). Use implementation='dense' (or None, which picks it).")
 
 
 def to_4d(x: Array | None, batch: tuple[int, ...]) -> Array | None:

@@ -28,6 +28,7 @@ from attnx.core.implementations.base import (
     Problem,
     needs_weights_reason,
     run_streaming,
+    static_dims_reason,
     streaming_config_reason,
 )
 
@@ -84,7 +85,8 @@ class BlockedImplementation(Implementation):
 
   def supports(self, problem: Problem) -> str | None:
     return (self.supports_config(problem.weighting, problem.score)
-            or needs_weights_reason(self.name, problem))
+            or needs_weights_reason(self.name, problem)
+            or static_dims_reason(self.name, problem))
 
   def declines(self, problem: Problem) -> str | None:
     return small_problem_reason(problem)

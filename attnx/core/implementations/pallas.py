@@ -34,6 +34,7 @@ from attnx.core.implementations.base import (
     Problem,
     needs_weights_reason,
     run_streaming,
+    static_dims_reason,
     streaming_config_reason,
 )
 from attnx.core.implementations.blocked import small_problem_reason
@@ -61,9 +62,20 @@ class PallasImplementation(Implementation):
 
   def supports(self, problem: Problem) -> str | None:
     reason = (self.supports_config(problem.weighting, problem.score)
-              or needs_weights_reason(self.name, problem))
+              or needs_weights_reason(self.name, problem)
+              or static_dims_reason(self.name, problem))
     if reason is not None:
       return reason
+    if not problem.interpret and any(jax.export.is_symbolic_dim(d) for d in problem.batch):
+      # JAX 0.10: Triton lowers no symbolic grid ("dynamic grid bounds not supported in the
+      # Triton backend"), and Mosaic no scalar-prefetch operand of symbolic shape (the
+      # kernels' per-batch lengths [B]: MemRefType.get takes ints only).
+      return ("implementation='pallas' cannot run a symbolic batch dimension (jax.export with "
+              "a polymorphic batch): the batch is a dimension of the kernels' grid and of "
+              "their per-batch length arrays, which JAX's Pallas backends lower only with a "
+              "static size (Triton: 'dynamic grid bounds not supported'; Mosaic: no "
+              "scalar-prefetch array of symbolic shape). Use implementation='blocked' (or "
+              "None, which picks it) or export with a concrete batch.")
     reasons = [self._backend_reason(problem, be) for be in _backends(problem)]
     if None in reasons:
       return None

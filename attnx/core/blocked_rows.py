@@ -566,8 +566,9 @@ def _cfg(weighting, t, s, b, kv_heads, g, is_causal, block_q, block_k, has_mask,
                  heads_in_chunk=heads_in_chunk)
 
 
-def _inputs(q, k, v, bias, mask, weighting, is_causal, block_q, block_k, ssmax_s):
-  """Checked, non-empty inputs in the kernel layout, and the problem's cfg."""
+def _inputs(q, k, v, bias, mask, scale, weighting, is_causal, block_q, block_k, ssmax_s):
+  """Checked, non-empty inputs in the kernel layout (the scale last, in the compute dtype),
+  and the problem's cfg."""
   _check_only(q, k, v, mask, weighting, block_q, block_k)
   b, t, n, h = q.shape
   _, s, kv_heads, _ = k.shape
@@ -590,7 +591,8 @@ def _inputs(q, k, v, bias, mask, weighting, is_causal, block_q, block_k, ssmax_s
     bias5 = bl._pad_axis(bl._pad_axis(bias5, 3, tp, keep_one=True), 4, sp, keep_one=True)
   if mask5 is not None:
     mask5 = bl._pad_axis(bl._pad_axis(mask5, 3, tp, False, True), 4, sp, False, True)
-  return (q4, k3, v3, bias5, mask5, row_scales), cfg
+  scale = jnp.asarray(scale, compute_dtype(q4.dtype))
+  return (q4, k3, v3, bias5, mask5, row_scales, scale), cfg
 
 
 def blocked_row_attention(q: Array, k: Array, v: Array, *, weighting: RowNormalizer,
@@ -635,8 +637,9 @@ def blocked_row_attention(q: Array, k: Array, v: Array, *, weighting: RowNormali
   if (weighting.stream.needs_row_scale and bias is None and jnp.dtype(q.dtype).itemsize >= 4
       and not is_causal):
     return _ssmax_as_softmax(q, k, v, mask, weighting, scale, block_q, block_k, ssmax_s)
-  arrays, cfg = _inputs(q, k, v, bias, mask, weighting, is_causal, block_q, block_k, ssmax_s)
-  out = _make_kernel(cfg, skip_zero_tiles)(*arrays, jnp.asarray(scale, compute_dtype(q.dtype)))
+  arrays, cfg = _inputs(q, k, v, bias, mask, scale, weighting, is_causal, block_q, block_k,
+                        ssmax_s)
+  out = _make_kernel(cfg, skip_zero_tiles)(*arrays)
   return out[:, :, :t].reshape(b, n, t, -1).transpose(0, 2, 1, 3)
 
 
@@ -653,8 +656,9 @@ def threshold_passes(q: Array, k: Array, v: Array, *, weighting: RowNormalizer,
   """The largest number of passes over the key tiles any query block used to find its
   threshold τ (sparsemax/entmax; the row-max pass and the exact last step included), for the
   benchmark's report. 0 for the other families."""
-  arrays, cfg = _inputs(q, k, v, bias, mask, weighting, is_causal, block_q, block_k, None)
-  return _forward(*arrays, jnp.asarray(scale, compute_dtype(q.dtype)), cfg, True)[3]
+  arrays, cfg = _inputs(q, k, v, bias, mask, scale, weighting, is_causal, block_q, block_k,
+                        None)
+  return _forward(*arrays, cfg, True)[3]
 
 
 def zero_tiles(q: Array, k: Array, v: Array, *, weighting: RowNormalizer, scale: float | Array,
@@ -677,8 +681,9 @@ def zero_tiles(q: Array, k: Array, v: Array, *, weighting: RowNormalizer, scale:
     raise ValueError(f"zero_tiles needs a sparsemax/entmax weighting, got {weighting!r}")
   if q.size == 0 or k.shape[1] == 0:
     raise ValueError(f"zero_tiles needs queries and keys, got q {q.shape}, k {k.shape}")
-  arrays, cfg = _inputs(q, k, v, bias, mask, weighting, is_causal, block_q, block_k, None)
-  zero = _forward(*arrays, jnp.asarray(scale, compute_dtype(q.dtype)), cfg, True)[4]
+  arrays, cfg = _inputs(q, k, v, bias, mask, scale, weighting, is_causal, block_q, block_k,
+                        None)
+  zero = _forward(*arrays, cfg, True)[4]
   hi = jnp.stack([jnp.asarray(bl._k_range(i, cfg)[1]) for i in range(cfg.num_q_blocks)])
   visited = jnp.arange(cfg.num_k_blocks)[None, :] < hi[:, None]
   visited = jnp.broadcast_to(visited, zero.shape)

@@ -31,7 +31,13 @@ intact one beside it. Exit status:
      flag, an unknown --config.KEY (with the closest key), a config value, batch size or
      --workdir), or a rerun whose setup differs from the checkpoint's;
   3  a run's checkpoints are all damaged: nothing on disk was changed (move its checkpoint
-     directory away to train it from scratch).
+     directory away to train it from scratch);
+  4  an unexpected error: a bug in attnx or in the experiment (its traceback is printed);
+  5  (several processes) this process lost a peer: another process died or stopped
+     answering; one "FATAL: process I of N lost a peer process: ..." line, no traceback.
+With several processes (--config.distributed=True) a process that fails exits at once,
+without waiting for its peers at JAX's shutdown barrier, and SIGTERM ends it at once (JAX's
+preemption notifier would otherwise catch it).
 """
 
 from __future__ import annotations
@@ -39,8 +45,10 @@ from __future__ import annotations
 import difflib
 import os
 import re
+import signal
 import sys
 import tempfile
+import traceback
 from typing import NoReturn
 
 from absl import app, flags, logging
@@ -61,6 +69,38 @@ def _failed(msg: str, status: int = 2) -> int:
   """Writes the one FATAL line of a failed launch (no traceback) and returns its exit status."""
   print(f"FATAL: {msg}", file=sys.stderr, flush=True)
   return status
+
+
+NAN_STATUS, USAGE_STATUS, DAMAGED_STATUS, CRASH_STATUS, LOST_PEER_STATUS = 1, 2, 3, 4, 5
+# How a lost peer reads on CPU (gloo) and through JAX's coordination service.
+_LOST_PEER = re.compile(r"gloo|connection (reset|closed|refused)|by peer|heartbeat|"
+                        r"coordination service|barrier timed out", re.IGNORECASE)
+_processes: tuple[int, int] | None = None  # (process id, count) once jax.distributed started
+
+
+def _lost_peer(e: BaseException) -> str | None:
+  """The line of `e` (or of what caused it) that says a peer process is gone, else None."""
+  seen: set[int] = set()
+  while e is not None and id(e) not in seen:
+    seen.add(id(e))
+    for line in str(e).splitlines():
+      if _LOST_PEER.search(line):
+        return line.strip()[:300]
+    e = e.__cause__ or e.__context__
+  return None
+
+
+def _crashed(e: Exception) -> int:
+  """The report and status of an exception no check anticipated."""
+  if _processes is not None:
+    line = _lost_peer(e)
+    if line:
+      index, count = _processes
+      return _failed(f"process {index} of {count} lost a peer process: {line}",
+                     LOST_PEER_STATUS)
+  traceback.print_exc()
+  return _failed(f"unexpected error ({type(e).__name__}): a bug in attnx or the experiment; "
+                 "the traceback is above", CRASH_STATUS)
 
 
 def _fatal(msg: str) -> NoReturn:
@@ -237,6 +277,21 @@ def check_workdir(workdir: str, flag: bool = True, create: bool = True) -> str |
 
 
 def main(argv: list[str]) -> int:
+  """launch.py's status (module docstring) for the parsed command line."""
+  try:
+    status = _launch(argv)
+  except Exception as e:  # noqa: BLE001 - anything unanticipated: status 4 (or 5), never 1
+    status = _crashed(e)
+  if status and _processes is not None and _processes[1] > 1:
+    # At interpreter exit jax.distributed waits for every peer at a shutdown barrier: a
+    # failed process would hang there until the peers finish or time out. Exit now.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+  return status
+
+
+def _launch(argv: list[str]) -> int:
   del argv  # parse_flags rejected positional arguments
   if _LIST.value:
     print(train_config.format_experiments(EXPERIMENTS_DIR))
@@ -270,6 +325,12 @@ def main(argv: list[str]) -> int:
     # by default); GPUs and TPUs use NCCL / ICI whatever this says.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(**train_config.distributed_kwargs(config))
+    # initialize() installs JAX's preemption notifier on SIGTERM, which only logs it: a stop
+    # (the launcher's, a scheduler's) would wait for SIGKILL. Checkpoints are written
+    # atomically, so ending at once loses nothing beyond the last intact one.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    global _processes
+    _processes = (jax.process_index(), jax.process_count())
   train_config.apply_data_dir(config)
   from attnx import train  # after the device settings above
 
@@ -290,9 +351,9 @@ def main(argv: list[str]) -> int:
   except train.CheckpointMismatchError as e:
     return _failed(str(e))
   except train.CheckpointDamagedError as e:  # every checkpoint of a run; the files are kept
-    return _failed(str(e), 3)
+    return _failed(str(e), DAMAGED_STATUS)
   except train.NonFiniteLossError as e:
-    return _failed(str(e), 1)
+    return _failed(str(e), NAN_STATUS)
   report = result.get("report") if isinstance(result, dict) else None
   report = report or os.path.join(workdir, "report.md")
   if main_process:
@@ -300,7 +361,7 @@ def main(argv: list[str]) -> int:
   diverged = train.nonfinite_runs()
   if diverged:  # the experiment reported the other runs; the launch still failed
     return _failed(f"{len(diverged)} run(s) stopped on a NaN/Inf loss:\n  "
-                   + "\n  ".join(diverged), 1)
+                   + "\n  ".join(diverged), NAN_STATUS)
   return 0
 
 

@@ -82,23 +82,16 @@ def _pick_run(workdir: str, run: str | None) -> str:
 
 def restore_state(workdir: str, name: str, step: int | None = None) -> tuple[dict, int]:
   """The train state (numpy, stacked over seeds) of checkpoint ``step`` (default: latest)."""
-  import orbax.checkpoint as ocp  # noqa: PLC0415 (heavy import)
+  from attnx.train.checkpoint import (  # noqa: PLC0415 (heavy import)
+      CheckpointDamagedError,
+      load_checkpoint,
+  )
 
-  directory = os.path.abspath(os.path.join(workdir, "checkpoints", name))
-  if not os.path.isdir(directory):
-    raise SampleError(f"no checkpoints of run {name!r}: {directory} does not exist (train with "
-                      "attnx.train.fit(..., workdir=, name=, checkpoint_every > 0)).")
-  options = ocp.CheckpointManagerOptions(create=False)
-  with ocp.CheckpointManager(directory, options=options, item_names=("state", "meta")) as mgr:
-    steps = sorted(int(s) for s in mgr.all_steps())
-    if not steps:
-      raise SampleError(f"{directory} holds no checkpoint.")
-    if step is None:
-      step = steps[-1]
-    elif step not in steps:
-      raise SampleError(f"no checkpoint at step {step} in {directory}; steps: {steps}.")
-    restored = mgr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))
-  return restored["state"], step
+  try:
+    saved = load_checkpoint(workdir, name, step)
+  except (FileNotFoundError, ValueError, CheckpointDamagedError) as e:
+    raise SampleError(str(e)) from e
+  return saved.state, saved.step
 
 
 def load_run(workdir: str, run: str | None = None, *, seed_index: int = 0,

@@ -9,9 +9,19 @@ appended (PORT a free port of this machine; with ``--devices_per_process=K`` als
 ``--config.num_cpu_devices=K``: K fake CPU devices per process). Each line a process prints
 comes out prefixed by its rank, ``[1] ...``, on the launcher's stdout or stderr as it was
 printed. When one process exits non-zero (or is killed), the others are stopped (SIGTERM,
-then SIGKILL after ``--grace_seconds``) and the launcher exits with that process's status
-(128 + N for signal N), so a dead peer never leaves the others waiting in a collective.
-Ctrl-C stops them all.
+then SIGKILL after ``--grace_seconds``; launch.py workers exit at once on SIGTERM), so a dead
+peer never leaves the others waiting in a collective. Ctrl-C stops them all.
+
+Exit status (launch.py's own table, extended):
+  0      every process exited 0;
+  1-5    the status of the first process that failed, which for launch.py means: 1 a run
+         stopped on a NaN/Inf loss, 2 a launch-time mistake, 3 damaged checkpoints, 4 an
+         unexpected error (its traceback is printed), 5 a peer process was lost;
+  2      also: the launcher's own command line is wrong, or the command cannot be run
+         (nothing is started);
+  128+N  a process was killed by signal N (137: SIGKILL, e.g. the out-of-memory killer);
+  130    Ctrl-C.
+A command other than launch.py passes its own status through.
 
 Across real hosts, run launch.py on each host yourself with the same four flags (the address
 of process 0's host, the number of processes, each host's id), as "Many processes, many hosts" in
@@ -22,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -58,24 +69,77 @@ def _pump(stream: TextIO, out: TextIO, prefix: str, lock: threading.Lock) -> Non
   stream.close()
 
 
+USAGE_STATUS = 2  # launch.py's "launch-time mistake"
+LOST_PEER_STATUS = 5  # launch.py's "a peer process was lost": a consequence, not a cause
+EXAMPLE = "python -m attnx.launch_local -n 2 -- launch.py --config=experiments/NAME.py"
+
+
 def _status(code: int) -> int:
   """A shell's exit status for a child's return code (-N: killed by signal N -> 128 + N)."""
   return 128 - code if code < 0 else code
 
 
-def _stop(procs: list[subprocess.Popen], grace_seconds: float) -> None:
-  """SIGTERM every live process group, then SIGKILL what is left after `grace_seconds`."""
-  live = [p for p in procs if p.poll() is None]
-  for p in live:
+def _describe(rank: int, code: int) -> str:
+  if code < 0:
+    try:
+      name = signal.Signals(-code).name
+    except ValueError:
+      name = "an unknown signal"
+    return f"process {rank} was killed by signal {-code} ({name}; status {_status(code)})"
+  return f"process {rank} exited with status {code}"
+
+
+def check_command(command: Sequence[str]) -> str | None:
+  """Why `command` cannot be started (one line), or None when it can.
+
+  The command is a script (``*.py``, run with this Python) or a program on PATH.
+  """
+  if not command:
+    return f"no command: pass the script after --, e.g. {EXAMPLE}"
+  first = command[0]
+  if first.startswith("-"):
+    return (f"the command must start with a script or program, not the flag {first!r} "
+            f"(launch.py left out?); e.g. {EXAMPLE}")
+  if first.endswith(".py"):
+    if not os.path.isfile(first):
+      return f"no such script: {first!r} (from {os.getcwd()}); e.g. {EXAMPLE}"
+    return None
+  if shutil.which(first) is None:
+    return (f"cannot run {first!r}: not a .py script or an executable program on PATH; "
+            f"e.g. {EXAMPLE}")
+  return None
+
+
+def _stop(procs: list[subprocess.Popen], grace_seconds: float) -> list[tuple[int, str]]:
+  """SIGTERM every live process group, then SIGKILL what is left after `grace_seconds`.
+
+  Returns (rank, how it stopped) of each process that was still running.
+  """
+  live = [(r, p) for r, p in enumerate(procs) if p.poll() is None]
+  for _, p in live:
     _signal_group(p, signal.SIGTERM)
   deadline = time.monotonic() + grace_seconds
-  while any(p.poll() is None for p in live) and time.monotonic() < deadline:
+  while any(p.poll() is None for _, p in live) and time.monotonic() < deadline:
     time.sleep(0.05)
-  for p in live:
+  stopped = []
+  for r, p in live:
     if p.poll() is None:
       _signal_group(p, signal.SIGKILL)
-  for p in live:
+      stopped.append((r, f"SIGKILL after {grace_seconds:g} s"))
+    else:
+      stopped.append((r, "SIGTERM" if p.returncode == -signal.SIGTERM else
+                      f"exited with status {_status(p.returncode)} after SIGTERM"))
+  for _, p in live:
     p.wait()
+  return stopped
+
+
+def _first_failure(procs: list[subprocess.Popen]) -> tuple[int, int] | None:
+  """(rank, return code) of a failed process, preferring a cause over a lost peer."""
+  failed = [(r, p.returncode) for r, p in enumerate(procs)
+            if p.returncode is not None and p.returncode != 0]
+  causes = [f for f in failed if f[1] != LOST_PEER_STATUS]
+  return (causes or failed or [None])[0]
 
 
 def _signal_group(p: subprocess.Popen, sig: int) -> None:
@@ -91,12 +155,15 @@ def launch(command: Sequence[str], num_processes: int, devices_per_process: int 
   """Run `command` (a Python script and its arguments) as `num_processes` JAX processes.
 
   Returns 0 when every process exits 0, else the exit status of the first one that failed
-  (the others having been stopped). See the module docstring.
+  (the others having been stopped; a process that only reports a lost peer is not taken for
+  the cause when another one failed). See the module docstring for the statuses. Raises
+  ValueError for a command that cannot be run (`check_command`), before starting anything.
   """
   if num_processes < 1:
     raise ValueError(f"num_processes must be >= 1, got {num_processes}")
-  if not command:
-    raise ValueError("no command: pass the script after --, e.g. -- launch.py --config=...")
+  problem = check_command(command)
+  if problem:
+    raise ValueError(problem)
   stdout, stderr = stdout or sys.stdout, stderr or sys.stderr
   coordinator = f"127.0.0.1:{port or free_port()}"
   argv = list(command)
@@ -105,6 +172,12 @@ def launch(command: Sequence[str], num_processes: int, devices_per_process: int 
   lock = threading.Lock()
   procs: list[subprocess.Popen] = []
   pumps: list[threading.Thread] = []
+
+  def say(line: str) -> None:
+    with lock:
+      stderr.write(f"launch_local: {line}\n")
+      stderr.flush()
+
   try:
     for rank in range(num_processes):
       p = subprocess.Popen(
@@ -119,20 +192,29 @@ def launch(command: Sequence[str], num_processes: int, devices_per_process: int 
     failed: tuple[int, int] | None = None
     while failed is None:
       codes = [p.poll() for p in procs]  # every one: poll() is what sets returncode
-      failed = next(((r, c) for r, c in enumerate(codes) if c not in (None, 0)), None)
+      failed = _first_failure(procs)
       if all(c is not None for c in codes):
         break
       time.sleep(0.05)
+    if failed is not None and failed[1] == LOST_PEER_STATUS:
+      # A peer's loss is reported by the survivors, often before the peer's own end is seen.
+      deadline = time.monotonic() + 2.0
+      while time.monotonic() < deadline and failed[1] == LOST_PEER_STATUS:
+        time.sleep(0.05)
+        for p in procs:
+          p.poll()
+        failed = _first_failure(procs)
     if failed is not None:
       rank, code = failed
-      with lock:
-        stderr.write(f"launch_local: process {rank} exited with status {_status(code)}; "
-                     "stopping the others\n")
-        stderr.flush()
-      _stop(procs, grace_seconds)
+      say(f"{_describe(rank, code)}; stopping the others")
+      for r, how in _stop(procs, grace_seconds):
+        say(f"stopped process {r} ({how})")
       status = _status(code)
     else:
       status = 0
+  except OSError as e:  # the program vanished or is not executable after all
+    say(f"cannot start {argv[0]!r}: {e.strerror or e}")
+    status = USAGE_STATUS
   except KeyboardInterrupt:
     _stop(procs, grace_seconds)
     status = 130
@@ -162,8 +244,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.error(f"-n must be >= 1, got {args.num_processes}")
   if args.devices_per_process < 0:
     parser.error(f"--devices_per_process must be >= 0, got {args.devices_per_process}")
-  if not command:
-    parser.error("no command: pass the script after --, e.g. -- launch.py --config=...")
+  problem = check_command(command)
+  if problem:  # one line, no usage block: the line says how the command should look
+    print(f"launch_local: {problem}", file=sys.stderr)
+    return USAGE_STATUS
   return launch(command, args.num_processes, args.devices_per_process, args.grace_seconds,
                 args.port)
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -39,9 +38,9 @@ def env(tmp_path_factory):
   return cpu_env(ATTNX_DATA_DIR=str(tmp_path_factory.mktemp("launch_local_env") / "data"))
 
 
-def _local(env, n, *args, devices=2, timeout=300, **kw):
+def _local(env, n, *args, devices=2, timeout=300, grace=5.0, **kw):
   cmd = [sys.executable, "-m", "attnx.launch_local", "-n", str(n),
-         f"--devices_per_process={devices}", "--", *args]
+         f"--devices_per_process={devices}", f"--grace_seconds={grace}", "--", *args]
   return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT,
                         timeout=timeout, **kw)
 
@@ -131,6 +130,95 @@ def test_a_dead_process_stops_the_others(env, tmp_path):
   assert "launch_local: process 1 exited with status 3; stopping the others" in proc.stderr
 
 
+FAILING = "--config=" + os.path.join(ROOT, "tests", "support", "failing_experiment.py")
+
+
+@pytest.mark.parametrize("command", [
+    ["--config=experiments/compare_weightings.py:tiny"],  # launch.py left out
+    ["no_such_script.py", "--config=x"],
+    ["no-such-program-attnx", "--flag"],
+], ids=["a_flag", "a_missing_script", "a_missing_program"])
+def test_a_command_that_cannot_run_is_one_line_and_status_2_before_anything_starts(env,
+                                                                                   command):
+  proc = _local(env, 2, *command, timeout=60)
+  assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
+  lines = proc.stderr.strip().splitlines()
+  assert len(lines) == 1 and lines[0].startswith("launch_local: "), proc.stderr[-2000:]
+  assert "-- launch.py --config=" in lines[0]  # how the command should look
+  assert "Traceback" not in proc.stderr and not proc.stdout
+
+
+def test_an_unexpected_error_is_status_4_not_the_nan_status(env, tmp_path):
+  proc = _launch(env, FAILING, "--config.rank=0", f"--workdir={tmp_path}", timeout=120)
+  assert proc.returncode == 4, (proc.returncode, proc.stderr[-2000:])
+  assert "RuntimeError: the experiment broke" in proc.stderr  # the traceback, for a bug
+  assert proc.stderr.strip().splitlines()[-1].startswith("FATAL: unexpected error")
+
+
+def _timed_local(env, *args, grace=60):
+  t0 = time.time()
+  proc = _local(env, 2, "launch.py", *args, devices=0, timeout=200, grace=grace)
+  return proc, time.time() - t0
+
+
+@pytest.mark.parametrize("behaviour,status,line", [
+    ("raise", 4, "process 1 exited with status 4; stopping the others"),
+    ("kill", 137, "process 1 was killed by signal 9 (SIGKILL; status 137); stopping the others"),
+])
+def test_a_failed_rank_gives_its_status_and_sigterm_stops_the_others_at_once(
+    env, tmp_path, behaviour, status, line):
+  # Process 0 sleeps outside JAX: only the launcher's SIGTERM can end it, within the grace
+  # of 60 s. Before, JAX's preemption notifier swallowed SIGTERM (every stop took the grace),
+  # and a raising process hung at JAX's shutdown barrier until its peers were done.
+  proc, seconds = _timed_local(env, FAILING, f"--config.behaviour={behaviour}",
+                               "--config.talk=False", f"--workdir={tmp_path}")
+  assert proc.returncode == status, (proc.returncode, proc.stderr[-3000:])
+  assert f"launch_local: {line}" in proc.stderr, proc.stderr[-3000:]
+  assert "launch_local: stopped process 0 (SIGTERM)" in proc.stderr, proc.stderr[-3000:]
+  assert seconds < 40, seconds
+  assert "[0] Traceback" not in proc.stderr
+
+
+def test_a_lost_peer_is_one_line_per_survivor_and_the_cause_gives_the_status(env, tmp_path):
+  # Process 0 keeps calling collectives with the dead process 1: gloo fails at once.
+  proc, seconds = _timed_local(env, FAILING, "--config.behaviour=kill", "--config.talk=True",
+                               f"--workdir={tmp_path}")
+  assert proc.returncode == 137, (proc.returncode, proc.stderr[-3000:])  # the cause, not 5
+  assert "launch_local: process 1 was killed by signal 9" in proc.stderr
+  assert seconds < 40, seconds
+  zero = [x for x in proc.stderr.splitlines() if x.startswith("[0] ")]
+  assert not any("Traceback" in x for x in zero), proc.stderr[-3000:]
+  fatal = [x for x in zero if "FATAL" in x]
+  # Either process 0 saw the loss first (its one line), or the launcher stopped it first.
+  assert (fatal == [x for x in zero if x.startswith("[0] FATAL: process 0 of 2 lost a peer "
+                                                    "process: ")]), proc.stderr[-3000:]
+  assert len(fatal) == 1 or "stopped process 0 (SIGTERM)" in proc.stderr, proc.stderr[-3000:]
+
+
+def test_without_the_launcher_a_lost_peer_ends_the_survivor_with_status_5(env, tmp_path):
+  port = subprocess.check_output([sys.executable, "-c", "from attnx.launch_local import "
+                                  "free_port; print(free_port())"], env=env, text=True).strip()
+  common = [sys.executable, "launch.py", FAILING, "--config.behaviour=kill", "--config.talk=True",
+            "--config.distributed=True", f"--config.coordinator_address=127.0.0.1:{port}",
+            "--config.num_processes=2", "--config.heartbeat_timeout_seconds=30",
+            f"--workdir={tmp_path}"]
+  t0 = time.time()
+  procs = [subprocess.Popen(common + [f"--config.process_id={r}"], env=env, cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+           for r in (0, 1)]
+  try:
+    out, err = procs[0].communicate(timeout=120)
+  finally:
+    for p in procs:
+      p.kill()
+      p.wait()
+  assert procs[0].returncode == 5, (procs[0].returncode, err[-3000:])
+  assert time.time() - t0 < 25  # not the heartbeat timeout's 30 s
+  assert "Traceback" not in err, err[-3000:]
+  fatal = [x for x in err.splitlines() if x.startswith("FATAL")]
+  assert len(fatal) == 1 and fatal[0].startswith("FATAL: process 0 of 2 lost a peer process: ")
+
+
 def test_bad_launcher_arguments_fail_with_usage(env):
   proc = _local(env, 0, "launch.py", timeout=60)
   assert proc.returncode == 2 and "-n must be >= 1" in proc.stderr
@@ -167,10 +255,11 @@ def test_sigkill_of_one_training_process_then_resume_is_bit_identical(env, tmp_p
   killed_at = time.time()
   out, err = launcher.communicate(timeout=60)
   assert time.time() - killed_at < 30
-  # Process 1's SIGKILL (137), or process 0 aborting first when gloo loses its peer.
-  assert launcher.returncode != 0, err[-2000:]
-  assert re.search(r"launch_local: process [01] exited with status \d+; stopping the others",
-                   err), err[-2000:]
+  # Process 1's SIGKILL is the cause, even when process 0 reports the lost peer first.
+  assert launcher.returncode == 137, err[-2000:]
+  assert "launch_local: process 1 was killed by signal 9 (SIGKILL; status 137)" in err, (
+      err[-2000:])
+  assert "[0] Traceback" not in err, err[-2000:]
   assert not _pids(run_dir, 0), "process 0 outlived the launcher"
   saved = max(int(d) for d in os.listdir(ckpt) if d.isdigit())
   assert 20 <= saved < 60

@@ -24,7 +24,12 @@ from attnx.train.actions import (  # noqa: E402
     Schedule,
     StepContext,
 )
-from attnx.train.checkpoint import CheckpointDamagedError  # noqa: E402
+from attnx.train.checkpoint import (  # noqa: E402
+    CheckpointDamagedError,
+    SavedState,
+    list_checkpointed_runs,
+    load_checkpoint,
+)
 from attnx.train.config import (  # noqa: E402
     FitConfig,
     base_config,
@@ -95,10 +100,11 @@ __all__ = [
     "SEQUENCE_AXIS",
     "Action", "CheckFinite", "Checkpoint", "CheckpointDamagedError", "CheckpointMismatchError",
     "Evaluate", "FitConfig", "FitResult", "Loader", "Log", "NonFiniteLossError", "Placement",
-    "Report", "Schedule", "StepContext", "array_stream", "base_config", "check_batch_size",
+    "Report", "SavedState", "Schedule", "StepContext", "array_stream", "base_config",
+    "check_batch_size",
     "check_choice", "data_mesh", "environment", "evaluate", "fit", "format_experiments",
     "from_sums", "get_loss", "grain_stream", "init_state", "is_main_process", "jsonable",
-    "list_experiments",
+    "list_checkpointed_runs", "list_experiments", "load_checkpoint",
     "load_module", "loader", "make_apply_fn", "make_optimizer", "make_schedule", "make_step",
     "markdown_table", "mean_std", "mse", "nonfinite_runs", "optimizer_config", "plot_curves",
     "plot_learning_curves", "process_rows", "reduce_sums", "run_fingerprint", "seed_step",

@@ -3,10 +3,14 @@
 A checkpoint that cannot be read back (truncated or missing files, broken JSON) raises
 `CheckpointDamagedError` naming its step and directory, so that `fit` can fall back to an
 earlier one instead of failing with orbax's and tensorstore's tracebacks.
+
+Layout: ``<workdir>/checkpoints/<run>/<step>/{state,meta}`` (the last `keep` steps of each
+run). `load_checkpoint` reads one back for use outside training.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import sys
@@ -90,11 +94,11 @@ def _quiet_failed_restore_aftermath() -> None:
 class Checkpointer:
   """Saves every `every` steps under workdir/checkpoints/<run>, keeps the last `keep`."""
 
-  def __init__(self, workdir: str, run: str, every: int, keep: int = 3):
-    self.directory = os.path.abspath(os.path.join(workdir, "checkpoints", run))
+  def __init__(self, workdir: str, run: str, every: int, keep: int = 3, create: bool = True):
+    self.directory = run_directory(workdir, run)
     self.every = every
     # Synchronous saves: a kill right after save() returns still leaves a complete checkpoint.
-    options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
+    options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=create,
                                            enable_async_checkpointing=False)
     self.manager = ocp.CheckpointManager(self.directory, options=options,
                                          item_names=("state", "meta"))
@@ -144,14 +148,18 @@ class Checkpointer:
 
     return self._read(step, "metadata", read)
 
-  def restore(self, step: int, target: Any) -> Any:
-    """The state of checkpoint `step`, in the structure (and dtypes/shapes) of `target`.
+  def restore(self, step: int, target: Any = None) -> Any:
+    """The state of checkpoint `step`, in the structure (and dtypes/shapes) of `target`
+    (None: as saved, numpy arrays).
 
     Raises CheckpointDamagedError when it cannot be read back.
     """
-    sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-    abstract = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(np.shape(x), np.result_type(x), sharding=sharding), target)
+    abstract = None
+    if target is not None:
+      sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+      abstract = jax.tree.map(
+          lambda x: jax.ShapeDtypeStruct(np.shape(x), np.result_type(x), sharding=sharding),
+          target)
 
     def read() -> Any:
       restored = self.manager.restore(
@@ -162,3 +170,120 @@ class Checkpointer:
 
   def close(self) -> None:
     self.manager.close()
+
+
+def run_directory(workdir: str, run: str) -> str:
+  """Where the checkpoints of run `run` of `workdir` live: ``<workdir>/checkpoints/<run>``."""
+  return os.path.abspath(os.path.join(workdir, "checkpoints", run))
+
+
+def list_checkpointed_runs(workdir: str) -> list[str]:
+  """The runs of `workdir` with a checkpoint directory, sorted."""
+  root = os.path.join(workdir, "checkpoints")
+  if not os.path.isdir(root):
+    return []
+  return sorted(r for r in os.listdir(root) if os.path.isdir(os.path.join(root, r)))
+
+
+@dataclasses.dataclass(frozen=True)
+class SavedState:
+  """A checkpoint of a run, read back by :func:`load_checkpoint`.
+
+  Attributes:
+    run: the run's name (``fit``'s ``name=``; experiments name runs ``<task>-<variant>``).
+    step: the training step it was saved at.
+    steps: every step of the run on disk, oldest first.
+    directory: the run's checkpoint directory, ``<workdir>/checkpoints/<run>``.
+    state: the train state as numpy arrays, every leaf stacked over the run's seeds (leading
+      axis): ``params``, ``opt_state``, ``key``, ``bad_step`` and, for models with
+      non-trained collections, ``extra``.
+    meta: ``fit``'s JSON metadata: ``seeds``, ``fingerprint`` (what determines the result:
+      model, optimizer, data, steps), ``last_metrics`` and ``timing``.
+  """
+
+  run: str
+  step: int
+  steps: tuple[int, ...]
+  directory: str
+  state: dict[str, Any]
+  meta: dict[str, Any]
+
+  @property
+  def seeds(self) -> list[int]:
+    """The run's seeds, in the order of the state's leading axis."""
+    return [int(s) for s in self.meta.get("seeds", range(self.num_seeds))]
+
+  @property
+  def num_seeds(self) -> int:
+    return int(np.shape(jax.tree.leaves(self.state["params"])[0])[0])
+
+  @property
+  def params(self) -> Any:
+    """The parameters of every seed (leading axis: seeds)."""
+    return self.state["params"]
+
+  def params_for(self, seed: int | None = None) -> Any:
+    """The parameters of one seed (default: the run's first), ready for ``model.apply``.
+
+    Raises a ValueError naming the run's seeds when `seed` is not one of them.
+    """
+    seeds = self.seeds
+    if seed is None:
+      seed = seeds[0]
+    if seed not in seeds:
+      raise ValueError(f"run {self.run!r} has no seed {seed}; its seeds: {seeds}")
+    index = seeds.index(seed)
+    return jax.tree.map(lambda x: np.asarray(x)[index], self.state["params"])
+
+
+def load_checkpoint(workdir: str, run: str, step: int | None = None) -> SavedState:
+  """Read checkpoint `step` (default: the newest intact one) of run `run` of `workdir`.
+
+  What ``fit`` (and so every ``launch.py`` experiment) saves under
+  ``<workdir>/checkpoints/<run>/<step>/``, without the model or its optimizer: the arrays come
+  back as numpy, stacked over seeds. ``params_for(seed)`` gives one seed's parameters for
+  ``model.apply({"params": ...}, x)``::
+
+    saved = attnx.train.load_checkpoint("runs/compare_weightings-default", "digits-softmax")
+    params = saved.params_for(seed=0)
+
+  Raises:
+    FileNotFoundError: `workdir` has no checkpoints of `run` (naming the runs it has).
+    ValueError: no checkpoint at `step` (naming the steps on disk).
+    CheckpointDamagedError: the requested checkpoint (or, with ``step=None``, every one of
+      the run) cannot be read back; with ``step=None`` a damaged newest one is reported on
+      stderr and the next older one is read.
+  """
+  directory = run_directory(workdir, run)
+  if not os.path.isdir(directory):
+    runs = list_checkpointed_runs(workdir)
+    raise FileNotFoundError(
+        f"no checkpoints of run {run!r} in {os.path.abspath(workdir)} ({directory} does not "
+        f"exist); runs with checkpoints there: {', '.join(runs) or 'none'}")
+  ckpt = Checkpointer(workdir, run, every=0, create=False)
+  try:
+    steps = ckpt.all_steps()
+    if not steps:
+      raise FileNotFoundError(f"{directory} holds no checkpoint")
+    if step is not None and step not in steps:
+      raise ValueError(f"run {run!r} has no checkpoint at step {step} in {directory}; "
+                       f"steps: {steps}")
+    damaged: list[CheckpointDamagedError] = []
+    for candidate in [step] if step is not None else steps[::-1]:
+      try:
+        meta = ckpt.read_meta(candidate)
+        state = ckpt.restore(candidate)
+      except CheckpointDamagedError as e:
+        if step is not None:
+          raise
+        damaged.append(e)
+        print(f"WARNING: {e}; reading an older one", file=sys.stderr, flush=True)
+        continue
+      state = jax.tree.map(np.asarray, state)
+      return SavedState(run=run, step=int(candidate), steps=tuple(steps), directory=directory,
+                        state=dict(state), meta=meta)
+    raise CheckpointDamagedError(
+        f"run {run!r}: no intact checkpoint in {directory} (step(s) "
+        f"{', '.join(str(e.step) for e in damaged)} cannot be read back)", directory=directory)
+  finally:
+    ckpt.close()

@@ -260,3 +260,50 @@ def test_only_asyncio_reports_of_orbax_tasks_are_dropped(caplog):
     for msg in (orbax_task, tensorstore_read, other_task, other_future):
       log.error(msg)
   assert [r.getMessage() for r in caplog.records] == [other_task, other_future]
+
+
+def test_load_checkpoint_reads_back_what_fit_trained(reference, tmp_path):
+  wd, result = reference
+  saved = train.load_checkpoint(wd, "run")
+  assert saved.step == STEPS and saved.steps == (4, 8, 12) and saved.run == "run"
+  assert saved.seeds == [0, 1] and saved.num_seeds == 2
+  assert saved.meta["fingerprint"]["num_steps"] == STEPS
+  jax.tree.map(np.testing.assert_array_equal, saved.params, result.params)
+  # One seed's parameters drive the model as trained: its accuracy is fit's final one.
+  arrays = make_arrays()
+  for index, seed in enumerate(saved.seeds):
+    params = saved.params_for(seed)
+    jax.tree.map(lambda a, b, i=index: np.testing.assert_array_equal(a, b[i]), params,
+                 result.params)
+    pred = TinyMLP(dropout_rate=0.2).apply({"params": params}, arrays["inputs"])
+    accuracy = np.mean(np.argmax(np.asarray(pred), -1) == arrays["targets"])
+    np.testing.assert_allclose(accuracy, result.final_metrics["accuracy"][index], atol=1e-6)
+  earlier = train.load_checkpoint(wd, "run", step=8)
+  assert earlier.step == 8
+  assert not np.array_equal(jax.tree.leaves(earlier.params)[0],
+                            jax.tree.leaves(saved.params)[0])
+
+
+def test_load_checkpoint_names_what_exists_when_asked_for_what_does_not(reference, tmp_path):
+  wd, _ = reference
+  with pytest.raises(FileNotFoundError, match=r"no checkpoints of run 'nope'.*runs with "
+                                              r"checkpoints there: run"):
+    train.load_checkpoint(wd, "nope")
+  with pytest.raises(ValueError, match=r"no checkpoint at step 5 .*steps: \[4, 8, 12\]"):
+    train.load_checkpoint(wd, "run", step=5)
+  with pytest.raises(ValueError, match=r"no seed 7; its seeds: \[0, 1\]"):
+    train.load_checkpoint(wd, "run").params_for(7)
+  assert train.list_checkpointed_runs(wd) == ["run"]
+  assert train.list_checkpointed_runs(str(tmp_path)) == []
+
+
+def test_load_checkpoint_skips_a_damaged_newest_step_unless_that_step_is_asked_for(
+    reference, tmp_path, capsys):
+  wd, ckpt_dir = _copy(reference, tmp_path)
+  _truncate_data(os.path.join(ckpt_dir, "12"))
+  capsys.readouterr()
+  assert train.load_checkpoint(wd, "run").step == 8
+  err = capsys.readouterr().err
+  assert "checkpoint step 12 in" in err and "is damaged" in err and "Traceback" not in err
+  with pytest.raises(train.CheckpointDamagedError, match="checkpoint step 12 in"):
+    train.load_checkpoint(wd, "run", step=12)

@@ -3,15 +3,18 @@
     python tools/program_hashes.py --out before.json            # on the code before
     python tools/program_hashes.py --out after.json --compare before.json   # after
 
-``tools/program_hashes_baseline.json`` is the corpus of commit 97c6697 (jax 0.10.2 with the
-``aot`` extra installed, JAX_PLATFORMS=cpu): the starting point of the ``attnx.core`` reshaping.
+``tools/program_hashes_baseline.json`` is the corpus of commit 0275588 (whose ``attnx.core`` and
+``attnx.nn`` are those of 97c6697; jax 0.10.2 with the ``aot`` extra installed,
+JAX_PLATFORMS=cpu): the starting point of the ``attnx.core`` reshaping.
 
 Each case is traced and lowered to StableHLO (forward, and forward+backward as the gradient
 of a fixed random cotangent), on this machine's CPU — and, for the Pallas kernels, lowered for
 ``cuda`` and ``tpu`` too (nothing runs; no accelerator needed). The text is normalized before
 hashing so that what a behaviour-free move may change does not count: function symbols are
 renumbered in order of appearance (a renamed private helper is the same program) and source
-locations are dropped. Anything else that differs — an operation, a shape, a constant, the
+locations are dropped (programs are lowered with no traceback frames in their locations, since
+the Pallas kernels' serialized IR embeds file:line locations that no text substitution can
+reach: a line moved in a kernel's file would change its hash). Anything else that differs — an operation, a shape, a constant, the
 order of operations, a kernel's serialized IR — is reported. ``--compare`` exits 1 when any
 hash differs or a case is missing, and lists them. Compare runs made with the same JAX and the
 same installed plugins (the ``aot`` extra's CUDA plugin takes part in lowering for ``cuda``);
@@ -42,6 +45,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+
+jax.config.update("jax_traceback_in_locations_limit", 0)
 
 from attnx import core  # noqa: E402
 from attnx import nn as attnx_nn  # noqa: E402

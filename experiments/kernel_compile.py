@@ -4,7 +4,7 @@ For each target chip (H100, A100, TPU v5e, v6e), weighting F (every pointwise F,
 kernels on ``neg_sq_dist``, and every whole-row weighting with a streaming family), dtype, head
 size and input variant, the forward+backward program of ``core.attention(...,
 implementation="pallas")`` (the public path, chosen per lowering platform) is compiled for the
-chip by :func:`attnx.core.aot.compile_for`: XLA + Triton + ptxas for a GPU, XLA + Mosaic for a
+chip by :func:`attnx.aot.compile_for`: XLA + Triton + ptxas for a GPU, XLA + Mosaic for a
 TPU. Per kernel (forward, dQ, dK/dV) the report gives what the chip's compiler decided:
 registers, spill bytes, shared memory or scoped VMEM against the chip's limit, grid, warps, and
 the compile time.
@@ -44,8 +44,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import ml_collections  # noqa: E402
 
-from attnx import core, train  # noqa: E402
-from attnx.core import aot  # noqa: E402
+from attnx import aot, core, train  # noqa: E402
 from attnx.core import weightings as wlib  # noqa: E402
 from attnx.train import config as train_config  # noqa: E402
 

@@ -2,7 +2,7 @@
 
 A function traced on one machine may be lowered for another: ``jax.jit(f).trace(...).lower(
 lowering_platforms=("cuda",))`` on a CPU host, ``jax.export(f, platforms=["cuda", "tpu"])``,
-ahead-of-time compilation for a chip that is not there (:mod:`attnx.core.aot`). Asking
+ahead-of-time compilation for a chip that is not there (:mod:`attnx.aot`). Asking
 ``jax.default_backend()`` while tracing picks the host's code for all of them. :func:`by_platform`
 instead stages the GPU and the TPU code side by side; each lowering keeps its platform's code
 only, and a multi-platform export keeps both, selected where the program is compiled.

@@ -1,4 +1,4 @@
-"""Ahead-of-time compilation for absent chips (attnx.core.aot).
+"""Ahead-of-time compilation for absent chips (attnx.aot).
 
 Without JAX's CUDA plugin or libtpu the compiling tests skip with the module's own reason; the
 availability checks (missing packages, drifted versions) run everywhere with the package
@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import pytest
 from jax.experimental import pallas as pl
 
-from attnx.core import aot
+from attnx import aot
 
 
 def _needs(target: str) -> None:

@@ -1,4 +1,4 @@
-"""Every Pallas kernel compiled for real chips (experiments/kernel_compile.py, attnx.core.aot).
+"""Every Pallas kernel compiled for real chips (experiments/kernel_compile.py, attnx.aot).
 
 The CI sample: every F attnx ships a Pallas kernel for, at H = 128, bf16, causal GQA, forward
 and backward, compiled for an H100 and a TPU v5e through ``core.attention(implementation=
@@ -17,7 +17,7 @@ from unittest import mock
 
 import pytest
 
-from attnx.core import aot
+from attnx import aot
 from experiments import kernel_compile as kc
 
 

@@ -7,7 +7,7 @@ warps (XLA + Triton compile the program to PTX, ``ptxas`` to SASS exactly as XLA
 for a TPU each Mosaic kernel's scoped VMEM and its limit. A program that does not fit fails
 here as it would on the chip (too much shared memory, VMEM out of memory), in seconds.
 
-    from attnx.core import aot
+    from attnx import aot
     report = aot.compile_for(jax.grad(loss), q, k, v, target="h100")  # q, k, v: arrays or
     print(report)                                                      # ShapeDtypeStructs
 

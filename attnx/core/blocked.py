@@ -53,6 +53,8 @@ from jax import export, lax
 
 from attnx.core import streaming
 from attnx.core.contract import compute_dtype, finite, nonfinite_inputs
+from attnx.core.kernels import common
+from attnx.core.kernels.xla import tiling as tl
 from attnx.core.weightings import Pointwise
 
 Array = jax.Array
@@ -69,14 +71,9 @@ DEFAULT_BLOCK_K = 256
 # Causal: the side of the masked diagonal tiles (see "Causal" below). The work is T²/2 + T·d/2
 # of the full T², and everything but the diagonal tiles runs unmasked with tall tiles.
 CAUSAL_LEAF = 128
-_ALIGN = 8  # tiles are multiples of 8 rows (SIMD-friendly)
 
 __all__ = ["CAUSAL_LEAF", "DEFAULT_BLOCK_K", "TILE_BUDGET", "block_config", "block_grads",
            "blocked_attention", "causal_leaves", "default_block_sizes", "raw_block_state"]
-
-
-def _round_up(x: int, m: int) -> int:
-  return -(-x // m) * m
 
 
 def manual_axes(*xs: Any) -> tuple[str, ...]:
@@ -122,19 +119,19 @@ def default_block_sizes(t: int, s: int, group: int = 1, is_causal: bool = False,
     d = causal_leaves(min(t, s), CAUSAL_LEAF)[1]
     return d, d
   budget = TILE_BUDGET if budget is None else budget
-  bk = min(DEFAULT_BLOCK_K, _round_up(max(s, 1), _ALIGN))
-  bq = max(_ALIGN, (budget // (bk * max(group, 1))) // _ALIGN * _ALIGN)
-  return min(bq, _round_up(max(t, 1), _ALIGN)), bk
+  bk = min(DEFAULT_BLOCK_K, common.round_up(max(s, 1), tl.ALIGN))
+  bq = max(tl.ALIGN, (budget // (bk * max(group, 1))) // tl.ALIGN * tl.ALIGN)
+  return min(bq, common.round_up(max(t, 1), tl.ALIGN)), bk
 
 
 def causal_leaves(t: int, leaf: int) -> tuple[int, int]:
   """(P, d): the causal triangle of T rows as P = 2^L diagonal tiles of d ≤ max(leaf, 8) rows
   (d a multiple of 8, P·d ≥ T, P the smallest power of 2 that allows it)."""
-  leaf = max(_ALIGN, leaf // _ALIGN * _ALIGN)
+  leaf = max(tl.ALIGN, leaf // tl.ALIGN * tl.ALIGN)
   p = 1
-  while _round_up(-(-t // p), _ALIGN) > leaf:
+  while common.round_up(-(-t // p), tl.ALIGN) > leaf:
     p *= 2
-  return p, _round_up(-(-max(t, 1) // p), _ALIGN)
+  return p, common.round_up(-(-max(t, 1) // p), tl.ALIGN)
 
 
 def heads_per_chunk(b: int, kv_heads: int, group: int, bq: int, bk: int,
@@ -151,82 +148,9 @@ def heads_per_chunk(b: int, kv_heads: int, group: int, bq: int, bk: int,
   return max(c for c in options if c <= fits) if fits >= 1 else 1
 
 
-@dataclasses.dataclass(frozen=True)
-class _Cfg:
-  """Static description of one blocked-attention problem (closed over by the kernels)."""
-  w: Pointwise
-  t: int
-  s: int
-  bq: int
-  bk: int
-  is_causal: bool
-  has_mask: bool
-  has_bias: bool
-  # (B, K, G): batch, kv heads and query heads per kv head of the rows a kernel call runs on
-  # (the whole problem, then one chunk): X = B·K rows of G query heads.
-  head_dims: tuple[int, int, int] = (1, 1, 1)
-  kv_heads: int = 1  # K of the whole problem (chunks are rectangles of [batch, kv head])
-  heads_in_chunk: int = 1  # X rows (batch, kv head pairs) per chunk
-  user_bq: int = 0  # tile sizes asked for (0 = default): caps on the causal path's tiles
-  user_bk: int = 0
-  raw: bool = False  # forward returns the unnormalized state (see _forward_chunk), no offset
-  # Causal (whole problem): P diagonal tiles of bq = bk = d rows, T = S ≤ P·d.
-  num_diag_tiles: int = 0
-  # The key count S that F sees (F(z, S)); 0 = s. Causal sub-blocks keep the problem's S.
-  full_num_keys: int = 0
-
-  @property
-  def num_keys(self) -> int:
-    return self.full_num_keys or self.s
-
-  @property
-  def num_q_blocks(self) -> int:
-    return -(-self.t // self.bq)
-
-  @property
-  def num_k_blocks(self) -> int:
-    return -(-self.s // self.bk)
-
-  @property
-  def pad_k(self) -> bool:
-    return self.num_k_blocks * self.bk != self.s
-
-  @property
-  def needs_valid(self) -> bool:
-    return self.has_mask or self.is_causal or self.pad_k
-
-  def chunk_head_dims(self) -> tuple[int, int, int]:
-    """(B, K, G) of one chunk of heads_in_chunk consecutive X rows."""
-    if self.heads_in_chunk <= self.kv_heads:
-      return (1, self.heads_in_chunk, self.head_dims[2])
-    return (self.heads_in_chunk // self.kv_heads, self.kv_heads, self.head_dims[2])
-
-
 # --------------------------------------------------------------------------------------------
 # Chunks: the kernels run on heads_in_chunk of the X = B·K rows at a time.
 # --------------------------------------------------------------------------------------------
-
-def _chunk_rows(x: Array, c: Array, cfg: _Cfg) -> Array:
-  return lax.dynamic_slice_in_dim(x, c * cfg.heads_in_chunk, cfg.heads_in_chunk, 0)
-
-
-def _chunk_bias_window(bias_or_mask: Array, c: Array,
-                       cfg: _Cfg) -> tuple[tuple[Any, ...], tuple[int, ...]]:
-  """Start and size of chunk c's slice of a [Bb, Kb, Gb, Tb, Sb] bias/mask (or its grad)."""
-  cb, ck, _ = cfg.chunk_head_dims()
-  x0 = c * cfg.heads_in_chunk
-  b0, k0 = x0 // cfg.kv_heads, x0 % cfg.kv_heads
-  shape = bias_or_mask.shape
-  starts = (b0 if shape[0] != 1 else 0, k0 if shape[1] != 1 else 0, 0, 0, 0)
-  sizes = (cb if shape[0] != 1 else 1, ck if shape[1] != 1 else 1) + shape[2:]
-  return starts, sizes
-
-
-def _chunk_bias(bias_or_mask: Array | None, c: Array, cfg: _Cfg) -> Array | None:
-  if bias_or_mask is None:
-    return None
-  starts, sizes = _chunk_bias_window(bias_or_mask, c, cfg)
-  return lax.dynamic_slice(bias_or_mask, starts, sizes)
 
 
 # --------------------------------------------------------------------------------------------
@@ -235,105 +159,17 @@ def _chunk_bias(bias_or_mask: Array | None, c: Array, cfg: _Cfg) -> Array | None
 # batched [G·bq, H] × [H, bk] matmul whose output needs no relayout.
 # --------------------------------------------------------------------------------------------
 
-def _slice(x: Array, start: Array, size: int, axis: int) -> Array:
-  return lax.dynamic_slice_in_dim(x, start, size, axis=axis)
-
-
-def _rows(x: Array, i: Array, cfg: _Cfg) -> Array:
-  """Query block i of a [X, G, Tp, ...] array as [X, G·bq, ...]."""
-  x = _slice(x, i * cfg.bq, cfg.bq, 2)
-  return x.reshape((x.shape[0], x.shape[1] * cfg.bq) + x.shape[3:])
-
-
-def _put_rows(buf: Array, x: Array, i: Array, cfg: _Cfg) -> Array:
-  x = x.reshape((buf.shape[0], buf.shape[1], cfg.bq) + buf.shape[3:])
-  return lax.dynamic_update_slice_in_dim(buf, x, i * cfg.bq, axis=2)
-
-
-def _bias_tile(x: Array, i: Array, j: Array, cfg: _Cfg) -> Array:
-  """The [Bb, Kb, Gb, bq|1, bk|1] tile (i, j) of a broadcastable bias/mask."""
-  if x.shape[3] != 1:
-    x = _slice(x, i * cfg.bq, cfg.bq, 3)
-  if x.shape[4] != 1:
-    x = _slice(x, j * cfg.bk, cfg.bk, 4)
-  return x
-
-
-def _bias_tile_rows(x: Array, i: Array, j: Array, cfg: _Cfg) -> Array:
-  """Tile (i, j) of a bias/mask broadcast to the scores' layout [X, G·bq, bk]."""
-  x = jnp.broadcast_to(_bias_tile(x, i, j, cfg), cfg.head_dims + (cfg.bq, cfg.bk))
-  return x.reshape(cfg.head_dims[0] * cfg.head_dims[1], cfg.head_dims[2] * cfg.bq, cfg.bk)
-
-
-def _valid_tile(mask: Array | None, i: Array, j: Array, cfg: _Cfg) -> Array | None:
-  """Boolean tile broadcastable to [X, G·bq, bk], or None if every entry is valid."""
-  if not cfg.needs_valid:
-    return None
-  valid = _bias_tile_rows(mask, i, j, cfg) if cfg.has_mask else None
-  if cfg.is_causal or cfg.pad_k:
-    shape = (cfg.head_dims[2] * cfg.bq, cfg.bk)
-    cols = j * cfg.bk + lax.broadcasted_iota(jnp.int32, shape, 1)
-    c = None
-    if cfg.is_causal:
-      rows = i * cfg.bq + lax.broadcasted_iota(jnp.int32, shape, 0) % cfg.bq
-      c = cols <= rows
-    if cfg.pad_k:
-      c = cols < cfg.s if c is None else c & (cols < cfg.s)
-    valid = c if valid is None else valid & c
-  return valid
-
-
-def _scores(qi: Array, kj: Array, bias: Array | None, i: Array, j: Array, cfg: _Cfg,
-            qk_mult: Array | None, bias_mult: float) -> Array:
-  """z = qk_mult · q·k + bias_mult · bias on one tile, [X, G·bq, bk] in the compute dtype
-  (float32, or float64 for float64 inputs: :func:`attnx.core.contract.compute_dtype`)."""
-  cd = compute_dtype(qi.dtype)
-  z = jnp.einsum("xqh,xsh->xqs", qi, kj, preferred_element_type=cd)
-  if qk_mult is not None:
-    z = z * qk_mult
-  if cfg.has_bias:
-    bt = _bias_tile_rows(bias, i, j, cfg).astype(cd)
-    z = z + (bt * bias_mult if bias_mult != 1.0 else bt)
-  return z
-
-
-def _k_range(i: Array, cfg: _Cfg) -> tuple[int, Any]:
-  """Key blocks seen by query block i: all, or those not entirely above the diagonal."""
-  if not cfg.is_causal or cfg.num_k_blocks == 1:
-    return 0, cfg.num_k_blocks
-  return 0, jnp.minimum(cfg.num_k_blocks, (i * cfg.bq + cfg.bq - 1) // cfg.bk + 1)
-
-
-def _q_range(j: Array, cfg: _Cfg) -> tuple[Any, int]:
-  """Query blocks that see key block j (causal: i·bq + bq − 1 ≥ j·bk)."""
-  if not cfg.is_causal or cfg.num_q_blocks == 1:
-    return 0, cfg.num_q_blocks
-  return jnp.minimum(cfg.num_q_blocks, (j * cfg.bk) // cfg.bq), cfg.num_q_blocks
-
 
 def _pv(p: Array, vj: Array) -> Array:
   return jnp.einsum("xqs,xsd->xqd", p.astype(vj.dtype), vj,
                     preferred_element_type=compute_dtype(vj.dtype))
 
 
-def _prescale(q: Array, scale: Array, cfg: _Cfg) -> tuple[Array, Array | None, float, float]:
-  """Folds the score multiplier into q once (float32/float64) instead of into every tile.
-
-  Returns (q', tile multiplier or None, bias multiplier, α) with z = α·s the exponent for
-  online-max weightings (α = 1 otherwise).
-  """
-  alpha = float(cfg.w.exp_alpha) if cfg.w.online_max else 1.0
-  c = scale * alpha
-  if jnp.dtype(q.dtype).itemsize >= 4:
-    return q * c, None, alpha, alpha
-  return q, c, alpha, alpha  # low precision: keep q exact, scale the f32 tile
-
-
 # --------------------------------------------------------------------------------------------
 # Forward.
 # --------------------------------------------------------------------------------------------
 
-def _forward(q, k, v, bias, mask, scale, cfg: _Cfg):
+def _forward(q, k, v, bias, mask, scale, cfg: tl.TileConfig):
   """Returns O [X, G, Tp, Hv] and the row statistic [X, G, Tp] (online max: lse as the pair
   [X, G, Tp, 2] of :func:`_stat_shape`) in the compute dtype, chunk by chunk."""
   x, g, tp, _ = q.shape
@@ -341,9 +177,9 @@ def _forward(q, k, v, bias, mask, scale, cfg: _Cfg):
 
   def chunk(c, carry):
     out, stat = carry
-    o, st = _forward_chunk(_chunk_rows(q, c, cfg), _chunk_rows(k, c, cfg),
-                           _chunk_rows(v, c, cfg), _chunk_bias(bias, c, cfg),
-                           _chunk_bias(mask, c, cfg), scale, chunk_cfg)
+    o, st = _forward_chunk(tl.chunk_rows(q, c, cfg), tl.chunk_rows(k, c, cfg),
+                           tl.chunk_rows(v, c, cfg), tl.chunk_bias(bias, c, cfg),
+                           tl.chunk_bias(mask, c, cfg), scale, chunk_cfg)
     return (lax.dynamic_update_slice_in_dim(out, o, c * cfg.heads_in_chunk, 0),
             lax.dynamic_update_slice_in_dim(stat, st, c * cfg.heads_in_chunk, 0))
 
@@ -355,7 +191,7 @@ def _forward(q, k, v, bias, mask, scale, cfg: _Cfg):
   return lax.fori_loop(0, x // cfg.heads_in_chunk, chunk, init)
 
 
-def _stat_shape(cfg: _Cfg, rows: tuple[int, ...]) -> tuple[int, ...]:
+def _stat_shape(cfg: tl.TileConfig, rows: tuple[int, ...]) -> tuple[int, ...]:
   """The forward's row statistic: [rows], or for the online max's lse the pair (hi, lo)
   [rows, 2] of :func:`attnx.core.streaming.pointwise_finalize` with ``split_lse``: one f32
   lse near 20 (scores of large mean) is off by up to 2⁻²⁰ relative in every weight the
@@ -363,24 +199,12 @@ def _stat_shape(cfg: _Cfg, rows: tuple[int, ...]) -> tuple[int, ...]:
   return rows + (2,) if cfg.w.online_max and not cfg.raw else rows
 
 
-def _out_cols(cfg: _Cfg, hv: int) -> int:
+def _out_cols(cfg: tl.TileConfig, hv: int) -> int:
   """Columns of the forward's first output: Hv, or Hv + 1 for a raw state that carries Σ F."""
   return hv + 1 if cfg.raw and cfg.w.normalization == "sum" else hv
 
 
-def _check_tiling(q: Array, k: Array, cfg: _Cfg) -> None:
-  """Trace-time guard: the kernels slice whole tiles, so padded lengths must be whole tiles.
-
-  lax.dynamic_slice clamps a slice that runs past the end, which would silently read earlier
-  rows instead of failing.
-  """
-  if q.shape[2] != cfg.num_q_blocks * cfg.bq or k.shape[1] != cfg.num_k_blocks * cfg.bk:
-    raise AssertionError(
-        f"blocked kernel: padded lengths (T {q.shape[2]}, S {k.shape[1]}) are not whole tiles "
-        f"of ({cfg.bq}, {cfg.bk})")
-
-
-def _forward_chunk(q, k, v, bias, mask, scale, cfg: _Cfg):
+def _forward_chunk(q, k, v, bias, mask, scale, cfg: tl.TileConfig):
   """One chunk of :func:`_forward`: O [X', G, Tp, Hv] and the row statistic [X', G, Tp]
   (X' = ``cfg.heads_in_chunk``).
 
@@ -395,13 +219,13 @@ def _forward_chunk(q, k, v, bias, mask, scale, cfg: _Cfg):
   (``"length"``) or Σ F / 0 as the statistic.
   """
   w = cfg.w
-  _check_tiling(q, k, cfg)
+  tl.check_tiling(q, k, cfg)
   x, g, tp, _ = q.shape
   hv = v.shape[-1]
   cd = compute_dtype(q.dtype)
   row_shape = (x, g * cfg.bq)
   axes = manual_axes(q, k, v, bias, mask)
-  q, qk_mult, bias_mult, _ = _prescale(q, scale, cfg)
+  q, qk_mult, bias_mult, _ = tl.prescale(q, scale, cfg)
   v_fwd = v
   if w.normalization == "sum":
     # Row sums ride along in the F·V matmul as a column of ones appended to V: one pass over
@@ -410,12 +234,13 @@ def _forward_chunk(q, k, v, bias, mask, scale, cfg: _Cfg):
 
   def q_block(i, carry):
     out, stat = carry
-    qi = _rows(q, i, cfg)
+    qi = tl.rows(q, i, cfg)
 
     def tile(j):
-      kj, vj = _slice(k, j * cfg.bk, cfg.bk, 1), _slice(v_fwd, j * cfg.bk, cfg.bk, 1)
-      z = _scores(qi, kj, bias, i, j, cfg, qk_mult, bias_mult)
-      return z, vj, _valid_tile(mask, i, j, cfg)
+      kj = tl.slice_along(k, j * cfg.bk, cfg.bk, 1)
+      vj = tl.slice_along(v_fwd, j * cfg.bk, cfg.bk, 1)
+      z = tl.tile_scores(qi, kj, bias, i, j, cfg, qk_mult, bias_mult)
+      return z, vj, tl.valid_tile(mask, i, j, cfg)
 
     if w.online_max:
       def k_block(j, c):
@@ -427,9 +252,9 @@ def _forward_chunk(q, k, v, bias, mask, scale, cfg: _Cfg):
       m_start, off = streaming.online_max_start(w, with_offset=not cfg.raw)
       m0 = jnp.full(row_shape, m_start, cd)
       acc0 = jnp.zeros(row_shape + (hv + 1,), cd).at[..., hv].set(off)
-      acc, m = lax.fori_loop(*_k_range(i, cfg), k_block, vary((acc0, m0), axes))
+      acc, m = lax.fori_loop(*tl.k_range(i, cfg), k_block, vary((acc0, m0), axes))
       if cfg.raw:
-        return _put_rows(out, acc, i, cfg), _put_rows(stat, m, i, cfg)
+        return tl.put_rows(out, acc, i, cfg), tl.put_rows(stat, m, i, cfg)
       o, st = streaming.pointwise_finalize(w, acc, m, add_offset=False, split_lse=True)
     else:
       norm = w.normalization
@@ -440,16 +265,16 @@ def _forward_chunk(q, k, v, bias, mask, scale, cfg: _Cfg):
 
       l0 = jnp.zeros(row_shape, cd)
       acc0 = jnp.zeros(row_shape + (v_fwd.shape[-1],), cd)
-      acc, l = lax.fori_loop(*_k_range(i, cfg), k_block, vary((acc0, l0), axes))
+      acc, l = lax.fori_loop(*tl.k_range(i, cfg), k_block, vary((acc0, l0), axes))
       if cfg.raw:
         if norm == "length" and not cfg.needs_valid:
           l = jnp.full(row_shape, float(cfg.s), cd)  # every key of the block
-        return _put_rows(out, acc, i, cfg), _put_rows(stat, l, i, cfg)
+        return tl.put_rows(out, acc, i, cfg), tl.put_rows(stat, l, i, cfg)
       # Unmasked tiles counted nothing: every row has all cfg.s keys.
       o, st = streaming.pointwise_finalize(w, acc, l,
                                            num_keys=None if cfg.needs_valid else cfg.s)
 
-    return _put_rows(out, o, i, cfg), _put_rows(stat, st, i, cfg)
+    return tl.put_rows(out, o, i, cfg), tl.put_rows(stat, st, i, cfg)
 
   out0 = jnp.zeros((x, g, tp, _out_cols(cfg, hv)), cd)
   stat0 = jnp.zeros(_stat_shape(cfg, (x, g, tp)), cd)
@@ -461,13 +286,8 @@ def _forward_chunk(q, k, v, bias, mask, scale, cfg: _Cfg):
 # (dQ accumulates in place in a [X, G, Tp, H] buffer).
 # --------------------------------------------------------------------------------------------
 
-def _sum_to(x: Array, shape: tuple[int, ...]) -> Array:
-  """Sums the broadcast dims of x down to `shape` (same rank)."""
-  axes = tuple(a for a, (n, m) in enumerate(zip(x.shape, shape, strict=True)) if m == 1 and n != 1)
-  return jnp.sum(x, axis=axes, keepdims=True) if axes else x
 
-
-def _backward(q, k, v, bias, mask, scale, out, stat, do, cfg: _Cfg):
+def _backward(q, k, v, bias, mask, scale, out, stat, do, cfg: tl.TileConfig):
   """(dq, dk, dv, dbias, dscale), chunk by chunk; chunks may share a broadcast bias slice."""
   x = q.shape[0]
   chunk_cfg = dataclasses.replace(cfg, head_dims=cfg.chunk_head_dims())
@@ -477,13 +297,13 @@ def _backward(q, k, v, bias, mask, scale, out, stat, do, cfg: _Cfg):
 
   def chunk(c, carry):
     dq, dk, dv, dbias, dscale = carry
-    rows = lambda a: _chunk_rows(a, c, cfg)
+    rows = lambda a: tl.chunk_rows(a, c, cfg)
     dq_c, dk_c, dv_c, dbias_c, dscale_c = _backward_chunk(
-        rows(q), rows(k), rows(v), _chunk_bias(bias, c, cfg), _chunk_bias(mask, c, cfg), scale,
+        rows(q), rows(k), rows(v), tl.chunk_bias(bias, c, cfg), tl.chunk_bias(mask, c, cfg), scale,
         rows(out), rows(stat), rows(do), chunk_cfg)
     put = lambda buf, a: lax.dynamic_update_slice_in_dim(buf, a, c * cfg.heads_in_chunk, 0)
     if cfg.has_bias:
-      starts, sizes = _chunk_bias_window(bias, c, cfg)
+      starts, sizes = tl.chunk_bias_window(bias, c, cfg)
       dbias = lax.dynamic_update_slice(dbias, lax.dynamic_slice(dbias, starts, sizes) + dbias_c,
                                        starts)
     return put(dq, dq_c), put(dk, dk_c), put(dv, dv_c), dbias, dscale + dscale_c
@@ -494,13 +314,13 @@ def _backward(q, k, v, bias, mask, scale, out, stat, do, cfg: _Cfg):
   return lax.fori_loop(0, x // cfg.heads_in_chunk, chunk, init)
 
 
-def _backward_chunk(q, k, v, bias, mask, scale, out, stat, do, cfg: _Cfg):
+def _backward_chunk(q, k, v, bias, mask, scale, out, stat, do, cfg: tl.TileConfig):
   """One chunk of :func:`_backward`."""
   w = cfg.w
-  _check_tiling(q, k, cfg)
+  tl.check_tiling(q, k, cfg)
   cd = compute_dtype(q.dtype)  # float32, or float64 for float64 inputs
   q_raw = q
-  q, qk_mult, bias_mult, alpha = _prescale(q, scale, cfg)
+  q, qk_mult, bias_mult, alpha = tl.prescale(q, scale, cfg)
   # dS·K and dSᵀ·Q take finite copies (attnx.core.contract): 0·NaN at masked pairs.
   q_f, k_f = finite(q), finite(k)
   # D_i = dO_i·O_i = Σ_j w_ij dP_ij (also correct with a denominator offset).
@@ -511,31 +331,31 @@ def _backward_chunk(q, k, v, bias, mask, scale, out, stat, do, cfg: _Cfg):
 
   def k_block(j, carry):
     dq, dk_all, dv_all, dbias = carry
-    kj, vj = _slice(k, j * cfg.bk, cfg.bk, 1), _slice(v, j * cfg.bk, cfg.bk, 1)
-    kj_f = _slice(k_f, j * cfg.bk, cfg.bk, 1)
+    kj, vj = tl.slice_along(k, j * cfg.bk, cfg.bk, 1), tl.slice_along(v, j * cfg.bk, cfg.bk, 1)
+    kj_f = tl.slice_along(k_f, j * cfg.bk, cfg.bk, 1)
 
     def q_block(i, c):
       dq, dk_j, dv_j, dbias = c
-      qi, doi = _rows(q, i, cfg), _rows(do, i, cfg)
+      qi, doi = tl.rows(q, i, cfg), tl.rows(do, i, cfg)
       # The tile is computed as in the forward, [X, G·bq, bk] (queries × keys), by the
-      # forward's own _scores (the same dot, summed in the same order). A transposed tile
+      # forward's own tl.tile_scores (the same dot, summed in the same order). A transposed tile
       # [X, bk, G·bq] (dV = Pᵀ·dO and dK = dZᵀ·Q plain matmuls) is no faster on XLA:CPU, whose
       # dot for it sums q·k in another order, 2.5× further from the exact scores at T ≫ S
       # (docs/guides/implementations.md, "Precision and accuracy").
-      z = _scores(qi, kj, bias, i, j, cfg, qk_mult, bias_mult)
-      valid = _valid_tile(mask, i, j, cfg)
-      row = lambda a: _rows(a, i, cfg)[..., None]  # per-query statistic, broadcast over keys
+      z = tl.tile_scores(qi, kj, bias, i, j, cfg, qk_mult, bias_mult)
+      valid = tl.valid_tile(mask, i, j, cfg)
+      row = lambda a: tl.rows(a, i, cfg)[..., None]  # per-query statistic, broadcast over keys
       dp = jnp.einsum("xqd,xsd->xqs", doi, vj, preferred_element_type=cd)
       # dz: the cotangent of z = α·s (α = 1 unless online max).
       p, dz = streaming.pointwise_tile_grad(w, z, valid, dp, grad_rows, cfg.num_keys, row=row)
       dv_j = dv_j + jnp.einsum("xqs,xqd->xsd", p.astype(doi.dtype), doi,
                                preferred_element_type=cd)
       dzc = dz.astype(qi.dtype)
-      dk_j = dk_j + jnp.einsum("xqs,xqh->xsh", dzc, _rows(q_f, i, cfg),
+      dk_j = dk_j + jnp.einsum("xqs,xqh->xsh", dzc, tl.rows(q_f, i, cfg),
                                preferred_element_type=cd)
-      dq_i = _rows(dq, i, cfg) + jnp.einsum("xqs,xsh->xqh", dzc, kj_f,
+      dq_i = tl.rows(dq, i, cfg) + jnp.einsum("xqs,xsh->xqh", dzc, kj_f,
                                             preferred_element_type=cd)
-      dq = _put_rows(dq, dq_i, i, cfg)
+      dq = tl.put_rows(dq, dq_i, i, cfg)
       if cfg.has_bias:
         tshape = bias_shape[:3] + tuple(
             1 if bias_shape[a] == 1 else (cfg.bq, cfg.bk)[a - 3] for a in (3, 4))
@@ -543,12 +363,12 @@ def _backward_chunk(q, k, v, bias, mask, scale, out, stat, do, cfg: _Cfg):
                  0 if bias_shape[4] == 1 else j * cfg.bk)
         cur = lax.dynamic_slice(dbias, start, tshape)
         dz5 = dz.reshape(cfg.head_dims + (cfg.bq, cfg.bk))
-        dbias = lax.dynamic_update_slice(dbias, cur + _sum_to(dz5, tshape), start)
+        dbias = lax.dynamic_update_slice(dbias, cur + common.sum_to(dz5, tshape), start)
       return dq, dk_j, dv_j, dbias
 
     dk0 = jnp.zeros((k.shape[0], cfg.bk, k.shape[-1]), cd)
     dv0 = jnp.zeros((v.shape[0], cfg.bk, v.shape[-1]), cd)
-    dq, dk_j, dv_j, dbias = lax.fori_loop(*_q_range(j, cfg), q_block,
+    dq, dk_j, dv_j, dbias = lax.fori_loop(*tl.q_range(j, cfg), q_block,
                                           (dq, *vary((dk0, dv0), axes), dbias))
     dk_all = lax.dynamic_update_slice_in_dim(dk_all, dk_j, j * cfg.bk, axis=1)
     dv_all = lax.dynamic_update_slice_in_dim(dv_all, dv_j, j * cfg.bk, axis=1)
@@ -588,7 +408,7 @@ def _backward_chunk(q, k, v, bias, mask, scale, out, stat, do, cfg: _Cfg):
 # above the operation ratio.
 # --------------------------------------------------------------------------------------------
 
-def _levels(cfg: _Cfg) -> list[tuple[int, int]]:
+def _levels(cfg: tl.TileConfig) -> list[tuple[int, int]]:
   """(squares M, side s) of every level of the causal triangle, largest first."""
   p, d = cfg.num_diag_tiles, cfg.bq
   return [(1 << lv, p * d >> (lv + 1)) for lv in range(p.bit_length() - 1)]
@@ -667,7 +487,7 @@ def _k_unpart(y: Array, full: Array, m: int, parts: int, side: int, p: int) -> A
   return _put_part(r, jnp.moveaxis(y, 0, 1), 2, p, True).reshape(full.shape)
 
 
-def _piece_cfg(cfg: _Cfg, m: int, side: int, causal: bool, raw: bool) -> _Cfg:
+def _piece_cfg(cfg: tl.TileConfig, m: int, side: int, causal: bool, raw: bool) -> tl.TileConfig:
   """The cfg of M side×side pieces run as one problem of batch M·B (see :func:`_pieces`)."""
   if causal:
     bq = bk = side
@@ -687,7 +507,7 @@ def _piece_cfg(cfg: _Cfg, m: int, side: int, causal: bool, raw: bool) -> _Cfg:
 def _dividing_tile(side: int, cap: int) -> int:
   """The largest tile ≤ cap that divides `side`, a multiple of 8 where one fits (SIMD)."""
   divisors = [t for t in range(min(cap, side), 0, -1) if side % t == 0]
-  aligned = [t for t in divisors if t % _ALIGN == 0]
+  aligned = [t for t in divisors if t % tl.ALIGN == 0]
   return (aligned or divisors)[0]
 
 
@@ -712,7 +532,7 @@ def _unfold_pieces(dx: Array, how: str, m: int) -> Array:
   return jnp.sum(dx, axis=1, keepdims=True) if how == "bcast" else dx
 
 
-def _pieces(fn, cfg: _Cfg, m: int, q, k, v, bias, mask, *rows):
+def _pieces(fn, cfg: tl.TileConfig, m: int, q, k, v, bias, mask, *rows):
   """Runs ``fn(q, k, v, bias, mask, *rows)`` on M pieces at once, the piece axis folded into
   the batch (rows of X = M·B·K); results come back as [M, X, ...]. No vmap: batching the
   kernels' dynamic slices and updates would turn them into gathers and scatters."""
@@ -725,7 +545,7 @@ def _pieces(fn, cfg: _Cfg, m: int, q, k, v, bias, mask, *rows):
   return out, unflat, how
 
 
-def _causal_forward(q, k, v, bias, mask, scale, cfg: _Cfg):
+def _causal_forward(q, k, v, bias, mask, scale, cfg: tl.TileConfig):
   """The causal forward (T = S = P·d): O [X, G, Tp, Hv] and the row statistic [X, G, Tp]."""
   p, d = cfg.num_diag_tiles, cfg.bq
 
@@ -750,7 +570,7 @@ def _causal_forward(q, k, v, bias, mask, scale, cfg: _Cfg):
   return streaming.pointwise_finalize(cfg.w, acc, st, split_lse=True)
 
 
-def _causal_backward(q, k, v, bias, mask, scale, out, stat, do, cfg: _Cfg):
+def _causal_backward(q, k, v, bias, mask, scale, out, stat, do, cfg: tl.TileConfig):
   """The causal backward: the plain backward of every piece with the rows' final statistic."""
   p, d = cfg.num_diag_tiles, cfg.bq
   cd = compute_dtype(q.dtype)
@@ -796,7 +616,7 @@ BLOCK_CAUSAL_TILE = 256
 
 def block_config(w: Any, t: int, s: int, head_dims: tuple[int, int, int], *, is_causal: bool,
                  has_mask: bool, has_bias: bool, num_keys: int, block_q: int | None = None,
-                 block_k: int | None = None, whole_chunk: bool = False) -> _Cfg:
+                 block_k: int | None = None, whole_chunk: bool = False) -> tl.TileConfig:
   """The cfg of one unpadded [t × s] block of a larger attention problem.
 
   A ring step (:mod:`attnx.core.ring`) computes the local query rows against one visiting key
@@ -817,16 +637,16 @@ def block_config(w: Any, t: int, s: int, head_dims: tuple[int, int, int], *, is_
   cap_q, cap_k = block_q or cap_q, block_k or cap_k
   bk = _dividing_tile(s, min(cap_k, s))
   if whole_chunk:
-    cap_q = min(cap_q, max(_ALIGN, TILE_BUDGET // (b * kv_heads * g * bk)))
+    cap_q = min(cap_q, max(tl.ALIGN, TILE_BUDGET // (b * kv_heads * g * bk)))
   bq = _dividing_tile(t, min(cap_q, t))
   chunk = b * kv_heads if whole_chunk else heads_per_chunk(b, kv_heads, g, bq, bk)
-  return _Cfg(w=w, t=t, s=s, bq=bq, bk=bk, is_causal=is_causal, has_mask=has_mask,
-              has_bias=has_bias, head_dims=head_dims, kv_heads=kv_heads, heads_in_chunk=chunk,
-              full_num_keys=num_keys)
+  return tl.TileConfig(w=w, t=t, s=s, bq=bq, bk=bk, is_causal=is_causal, has_mask=has_mask,
+                       has_bias=has_bias, head_dims=head_dims, kv_heads=kv_heads,
+                       heads_in_chunk=chunk, full_num_keys=num_keys)
 
 
 def raw_block_state(q: Array, k: Array, v: Array, bias: Array | None, mask: Array | None,
-                    scale: Array, cfg: _Cfg) -> tuple[Array, Array]:
+                    scale: Array, cfg: tl.TileConfig) -> tuple[Array, Array]:
   """The unnormalized state (acc, st) of every query row over this block's keys, for a
   pointwise F, in the kernel layout (q [X, G, t, H], k/v [X, s, H], bias/mask
   [Bb, Kb, Gb, t|1, s|1]; ``cfg`` from :func:`block_config`).
@@ -840,7 +660,7 @@ def raw_block_state(q: Array, k: Array, v: Array, bias: Array | None, mask: Arra
 
 
 def block_grads(q: Array, k: Array, v: Array, bias: Array | None, mask: Array | None,
-                scale: Array, out: Array, stat: Array, do: Array, cfg: _Cfg):
+                scale: Array, out: Array, stat: Array, do: Array, cfg: tl.TileConfig):
   """(dq, dk, dv, dbias, dscale) of this block's scores (in the compute dtype: float32, or
   float64), given the rows' final output and row statistic (of the whole problem: the
   backward of a block needs nothing else, as each tile's weights are recomputed from them;
@@ -871,7 +691,7 @@ def finite_residual(tree: Any) -> Any:
   return jax.tree.map(one, tree)
 
 
-def _make_kernel(cfg: _Cfg):
+def _make_kernel(cfg: tl.TileConfig):
   """A custom-VJP function of internal-layout arrays (q, k, v, bias, mask, scale) -> O."""
 
   causal_or_plain = _causal_forward if cfg.is_causal else _forward
@@ -901,29 +721,6 @@ def _make_kernel(cfg: _Cfg):
 
   kernel.defvjp(fwd, bwd)
   return kernel
-
-
-def _as_5d(x: Array | None, n: int, kv_heads: int, name: str) -> Array | None:
-  """A [B|1, N|1, T|1, S|1]-broadcastable array -> [B|1, K|1, G|1, T|1, S|1]."""
-  if x is None:
-    return None
-  if x.ndim > 4:
-    raise ValueError(f"{name} must have at most 4 dims [B, N, T, S], got shape {x.shape}")
-  x = x.reshape((1,) * (4 - x.ndim) + x.shape)
-  if x.shape[1] == 1:
-    return x[:, :, None]
-  if x.shape[1] != n:
-    raise ValueError(f"{name} of shape {x.shape} has {x.shape[1]} heads, expected {n} or 1")
-  return x.reshape(x.shape[0], kv_heads, n // kv_heads, *x.shape[2:])
-
-
-def _pad_axis(x: Array, axis: int, size: int, value: Any = 0, keep_one: bool = False) -> Array:
-  """Pads `axis` to `size`; a broadcast (size-1) axis stays as is when keep_one."""
-  if x.shape[axis] == size or (keep_one and x.shape[axis] == 1):
-    return x
-  pads = [(0, 0)] * x.ndim
-  pads[axis] = (0, size - x.shape[axis])
-  return jnp.pad(x, pads, constant_values=value)
 
 
 def blocked_attention(q: Array, k: Array, v: Array, *, weighting: Pointwise, scale: float | Array,
@@ -1005,32 +802,34 @@ def _blocked(q, k, v, *, weighting, scale, bias, mask, is_causal, block_q, block
   if is_causal:
     asked = [x for x in (block_q, block_k) if x]
     num_diag_tiles, d = causal_leaves(t, min(asked) if asked else CAUSAL_LEAF)
-    cfg = _Cfg(w=weighting, t=t, s=s, bq=d, bk=d, is_causal=True, has_mask=mask is not None,
-               has_bias=bias is not None, head_dims=(b, kv_heads, g), kv_heads=kv_heads,
-               num_diag_tiles=num_diag_tiles, user_bq=block_q or 0, user_bk=block_k or 0,
-               full_num_keys=num_keys)
+    cfg = tl.TileConfig(w=weighting, t=t, s=s, bq=d, bk=d, is_causal=True,
+                        has_mask=mask is not None, has_bias=bias is not None,
+                        head_dims=(b, kv_heads, g), kv_heads=kv_heads,
+                        num_diag_tiles=num_diag_tiles, user_bq=block_q or 0,
+                        user_bk=block_k or 0, full_num_keys=num_keys)
     tp = sp = num_diag_tiles * d
   else:
     dq, dk = default_block_sizes(t, s, g)
     # A tile never needs to be longer than the (8-aligned) sequence.
-    bq = min(block_q, _round_up(t, _ALIGN)) if block_q else dq
-    bk = min(block_k, _round_up(s, _ALIGN)) if block_k else dk
-    cfg = _Cfg(w=weighting, t=t, s=s, bq=bq, bk=bk, is_causal=False,
-               has_mask=mask is not None, has_bias=bias is not None, head_dims=(b, kv_heads, g),
-               kv_heads=kv_heads, heads_in_chunk=heads_per_chunk(b, kv_heads, g, bq, bk),
-               full_num_keys=num_keys)
+    bq = min(block_q, common.round_up(t, tl.ALIGN)) if block_q else dq
+    bk = min(block_k, common.round_up(s, tl.ALIGN)) if block_k else dk
+    cfg = tl.TileConfig(w=weighting, t=t, s=s, bq=bq, bk=bk, is_causal=False,
+                        has_mask=mask is not None, has_bias=bias is not None,
+                        head_dims=(b, kv_heads, g), kv_heads=kv_heads,
+                        heads_in_chunk=heads_per_chunk(b, kv_heads, g, bq, bk),
+                        full_num_keys=num_keys)
     tp, sp = cfg.num_q_blocks * bq, cfg.num_k_blocks * bk
 
   # [B, T, N, H] -> [X, G, Tp, H] and [B, S, K, H] -> [X, Sp, H] (X = B·K), zero padded.
-  q4 = _pad_axis(q.transpose(0, 2, 1, 3).reshape(b * kv_heads, g, t, h), 2, tp)
-  k3 = _pad_axis(k.transpose(0, 2, 1, 3).reshape(b * kv_heads, s, h), 1, sp)
-  v3 = _pad_axis(v.transpose(0, 2, 1, 3).reshape(b * kv_heads, s, -1), 1, sp)
-  bias5 = _as_5d(bias, n, kv_heads, "bias")
-  mask5 = _as_5d(mask, n, kv_heads, "mask")
+  q4 = common.pad_axis(q.transpose(0, 2, 1, 3).reshape(b * kv_heads, g, t, h), 2, tp)
+  k3 = common.pad_axis(k.transpose(0, 2, 1, 3).reshape(b * kv_heads, s, h), 1, sp)
+  v3 = common.pad_axis(v.transpose(0, 2, 1, 3).reshape(b * kv_heads, s, -1), 1, sp)
+  bias5 = common.as_5d(bias, n, kv_heads, "bias")
+  mask5 = common.as_5d(mask, n, kv_heads, "mask")
   if bias5 is not None:
-    bias5 = _pad_axis(_pad_axis(bias5, 3, tp, keep_one=True), 4, sp, keep_one=True)
+    bias5 = common.pad_axis(common.pad_axis(bias5, 3, tp, keep_one=True), 4, sp, keep_one=True)
   if mask5 is not None:
-    mask5 = _pad_axis(_pad_axis(mask5, 3, tp, False, True), 4, sp, False, True)
+    mask5 = common.pad_axis(common.pad_axis(mask5, 3, tp, False, True), 4, sp, False, True)
   scale_arr = jnp.asarray(scale, compute_dtype(q.dtype))
   out = _make_kernel(cfg)(q4, k3, v3, bias5, mask5, scale_arr)
   return out[:, :, :t].reshape(b, n, t, -1).transpose(0, 2, 1, 3)

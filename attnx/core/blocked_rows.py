@@ -37,6 +37,8 @@ from jax import lax
 from attnx.core import blocked as bl
 from attnx.core import streaming as st
 from attnx.core.contract import compute_dtype, finite, nonfinite_inputs
+from attnx.core.kernels import common
+from attnx.core.kernels.xla import tiling as tl
 from attnx.core.weightings import RowNormalizer, get_weighting
 
 Array = jax.Array
@@ -70,15 +72,15 @@ def streams(weighting: Any) -> bool:
   return isinstance(weighting, RowNormalizer) and weighting.stream is not None
 
 
-def _tiles(q, k, v, bias, mask, i, cfg: bl._Cfg, qk_mult, bias_mult):
+def _tiles(q, k, v, bias, mask, i, cfg: tl.TileConfig, qk_mult, bias_mult):
   """tile(j) -> (z [X, G·bq, bk] in the compute dtype, valid (broadcastable), v tile) of query
   block i."""
-  qi = bl._rows(q, i, cfg)
+  qi = tl.rows(q, i, cfg)
 
   def tile(j):
-    kj, vj = bl._slice(k, j * cfg.bk, cfg.bk, 1), bl._slice(v, j * cfg.bk, cfg.bk, 1)
-    z = bl._scores(qi, kj, bias, i, j, cfg, qk_mult, bias_mult)
-    valid = bl._valid_tile(mask, i, j, cfg)
+    kj, vj = tl.slice_along(k, j * cfg.bk, cfg.bk, 1), tl.slice_along(v, j * cfg.bk, cfg.bk, 1)
+    z = tl.tile_scores(qi, kj, bias, i, j, cfg, qk_mult, bias_mult)
+    valid = tl.valid_tile(mask, i, j, cfg)
     finite = z != -jnp.inf  # a score of −∞ is a masked key (NaN stays valid: the row is NaN)
     return z, (finite if valid is None else valid & finite), vj
 
@@ -99,7 +101,7 @@ def _fold(tile, lo, hi, fn, init, reverse: bool = False, zero: Array | None = No
   return lax.fori_loop(0, hi - lo, body, init)
 
 
-def _entmax_threshold_skipping(tile, i, lo, hi, rows: tuple[int, ...], cfg: bl._Cfg,
+def _entmax_threshold_skipping(tile, i, lo, hi, rows: tuple[int, ...], cfg: tl.TileConfig,
                                dtype: Any = F32) -> tuple[st.Threshold, Array]:
   """τ of a query block (:func:`attnx.core.streaming.entmax_threshold`) with zero tiles left
   out of the passes, and which tiles are zero at the final τ ([num_k_blocks] bool).
@@ -146,7 +148,7 @@ def _entmax_threshold_skipping(tile, i, lo, hi, rows: tuple[int, ...], cfg: bl._
   return th, st.entmax_zero_tiles(table, th.m, th.tau)
 
 
-def _forward_chunk(q, k, v, bias, mask, row_scales, scale, cfg: bl._Cfg, skip: bool):
+def _forward_chunk(q, k, v, bias, mask, row_scales, scale, cfg: tl.TileConfig, skip: bool):
   """(O [x, G, Tp, Hv], row statistics, Σu·v/Σu or None, max threshold passes, zero tiles) of
   a chunk.
 
@@ -156,19 +158,19 @@ def _forward_chunk(q, k, v, bias, mask, row_scales, scale, cfg: bl._Cfg, skip: b
   (the backward leaves out the same), else None.
   """
   rs = cfg.w.stream
-  bl._check_tiling(q, k, cfg)
+  tl.check_tiling(q, k, cfg)
   x, g, tp, _ = q.shape
   hv = v.shape[-1]
   rows = (x, g * cfg.bq)
   cd = compute_dtype(q.dtype)
-  q, qk_mult, bias_mult, _ = bl._prescale(q, scale, cfg)
+  q, qk_mult, bias_mult, _ = tl.prescale(q, scale, cfg)
   skip = skip and rs.needs_threshold
 
   def q_block(i, carry):
     out, stats, support_mean, passes, zero_table = carry
     tile = _tiles(q, k, v, bias, mask, i, cfg, qk_mult, bias_mult)
-    lo, hi = bl._k_range(i, cfg)
-    ctx = bl._rows(row_scales, i, cfg) if rs.needs_row_scale else None
+    lo, hi = tl.k_range(i, cfg)
+    ctx = tl.rows(row_scales, i, cfg) if rs.needs_row_scale else None
     zero = None
     if skip:
       ctx, zero = _entmax_threshold_skipping(tile, i, lo, hi, rows, cfg, cd)
@@ -182,7 +184,7 @@ def _forward_chunk(q, k, v, bias, mask, row_scales, scale, cfg: bl._Cfg, skip: b
     state = _fold(tile, lo, hi, lambda c, z, ok, vj: st.update(rs, c, z, ok, vj, ctx),
                   st.init(rs, rows, hv, cd), rs.reverse, zero)
     o, row_stats, sm = st.finalize(rs, state, ctx)
-    put = lambda buf, a: bl._put_rows(buf, a, i, cfg)
+    put = lambda buf, a: tl.put_rows(buf, a, i, cfg)
     stats = tuple(put(buf, a) for buf, a in zip(stats, row_stats, strict=True))
     return (put(out, o), stats, support_mean if sm is None else put(support_mean, sm), passes,
             zero_table)
@@ -195,7 +197,7 @@ def _forward_chunk(q, k, v, bias, mask, row_scales, scale, cfg: bl._Cfg, skip: b
 
 
 def _backward_chunk(q, k, v, bias, mask, row_scales, scale, out, stats, support_mean, do,
-                    zero, cfg: bl._Cfg, carry0: tuple[Array, Array] | None = None,
+                    zero, cfg: tl.TileConfig, carry0: tuple[Array, Array] | None = None,
                     both_carries: bool = False):
   """(dq, dk, dv, dbias, drow_scales, dscale) of a chunk.
 
@@ -208,31 +210,31 @@ def _backward_chunk(q, k, v, bias, mask, row_scales, scale, out, stats, support_
   drow_scales, for the next block.
   """
   rs = cfg.w.stream
-  bl._check_tiling(q, k, cfg)
+  tl.check_tiling(q, k, cfg)
   cd = compute_dtype(q.dtype)
   q_raw = q
-  q, qk_mult, bias_mult, alpha = bl._prescale(q, scale, cfg)
+  q, qk_mult, bias_mult, alpha = tl.prescale(q, scale, cfg)
   # dS·K and dSᵀ·Q take finite copies (attnx.core.contract): 0·NaN at masked pairs.
   q_f, k_f = finite(q), finite(k)
   delta = jnp.sum(do.astype(cd) * (support_mean if rs.saves_support_mean else out), axis=-1)
   bias_shape = bias.shape if cfg.has_bias else None
   axes = bl.manual_axes(q, k, v, bias, mask, row_scales, out, do)
-  block_rows = lambda a, i: bl._rows(a, i, cfg)
+  block_rows = lambda a, i: tl.rows(a, i, cfg)
   if zero is not None:
     do_blocks = do.reshape(do.shape[:2] + (cfg.num_q_blocks, cfg.bq) + do.shape[3:])
     zero = zero & jnp.all(jnp.isfinite(do_blocks), axis=(0, 1, 3, 4))[:, None]
 
   def k_block(r, carry):
     j = cfg.num_k_blocks - 1 - r if rs.reverse else r
-    kj, vj = bl._slice(k, j * cfg.bk, cfg.bk, 1), bl._slice(v, j * cfg.bk, cfg.bk, 1)
-    kj_f = bl._slice(k_f, j * cfg.bk, cfg.bk, 1)
+    kj, vj = tl.slice_along(k, j * cfg.bk, cfg.bk, 1), tl.slice_along(v, j * cfg.bk, cfg.bk, 1)
+    kj_f = tl.slice_along(k_f, j * cfg.bk, cfg.bk, 1)
 
     def tile_terms(i, dk_j, dv_j, carry_a, carry_b):
       """Tile (i, j): dK and dV of key block j with its terms added, its dQ term
       [X, G·bq, H], dz (for dbias) and the grad carries of its rows."""
-      qi, doi = bl._rows(q, i, cfg), bl._rows(do, i, cfg)
-      z = bl._scores(qi, kj, bias, i, j, cfg, qk_mult, bias_mult)
-      valid = bl._valid_tile(mask, i, j, cfg)
+      qi, doi = tl.rows(q, i, cfg), tl.rows(do, i, cfg)
+      z = tl.tile_scores(qi, kj, bias, i, j, cfg, qk_mult, bias_mult)
+      valid = tl.valid_tile(mask, i, j, cfg)
       finite = z != -jnp.inf
       valid = finite if valid is None else valid & finite
       dp = jnp.einsum("xqd,xsd->xqs", doi, vj, preferred_element_type=cd)
@@ -243,7 +245,7 @@ def _backward_chunk(q, k, v, bias, mask, row_scales, scale, out, stats, support_
       dv_j = dv_j + jnp.einsum("xqs,xqd->xsd", p.astype(doi.dtype), doi,
                                preferred_element_type=cd)
       dzc = dz.astype(qi.dtype)
-      dk_j = dk_j + jnp.einsum("xqs,xqh->xsh", dzc, bl._rows(q_f, i, cfg),
+      dk_j = dk_j + jnp.einsum("xqs,xqh->xsh", dzc, tl.rows(q_f, i, cfg),
                                preferred_element_type=cd)
       dq_i = jnp.einsum("xqs,xsh->xqh", dzc, kj_f, preferred_element_type=cd)
       return dk_j, dv_j, dq_i, dz if cfg.has_bias else None, gc
@@ -255,14 +257,14 @@ def _backward_chunk(q, k, v, bias, mask, row_scales, scale, out, stats, support_
                0 if bias_shape[4] == 1 else j * cfg.bk)
       cur = lax.dynamic_slice(dbias, start, tshape)
       dz5 = dz.reshape(cfg.head_dims + (cfg.bq, cfg.bk))
-      return lax.dynamic_update_slice(dbias, cur + bl._sum_to(dz5, tshape), start)
+      return lax.dynamic_update_slice(dbias, cur + common.sum_to(dz5, tshape), start)
 
     def q_block(i, c):
       dq, dk_j, dv_j, dbias, carry_a, carry_b = c
       dk_j, dv_j, dq_i, dz, gc = tile_terms(i, dk_j, dv_j, block_rows(carry_a, i),
                                             block_rows(carry_b, i))
-      dq = bl._put_rows(dq, block_rows(dq, i) + dq_i, i, cfg)
-      carry_a, carry_b = bl._put_rows(carry_a, gc.a, i, cfg), bl._put_rows(carry_b, gc.b, i, cfg)
+      dq = tl.put_rows(dq, block_rows(dq, i) + dq_i, i, cfg)
+      carry_a, carry_b = tl.put_rows(carry_a, gc.a, i, cfg), tl.put_rows(carry_b, gc.b, i, cfg)
       if cfg.has_bias:
         dbias = add_dbias(dbias, dz, i)
       return dq, dk_j, dv_j, dbias, carry_a, carry_b
@@ -283,7 +285,7 @@ def _backward_chunk(q, k, v, bias, mask, row_scales, scale, out, stats, support_
                 jnp.zeros(rows + (cfg.bk,), cd) if cfg.has_bias else None)
 
       dk_j, dv_j, dq_i, dz = lax.cond(zero[i, j], leave_out, compute, dk_j, dv_j)
-      dq = bl._put_rows(dq, block_rows(dq, i) + dq_i, i, cfg)
+      dq = tl.put_rows(dq, block_rows(dq, i) + dq_i, i, cfg)
       if cfg.has_bias:
         dbias = add_dbias(dbias, dz, i)
       return dq, dk_j, dv_j, dbias, carry_a, carry_b
@@ -293,7 +295,7 @@ def _backward_chunk(q, k, v, bias, mask, row_scales, scale, out, stats, support_
     dk0 = jnp.zeros((k.shape[0], cfg.bk, k.shape[-1]), cd)
     dv0 = jnp.zeros((v.shape[0], cfg.bk, v.shape[-1]), cd)
     dq, dk_j, dv_j, dbias, carry_a, carry_b = lax.fori_loop(
-        *bl._q_range(j, cfg), body, (dq, *bl.vary((dk0, dv0), axes), dbias, carry_a, carry_b))
+        *tl.q_range(j, cfg), body, (dq, *bl.vary((dk0, dv0), axes), dbias, carry_a, carry_b))
     dk_all = lax.dynamic_update_slice_in_dim(dk_all, dk_j, j * cfg.bk, axis=1)
     dv_all = lax.dynamic_update_slice_in_dim(dv_all, dv_j, j * cfg.bk, axis=1)
     return dq, dk_all, dv_all, dbias, carry_a, carry_b
@@ -317,7 +319,7 @@ def _backward_chunk(q, k, v, bias, mask, row_scales, scale, out, stats, support_
 # Chunks of heads.
 # --------------------------------------------------------------------------------------------
 
-def _forward(q, k, v, bias, mask, row_scales, scale, cfg: bl._Cfg, skip: bool):
+def _forward(q, k, v, bias, mask, row_scales, scale, cfg: tl.TileConfig, skip: bool):
   """:func:`_forward_chunk` over the chunks of heads; the zero-tile table gains a leading
   chunk axis, [num_chunks, num_q_blocks, num_k_blocks] (or is None)."""
   x = q.shape[0]
@@ -325,11 +327,11 @@ def _forward(q, k, v, bias, mask, row_scales, scale, cfg: bl._Cfg, skip: bool):
   if cfg.heads_in_chunk == x:
     *res, zero = _forward_chunk(q, k, v, bias, mask, row_scales, scale, chunk_cfg, skip)
     return (*res, None if zero is None else zero[None])
-  rows = lambda a, c: None if a is None else bl._chunk_rows(a, c, cfg)
+  rows = lambda a, c: None if a is None else tl.chunk_rows(a, c, cfg)
 
   def chunk(c, carry):
-    res = _forward_chunk(rows(q, c), rows(k, c), rows(v, c), bl._chunk_bias(bias, c, cfg),
-                         bl._chunk_bias(mask, c, cfg), rows(row_scales, c), scale, chunk_cfg,
+    res = _forward_chunk(rows(q, c), rows(k, c), rows(v, c), tl.chunk_bias(bias, c, cfg),
+                         tl.chunk_bias(mask, c, cfg), rows(row_scales, c), scale, chunk_cfg,
                          skip)
     put = lambda buf, a: lax.dynamic_update_slice_in_dim(buf, a, c * cfg.heads_in_chunk, 0)
     out, stats, support_mean, passes, zero = carry
@@ -354,25 +356,25 @@ def _forward(q, k, v, bias, mask, row_scales, scale, cfg: bl._Cfg, skip: bool):
 
 
 def _backward(q, k, v, bias, mask, row_scales, scale, out, stats, support_mean, do, zero,
-              cfg: bl._Cfg):
+              cfg: tl.TileConfig):
   x = q.shape[0]
   cd = compute_dtype(q.dtype)
   chunk_cfg = dataclasses.replace(cfg, head_dims=cfg.chunk_head_dims())
   if cfg.heads_in_chunk == x:
     return _backward_chunk(q, k, v, bias, mask, row_scales, scale, out, stats, support_mean, do,
                            None if zero is None else zero[0], chunk_cfg)
-  rows = lambda a, c: None if a is None else bl._chunk_rows(a, c, cfg)
+  rows = lambda a, c: None if a is None else tl.chunk_rows(a, c, cfg)
 
   def chunk(c, carry):
     dq, dk, dv, dbias, drow_scales, dscale = carry
     dq_c, dk_c, dv_c, dbias_c, drow_scales_c, dscale_c = _backward_chunk(
-        rows(q, c), rows(k, c), rows(v, c), bl._chunk_bias(bias, c, cfg),
-        bl._chunk_bias(mask, c, cfg), rows(row_scales, c), scale, rows(out, c),
+        rows(q, c), rows(k, c), rows(v, c), tl.chunk_bias(bias, c, cfg),
+        tl.chunk_bias(mask, c, cfg), rows(row_scales, c), scale, rows(out, c),
         tuple(rows(a, c) for a in stats), rows(support_mean, c), rows(do, c),
         None if zero is None else zero[c], chunk_cfg)
     put = lambda buf, a: lax.dynamic_update_slice_in_dim(buf, a, c * cfg.heads_in_chunk, 0)
     if cfg.has_bias:
-      starts, sizes = bl._chunk_bias_window(bias, c, cfg)
+      starts, sizes = tl.chunk_bias_window(bias, c, cfg)
       dbias = lax.dynamic_update_slice(
           dbias, lax.dynamic_slice(dbias, starts, sizes) + dbias_c, starts)
     return (put(dq, dq_c), put(dk, dk_c), put(dv, dv_c), dbias, put(drow_scales, drow_scales_c),
@@ -390,7 +392,7 @@ def _backward(q, k, v, bias, mask, row_scales, scale, out, stats, support_mean, 
 # --------------------------------------------------------------------------------------------
 
 def raw_block_state(q: Array, k: Array, v: Array, bias: Array | None, mask: Array | None,
-                    row_scales: Array | None, scale: Array, cfg: bl._Cfg) -> Any:
+                    row_scales: Array | None, scale: Array, cfg: tl.TileConfig) -> Any:
   """The streaming state (:mod:`attnx.core.streaming`: ``MaxState`` of SSMax and softpick,
   ``StickState`` of stick-breaking) of every query row over this block's keys, its leaves laid
   out [X, G, t, ...], for :func:`attnx.core.streaming.merge` with other key blocks of the same
@@ -405,21 +407,21 @@ def raw_block_state(q: Array, k: Array, v: Array, bias: Array | None, mask: Arra
   if rs.needs_threshold or cfg.heads_in_chunk != q.shape[0]:
     raise ValueError(f"raw_block_state: needs a family without a threshold and one chunk of "
                      f"heads, got {rs.family!r} with {cfg.heads_in_chunk} of {q.shape[0]} rows")
-  bl._check_tiling(q, k, cfg)
+  tl.check_tiling(q, k, cfg)
   x, g, tp, _ = q.shape
   hv = v.shape[-1]
   rows = (x, g * cfg.bq)
   cd = compute_dtype(q.dtype)
   axes = bl.manual_axes(q, k, v, bias, mask, row_scales)
-  q, qk_mult, bias_mult, _ = bl._prescale(q, scale, cfg)
+  q, qk_mult, bias_mult, _ = tl.prescale(q, scale, cfg)
 
   def q_block(i, buf):
     tile = _tiles(q, k, v, bias, mask, i, cfg, qk_mult, bias_mult)
-    lo, hi = bl._k_range(i, cfg)
-    ctx = bl._rows(row_scales, i, cfg) if rs.needs_row_scale else None
+    lo, hi = tl.k_range(i, cfg)
+    ctx = tl.rows(row_scales, i, cfg) if rs.needs_row_scale else None
     state = _fold(tile, lo, hi, lambda c, z, ok, vj: st.update(rs, c, z, ok, vj, ctx),
                   bl.vary(st.init(rs, rows, hv, cd), axes), rs.reverse)
-    return jax.tree.map(lambda b, a: bl._put_rows(b, a, i, cfg), buf, state)
+    return jax.tree.map(lambda b, a: tl.put_rows(b, a, i, cfg), buf, state)
 
   return lax.fori_loop(0, cfg.num_q_blocks, q_block,
                        bl.vary(st.init(rs, (x, g, tp), hv, cd), axes))
@@ -427,7 +429,7 @@ def raw_block_state(q: Array, k: Array, v: Array, bias: Array | None, mask: Arra
 
 def block_grads(q: Array, k: Array, v: Array, bias: Array | None, mask: Array | None,
                 row_scales: Array | None, scale: Array, out: Array, stats: tuple[Array, ...],
-                do: Array, carry0: tuple[Array, Array], cfg: bl._Cfg):
+                do: Array, carry0: tuple[Array, Array], cfg: tl.TileConfig):
   """(dq, dk, dv, dbias, (carry_a, carry_b), dscale) of this block's scores from the rows'
   final output and statistics (:func:`attnx.core.streaming.finalize` of the merged state).
 
@@ -440,7 +442,7 @@ def block_grads(q: Array, k: Array, v: Array, bias: Array | None, mask: Array | 
                          cfg, carry0=carry0, both_carries=True)
 
 
-def _make_kernel(cfg: bl._Cfg, skip: bool):
+def _make_kernel(cfg: tl.TileConfig, skip: bool):
   """A custom-VJP function of internal-layout (q, k, v, bias, mask, row_scales, scale) -> O;
   ``skip``: leave out all-zero key tiles (entmax family)."""
 
@@ -532,7 +534,7 @@ def _ssmax_as_softmax(q, k, v, mask, weighting, scale, block_q, block_k, ssmax_s
 def _block_k(family: str, s: int) -> int:
   """Key tiles of :data:`BLOCK_K` (stick-breaking: :data:`STICK_BLOCK_K`), capped at S."""
   bk = STICK_BLOCK_K if family == "stick_breaking" else BLOCK_K
-  return min(bk, bl._round_up(max(s, 1), bl._ALIGN))
+  return min(bk, common.round_up(max(s, 1), tl.ALIGN))
 
 
 def causal_block_sizes(family: str, t: int, s: int, group: int = 1) -> tuple[int, int]:
@@ -543,8 +545,8 @@ def causal_block_sizes(family: str, t: int, s: int, group: int = 1) -> tuple[int
   bk = _block_k(family, s)
   bq = (STICK_SHORT_BLOCK_Q if family == "stick_breaking" and t < STICK_SHORT_T
         else CAUSAL_BLOCK_Q)
-  budget = max(bl._ALIGN, (bl.TILE_BUDGET // (bk * max(group, 1))) // bl._ALIGN * bl._ALIGN)
-  return min(bq, budget, bl._round_up(max(t, 1), bl._ALIGN)), bk
+  budget = max(tl.ALIGN, (bl.TILE_BUDGET // (bk * max(group, 1))) // tl.ALIGN * tl.ALIGN)
+  return min(bq, budget, common.round_up(max(t, 1), tl.ALIGN)), bk
 
 
 def _problem(family: str, t: int, s: int, g: int, b: int, kv_heads: int, is_causal: bool,
@@ -553,17 +555,17 @@ def _problem(family: str, t: int, s: int, g: int, b: int, kv_heads: int, is_caus
     bq, bk = causal_block_sizes(family, t, s, g)
   else:  # the pointwise kernel's query blocks
     bq, bk = bl.default_block_sizes(t, s, g)[0], _block_k(family, s)
-  bq = min(block_q, bl._round_up(t, bl._ALIGN)) if block_q else bq
-  bk = min(block_k, bl._round_up(s, bl._ALIGN)) if block_k else bk
+  bq = min(block_q, common.round_up(t, tl.ALIGN)) if block_q else bq
+  bk = min(block_k, common.round_up(s, tl.ALIGN)) if block_k else bk
   return bq, bk, bl.heads_per_chunk(b, kv_heads, g, bq, bk)
 
 
 def _cfg(weighting, t, s, b, kv_heads, g, is_causal, block_q, block_k, has_mask, has_bias):
   bq, bk, heads_in_chunk = _problem(weighting.stream.family, t, s, g, b, kv_heads, is_causal,
                                     block_q, block_k)
-  return bl._Cfg(w=weighting, t=t, s=s, bq=bq, bk=bk, is_causal=is_causal, has_mask=has_mask,
-                 has_bias=has_bias, head_dims=(b, kv_heads, g), kv_heads=kv_heads,
-                 heads_in_chunk=heads_in_chunk)
+  return tl.TileConfig(w=weighting, t=t, s=s, bq=bq, bk=bk, is_causal=is_causal, has_mask=has_mask,
+                       has_bias=has_bias, head_dims=(b, kv_heads, g), kv_heads=kv_heads,
+                       heads_in_chunk=heads_in_chunk)
 
 
 def _inputs(q, k, v, bias, mask, scale, weighting, is_causal, block_q, block_k, ssmax_s):
@@ -580,17 +582,17 @@ def _inputs(q, k, v, bias, mask, scale, weighting, is_causal, block_q, block_k, 
   row_scales = None
   if rs.needs_row_scale:
     c = _ssmax_row_scales(q, k, bias, mask, rs, is_causal, ssmax_s)
-    row_scales = bl._pad_axis(c.reshape(b * kv_heads, g, t), 2, tp)
+    row_scales = common.pad_axis(c.reshape(b * kv_heads, g, t), 2, tp)
   q, k, v, bias = nonfinite_inputs(q, k, v, bias)
-  q4 = bl._pad_axis(q.transpose(0, 2, 1, 3).reshape(b * kv_heads, g, t, h), 2, tp)
-  k3 = bl._pad_axis(k.transpose(0, 2, 1, 3).reshape(b * kv_heads, s, h), 1, sp)
-  v3 = bl._pad_axis(v.transpose(0, 2, 1, 3).reshape(b * kv_heads, s, -1), 1, sp)
-  bias5 = bl._as_5d(bias, n, kv_heads, "bias")
-  mask5 = bl._as_5d(mask, n, kv_heads, "mask")
+  q4 = common.pad_axis(q.transpose(0, 2, 1, 3).reshape(b * kv_heads, g, t, h), 2, tp)
+  k3 = common.pad_axis(k.transpose(0, 2, 1, 3).reshape(b * kv_heads, s, h), 1, sp)
+  v3 = common.pad_axis(v.transpose(0, 2, 1, 3).reshape(b * kv_heads, s, -1), 1, sp)
+  bias5 = common.as_5d(bias, n, kv_heads, "bias")
+  mask5 = common.as_5d(mask, n, kv_heads, "mask")
   if bias5 is not None:
-    bias5 = bl._pad_axis(bl._pad_axis(bias5, 3, tp, keep_one=True), 4, sp, keep_one=True)
+    bias5 = common.pad_axis(common.pad_axis(bias5, 3, tp, keep_one=True), 4, sp, keep_one=True)
   if mask5 is not None:
-    mask5 = bl._pad_axis(bl._pad_axis(mask5, 3, tp, False, True), 4, sp, False, True)
+    mask5 = common.pad_axis(common.pad_axis(mask5, 3, tp, False, True), 4, sp, False, True)
   scale = jnp.asarray(scale, compute_dtype(q4.dtype))
   return (q4, k3, v3, bias5, mask5, row_scales, scale), cfg
 
@@ -684,7 +686,7 @@ def zero_tiles(q: Array, k: Array, v: Array, *, weighting: RowNormalizer, scale:
   arrays, cfg = _inputs(q, k, v, bias, mask, scale, weighting, is_causal, block_q, block_k,
                         None)
   zero = _forward(*arrays, cfg, True)[4]
-  hi = jnp.stack([jnp.asarray(bl._k_range(i, cfg)[1]) for i in range(cfg.num_q_blocks)])
+  hi = jnp.stack([jnp.asarray(tl.k_range(i, cfg)[1]) for i in range(cfg.num_q_blocks)])
   visited = jnp.arange(cfg.num_k_blocks)[None, :] < hi[:, None]
   visited = jnp.broadcast_to(visited, zero.shape)
   return zero & visited, visited

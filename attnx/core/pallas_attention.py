@@ -55,6 +55,7 @@ import numpy as np
 from attnx.core import pallas_kernels as kernels
 from attnx.core import pallas_rows, platforms
 from attnx.core.contract import finite, nonfinite_inputs
+from attnx.core.kernels import common
 from attnx.core.weightings import Pointwise
 
 Array = jax.Array
@@ -292,11 +293,6 @@ def default_block_sizes(backend: str, t: int, s: int, dtype: Any = jnp.float32,
 # The custom VJP.
 # --------------------------------------------------------------------------------------------
 
-def _sum_to(x: Array, shape: tuple[int, ...]) -> Array:
-  axes = tuple(a for a, (n, m) in enumerate(zip(x.shape, shape, strict=True)) if m == 1 and n != 1)
-  return jnp.sum(x, axis=axes, keepdims=True) if axes else x
-
-
 @functools.lru_cache(maxsize=512)
 def _make_kernel(cfg: kernels.KernelConfig) -> Callable[..., Array]:
   """A custom-VJP function (q, k, v, bias, mask, q_len, kv_len) -> O of padded arrays."""
@@ -321,7 +317,7 @@ def _make_kernel(cfg: kernels.KernelConfig) -> Callable[..., Array]:
     rows = kernels.grad_rows(cfg, stat, o, do)
     dq, dk, dv, ds = kernels.backward(cfg, q, k, v, bias, mask, q_len, kv_len, do, rows,
                                       want_ds=marker is not None)
-    dbias = None if ds is None else _sum_to(ds, bias.shape).astype(bias.dtype)
+    dbias = None if ds is None else common.sum_to(ds, bias.shape).astype(bias.dtype)
     return dq, dk, dv, dbias, None, None, None
 
   attn.defvjp(fwd, bwd, symbolic_zeros=True)

@@ -55,6 +55,7 @@ from jax.experimental.pallas import triton as plgpu
 from attnx.core import pallas_kernels as pk
 from attnx.core import streaming as st
 from attnx.core.contract import finite
+from attnx.core.kernels import common
 from attnx.core.weightings import RowNormalizer
 
 Array = jax.Array
@@ -861,13 +862,9 @@ def make_kernel(cfg: pk.KernelConfig):
     delta = jnp.sum(do.astype(F32) * ref, axis=-1).transpose(0, 2, 1)
     dq, dk, dv, ds, dc = backward(cfg, q, k, v, bias, mask, q_len, kv_len, do, (*stats, delta),
                                   rowc, want_ds=marker is not None)
-    dbias = None if ds is None else _sum_to(ds, bias.shape).astype(bias.dtype)
+    dbias = None if ds is None else common.sum_to(ds, bias.shape).astype(bias.dtype)
     return dq, dk, dv, dbias, None, None, None, dc
 
   attn.defvjp(fwd, bwd, symbolic_zeros=True)
   return attn
 
-
-def _sum_to(x: Array, shape: tuple[int, ...]) -> Array:
-  axes = tuple(a for a, (n, m) in enumerate(zip(x.shape, shape, strict=True)) if m == 1 and n != 1)
-  return jnp.sum(x, axis=axes, keepdims=True) if axes else x

@@ -80,6 +80,8 @@ from attnx.core import blocked_rows, dispatch, ring_pallas, streaming
 from attnx.core import pallas_attention as pa
 from attnx.core import scores as scores_lib
 from attnx.core.contract import compute_dtype, nonfinite_inputs
+from attnx.core.kernels import common
+from attnx.core.kernels.xla import tiling as tl
 from attnx.core.weightings import Pointwise, get_weighting
 
 Array = jax.Array
@@ -248,7 +250,7 @@ class _Ring:
   def pointwise(self) -> bool:
     return self.family == "pointwise"
 
-  def cfg(self, t: int, s: int, causal: bool) -> bl._Cfg:
+  def cfg(self, t: int, s: int, causal: bool) -> tl.TileConfig:
     return bl.block_config(
         self.w, t, s, self.head_dims, is_causal=causal, has_mask=self.mask_kind != "none",
         has_bias=self.bias_kind != "none", num_keys=self.num_keys, block_q=self.block_q,
@@ -845,8 +847,8 @@ def _pass_inputs(rc: _Ring, c: Any, qd, kd, vd, bias4, mask4, rsc):
   kv = lambda x: x.transpose(0, 2, 1, 3).reshape(b * kc, x.shape[1], x.shape[3])
   q4 = q.transpose(0, 2, 1, 3).reshape(b * kc, g, rc.t, q.shape[3])
   r3 = None if rsc is None else _heads(rsc, c * hq, hq).reshape(b * kc, g, rc.t)
-  return (q4, kv(k), kv(v), bl._as_5d(bias, hq, kc, "bias"),
-          bl._as_5d(_heads(mask4, c * hq, hq), hq, kc, "mask"), r3)
+  return (q4, kv(k), kv(v), common.as_5d(bias, hq, kc, "bias"),
+          common.as_5d(_heads(mask4, c * hq, hq), hq, kc, "mask"), r3)
 
 
 def _clean_grads(qd, kd, vd, bias4, dq, dk, dv, dbias):

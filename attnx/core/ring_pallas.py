@@ -58,10 +58,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from attnx.core import blocked as bl
 from attnx.core import pallas_attention as pa
 from attnx.core import pallas_kernels as kernels
 from attnx.core import pallas_rows, streaming
+from attnx.core.kernels import common
+from attnx.core.kernels.xla import tiling as tl
 from attnx.core.weightings import Pointwise, get_weighting
 
 Array = jax.Array
@@ -167,7 +168,7 @@ def _heads4(x: Array | None, kv_heads: int, g: int) -> Array | None:
   return x.reshape((bb, kv_heads * g) + x.shape[3:])
 
 
-def _block(q, k, v, bias, mask, scale, cfg: bl._Cfg, w: Any, backend: str, interpret: bool,
+def _block(q, k, v, bias, mask, scale, cfg: tl.TileConfig, w: Any, backend: str, interpret: bool,
            block_q: int | None, block_k: int | None) -> _Block:
   """The Pallas problem of one ring block (its tiles, F's key count, causality from ``cfg``);
   ``w`` the weighting the kernels run (the cfg's, maybe without its offset or ε)."""
@@ -201,7 +202,7 @@ def _scaled_grads(dq, dk, dv, ds, q, bias, scale, blk: _Block):
   if bias is not None:
     g = dq_z.shape[1]
     ds5 = ds[:, :, :blk.t, :blk.s].reshape(blk.b, blk.kv_heads, g, blk.t, blk.s)
-    dbias = pa._sum_to(ds5, bias.shape).astype(F32)
+    dbias = common.sum_to(ds5, bias.shape).astype(F32)
   return (dq_z * scale, _keys_back(dk, blk, h), _keys_back(dv, blk, blk.hv), dbias,
           dscale.astype(F32))
 
@@ -227,7 +228,7 @@ def _empty_pointwise(w: Pointwise, rows: tuple[int, ...], hv: int) -> tuple[Arra
 
 
 def raw_block_state(q: Array, k: Array, v: Array, bias: Array | None, mask: Array | None,
-                    scale: Array, cfg: bl._Cfg, *, backend: str, interpret: bool = False,
+                    scale: Array, cfg: tl.TileConfig, *, backend: str, interpret: bool = False,
                     block_q: int | None = None,
                     block_k: int | None = None) -> tuple[Array, Array]:
   """:func:`attnx.core.blocked.raw_block_state` on the Pallas forward: the raw state (acc, st)
@@ -260,7 +261,7 @@ def raw_block_state(q: Array, k: Array, v: Array, bias: Array | None, mask: Arra
 
 
 def block_grads(q: Array, k: Array, v: Array, bias: Array | None, mask: Array | None,
-                scale: Array, out: Array, stat: Array, do: Array, cfg: bl._Cfg, *,
+                scale: Array, out: Array, stat: Array, do: Array, cfg: tl.TileConfig, *,
                 backend: str, interpret: bool = False, block_q: int | None = None,
                 block_k: int | None = None):
   """:func:`attnx.core.blocked.block_grads` on the Pallas backward: (dq, dk, dv, dbias,
@@ -307,7 +308,7 @@ def _row_forward(blk: _Block, row_scales: Array | None) -> tuple[Array, Array]:
 
 
 def raw_row_block_state(q: Array, k: Array, v: Array, bias: Array | None, mask: Array | None,
-                        row_scales: Array | None, scale: Array, cfg: bl._Cfg, *, backend: str,
+                        row_scales: Array | None, scale: Array, cfg: tl.TileConfig, *, backend: str,
                         interpret: bool = False, block_q: int | None = None,
                         block_k: int | None = None) -> Any:
   """:func:`attnx.core.blocked_rows.raw_block_state` on the Pallas forward: the streaming state
@@ -339,7 +340,7 @@ def raw_row_block_state(q: Array, k: Array, v: Array, bias: Array | None, mask: 
 def row_block_grads(q: Array, k: Array, v: Array, bias: Array | None, mask: Array | None,
                     row_scales: Array | None, scale: Array, out: Array,
                     stats: tuple[Array, ...], do: Array, carry0: tuple[Array, Array],
-                    cfg: bl._Cfg, *, backend: str, interpret: bool = False,
+                    cfg: tl.TileConfig, *, backend: str, interpret: bool = False,
                     block_q: int | None = None, block_k: int | None = None):
   """:func:`attnx.core.blocked_rows.block_grads` on the Pallas backward: (dq, dk, dv, dbias,
   (carry_a, carry_b), dscale) of this block's scores from the rows' final output and

@@ -1,0 +1,1 @@
+"""Kernels: XLA (blocked) and Pallas backends and what they share."""

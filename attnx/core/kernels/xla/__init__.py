@@ -1,0 +1,1 @@
+"""The XLA blocked kernels and their tiling helpers."""

@@ -1,0 +1,206 @@
+"""Tiling for the XLA blocked kernels: the static problem description and the tile helpers.
+
+Internal layout: q [X, G, Tp, H] and k/v [X, Sp, H] with X = B·K (G query heads share a kv
+head), bias/mask [Bb, Kb, Gb, Tb, Sb]. A tile flattens (G, bq) into rows, so scores are one
+batched [G·bq, H] × [H, bk] matmul whose output needs no relayout. The kernels run on
+``heads_in_chunk`` of the X rows at a time (a chunk). Shared by the pointwise kernels
+(:mod:`attnx.core.blocked`), the whole-row ones (:mod:`attnx.core.blocked_rows`) and the
+ring's steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from attnx.core.contract import compute_dtype
+from attnx.core.weightings import Pointwise
+
+Array = jax.Array
+
+ALIGN = 8  # tiles are multiples of 8 rows (SIMD-friendly)
+
+__all__ = ["ALIGN", "TileConfig", "bias_tile", "bias_tile_rows", "check_tiling", "chunk_bias",
+           "chunk_bias_window", "chunk_rows", "k_range", "prescale", "put_rows", "q_range", "rows",
+           "slice_along", "tile_scores", "valid_tile"]
+
+
+@dataclasses.dataclass(frozen=True)
+class TileConfig:
+  """Static description of one blocked-attention problem (closed over by the kernels)."""
+  w: Pointwise
+  t: int
+  s: int
+  bq: int
+  bk: int
+  is_causal: bool
+  has_mask: bool
+  has_bias: bool
+  # (B, K, G): batch, kv heads and query heads per kv head of the rows a kernel call runs on
+  # (the whole problem, then one chunk): X = B·K rows of G query heads.
+  head_dims: tuple[int, int, int] = (1, 1, 1)
+  kv_heads: int = 1  # K of the whole problem (chunks are rectangles of [batch, kv head])
+  heads_in_chunk: int = 1  # X rows (batch, kv head pairs) per chunk
+  user_bq: int = 0  # tile sizes asked for (0 = default): caps on the causal path's tiles
+  user_bk: int = 0
+  raw: bool = False  # forward returns the unnormalized state (see _forward_chunk), no offset
+  # Causal (whole problem): P diagonal tiles of bq = bk = d rows, T = S ≤ P·d.
+  num_diag_tiles: int = 0
+  # The key count S that F sees (F(z, S)); 0 = s. Causal sub-blocks keep the problem's S.
+  full_num_keys: int = 0
+
+  @property
+  def num_keys(self) -> int:
+    return self.full_num_keys or self.s
+
+  @property
+  def num_q_blocks(self) -> int:
+    return -(-self.t // self.bq)
+
+  @property
+  def num_k_blocks(self) -> int:
+    return -(-self.s // self.bk)
+
+  @property
+  def pad_k(self) -> bool:
+    return self.num_k_blocks * self.bk != self.s
+
+  @property
+  def needs_valid(self) -> bool:
+    return self.has_mask or self.is_causal or self.pad_k
+
+  def chunk_head_dims(self) -> tuple[int, int, int]:
+    """(B, K, G) of one chunk of heads_in_chunk consecutive X rows."""
+    if self.heads_in_chunk <= self.kv_heads:
+      return (1, self.heads_in_chunk, self.head_dims[2])
+    return (self.heads_in_chunk // self.kv_heads, self.kv_heads, self.head_dims[2])
+
+
+def chunk_rows(x: Array, c: Array, cfg: TileConfig) -> Array:
+  return lax.dynamic_slice_in_dim(x, c * cfg.heads_in_chunk, cfg.heads_in_chunk, 0)
+
+
+def chunk_bias_window(bias_or_mask: Array, c: Array,
+                       cfg: TileConfig) -> tuple[tuple[Any, ...], tuple[int, ...]]:
+  """Start and size of chunk c's slice of a [Bb, Kb, Gb, Tb, Sb] bias/mask (or its grad)."""
+  cb, ck, _ = cfg.chunk_head_dims()
+  x0 = c * cfg.heads_in_chunk
+  b0, k0 = x0 // cfg.kv_heads, x0 % cfg.kv_heads
+  shape = bias_or_mask.shape
+  starts = (b0 if shape[0] != 1 else 0, k0 if shape[1] != 1 else 0, 0, 0, 0)
+  sizes = (cb if shape[0] != 1 else 1, ck if shape[1] != 1 else 1) + shape[2:]
+  return starts, sizes
+
+
+def chunk_bias(bias_or_mask: Array | None, c: Array, cfg: TileConfig) -> Array | None:
+  if bias_or_mask is None:
+    return None
+  starts, sizes = chunk_bias_window(bias_or_mask, c, cfg)
+  return lax.dynamic_slice(bias_or_mask, starts, sizes)
+
+
+def slice_along(x: Array, start: Array, size: int, axis: int) -> Array:
+  return lax.dynamic_slice_in_dim(x, start, size, axis=axis)
+
+
+def rows(x: Array, i: Array, cfg: TileConfig) -> Array:
+  """Query block i of a [X, G, Tp, ...] array as [X, G·bq, ...]."""
+  x = slice_along(x, i * cfg.bq, cfg.bq, 2)
+  return x.reshape((x.shape[0], x.shape[1] * cfg.bq) + x.shape[3:])
+
+
+def put_rows(buf: Array, x: Array, i: Array, cfg: TileConfig) -> Array:
+  x = x.reshape((buf.shape[0], buf.shape[1], cfg.bq) + buf.shape[3:])
+  return lax.dynamic_update_slice_in_dim(buf, x, i * cfg.bq, axis=2)
+
+
+def bias_tile(x: Array, i: Array, j: Array, cfg: TileConfig) -> Array:
+  """The [Bb, Kb, Gb, bq|1, bk|1] tile (i, j) of a broadcastable bias/mask."""
+  if x.shape[3] != 1:
+    x = slice_along(x, i * cfg.bq, cfg.bq, 3)
+  if x.shape[4] != 1:
+    x = slice_along(x, j * cfg.bk, cfg.bk, 4)
+  return x
+
+
+def bias_tile_rows(x: Array, i: Array, j: Array, cfg: TileConfig) -> Array:
+  """Tile (i, j) of a bias/mask broadcast to the scores' layout [X, G·bq, bk]."""
+  x = jnp.broadcast_to(bias_tile(x, i, j, cfg), cfg.head_dims + (cfg.bq, cfg.bk))
+  return x.reshape(cfg.head_dims[0] * cfg.head_dims[1], cfg.head_dims[2] * cfg.bq, cfg.bk)
+
+
+def valid_tile(mask: Array | None, i: Array, j: Array, cfg: TileConfig) -> Array | None:
+  """Boolean tile broadcastable to [X, G·bq, bk], or None if every entry is valid."""
+  if not cfg.needs_valid:
+    return None
+  valid = bias_tile_rows(mask, i, j, cfg) if cfg.has_mask else None
+  if cfg.is_causal or cfg.pad_k:
+    shape = (cfg.head_dims[2] * cfg.bq, cfg.bk)
+    cols = j * cfg.bk + lax.broadcasted_iota(jnp.int32, shape, 1)
+    c = None
+    if cfg.is_causal:
+      rows = i * cfg.bq + lax.broadcasted_iota(jnp.int32, shape, 0) % cfg.bq
+      c = cols <= rows
+    if cfg.pad_k:
+      c = cols < cfg.s if c is None else c & (cols < cfg.s)
+    valid = c if valid is None else valid & c
+  return valid
+
+
+def tile_scores(qi: Array, kj: Array, bias: Array | None, i: Array, j: Array, cfg: TileConfig,
+            qk_mult: Array | None, bias_mult: float) -> Array:
+  """z = qk_mult · q·k + bias_mult · bias on one tile, [X, G·bq, bk] in the compute dtype
+  (float32, or float64 for float64 inputs: :func:`attnx.core.contract.compute_dtype`)."""
+  cd = compute_dtype(qi.dtype)
+  z = jnp.einsum("xqh,xsh->xqs", qi, kj, preferred_element_type=cd)
+  if qk_mult is not None:
+    z = z * qk_mult
+  if cfg.has_bias:
+    bt = bias_tile_rows(bias, i, j, cfg).astype(cd)
+    z = z + (bt * bias_mult if bias_mult != 1.0 else bt)
+  return z
+
+
+def k_range(i: Array, cfg: TileConfig) -> tuple[int, Any]:
+  """Key blocks seen by query block i: all, or those not entirely above the diagonal."""
+  if not cfg.is_causal or cfg.num_k_blocks == 1:
+    return 0, cfg.num_k_blocks
+  return 0, jnp.minimum(cfg.num_k_blocks, (i * cfg.bq + cfg.bq - 1) // cfg.bk + 1)
+
+
+def q_range(j: Array, cfg: TileConfig) -> tuple[Any, int]:
+  """Query blocks that see key block j (causal: i·bq + bq − 1 ≥ j·bk)."""
+  if not cfg.is_causal or cfg.num_q_blocks == 1:
+    return 0, cfg.num_q_blocks
+  return jnp.minimum(cfg.num_q_blocks, (j * cfg.bk) // cfg.bq), cfg.num_q_blocks
+
+
+def prescale(q: Array, scale: Array, cfg: TileConfig) -> tuple[Array, Array | None, float, float]:
+  """Folds the score multiplier into q once (float32/float64) instead of into every tile.
+
+  Returns (q', tile multiplier or None, bias multiplier, α) with z = α·s the exponent for
+  online-max weightings (α = 1 otherwise).
+  """
+  alpha = float(cfg.w.exp_alpha) if cfg.w.online_max else 1.0
+  c = scale * alpha
+  if jnp.dtype(q.dtype).itemsize >= 4:
+    return q * c, None, alpha, alpha
+  return q, c, alpha, alpha  # low precision: keep q exact, scale the f32 tile
+
+
+def check_tiling(q: Array, k: Array, cfg: TileConfig) -> None:
+  """Trace-time guard: the kernels slice whole tiles, so padded lengths must be whole tiles.
+
+  lax.dynamic_slice clamps a slice that runs past the end, which would silently read earlier
+  rows instead of failing.
+  """
+  if q.shape[2] != cfg.num_q_blocks * cfg.bq or k.shape[1] != cfg.num_k_blocks * cfg.bk:
+    raise AssertionError(
+        f"blocked kernel: padded lengths (T {q.shape[2]}, S {k.shape[1]}) are not whole tiles "
+        f"of ({cfg.bq}, {cfg.bk})")
+
+

@@ -31,12 +31,15 @@ jax.nn at T = 4096 (jax.nn alone varies by ±20 % between runs) at ≈ 46 % of t
 pointwise F within ≈ 1.15× of softmax; T = 65536 runs only blocked (the dense T×S scores would
 need 16 GiB), fwd+bwd in ≈ 60 MiB of scratch.
 The report's "Targets" table checks the kernel issue's targets against the measured values.
+Timing, XLA's memory estimate, the matmul rate and the table's number format come from
+attnx.train.benchmark; this file declares the cases, the reference, the targets and the report.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import platform
 import sys
 import time
 from collections.abc import Callable
@@ -55,7 +58,9 @@ from tqdm.auto import tqdm  # noqa: E402
 from attnx import core, train  # noqa: E402
 from attnx.core import blocked_rows  # noqa: E402
 from attnx.core import weightings as wlib  # noqa: E402
+from attnx.train import benchmark  # noqa: E402
 from attnx.train import config as train_config  # noqa: E402
+from attnx.train.benchmark import matmul_rate  # noqa: E402
 
 DEFAULT_SHAPES = "8x256x8x64,2x1024x8x64,1x4096x4x64,1x16384x1x64,1x65536x1x64"
 ROW_WEIGHTINGS = ("ssmax", "softpick", "stick_breaking", "sparsemax", "entmax15",
@@ -181,35 +186,6 @@ def case_weighting(name: str, head_dim: int) -> tuple[str, str]:
 
 
 # --------------------------------------------------------------------------------------------
-# Timing helpers.
-# --------------------------------------------------------------------------------------------
-
-def matmul_rate(n: int, repeats: int = 5) -> float:
-  """This machine's float32 matmul rate in GFLOP/s (median of `repeats` n×n×n products)."""
-  x = jax.random.normal(jax.random.PRNGKey(0), (n, n), jnp.float32)
-  f = jax.jit(lambda a, b: a @ b).lower(x, x).compile()
-  jax.block_until_ready(f(x, x))
-  ts = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    jax.block_until_ready(f(x, x))
-    ts.append(time.perf_counter() - t0)
-  return 2 * n**3 / float(np.median(ts)) / 1e9
-
-
-def _time(compiled, args, repeats: int, long_run_s: float) -> float:
-  """Median wall time (s) of `compiled(*args)`; slow cases are timed once."""
-  ts = []
-  for _ in range(max(repeats, 1)):
-    t0 = time.perf_counter()
-    jax.block_until_ready(compiled(*args))
-    ts.append(time.perf_counter() - t0)
-    if ts[-1] > long_run_s:
-      break
-  return float(np.median(ts))
-
-
-# --------------------------------------------------------------------------------------------
 # The attention functions under test and the float64 reference.
 # --------------------------------------------------------------------------------------------
 
@@ -330,12 +306,11 @@ def prepare_case(case: dict[str, Any], inputs, config,
     return row, None
   program = jax.jit(_program(_attn_fn(impl, weighting, config, score, causal), mode))
   compiled = program.lower(*inputs).compile()
-  mem = compiled.memory_analysis()
-  temp = float(mem.temp_size_in_bytes) if mem is not None else float("nan")
+  mem = benchmark.program_memory(compiled)
+  temp = mem.scratch
   row["scratch MiB"] = temp / 2**20
-  if mem is not None:  # scratch + inputs + outputs: what the program holds at its peak, at most
-    row["peak MiB"] = (temp + float(mem.argument_size_in_bytes)
-                       + float(mem.output_size_in_bytes)) / 2**20
+  if mem.peak is not None:  # scratch + inputs + outputs: what the program holds at its peak
+    row["peak MiB"] = mem.peak / 2**20
   if is_baseline and temp > float(config.dense_max_gib) * GIB:
     row["note"] = f"skipped: needs {temp / GIB:.1f} GiB of scratch for the T×S scores"
     return row, None
@@ -344,10 +319,8 @@ def prepare_case(case: dict[str, Any], inputs, config,
     row["note"] = "compiled for its memory only (not run)"
     return row, None
   try:
-    t0 = time.perf_counter()
-    result = compiled(*inputs)  # first run (also the result checked below)
-    jax.block_until_ready(result)
-    row["_first_s"] = time.perf_counter() - t0
+    # The first run (also the result checked below).
+    result, row["_first_s"] = benchmark.time_call(lambda: compiled(*inputs))
   except Exception as e:  # noqa: BLE001 - out of memory etc. is a result, not a crash
     row["note"] = f"skipped: {type(e).__name__}: {str(e).splitlines()[0][:80]}"
     return row, None
@@ -362,24 +335,19 @@ def prepare_case(case: dict[str, Any], inputs, config,
 def time_cases(prepared: list[tuple[dict[str, Any], Any]], inputs, config) -> None:
   """Times the prepared cases of one shape round-robin, so that load from other processes
   spreads over all of them; cases slower than `long_run_s` are timed once."""
-  times: dict[int, list[float]] = {i: [] for i, (_, c) in enumerate(prepared) if c is not None}
-  for r in range(max(int(config.repeats), 1)):
-    for i in times:
-      row, compiled = prepared[i]
-      if r > 0 and row["_first_s"] > float(config.long_run_s):
-        continue
-      t0 = time.perf_counter()
-      jax.block_until_ready(compiled(*inputs))
-      times[i].append(time.perf_counter() - t0)
-  for i, ts in times.items():
-    prepared[i][0]["time ms"] = 1e3 * float(np.median(ts))
+  timed = [(row, compiled) for row, compiled in prepared if compiled is not None]
+  seconds = benchmark.time_round_robin(
+      [lambda c=compiled: c(*inputs) for _, compiled in timed], int(config.repeats),
+      long_run_s=float(config.long_run_s), first_seconds=[row["_first_s"] for row, _ in timed])
+  for (row, _), sec in zip(timed, seconds, strict=True):
+    row["time ms"] = 1e3 * sec
 
 
 def _finish(row: dict[str, Any], rate: float) -> dict[str, Any]:
   flops = row.pop("flops")
   row.pop("_first_s", None)
   if "time ms" in row:
-    row["GFLOP/s"] = flops / (row["time ms"] / 1e3) / 1e9
+    row["GFLOP/s"] = benchmark.gflops(flops, row["time ms"] / 1e3)
     row["% matmul"] = 100.0 * row["GFLOP/s"] / rate
   return row
 
@@ -565,16 +533,6 @@ def plot_rows(rows: list[dict[str, Any]], row_weightings: list[str]):
   return fig
 
 
-def _fmt(v: Any) -> str:
-  if isinstance(v, float):
-    if not np.isfinite(v):
-      return str(v)
-    if v != 0 and (abs(v) < 1e-2 or abs(v) >= 1e5):
-      return f"{v:.1e}"
-    return f"{v:.3g}" if abs(v) < 100 else f"{v:.0f}"
-  return str(v)
-
-
 def markdown_table(rows: list[dict[str, Any]], rate: float, config) -> str:
   caption = (
       f"Median wall time over ≤ {config.repeats} runs, timed round-robin over the cases of "
@@ -593,7 +551,7 @@ def markdown_table(rows: list[dict[str, Any]], rate: float, config) -> str:
       "blocked softmax on the same score — for neg_sq_dist, the Gaussian kernel, which is "
       "softmax(s/2h²). Triangular's F'(s) = 1/(2h√−s) is unbounded as s → 0⁻, so its dq "
       "error measures the conditioning of F, not the kernel.")
-  return train.markdown_table(rows, COLUMNS, caption=caption, fmt=_fmt)
+  return train.markdown_table(rows, COLUMNS, caption=caption, fmt=benchmark.format_number)
 
 
 def threshold_passes(config) -> list[dict[str, Any]]:
@@ -617,11 +575,9 @@ def threshold_passes(config) -> list[dict[str, Any]]:
   return out
 
 
-def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
-  """Runs every case; writes benchmark.md, benchmark.json and report.md into `workdir`."""
-  validate_config(config)
-  os.makedirs(workdir, exist_ok=True)
-  t_start = time.time()
+def measure(config: ml_collections.ConfigDict) -> tuple[list[dict[str, Any]], float]:
+  """(rows, matmul rate in GFLOP/s): every case of ``config`` prepared (compiled, memory,
+  error) and timed round-robin per shape and mode, with its ratios."""
   dtype = jnp.dtype(config.dtype)
   cases = _cases(config)
   # The matmul rate is re-measured before each shape and the best value is kept: other
@@ -649,22 +605,18 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   rate = max(rates)
   rows = [_finish(r, rate) for r in rows]
   _add_ratios(rows)
-  table = markdown_table(rows, rate, config)
-  elapsed = time.time() - t_start
+  return rows, rate
 
-  with open(os.path.join(workdir, "benchmark.md"), "w") as f:
-    f.write(table)
-  payload = {"matmul_gflops": rate, "rows": rows, "columns": COLUMNS, "elapsed_s": elapsed,
-             "config": config.to_dict()}
-  with open(os.path.join(workdir, "benchmark.json"), "w") as f:
-    json.dump(payload, f, indent=1, default=str)
 
+def write_report(config: ml_collections.ConfigDict, workdir: str, rows: list[dict[str, Any]],
+                 rate: float, table: str, elapsed: float) -> tuple[str, list[dict[str, Any]]]:
+  """Writes report.md (hardware, targets, threshold passes, figures, the table); returns its
+  path and the targets."""
   rep = train.Report("Kernel benchmark: blocked vs dense attention", workdir, config=config,
                      claim="The blocked kernel is faster than materializing the T×S scores, "
                            "needs O(T) memory, every pointwise F costs about the same as "
                            "softmax, and the whole-row weightings stream within the issue's "
                            "factors of blocked softmax.")
-  import platform  # noqa: PLC0415
   rep.text(f"Hardware: `{platform.processor() or platform.machine()}`, {os.cpu_count()} CPU "
            f"cores, jax devices {jax.devices()}; float32 matmul rate {rate:.1f} GFLOP/s. "
            f"Total benchmark time {elapsed:.0f} s.")
@@ -691,7 +643,24 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     rep.figure(plot_rows(rows, row_names), "row_weightings", "Whole-row weightings: fwd+bwd "
                "time over blocked softmax, blocked kernel (solid) and dense (dotted).")
   rep.text(table)
-  path = rep.write()
+  return rep.write(), goals
+
+
+def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
+  """Runs every case; writes benchmark.md, benchmark.json and report.md into `workdir`."""
+  validate_config(config)
+  os.makedirs(workdir, exist_ok=True)
+  t_start = time.time()
+  rows, rate = measure(config)
+  table = markdown_table(rows, rate, config)
+  elapsed = time.time() - t_start
+  with open(os.path.join(workdir, "benchmark.md"), "w") as f:
+    f.write(table)
+  payload = {"matmul_gflops": rate, "rows": rows, "columns": COLUMNS, "elapsed_s": elapsed,
+             "config": config.to_dict()}
+  with open(os.path.join(workdir, "benchmark.json"), "w") as f:
+    json.dump(payload, f, indent=1, default=str)
+  path, goals = write_report(config, workdir, rows, rate, table, elapsed)
   return {"report": path, "rows": rows, "matmul_gflops": rate, "targets": goals}
 
 

@@ -23,7 +23,8 @@ accuracy, which would reward a variant for its clean accuracy alone.
 The experiment is declared on the shared path (attnx.train.experiment): one ``Task`` per
 dataset (data, model builder, primary metric, margin, and the ``"noisy_accuracy"`` evaluator
 of attnx.train.evaluators with this config's noise levels), trained per variant with
-attnx.train.fit and compared by attnx.train.verdict.
+attnx.train.fit and compared by attnx.train.verdict; steps to the target come from
+attnx.train.benchmark.steps_to_target.
 
 Presets (each the default changed by one small function, see PRESET_FNS):
   default
@@ -55,6 +56,7 @@ import numpy as np  # noqa: E402
 from attnx import data, nn, train  # noqa: E402
 from attnx.train import config as train_config  # noqa: E402
 from attnx.train import experiment  # noqa: E402
+from attnx.train.benchmark import format_steps, steps_to_target  # noqa: E402
 from experiments import _common  # noqa: E402
 
 PRESETS = ("default", "tiny")
@@ -131,18 +133,6 @@ def _to_unit_floats(arrays: dict[str, dict[str, np.ndarray]]) -> dict[str, dict[
                       else v) for k, v in a.items()} for split, a in arrays.items()}
 
 
-def steps_to_target(history: list[dict], target: float, num_seeds: int) -> np.ndarray:
-  """Per seed, the first evaluated step with test accuracy ≥ target (NaN if never)."""
-  out = np.full(num_seeds, np.nan)
-  for h in history:
-    if "eval_accuracy" not in h:
-      continue
-    acc = np.asarray(h["eval_accuracy"], float)
-    newly = np.isnan(out) & (acc >= target)
-    out[newly] = h["step"]
-  return out
-
-
 def make_task(name: str, config) -> experiment.Task:
   """The declaration of one dataset's task: the VisionTransformer builder, the primary metric
   (test accuracy) and its margin; the learning curve is test accuracy on the first 1000 test
@@ -197,12 +187,85 @@ def _outcome(a, b, margin: float) -> str:
   return train.verdict.compare(a, b, margin=margin).outcome
 
 
-def _steps_str(v: np.ndarray) -> str:
-  reached = np.isfinite(v)
-  if not reached.any():
-    return "not reached"
-  s = train.mean_std(v[reached], ".0f")
-  return s if reached.all() else f"{s} ({reached.sum()}/{len(v)} seeds reached)"
+def report_dataset(rep: train.Report, name: str, res: dict[str, Any], arrays: dict,
+                   config: ml_collections.ConfigDict) -> None:
+  """One dataset's tables (accuracy, steps to target, noise robustness, per noise level) and
+  its figure (learning curves and accuracy vs noise)."""
+  hi = max(config.noise_levels)
+  rows = []
+  for v, r in res.items():
+    rows.append({"variant": v, "test accuracy": r["accuracy"],
+                 f"steps to {config.target_accuracy:g}": format_steps(r["steps_to_target"]),
+                 f"accuracy at noise σ={hi:g}": r["noisy"][hi],
+                 "accuracy drop": accuracy_drop(r, hi),
+                 "mean accuracy over σ>0": np.mean(
+                     [r["noisy"][x] for x in config.noise_levels if x > 0] or [np.nan], 0),
+                 "train loss": r["train_loss"], "params": r["num_params"],
+                 "ms/step": r["ms_per_step"]})
+  rep.text(f"{len(arrays['train']['targets'])} training / {len(arrays['eval']['targets'])} "
+           "test images.")
+  rep.table(rows, caption=f"{name}: mean ± std over {config.num_seeds} seeds; accuracy drop "
+            f"= test accuracy − accuracy at σ={hi:g} (per seed; smaller = more robust)")
+  noise_rows = [{"variant": v, **{f"σ={s:g}": r["noisy"][s] for s in config.noise_levels}}
+                for v, r in res.items()]
+  rep.table(noise_rows, caption="test accuracy under Gaussian pixel noise")
+  fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+  train.plot_learning_curves({v: r["history"] for v, r in res.items()}, "eval_accuracy",
+                             ax=axes[0], ylabel="test accuracy")
+  axes[0].axhline(config.target_accuracy, color="gray", ls=":", lw=1)
+  train.plot_curves({v: (config.noise_levels,
+                         np.stack([r["noisy"][s] for s in config.noise_levels]))
+                     for v, r in res.items()},
+                    xlabel="noise σ", ylabel="test accuracy", band="errorbar", ax=axes[1])
+  rep.figure(fig, f"{name}_curves", f"{name}: test accuracy during training (left) and "
+             "under input noise (right), mean ± std over seeds.")
+
+
+def dataset_outcomes(res: dict[str, Any], config: ml_collections.ConfigDict
+                     ) -> dict[str, list[str]]:
+  """{claim: outcomes} of every non-baseline variant vs the baseline on one dataset, by the
+  shared rule: accuracy, efficiency (fewer steps to the target; never reaching it counts as
+  the full budget + 1) and robustness (a smaller accuracy drop at the largest noise level;
+  untested without noise)."""
+  base, hi, mg = config.variants[0], max(config.noise_levels), config.margins
+  fill = lambda x: np.where(np.isfinite(x), x, config.num_steps + 1)
+  out: dict[str, list[str]] = {"accuracy": [], "efficiency": [], "robustness": []}
+  for v in config.variants[1:]:
+    a, b = res[v], res[base]
+    out["accuracy"].append(_outcome(a["accuracy"], b["accuracy"], mg.accuracy))
+    out["efficiency"].append(_outcome(-fill(a["steps_to_target"]), -fill(b["steps_to_target"]),
+                                      mg.steps_fraction * config.num_steps))
+    if hi > 0:  # robustness = a smaller drop; the noisy accuracy alone mixes in clean accuracy
+      out["robustness"].append(_outcome(-accuracy_drop(a, hi), -accuracy_drop(b, hi),
+                                        mg.accuracy))
+  return out
+
+
+def claim_verdict(outcomes: list[str]) -> str:
+  """One claim's verdict over every dataset and variant: "better" only if better on every
+  one, "worse" if worse on any, "within noise" if within noise on all, "untested" without
+  outcomes, else "inconclusive"."""
+  if not outcomes:
+    return "untested"
+  if all(o == "better" for o in outcomes):
+    return "better"
+  if any(o == "worse" for o in outcomes):
+    return "worse"
+  if all(o == "within noise" for o in outcomes):
+    return "within noise"
+  return "inconclusive"
+
+
+def claim_held(verdicts: dict[str, str]) -> bool | None:
+  """True when every claim is "better", False when any is "worse", else None (also when all
+  are untested)."""
+  if all(o == "untested" for o in verdicts.values()):
+    return None
+  if all(o == "better" for o in verdicts.values()):
+    return True
+  if any(o == "worse" for o in verdicts.values()):
+    return False
+  return None
 
 
 def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
@@ -222,9 +285,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
            + ", ".join(f"`{v}` = {nn.attention_spec(v)}" for v in config.variants)
            + ". Steps-to-target uses the test accuracy evaluated every "
            f"{config.eval_every} steps (first 1000 test images).")
-  base, others = config.variants[0], list(config.variants[1:])
   results: dict[str, Any] = {"datasets": {}, "skipped": {}}
-  claims: dict[str, list[bool]] = {"accuracy": [], "efficiency": [], "robustness": []}
+  claims: dict[str, list[str]] = {"accuracy": [], "efficiency": [], "robustness": []}
   for name in config.datasets:
     task = make_task(name, config)
     rep.section(f"Dataset: {name}")
@@ -236,73 +298,15 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
       results["skipped"][name] = reason
       continue
     res = run_dataset(task, arrays, config, workdir)
-    hi = max(config.noise_levels)
-    rows = []
-    for v, r in res.items():
-      rows.append({"variant": v, "test accuracy": r["accuracy"],
-                   f"steps to {config.target_accuracy:g}": _steps_str(r["steps_to_target"]),
-                   f"accuracy at noise σ={hi:g}": r["noisy"][hi],
-                   "accuracy drop": accuracy_drop(r, hi),
-                   "mean accuracy over σ>0": np.mean(
-                       [r["noisy"][x] for x in config.noise_levels if x > 0] or [np.nan], 0),
-                   "train loss": r["train_loss"], "params": r["num_params"],
-                   "ms/step": r["ms_per_step"]})
-    rep.text(f"{len(arrays['train']['targets'])} training / {len(arrays['eval']['targets'])} "
-             "test images.")
-    rep.table(rows, caption=f"{name}: mean ± std over {config.num_seeds} seeds; accuracy drop "
-              f"= test accuracy − accuracy at σ={hi:g} (per seed; smaller = more robust)")
-    noise_rows = [{"variant": v, **{f"σ={s:g}": r["noisy"][s] for s in config.noise_levels}}
-                  for v, r in res.items()]
-    rep.table(noise_rows, caption="test accuracy under Gaussian pixel noise")
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
-    train.plot_learning_curves({v: r["history"] for v, r in res.items()}, "eval_accuracy",
-                               ax=axes[0], ylabel="test accuracy")
-    axes[0].axhline(config.target_accuracy, color="gray", ls=":", lw=1)
-    train.plot_curves({v: (config.noise_levels,
-                           np.stack([r["noisy"][s] for s in config.noise_levels]))
-                       for v, r in res.items()},
-                      xlabel="noise σ", ylabel="test accuracy", band="errorbar", ax=axes[1])
-    rep.figure(fig, f"{name}_curves", f"{name}: test accuracy during training (left) and "
-               "under input noise (right), mean ± std over seeds.")
-    for v in others:
-      a, b = res[v], res[base]
-      # Never reaching the target counts as the full budget (+1).
-      fill = lambda x: np.where(np.isfinite(x), x, config.num_steps + 1)
-      mg = config.margins
-      claims["accuracy"].append(_outcome(a["accuracy"], b["accuracy"], mg.accuracy))
-      claims["efficiency"].append(_outcome(-fill(a["steps_to_target"]),
-                                           -fill(b["steps_to_target"]),
-                                           mg.steps_fraction * config.num_steps))
-      if hi > 0:  # robustness = a smaller drop; the noisy accuracy alone mixes in clean accuracy
-        claims["robustness"].append(_outcome(-accuracy_drop(a, hi), -accuracy_drop(b, hi),
-                                             mg.accuracy))
+    report_dataset(rep, name, res, arrays, config)
+    for k, outcomes in dataset_outcomes(res, config).items():
+      claims[k].extend(outcomes)
     results["datasets"][name] = {
         v: {"accuracy": r["accuracy"], "noisy": r["noisy"], "steps_to_target":
             r["steps_to_target"], "ms_per_step": r["ms_per_step"]} for v, r in res.items()}
-
-  # Per claim: "better" only if better on every dataset and variant, "worse" if worse on any.
-  verdicts = {}
-  for k, v in claims.items():
-    if not v:
-      verdicts[k] = "untested"
-    elif all(o == "better" for o in v):
-      verdicts[k] = "better"
-    elif any(o == "worse" for o in v):
-      verdicts[k] = "worse"
-    elif all(o == "within noise" for o in v):
-      verdicts[k] = "within noise"
-    else:
-      verdicts[k] = "inconclusive"
-  results["claims"] = verdicts
-  if all(o == "untested" for o in verdicts.values()):
-    held = None
-  elif all(o == "better" for o in verdicts.values()):
-    held = True
-  elif any(o == "worse" for o in verdicts.values()):
-    held = False
-  else:
-    held = None
-  rep.verdict(held, f"Metric-attention against {base}: "
+  results["claims"] = verdicts = {k: claim_verdict(v) for k, v in claims.items()}
+  results["verdict"] = held = claim_held(verdicts)
+  rep.verdict(held, f"Metric-attention against {config.variants[0]}: "
               + "; ".join(f"{k}: {o}" for k, o in verdicts.items())
               + ". " + train.verdict.Comparison.rule(config.margins.accuracy, config.num_seeds)
               + " Margins: accuracy and accuracy drop "
@@ -314,7 +318,6 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
               "accuracy has little to lose, so read it with the clean accuracy). This tests "
               "attnx's metric-attention (learned Mahalanobis pseudo-metric), not the paper's "
               "unpublished code, on small CPU-sized models.")
-  results["verdict"] = held
   results["seconds"] = time.time() - t0
   results["report"] = rep.write()
   _common.save_json(workdir, "metric_attention.json", results)

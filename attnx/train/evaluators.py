@@ -43,7 +43,9 @@ Built-in:
   ``small_weight`` (default 1e-3), row entropy and maximum weight (``<stat>`` [seeds, layers],
   ``<stat>_by_head`` [seeds, layers, heads]; NaN for linear attention), and the hidden-state
   kurtosis per block (``max_kurtosis``, ``mean_kurtosis`` [seeds, blocks]). The weights come
-  from the dense kernel whatever implementation the model trains with.
+  from the dense kernel whatever implementation the model trains with. attnx.analysis sits
+  above this module and registers it when imported (:mod:`attnx.analysis.evaluators`); this
+  module imports nothing of attnx.analysis.
 * ``"loss_by_length"``: a language model's loss vs evaluation length (below), on
   ``eval_options["token_stream"]`` (a 1-D token array, or a function returning it):
   ``loss``, ``accuracy`` [seeds] on every training-length window, ``loss_by_context``
@@ -107,10 +109,15 @@ def list_evaluators() -> list[str]:
 
 
 def check_evaluators(names: tuple[str, ...]) -> None:
-  """ValueError naming the valid evaluators for an unknown name."""
+  """ValueError naming the valid evaluators for an unknown name (and, for
+  ``"attention_stats"`` before ``attnx.analysis`` is imported, where it comes from)."""
   unknown = [n for n in names if n not in _EVALUATORS]
   if unknown:
-    raise ValueError(f"unknown evaluator(s) {unknown}; valid: {', '.join(list_evaluators())}")
+    # attnx.analysis sits above this module and registers "attention_stats" when imported.
+    hint = ("; 'attention_stats' is registered by `import attnx.analysis`"
+            if "attention_stats" in unknown else "")
+    raise ValueError(f"unknown evaluator(s) {unknown}; valid: {', '.join(list_evaluators())}"
+                     + hint)
 
 
 def make_eval_fn(names: tuple[str, ...], model: Any, arrays: Mapping[str, np.ndarray],
@@ -541,25 +548,5 @@ def _stream_loss(model: Any, arrays: Mapping[str, np.ndarray], task: Any) -> Eva
   def eval_fn(params_stacked, extra_variables=None) -> dict[str, np.ndarray]:
     return {f"{name}_loss": window_nll(fn, params_stacked, extra_variables, w)["position"]
             .mean(-1) for name, w in windows.items()}
-
-  return eval_fn
-
-
-@register_evaluator("attention_stats")
-def _attention_stats(model: Any, arrays: Mapping[str, np.ndarray], task: Any) -> EvalFn:
-  import jax
-
-  from attnx import analysis
-
-  opts = _options(task)
-  x = np.asarray(arrays["inputs"])[:int(opts.get("stats_examples", 32))]
-  settings = dict(threshold=float(opts.get("sink_threshold", analysis.SINK_THRESHOLD)),
-                  small=float(opts.get("small_weight", analysis.SMALL_WEIGHT)))
-  fn = jax.jit(jax.vmap(lambda p, e, inputs: analysis.statistics(
-      model, p, inputs, extra_variables=e, **settings), in_axes=(0, 0, None)))
-
-  def eval_fn(params_stacked, extra_variables=None) -> dict[str, np.ndarray]:
-    return {k: np.asarray(v, np.float64)
-            for k, v in fn(params_stacked, extra_variables or {}, x).items()}
 
   return eval_fn

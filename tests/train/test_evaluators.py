@@ -242,3 +242,15 @@ def test_weight_tv_by_level_matches_direct_computation():
   assert np.all(other["weight_tv_by_level"][:, 2] == 0.0)
   with pytest.raises(ValueError, match="levels"):
     evaluators.make_eval_fn(("weight_tv_by_level",), model, arrays, _Task(levels=[0.0]))
+
+
+def test_unknown_attention_stats_says_where_it_is_registered(monkeypatch):
+  """attnx.analysis (above attnx.train) registers "attention_stats"; without it the error
+  says so, and other unknown names get no such hint."""
+  monkeypatch.delitem(evaluators._EVALUATORS, "attention_stats", raising=False)
+  hint = r"unknown evaluator.*registered by `import attnx\.analysis`"
+  with pytest.raises(ValueError, match=hint):
+    evaluators.check_evaluators(("accuracy", "attention_stats"))
+  with pytest.raises(ValueError) as info:
+    evaluators.check_evaluators(("nope",))
+  assert "attnx.analysis" not in str(info.value)

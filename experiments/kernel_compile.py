@@ -103,7 +103,7 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
       raise ValueError(f"config.{key} has invalid entries {bad or '(none)'}; valid: "
                        f"{', '.join(valid)}")
   for name in weightings(config):
-    if not core.dispatch.streams(wlib.get_weighting(name)):
+    if not core.api.streams(wlib.get_weighting(name)):
       raise ValueError(f"config.weightings: {name!r} has no Pallas kernel (no streaming form)")
   for h in train.split_list(config.head_dims):
     if not h.isdigit() or int(h) < 1:

@@ -47,7 +47,7 @@ import ml_collections  # noqa: E402
 import numpy as np  # noqa: E402
 
 from attnx import core, train  # noqa: E402
-from attnx.core import dispatch  # noqa: E402
+from attnx.core import api  # noqa: E402
 from attnx.core import weightings as wlib  # noqa: E402
 from attnx.core.pallas_attention import pallas_attention  # noqa: E402
 from attnx.core.scores import get_score  # noqa: E402
@@ -127,7 +127,7 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
       raise ValueError(f"config.weightings: {name!r} is not a pointwise (streamable) weighting")
   for name in _row_weightings(config):
     w = wlib.get_weighting(name)
-    if w.kind != "row" or not dispatch.streams(w):
+    if w.kind != "row" or not api.streams(w):
       raise ValueError(f"config.row_weightings: {name!r} is not a whole-row weighting with a "
                        f"Pallas kernel; valid: {', '.join(wlib.list_weightings('row'))}")
   if config.dtype not in ("bfloat16", "float16", "float32"):

@@ -17,7 +17,7 @@ Part 3 (``part=causal_lm``, preset ``causal_lm``; not in ``all``) times one whol
 position embeddings, pre-LN blocks (causal self-attention, GELU MLP of 4× the width), final
 LayerNorm, next-token cross-entropy on random tokens — once with
 ``attnx.nn.MultiHeadAttention(weighting="softmax", is_causal=True)`` (the default
-implementation: dense below ``attnx.core.dispatch.BLOCKED_MIN_SCORES``, the blocked kernel
+implementation: dense below ``attnx.core.BLOCKED_MIN_SCORES``, the blocked kernel
 above) and once with flax's stock ``nn.MultiHeadDotProductAttention`` under
 ``nn.make_causal_mask``; everything else is the same. Both steps of one T are timed round-robin
 (median of ``lm.repeats``); the report gives the time ratio attnx / flax per T.

@@ -7,8 +7,7 @@ Imports only jax/numpy; every function works under jit, vmap, grad and shard_map
 
 from attnx.core import rownorm as _rownorm  # noqa: F401  (registers ssmax, softpick, ...)
 from attnx.core import simplex as _simplex  # noqa: F401  (registers sparsemax, entmax, ...)
-from attnx.core.blocked import blocked_attention
-from attnx.core.dispatch import (
+from attnx.core.api import (
     BLOCKED_MIN_SCORES,
     IMPLEMENTATIONS,
     ROW_BLOCKED_MIN_SCORES,
@@ -19,6 +18,7 @@ from attnx.core.dispatch import (
     check_compatible,
     explain,
 )
+from attnx.core.blocked import blocked_attention
 from attnx.core.flax_adapter import flax_attention_fn
 from attnx.core.implementations import (
     Implementation,

@@ -17,7 +17,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from attnx.core import dispatch as attention_lib
+from attnx.core import api as attention_lib
 
 Array = jax.Array
 

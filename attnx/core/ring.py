@@ -76,8 +76,9 @@ import numpy as np
 from jax import lax
 
 from attnx.core import blocked as bl
-from attnx.core import blocked_rows, dispatch, ring_pallas, streaming
+from attnx.core import blocked_rows, ring_pallas, streaming
 from attnx.core import pallas_attention as pa
+from attnx.core import problem as problem_lib
 from attnx.core import scores as scores_lib
 from attnx.core.contract import compute_dtype, nonfinite_inputs
 from attnx.core.kernels import common
@@ -1186,8 +1187,8 @@ def ring_attention(q: Array, k: Array, v: Array, bias: Array | None = None,
       raise ValueError(f"{name} must be a positive int tile size or None, got {blk!r}.")
   q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
   sc = scores_lib.get_score(score)
-  dispatch._check_inputs(q, k, v, None, None, sc)
-  w, sc, params, scale = dispatch._resolve(weighting, score, scale, score_params, q.shape[-1])
+  problem_lib.check_inputs(q, k, v, None, None, sc)
+  w, sc, params, scale = problem_lib.resolve(weighting, score, scale, score_params, q.shape[-1])
   family = check_supported(w, sc, layout)
   batch = q.shape[:-3]
   t, n, h = q.shape[-3:]
@@ -1201,7 +1202,7 @@ def ring_attention(q: Array, k: Array, v: Array, bias: Array | None = None,
   if layout == "zigzag" and family == "stick_breaking" and s % 2:
     raise ValueError(f"stick_breaking in the zigzag layout sends the two chunks of a shard "
                      f"around the ring apart: the local key length {s} must be even.")
-  ssmax_s = dispatch._ssmax_param(w, weighting_params, n)
+  ssmax_s = problem_lib.ssmax_param(w, weighting_params, n)
   if mask is not None and jnp.asarray(mask).dtype != jnp.bool_:
     raise ValueError(f"mask must be boolean (True = attend), got dtype "
                      f"{jnp.asarray(mask).dtype}.")

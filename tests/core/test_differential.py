@@ -30,7 +30,7 @@ from attnx.core import weightings as wlib
 
 C = diff.Case
 _NO_PALLAS = dict(pallas="none")
-# Each entry reaches a branch point of a kernel (blocked.py, pallas_attention.py, dispatch.py)
+# Each entry reaches a branch point of a kernel (blocked.py, pallas_attention.py, api.py)
 # that a random draw reaches only by luck; the comment says which.
 BRANCH_CASES = (
     # The lengths through the default dispatch (causal triangle with P > 1 leaves of

@@ -1,7 +1,7 @@
 """``jax.export`` with a symbolic batch (issue 41): every implementation exports, forward and
 ``jax.grad``, and the exported function gives the non-exported results on any batch size.
 
-A property across modules (attnx/core/dispatch.py, implementations/, blocked.py,
+A property across modules (attnx/core/api.py, implementations/, blocked.py,
 blocked_rows.py, platforms.py): serving exports a model with a polymorphic batch. The batch
 dims may be symbolic; T, S, heads and head dims stay static for the streaming kernels, and the
 compiled Pallas kernels take no symbolic batch (a JAX limit: their grid holds it), which

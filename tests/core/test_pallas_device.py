@@ -23,13 +23,13 @@ import jax
 import pytest
 from support import differential as diff
 
-from attnx.core import dispatch
+from attnx.core import api
 from attnx.core import weightings as wlib
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "gpu",
                                 reason="needs a GPU: the compiled Triton kernels")
 
-STREAMING = [n for n in diff.WEIGHTINGS if dispatch.streams(wlib.get_weighting(n))]
+STREAMING = [n for n in diff.WEIGHTINGS if api.streams(wlib.get_weighting(n))]
 
 
 def _score(weighting: str) -> str:

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from attnx import core
-from attnx.core import dispatch
+from attnx.core import api, problem
 from attnx.core import pallas_attention as pallas_lib
 from attnx.core import weightings as wlib
 from support import reference as ref_lib
@@ -88,8 +88,8 @@ class Case:
     """The implementations this case runs; on a CPU the automatic choice replaces the
     dense or blocked call it is identical to."""
     w = wlib.get_weighting(self.weighting)
-    streaming = dispatch.streams(w) and self.score != "additive"
-    auto_picks = ("blocked" if streaming and dispatch._choose_implementation(
+    streaming = api.streams(w) and self.score != "additive"
+    auto_picks = ("blocked" if streaming and problem.choose_implementation(
         None, w, core.get_score(self.score), self.t, self.s) == "blocked" else "dense")
     out = ["dense"] + (["blocked"] if streaming else [])
     if self.block_q is None and self.block_k is None or auto_picks == "dense":

@@ -1,0 +1,287 @@
+"""The validated problem: argument checks, parameters and the static description of a call.
+
+Every entry point (:func:`attnx.core.attention`, :func:`~attnx.core.attention_weights`,
+:func:`~attnx.core.ring_attention`, :func:`~attnx.core.flax_attention_fn`, the ``attnx.nn``
+modules) checks its arguments here, once, before anything is traced: shapes and GQA, dtypes,
+masks and biases, the weighting with its parameters, the score with its parameters, tiles and
+dropout. :func:`plan` turns a checked call into the :class:`~attnx.core.implementations.Problem`
+(shapes, dtypes, flags: no array) that every implementation reads and the
+:class:`~attnx.core.implementations.Inputs` (the arrays) that it runs on.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from attnx.core import params as params_lib
+from attnx.core import scores as scores_lib
+from attnx.core import weightings as weightings_lib
+from attnx.core.implementations import Inputs, Problem, get_implementation
+from attnx.core.implementations.blocked import min_scores
+
+Array = jax.Array
+
+__all__ = ["check_compatible", "check_implementation", "check_inputs", "check_score_params",
+           "choose_implementation", "describe", "dropout_active", "plan", "prepare", "resolve",
+           "ssmax_param"]
+
+
+def _fail(msg: str) -> None:
+  raise ValueError(msg)
+
+
+def check_inputs(q: Array, k: Array, v: Array, bias: Array | None, mask: Array | None,
+                 score: scores_lib.Score) -> None:
+  """Shape/dtype checks on static shapes, before anything is traced."""
+  shapes = f"query {q.shape}, key {k.shape}, value {v.shape}"
+  if q.ndim < 3 or k.ndim < 3 or v.ndim < 3:
+    _fail(f"attention expects [batch..., T, N, H] arrays; got {shapes}.")
+  if not (q.ndim == k.ndim == v.ndim):
+    _fail(f"query, key and value must have the same rank; got {shapes}.")
+  if not (q.shape[:-3] == k.shape[:-3] == v.shape[:-3]):
+    _fail(f"query, key and value must have the same batch dims; got {shapes}.")
+  if k.shape[-3] != v.shape[-3] or k.shape[-2] != v.shape[-2]:
+    _fail(f"key and value must have the same length S and kv heads K; got {shapes}.")
+  n, kh = q.shape[-2], k.shape[-2]
+  if kh == 0 or n % kh:
+    _fail(f"query heads N={n} must be a multiple of key/value heads K={kh}; got {shapes}.")
+  if q.shape[-1] == 0 or k.shape[-1] == 0:
+    _fail(f"query and key need a head dim H ≥ 1; got {shapes}.")
+  if score.name in ("dot", "scaled_dot", "cosine", "neg_sq_dist") and q.shape[-1] != k.shape[-1]:
+    _fail(f"score {score.name!r} needs equal query/key head dims; got {shapes}.")
+  for name, x in (("query", q), ("key", k), ("value", v)):
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+      _fail(f"{name} must be floating point, got dtype {x.dtype}.")
+  full = (*q.shape[:-3], n, q.shape[-3], k.shape[-3])
+  for name, x in (("bias", bias), ("mask", mask)):
+    if x is None:
+      continue
+    if x.ndim > len(full):
+      _fail(f"{name} of shape {x.shape} has more dims than [batch..., N, T, S] = {full}.")
+    try:
+      if jnp.broadcast_shapes(x.shape, full) != full:
+        raise ValueError
+    except ValueError:
+      _fail(f"{name} of shape {x.shape} does not broadcast to [batch..., N, T, S] = {full} "
+            f"({shapes}).")
+  if mask is not None and mask.dtype != jnp.bool_:
+    _fail(f"mask must be boolean (True = attend), got dtype {mask.dtype}.")
+
+
+def _zero_on_distances(weighting: Any, w: Any) -> bool:
+  """Whether every weight is 0 on a distance score (s = −d² ≤ 0): the ``zero_on_nonpositive``
+  trait the resolved weighting ``w`` declares (relu, relu2, power, softpick)."""
+  if w.zero_on_nonpositive:
+    return True
+  if isinstance(weighting, (str, weightings_lib.Pointwise, weightings_lib.RowNormalizer)):
+    return False
+  # A bare callable F declares nothing (its trait reads False, "not known"), and accepting a
+  # relu-like F here would silently give all-zero attention: probe it on a row of negative
+  # scores instead. One constant evaluation of F, also while tracing.
+  with jax.ensure_compile_time_eval():
+    row = jnp.linspace(-50.0, -1e-3, 33, dtype=jnp.float32)
+    return not bool(jnp.any(weightings_lib.apply_weighting(row, w) != 0))
+
+
+def check_implementation(implementation: str | None, w: Any, sc: scores_lib.Score) -> None:
+  """Raises ValueError for an unknown implementation name, or one that cannot run weighting
+  ``w`` with score ``sc`` whatever the shapes."""
+  if implementation is None:
+    return
+  reason = get_implementation(implementation).supports_config(w, sc)
+  if reason is not None:
+    raise ValueError(reason)
+
+
+def check_compatible(weighting: Any, score: Any = "scaled_dot",
+                     implementation: str | None = None) -> None:
+  """Raises ValueError if ``weighting``, ``score`` and ``implementation`` do not fit together.
+
+  * The distance kernels (``gaussian``, ``boxcar``, ``triangular``, ``epanechnikov``) read the
+    score as s = −d²: on a similarity score they would silently threshold q·k, so they need a
+    distance score (``neg_sq_dist`` or ``metric``).
+  * Conversely, a weighting that declares ``zero_on_nonpositive`` (0 for every s ≤ 0:
+    ``list_weightings(zero_on_nonpositive=True)``, i.e. ``relu``, ``relu2``, ``power``,
+    ``softpick``) gives all-zero weights on a distance score, which is always ≤ 0.
+  * ``implementation="blocked"`` or ``"pallas"`` needs a weighting with a streaming form and
+    a dot-product score (the implementation's ``supports_config``); the checks that need
+    shapes, dtypes and the device come when :func:`attention` runs (:func:`explain`).
+
+  A user callable score is trusted. Unknown names raise too, listing the valid ones. Used by
+  :func:`attention`, :func:`~attnx.core.flax_attention_fn` and every ``attnx.nn`` module, so a
+  bad configuration fails when a model is built.
+  """
+  w = weightings_lib.get_weighting(weighting)
+  sc = scores_lib.get_score(score)
+  check_implementation(implementation, w, sc)
+  if not isinstance(score, (str, scores_lib.Score)):
+    return
+  check_score_params(score, None, require_arrays=False)  # inline "cosine:temperature=..."
+  distance_scores = [n for n in scores_lib.list_scores() if scores_lib.get_score(n).distance]
+  if w.kind == "pointwise" and w.distance_kernel and not sc.distance:
+    raise ValueError(
+        f"Weighting {w.name!r} is a kernel of the distance d = ‖q − k‖ and reads the score as "
+        f"−d²; score {sc.name!r} is not a distance. Use score="
+        f"{' or '.join(repr(n) for n in distance_scores)}, or a weighting of a similarity "
+        "(e.g. 'softmax').")
+  if sc.distance and _zero_on_distances(weighting, w):
+    raise ValueError(
+        f"Weighting {w.name!r} is 0 for every score ≤ 0, and score {sc.name!r} = −d² is never "
+        "positive: every weight would be 0. Use a distance kernel ('gaussian', 'triangular', "
+        "...) or a weighting that is positive on negative scores ('softmax', 'sigmoid', "
+        "'sparsemax', ...).")
+
+
+def check_score_params(score: Any, score_params: dict[str, Any] | None, *,
+                       require_arrays: bool = True) -> dict[str, Any]:
+  """The parameters of ``score`` (inline ``"name:k=v"`` and ``score_params``), checked.
+
+  Raises ValueError for parameters the score does not accept, for a scalar temperature that is
+  not a finite number > 0, and (``require_arrays``) for missing arrays of a parametrized score
+  (bilinear W, metric L, additive Wq/Wk/v). A user callable takes any.
+  """
+  sc = scores_lib.get_score(score)
+  params = {**scores_lib.score_params_from_name(score), **(score_params or {})}
+  unknown = sorted(set(params) - set(sc.params))
+  if unknown and isinstance(score, (str, scores_lib.Score)):
+    raise ValueError(f"Unknown parameters {unknown} for score {sc.name!r}; it accepts "
+                     f"{list(sc.params) or 'none'}.")
+  temperature = params.get("temperature")
+  if isinstance(temperature, (int, float, str, bool)):  # an array may be a learned temperature
+    params["temperature"] = params_lib.number(f"score {sc.name!r}", "temperature", temperature,
+                                              low=0.0)
+  missing = [p for p in sc.params if p not in params and p != "temperature"]
+  if missing and require_arrays:
+    raise ValueError(f"score {sc.name!r} needs score_params {missing} (e.g. "
+                     f"score_params={{{missing[0]!r}: array}}).")
+  return params
+
+
+def resolve(weighting: Any, score: Any, scale: float | Array | None,
+            score_params: dict[str, Any] | None,
+            head_dim: int) -> tuple[Any, scores_lib.Score, dict[str, Any], float | Array]:
+  """The weighting and score objects, the checked score parameters and the scale (default
+  1/√H for a scaled score, else 1); ValueError when they do not fit together."""
+  check_compatible(weighting, score)
+  w = weightings_lib.get_weighting(weighting)
+  sc = scores_lib.get_score(score)
+  params = check_score_params(score, score_params)
+  if scale is None:
+    scale = 1.0 / math.sqrt(head_dim) if sc.scaled else 1.0
+  return w, sc, params, float(scale) if not isinstance(scale, jax.Array) else scale
+
+
+def choose_implementation(implementation: str | None, w: Any, sc: scores_lib.Score, t: int,
+                           s: int) -> str:
+  """The name ``implementation`` checked, or for None the automatic choice between dense and
+  blocked for T×S scores (the answer on a CPU), from the weighting and score alone: for
+  callers that decide before they have arrays (the differential test net)."""
+  check_implementation(implementation, w, sc)
+  if implementation is not None:
+    return implementation
+  blocked_ok = get_implementation("blocked").supports_config(w, sc) is None
+  return "blocked" if blocked_ok and t * s >= min_scores(w) else "dense"
+
+
+def prepare(query: Array, key: Array, value: Array, bias: Array | None, mask: Array | None,
+            weighting: Any, score: Any, scale: float | Array | None,
+            score_params: dict[str, Any] | None) -> tuple[Any, ...]:
+  """The arrays checked (:func:`check_inputs`) and the call resolved (:func:`resolve`):
+  ``(q, k, v, bias, mask, weighting, score, score_params, scale)``."""
+  q, k, v = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
+  bias = None if bias is None else jnp.asarray(bias)
+  mask = None if mask is None else jnp.asarray(mask)
+  sc = scores_lib.get_score(score)
+  check_inputs(q, k, v, bias, mask, sc)
+  w, sc, params, scale = resolve(weighting, score, scale, score_params, q.shape[-1])
+  return q, k, v, bias, mask, w, sc, params, scale
+
+
+def ssmax_param(w: Any, weighting_params: dict[str, Any] | None, n: int) -> Array | None:
+  """SSMax's learned s from ``weighting_params`` (shape () or [N]), checked: float32, or
+  float64 for a float64 s; the kernels take it in their compute dtype."""
+  if not weighting_params:
+    return None
+  family = getattr(getattr(w, "stream", None), "family", None)
+  if family != "ssmax" or set(weighting_params) != {"s"}:
+    raise ValueError(f"weighting_params {sorted(weighting_params)} do not apply to weighting "
+                     f"{w.name!r}: only 'ssmax' takes learnable parameters ({{'s': array}}).")
+  s = jnp.asarray(weighting_params["s"])
+  s = s.astype(jnp.promote_types(s.dtype, jnp.float32))
+  if s.shape not in ((), (n,)):
+    raise ValueError(f"weighting_params['s'] must be a scalar or one value per query head "
+                     f"[N] = [{n}], got shape {s.shape}.")
+  return s
+
+
+def dropout_active(dropout_rate: Any, deterministic: Any) -> bool:
+  """Validates the dropout arguments; whether dropout applies (rate > 0, not deterministic)."""
+  try:
+    rate = float(dropout_rate)
+  except (TypeError, ValueError, jax.errors.ConcretizationTypeError):
+    raise ValueError("dropout_rate must be a Python number in [0, 1) (it fixes the program), "
+                     f"got {dropout_rate!r}.") from None
+  if not 0.0 <= rate < 1.0:  # also rejects NaN
+    raise ValueError(f"dropout_rate must be in [0, 1) (dropout keeps 1 − rate of the weights "
+                     f"and rescales them by 1/(1 − rate)), got {dropout_rate}.")
+  return rate > 0.0 and not bool(deterministic)
+
+
+def describe(q: Array, k: Array, v: Array, bias: Array | None, mask: Array | None, w: Any,
+             sc: scores_lib.Score, params: dict[str, Any], *, is_causal: bool,
+             block_q: int | None, block_k: int | None, dropout_rate: float,
+             broadcast_dropout: bool, return_weights: bool, interpret: bool) -> Problem:
+  """The static description of a checked call (shapes and dtypes only: works on tracers)."""
+  stream_dtype = stream_head_dim = None
+  if sc.to_dot is not None:  # what the streaming kernels will see, without computing it
+    qd, kd = jax.eval_shape(lambda q, k: sc.to_dot(q, k, **params), q, k)
+    stream_dtype = jnp.result_type(qd.dtype, kd.dtype, v.dtype).name
+    stream_head_dim = int(qd.shape[-1])
+  return Problem(
+      weighting=w, score=sc, batch=tuple(q.shape[:-3]), t=q.shape[-3], s=k.shape[-3],
+      num_heads=q.shape[-2], num_kv_heads=k.shape[-2], head_dim=q.shape[-1],
+      value_head_dim=v.shape[-1], dtype=q.dtype.name, stream_dtype=stream_dtype,
+      stream_head_dim=stream_head_dim, is_causal=bool(is_causal), has_mask=mask is not None,
+      has_bias=bias is not None, block_q=None if block_q is None else int(block_q),
+      block_k=None if block_k is None else int(block_k), dropout_rate=dropout_rate,
+      broadcast_dropout=bool(broadcast_dropout), return_weights=bool(return_weights),
+      platform=jax.default_backend(), interpret=bool(interpret))
+
+
+def plan(query: Array, key: Array, value: Array, bias: Array | None = None,
+          mask: Array | None = None, *, weighting: Any = "softmax", score: Any = "scaled_dot",
+          is_causal: bool = False, scale: float | None = None,
+          implementation: str | None = None, score_params: dict[str, Any] | None = None,
+          block_q: int | None = None, block_k: int | None = None, dropout_rate: float = 0.0,
+          dropout_rng: Array | None = None, deterministic: bool = False,
+          broadcast_dropout: bool = True, return_weights: bool = False,
+          interpret: bool = False,
+          weighting_params: dict[str, Any] | None = None) -> tuple[Problem, Inputs]:
+  """Checks the arguments of :func:`attention` (which documents them); the call's Problem and
+  Inputs. The implementation name is checked by the dispatcher (:mod:`attnx.core.api`)."""
+  del implementation  # chosen by the dispatcher, after every argument is checked
+  for name, blk in (("block_q", block_q), ("block_k", block_k)):
+    # Checked for every implementation, so a bad tile fails the same way whichever one runs.
+    bad = not isinstance(blk, numbers.Integral) or isinstance(blk, bool) or blk < 1
+    if blk is not None and bad:
+      raise ValueError(f"{name} must be a positive int tile size or None, got {blk!r}.")
+  dropout = dropout_active(dropout_rate, deterministic)
+  if dropout and dropout_rng is None:
+    raise ValueError(f"attention dropout (dropout_rate={dropout_rate}, deterministic=False) "
+                     "needs dropout_rng, a PRNG key; pass deterministic=True to turn it off.")
+  q, k, v, bias, mask, w, sc, params, scale = prepare(
+      query, key, value, bias, mask, weighting, score, scale, score_params)
+  ssmax_s = ssmax_param(w, weighting_params, q.shape[-2])
+  problem = describe(q, k, v, bias, mask, w, sc, params, is_causal=is_causal, block_q=block_q,
+                     block_k=block_k, dropout_rate=float(dropout_rate) if dropout else 0.0,
+                     broadcast_dropout=broadcast_dropout, return_weights=return_weights,
+                     interpret=interpret)
+  inputs = Inputs(query=q, key=k, value=v, bias=bias, mask=mask, scale=scale,
+                  score_params=params, ssmax_s=ssmax_s, dropout_rng=dropout_rng)
+  return problem, inputs
+

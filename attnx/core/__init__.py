@@ -34,7 +34,7 @@ from attnx.core.linear import (
 )
 from attnx.core.nadaraya_watson import nadaraya_watson
 from attnx.core.pallas_attention import PallasVerification, verify_pallas
-from attnx.core.ring import ring_attention, ring_work, zigzag_permute, zigzag_unpermute
+from attnx.core.parallel.ring import ring_attention, ring_work, zigzag_permute, zigzag_unpermute
 from attnx.core.rownorm import softpick, ssmax, stick_breaking
 from attnx.core.scores import (
     Score,

@@ -234,7 +234,7 @@ def _forward_chunk(q, k, v, bias, mask, scale, cfg: tl.TileConfig):
 
   def q_block(i, carry):
     out, stat = carry
-    qi = tl.rows(q, i, cfg)
+    qi = tl.row_block(q, i, cfg)
 
     def tile(j):
       kj = tl.slice_along(k, j * cfg.bk, cfg.bk, 1)
@@ -254,7 +254,7 @@ def _forward_chunk(q, k, v, bias, mask, scale, cfg: tl.TileConfig):
       acc0 = jnp.zeros(row_shape + (hv + 1,), cd).at[..., hv].set(off)
       acc, m = lax.fori_loop(*tl.k_range(i, cfg), k_block, vary((acc0, m0), axes))
       if cfg.raw:
-        return tl.put_rows(out, acc, i, cfg), tl.put_rows(stat, m, i, cfg)
+        return tl.put_row_block(out, acc, i, cfg), tl.put_row_block(stat, m, i, cfg)
       o, st = streaming.pointwise_finalize(w, acc, m, add_offset=False, split_lse=True)
     else:
       norm = w.normalization
@@ -269,12 +269,12 @@ def _forward_chunk(q, k, v, bias, mask, scale, cfg: tl.TileConfig):
       if cfg.raw:
         if norm == "length" and not cfg.needs_valid:
           l = jnp.full(row_shape, float(cfg.s), cd)  # every key of the block
-        return tl.put_rows(out, acc, i, cfg), tl.put_rows(stat, l, i, cfg)
+        return tl.put_row_block(out, acc, i, cfg), tl.put_row_block(stat, l, i, cfg)
       # Unmasked tiles counted nothing: every row has all cfg.s keys.
       o, st = streaming.pointwise_finalize(w, acc, l,
                                            num_keys=None if cfg.needs_valid else cfg.s)
 
-    return tl.put_rows(out, o, i, cfg), tl.put_rows(stat, st, i, cfg)
+    return tl.put_row_block(out, o, i, cfg), tl.put_row_block(stat, st, i, cfg)
 
   out0 = jnp.zeros((x, g, tp, _out_cols(cfg, hv)), cd)
   stat0 = jnp.zeros(_stat_shape(cfg, (x, g, tp)), cd)
@@ -336,7 +336,7 @@ def _backward_chunk(q, k, v, bias, mask, scale, out, stat, do, cfg: tl.TileConfi
 
     def q_block(i, c):
       dq, dk_j, dv_j, dbias = c
-      qi, doi = tl.rows(q, i, cfg), tl.rows(do, i, cfg)
+      qi, doi = tl.row_block(q, i, cfg), tl.row_block(do, i, cfg)
       # The tile is computed as in the forward, [X, G·bq, bk] (queries × keys), by the
       # forward's own tl.tile_scores (the same dot, summed in the same order). A transposed tile
       # [X, bk, G·bq] (dV = Pᵀ·dO and dK = dZᵀ·Q plain matmuls) is no faster on XLA:CPU, whose
@@ -344,18 +344,18 @@ def _backward_chunk(q, k, v, bias, mask, scale, out, stat, do, cfg: tl.TileConfi
       # (docs/guides/implementations.md, "Precision and accuracy").
       z = tl.tile_scores(qi, kj, bias, i, j, cfg, qk_mult, bias_mult)
       valid = tl.valid_tile(mask, i, j, cfg)
-      row = lambda a: tl.rows(a, i, cfg)[..., None]  # per-query statistic, broadcast over keys
+      row = lambda a: tl.row_block(a, i, cfg)[..., None]  # per-query statistic, broadcast over keys
       dp = jnp.einsum("xqd,xsd->xqs", doi, vj, preferred_element_type=cd)
       # dz: the cotangent of z = α·s (α = 1 unless online max).
       p, dz = streaming.pointwise_tile_grad(w, z, valid, dp, grad_rows, cfg.num_keys, row=row)
       dv_j = dv_j + jnp.einsum("xqs,xqd->xsd", p.astype(doi.dtype), doi,
                                preferred_element_type=cd)
       dzc = dz.astype(qi.dtype)
-      dk_j = dk_j + jnp.einsum("xqs,xqh->xsh", dzc, tl.rows(q_f, i, cfg),
+      dk_j = dk_j + jnp.einsum("xqs,xqh->xsh", dzc, tl.row_block(q_f, i, cfg),
                                preferred_element_type=cd)
-      dq_i = tl.rows(dq, i, cfg) + jnp.einsum("xqs,xsh->xqh", dzc, kj_f,
+      dq_i = tl.row_block(dq, i, cfg) + jnp.einsum("xqs,xsh->xqh", dzc, kj_f,
                                             preferred_element_type=cd)
-      dq = tl.put_rows(dq, dq_i, i, cfg)
+      dq = tl.put_row_block(dq, dq_i, i, cfg)
       if cfg.has_bias:
         tshape = bias_shape[:3] + tuple(
             1 if bias_shape[a] == 1 else (cfg.bq, cfg.bk)[a - 3] for a in (3, 4))
@@ -604,7 +604,7 @@ def _causal_backward(q, k, v, bias, mask, scale, out, stat, do, cfg: tl.TileConf
 
 
 # --------------------------------------------------------------------------------------------
-# One block of a larger problem (attnx.core.ring: the local query shard against one visiting
+# One block of a larger problem (the ring: the local query shard against one visiting
 # key shard). The tile math is the kernel's own; only the cfg and the entry points are new.
 # --------------------------------------------------------------------------------------------
 
@@ -619,10 +619,10 @@ def block_config(w: Any, t: int, s: int, head_dims: tuple[int, int, int], *, is_
                  block_k: int | None = None, whole_chunk: bool = False) -> tl.TileConfig:
   """The cfg of one unpadded [t × s] block of a larger attention problem.
 
-  A ring step (:mod:`attnx.core.ring`) computes the local query rows against one visiting key
-  shard; the blocks of all steps must agree on the rows' layout, so nothing is padded: the
-  tiles are the largest that divide t and s (multiples of 8 where one fits) below the caps
-  ``block_q``/``block_k`` (default: :func:`default_block_sizes`, causal
+  A ring step (:mod:`attnx.core.parallel.ring`) computes the local query rows against one
+  visiting key shard; the blocks of all steps must agree on the rows' layout, so nothing is
+  padded: the tiles are the largest that divide t and s (multiples of 8 where one fits) below
+  the caps ``block_q``/``block_k`` (default: :func:`default_block_sizes`, causal
   :data:`BLOCK_CAUSAL_TILE`). ``num_keys`` is the key count F sees (sigmoid's default
   b = −log n): the whole problem's, not the block's. ``is_causal``: the block is the diagonal
   one (query i sees key j ≤ i, block-local indices). ``whole_chunk``: all B·K (batch, kv head)

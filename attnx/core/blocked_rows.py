@@ -75,7 +75,7 @@ def streams(weighting: Any) -> bool:
 def _tiles(q, k, v, bias, mask, i, cfg: tl.TileConfig, qk_mult, bias_mult):
   """tile(j) -> (z [X, G·bq, bk] in the compute dtype, valid (broadcastable), v tile) of query
   block i."""
-  qi = tl.rows(q, i, cfg)
+  qi = tl.row_block(q, i, cfg)
 
   def tile(j):
     kj, vj = tl.slice_along(k, j * cfg.bk, cfg.bk, 1), tl.slice_along(v, j * cfg.bk, cfg.bk, 1)
@@ -170,7 +170,7 @@ def _forward_chunk(q, k, v, bias, mask, row_scales, scale, cfg: tl.TileConfig, s
     out, stats, support_mean, passes, zero_table = carry
     tile = _tiles(q, k, v, bias, mask, i, cfg, qk_mult, bias_mult)
     lo, hi = tl.k_range(i, cfg)
-    ctx = tl.rows(row_scales, i, cfg) if rs.needs_row_scale else None
+    ctx = tl.row_block(row_scales, i, cfg) if rs.needs_row_scale else None
     zero = None
     if skip:
       ctx, zero = _entmax_threshold_skipping(tile, i, lo, hi, rows, cfg, cd)
@@ -184,7 +184,7 @@ def _forward_chunk(q, k, v, bias, mask, row_scales, scale, cfg: tl.TileConfig, s
     state = _fold(tile, lo, hi, lambda c, z, ok, vj: st.update(rs, c, z, ok, vj, ctx),
                   st.init(rs, rows, hv, cd), rs.reverse, zero)
     o, row_stats, sm = st.finalize(rs, state, ctx)
-    put = lambda buf, a: tl.put_rows(buf, a, i, cfg)
+    put = lambda buf, a: tl.put_row_block(buf, a, i, cfg)
     stats = tuple(put(buf, a) for buf, a in zip(stats, row_stats, strict=True))
     return (put(out, o), stats, support_mean if sm is None else put(support_mean, sm), passes,
             zero_table)
@@ -219,7 +219,7 @@ def _backward_chunk(q, k, v, bias, mask, row_scales, scale, out, stats, support_
   delta = jnp.sum(do.astype(cd) * (support_mean if rs.saves_support_mean else out), axis=-1)
   bias_shape = bias.shape if cfg.has_bias else None
   axes = bl.manual_axes(q, k, v, bias, mask, row_scales, out, do)
-  block_rows = lambda a, i: tl.rows(a, i, cfg)
+  block_rows = lambda a, i: tl.row_block(a, i, cfg)
   if zero is not None:
     do_blocks = do.reshape(do.shape[:2] + (cfg.num_q_blocks, cfg.bq) + do.shape[3:])
     zero = zero & jnp.all(jnp.isfinite(do_blocks), axis=(0, 1, 3, 4))[:, None]
@@ -232,7 +232,7 @@ def _backward_chunk(q, k, v, bias, mask, row_scales, scale, out, stats, support_
     def tile_terms(i, dk_j, dv_j, carry_a, carry_b):
       """Tile (i, j): dK and dV of key block j with its terms added, its dQ term
       [X, G·bq, H], dz (for dbias) and the grad carries of its rows."""
-      qi, doi = tl.rows(q, i, cfg), tl.rows(do, i, cfg)
+      qi, doi = tl.row_block(q, i, cfg), tl.row_block(do, i, cfg)
       z = tl.tile_scores(qi, kj, bias, i, j, cfg, qk_mult, bias_mult)
       valid = tl.valid_tile(mask, i, j, cfg)
       finite = z != -jnp.inf
@@ -245,7 +245,7 @@ def _backward_chunk(q, k, v, bias, mask, row_scales, scale, out, stats, support_
       dv_j = dv_j + jnp.einsum("xqs,xqd->xsd", p.astype(doi.dtype), doi,
                                preferred_element_type=cd)
       dzc = dz.astype(qi.dtype)
-      dk_j = dk_j + jnp.einsum("xqs,xqh->xsh", dzc, tl.rows(q_f, i, cfg),
+      dk_j = dk_j + jnp.einsum("xqs,xqh->xsh", dzc, tl.row_block(q_f, i, cfg),
                                preferred_element_type=cd)
       dq_i = jnp.einsum("xqs,xsh->xqh", dzc, kj_f, preferred_element_type=cd)
       return dk_j, dv_j, dq_i, dz if cfg.has_bias else None, gc
@@ -263,8 +263,9 @@ def _backward_chunk(q, k, v, bias, mask, row_scales, scale, out, stats, support_
       dq, dk_j, dv_j, dbias, carry_a, carry_b = c
       dk_j, dv_j, dq_i, dz, gc = tile_terms(i, dk_j, dv_j, block_rows(carry_a, i),
                                             block_rows(carry_b, i))
-      dq = tl.put_rows(dq, block_rows(dq, i) + dq_i, i, cfg)
-      carry_a, carry_b = tl.put_rows(carry_a, gc.a, i, cfg), tl.put_rows(carry_b, gc.b, i, cfg)
+      dq = tl.put_row_block(dq, block_rows(dq, i) + dq_i, i, cfg)
+      carry_a = tl.put_row_block(carry_a, gc.a, i, cfg)
+      carry_b = tl.put_row_block(carry_b, gc.b, i, cfg)
       if cfg.has_bias:
         dbias = add_dbias(dbias, dz, i)
       return dq, dk_j, dv_j, dbias, carry_a, carry_b
@@ -285,7 +286,7 @@ def _backward_chunk(q, k, v, bias, mask, row_scales, scale, out, stats, support_
                 jnp.zeros(rows + (cfg.bk,), cd) if cfg.has_bias else None)
 
       dk_j, dv_j, dq_i, dz = lax.cond(zero[i, j], leave_out, compute, dk_j, dv_j)
-      dq = tl.put_rows(dq, block_rows(dq, i) + dq_i, i, cfg)
+      dq = tl.put_row_block(dq, block_rows(dq, i) + dq_i, i, cfg)
       if cfg.has_bias:
         dbias = add_dbias(dbias, dz, i)
       return dq, dk_j, dv_j, dbias, carry_a, carry_b
@@ -387,7 +388,7 @@ def _backward(q, k, v, bias, mask, row_scales, scale, out, stats, support_mean, 
 
 
 # --------------------------------------------------------------------------------------------
-# One block of a larger problem (attnx.core.ring: the local query shard against one visiting
+# One block of a larger problem (the ring: the local query shard against one visiting
 # key shard): the unnormalized streaming state, and the block's gradients.
 # --------------------------------------------------------------------------------------------
 
@@ -418,10 +419,10 @@ def raw_block_state(q: Array, k: Array, v: Array, bias: Array | None, mask: Arra
   def q_block(i, buf):
     tile = _tiles(q, k, v, bias, mask, i, cfg, qk_mult, bias_mult)
     lo, hi = tl.k_range(i, cfg)
-    ctx = tl.rows(row_scales, i, cfg) if rs.needs_row_scale else None
+    ctx = tl.row_block(row_scales, i, cfg) if rs.needs_row_scale else None
     state = _fold(tile, lo, hi, lambda c, z, ok, vj: st.update(rs, c, z, ok, vj, ctx),
                   bl.vary(st.init(rs, rows, hv, cd), axes), rs.reverse)
-    return jax.tree.map(lambda b, a: tl.put_rows(b, a, i, cfg), buf, state)
+    return jax.tree.map(lambda b, a: tl.put_row_block(b, a, i, cfg), buf, state)
 
   return lax.fori_loop(0, cfg.num_q_blocks, q_block,
                        bl.vary(st.init(rs, (x, g, tp), hv, cd), axes))

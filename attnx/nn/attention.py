@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from attnx import core
+from attnx.core.parallel import ring as ring_lib
 from attnx.nn import _util
 from attnx.nn import rotary as rotary_lib
 
@@ -394,8 +395,8 @@ def shard_positions(length: int, axis_name: str, layout: str = "contiguous") -> 
 
 
 def _check_sequence_axis(module: Any, where: str) -> None:
-  if module.sequence_layout not in core.ring.LAYOUTS:
-    raise ValueError(f"{where}: sequence_layout must be one of {', '.join(core.ring.LAYOUTS)}, "
+  if module.sequence_layout not in ring_lib.LAYOUTS:
+    raise ValueError(f"{where}: sequence_layout must be one of {', '.join(ring_lib.LAYOUTS)}, "
                      f"got {module.sequence_layout!r}.")
   if module.sequence_axis is None:
     return
@@ -412,6 +413,6 @@ def check_ring_attention(weighting: Any, score: Any, layout: str, where: str) ->
   attention in `layout` (``score="metric"`` is a plain ``neg_sq_dist`` on learned features)."""
   score = "neg_sq_dist" if _util.score_name(score) == "metric" else score
   try:
-    core.ring.check_supported(weighting, score, layout)
+    ring_lib.check_supported(weighting, score, layout)
   except ValueError as e:
     raise ValueError(f"{where}: {e}") from None

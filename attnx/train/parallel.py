@@ -194,7 +194,7 @@ class Placement:
           f"per seed has no sequence axis (axis 1 of an example) of a length divisible by "
           f"{self.sequence_parallel}; sequence parallelism splits every array along it")
     if self.sequence_layout == "zigzag":
-      from attnx.core import ring  # noqa: PLC0415
+      from attnx.core.parallel import ring  # noqa: PLC0415
 
       x = np.asarray(ring.zigzag_permute(x, self.sequence_parallel, axis=2))
     return x

@@ -588,7 +588,7 @@ def test_tiles_that_do_not_cover_the_padded_length_fail_at_trace_time():
 @pytest.mark.parametrize("name", ["softmax_plus_one", "relu:normalization=length",
                                   "sigmoid:normalization=none"])
 def test_raw_block_states_of_key_blocks_merge_to_the_whole(name):
-  # The entry points of ring attention (attnx.core.ring): the raw states of two key blocks
+  # The entry points of ring attention (attnx.core.parallel.ring): the raw states of two key blocks
   # merge to the whole row, F seeing the whole problem's key count, and the blocks' gradients
   # from the final statistic add up to the whole gradient.
   from attnx.core import streaming

@@ -712,7 +712,7 @@ def test_default_causal_tiles_are_causal_block_sizes():
 
 @pytest.mark.parametrize("name", ["ssmax", "softpick", "stick_breaking"])
 def test_raw_block_states_of_key_blocks_merge_to_the_whole(name):
-  # The entry points of ring attention (attnx.core.ring): the streaming states of two key
+  # The entry points of ring attention (attnx.core.parallel.ring): the streaming states of two key
   # blocks merge to the whole row (stick-breaking: the later block first), and the blocks'
   # gradients, the later block's carries going on to the earlier one, add up to the whole.
   from attnx.core import blocked_rows

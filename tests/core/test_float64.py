@@ -23,8 +23,8 @@ import numpy as np
 import pytest
 
 from attnx import core
-from attnx.core import ring
 from attnx.core.implementations import get_implementation
+from attnx.core.parallel import ring
 
 # Float64 results against the float64 brute force: summing a few dozen O(1) terms leaves
 # ~1e-15; 1e-12 is far below float32's 1e-7 and above any float64 ordering difference.

@@ -1,4 +1,4 @@
-"""Ring (context-parallel) attention, attnx.core.ring.
+"""Ring (context-parallel) attention, attnx.core.parallel.ring.
 
 The multi-device checks run once, in a subprocess with 8 fake CPU devices
 (tests/support/ring_check.py): every case of its table against the float64 brute force of the
@@ -30,7 +30,7 @@ from support import lowering, ring_cases, ring_draws
 from support.scripts import script_result
 
 from attnx import core
-from attnx.core import ring
+from attnx.core.parallel import layout, ring, steps
 
 # max |got − ref| / scale (the differential net's scale: the largest Σ|terms| behind an entry,
 # at least max |ref|), float32 ring against the float64 reference.
@@ -129,7 +129,7 @@ def test_random_ci_sample_reaches_every_branch():
   draws = ring_draws.ci_sample()
   cov = ring_draws.coverage(draws)
   assert cov["family_layout_causal"] == {
-      (f, layout, causal) for f in ring.FAMILIES for layout in ring.LAYOUTS
+      (f, layout, causal) for f in steps.FAMILIES for layout in ring.LAYOUTS
       for causal in (False, True)}
   assert cov["devices"] >= {2, 8}
   assert cov["mask"] == {"none", "travel", "rows", "const"}
@@ -155,7 +155,7 @@ def test_large_run_draws_reach_every_weighting_and_length():
       assert name in cov["weighting"], name
   assert cov["devices"] == set(ring_draws.DEVICE_COUNTS)
   assert {(d.family, d.layout, d.case.causal, d.devices) for d in draws} == {
-      (f, layout, causal, p) for f in ring.FAMILIES for layout in ring.LAYOUTS
+      (f, layout, causal, p) for f in steps.FAMILIES for layout in ring.LAYOUTS
       for causal in (False, True) for p in ring_draws.DEVICE_COUNTS}
   lengths = [d.case.t for d in draws]
   assert max(lengths) >= 3000 and sum(t >= 1000 and t & (t - 1) for t in lengths) >= 30
@@ -218,12 +218,12 @@ def test_ring_work_counts_the_kernels_steps():
   # The table the kernel runs: contiguous causal skips the shards of later devices, zigzag
   # runs half a shard on every step.
   p = 4
-  kinds = [[int(ring._step_kind(i, (i - r) % p, "contiguous", True, np)) for r in range(p)]
+  kinds = [[int(layout.step_kind(i, (i - r) % p, "contiguous", True, np)) for r in range(p)]
            for i in range(p)]
-  assert kinds[0] == [ring._DIAG, ring._SKIP, ring._SKIP, ring._SKIP]
-  assert kinds[3] == [ring._DIAG, ring._FULL, ring._FULL, ring._FULL]
-  zz = [int(ring._step_kind(1, (1 - r) % p, "zigzag", True, np)) for r in range(p)]
-  assert zz == [ring._ZZ_DIAG, ring._ZZ_LOW, ring._ZZ_HIGH, ring._ZZ_HIGH]
+  assert kinds[0] == [layout.DIAG, layout.SKIP, layout.SKIP, layout.SKIP]
+  assert kinds[3] == [layout.DIAG, layout.FULL, layout.FULL, layout.FULL]
+  zz = [int(layout.step_kind(1, (1 - r) % p, "zigzag", True, np)) for r in range(p)]
+  assert zz == [layout.ZZ_DIAG, layout.ZZ_LOW, layout.ZZ_HIGH, layout.ZZ_HIGH]
 
 
 # --------------------------------------------------------------------------------------------
@@ -245,7 +245,7 @@ def test_zigzag_permute_roundtrip_and_order():
 def test_zigzag_positions_match_the_permutation():
   p, t = 4, 6
   perm = np.asarray(ring.zigzag_permute(jnp.arange(p * t)[None], p))[0]
-  got = np.concatenate([ring._positions(i, t, p, "zigzag", np) for i in range(p)])
+  got = np.concatenate([layout.positions(i, t, p, "zigzag", np) for i in range(p)])
   np.testing.assert_array_equal(got, perm)
 
 
@@ -444,24 +444,24 @@ def test_shapes_that_do_not_split_raise():
     _one_device(lambda q, k, v: ring.ring_attention(q, k, v, axis_name="sp"), q, k, v)
   # Bias/mask shardings (local shapes) that are none of the documented ones.
   with pytest.raises(ValueError, match="travels around the ring"):
-    ring._kind_of(jnp.zeros((1, 1, 4, 3)), 4, 3, 2, "bias")
+    steps.kind_of(jnp.zeros((1, 1, 4, 3)), 4, 3, 2, "bias")
   with pytest.raises(ValueError, match="S axis must be 1, the local key length 3"):
-    ring._kind_of(jnp.zeros((1, 1, 1, 5)), 4, 3, 2, "mask")
+    steps.kind_of(jnp.zeros((1, 1, 1, 5)), 4, 3, 2, "mask")
   with pytest.raises(ValueError, match="T axis must be 1 or the local query length 4"):
-    ring._kind_of(jnp.zeros((1, 1, 2, 1)), 4, 3, 2, "mask")
-  assert [ring._kind_of(jnp.zeros(s), 4, 3, 2, "b") for s in
+    steps.kind_of(jnp.zeros((1, 1, 2, 1)), 4, 3, 2, "mask")
+  assert [steps.kind_of(jnp.zeros(s), 4, 3, 2, "b") for s in
           ((1, 1, 4, 1), (1, 1, 1, 3), (1, 1, 4, 6))] == ["const", "travel", "rows"]
   # One key per device: a key padding mask's local S axis is 1, as a broadcast one's; both
   # are right travelling with the keys (the large run's seed 132 read it as broadcast: every
   # key got the local key's mask). A T axis means the S axis is broadcast.
-  assert [ring._kind_of(jnp.zeros(s), 4, 1, 2, "b") for s in
+  assert [steps.kind_of(jnp.zeros(s), 4, 1, 2, "b") for s in
           ((1, 4, 1, 1), (1, 1, 4, 1), (1, 1, 4, 2))] == ["travel", "const", "rows"]
   # One query and one key per device: [.., 1, 1] may be sharded with either (seeds 352, 509
   # vs 431, 481 of the large run need different rings): refused, unless the ring has one device.
   with pytest.raises(ValueError, match=r"one query and one key per device.*whole S axis \(2\)"):
-    ring._kind_of(jnp.zeros((1, 4, 1, 1)), 1, 1, 2, "mask")
-  assert ring._kind_of(jnp.zeros((1, 4, 1, 2)), 1, 1, 2, "b") == "rows"
-  assert ring._kind_of(jnp.zeros((1, 4, 1, 1)), 1, 1, 1, "b") == "const"
+    steps.kind_of(jnp.zeros((1, 4, 1, 1)), 1, 1, 2, "mask")
+  assert steps.kind_of(jnp.zeros((1, 4, 1, 2)), 1, 1, 2, "b") == "rows"
+  assert steps.kind_of(jnp.zeros((1, 4, 1, 1)), 1, 1, 1, "b") == "const"
 
 
 def test_ring_attention_is_exported():

@@ -1,5 +1,5 @@
 """Run in a subprocess with 8 fake CPU devices (tests/core/test_ring.py): ring attention
-(attnx.core.ring) against the float64 brute force of the differential net; prints JSON.
+(attnx.core.parallel.ring) against the float64 brute force of the differential net; prints JSON.
 
 Each case is a :class:`support.differential.Case` (its inputs, reference and kink exclusions are
 the differential net's) and a layout. The global arrays are cut into 8 shards along the
@@ -38,7 +38,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from attnx import core  # noqa: E402
-from attnx.core import ring  # noqa: E402
+from attnx.core.parallel import ring  # noqa: E402
 from support import differential as diff  # noqa: E402
 from support import reference as ref_lib  # noqa: E402
 from support import ring_draws  # noqa: E402

@@ -22,11 +22,11 @@ import math
 
 import numpy as np
 
-from attnx.core import ring
 from attnx.core import weightings as wlib
+from attnx.core.parallel import ring, steps
 from support import differential as diff
 
-FAMILIES = ring.FAMILIES  # pointwise, ssmax, softpick, stick_breaking
+FAMILIES = steps.FAMILIES  # pointwise, ssmax, softpick, stick_breaking
 LAYOUTS = ring.LAYOUTS
 DEVICE_COUNTS = (2, 4, 8)
 
@@ -114,7 +114,7 @@ def _kind(pattern: str | None) -> str:
 
 # Local lengths: the edges of the kernel's tiling (1, 8 ± 1, 64 ± 1, ...), then short, medium
 # and long shards. Lengths ≥ 64 that only split into tiles below 8 are refused by the ring
-# (see ring._check_tiles) and redrawn.
+# (see steps.check_tiles) and redrawn.
 _EDGE_LOCAL = (1, 2, 3, 7, 8, 9, 15, 16, 17, 24, 63, 64, 66, 96, 120, 128, 136, 200, 256)
 _SIZES = {
     # (P(short), P(medium), medium high, long high, max B·N·T·S of the reference)
@@ -156,12 +156,12 @@ def _accepted(d: RingDraw) -> bool:
   t, s = d.local
   if d.devices > 1 and t == s == 1 and (c.mask != "none" or c.bias is not None):
     return False  # the ring refuses a [.., 1, 1] shard: query- or key-sharded is ambiguous
-  rc = ring._Ring(axis="sp", p=d.devices, layout=d.layout, is_causal=c.causal,
-                  w=wlib.get_weighting(c.weighting), family=d.family, t=t, s=s,
-                  head_dims=(c.b, c.kh, c.n // c.kh), bias_kind=d.bias_kind(),
-                  mask_kind=d.mask_kind(), block_q=c.block_q, block_k=c.block_k)
+  rc = steps.RingConfig(axis="sp", p=d.devices, layout=d.layout, is_causal=c.causal,
+                        w=wlib.get_weighting(c.weighting), family=d.family, t=t, s=s,
+                        head_dims=(c.b, c.kh, c.n // c.kh), bias_kind=d.bias_kind(),
+                        mask_kind=d.mask_kind(), block_q=c.block_q, block_k=c.block_k)
   try:
-    ring._check_tiles(rc)
+    steps.check_tiles(rc)
   except ValueError:
     return False
   return True

@@ -25,8 +25,8 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from attnx import core  # noqa: E402
-from attnx.core import ring  # noqa: E402
 from attnx.core import weightings as wlib  # noqa: E402
+from attnx.core.parallel import ring  # noqa: E402
 
 B, N, H = 1, 8, 64
 

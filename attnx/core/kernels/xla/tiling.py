@@ -25,8 +25,8 @@ Array = jax.Array
 ALIGN = 8  # tiles are multiples of 8 rows (SIMD-friendly)
 
 __all__ = ["ALIGN", "TileConfig", "bias_tile", "bias_tile_rows", "check_tiling", "chunk_bias",
-           "chunk_bias_window", "chunk_rows", "k_range", "prescale", "put_rows", "q_range", "rows",
-           "slice_along", "tile_scores", "valid_tile"]
+           "chunk_bias_window", "chunk_rows", "k_range", "prescale", "put_row_block", "q_range",
+           "row_block", "slice_along", "tile_scores", "valid_tile"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,13 +107,13 @@ def slice_along(x: Array, start: Array, size: int, axis: int) -> Array:
   return lax.dynamic_slice_in_dim(x, start, size, axis=axis)
 
 
-def rows(x: Array, i: Array, cfg: TileConfig) -> Array:
+def row_block(x: Array, i: Array, cfg: TileConfig) -> Array:
   """Query block i of a [X, G, Tp, ...] array as [X, G·bq, ...]."""
   x = slice_along(x, i * cfg.bq, cfg.bq, 2)
   return x.reshape((x.shape[0], x.shape[1] * cfg.bq) + x.shape[3:])
 
 
-def put_rows(buf: Array, x: Array, i: Array, cfg: TileConfig) -> Array:
+def put_row_block(buf: Array, x: Array, i: Array, cfg: TileConfig) -> Array:
   x = x.reshape((buf.shape[0], buf.shape[1], cfg.bq) + buf.shape[3:])
   return lax.dynamic_update_slice_in_dim(buf, x, i * cfg.bq, axis=2)
 

@@ -1,0 +1,1 @@
+"""Parallel attention: the ring over a mesh axis, its layouts and pieces."""

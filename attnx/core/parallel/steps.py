@@ -1,0 +1,368 @@
+"""The ring's building blocks: its static description, the per-family state interface (empty,
+merge, block state and gradients of a kind of step), what travels between devices and the
+switch over the kinds of step. :mod:`attnx.core.parallel.ring` composes them into the forward
+and backward rings, :mod:`attnx.core.parallel.stick_zigzag` into stick-breaking's zigzag runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from attnx.core import blocked as bl
+from attnx.core import blocked_rows, ring_pallas, streaming
+from attnx.core.kernels.xla import tiling as tl
+from attnx.core.parallel import layout as ring_layout
+from attnx.core.weightings import Pointwise
+
+Array = jax.Array
+F32 = jnp.float32
+FAMILIES = ("pointwise", "ssmax", "softpick", "stick_breaking")
+
+
+# --------------------------------------------------------------------------------------------
+# The static description of one ring problem.
+# --------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class RingConfig:
+  axis: str
+  p: int
+  layout: str
+  is_causal: bool
+  w: Any
+  family: str
+  t: int  # local query rows
+  s: int  # local keys
+  head_dims: tuple[int, int, int]  # (B, K, G)
+  bias_kind: str  # "none", "const" (S axis 1), "travel" (sharded with k), "rows" (all keys)
+  mask_kind: str
+  block_q: int | None
+  block_k: int | None
+  vma: tuple[str, ...] = ()  # axes the inputs vary over (check_vma=True): see blocked.vary
+  pallas: str | None = None  # the Pallas kernels' backend ("gpu"/"tpu") of every step, or XLA
+  interpret: bool = False  # the Pallas kernels in Pallas' interpreter
+  dtype: Any = F32  # the compute dtype (contract.compute_dtype): float32, or float64
+
+  @property
+  def num_keys(self) -> int:
+    return self.p * self.s
+
+  @property
+  def pallas_kw(self) -> dict[str, Any]:
+    """The Pallas step functions' backend arguments (empty for the blocked kernel)."""
+    return {} if self.pallas is None else dict(backend=self.pallas, interpret=self.interpret)
+
+  @property
+  def pointwise(self) -> bool:
+    return self.family == "pointwise"
+
+  def cfg(self, t: int, s: int, causal: bool) -> tl.TileConfig:
+    return bl.block_config(
+        self.w, t, s, self.head_dims, is_causal=causal, has_mask=self.mask_kind != "none",
+        has_bias=self.bias_kind != "none", num_keys=self.num_keys, block_q=self.block_q,
+        block_k=self.block_k, whole_chunk=not self.pointwise)
+
+
+def kind_of(x: Array | None, t: int, s: int, p: int, name: str) -> str:
+  """Which of the documented shardings a [Bb, Nb, Tb, Sb] local bias/mask has."""
+  if x is None:
+    return "none"
+  tb, sb = x.shape[2:]
+  if tb not in (1, t):
+    raise ValueError(f"{name}'s T axis must be 1 or the local query length {t} (sharded with "
+                     f"the queries); got local shape {x.shape}.")
+  # With one key per device (s = 1) a key padding mask/bias sharded with the keys has a local
+  # S axis of 1, like a broadcast one: with the T axis broadcast (tb = 1 < t) both are right
+  # travelling with the keys (a broadcast one holds the same values on every device).
+  if p > 1 and t == s == 1 and tb == sb == 1:
+    raise ValueError(
+        f"With one query and one key per device, a local {name} of shape {x.shape} may be "
+        f"sharded with the queries or with the keys, which need different rings: give each "
+        f"device more than one position, or pass the {name} with its whole S axis ({p}) on "
+        f"each device.")
+  if sb == 1 and not (s == 1 and tb == 1 < t):
+    return "const"
+  if sb == p * s:
+    return "rows"
+  if sb == s:
+    if tb != 1:
+      raise ValueError(
+          f"{name} of local shape {x.shape}: an S axis sharded with the keys ({s}) travels "
+          f"around the ring and must not have a T axis (use [B, N, 1, S], a key padding "
+          f"{name}); a {name} with both axes needs its whole S axis ({p * s}) on each device.")
+    return "travel"
+  raise ValueError(f"{name}'s S axis must be 1, the local key length {s} (sharded with the "
+                   f"keys) or the whole key length {p * s}; got local shape {x.shape}.")
+
+
+# A local length whose tiles (its divisors) would all be shorter than this is refused: the
+# kernels would crawl through tiles of a few rows.
+MIN_TILE, SHORT = 8, 64
+
+
+def check_tiles(rc: RingConfig) -> None:
+  """Every block of the ring runs unpadded tiles that divide its length (the blocks of all
+  steps must share the rows' layout): refuse lengths whose tiles would be a few rows."""
+  half_t, half_s = rc.t // 2, rc.s // 2
+  shapes = {(rc.t, rc.s, rc.is_causal)}
+  if rc.layout == "zigzag" and rc.is_causal:
+    shapes |= {(rc.t, half_s, False), (half_t, rc.s, False)}
+  if rc.layout == "zigzag" and rc.family == "stick_breaking":
+    shapes |= {(rc.t, half_s, False), (half_t, half_s, rc.is_causal), (half_t, half_s, False)}
+  for t, s, causal in shapes:
+    cfg = rc.cfg(t, s, causal)
+    for name, length, tile in (("query", t, cfg.bq), ("key", s, cfg.bk)):
+      if tile < min(MIN_TILE, length) and length >= SHORT:
+        raise ValueError(
+            f"ring_attention tiles its blocks without padding, and a {name} block of {length} "
+            f"positions only splits into tiles of {tile}: use local lengths (zigzag: chunk "
+            f"lengths) that are multiples of {MIN_TILE} (pad the sequence and mask the "
+            "padding keys).")
+
+
+def family_of(w: Any) -> str:
+  if isinstance(w, Pointwise):
+    return "pointwise"
+  stream = getattr(w, "stream", None)
+  if stream is None:
+    raise ValueError(f"Weighting {w.name!r} normalizes whole rows and has no streaming form, so "
+                     "it cannot run ring-parallel: gather K/V (lax.all_gather(..., tiled=True) "
+                     "along the sequence) and call attnx.core.attention, or use a streamable "
+                     "weighting.")
+  if stream.family == "entmax":
+    raise ValueError(
+        f"Weighting {w.name!r} cannot run ring-parallel: its threshold τ_i needs every key of "
+        "the row before the first weight (several passes over all keys). Gather K/V with "
+        "lax.all_gather(..., axis=1, tiled=True) and call attnx.core.attention on the local "
+        "queries (O(T) memory per device), or use a streamable weighting (softmax, sigmoid, "
+        "ssmax, softpick, ...).")
+  return stream.family
+
+
+def axis_size(axis_name: Any) -> int:
+  try:
+    return int(lax.axis_size(axis_name))
+  except (NameError, KeyError, TypeError, ValueError):
+    raise ValueError(
+        f"ring_attention must run inside jax.shard_map (or another map) over a mesh axis "
+        f"named {axis_name!r}, with q, k, v sharded along the sequence over it; no axis "
+        f"{axis_name!r} is bound here.") from None
+
+
+# --------------------------------------------------------------------------------------------
+# Slices of the kernel-layout arrays (q [X, G, T, H], k/v [X, S, H], bias/mask
+# [Bb, Kb, Gb, T|1, S|1], states [X, G, T, ...]).
+# --------------------------------------------------------------------------------------------
+
+def sl(x: Array, axis: int, lo: int, size: int) -> Array:
+  return x if x.shape[axis] == 1 else lax.slice_in_dim(x, lo, lo + size, axis=axis)
+
+
+def add_at(full: Array, part: Array, axis: int, lo: Any) -> Array:
+  """full with `part` added at offset `lo` along `axis` (no-op offset on a size-1 axis)."""
+  if full.shape[axis] == part.shape[axis]:
+    return full + part
+  cur = lax.dynamic_slice_in_dim(full, lo, part.shape[axis], axis=axis)
+  return lax.dynamic_update_slice_in_dim(full, cur + part, lo, axis=axis)
+
+
+def add_rows_keys(full: Array, part: Array, r0: int, k0: Any) -> Array:
+  starts = [0, 0, 0, r0 if full.shape[3] != 1 else 0, k0 if full.shape[4] != 1 else 0]
+  if full.shape == part.shape:
+    return full + part
+  cur = lax.dynamic_slice(full, starts, part.shape)
+  return lax.dynamic_update_slice(full, cur + part, starts)
+
+
+def tree_rows(tree: Any, lo: int, size: int) -> Any:
+  return jax.tree.map(lambda a: lax.slice_in_dim(a, lo, lo + size, axis=2), tree)
+
+
+def put_tree_rows(tree: Any, part: Any, lo: int) -> Any:
+  return jax.tree.map(lambda a, b: lax.dynamic_update_slice_in_dim(a, b, lo, axis=2), tree,
+                      part)
+
+
+def select(pred: Array, a: Any, b: Any) -> Any:
+  return jax.tree.map(lambda x, y: jnp.where(pred, x, y), a, b)
+
+
+# --------------------------------------------------------------------------------------------
+# The family interface: empty state, merge, finalize, block state and block gradients.
+# --------------------------------------------------------------------------------------------
+
+def zeros(rc: RingConfig, shape: tuple[int, ...]) -> Array:
+  """Zeros of the compute dtype typed like the ring's inputs (loop starts and branch
+  results)."""
+  return bl.vary(jnp.zeros(shape, rc.dtype), rc.vma)
+
+
+def empty(rc: RingConfig, rows: tuple[int, ...], hv: int) -> Any:
+  """The state of rows that have seen no key."""
+  if rc.pointwise:
+    cols = hv + 1 if rc.w.normalization == "sum" else hv
+    st0 = -jnp.inf if rc.w.online_max else 0.0
+    return bl.vary((jnp.zeros(rows + (cols,), rc.dtype), jnp.full(rows, st0, rc.dtype)), rc.vma)
+  return bl.vary(streaming.init(rc.w.stream, rows, hv, rc.dtype), rc.vma)
+
+
+def merge(rc: RingConfig, a: Any, b: Any) -> Any:
+  """a ∪ b; for stick-breaking ``a`` holds the later keys."""
+  if rc.pointwise:
+    return streaming.pointwise_merge(rc.w, a, b)
+  return streaming.merge(rc.w.stream, a, b)
+
+
+def block_state(rc: RingConfig, q, kv, bias, mask, rsc, scale, r0, r1, k0, k1, causal):
+  """The raw state of local rows [r0, r1) against keys [k0, k1) of the visiting shard."""
+  k, v = kv
+  cfg = rc.cfg(r1 - r0, k1 - k0, causal)
+  qp = lax.slice_in_dim(q, r0, r1, axis=2)
+  kp, vp = lax.slice_in_dim(k, k0, k1, axis=1), lax.slice_in_dim(v, k0, k1, axis=1)
+  bp = None if bias is None else sl(sl(bias, 3, r0, r1 - r0), 4, k0, k1 - k0)
+  mp = None if mask is None else sl(sl(mask, 3, r0, r1 - r0), 4, k0, k1 - k0)
+  rp = None if rsc is None else lax.slice_in_dim(rsc, r0, r1, axis=2)
+  if rc.pallas is not None:
+    if rc.pointwise:
+      return ring_pallas.raw_block_state(qp, kp, vp, bp, mp, scale, cfg, **rc.pallas_kw)
+    return ring_pallas.raw_row_block_state(qp, kp, vp, bp, mp, rp, scale, cfg, **rc.pallas_kw)
+  if rc.pointwise:
+    return bl.raw_block_state(qp, kp, vp, bp, mp, scale, cfg)
+  return blocked_rows.raw_block_state(qp, kp, vp, bp, mp, rp, scale, cfg)
+
+
+def kind_state(rc: RingConfig, pieces, q, kv, bias, mask, rsc, scale, hv: int) -> Any:
+  """The raw state of every local row over the visiting keys (``kv``: a shard, or half of
+  one), from the ``pieces`` of a kind of step (:data:`attnx.core.parallel.layout.PIECES`; empty
+  rows where none)."""
+  half, s_blk = rc.t // 2, kv[0].shape[1]
+  rows_of = lambda a: rc.t if a == 2 else a * half  # in halves: 0, 1 or 2 (odd lengths: 2)
+  keys_of = lambda a: s_blk if a == 2 else a * (s_blk // 2)
+  state = empty(rc, q.shape[:2] + (rc.t,), hv)
+  for r0, r1, k0, k1, causal in pieces:
+    lo, hi = rows_of(r0), rows_of(r1)
+    part = block_state(rc, q, kv, bias, mask, rsc, scale, lo, hi, keys_of(k0), keys_of(k1),
+                       causal)
+    if (lo, hi) == (0, rc.t):  # the only piece of its kind: nothing to merge with
+      state = part
+    else:
+      state = put_tree_rows(state, merge(rc, tree_rows(state, lo, hi - lo), part), lo)
+  return bl.vary(state, rc.vma)  # every kind of step: the same type
+
+
+def kind_grads(rc: RingConfig, pieces, q, kv, bias, mask, rsc, scale, out, stats, do, carries):
+  """(dq, (dk, dv), dbias block, carries, dscale) of one kind of step (its ``pieces``), zeros
+  where the step computes nothing. (Adding into the running sums inside the step's branch
+  instead measured more scratch: XLA copies the operands of the branches.)"""
+  k, v = kv
+  half, s_blk = rc.t // 2, k.shape[1]
+  rows_of = lambda a: rc.t if a == 2 else a * half  # in halves: 0, 1 or 2 (odd lengths: 2)
+  keys_of = lambda a: s_blk if a == 2 else a * (s_blk // 2)
+  dq = zeros(rc, q.shape)
+  dk, dv = zeros(rc, k.shape), zeros(rc, v.shape)
+  db = None if bias is None else zeros(rc, bias.shape)
+  dscale = zeros(rc, ())
+  for r0, r1, k0, k1, causal in pieces:
+    lo, hi, klo, khi = rows_of(r0), rows_of(r1), keys_of(k0), keys_of(k1)
+    cfg = rc.cfg(hi - lo, khi - klo, causal)
+    rows = lambda a, lo=lo, hi=hi: lax.slice_in_dim(a, lo, hi, axis=2)
+    keys = lambda a, lo=klo, hi=khi: lax.slice_in_dim(a, lo, hi, axis=1)
+    bp = None if bias is None else sl(sl(bias, 3, lo, hi - lo), 4, klo, khi - klo)
+    mp = None if mask is None else sl(sl(mask, 3, lo, hi - lo), 4, klo, khi - klo)
+    kw = rc.pallas_kw
+    if rc.pointwise:
+      grads = ring_pallas.block_grads if rc.pallas else bl.block_grads
+      gq, gk, gv, gb, gs = grads(rows(q), keys(k), keys(v), bp, mp, scale, rows(out),
+                                 rows(stats[0]), rows(do), cfg, **kw)
+    else:
+      rp = None if rsc is None else rows(rsc)
+      grads = ring_pallas.row_block_grads if rc.pallas else blocked_rows.block_grads
+      gq, gk, gv, gb, part_carries, gs = grads(
+          rows(q), keys(k), keys(v), bp, mp, rp, scale, rows(out), tuple(map(rows, stats)),
+          rows(do), tree_rows(carries, lo, hi - lo), cfg, **kw)
+      carries = put_tree_rows(carries, part_carries, lo)
+    dq, dk, dv = add_at(dq, gq, 2, lo), add_at(dk, gk, 1, klo), add_at(dv, gv, 1, klo)
+    if db is not None:
+      db = add_rows_keys(db, gb, lo, klo)
+    dscale = dscale + gs
+  return bl.vary((dq, (dk, dv), db, carries, dscale), rc.vma)  # every kind: the same type
+
+
+# --------------------------------------------------------------------------------------------
+# Ring steps: what travels, which kind of step, the switch.
+# --------------------------------------------------------------------------------------------
+
+def perm(p: int) -> list[tuple[int, int]]:
+  return [(j, (j + 1) % p) for j in range(p)]  # device i receives from i − 1
+
+
+def step_inputs(rc: RingConfig, travel, bias, mask, src):
+  """(k, v), bias block, mask block of the step on the shard of device ``src``."""
+  k, v, bias_t, mask_t = travel
+
+  def pick(local, travelling, kind):
+    if kind == "travel":
+      return travelling
+    if kind == "rows":
+      return lax.dynamic_slice_in_dim(local, src * rc.s, rc.s, axis=4)
+    return local
+
+  return (k, v), pick(bias, bias_t, rc.bias_kind), pick(mask, mask_t, rc.mask_kind)
+
+
+def travelling_arrays(rc: RingConfig, k, v, bias, mask):
+  return (k, v, bias if rc.bias_kind == "travel" else None,
+          mask if rc.mask_kind == "travel" else None)
+
+
+def step_kinds(rc: RingConfig) -> tuple[int, ...]:
+  """The kinds of step this ring runs, in the order :func:`branch` numbers them."""
+  if not rc.is_causal:
+    return (ring_layout.FULL,)
+  if rc.layout == "contiguous":
+    return (ring_layout.DIAG, ring_layout.FULL, ring_layout.SKIP)
+  return (ring_layout.ZZ_DIAG, ring_layout.ZZ_LOW, ring_layout.ZZ_HIGH)
+
+
+def branch(rc: RingConfig, i: Array, src: Array) -> Array:
+  """Which of :func:`kinds` device i runs on the shard of device ``src``: the decision of
+  :func:`ring_layout.step_kind`, as an index for ``lax.switch``."""
+  kind = ring_layout.step_kind(i, src, rc.layout, rc.is_causal)
+  kinds = step_kinds(rc)
+  return sum(jnp.where(kind == kd, n, 0) for n, kd in enumerate(kinds) if n)
+
+
+def switch(rc: RingConfig, i: Array, src: Array, run, *operands):
+  """run(kind)(*operands) for the step's kind: one instance of each kind's kernel in the
+  program (one loop over the steps, ``lax.switch`` inside), which keeps both the compile
+  time and XLA's scratch memory (each instance gets its own) down."""
+  kinds = step_kinds(rc)
+  if len(kinds) == 1:
+    return run(kinds[0])(*operands)
+  return lax.switch(branch(rc, i, src), [run(kd) for kd in kinds], *operands)
+
+
+def start_carries(rc: RingConfig, extra: Any, do: Array) -> Any:
+  """Stick-breaking: the carries each run of the backward starts from, (L, Σ A·dP) of the
+  keys after the run, from the later runs' forward states (``extra``) and dO [X, G, t, Hv].
+  They are rows only: computed before the backward's ring, the saved states die first."""
+  if rc.family != "stick_breaking":
+    return extra
+  if rc.layout == "contiguous":
+    o_high, l_high = extra
+    return l_high, jnp.sum(do * o_high, axis=-1)
+  # Each run starts from the carries of the runs after it: L = Σ log(1 − β) and Σ A·dP, whose
+  # global weights are a run's own times e^{L of the later runs}.
+  a = b = zeros(rc, do.shape[:3])
+  carries = []
+  for st in extra + (None,):
+    carries.append((a, b))
+    if st is not None:
+      b = b + jnp.exp(a) * jnp.sum(do * st.acc, axis=-1)
+      a = a + st.log_rest
+  return tuple(carries)

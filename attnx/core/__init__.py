@@ -5,8 +5,6 @@
 Imports only jax/numpy; every function works under jit, vmap, grad and shard_map.
 """
 
-from attnx.core import rownorm as _rownorm  # noqa: F401  (registers ssmax, softpick, ...)
-from attnx.core import simplex as _simplex  # noqa: F401  (registers sparsemax, entmax, ...)
 from attnx.core.api import (
     BLOCKED_MIN_SCORES,
     IMPLEMENTATIONS,
@@ -35,7 +33,6 @@ from attnx.core.linear import (
 from attnx.core.nadaraya_watson import nadaraya_watson
 from attnx.core.pallas_attention import PallasVerification, verify_pallas
 from attnx.core.parallel.ring import ring_attention, ring_work, zigzag_permute, zigzag_unpermute
-from attnx.core.rownorm import softpick, ssmax, stick_breaking
 from attnx.core.scores import (
     Score,
     additive,
@@ -48,7 +45,6 @@ from attnx.core.scores import (
     neg_sq_dist,
     scaled_dot,
 )
-from attnx.core.simplex import entmax15, entmax_bisect, sparsemax
 from attnx.core.weightings import (
     Pointwise,
     RowNormalizer,
@@ -59,6 +55,8 @@ from attnx.core.weightings import (
     register_weighting,
     weights,
 )
+from attnx.core.weightings.rownorm import softpick, ssmax, stick_breaking
+from attnx.core.weightings.simplex import entmax15, entmax_bisect, sparsemax
 
 __all__ = [
     "BLOCKED_MIN_SCORES", "IMPLEMENTATIONS", "ROW_BLOCKED_MIN_SCORES", "Explanation",

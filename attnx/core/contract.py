@@ -33,10 +33,10 @@ answer — identically for ``implementation="dense"`` and ``"blocked"`` (and any
 * **Precision**: every implementation computes (scores, F, statistics, accumulators) in
   max(float32, the input dtype) (:func:`compute_dtype`): bf16/f16 inputs in float32, cast
   back; float64 inputs (``jax_enable_x64``) in float64, in dense (pointwise F and the
-  whole-row weightings of :mod:`attnx.core.rownorm` and :mod:`attnx.core.simplex`, whose
-  bisections then run to float64 resolution), the blocked kernels (pointwise and whole-row)
-  and the ring's blocked steps. The Pallas kernels have no float64 form:
-  ``implementation="pallas"`` raises a ValueError naming the dtype and
+  whole-row weightings of :mod:`attnx.core.weightings.rownorm` and
+  :mod:`attnx.core.weightings.simplex`, whose bisections then run to float64 resolution), the
+  blocked kernels (pointwise and whole-row) and the ring's blocked steps. The Pallas kernels
+  have no float64 form: ``implementation="pallas"`` raises a ValueError naming the dtype and
   ``implementation="blocked"`` (also with ``interpret=True``), and the automatic choice never
   takes them for float64.
 

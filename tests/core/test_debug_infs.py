@@ -1,11 +1,11 @@
 """``jax.debug_infs`` / ``jax.debug_nans`` on the attention paths (issue 41): finite inputs raise
 nothing, forward and gradient, and give the results of the same call without the flags.
 
-A property across modules (attnx/core/weightings.py, api.py, blocked.py, blocked_rows.py):
-the flags check every array an eagerly run operation (or a jitted function) returns, so an
-intentional ±inf in a masked score, or in a kernel's statistic of a row without weight, used to
-stop a user hunting a NaN with JAX's own flags. Pallas is not covered yet (its kernels return
-the statistic +inf for a row without weight; docs/guides/implementations.md).
+A property across modules (attnx/core/weightings/apply.py, api.py, blocked.py,
+blocked_rows.py): the flags check every array an eagerly run operation (or a jitted function)
+returns, so an intentional ±inf in a masked score, or in a kernel's statistic of a row without
+weight, used to stop a user hunting a NaN with JAX's own flags. Pallas is not covered yet (its
+kernels return the statistic +inf for a row without weight; docs/guides/implementations.md).
 """
 
 import contextlib

@@ -5,8 +5,8 @@ max(float32, the input dtype). With x64 enabled, float64 inputs run in float64 i
 blocked kernels (pointwise and whole-row) and the ring's blocked steps; the Pallas kernels have
 no float64 form and ``implementation="pallas"`` raises a ValueError naming float64 and the
 alternative. Before, the blocked kernels and the dense whole-row weightings
-(attnx.core.rownorm, attnx.core.simplex) computed float64 inputs in float32 (1e-7 from a float64
-reference, dense pointwise 5e-16).
+(attnx.core.weightings.rownorm and .simplex) computed float64 inputs in float32 (1e-7 from a
+float64 reference, dense pointwise 5e-16).
 
 The references are float64 brute force in jax.numpy: the T×S scores, the weighting's weights
 written out, the weighted sum, and jax.grad through that. x64 is switched on only inside each
@@ -273,14 +273,15 @@ def test_ring_blocked_steps_compute_in_float64(weighting):
     _assert_close(got, ref, f"ring {weighting}")
 
 
+# The last by bisection (attnx.core.weightings.simplex.entmax_bisect).
 WHOLE_ROW = ["ssmax", "softpick", "stick_breaking", "sparsemax", "entmax15",
-             "entmax:alpha=1.3"]  # the last by bisection (attnx.core.simplex.entmax_bisect)
+             "entmax:alpha=1.3"]
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("weighting", WHOLE_ROW)
 def test_dense_whole_row_computes_in_float64(weighting, causal):
-  # attnx.core.rownorm and attnx.core.simplex: before, float32 inside (5e-8 from float64).
+  # attnx.core.weightings.rownorm and .simplex: before, float32 inside (5e-8 from float64).
   with jax.enable_x64(True):
     q, k, v, g = _inputs(seed=5)
     got = _value_and_grads(
@@ -313,7 +314,7 @@ def test_dense_ssmax_learned_s_float64():
 
 def test_entmax_bisect_steps_follow_the_dtype():
   # n_iter=None (the default) is 30 steps in float32, as before, and 59 in float64.
-  from attnx.core import simplex  # noqa: PLC0415
+  from attnx.core.weightings import simplex  # noqa: PLC0415
 
   x = np.random.default_rng(7).standard_normal((4, 33)) * 3
   for dt in (jnp.float32, jnp.bfloat16):

@@ -16,7 +16,7 @@ def _numeric_params() -> list[tuple[str, str]]:
   """(weighting, parameter) for every numeric parameter of every registered weighting."""
   out = []
   for name in core.list_weightings():
-    factory = weightings_lib._REGISTRY[name]
+    factory = weightings_lib.BUILTIN[name]
     for p, spec in inspect.signature(factory).parameters.items():
       if p != "normalization" and not isinstance(spec.default, str):
         out.append((name, p))

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from jax.test_util import check_grads
 
-from attnx.core import rownorm
 from attnx.core import weightings as W
+from attnx.core.weightings import rownorm
 
 # ---------------------------------------------------------------------------------------------
 # Brute-force references (one row at a time, float64, written straight from the papers).

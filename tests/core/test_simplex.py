@@ -16,8 +16,8 @@ from hypothesis.extra import numpy as hnp
 from jax.test_util import check_grads
 from scipy import optimize
 
-from attnx.core import simplex
 from attnx.core import weightings as W
+from attnx.core.weightings import simplex
 
 EXAMPLE = np.array([-2.0, 0.0, 0.5], np.float32)
 # Rows without ties and with no entry near the support boundary (finite differences are valid).

@@ -15,11 +15,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from attnx.core import rownorm
 from attnx.core import scores as scores_lib
 from attnx.core import weightings as weightings_lib
 from attnx.core.contract import finite, nonfinite_inputs
 from attnx.core.implementations.base import Implementation, Inputs, Problem
+from attnx.core.weightings import rownorm
 
 Array = jax.Array
 

@@ -1,7 +1,7 @@
 """Whole-row normalizers from recent work: SSMax, softpick and stick-breaking attention.
 
-None of these is ``F(s)/ΣF(s)`` with a fixed elementwise F, so they are registered as
-``RowNormalizer``s (see ``docs/references.md``):
+None of these is ``F(s)/ΣF(s)`` with a fixed elementwise F, so each is a
+:class:`~attnx.core.weightings.base.RowNormalizer` (see ``docs/references.md``):
 
 * **SSMax** (Nakanishi 2025, arXiv 2501.19399): softmax((s · log n) · z), n = number of valid
   keys, so the attention does not flatten as the context grows.
@@ -14,8 +14,9 @@ None of these is ``F(s)/ΣF(s)`` with a fixed elementwise F, so they are registe
 All functions compute in float32, or float64 for float64 inputs
 (:func:`attnx.core.contract.compute_dtype`), accept ``where`` (False → weight exactly 0; a fully
 masked row gives zeros with finite gradients; −inf scores count as masked) and stay finite for
-scores of ±1e4. Importing this module registers ``"ssmax"``, ``"softpick"`` and
-``"stick_breaking"``.
+scores of ±1e4. :func:`ssmax_weighting`, :func:`softpick_weighting` and
+:func:`stick_breaking_weighting` are the weightings ``"ssmax"``, ``"softpick"`` and
+``"stick_breaking"`` of the registry (:mod:`attnx.core.weightings.registry`).
 """
 
 from __future__ import annotations
@@ -26,9 +27,9 @@ import jax
 import jax.numpy as jnp
 
 from attnx.core import params as params_lib
-from attnx.core import weightings as weightings_lib
 from attnx.core.contract import compute_dtype
 from attnx.core.streaming import RowStream
+from attnx.core.weightings.base import RowNormalizer, label
 
 Array = jax.Array
 
@@ -171,42 +172,40 @@ def stick_breaking(x: Array, axis: int = -1, where: Array | None = None) -> Arra
 
 
 # --------------------------------------------------------------------------------------------
-# Registry.
+# The weightings.
 # --------------------------------------------------------------------------------------------
 
-def _make_ssmax(s: float = SSMAX_DEFAULT_S) -> weightings_lib.RowNormalizer:
-  """softmax((s·log n)·z), n = number of valid keys (Nakanishi 2025)."""
+def ssmax_weighting(s: float = SSMAX_DEFAULT_S) -> RowNormalizer:
+  """softmax((s·log n)·z), n = valid keys (Nakanishi 2025, arXiv 2501.19399)
+
+  The weighting ``"ssmax:s=..."``: :func:`ssmax` with a fixed ``s``.
+  """
   s = params_lib.number("weighting 'ssmax'", "s", s)
-  return weightings_lib.RowNormalizer(
-      name=weightings_lib._label("ssmax", s=None if s == SSMAX_DEFAULT_S else s),
+  return RowNormalizer(
+      name=label("ssmax", s=None if s == SSMAX_DEFAULT_S else s),
       fn=lambda z, w, ax: ssmax(z, axis=ax, where=w, s=s), stream=RowStream("ssmax", s=s),
       # softmax of c·z, c = s·log n per row: a shift c·M of every c·z cancels.
       sums_to_one=True, shift_invariant=True)
 
 
-def _make_softpick(eps: float = SOFTPICK_EPS) -> weightings_lib.RowNormalizer:
-  """relu(eᶻ − 1)/(Σ|eᶻ − 1| + ε) (arXiv 2504.20966)."""
+def softpick_weighting(eps: float = SOFTPICK_EPS) -> RowNormalizer:
+  """relu(e^s − 1)/(Σ|e^s − 1| + ε), rows sum to < 1 (arXiv 2504.20966)
+
+  The weighting ``"softpick:eps=..."``: :func:`softpick` with a fixed ``eps``.
+  """
   eps = params_lib.number("weighting 'softpick'", "eps", eps, low=0.0)
-  return weightings_lib.RowNormalizer(
-      name=weightings_lib._label("softpick", eps=None if eps == SOFTPICK_EPS else eps),
+  return RowNormalizer(
+      name=label("softpick", eps=None if eps == SOFTPICK_EPS else eps),
       fn=lambda z, w, ax: softpick(z, axis=ax, where=w, eps=eps),
       stream=RowStream("softpick", eps=eps),
       zero_on_nonpositive=True)  # relu(e^z − 1) = 0 for z ≤ 0; rows sum to < 1
 
 
-def _make_stick_breaking() -> weightings_lib.RowNormalizer:
-  """σ(z_j) Π_{k>j}(1 − σ(z_k)) (Tan et al. 2024)."""
-  return weightings_lib.RowNormalizer(
+def stick_breaking_weighting() -> RowNormalizer:
+  """σ(s_j)Π_{k>j}(1 − σ(s_k)), last key first, rows sum to ≤ 1 (Tan et al. 2024)
+
+  The weighting ``"stick_breaking"``: :func:`stick_breaking`.
+  """
+  return RowNormalizer(
       name="stick_breaking", fn=lambda z, w, ax: stick_breaking(z, axis=ax, where=w),
       stream=RowStream("stick_breaking"))  # σ(z) > 0; rows sum to ≤ 1; no trait holds
-
-
-weightings_lib.register_weighting(
-    "ssmax", _make_ssmax, overwrite=True,
-    doc="softmax((s·log n)·z), n = valid keys (Nakanishi 2025, arXiv 2501.19399)")
-weightings_lib.register_weighting(
-    "softpick", _make_softpick, overwrite=True,
-    doc="relu(e^s − 1)/(Σ|e^s − 1| + ε), rows sum to < 1 (arXiv 2504.20966)")
-weightings_lib.register_weighting(
-    "stick_breaking", _make_stick_breaking, overwrite=True,
-    doc="σ(s_j)Π_{k>j}(1 − σ(s_k)), last key first, rows sum to ≤ 1 (Tan et al. 2024)")

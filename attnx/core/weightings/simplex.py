@@ -29,8 +29,9 @@ known failure of reference entmax15 on fully masked rows), and their weight is t
 exactly 0. Scores equal to −inf are treated as masked too. A fully masked
 row returns all zeros with zero gradients.
 
-Importing this module registers the ``RowNormalizer`` weightings ``"sparsemax"``,
-``"entmax15"`` and ``"entmax"`` (``"entmax:alpha=1.3,n_iter=40"``).
+:func:`sparsemax_weighting`, :func:`entmax15_weighting` and :func:`entmax_weighting` are the
+``RowNormalizer`` weightings ``"sparsemax"``, ``"entmax15"`` and ``"entmax"``
+(``"entmax:alpha=1.3,n_iter=40"``) of the registry (:mod:`attnx.core.weightings.registry`).
 """
 
 from __future__ import annotations
@@ -42,9 +43,9 @@ import jax
 import jax.numpy as jnp
 
 from attnx.core import params as params_lib
-from attnx.core import weightings as weightings_lib
 from attnx.core.contract import compute_dtype
 from attnx.core.streaming import RowStream
+from attnx.core.weightings.base import RowNormalizer, label
 
 Array = jax.Array
 
@@ -311,7 +312,7 @@ def entmax_bisect(x: Array, alpha: float = 1.5, axis: int = -1, where: Array | N
       fully masked rows get all zeros.
     n_iter: bisection steps; the bracket has width ≤ log n, so 30 reach float32 resolution.
       None (the default) takes enough for the compute dtype: 30 for float32 and 16-bit
-      inputs, 59 for float64 ones (``attnx.core.simplex.default_n_iter``).
+      inputs, 59 for float64 ones (``attnx.core.weightings.simplex.default_n_iter``).
 
   Returns:
     float32 weights (float64 for float64 inputs) of ``x``'s shape.
@@ -327,41 +328,50 @@ def entmax_bisect(x: Array, alpha: float = 1.5, axis: int = -1, where: Array | N
 
 
 # --------------------------------------------------------------------------------------------
-# Registry.
+# The weightings.
 # --------------------------------------------------------------------------------------------
 
 def _check_scale(name: str, scale: float) -> float:
   return params_lib.number(f"weighting {name!r}", "scale", scale, low=0.0)
 
 
-def _row(base: str, fn, scale: float, stream: RowStream,
-         **params) -> weightings_lib.RowNormalizer:
-  name = weightings_lib._label(base, **params, scale=None if scale == 1.0 else scale)
+def _row(base: str, fn, scale: float, stream: RowStream, **params) -> RowNormalizer:
+  name = label(base, **params, scale=None if scale == 1.0 else scale)
   # Projections onto the simplex: rows sum to one, and [x − τ]₊ moves τ with a shift of x.
   traits = dict(sums_to_one=True, shift_invariant=True)
   if scale == 1.0:
-    return weightings_lib.RowNormalizer(name=name, fn=lambda s, w, ax: fn(s, axis=ax, where=w),
-                                        stream=stream, **traits)
-  return weightings_lib.RowNormalizer(name=name,
-                                      fn=lambda s, w, ax: fn(scale * s, axis=ax, where=w),
-                                      stream=stream, **traits)
+    return RowNormalizer(name=name, fn=lambda s, w, ax: fn(s, axis=ax, where=w),
+                         stream=stream, **traits)
+  return RowNormalizer(name=name, fn=lambda s, w, ax: fn(scale * s, axis=ax, where=w),
+                       stream=stream, **traits)
 
 
-def _make_sparsemax(scale: float = 1.0) -> weightings_lib.RowNormalizer:
-  """sparsemax(scale·s) = [scale·s − τ]₊ (Martins & Astudillo 2016)."""
+def sparsemax_weighting(scale: float = 1.0) -> RowNormalizer:
+  """[s − τ]₊, Euclidean projection onto the simplex (Martins & Astudillo 2016)
+
+  The weighting ``"sparsemax:scale=..."``: :func:`sparsemax` of ``scale`` · s.
+  """
   scale = _check_scale("sparsemax", scale)
   return _row("sparsemax", sparsemax, scale, RowStream("entmax", alpha=2.0, scale=scale))
 
 
-def _make_entmax15(scale: float = 1.0) -> weightings_lib.RowNormalizer:
-  """1.5-entmax(scale·s), exact (Peters et al. 2019)."""
+def entmax15_weighting(scale: float = 1.0) -> RowNormalizer:
+  """[s/2 − τ]₊², exact 1.5-entmax (Peters et al. 2019)
+
+  The weighting ``"entmax15:scale=..."``: :func:`entmax15` of ``scale`` · s.
+  """
   scale = _check_scale("entmax15", scale)
   return _row("entmax15", entmax15, scale, RowStream("entmax", alpha=1.5, scale=scale))
 
 
-def _make_entmax(alpha: float = 1.5, n_iter: int | None = None,
-                 scale: float = 1.0) -> weightings_lib.RowNormalizer:
-  """α-entmax(scale·s) (Peters et al. 2019); exact algorithms for α ∈ {1.5, 2} unless n_iter."""
+def entmax_weighting(alpha: float = 1.5, n_iter: int | None = None,
+                     scale: float = 1.0) -> RowNormalizer:
+  """[(α−1)s − τ]₊^{1/(α−1)}, α-entmax by bisection (param alpha>1, n_iter)
+
+  The weighting ``"entmax:alpha=...,n_iter=...,scale=..."``: α-entmax of ``scale`` · s, with
+  the exact algorithms for α ∈ {1.5, 2} (:func:`entmax15`, :func:`sparsemax`) unless
+  ``n_iter`` is given, else :func:`entmax_bisect`.
+  """
   alpha = _check_alpha(alpha)
   scale = _check_scale("entmax", scale)
   if n_iter is not None:
@@ -377,14 +387,3 @@ def _make_entmax(alpha: float = 1.5, n_iter: int | None = None,
   stream = RowStream("entmax", alpha=alpha, scale=scale,
                      renormalize=fn not in (sparsemax, entmax15))
   return _row("entmax", fn, scale, stream, alpha=alpha, n_iter=n_iter)
-
-
-weightings_lib.register_weighting(
-    "sparsemax", _make_sparsemax, overwrite=True,
-    doc="[s − τ]₊, Euclidean projection onto the simplex (Martins & Astudillo 2016)")
-weightings_lib.register_weighting(
-    "entmax15", _make_entmax15, overwrite=True,
-    doc="[s/2 − τ]₊², exact 1.5-entmax (Peters et al. 2019)")
-weightings_lib.register_weighting(
-    "entmax", _make_entmax, overwrite=True,
-    doc="[(α−1)s − τ]₊^{1/(α−1)}, α-entmax by bisection (param alpha>1, n_iter)")

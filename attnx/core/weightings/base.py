@@ -1,0 +1,181 @@
+"""Weightings: how a row of scores s_j becomes attention weights w_j.
+
+Two families (see ``docs/references.md``):
+
+* :class:`Pointwise` — ``w_j = F(s_j) / N`` with an elementwise F and a normalizer N chosen by
+  ``normalization``: ``"sum"`` (N = Σ_l F(s_l) + offset, the attention formula of Alam et al.),
+  ``"length"`` (N = number of valid keys, ReLU attention of Wortsman et al. 2023) or ``"none"``
+  (N = 1, sigmoid attention of Ramapuram et al. 2024). The streaming kernels accumulate
+  numerator and denominator tile by tile.
+* :class:`RowNormalizer` — anything that needs the whole row at once (sparsemax, entmax,
+  stick-breaking, softpick, SSMax): a dense function of the row, and a
+  :class:`~attnx.core.streaming.RowStream` that says how the streaming kernels (blocked, Pallas,
+  ring) run it in a few passes over the keys.
+
+This module holds the two classes, their traits and the helpers every constructor shares
+(:func:`label`, :func:`check_normalization`); the constructors are in
+:mod:`~attnx.core.weightings.pointwise`, :mod:`~attnx.core.weightings.rownorm` and
+:mod:`~attnx.core.weightings.simplex`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from attnx.core.streaming import RowStream
+
+Array = jax.Array
+Normalization = str  # "sum" | "length" | "none"
+NORMALIZATIONS = ("sum", "length", "none")
+
+@dataclasses.dataclass(frozen=True)
+class Pointwise:
+  """An elementwise weighting F with a normalization mode.
+
+  Attributes:
+    name: registry name (with parameters, e.g. ``"power:p=3"``).
+    fn: ``F(z, num_keys) -> array``, elementwise on float32 scores; ``num_keys`` is the static
+      number of keys S (used by e.g. sigmoid's default bias −log S).
+    normalization: ``"sum"``, ``"length"`` or ``"none"``.
+    exp_alpha: if not None, ``F(z) = exp(exp_alpha * z)`` and, with ``normalization="sum"``,
+      kernels subtract a running row maximum (online softmax), which makes the weights exactly
+      invariant to a shift of all scores (Alam et al.) and overflow-free.
+    denominator_offset: a constant added to the denominator (``softmax_plus_one`` uses 1). For
+      online-max weightings it acts like a virtual key with score 0: kernels start the running
+      max at 0 and the running denominator at ``denominator_offset``.
+    distance_kernel: F is a kernel of a distance, K(d) with s = −d²: it is meaningful only on
+      a distance score (``neg_sq_dist``, ``metric``), which :func:`attnx.core.attention`
+      enforces.
+    zero_on_nonpositive: declared trait (see :data:`TRAITS`): F(s) = 0 for every s ≤ 0, so
+      every weight at a score ≤ 0 is 0 under any normalization. Default False ("not known"),
+      also for a callable F: pass ``get_weighting(F, zero_on_nonpositive=True)`` to declare it.
+
+  The other traits follow from the fields: ``sums_to_one`` from the normalization,
+  ``shift_invariant`` from ``exp_alpha`` (declare F = exp(αs) through ``exp_alpha``, not as a
+  callable, for it to be known), ``stream_rule`` from :attr:`online_max` and the normalization.
+  """
+
+  name: str
+  fn: Callable[[Array, int], Array]
+  normalization: Normalization = "sum"
+  exp_alpha: float | None = None
+  denominator_offset: float = 0.0
+  distance_kernel: bool = False
+  zero_on_nonpositive: bool = False
+
+  kind = "pointwise"
+
+  @property
+  def online_max(self) -> bool:
+    """Whether kernels should stream this weighting with a running maximum (softmax-like)."""
+    return self.exp_alpha is not None and self.normalization == "sum"
+
+  @property
+  def sums_to_one(self) -> bool:
+    """F(s)/ΣF(s): sum normalization without a denominator offset (true for any F; rows where
+    every valid F(s) is 0 stay all zero, see :data:`TRAITS`)."""
+    return self.normalization == "sum" and self.denominator_offset == 0
+
+  @property
+  def shift_invariant(self) -> bool:
+    """exp(αs)/Σexp(αs): the only sum-normalized increasing F with w(s + c) = w(s) (Alam et
+    al.); an offset in the denominator breaks it (a virtual key of fixed score 0)."""
+    return self.online_max and self.denominator_offset == 0
+
+  @property
+  def stream_rule(self) -> str:
+    """How the streaming kernels accumulate it: ``"online_max"`` (running max, softmax-like)
+    or the normalization (``"sum"``, ``"length"``, ``"none"``)."""
+    return "online_max" if self.online_max else self.normalization
+
+  @property
+  def traits(self) -> dict[str, Any]:
+    """``{trait: value}`` for every name in :data:`TRAITS`."""
+    return _traits(self)
+
+  def __call__(self, z: Array, num_keys: int) -> Array:
+    return self.fn(z, num_keys)
+
+  def derivative(self, z: Array, num_keys: int) -> Array:
+    """F'(z), elementwise, via a forward-mode JVP (exact for any differentiable F)."""
+    return jax.jvp(lambda t: self.fn(t, num_keys), (z,), (jnp.ones_like(z),))[1]
+
+
+@dataclasses.dataclass(frozen=True)
+class RowNormalizer:
+  """A weighting that needs the whole row: ``fn(scores, where, axis) -> weights``.
+
+  Attributes:
+    name: registry name (with parameters).
+    fn: the dense implementation.
+    stream: how the streaming kernels run it (:class:`attnx.core.streaming.RowStream`), or
+      None for a weighting that runs dense only.
+    sums_to_one, zero_on_nonpositive, shift_invariant: declared traits (see :data:`TRAITS`),
+      set by the weighting's constructor. Default False: "not known to hold".
+  """
+
+  name: str
+  fn: Callable[[Array, Array | None, int], Array]
+  stream: RowStream | None = None
+  sums_to_one: bool = False
+  zero_on_nonpositive: bool = False
+  shift_invariant: bool = False
+
+  kind = "row"
+  online_max = False
+
+  @property
+  def stream_rule(self) -> str | None:
+    """The streaming family (``stream.family``), or None for a dense-only weighting."""
+    return None if self.stream is None else self.stream.family
+
+  @property
+  def traits(self) -> dict[str, Any]:
+    """``{trait: value}`` for every name in :data:`TRAITS`."""
+    return _traits(self)
+
+
+Weighting = Pointwise | RowNormalizer
+WeightingLike = str | Weighting | Callable[[Array], Array]
+
+# Facts a weighting declares about itself (``w.traits``; filter with ``list_weightings``). They
+# hold for every row of scores, masked keys excluded, up to float32 rounding
+# (tests/core/test_traits.py checks each declaration numerically):
+#   sums_to_one: every row's weights sum to one, except rows that get no weight at all: a row
+#     without a valid key and, for F(s)/ΣF(s), a row where every valid F(s) is 0 (relu on
+#     all-negative scores, a compact distance kernel beyond its bandwidth). So each row sums
+#     to 1 or is all zero; for F > 0 (softmax) only rows without a valid key are all zero.
+#   zero_on_nonpositive: the weight is exactly 0 at every score s ≤ 0, whatever the rest of the
+#     row (such a weighting gives all-zero weights on a distance score, −d² ≤ 0).
+#   shift_invariant: adding one constant to every score of a row leaves its weights unchanged.
+#   stream: how the streaming kernels run it: for a Pointwise ``"online_max"`` (running
+#     maximum) or its normalization ``"sum"``/``"length"``/``"none"``; for a RowNormalizer the
+#     ``RowStream`` family (``"ssmax"``, ``"softpick"``, ``"stick_breaking"``, ``"entmax"``)
+#     or None (dense only). (``w.stream_rule``: a RowNormalizer's ``w.stream`` is the
+#     RowStream itself, which callers duck-type on.)
+# A trait that is not declared reads False: "not known to hold", never "known to fail".
+TRAITS = ("sums_to_one", "zero_on_nonpositive", "shift_invariant", "stream")
+
+
+def _traits(w: Weighting) -> dict[str, Any]:
+  return {"sums_to_one": bool(w.sums_to_one), "zero_on_nonpositive": bool(w.zero_on_nonpositive),
+          "shift_invariant": bool(w.shift_invariant), "stream": w.stream_rule}
+
+
+def check_normalization(normalization: str, name: str) -> None:
+  """Raises ValueError unless ``normalization`` is one of :data:`NORMALIZATIONS`."""
+  if not isinstance(normalization, str) or normalization not in NORMALIZATIONS:
+    raise ValueError(f"Unknown normalization {normalization!r} for weighting {name!r}; valid: "
+                     f"{', '.join(NORMALIZATIONS)}.")
+
+
+def label(base: str, **params: Any) -> str:
+  """A weighting's name with its parameters: ``label("power", p=3.0)`` is ``"power:p=3.0"``;
+  parameters that are None (left at a default that is not shown) are left out."""
+  shown = ",".join(f"{k}={v}" for k, v in params.items() if v is not None)
+  return f"{base}:{shown}" if shown else base

@@ -108,6 +108,28 @@ def additive(q: Array, k: Array, Wq: Array, Wk: Array, v: Array) -> Array:  # no
 # --------------------------------------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
+class LearnedParam:
+  """A score parameter that a module learns (``attnx.nn``): its shape and initializer.
+
+  Attributes:
+    shape: ``(num_heads, head_dim, width) -> shape``; ``width`` is the module's ``score_dim``
+      (default: the head dim).
+    init: ``(key, shape, dtype) -> array``, a ``jax.nn.initializers`` initializer.
+    uses_width: whether the shape depends on ``width`` (a module's ``score_dim`` applies).
+  """
+
+  shape: Callable[[int, int, int], tuple[int, ...]]
+  init: Callable[..., Array]
+  uses_width: bool = False
+
+
+def _identity_init(key: Any, shape: tuple[int, ...], dtype: Any = jnp.float32) -> Array:
+  """Identity matrices in the last two axes: a bilinear score starts as the plain dot."""
+  del key
+  return jnp.broadcast_to(jnp.eye(shape[-1], dtype=dtype), shape)
+
+
+@dataclasses.dataclass(frozen=True)
 class Score:
   """A registered score.
 
@@ -120,6 +142,8 @@ class Score:
     params: names of the parameters the score accepts.
     distance: whether s = −d² for a (pseudo-)distance d, which the distance kernels
       (``gaussian``, ``boxcar``, ``triangular``, ``epanechnikov``) need.
+    learned: ``((name, LearnedParam), ...)``: the parameters a module learns for this score
+      (``attnx.nn`` creates each as ``score_<name>``); empty for scores without arrays.
   """
 
   name: str
@@ -128,6 +152,7 @@ class Score:
   scaled: bool = False
   params: tuple[str, ...] = ()
   distance: bool = False
+  learned: tuple[tuple[str, LearnedParam], ...] = ()
 
 
 def _neg_sq_dist_to_dot(q: Array, k: Array) -> tuple[Array, Array]:
@@ -148,11 +173,17 @@ _SCORES: dict[str, Score] = {
                     params=("temperature",)),
     "neg_sq_dist": Score("neg_sq_dist", neg_sq_dist, _neg_sq_dist_to_dot, distance=True),
     "bilinear": Score("bilinear", bilinear, lambda q, k, W: (_project(q, W, "W"), k),
-                      params=("W",)),
+                      params=("W",),
+                      learned=(("W", LearnedParam(lambda n, h, r: (n, h, h), _identity_init)),)),
     "metric": Score("metric", metric,
                     lambda q, k, L: _neg_sq_dist_to_dot(_project(q, L, "L"), _project(k, L, "L")),
                     params=("L",), distance=True),
-    "additive": Score("additive", additive, None, params=("Wq", "Wk", "v")),
+    "additive": Score("additive", additive, None, params=("Wq", "Wk", "v"), learned=(
+        ("Wq", LearnedParam(lambda n, h, r: (n, h, r), jax.nn.initializers.lecun_normal(), True)),
+        ("Wk", LearnedParam(lambda n, h, r: (n, h, r), jax.nn.initializers.lecun_normal(), True)),
+        ("v", LearnedParam(lambda n, h, r: (r,), lambda key, shape, dtype=jnp.float32:
+                           jax.nn.initializers.normal(shape[0] ** -0.5)(key, shape, dtype),
+                           True)))),
 }
 
 

@@ -27,7 +27,11 @@ from attnx.nn import rotary as rotary_lib
 Array = jax.Array
 
 # Scores whose learned parameters have a free width (``score_dim``).
-SCORE_DIM_SCORES = ("metric", "additive")
+# Scores whose width a module's score_dim sets: metric's rank (its features), and every score
+# with a learned parameter whose shape uses the width.
+SCORE_DIM_SCORES = ("metric",) + tuple(
+    name for name in core.list_scores()
+    if any(spec.uses_width for _, spec in core.get_score(name).learned))
 
 
 def _ssmax_init(weighting: Any) -> float | None:
@@ -180,19 +184,16 @@ class MultiHeadAttention(nn.Module, kw_only=True):
     return self.score_dim
 
   def _score_params(self, head_dim: int) -> dict[str, Array] | None:
-    """Learned per-head parameters of parametrized scores (None for the others)."""
-    name = _util.score_name(self.score)
+    """The learned parameters the score declares (:class:`attnx.core.scores.LearnedParam`),
+    ``score_<name>`` each; None for a score without any (a user callable included)."""
+    if _util.score_name(self.score) is None:
+      return None
+    learned = core.get_score(self.score).learned
+    if not learned:
+      return None
     n, r = self.num_heads, self._score_width() or head_dim
-    if name == "bilinear":
-      # Identity start: the score begins as the plain dot product.
-      eye = lambda key, shape, dtype: jnp.broadcast_to(jnp.eye(shape[-1], dtype=dtype), shape)
-      return {"W": self.param("score_W", eye, (n, head_dim, head_dim), self.param_dtype)}
-    if name == "additive":
-      init = nn.initializers.lecun_normal()
-      return {"Wq": self.param("score_Wq", init, (n, head_dim, r), self.param_dtype),
-              "Wk": self.param("score_Wk", init, (n, head_dim, r), self.param_dtype),
-              "v": self.param("score_v", nn.initializers.normal(r ** -0.5), (r,), self.param_dtype)}
-    return None
+    return {name: self.param(f"score_{name}", spec.init, spec.shape(n, head_dim, r),
+                             self.param_dtype) for name, spec in learned}
 
   @nn.compact
   def __call__(self, inputs_q: Array, inputs_kv: Array | None = None, *,

@@ -126,3 +126,20 @@ class ScoresTest(parameterized.TestCase):
       core.attention(q, k, k, score="cosine", score_params={"tau": 1.0})
     assert core.list_scores() == sorted(["dot", "scaled_dot", "cosine", "neg_sq_dist",
                                          "bilinear", "additive", "metric"])
+
+
+def test_learned_parameters_are_declared_by_the_score():
+  # What attnx.nn modules learn for a score comes from the score object: names, shapes from
+  # (heads, head dim, width), initializers.
+  bilinear, additive = core.get_score("bilinear"), core.get_score("additive")
+  assert [name for name, _ in bilinear.learned] == ["W"]
+  assert [name for name, _ in additive.learned] == ["Wq", "Wk", "v"]
+  shapes = {name: spec.shape(4, 8, 5) for name, spec in additive.learned}
+  assert shapes == {"Wq": (4, 8, 5), "Wk": (4, 8, 5), "v": (5,)}
+  assert all(spec.uses_width for _, spec in additive.learned)
+  (_, w_spec), = bilinear.learned
+  assert w_spec.shape(4, 8, 5) == (4, 8, 8) and not w_spec.uses_width
+  w0 = w_spec.init(jax.random.PRNGKey(0), (2, 3, 3), jnp.float32)
+  np.testing.assert_array_equal(w0, np.broadcast_to(np.eye(3), (2, 3, 3)))  # starts as the dot
+  for name in ("dot", "scaled_dot", "cosine", "neg_sq_dist"):
+    assert core.get_score(name).learned == ()

@@ -4,6 +4,7 @@ import chex
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from attnx import core
@@ -167,3 +168,23 @@ def test_blocked_implementation_equals_dense():
   blocked = dense.clone(implementation="blocked")
   params = dense.init(KEY, X)
   chex.assert_trees_all_close(blocked.apply(params, X), dense.apply(params, X), atol=1e-4)
+
+
+def test_a_users_score_with_learned_parameters_is_learned_by_the_module():
+  # The module reads a score's learned parameters from the score object (no list of names):
+  # a user's Score with one (a per-head scale of q·k) gets it as score_<name>, with gradients.
+  from attnx.core.scores import LearnedParam, Score  # noqa: PLC0415
+
+  scaled = Score("head_scaled_dot",
+                 lambda q, k, g: core.dot(q, k) * g[:, None, None],
+                 lambda q, k, g: (q * g[:, None], k), params=("g",), learned=(
+                     ("g", LearnedParam(lambda n, h, r: (n,), jax.nn.initializers.ones)),))
+  m = MultiHeadAttention(num_heads=2, qkv_features=8, score=scaled)
+  x = jax.random.normal(jax.random.PRNGKey(1), (1, 5, 8))
+  variables = m.init(jax.random.PRNGKey(0), x)
+  np.testing.assert_array_equal(variables["params"]["score_g"], np.ones(2))
+  plain = MultiHeadAttention(num_heads=2, qkv_features=8, score="dot")
+  rest = {k: v for k, v in variables["params"].items() if k != "score_g"}
+  np.testing.assert_allclose(m.apply(variables, x), plain.apply({"params": rest}, x), atol=1e-6)
+  grad = jax.grad(lambda p: jnp.sum(m.apply({"params": p}, x) ** 2))(variables["params"])
+  assert np.all(np.asarray(grad["score_g"]) != 0)

@@ -60,12 +60,10 @@ from attnx.core.weightings import Pointwise
 Array = jax.Array
 
 # Tiles are sized by a budget of scores per tile (all heads of a chunk × G query heads × bq ×
-# bk). Measured side by side on a 2-core CPU (Intel Xeon, AVX-512) at (B, T, N, H) =
-# (1, 4096, 4, 64), forward: one head at a time with 4096×256 tiles 131 ms, 2048×512 147 ms,
-# four heads batched with 1024×256 tiles 156 ms (jax.nn: 412 ms). XLA's CPU dots are faster
-# on one tall [bq, H] × [H, bk] product than on a batch of shorter ones, so the kernel walks
-# the heads in chunks and gives each chunk the tallest tile the budget allows. 2^20 f32
-# scores = 4 MiB per tile keeps the scratch memory ≥ 20× below jax.nn's at T = 4096.
+# bk): XLA's CPU dots are faster on one tall [bq, H] × [H, bk] product than on a batch of
+# shorter ones, so the kernel walks the heads in chunks and gives each chunk the tallest tile
+# the budget allows; 2^20 f32 scores = 4 MiB per tile (measured: docs/guides/benchmarks.md,
+# "The kernels' constants").
 TILE_BUDGET = 1 << 20
 DEFAULT_BLOCK_K = 256
 # Causal: the side of the masked diagonal tiles (see "Causal" below). The work is T²/2 + T·d/2

@@ -45,19 +45,9 @@ Array = jax.Array
 F32 = jnp.float32
 
 # Causal tiles (block_q, block_k): query blocks short enough that the tiles above the diagonal
-# are skipped, and, measured side by side (2-core Xeon, causal fwd+bwd time over blocked
-# softmax, 1×4096×4×64 unless named; tiles 256×256 → 512×512):
-#   softpick 1.41 → 1.09 (1×8192×2×64: 1.82 → 1.23), sparsemax 3.47 → 2.65, 1.5-entmax
-#   3.71 → 2.56, α = 1.3 5.22 → 4.03; at 2×1024×8×64 softpick 1.11 → 1.10, sparsemax
-#   2.47 → 2.32.
-# Stick-breaking, whose tiles hold the most intermediates (log σ, the in-tile cumulative sums),
-# is slower with 512 keys a tile (2.30 → 2.51) and fastest with 512×256 from T = 2048 on
-# (1×2048×8×64: 1.99 → 1.88; 1×4096×4×64: 2.30 → 2.03; 1×8192×2×64: 3.01 → 2.47) but with
-# 256×256 below (2×1024×8×64: 1.64, 512×256: 1.87).
-# Full (non-causal) rows keep the pointwise kernel's query blocks (4096 rows at this shape) with
-# key tiles of 512 but for stick-breaking (1×4096×4×64, fwd+bwd, ÷ blocked softmax, 256 → 512
-# keys a tile): softpick 1.27 → 1.20, sparsemax 3.12 → 2.86, 1.5-entmax 3.30 → 3.00, α = 1.3
-# 5.44 → 5.21; stick-breaking 2.35 → 3.31.
+# are skipped; stick-breaking, whose tiles hold the most intermediates, takes fewer keys a tile
+# and shorter query blocks below T = 2048 (measured: docs/guides/benchmarks.md, "The kernels'
+# constants").
 CAUSAL_BLOCK_Q = 512
 BLOCK_K = 512
 STICK_BLOCK_K = 256

@@ -34,26 +34,13 @@ from attnx.core.implementations.base import (
 
 Array = jax.Array
 
-# Above this many score entries per (batch, head), the blocked kernel is used by default.
-# Re-measured with the triangle-shaped causal kernel (blocked / dense time, float32, one pinned
-# core of a shared 2-core Xeon, medians of 5–25 round-robin runs, fwd | fwd+bwd; full, causal):
-#   T = 17   (64×17×4×8, digits ViT):  full 1.28 | 2.08,  causal 1.19 | 2.00
-#   T = 64   (8×64×4×64):              full 0.79 | 1.11,  causal 0.87 | 1.14
-#   T = 128  (8×128×4×64):             full 0.74 | 1.11,  causal 0.80 | 1.14
-#   T = 256  (2×256×4×64):             full 0.76 | 1.15,  causal 0.62 | 0.92
-#   T = 512  (2×512×4×64):             full 0.82 | 0.92,  causal 0.53 | 0.87
-#   T = 1024 (2×1024×4×64):            full 0.56 | 0.62,  causal 0.34 | 0.54
-# Training is fwd+bwd: dense is faster up to T = 256 (full) and the causal gain at T = 256 is
-# small, blocked wins everywhere from T = 512 on, so the threshold stays at 512².
-# (experiments/kernel_benchmark.py times both implementations at larger shapes.)
+# Above this many score entries per (batch, head), the blocked kernel is used by default:
+# measured, training (fwd+bwd) is faster dense below (docs/guides/benchmarks.md, "The
+# kernels' constants").
 BLOCKED_MIN_SCORES = 512 * 512
-# The whole-row weightings are slower dense than softmax (a sort-free threshold search,
-# cumulative sums, more transcendentals per score) and their blocked kernel wins earlier.
-# fwd+bwd time blocked / dense, float32, 2-core AMD EPYC, full | causal (kernel benchmark,
-# `rows` preset, 2026-11-25): at T = 256 (8×256×8×64) ssmax 0.83 | 0.78, softpick 0.78 | 0.77,
-# stick_breaking 0.85 | 0.83, sparsemax 0.65 | 0.67, entmax15 0.75 | 0.72, entmax:alpha=1.3
-# 0.48 | 0.50; measured side by side at T = 128 (16×128×4×64, while another process ran) the
-# ratios were 0.63–0.95 with one loss (sparsemax full, 1.33). So blocked from 256² on.
+# The whole-row weightings are slower dense than softmax (a threshold search, cumulative
+# sums, more transcendentals per score), so their blocked kernel wins earlier (measured:
+# docs/guides/benchmarks.md, "The kernels' constants").
 ROW_BLOCKED_MIN_SCORES = 256 * 256
 
 

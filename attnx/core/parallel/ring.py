@@ -45,10 +45,8 @@ copy of the one it sends, dK/dV sent and received, dQ, the kernel's own accumula
 kv heads run in passes (``kv_head_block`` per pass, by default as many as keep a pass' query
 shard within :data:`PASS_BUDGET` elements): one whole ring per pass, one pass after the other,
 each over its heads only. The contract's input step runs per pass too, and stick-breaking's
-saved states are reduced to per-row carries before the backward's passes. Measured at
-T = 65 536 over 8 devices (B = 1, N = 8, H = 64, XLA CPU, compiled fwd+bwd temp bytes per
-device ÷ the single-device blocked kernel's): causal zigzag softmax 0.014, SSMax 0.067,
-stick-breaking 0.137, non-causal softmax 0.094 (0.24 in one pass of all heads).
+saved states are reduced to per-row carries before the backward's passes (the memory this
+saves is measured in docs/guides/ring.md).
 
 Masks and biases follow :func:`attnx.core.attention` ([batch..., N, T, S]-broadcastable, True
 = attend), with their T and S axes given per device as:

@@ -52,7 +52,7 @@ def check_inputs(q: Array, k: Array, v: Array, bias: Array | None, mask: Array |
     _fail(f"query heads N={n} must be a multiple of key/value heads K={kh}; got {shapes}.")
   if q.shape[-1] == 0 or k.shape[-1] == 0:
     _fail(f"query and key need a head dim H ≥ 1; got {shapes}.")
-  if score.name in ("dot", "scaled_dot", "cosine", "neg_sq_dist") and q.shape[-1] != k.shape[-1]:
+  if score.equal_head_dims and q.shape[-1] != k.shape[-1]:
     _fail(f"score {score.name!r} needs equal query/key head dims; got {shapes}.")
   for name, x in (("query", q), ("key", k), ("value", v)):
     if not jnp.issubdtype(x.dtype, jnp.floating):

@@ -144,6 +144,8 @@ class Score:
       (``gaussian``, ``boxcar``, ``triangular``, ``epanechnikov``) need.
     learned: ``((name, LearnedParam), ...)``: the parameters a module learns for this score
       (``attnx.nn`` creates each as ``score_<name>``); empty for scores without arrays.
+    equal_head_dims: whether queries and keys must have the same head dim (the score compares
+      them directly; the parametrized scores map them first).
   """
 
   name: str
@@ -153,6 +155,7 @@ class Score:
   params: tuple[str, ...] = ()
   distance: bool = False
   learned: tuple[tuple[str, LearnedParam], ...] = ()
+  equal_head_dims: bool = False
 
 
 def _neg_sq_dist_to_dot(q: Array, k: Array) -> tuple[Array, Array]:
@@ -165,13 +168,15 @@ def _neg_sq_dist_to_dot(q: Array, k: Array) -> tuple[Array, Array]:
 
 
 _SCORES: dict[str, Score] = {
-    "dot": Score("dot", dot, lambda q, k: (q, k)),
-    "scaled_dot": Score("scaled_dot", lambda q, k: dot(q, k), lambda q, k: (q, k), scaled=True),
+    "dot": Score("dot", dot, lambda q, k: (q, k), equal_head_dims=True),
+    "scaled_dot": Score("scaled_dot", lambda q, k: dot(q, k), lambda q, k: (q, k), scaled=True,
+                        equal_head_dims=True),
     "cosine": Score("cosine", lambda q, k, temperature=1.0: cosine(q, k, temperature),
                     lambda q, k, temperature=1.0: (_l2_normalize(q) / temperature,
                                                    _l2_normalize(k)),
-                    params=("temperature",)),
-    "neg_sq_dist": Score("neg_sq_dist", neg_sq_dist, _neg_sq_dist_to_dot, distance=True),
+                    params=("temperature",), equal_head_dims=True),
+    "neg_sq_dist": Score("neg_sq_dist", neg_sq_dist, _neg_sq_dist_to_dot, distance=True,
+                         equal_head_dims=True),
     "bilinear": Score("bilinear", bilinear, lambda q, k, W: (_project(q, W, "W"), k),
                       params=("W",),
                       learned=(("W", LearnedParam(lambda n, h, r: (n, h, h), _identity_init)),)),

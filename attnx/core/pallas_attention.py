@@ -71,8 +71,9 @@ _LOG = logging.getLogger(__name__)
 
 __all__ = ["BACKENDS", "BlockSizes", "PallasVerification", "backend_for_platform",
            "check_block_sizes", "choose_pallas", "clear_verifications", "decline_reason",
-           "default_block_sizes", "pallas_attention", "resolve_backend", "self_check",
-           "supported", "verify_pallas"]
+           "default_block_sizes", "gpu_tiles", "kernel_inputs", "kernel_tiles", "pad_to",
+           "pallas_attention", "q_align", "resolve_backend", "self_check", "supported",
+           "verify_pallas", "weighting_key"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -211,7 +212,7 @@ _TPU_DEFAULT = dict(block_q=256, block_k=512, block_q_dq=256, block_k_dq=256,
                     block_q_dkv=256, block_k_dkv=256)
 
 
-def _q_align(backend: str, dtype: Any) -> int:
+def q_align(backend: str, dtype: Any) -> int:
   """TPU query tiles: a multiple of the sublane count of the dtype's (8·packing, 128) tile."""
   return TPU_SUBLANES * (4 // min(jnp.dtype(dtype).itemsize, 4)) if backend == "tpu" else 1
 
@@ -236,7 +237,7 @@ def check_block_sizes(backend: str, dtype: Any = jnp.float32, **blocks: int | No
             f"{max(GPU_MIN_BLOCK, 1 << (int(value).bit_length() - 1))}).")
     else:
       is_q = name.startswith("block_q")
-      align = _q_align(be, dtype) if is_q else TPU_LANES
+      align = q_align(be, dtype) if is_q else TPU_LANES
       if value % align:
         raise ValueError(
             f"{name}={value} is not valid for the TPU (Mosaic) kernels: "
@@ -244,7 +245,7 @@ def check_block_sizes(backend: str, dtype: Any = jnp.float32, **blocks: int | No
             f"({'sublanes of a ' + jnp.dtype(dtype).name + ' tile' if is_q else 'lanes'}).")
 
 
-def _gpu_tiles(head_dim: int | None, family: str | None, dtype: Any) -> dict[str, int]:
+def gpu_tiles(head_dim: int | None, family: str | None, dtype: Any) -> dict[str, int]:
   """The GPU kernels' tiles and warps for a padded head size, a dtype and a streaming family
   (None: pointwise F): :class:`BlockSizes` fields plus ``num_warps`` (forward), ``num_warps_dq``
   and ``num_warps_bwd`` (dK/dV), from :data:`_GPU_TIERS` and :data:`_GPU_FAMILY_TIERS`."""
@@ -275,7 +276,7 @@ def default_block_sizes(backend: str, t: int, s: int, dtype: Any = jnp.float32,
   check_block_sizes(be, dtype, block_q=block_q, block_k=block_k)
   sizes = dict(_TPU_DEFAULT)
   if be == "gpu":
-    sizes = {n: v for n, v in _gpu_tiles(head_dim, family, dtype).items()
+    sizes = {n: v for n, v in gpu_tiles(head_dim, family, dtype).items()
              if n.startswith("block_")}
   for name in sizes:
     given = block_q if name.startswith("block_q") else block_k
@@ -284,7 +285,7 @@ def default_block_sizes(backend: str, t: int, s: int, dtype: Any = jnp.float32,
   if be == "gpu":
     cap_q, cap_k = _pow2(t), _pow2(s)
   else:
-    cap_q, cap_k = _round_up(max(t, 1), _q_align(be, dtype)), _round_up(max(s, 1), TPU_LANES)
+    cap_q, cap_k = _round_up(max(t, 1), q_align(be, dtype)), _round_up(max(s, 1), TPU_LANES)
   return BlockSizes(**{n: min(v, cap_q if n.startswith("block_q") else cap_k)
                        for n, v in sizes.items()})
 
@@ -342,7 +343,7 @@ def _as_4d(x: Array | None, shape4: tuple[int, int, int, int], name: str) -> Arr
   return x
 
 
-def _pad(x: Array, sizes: dict[int, int], value: Any = 0, keep_one: bool = False) -> Array:
+def pad_to(x: Array, sizes: dict[int, int], value: Any = 0, keep_one: bool = False) -> Array:
   """Pads the given axes at the end to the given sizes; with ``keep_one`` a size-1 axis is a
   broadcast (of a bias or mask) and stays as is. q, k and v of length 1 are padded."""
   pads = [(0, 0)] * x.ndim
@@ -458,7 +459,7 @@ def pallas_attention(q: Array, k: Array, v: Array, *, weighting: Any,
       kv_bound=kv_lengths is not None, skip_zero_tiles=skip_zero_tiles)
   if rows:
     if rowc is not None:
-      rowc = _pad(rowc, {2: cfg.tp})
+      rowc = pad_to(rowc, {2: cfg.tp})
     out = pallas_rows.make_kernel(cfg)(q, k, v, bias4, mask4, q_len, kv_len, rowc)
   else:
     out = _make_kernel(cfg)(q, k, v, bias4, mask4, q_len, kv_len)
@@ -475,7 +476,7 @@ def kernel_tiles(be: str, weighting: Any, t: int, s: int, h: int, hv: int, dtype
   blocks = default_block_sizes(be, t, s, dtype, block_q, block_k,
                                head_dim=_round_up(max(h, hv), GPU_MIN_BLOCK), family=family)
   launch = {} if be != "gpu" else {
-      n: v for n, v in _gpu_tiles(_round_up(max(h, hv), GPU_MIN_BLOCK), family,
+      n: v for n, v in gpu_tiles(_round_up(max(h, hv), GPU_MIN_BLOCK), family,
                                   dtype).items() if not n.startswith("block_")}
   if rows and weighting.stream.reverse:
     # Stick-breaking's dQ pass saves its carries at the dK/dV pass's key tiles.
@@ -529,19 +530,19 @@ def kernel_inputs(q: Array, k: Array, v: Array, bias4: Array | None, mask4: Arra
       # 3 stages of f32 tiles (a bias tile too) overflow an A100's 163 KiB of shared memory.
       num_stages=3 if hp <= 128 and q.dtype.itemsize == 2 else 2, num_stages_bwd=2,
       skip_zero_tiles=skip_zero_tiles)
-  q = _pad(q, {1: tp, 3: hp})
-  k = _pad(k, {1: sp, 3: hp})
-  v = _pad(v, {1: sp, 3: hvp})
+  q = pad_to(q, {1: tp, 3: hp})
+  k = pad_to(k, {1: sp, 3: hp})
+  v = pad_to(v, {1: sp, 3: hvp})
   # Narrow dtypes on the TPU only for full-height tiles whose rows fill its packed tiling
   # ((16, 128) for bf16, (32, 128) for int8); 32-bit otherwise.
   min_bq = min(blocks.block_q, blocks.block_q_dq, blocks.block_q_dkv)
   if bias4 is not None:
     if bias4.dtype != jnp.bfloat16 or (be == "tpu" and (min_bq % 16 or bias4.shape[2] == 1)):
       bias4 = bias4.astype(jnp.float32)
-    bias4 = _pad(bias4, {2: tp, 3: sp}, keep_one=True)
+    bias4 = pad_to(bias4, {2: tp, 3: sp}, keep_one=True)
   if mask4 is not None:
     wide = be == "tpu" and (min_bq % 32 or mask4.shape[2] == 1)
-    mask4 = _pad(mask4.astype(jnp.int32 if wide else jnp.int8), {2: tp, 3: sp}, keep_one=True)
+    mask4 = pad_to(mask4.astype(jnp.int32 if wide else jnp.int8), {2: tp, 3: sp}, keep_one=True)
   if rows and be == "tpu":
     need = pallas_rows.tpu_vmem_bytes(cfg, q.dtype, h, hv, bias4, mask4, backward=True)
     if need > pallas_rows.TPU_VMEM_LIMIT:

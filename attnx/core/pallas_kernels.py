@@ -65,8 +65,10 @@ _NT = (((1,), (1,)), ((), ()))  # a @ b.T
 GPU_OPS = streaming.Ops(exp2=True, ones_column=False)
 TPU_OPS = streaming.Ops(exp2=True, ones_column=False, lanes=LANES)
 
-__all__ = ["GPU_OPS", "LANES", "TPU_OPS", "KernelConfig", "backward", "forward", "grad_rows",
-           "head_chunks"]
+__all__ = ["GPU_OPS", "LANES", "TPU_OPS", "KernelConfig", "accumulate_dkv", "backward",
+           "bcast_index", "dot_chunks", "forward", "gpu_bias_specs", "gpu_dkv_passes",
+           "grad_rows", "head_chunks", "kv_hi", "load_chunks", "load_chunks3", "q_range",
+           "ref_cols", "store_chunks", "tile_scores", "tile_valid", "to_lanes_all"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,7 +139,7 @@ def _cdiv(a, b: int):
   return lax.div(a + (b - 1), b)
 
 
-def _kv_hi(cfg: KernelConfig, i, bq: int, bk: int, q_len, kv_len):
+def kv_hi(cfg: KernelConfig, i, bq: int, bk: int, q_len, kv_len):
   """Number of key tiles seen by query tile i (causal: not above the diagonal)."""
   hi = jnp.int32(cfg.sp // bk)
   if cfg.is_causal:
@@ -149,7 +151,7 @@ def _kv_hi(cfg: KernelConfig, i, bq: int, bk: int, q_len, kv_len):
   return hi
 
 
-def _q_range(cfg: KernelConfig, j, bq: int, bk: int, q_len, kv_len):
+def q_range(cfg: KernelConfig, j, bq: int, bk: int, q_len, kv_len):
   """[lo, hi) of the query tiles that see key tile j."""
   lo = lax.div(j * bk, bq) if cfg.is_causal else jnp.int32(0)
   hi = jnp.int32(cfg.tp // bq)
@@ -160,7 +162,7 @@ def _q_range(cfg: KernelConfig, j, bq: int, bk: int, q_len, kv_len):
   return lo, jnp.maximum(hi, lo)
 
 
-def _valid(cfg: KernelConfig, shape: tuple[int, int], r0, c0, mask_tile, q_len, kv_len):
+def tile_valid(cfg: KernelConfig, shape: tuple[int, int], r0, c0, mask_tile, q_len, kv_len):
   """Boolean [bq, bk] validity of a tile (None when every entry is valid)."""
   valid = None
   if mask_tile is not None:  # broadcast as int32, compare after (no i1 broadcasts)
@@ -180,7 +182,7 @@ def _valid(cfg: KernelConfig, shape: tuple[int, int], r0, c0, mask_tile, q_len, 
   return valid
 
 
-def _scores(cfg: KernelConfig, qs, ks, bias_tile):
+def tile_scores(cfg: KernelConfig, qs, ks, bias_tile):
   """The tile score z [bq, bk] float32 (base-2 exponent for online-max weightings).
 
   ``qs``/``ks``: the [bq, c] / [bk, c] chunks of the head dim (one chunk but on the GPU).
@@ -207,7 +209,7 @@ def _bwd_tile(cfg: KernelConfig, z, valid, dp, rows):
   return streaming.pointwise_tile_grad(cfg.w, z, valid, dp, rows, cfg.s, ops=cfg.ops)
 
 
-def _cols(ref, c0, size: int):
+def ref_cols(ref, c0, size: int):
   """Columns [c0, c0 + size) of a 2-D ref (all of it when its last dim is broadcast)."""
   if ref.shape[-1] == 1:
     return ref[...]
@@ -218,7 +220,7 @@ def _cols(ref, c0, size: int):
 # GPU (Triton): grid over query (or key) tiles, in-kernel loops over the other axis.
 # --------------------------------------------------------------------------------------------
 
-def _bcast_index(shape: tuple[int, ...], full: tuple[Any, ...]) -> tuple[Any, ...]:
+def bcast_index(shape: tuple[int, ...], full: tuple[Any, ...]) -> tuple[Any, ...]:
   """Block indices of a bias/mask with broadcast (size-1) dims: 0 along those."""
   return tuple(0 if d == 1 else x for d, x in zip(shape, full, strict=True))
 
@@ -237,20 +239,20 @@ def head_chunks(size: int) -> tuple[tuple[int, int], ...]:
   return tuple(out)
 
 
-def _load_chunks(ref, rows, chunks):
+def load_chunks(ref, rows, chunks):
   return [ref[rows, pl.ds(o, c)] for o, c in chunks]
 
 
-def _load_chunks3(ref, rows, head, chunks):
+def load_chunks3(ref, rows, head, chunks):
   return [ref[rows, head, pl.ds(o, c)] for o, c in chunks]
 
 
-def _store_chunks(ref, values, chunks, mult: float = 1.0):
+def store_chunks(ref, values, chunks, mult: float = 1.0):
   for (o, c), x in zip(chunks, values, strict=True):
     ref[:, pl.ds(o, c)] = (x * mult if mult != 1.0 else x).astype(ref.dtype)
 
 
-def _dot_chunks(as_, bs):
+def dot_chunks(as_, bs):
   """Σ_c a_c @ b_cᵀ (float32)."""
   out = None
   for a, b in zip(as_, bs, strict=True):
@@ -269,19 +271,19 @@ def _gpu_fwd_kernel(*refs, cfg: KernelConfig, has_bias: bool, has_mask: bool):
   hc, vc = head_chunks(q_ref.shape[-1]), head_chunks(v_ref.shape[-1])
   i = pl.program_id(0)
   q_len, kv_len = qlen_ref[0], kvlen_ref[0]
-  qs = _load_chunks(q_ref, slice(None), hc)
+  qs = load_chunks(q_ref, slice(None), hc)
 
   def tile(j):
     c0 = j * bk
     rows = pl.ds(c0, bk)
-    ks, vs = _load_chunks(k_ref, rows, hc), tuple(_load_chunks(v_ref, rows, vc))
-    z = _scores(cfg, qs, ks, None if bias_ref is None else _cols(bias_ref, c0, bk))
-    mask_t = None if mask_ref is None else _cols(mask_ref, c0, bk)
-    return z, vs, _valid(cfg, (bq, bk), i * bq, c0, mask_t, q_len, kv_len)
+    ks, vs = load_chunks(k_ref, rows, hc), tuple(load_chunks(v_ref, rows, vc))
+    z = tile_scores(cfg, qs, ks, None if bias_ref is None else ref_cols(bias_ref, c0, bk))
+    mask_t = None if mask_ref is None else ref_cols(mask_ref, c0, bk)
+    return z, vs, tile_valid(cfg, (bq, bk), i * bq, c0, mask_t, q_len, kv_len)
 
   # The accumulator and V are tuples of head-dim chunks (streaming's rules map over them).
   acc0 = tuple(jnp.zeros((bq, c), jnp.float32) for _, c in vc)
-  hi = _kv_hi(cfg, i, bq, bk, q_len, kv_len)
+  hi = kv_hi(cfg, i, bq, bk, q_len, kv_len)
   if w.online_max:
     def body(j, carry):
       acc, m, l = carry
@@ -300,7 +302,7 @@ def _gpu_fwd_kernel(*refs, cfg: KernelConfig, has_bias: bool, has_mask: bool):
     acc, l = lax.fori_loop(0, hi, body, (acc0, jnp.zeros((bq,), jnp.float32)))
     os_, st = streaming.pointwise_finalize(w, acc, l, num_keys=_uncounted(cfg, has_mask),
                                            ops=ops)
-  _store_chunks(o_ref, os_, vc)
+  store_chunks(o_ref, os_, vc)
   stat_ref[...] = st
 
 
@@ -309,13 +311,13 @@ def _uncounted(cfg: KernelConfig, has_mask: bool) -> int | None:
   return None if cfg.needs_valid(has_mask) else cfg.s
 
 
-def _gpu_specs_bias(x: Array | None, block: tuple[int, ...], index: Callable) -> list:
+def gpu_bias_specs(x: Array | None, block: tuple[int, ...], index: Callable) -> list:
   if x is None:
     return []
   shape = x.shape
   blk = tuple(1 if d == 1 else b for d, b in zip(shape, block, strict=True))
   blk = (None, None) + blk[2:]  # batch and head dims are squeezed
-  return [pl.BlockSpec(blk, lambda *ids: _bcast_index(shape, index(*ids)))]
+  return [pl.BlockSpec(blk, lambda *ids: bcast_index(shape, index(*ids)))]
 
 
 def _gpu_forward(cfg: KernelConfig, q, k, v, bias, mask, q_len, kv_len, out_dtype):
@@ -328,7 +330,7 @@ def _gpu_forward(cfg: KernelConfig, q, k, v, bias, mask, q_len, kv_len, out_dtyp
       pl.BlockSpec((None, cfg.sp, None, hvp), lambda i, bb, h: (bb, 0, lax.div(h, g), 0)),
   ]
   for x in (bias, mask):
-    in_specs += _gpu_specs_bias(x, (1, 1, bq, cfg.sp), lambda i, bb, h: (bb, h, i, 0))
+    in_specs += gpu_bias_specs(x, (1, 1, bq, cfg.sp), lambda i, bb, h: (bb, h, i, 0))
   in_specs += [pl.BlockSpec((1,), lambda i, bb, h: (bb,))] * 2
   kernel = functools.partial(_gpu_fwd_kernel, cfg=cfg, has_bias=bias is not None,
                              has_mask=mask is not None)
@@ -354,26 +356,26 @@ def _gpu_dq_kernel(*refs, cfg: KernelConfig, has_bias: bool, has_mask: bool, wan
   hc, vc = head_chunks(q_ref.shape[-1]), head_chunks(v_ref.shape[-1])
   i = pl.program_id(0)
   q_len, kv_len = qlen_ref[0], kvlen_ref[0]
-  qs, dos = _load_chunks(q_ref, slice(None), hc), _load_chunks(do_ref, slice(None), vc)
+  qs, dos = load_chunks(q_ref, slice(None), hc), load_chunks(do_ref, slice(None), vc)
   r0, r1, delta = r0_ref[...][:, None], r1_ref[...][:, None], dl_ref[...][:, None]
   gq, gb = cfg.grad_mult
 
   def body(j, dq):
     c0 = j * bk
     rows = pl.ds(c0, bk)
-    ks, vs = _load_chunks(k_ref, rows, hc), _load_chunks(v_ref, rows, vc)
-    z = _scores(cfg, qs, ks, None if bias_ref is None else _cols(bias_ref, c0, bk))
-    mask_t = None if mask_ref is None else _cols(mask_ref, c0, bk)
-    valid = _valid(cfg, (bq, bk), i * bq, c0, mask_t, q_len, kv_len)
-    _, dz = _bwd_tile(cfg, z, valid, _dot_chunks(dos, vs), (r0, r1, delta))
+    ks, vs = load_chunks(k_ref, rows, hc), load_chunks(v_ref, rows, vc)
+    z = tile_scores(cfg, qs, ks, None if bias_ref is None else ref_cols(bias_ref, c0, bk))
+    mask_t = None if mask_ref is None else ref_cols(mask_ref, c0, bk)
+    valid = tile_valid(cfg, (bq, bk), i * bq, c0, mask_t, q_len, kv_len)
+    _, dz = _bwd_tile(cfg, z, valid, dot_chunks(dos, vs), (r0, r1, delta))
     if ds_ref is not None:
       ds_ref[:, rows] = dz * gb if gb != 1.0 else dz
     return tuple(a + jnp.dot(dz.astype(k.dtype), finite(k), preferred_element_type=jnp.float32)
                  for a, k in zip(dq, ks, strict=True))
 
-  hi = _kv_hi(cfg, i, bq, bk, q_len, kv_len)
+  hi = kv_hi(cfg, i, bq, bk, q_len, kv_len)
   dq = lax.fori_loop(0, hi, body, tuple(jnp.zeros((bq, c), jnp.float32) for _, c in hc))
-  _store_chunks(dq_ref, dq, hc, gq)
+  store_chunks(dq_ref, dq, hc, gq)
   if ds_ref is not None:  # tiles the loop skipped get a zero score cotangent
     def zero(j, c):
       ds_ref[:, pl.ds(j * bk, bk)] = jnp.zeros((bq, bk), jnp.float32)
@@ -395,18 +397,18 @@ def _gpu_dkv_kernel(*refs, cfg: KernelConfig, has_bias: bool, has_mask: bool,
   hc, vc = head_chunks(k_ref.shape[-1]), head_chunks(v_ref.shape[-1])
   j = pl.program_id(0)
   q_len, kv_len = qlen_ref[0], kvlen_ref[0]
-  ks = _load_chunks(k_ref, slice(None), hc)
+  ks = load_chunks(k_ref, slice(None), hc)
   # dV needs the weights only; dP = dO·Vᵀ (and V) only for dK.
-  vs = _load_chunks(v_ref, slice(None), vc) if want_dk else None
+  vs = load_chunks(v_ref, slice(None), vc) if want_dk else None
   c0 = j * bk
-  lo, hi = _q_range(cfg, j, bq, bk, q_len, kv_len)
+  lo, hi = q_range(cfg, j, bq, bk, q_len, kv_len)
   gq, _ = cfg.grad_mult
 
   def head(h, carry):
     def q_block(i, carry):
       dk, dv = carry
       r = pl.ds(i * bq, bq)
-      qs, dos = _load_chunks3(q_ref, r, h, hc), _load_chunks3(do_ref, r, h, vc)
+      qs, dos = load_chunks3(q_ref, r, h, hc), load_chunks3(do_ref, r, h, vc)
       r0, r1, delta = r0_ref[h, r][:, None], r1_ref[h, r][:, None], dl_ref[h, r][:, None]
       bias_t = mask_t = None
       if bias_ref is not None:
@@ -415,9 +417,9 @@ def _gpu_dkv_kernel(*refs, cfg: KernelConfig, has_bias: bool, has_mask: bool,
       if mask_ref is not None:
         mask_t = mask_ref[h if mask_ref.shape[0] > 1 else 0,
                           r if mask_ref.shape[1] > 1 else pl.ds(0, 1), :]
-      z = _scores(cfg, qs, ks, bias_t)
-      valid = _valid(cfg, (bq, bk), i * bq, c0, mask_t, q_len, kv_len)
-      dp = _dot_chunks(dos, vs) if want_dk else jnp.zeros((bq, bk), jnp.float32)
+      z = tile_scores(cfg, qs, ks, bias_t)
+      valid = tile_valid(cfg, (bq, bk), i * bq, c0, mask_t, q_len, kv_len)
+      dp = dot_chunks(dos, vs) if want_dk else jnp.zeros((bq, bk), jnp.float32)
       p, dz = _bwd_tile(cfg, z, valid, dp, (r0, r1, delta))
       return accumulate_dkv((dk, dv), p, dz, qs, dos)
     return lax.fori_loop(lo, hi, q_block, carry)
@@ -426,9 +428,9 @@ def _gpu_dkv_kernel(*refs, cfg: KernelConfig, has_bias: bool, has_mask: bool,
           tuple(jnp.zeros((bk, c), jnp.float32) for _, c in vc) if want_dv else ())
   dk, dv = lax.fori_loop(0, cfg.g, head, init)
   if want_dk:
-    _store_chunks(dk_ref, dk, hc, gq)
+    store_chunks(dk_ref, dk, hc, gq)
   if want_dv:
-    _store_chunks(dv_ref, dv, vc)
+    store_chunks(dv_ref, dv, vc)
 
 
 def accumulate_dkv(dkv: tuple, p: Array, dz: Array, qs: list, dos: list) -> tuple:
@@ -490,7 +492,7 @@ def _gpu_backward(cfg: KernelConfig, q, k, v, bias, mask, q_len, kv_len, do, row
               pl.BlockSpec((None, bq, None, hvp), lambda i, bb, h: (bb, i, h, 0))]
   in_specs += [pl.BlockSpec((None, None, bq), lambda i, bb, h: (bb, h, i))] * 3
   for x in (bias, mask):
-    in_specs += _gpu_specs_bias(x, (1, 1, bq, sp), lambda i, bb, h: (bb, h, i, 0))
+    in_specs += gpu_bias_specs(x, (1, 1, bq, sp), lambda i, bb, h: (bb, h, i, 0))
   out_specs = [pl.BlockSpec((None, bq, None, hp), lambda i, bb, h: (bb, i, h, 0))]
   out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
   if want_ds:
@@ -516,7 +518,7 @@ def _gpu_backward(cfg: KernelConfig, q, k, v, bias, mask, q_len, kv_len, do, row
     shape = x.shape
     blk = (None, 1 if shape[1] == 1 else g, 1 if shape[2] == 1 else tp, 1 if shape[3] == 1 else bk)
     in_specs.append(pl.BlockSpec(
-        blk, lambda j, bb, h, shape=shape: _bcast_index(shape, (bb, h, 0, j))))
+        blk, lambda j, bb, h, shape=shape: bcast_index(shape, (bb, h, 0, j))))
   dk, dv = gpu_dkv_passes(_gpu_dkv_kernel, cfg, args, in_specs + lens, k, v, params,
                           "attnx_pallas", has)
   return dq, dk, dv, ds
@@ -559,10 +561,10 @@ def _tpu_fwd_kernel(*refs, cfg: KernelConfig, has_bias: bool, has_mask: bool):
     else:
       l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
 
-  @pl.when(j < _kv_hi(cfg, i, bq, bk, q_len, kv_len))
+  @pl.when(j < kv_hi(cfg, i, bq, bk, q_len, kv_len))
   def _run():
-    z = _scores(cfg, [q_ref[...]], [k_ref[...]], _tpu_tile(bias_ref))
-    valid = _valid(cfg, (bq, bk), i * bq, j * bk, _tpu_tile(mask_ref), q_len, kv_len)
+    z = tile_scores(cfg, [q_ref[...]], [k_ref[...]], _tpu_tile(bias_ref))
+    valid = tile_valid(cfg, (bq, bk), i * bq, j * bk, _tpu_tile(mask_ref), q_len, kv_len)
     v = v_ref[...]
     if w.online_max:
       acc_sc[...], m_sc[...], l_sc[...] = streaming.online_max_update(
@@ -592,7 +594,7 @@ def _tpu_bias_spec(x: Array | None, bq: int, bk: int, index: Callable) -> list:
     return []
   shape = x.shape
   blk = (None, None, bq if shape[2] > 1 else 1, bk if shape[3] > 1 else 1)
-  return [pl.BlockSpec(blk, lambda *ids: _bcast_index(shape, index(*ids)))]
+  return [pl.BlockSpec(blk, lambda *ids: bcast_index(shape, index(*ids)))]
 
 
 def _tpu_params(n_parallel: int, n_arbitrary: int):
@@ -602,7 +604,7 @@ def _tpu_params(n_parallel: int, n_arbitrary: int):
 
 def _kv_clamp(cfg: KernelConfig, b, i, j, bq, bk, ql, kl):
   """Key tile to fetch at grid step j: a skipped tile repeats the last needed one (no DMA)."""
-  hi = _kv_hi(cfg, i, bq, bk, ql[b], kl[b])
+  hi = kv_hi(cfg, i, bq, bk, ql[b], kl[b])
   return jnp.minimum(j, jnp.maximum(hi - 1, 0))
 
 
@@ -659,13 +661,13 @@ def _tpu_dq_kernel(*refs, cfg: KernelConfig, has_bias: bool, has_mask: bool, wan
   def _init():
     dq_sc[...] = jnp.zeros(dq_sc.shape, jnp.float32)
 
-  run = j < _kv_hi(cfg, i, bq, bk, q_len, kv_len)
+  run = j < kv_hi(cfg, i, bq, bk, q_len, kv_len)
 
   @pl.when(run)
   def _run():
     q, k, v, do = q_ref[...], k_ref[...], v_ref[...], do_ref[...]
-    z = _scores(cfg, [q], [k], _tpu_tile(bias_ref))
-    valid = _valid(cfg, (bq, bk), i * bq, j * bk, _tpu_tile(mask_ref), q_len, kv_len)
+    z = tile_scores(cfg, [q], [k], _tpu_tile(bias_ref))
+    valid = tile_valid(cfg, (bq, bk), i * bq, j * bk, _tpu_tile(mask_ref), q_len, kv_len)
     dp = lax.dot_general(do, v, _NT, preferred_element_type=jnp.float32)
     rows = tuple(TPU_OPS.spread(r[...], bk) for r in (r0_ref, r1_ref, dl_ref))
     _, dz = _bwd_tile(cfg, z, valid, dp, rows)
@@ -694,7 +696,7 @@ def _tpu_dkv_kernel(*refs, cfg: KernelConfig, has_bias: bool, has_mask: bool):
   b, j, h, i = pl.program_id(0), pl.program_id(2), pl.program_id(3), pl.program_id(4)
   q_len, kv_len = qlen_ref[b], kvlen_ref[b]
   gq, _ = cfg.grad_mult
-  lo, hi = _q_range(cfg, j, bq, bk, q_len, kv_len)
+  lo, hi = q_range(cfg, j, bq, bk, q_len, kv_len)
 
   @pl.when((h == 0) & (i == 0))
   def _init():
@@ -704,8 +706,8 @@ def _tpu_dkv_kernel(*refs, cfg: KernelConfig, has_bias: bool, has_mask: bool):
   @pl.when((i >= lo) & (i < hi))
   def _run():
     q, k, v, do = q_ref[...], k_ref[...], v_ref[...], do_ref[...]
-    z = _scores(cfg, [q], [k], _tpu_tile(bias_ref))
-    valid = _valid(cfg, (bq, bk), i * bq, j * bk, _tpu_tile(mask_ref), q_len, kv_len)
+    z = tile_scores(cfg, [q], [k], _tpu_tile(bias_ref))
+    valid = tile_valid(cfg, (bq, bk), i * bq, j * bk, _tpu_tile(mask_ref), q_len, kv_len)
     dp = lax.dot_general(do, v, _NT, preferred_element_type=jnp.float32)
     rows = tuple(TPU_OPS.spread(r[...], bk) for r in (r0_ref, r1_ref, dl_ref))
     p, dz = _bwd_tile(cfg, z, valid, dp, rows)
@@ -725,7 +727,7 @@ def _tpu_backward(cfg: KernelConfig, q, k, v, bias, mask, q_len, kv_len, do, row
   hv = v.shape[-1]
   g = cfg.g
   has = dict(has_bias=bias is not None, has_mask=mask is not None)
-  rows = [_to_lanes_all(r) for r in rows]
+  rows = [to_lanes_all(r) for r in rows]
   args = [q, k, v, do, *rows] + [x for x in (bias, mask) if x is not None]
 
   # dQ (and dS): grid (B, N, query tiles, key tiles).
@@ -762,7 +764,7 @@ def _tpu_backward(cfg: KernelConfig, q, k, v, bias, mask, q_len, kv_len, do, row
   bq, bk = cfg.bq_dkv, cfg.bk_dkv
 
   def q_clamp(bb, j, i, ql, kl):
-    lo, hi = _q_range(cfg, j, bq, bk, ql[bb], kl[bb])
+    lo, hi = q_range(cfg, j, bq, bk, ql[bb], kl[bb])
     return jnp.minimum(jnp.maximum(i, lo), jnp.maximum(hi - 1, lo))
 
   def qrow_map(bb, hh, j, gg, i, ql, kl):
@@ -792,7 +794,7 @@ def _tpu_backward(cfg: KernelConfig, q, k, v, bias, mask, q_len, kv_len, do, row
   return dq, dk, dv, ds
 
 
-def _to_lanes_all(r: Array) -> Array:
+def to_lanes_all(r: Array) -> Array:
   """[B, N, Tp] row values -> [B, N, Tp, 128] (lane-replicated, as the TPU kernels read them)."""
   return jnp.broadcast_to(r[..., None], r.shape + (LANES,))
 

@@ -147,8 +147,8 @@ def _tile_fn(cfg, i, bq, bk, qs, load_k, bias_cols, mask_cols, q_len, kv_len):
   def tile(j):
     c0 = j * bk
     ks = load_k(c0)
-    z = pk._scores(cfg, qs, ks, bias_cols(c0))
-    valid = pk._valid(cfg, (bq, bk), i * bq, c0, mask_cols(c0), q_len, kv_len)
+    z = pk.tile_scores(cfg, qs, ks, bias_cols(c0))
+    valid = pk.tile_valid(cfg, (bq, bk), i * bq, c0, mask_cols(c0), q_len, kv_len)
     return z, _scored(z, valid), ks
   return tile
 
@@ -238,7 +238,7 @@ def _dq_rows(cfg, tile, qs, load_v, dos, hi, stats, delta, rowc, ds_store, carry
 
     def grad(dq):
       vt = load_v(c0)
-      dp = pk._dot_chunks(dos, vt)
+      dp = pk.dot_chunks(dos, vt)
       _, dz, gc = st.tile_grad(rs, z, valid, dp, stats, delta, st.GradCarry(ca, cb), rowc, ops,
                                weights_dtype=vt[0].dtype)
       dq = tuple(a + jnp.dot(dz.astype(k.dtype), finite(k), preferred_element_type=F32)
@@ -265,11 +265,11 @@ def _dkv_step(cfg, dkv, j, i, qs, dos, ks, vs, bias_t, mask_t, q_len, kv_len, st
   (``()`` for the one not wanted: dV needs the weights only, not dP = dO·Vᵀ nor V)."""
   rs, ops = _rs(cfg), _ops(cfg)
   bq, bk = cfg.bq_dkv, cfg.bk_dkv
-  z = pk._scores(cfg, qs, ks, bias_t)
-  valid = _scored(z, pk._valid(cfg, (bq, bk), i * bq, j * bk, mask_t, q_len, kv_len))
+  z = pk.tile_scores(cfg, qs, ks, bias_t)
+  valid = _scored(z, pk.tile_valid(cfg, (bq, bk), i * bq, j * bk, mask_t, q_len, kv_len))
 
   def grad(dkv):
-    dp = pk._dot_chunks(dos, vs) if dkv[0] else jnp.zeros((bq, bk), F32)
+    dp = pk.dot_chunks(dos, vs) if dkv[0] else jnp.zeros((bq, bk), F32)
     p, dz, _ = st.tile_grad(rs, z, valid, dp, stats, delta, carry, rowc, ops,
                             weights_dtype=dos[0].dtype)
     return pk.accumulate_dkv(dkv, p, dz, qs, dos)
@@ -341,13 +341,13 @@ def _gpu_fwd_kernel(*refs, cfg, has_bias, has_mask):
   hc = pk.head_chunks(r["q"].shape[-1])
   i = pl.program_id(0)
   q_len, kv_len = r["qlen"][0], r["kvlen"][0]
-  qs = pk._load_chunks(r["q"], slice(None), hc)
+  qs = pk.load_chunks(r["q"], slice(None), hc)
   k_ref, v_ref, bias_ref, mask_ref = r["k"], r["v"], r["bias"], r["mask"]
-  tile = _tile_fn(cfg, i, bq, bk, qs, lambda c0: pk._load_chunks(k_ref, pl.ds(c0, bk), hc),
-                  lambda c0: None if bias_ref is None else pk._cols(bias_ref, c0, bk),
-                  lambda c0: None if mask_ref is None else pk._cols(mask_ref, c0, bk),
+  tile = _tile_fn(cfg, i, bq, bk, qs, lambda c0: pk.load_chunks(k_ref, pl.ds(c0, bk), hc),
+                  lambda c0: None if bias_ref is None else pk.ref_cols(bias_ref, c0, bk),
+                  lambda c0: None if mask_ref is None else pk.ref_cols(mask_ref, c0, bk),
                   q_len, kv_len)
-  hi = pk._kv_hi(cfg, i, bq, bk, q_len, kv_len)
+  hi = pk.kv_hi(cfg, i, bq, bk, q_len, kv_len)
   rowc = None if r["rowc"] is None else r["rowc"][...]
   o, stats, smean = _forward_rows(cfg, tile, lambda c0: v_ref[pl.ds(c0, bk), :], hi, rowc, bq,
                                   v_ref.shape[-1])
@@ -368,7 +368,7 @@ def _gpu_forward(cfg, q, k, v, rowc, bias, mask, q_len, kv_len, out_dtype):
   rowvec = pl.BlockSpec((None, None, bq), lambda i, bb, h: (bb, h, i))
   in_specs = [row, kv(hp), kv(hvp)] + ([rowvec] if rowc is not None else [])
   for x in (bias, mask):
-    in_specs += pk._gpu_specs_bias(x, (1, 1, bq, sp), lambda i, bb, h: (bb, h, i, 0))
+    in_specs += pk.gpu_bias_specs(x, (1, 1, bq, sp), lambda i, bb, h: (bb, h, i, 0))
   in_specs += [pl.BlockSpec((1,), lambda i, bb, h: (bb,))] * 2
   orow = pl.BlockSpec((None, bq, None, hvp), lambda i, bb, h: (bb, i, h, 0))
   out_specs = [orow] + [rowvec] * rs.num_stats
@@ -394,15 +394,15 @@ def _gpu_dq_kernel(*refs, cfg, has_bias, has_mask, want_ds):
   hc, vc = pk.head_chunks(r["q"].shape[-1]), pk.head_chunks(r["v"].shape[-1])
   i = pl.program_id(0)
   q_len, kv_len = r["qlen"][0], r["kvlen"][0]
-  qs = pk._load_chunks(r["q"], slice(None), hc)
-  dos = pk._load_chunks(r["do"], slice(None), vc)
+  qs = pk.load_chunks(r["q"], slice(None), hc)
+  dos = pk.load_chunks(r["do"], slice(None), vc)
   k_ref, v_ref, bias_ref, mask_ref, ds_ref = r["k"], r["v"], r["bias"], r["mask"], r["ds"]
-  load_k = lambda c0: pk._load_chunks(k_ref, pl.ds(c0, bk), hc)
+  load_k = lambda c0: pk.load_chunks(k_ref, pl.ds(c0, bk), hc)
   tile = _tile_fn(cfg, i, bq, bk, qs, load_k,
-                  lambda c0: None if bias_ref is None else pk._cols(bias_ref, c0, bk),
-                  lambda c0: None if mask_ref is None else pk._cols(mask_ref, c0, bk),
+                  lambda c0: None if bias_ref is None else pk.ref_cols(bias_ref, c0, bk),
+                  lambda c0: None if mask_ref is None else pk.ref_cols(mask_ref, c0, bk),
                   q_len, kv_len)
-  hi = pk._kv_hi(cfg, i, bq, bk, q_len, kv_len)
+  hi = pk.kv_hi(cfg, i, bq, bk, q_len, kv_len)
   stats = tuple(ref[...] for ref in _stat_refs(r, cfg))
   rowc = None if r["rowc"] is None else r["rowc"][...]
 
@@ -415,9 +415,9 @@ def _gpu_dq_kernel(*refs, cfg, has_bias, has_mask, want_ds):
   def carry_store(j, ca, cb):  # [key tiles, rows] blocks: row j
     ca_ref[j, :], cb_ref[j, :] = ca, cb
 
-  dq, dc = _dq_rows(cfg, tile, qs, lambda c0: pk._load_chunks(v_ref, pl.ds(c0, bk), vc), dos,
+  dq, dc = _dq_rows(cfg, tile, qs, lambda c0: pk.load_chunks(v_ref, pl.ds(c0, bk), vc), dos,
                     hi, stats, r["delta"][...], rowc, ds_store, carry_store)
-  pk._store_chunks(r["dq"], dq, hc, cfg.grad_mult[0])
+  pk.store_chunks(r["dq"], dq, hc, cfg.grad_mult[0])
   if dc is not None:
     r["dc"][...] = dc
   if ca_ref is not None:  # key tiles the rows do not reach: no carry
@@ -438,16 +438,16 @@ def _gpu_dkv_kernel(*refs, cfg, has_bias, has_mask, want_dk=True, want_dv=True):
   hc, vc = pk.head_chunks(r["k"].shape[-1]), pk.head_chunks(r["v"].shape[-1])
   j = pl.program_id(0)
   q_len, kv_len = r["qlen"][0], r["kvlen"][0]
-  ks = pk._load_chunks(r["k"], slice(None), hc)
-  vs = pk._load_chunks(r["v"], slice(None), vc) if want_dk else None
-  lo, hi = pk._q_range(cfg, j, bq, bk, q_len, kv_len)
+  ks = pk.load_chunks(r["k"], slice(None), hc)
+  vs = pk.load_chunks(r["v"], slice(None), vc) if want_dk else None
+  lo, hi = pk.q_range(cfg, j, bq, bk, q_len, kv_len)
   q_ref, do_ref, bias_ref, mask_ref = r["q"], r["do"], r["bias"], r["mask"]
   stat_refs = _stat_refs(r, cfg)
 
   def head(h, carry):
     def q_block(i, dkv):
       rows = pl.ds(i * bq, bq)
-      qs, dos = pk._load_chunks3(q_ref, rows, h, hc), pk._load_chunks3(do_ref, rows, h, vc)
+      qs, dos = pk.load_chunks3(q_ref, rows, h, hc), pk.load_chunks3(do_ref, rows, h, vc)
       bias_t = mask_t = None
       if bias_ref is not None:
         bias_t = bias_ref[h if bias_ref.shape[0] > 1 else 0,
@@ -468,9 +468,9 @@ def _gpu_dkv_kernel(*refs, cfg, has_bias, has_mask, want_dk=True, want_dv=True):
           tuple(jnp.zeros((bk, c), F32) for _, c in vc) if want_dv else ())
   dk, dv = lax.fori_loop(0, cfg.g, head, init)
   if want_dk:
-    pk._store_chunks(r["dk"], dk, hc, cfg.grad_mult[0])
+    pk.store_chunks(r["dk"], dk, hc, cfg.grad_mult[0])
   if want_dv:
-    pk._store_chunks(r["dv"], dv, vc)
+    pk.store_chunks(r["dv"], dv, vc)
 
 
 def _gpu_backward(cfg, q, k, v, bias, mask, q_len, kv_len, do, rows, rowc, want_ds):
@@ -496,7 +496,7 @@ def _gpu_backward(cfg, q, k, v, bias, mask, q_len, kv_len, do, rows, rowc, want_
               pl.BlockSpec((None, sp, None, hvp), kv), pl.BlockSpec((None, bq, None, hvp), qmap)]
   in_specs += [rowvec] * nrows
   for x in (bias, mask):
-    in_specs += pk._gpu_specs_bias(x, (1, 1, bq, sp), lambda i, bb, h: (bb, h, i, 0))
+    in_specs += pk.gpu_bias_specs(x, (1, 1, bq, sp), lambda i, bb, h: (bb, h, i, 0))
   out_specs = [pl.BlockSpec((None, bq, None, hp), qmap)]
   out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
   if want_ds:
@@ -533,7 +533,7 @@ def _gpu_backward(cfg, q, k, v, bias, mask, q_len, kv_len, do, rows, rowc, want_
     blk = (None, 1 if shape[1] == 1 else g, 1 if shape[2] == 1 else tp,
            1 if shape[3] == 1 else bk)
     in_specs.append(pl.BlockSpec(
-        blk, lambda j, bb, h, shape=shape: pk._bcast_index(shape, (bb, h, 0, j))))
+        blk, lambda j, bb, h, shape=shape: pk.bcast_index(shape, (bb, h, 0, j))))
   in_specs += [pl.BlockSpec((None, g, ncols, tp), lambda j, bb, h: (bb, h, 0, 0))] * len(carries)
   args = [q, k, v, do, *rows] + [x for x in (bias, mask) if x is not None] + carries + [
       q_len, kv_len]
@@ -557,7 +557,7 @@ def _to_lanes(x):
 
 
 def _tpu_cols(ref, c0, size: int):
-  return None if ref is None else pk._cols(ref, pl.multiple_of(c0, LANES), size)
+  return None if ref is None else pk.ref_cols(ref, pl.multiple_of(c0, LANES), size)
 
 
 def _tpu_fwd_kernel(*refs, cfg, has_bias, has_mask):
@@ -570,7 +570,7 @@ def _tpu_fwd_kernel(*refs, cfg, has_bias, has_mask):
   tile = _tile_fn(cfg, i, bq, bk, [r["q"][...]], lambda c0: [k_ref[ds(c0), :]],
                   lambda c0: _tpu_cols(bias_ref, c0, bk),
                   lambda c0: _tpu_cols(mask_ref, c0, bk), q_len, kv_len)
-  hi = pk._kv_hi(cfg, i, bq, bk, q_len, kv_len)
+  hi = pk.kv_hi(cfg, i, bq, bk, q_len, kv_len)
   rowc = None if r["rowc"] is None else _lane0(r["rowc"][...])
   o, stats, smean = _forward_rows(cfg, tile, lambda c0: v_ref[ds(c0), :], hi, rowc, bq,
                                   v_ref.shape[-1])
@@ -588,7 +588,7 @@ def _tpu_bias_spec(x, bq_or_t: int, bk_or_s: int, lead: int | None, index) -> li
   shape = x.shape
   blk = (None, None if lead is None else (1 if shape[1] == 1 else lead),
          bq_or_t if shape[2] > 1 else 1, bk_or_s if shape[3] > 1 else 1)
-  return [pl.BlockSpec(blk, lambda *ids: pk._bcast_index(shape, index(*ids)))]
+  return [pl.BlockSpec(blk, lambda *ids: pk.bcast_index(shape, index(*ids)))]
 
 
 def _tpu_params(cfg, n_parallel: int, vmem: int):
@@ -617,7 +617,7 @@ def _tpu_forward(cfg, q, k, v, rowc, bias, mask, q_len, kv_len, out_dtype):
   if rs.saves_support_mean:
     out_specs.append(orow)
     out_shape.append(jax.ShapeDtypeStruct((b, n, tp, hv), F32))
-  args = [x for x in (q, k, v, None if rowc is None else pk._to_lanes_all(rowc), bias, mask)
+  args = [x for x in (q, k, v, None if rowc is None else pk.to_lanes_all(rowc), bias, mask)
           if x is not None]
   res = pl.pallas_call(
       functools.partial(_tpu_fwd_kernel, cfg=cfg, has_bias=bias is not None,
@@ -642,7 +642,7 @@ def _tpu_dq_kernel(*refs, cfg, has_bias, has_mask, want_ds):
   tile = _tile_fn(cfg, i, bq, bk, qs, lambda c0: [k_ref[ds(c0), :]],
                   lambda c0: _tpu_cols(bias_ref, c0, bk),
                   lambda c0: _tpu_cols(mask_ref, c0, bk), q_len, kv_len)
-  hi = pk._kv_hi(cfg, i, bq, bk, q_len, kv_len)
+  hi = pk.kv_hi(cfg, i, bq, bk, q_len, kv_len)
   stats = tuple(_lane0(ref[...]) for ref in _stat_refs(r, cfg))
   rowc = None if r["rowc"] is None else _lane0(r["rowc"][...])
 
@@ -675,7 +675,7 @@ def _tpu_dkv_kernel(*refs, cfg, has_bias, has_mask):
   b, j = pl.program_id(0), pl.program_id(2)
   q_len, kv_len = r["qlen"][b], r["kvlen"][b]
   ks, vs = [r["k"][...]], [r["v"][...]]
-  lo, hi = pk._q_range(cfg, j, bq, bk, q_len, kv_len)
+  lo, hi = pk.q_range(cfg, j, bq, bk, q_len, kv_len)
   q_ref, do_ref, bias_ref, mask_ref = r["q"], r["do"], r["bias"], r["mask"]
   stat_refs = _stat_refs(r, cfg)
 
@@ -713,7 +713,7 @@ def _tpu_backward(cfg, q, k, v, bias, mask, q_len, kv_len, do, rows, rowc, want_
   rs = _rs(cfg)
   stick = rs.family == "stick_breaking"
   has = dict(has_bias=bias is not None, has_mask=mask is not None)
-  rows = [pk._to_lanes_all(x) for x in list(rows) + ([rowc] if rowc is not None else [])]
+  rows = [pk.to_lanes_all(x) for x in list(rows) + ([rowc] if rowc is not None else [])]
   ncols = _carry_cols(cfg)
   vmem = tpu_vmem_bytes(cfg, q.dtype, h, hv, bias, mask, backward=True)
 

@@ -139,7 +139,7 @@ def _xgtd(x: Array, blk: _Block, d: int) -> Array:
 def _bnt(r: Array, blk: _Block) -> Array:
   """Row values [X, G, t] -> [B, N, Tp] (zero padded)."""
   r = r.astype(F32).reshape(blk.b, -1, blk.t)
-  return pa._pad(r, {2: blk.cfg.tp})
+  return pa.pad_to(r, {2: blk.cfg.tp})
 
 
 def _xgt(r: Array, blk: _Block) -> Array:
@@ -275,7 +275,7 @@ def block_grads(q: Array, k: Array, v: Array, bias: Array | None, mask: Array | 
   if w.online_max:  # the kernels' statistic is a log2-sum-exp
     stat = stat * (1.0 / LN2)
   hvp = blk.v.shape[-1]
-  pad_rows = lambda a: pa._pad(_btnh(a.astype(F32), blk.b, blk.kv_heads), {1: blk.cfg.tp, 3: hvp})
+  pad_rows = lambda a: pa.pad_to(_btnh(a.astype(F32), blk.b, blk.kv_heads), {1: blk.cfg.tp, 3: hvp})
   do_k = pad_rows(do)
   rows = kernels.grad_rows(blk.cfg, _bnt(stat, blk), pad_rows(out), do_k)
   dq, dk, dv, ds = kernels.backward(blk.cfg, blk.q, blk.k, blk.v, blk.bias, blk.mask,
@@ -363,7 +363,7 @@ def row_block_grads(q: Array, k: Array, v: Array, bias: Array | None, mask: Arra
     do32, delta = do32 * rest[..., None], delta - carry_b
     carries = (carry_a + l_blk, carry_b + rest * jnp.sum(do.astype(F32) * o_blk, axis=-1))
   hvp = blk.v.shape[-1]
-  do_k = pa._pad(_btnh(do32, blk.b, blk.kv_heads), {1: blk.cfg.tp, 3: hvp})
+  do_k = pa.pad_to(_btnh(do32, blk.b, blk.kv_heads), {1: blk.cfg.tp, 3: hvp})
   rows = tuple(_bnt(a, blk) for a in (*stats, delta))
   rowc = None if row_scales is None else _bnt(row_scales, blk)
   dq, dk, dv, ds, dc = pallas_rows.backward(blk.cfg, blk.q, blk.k, blk.v, blk.bias, blk.mask,

@@ -302,7 +302,7 @@ def rejects(case: Case, impl: str) -> bool:
   if impl == "pallas":
     return any(x < pallas_lib.GPU_MIN_BLOCK or x & (x - 1) for x in tiles)
   if impl == "pallas_tpu":
-    return ((case.block_q is not None and case.block_q % pallas_lib._q_align("tpu", case.dtype))
+    return ((case.block_q is not None and case.block_q % pallas_lib.q_align("tpu", case.dtype))
             or (case.block_k is not None and case.block_k % pallas_lib.TPU_LANES != 0))
   return False
 

@@ -7,7 +7,7 @@ import re
 
 import jax.numpy as jnp
 
-from attnx.core import pallas_attention as pa
+from attnx.core.kernels.pallas import tiles as pa
 
 
 def expected_kernels(platform: str, dtype: str, h: int, hv: int | None,

@@ -9,10 +9,10 @@ sum(out) w.r.t. q, k, v) on a GPU or TPU of
   on a GPU, ``jax.experimental.pallas.ops.tpu.flash_attention`` on a TPU,
 * optionally (``"attnx blocked"`` in ``baselines``) attnx's XLA blocked kernel for every F
   measured, the fallback of ``implementation=None``,
-* ``attnx.core.pallas_attention`` for softmax and every other pointwise F (the distance
+* ``attnx.core.kernels.pallas`` for softmax and every other pointwise F (the distance
   kernels on score neg_sq_dist through ``Score.to_dot``, bandwidth h = √(2H)) and for the
   whole-row weightings in ``row_weightings`` (SSMax, softpick, stick-breaking, sparsemax,
-  1.5-entmax; attnx/core/pallas_rows.py),
+  1.5-entmax; attnx/core/kernels/pallas/rows.py),
 
 in TFLOP/s, counting 4·B·N·T·S·H FLOPs for fwd and 3.5× that for fwd+bwd (FlashAttention-2's
 convention: 2 matmuls forward, 5 backward; halved when causal). The "Targets" table checks the
@@ -49,7 +49,7 @@ import numpy as np  # noqa: E402
 from attnx import core, train  # noqa: E402
 from attnx.core import api  # noqa: E402
 from attnx.core import weightings as wlib  # noqa: E402
-from attnx.core.pallas_attention import pallas_attention  # noqa: E402
+from attnx.core.kernels.pallas import pallas_attention  # noqa: E402
 from attnx.core.scores import get_score  # noqa: E402
 
 PRESETS = ("default", "quick", "tiny")

@@ -24,6 +24,7 @@ from attnx.core.implementations import (
     get_implementation,
     list_implementations,
 )
+from attnx.core.kernels.pallas import PallasVerification, verify_pallas
 from attnx.core.linear import (
     elu_plus_one_features,
     favor_features,
@@ -31,7 +32,6 @@ from attnx.core.linear import (
     linear_attention,
 )
 from attnx.core.nadaraya_watson import nadaraya_watson
-from attnx.core.pallas_attention import PallasVerification, verify_pallas
 from attnx.core.parallel.ring import ring_attention, ring_work, zigzag_permute, zigzag_unpermute
 from attnx.core.scores import (
     Score,

@@ -23,7 +23,7 @@ saying whether it can run a problem (``supports(problem)``: None or a reason):
 raises a ValueError with its reason; ``implementation=None`` walks the list above in order and
 takes the first implementation that supports the problem and does not decline it (blocked and
 Pallas decline problems too small to pay off; Pallas also declines a CPU and combinations
-whose one-time verification, :func:`~attnx.core.pallas_attention.verify_pallas`, failed).
+whose one-time verification, :func:`~attnx.core.kernels.pallas.verify.verify_pallas`, failed).
 :func:`explain` answers which one a call runs and why the others do not.
 
 All obey one edge-case contract (:mod:`attnx.core.contract`): empty sequences, rows without a
@@ -180,7 +180,7 @@ def explain(query: Array, key: Array, value: Array, bias: Array | None = None,
   Takes exactly the arguments of :func:`attention` and raises the same ValueError for bad
   input (shapes, dtypes, unknown names); an implementation that cannot run the call is not an
   error here but a reason. With ``implementation=None`` on a GPU/TPU this may run the one-time
-  Pallas verification (:func:`~attnx.core.pallas_attention.verify_pallas`), as the call
+  Pallas verification (:func:`~attnx.core.kernels.pallas.verify.verify_pallas`), as the call
   itself would.
 
   Example:
@@ -229,12 +229,12 @@ def attention(query: Array, key: Array, value: Array, bias: Array | None = None,
     is_causal: query i attends keys j ≤ i (top-left aligned, as in jax.nn).
     scale: multiplies the score; default 1/√H for ``scaled_dot`` and 1 for the others.
     implementation: ``"dense"``, ``"blocked"`` (flash-style in XLA, O(T) memory), ``"pallas"``
-      (fused Pallas kernels: Triton on GPU, Mosaic on TPU; :mod:`attnx.core.pallas_attention`)
+      (fused Pallas kernels: Triton on GPU, Mosaic on TPU; :mod:`attnx.core.kernels.pallas`)
       or None: the first of ``list_implementations()`` (pallas, blocked, dense) that
       supports the call and does not decline it — dense for small problems; for large
       streamable ones the blocked kernel, or on a GPU/TPU the Pallas kernel once its one-time
       verification against blocked passed for that (backend, weighting, dtype, head size)
-      (:func:`~attnx.core.pallas_attention.verify_pallas`: run eagerly on inputs of its own,
+      (:func:`~attnx.core.kernels.pallas.verify.verify_pallas`: run eagerly on inputs of its own,
       also when this call is being traced; one warning and blocked if it fails). An explicit
       name runs that implementation or raises a ValueError saying why it cannot (an explicit
       ``"pallas"`` never falls back). :func:`explain` shows the choice and the reasons.

@@ -43,7 +43,7 @@ F (:func:`online_max_update`), or acc += F·V with a sum, count or nothing besid
 and the backward recomputes each tile's weights and dS from the saved row statistic
 (:func:`pointwise_grad_rows`, :func:`pointwise_tile_grad`). The blocked kernel
 (:mod:`attnx.core.blocked`: its tiles, its causal triangle's merge of the raw states of its
-pieces, its backward) and both Pallas backends (:mod:`attnx.core.pallas_kernels`, forward and
+pieces, its backward) and both Pallas backends (:mod:`attnx.core.kernels.pallas`, forward and
 dQ/dK/dV kernels) run them. :class:`Ops` spells what differs between kernel languages: the
 primitives Triton and Mosaic lack, base-2 exponents, where Σ F accumulates and the layout of
 the row statistics, so that every backend runs the same tile math.
@@ -81,10 +81,11 @@ class Ops:
   """How the tile math is spelled in a kernel language: the primitives it lacks, its layouts.
 
   The defaults are the XLA forms the blocked kernels use (:data:`XLA`); the Pallas kernels
-  (:mod:`attnx.core.pallas_rows` for the whole-row families, :mod:`attnx.core.pallas_kernels`
-  for a pointwise F) pick alternatives that compute the same functions with other rounding,
-  in other units (exp2) or layouts. With the default, every function that takes ``ops``
-  computes exactly (bit for bit) what it computed before the argument existed.
+  (:mod:`attnx.core.kernels.pallas`: ``triton.OPS``, ``mosaic.OPS`` for a pointwise F,
+  ``triton_rows.OPS``, ``mosaic_rows.OPS`` for the whole-row families) pick alternatives that
+  compute the same functions with other rounding, in other units (exp2) or layouts. With the
+  default, every function that takes ``ops`` computes exactly (bit for bit) what it computed
+  before the argument existed.
 
   Attributes:
     cumsum_matmul: stick-breaking's reverse exclusive cumsum along a tile's keys as matmuls
@@ -221,7 +222,7 @@ def _masked(z: Array, valid: Array, fill: float = 0.0) -> Array:
 # --------------------------------------------------------------------------------------------
 # Pointwise F (:class:`attnx.core.weightings.Pointwise` ``w``): the two streaming rules, used
 # by the blocked kernel (attnx.core.blocked: its key tiles and its causal triangle's merge)
-# and by the Pallas kernels (attnx.core.pallas_kernels: Triton and Mosaic, through their Ops).
+# and by the Pallas kernels (attnx.core.kernels.pallas: Triton and Mosaic, through their Ops).
 # A raw state is (acc, st), or (acc, m, l) for the online max without a ones column:
 # * acc = Σ F·V over the keys seen, [..., rows, Hv] or a tuple of head-dim chunks of it (v is
 #   then the tuple of the matching chunks of V); with ``ops.ones_column`` and "sum", V ends in

@@ -15,8 +15,9 @@ import pytest
 from absl.testing import parameterized
 
 from attnx import core
-from attnx.core import pallas_attention as pallas_lib
 from attnx.core.blocked_rows import blocked_row_attention
+from attnx.core.kernels import pallas as pallas_lib
+from attnx.core.kernels.pallas import verify as pallas_verify
 
 KERNELS = set(core.weightings.POINTWISE_KERNELS)
 
@@ -466,7 +467,7 @@ def _fake_device(check, ran, platform="gpu"):
 
   pallas_lib.clear_verifications()
   try:
-    with _platform(platform), mock.patch.object(pallas_lib, "self_check", check), \
+    with _platform(platform), mock.patch.object(pallas_verify, "self_check", check), \
          mock.patch.object(pallas_lib, "pallas_attention", fake_pallas):
       yield
   finally:
@@ -621,7 +622,7 @@ class ImplementationObjects(parameterized.TestCase):
       calls.append(w.name)
       return "output differs from the blocked kernel"
 
-    logger = logging.getLogger(pallas_lib.__name__)
+    logger = logging.getLogger(pallas_verify.__name__)
     with _fake_device(failing, ran), mock.patch.object(logger, "warning") as warn:
       for _ in range(2):
         ex = core.explain(q, k, v, weighting="relu")

@@ -3,7 +3,7 @@
 :class:`ContractTests` holds every contract test; each subclass names one implementation —
 ``TestDense``, ``TestBlocked``, ``TestPallasGPUInterpret`` and ``TestPallasTPUInterpret``
 (the Triton and Mosaic kernels in Pallas' interpreter) — and declares what it supports by
-asking the library (``core.check_compatible``, ``pallas_attention.supported``), so that a test
+asking the library (``core.check_compatible``, ``kernels.pallas.supported``), so that a test
 that does not apply is skipped with the library's reason. A later implementation (ring) is
 one more subclass.
 
@@ -51,9 +51,9 @@ from support import contract as cl
 from support import reference as ref_lib
 
 from attnx import core
-from attnx.core import pallas_attention as pallas_lib
 from attnx.core import streaming
 from attnx.core import weightings as wlib
+from attnx.core.kernels import pallas as pallas_lib
 
 FUZZ = hypothesis.settings(deadline=None, derandomize=True,
                            suppress_health_check=list(hypothesis.HealthCheck), print_blob=True)

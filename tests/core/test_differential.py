@@ -30,7 +30,7 @@ from attnx.core import weightings as wlib
 
 C = diff.Case
 _NO_PALLAS = dict(pallas="none")
-# Each entry reaches a branch point of a kernel (blocked.py, pallas_attention.py, api.py)
+# Each entry reaches a branch point of a kernel (blocked.py, kernels/pallas/, api.py)
 # that a random draw reaches only by luck; the comment says which.
 BRANCH_CASES = (
     # The lengths through the default dispatch (causal triangle with P > 1 leaves of
@@ -132,7 +132,7 @@ BRANCH_CASES = (
       block_q=256, block_k=256, bias="xx11", mask="columns"),  # chunks of heads
     C(seed=51, t=256, s=256, b=3, n=8, kh=4, h=16, hv=16, weighting="ssmax", causal=True,
       block_q=256, block_k=256, bias="1xxx"),  # chunks of heads, causal
-    # The whole-row Pallas kernels (pallas_rows.py, GPU and TPU kernels in the interpreter):
+    # The whole-row Pallas kernels (kernels/pallas/*rows.py, GPU and TPU kernels, interpreted):
     # tiles (16, 128) are valid on both backends and give S > 128 two ragged key tiles (the
     # default GPU tiles give 64-key tiles); causal tile skipping with T > 128 and stick-
     # breaking's reverse walk and carries; entmax threshold passes; masks with empty rows,

@@ -1,4 +1,4 @@
-"""attnx.core.pallas_attention: values and gradients in Pallas' interpreter against the dense
+"""attnx.core.kernels.pallas: values and gradients in Pallas' interpreter against the dense
 reference, the API's errors and rules, and the automatic choice with its self-check.
 
 Interpret mode compiles a large program per case (≈ 4 s on one core), so the default run
@@ -18,9 +18,10 @@ import numpy as np
 import pytest
 
 from attnx import core
-from attnx.core import pallas_attention as pa
 from attnx.core import weightings as wlib
 from attnx.core.blocked import blocked_attention
+from attnx.core.kernels import pallas as pa
+from attnx.core.kernels.pallas import tiles as pallas_tiles
 from attnx.core.scores import get_score
 
 POINTWISE = wlib.list_weightings("pointwise")
@@ -290,15 +291,15 @@ def test_block_size_rules():
   assert pa.default_block_sizes("gpu", 20, 40, jnp.float32, head_dim=256,
                                 family="entmax") == pa.BlockSizes(32, 32, 32, 16, 16, 16)
   # dK and dV in two passes where the fused one spilled: float32 above H = 64 only.
-  assert [hp for hp in (64, 80, 128, 144, 256) if pa._gpu_tiles(hp, None, jnp.float32)[
+  assert [hp for hp in (64, 80, 128, 144, 256) if pallas_tiles.gpu_tiles(hp, None, jnp.float32)[
       "split_dkv"]] == [80, 128, 144, 256]
-  assert not any(pa._gpu_tiles(hp, f, jnp.bfloat16)["split_dkv"] for hp in (64, 128, 256)
+  assert not any(pallas_tiles.gpu_tiles(hp, f, jnp.bfloat16)["split_dkv"] for hp in (64, 128, 256)
                  for f in (None, "entmax", "stick_breaking"))
   assert gpu(block_q=32, block_k=128, head_dim=256) == pa.BlockSizes(32, 128, 32, 128, 32, 128)
   for wide in (jnp.bfloat16, jnp.float32):  # every tier and family: warps of 4 or 8, tiles ≥ 16
     for hp in (16, 64, 80, 128, 144, 256):
       for family in (None, "entmax", "softpick", "ssmax", "stick_breaking"):
-        t = pa._gpu_tiles(hp, family, wide)
+        t = pallas_tiles.gpu_tiles(hp, family, wide)
         assert {t[w] for w in ("num_warps", "num_warps_dq", "num_warps_bwd")} <= {4, 8}
         pa.check_block_sizes("gpu", **{n: v for n, v in t.items() if n.startswith("block")})
   with pytest.raises(ValueError, match="power-of-2"):
@@ -316,10 +317,10 @@ def test_split_dkv_passes_match_the_fused_pass(monkeypatch, name):
   rng = np.random.default_rng(3)
   q, k, v = (jnp.asarray(rng.standard_normal(shape), jnp.float32)
              for shape in ((1, 40, 4, 24), (1, 56, 2, 24), (1, 56, 2, 24)))
-  tiles = pa._gpu_tiles
+  tiles = pallas_tiles.gpu_tiles
 
   def grads(split: bool):
-    monkeypatch.setattr(pa, "_gpu_tiles", lambda *a: {**tiles(*a), "split_dkv": split})
+    monkeypatch.setattr(pallas_tiles, "gpu_tiles", lambda *a: {**tiles(*a), "split_dkv": split})
     loss = lambda q, k, v: jnp.sum(jnp.square(pa.pallas_attention(
         q, k, v, weighting=w, scale=0.3, is_causal=True, block_q=16, block_k=16, backend="gpu",
         interpret=True)))

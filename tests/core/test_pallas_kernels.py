@@ -1,4 +1,4 @@
-"""attnx.core.pallas_kernels: the kernels lower for the real targets from this CPU machine.
+"""attnx.core.kernels.pallas: the kernels lower for the real targets from this CPU machine.
 
 ``jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",) | ("tpu",))`` runs Pallas' Triton
 lowering (kernel → Triton IR, the ``__gpu$xla.gpu.triton`` custom call) and its Mosaic TPU
@@ -15,9 +15,9 @@ import jax.numpy as jnp
 import pytest
 from support import lowering
 
-from attnx.core import pallas_attention as pa
-from attnx.core import pallas_kernels as kernels
 from attnx.core import weightings as wlib
+from attnx.core.kernels import pallas as pa
+from attnx.core.kernels.pallas import common, triton, wrapper
 
 POINTWISE = wlib.list_weightings("pointwise")
 VARIANTS = ["relu:normalization=length", "sigmoid:normalization=none",
@@ -121,11 +121,11 @@ def test_sampled_shapes_lower(name, shape, platform):
 
 
 def test_head_chunks():
-  assert kernels.head_chunks(64) == ((0, 64),)
-  assert kernels.head_chunks(130) == ((0, 128), (128, 16))  # neg_sq_dist of H = 128
-  assert kernels.head_chunks(66) == ((0, 64), (64, 16))
-  assert kernels.head_chunks(200) == ((0, 128), (128, 64), (192, 16))
-  assert kernels.head_chunks(8) == ((0, 16),)
+  assert triton.head_chunks(64) == ((0, 64),)
+  assert triton.head_chunks(130) == ((0, 128), (128, 16))  # neg_sq_dist of H = 128
+  assert triton.head_chunks(66) == ((0, 64), (64, 16))
+  assert triton.head_chunks(200) == ((0, 128), (128, 64), (192, 16))
+  assert triton.head_chunks(8) == ((0, 16),)
 
 
 def test_float16_lowers_for_cuda():
@@ -143,9 +143,9 @@ def test_full_lowering_matrix(name, shape, platform):
 
 
 def _raw_forward(backend: str, bq: int, bk: int, t: int = 64, s: int = 256, h: int = 64):
-  """Lowers kernels.forward (with a [1, 1, T, S] bias: (bq, bk) blocks in memory) with tiles
+  """Lowers wrapper.forward (with a [1, 1, T, S] bias: (bq, bk) blocks in memory) with tiles
   that bypass pallas_attention's checks."""
-  cfg = kernels.KernelConfig(
+  cfg = common.KernelConfig(
       w=wlib.get_weighting("relu"), backend=backend, interpret=False, s=s, tp=t, sp=s, g=1,
       scale=1.0, is_causal=False, q_bound=False, kv_bound=False, bq=bq, bk=bk, bq_dq=bq,
       bk_dq=bk, bq_dkv=bq, bk_dkv=bk)
@@ -153,7 +153,7 @@ def _raw_forward(backend: str, bq: int, bk: int, t: int = 64, s: int = 256, h: i
   k = jax.ShapeDtypeStruct((1, s, 1, h), jnp.float32)
   bias = jax.ShapeDtypeStruct((1, 1, t, s), jnp.float32)
   lens = jax.ShapeDtypeStruct((1,), jnp.int32)
-  f = lambda q, k, b, lq, lk: kernels.forward(cfg, q, k, k, b, None, lq, lk)
+  f = lambda q, k, b, lq, lk: wrapper.forward(cfg, q, k, k, b, None, lq, lk)
   platform = "cuda" if backend == "gpu" else "tpu"
   return jax.jit(f).trace(q, k, bias, lens, lens).lower(lowering_platforms=(platform,))
 

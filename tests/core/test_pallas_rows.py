@@ -1,4 +1,4 @@
-"""attnx.core.pallas_rows: the Pallas kernels of the whole-row weightings.
+"""attnx.core.kernels.pallas.*rows: the Pallas kernels of the whole-row weightings.
 
 ``implementation="pallas"`` runs SSMax (Nakanishi 2025, "Scalable-Softmax Is Superior for
 Attention"), softpick (Zuhri et al. 2025, "Softpick: No Attention Sink, No Massive Activations
@@ -29,9 +29,11 @@ import pytest
 from support import lowering
 
 from attnx import core
-from attnx.core import pallas_attention as pa
-from attnx.core import pallas_rows, streaming
+from attnx.core import streaming
 from attnx.core import weightings as wlib
+from attnx.core.kernels import pallas as pa
+from attnx.core.kernels.pallas import mosaic_rows, triton_rows
+from attnx.core.kernels.pallas import rows as pallas_rows
 
 BASE = ["ssmax", "softpick", "stick_breaking", "sparsemax", "entmax15", "entmax:alpha=1.3",
         "entmax:alpha=3"]
@@ -461,7 +463,7 @@ def test_skipping_keeps_the_nan_of_a_nan_cotangent_in_pallas():
   assert np.isnan(on[1]).any() and not np.isnan(on[1]).all()
 
 
-@pytest.mark.parametrize("ops", [streaming.XLA, pallas_rows.GPU_OPS, pallas_rows.TPU_OPS])
+@pytest.mark.parametrize("ops", [streaming.XLA, triton_rows.OPS, mosaic_rows.OPS])
 def test_the_one_tile_zero_test_is_the_table_test(ops):
   rs = streaming.RowStream("entmax", alpha=1.5)
   rng = np.random.default_rng(3)
@@ -656,7 +658,7 @@ def _ops_results(name, ops):
 @pytest.mark.parametrize("name", ["softpick", "stick_breaking", "sparsemax", "entmax15",
                                   "entmax:alpha=1.3"])
 def test_kernel_ops_agree_with_xla_ops(name, backend):
-  ops = pallas_rows.GPU_OPS if backend == "gpu" else pallas_rows.TPU_OPS
+  ops = triton_rows.OPS if backend == "gpu" else mosaic_rows.OPS
   for got, want in zip(_ops_results(name, ops), _ops_results(name, streaming.XLA), strict=True):
     np.testing.assert_allclose(got, want, rtol=2e-6, atol=2e-6 * max(1.0, np.max(np.abs(want))))
 

@@ -3,9 +3,10 @@
 ``core.attention(implementation="pallas")`` and the ``attnx.nn`` modules built on it are traced
 once on this CPU and lowered for ``cuda``, for ``tpu`` and for both at once (a multi-platform
 ``jax.export``): the Triton custom calls appear exactly where a GPU runs, the Mosaic ones where
-a TPU does, forward and backward. :func:`attnx.core.platforms.by_platform` is checked on its
-own with plain JAX branches: per-platform lowering, values and gradients against the branches
-run directly, ``jax.vmap``, and which operands its branches see as perturbed.
+a TPU does, forward and backward. :func:`attnx.core.kernels.pallas.platforms.by_platform` is
+checked on its own with plain JAX branches: per-platform lowering, values and gradients
+against the branches run directly, ``jax.vmap``, and which operands its branches see as
+perturbed.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import numpy as np
 import pytest
 
 from attnx import core, nn
-from attnx.core import platforms
+from attnx.core.kernels.pallas import platforms
 
 TRITON = "__gpu$xla.gpu.triton"
 MOSAIC = "tpu_custom_call"

@@ -1,4 +1,4 @@
-"""attnx.core.ring_pallas: ring attention's per-step entry points on the Pallas kernels.
+"""attnx.core.kernels.pallas.block: ring attention's per-step entry points on the Pallas kernels.
 
 Differential: the keys of a problem are cut into 2–3 blocks (a ring step each; the last one,
 when causal, the diagonal block of the local rows); each block's raw state comes from the
@@ -28,8 +28,9 @@ from support import lowering
 from support.reference import reference
 
 from attnx.core import blocked as bl
-from attnx.core import blocked_rows, ring_pallas, streaming
+from attnx.core import blocked_rows, streaming
 from attnx.core import weightings as wlib
+from attnx.core.kernels.pallas import block as ring_pallas
 
 OUT_TOL, GRAD_TOL = 1e-5, 1e-4
 SCALE = 0.4

@@ -32,8 +32,9 @@ import pytest
 from jax import lax
 
 from attnx import core
-from attnx.core import pallas_kernels, streaming
+from attnx.core import streaming
 from attnx.core import weightings as wlib
+from attnx.core.kernels.pallas import mosaic, triton
 
 # The parametrized variants (ssmax:s, softpick:eps, sparsemax:scale) only change constants of
 # the same code; test_blocked_rows.py runs them through the kernel, and the threshold test
@@ -429,8 +430,8 @@ def test_entmax_zero_tiles_keeps_the_tiles_of_a_nan_row():
 
 PW_ROWS, PW_KEYS, PW_HV = 6, 40, 24
 PW_CHUNKS = ((0, 16), (16, 8))  # the GPU's head-dim chunks of Hv = 24
-PW_SPELLINGS = {"xla": (streaming.XLA, False), "gpu": (pallas_kernels.GPU_OPS, True),
-                "tpu": (pallas_kernels.TPU_OPS, False)}
+PW_SPELLINGS = {"xla": (streaming.XLA, False), "gpu": (triton.OPS, True),
+                "tpu": (mosaic.OPS, False)}
 PW_NAMES = ["softmax", "softmax_plus_one", "softmax:alpha=0.5", "relu",
             "relu:normalization=length", "sigmoid:normalization=none"]
 
@@ -607,4 +608,4 @@ def test_online_max_l_rides_in_the_ones_column_or_apart_never_both():
   with pytest.raises(ValueError, match="ones_column"):  # XLA: l is acc's last column
     streaming.online_max_update(jnp.zeros((2, 3)), rows, z, None, v, rows)
   with pytest.raises(ValueError, match="ones_column"):  # GPU_OPS: l must be passed
-    streaming.pointwise_finalize(w, jnp.zeros((2, 3)), rows, ops=pallas_kernels.GPU_OPS)
+    streaming.pointwise_finalize(w, jnp.zeros((2, 3)), rows, ops=triton.OPS)

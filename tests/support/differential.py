@@ -29,8 +29,9 @@ import numpy as np
 
 from attnx import core
 from attnx.core import api, problem
-from attnx.core import pallas_attention as pallas_lib
 from attnx.core import weightings as wlib
+from attnx.core.kernels import pallas as pallas_lib
+from attnx.core.kernels.pallas import tiles as pallas_tiles
 from support import reference as ref_lib
 
 # Every registered weighting and the variants whose code paths differ (normalizations, p < 1
@@ -302,7 +303,7 @@ def rejects(case: Case, impl: str) -> bool:
   if impl == "pallas":
     return any(x < pallas_lib.GPU_MIN_BLOCK or x & (x - 1) for x in tiles)
   if impl == "pallas_tpu":
-    return ((case.block_q is not None and case.block_q % pallas_lib._q_align("tpu", case.dtype))
+    return ((case.block_q is not None and case.block_q % pallas_tiles.q_align("tpu", case.dtype))
             or (case.block_k is not None and case.block_k % pallas_lib.TPU_LANES != 0))
   return False
 

@@ -1,19 +1,19 @@
 """``implementation="pallas"``: fused Pallas kernels, Triton on a GPU and Mosaic on a TPU.
 
-Wraps :func:`attnx.core.pallas_attention.pallas_attention` (pointwise F and the whole-row
+Wraps :func:`attnx.core.kernels.pallas.wrapper.pallas_attention` (pointwise F and the whole-row
 weightings with a streaming family), on the score's dot-product form like the blocked kernel.
 It supports a problem when the weighting streams, the score has a dot-product form, no
 weights are needed (dropout, ``return_weights``), the tiles fit the backend's rules, and the
-dtype and head sizes fit the kernels (:func:`attnx.core.pallas_attention.supported`): the
+dtype and head sizes fit the kernels (:func:`attnx.core.kernels.pallas.tiles.supported`): the
 host's GPU or TPU kernels, or on a CPU host either kind. The kernels are chosen per lowering
-platform (:func:`attnx.core.platforms.by_platform`): Triton where the program is lowered for a
-GPU, Mosaic for a TPU, so a CPU host can lower, export or AOT-compile a model for either; run or
-lowered for the CPU it raises ValueError (``interpret=True`` runs the kernels in Pallas'
-interpreter on any machine).
+platform (:func:`attnx.core.kernels.pallas.platforms.by_platform`): Triton where the program
+is lowered for a GPU, Mosaic for a TPU, so a CPU host can lower, export or AOT-compile a model
+for either; run or lowered for the CPU it raises ValueError (``interpret=True`` runs the
+kernels in Pallas' interpreter on any machine).
 
 The automatic choice takes it first in its list, but declines it unless a GPU/TPU runs the
 call, the problem is large enough to stream at all (the blocked kernel's thresholds), and the
-combination is verified (:func:`attnx.core.pallas_attention.verify_pallas`, run once per
+combination is verified (:func:`attnx.core.kernels.pallas.verify.verify_pallas`, run once per
 combination, eagerly, outside the caller's trace); a failing verification logs one warning
 and the walk goes on to the blocked kernel. An explicit ``implementation="pallas"`` is never
 verified and never falls back: its errors are the kernels' own.
@@ -26,7 +26,6 @@ from typing import Any
 
 import jax
 
-from attnx.core import pallas_attention as pallas_lib
 from attnx.core import scores as scores_lib
 from attnx.core.implementations.base import (
     Implementation,
@@ -38,6 +37,7 @@ from attnx.core.implementations.base import (
     streaming_config_reason,
 )
 from attnx.core.implementations.blocked import small_problem_reason
+from attnx.core.kernels import pallas as pallas_lib
 
 Array = jax.Array
 
@@ -45,7 +45,7 @@ Array = jax.Array
 def _backends(problem: Problem) -> tuple[str, ...]:
   """The kernel families ("gpu", "tpu") that must be able to run ``problem``: the host's, or
   on a CPU host without ``interpret`` either one (the call lowers for the platform it is
-  compiled for: :func:`attnx.core.platforms.by_platform`)."""
+  compiled for: :func:`attnx.core.kernels.pallas.platforms.by_platform`)."""
   try:
     return (pallas_lib.backend_for_platform(problem.platform, problem.interpret),)
   except ValueError:
@@ -53,7 +53,7 @@ def _backends(problem: Problem) -> tuple[str, ...]:
 
 
 class PallasImplementation(Implementation):
-  """The Pallas kernels of :mod:`attnx.core.pallas_attention` and :mod:`attnx.core.pallas_rows`."""
+  """The Pallas kernels of :mod:`attnx.core.kernels.pallas` (pointwise F and whole-row)."""
 
   name = "pallas"
 

@@ -74,12 +74,13 @@ import numpy as np
 from jax import lax
 
 from attnx.core import blocked as bl
-from attnx.core import pallas_attention as pa
 from attnx.core import problem as problem_lib
-from attnx.core import ring_pallas, streaming
 from attnx.core import scores as scores_lib
+from attnx.core import streaming
 from attnx.core.contract import compute_dtype, nonfinite_inputs
 from attnx.core.kernels import common
+from attnx.core.kernels import pallas as pa
+from attnx.core.kernels.pallas import block as ring_pallas
 from attnx.core.parallel import layout as ring_layout
 from attnx.core.parallel import steps, stick_zigzag
 from attnx.core.parallel.layout import LAYOUTS, ring_work, zigzag_permute, zigzag_unpermute
@@ -497,11 +498,11 @@ def ring_attention(q: Array, k: Array, v: Array, bias: Array | None = None,
       keep a pass' query shard (B · T/P · heads · H) within :data:`PASS_BUDGET` elements, one
       at least. More heads per pass: fewer, larger transfers and kernels; fewer: less memory.
     implementation: the kernel of every ring step: ``"blocked"`` (attnx's XLA blocked
-      kernel), ``"pallas"`` (the Pallas kernels, :mod:`attnx.core.ring_pallas`: Triton on a
+      kernel), ``"pallas"`` (the Pallas kernels, :mod:`attnx.core.kernels.pallas.block`: Triton on a
       GPU, Mosaic on a TPU) or None: Pallas where the automatic choice of
       :func:`attnx.core.attention` would take it for this weighting, dtype and head size on
       ``jax.default_backend()`` (a GPU or TPU, a verified combination:
-      :func:`attnx.core.pallas_attention.decline_reason`) and the inputs are not typed by
+      :func:`attnx.core.kernels.pallas.verify.decline_reason`) and the inputs are not typed by
       ``check_vma=True`` (the Pallas kernels' outputs carry no varying axes yet), else blocked.
     pallas_backend: ``"gpu"`` or ``"tpu"``: the Pallas kernels to build (to lower for a chip
       from another host); None: ``jax.default_backend()``'s.

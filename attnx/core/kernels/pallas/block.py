@@ -1,14 +1,14 @@
 """Ring attention's per-step entry points on the Pallas kernels (Triton on a GPU, Mosaic on a TPU).
 
-A ring step (:mod:`attnx.core.ring`) computes the raw streaming state of the local query rows
-against one visiting key shard, and in the backward the gradients of that block given the rows'
+A ring step (:mod:`attnx.core.parallel.ring`) computes the raw streaming state of the local query
+rows against one visiting key shard, and in the backward the gradients of that block given the rows'
 final (global) output and statistics. The XLA entry points are
 :func:`attnx.core.blocked.raw_block_state` / :func:`~attnx.core.blocked.block_grads` (pointwise
 F) and :func:`attnx.core.blocked_rows.raw_block_state` / :func:`~attnx.core.blocked_rows.
 block_grads` (SSMax, softpick, stick-breaking). This module has the same functions, same
 arguments, layouts (q [X, G, t, H], k/v [X, s, H], bias/mask [Bb, Kb, Gb, t|1, s|1], X = B·K) and
 ``cfg`` (:func:`attnx.core.blocked.block_config`), same results, computed by the Pallas kernels
-of :mod:`attnx.core.pallas_kernels` and :mod:`attnx.core.pallas_rows`; the keyword-only
+(:mod:`attnx.core.kernels.pallas`, through :mod:`.wrapper`'s entry points); the keyword-only
 ``backend`` ("gpu"/"tpu") and ``interpret`` choose the kernels, ``block_q``/``block_k`` cap their
 tiles (the cfg's tiles are the XLA kernel's; Pallas has its own rules, and pads the block).
 
@@ -33,7 +33,7 @@ global n). The diagonal block (``cfg.is_causal``) is causal, top-left aligned.
 
 The backward runs the Pallas backward of the block with the rows' global statistics (online
 max: the lse in base 2, as the kernels read it) and δ = dO·O of the global output. The scale
-is folded into q (as :func:`attnx.core.pallas_attention.pallas_attention` does with an array
+is folded into q (as :func:`.wrapper.pallas_attention` does with an array
 scale), so dscale = Σ dQ'·q. The bias gradient materializes the block's dS [B, N, t, s] in
 float32 (the Pallas kernels' rule) and is summed over the bias' broadcast dims. Results are
 float32 like the XLA ones, rounded to the input dtype by the kernels first (16-bit inputs).
@@ -45,7 +45,7 @@ dO·e^{L₀} and δ − (Σ A·dP of the later keys), which gives exactly the bl
 carries out (L₀ + L_block, Σ A·dP + e^{L₀}·dO·O_block) need the block's own (O, L), which the
 Pallas backward does not return: the backward runs the block's Pallas forward once more for them
 (one forward pass per step more than the XLA path; exposing the dQ pass's final carries in
-:mod:`attnx.core.pallas_rows` would save it). Sparsemax and α-entmax have no ring form (their
+:mod:`.rows` would save it). Sparsemax and α-entmax have no ring form (their
 threshold needs every key of the row first): :func:`supported` says so.
 """
 
@@ -58,10 +58,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from attnx.core import pallas_attention as pa
-from attnx.core import pallas_kernels as kernels
-from attnx.core import pallas_rows, streaming
+from attnx.core import streaming
 from attnx.core.kernels import common
+from attnx.core.kernels.pallas import tiles, wrapper
+from attnx.core.kernels.pallas.common import KernelConfig, grad_rows
 from attnx.core.kernels.xla import tiling as tl
 from attnx.core.weightings import Pointwise, get_weighting
 
@@ -78,9 +78,9 @@ def supported(weighting: Any, backend: str) -> str | None:
   """Why a ring step cannot run ``weighting`` on the Pallas kernels of ``backend`` ("gpu",
   "tpu" and their aliases), or None when it can: every pointwise F, SSMax, softpick and
   stick-breaking. (Whether a dtype or head size fits the kernels is
-  :func:`attnx.core.pallas_attention.supported`'s; the entry points check it.)"""
+  :func:`.tiles.supported`'s; the entry points check it.)"""
   try:
-    pa.resolve_backend(backend)
+    tiles.resolve_backend(backend)
   except ValueError as e:
     return str(e)
   try:
@@ -107,7 +107,7 @@ def supported(weighting: Any, backend: str) -> str | None:
 @dataclasses.dataclass(frozen=True)
 class _Block:
   """One block's Pallas problem: the kernels' config and padded operands, and its sizes."""
-  cfg: kernels.KernelConfig
+  cfg: KernelConfig
   q: Array
   k: Array
   v: Array
@@ -139,7 +139,7 @@ def _xgtd(x: Array, blk: _Block, d: int) -> Array:
 def _bnt(r: Array, blk: _Block) -> Array:
   """Row values [X, G, t] -> [B, N, Tp] (zero padded)."""
   r = r.astype(F32).reshape(blk.b, -1, blk.t)
-  return pa._pad(r, {2: blk.cfg.tp})
+  return wrapper.pad_to(r, {2: blk.cfg.tp})
 
 
 def _xgt(r: Array, blk: _Block) -> Array:
@@ -175,14 +175,14 @@ def _block(q, k, v, bias, mask, scale, cfg: tl.TileConfig, w: Any, backend: str,
   b, kv_heads, g = cfg.head_dims
   _, _, t, h = q.shape
   s, hv = k.shape[1], v.shape[-1]
-  be = pa.resolve_backend(backend, interpret)
+  be = tiles.resolve_backend(backend, interpret)
   if not (q.dtype == k.dtype == v.dtype):
     raise ValueError(f"q, k and v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-  reason = pa.supported(w, backend=be, dtype=q.dtype, head_dim=h, value_head_dim=hv)
+  reason = tiles.supported(w, backend=be, dtype=q.dtype, head_dim=h, value_head_dim=hv)
   if reason:
     raise ValueError(f"the Pallas ring step cannot run this: {reason}.")
-  blocks, launch = pa.kernel_tiles(be, w, t, s, h, hv, q.dtype, block_q, block_k)
-  kcfg, (qp, kp, vp, bp, mp) = pa.kernel_inputs(
+  blocks, launch = tiles.kernel_tiles(be, w, t, s, h, hv, q.dtype, block_q, block_k)
+  kcfg, (qp, kp, vp, bp, mp) = wrapper.kernel_inputs(
       _btnh(q, b, kv_heads), _keys(k, b), _keys(v, b), _heads4(bias, kv_heads, g),
       _heads4(mask, kv_heads, g), weighting=w, scale=jnp.asarray(scale, F32), backend=be,
       interpret=interpret, blocks=blocks, launch=launch, is_causal=cfg.is_causal,
@@ -241,7 +241,7 @@ def raw_block_state(q: Array, k: Array, v: Array, bias: Array | None, mask: Arra
     return _empty_pointwise(w, (x, g, t), hv)
   blk = _block(q, k, v, bias, mask, scale, cfg, _no_offset(w), backend, interpret, block_q,
                block_k)
-  o, stat = kernels.forward(blk.cfg, blk.q, blk.k, blk.v, blk.bias, blk.mask, blk.q_len,
+  o, stat = wrapper.forward(blk.cfg, blk.q, blk.k, blk.v, blk.bias, blk.mask, blk.q_len,
                             blk.kv_len, out_dtype=F32)
   o, stat = _xgtd(o, blk, hv), _xgt(stat, blk)
   if w.online_max:  # m = lse (natural units of α·s), l = 1
@@ -275,10 +275,11 @@ def block_grads(q: Array, k: Array, v: Array, bias: Array | None, mask: Array | 
   if w.online_max:  # the kernels' statistic is a log2-sum-exp
     stat = stat * (1.0 / LN2)
   hvp = blk.v.shape[-1]
-  pad_rows = lambda a: pa._pad(_btnh(a.astype(F32), blk.b, blk.kv_heads), {1: blk.cfg.tp, 3: hvp})
+  pad_rows = lambda a: wrapper.pad_to(_btnh(a.astype(F32), blk.b, blk.kv_heads),
+                                      {1: blk.cfg.tp, 3: hvp})
   do_k = pad_rows(do)
-  rows = kernels.grad_rows(blk.cfg, _bnt(stat, blk), pad_rows(out), do_k)
-  dq, dk, dv, ds = kernels.backward(blk.cfg, blk.q, blk.k, blk.v, blk.bias, blk.mask,
+  rows = grad_rows(blk.cfg, _bnt(stat, blk), pad_rows(out), do_k)
+  dq, dk, dv, ds = wrapper.backward(blk.cfg, blk.q, blk.k, blk.v, blk.bias, blk.mask,
                                     blk.q_len, blk.kv_len, do_k.astype(blk.q.dtype), rows,
                                     want_ds=bias is not None)
   return _scaled_grads(dq, dk, dv, ds, q, bias, scale, blk)
@@ -302,7 +303,7 @@ def _row_weighting(w: Any) -> Any:
 def _row_forward(blk: _Block, row_scales: Array | None) -> tuple[Array, Array]:
   """The block's normalized (O [X, G, t, Hv] float32, statistic [X, G, t])."""
   rowc = None if row_scales is None else _bnt(row_scales, blk)
-  o, stats, _ = pallas_rows.forward(blk.cfg, blk.q, blk.k, blk.v, rowc, blk.bias, blk.mask,
+  o, stats, _ = wrapper.row_forward(blk.cfg, blk.q, blk.k, blk.v, rowc, blk.bias, blk.mask,
                                     blk.q_len, blk.kv_len, out_dtype=F32)
   return _xgtd(o, blk, blk.hv), _xgt(stats[0], blk)
 
@@ -363,10 +364,10 @@ def row_block_grads(q: Array, k: Array, v: Array, bias: Array | None, mask: Arra
     do32, delta = do32 * rest[..., None], delta - carry_b
     carries = (carry_a + l_blk, carry_b + rest * jnp.sum(do.astype(F32) * o_blk, axis=-1))
   hvp = blk.v.shape[-1]
-  do_k = pa._pad(_btnh(do32, blk.b, blk.kv_heads), {1: blk.cfg.tp, 3: hvp})
+  do_k = wrapper.pad_to(_btnh(do32, blk.b, blk.kv_heads), {1: blk.cfg.tp, 3: hvp})
   rows = tuple(_bnt(a, blk) for a in (*stats, delta))
   rowc = None if row_scales is None else _bnt(row_scales, blk)
-  dq, dk, dv, ds, dc = pallas_rows.backward(blk.cfg, blk.q, blk.k, blk.v, blk.bias, blk.mask,
+  dq, dk, dv, ds, dc = wrapper.row_backward(blk.cfg, blk.q, blk.k, blk.v, blk.bias, blk.mask,
                                             blk.q_len, blk.kv_len, do_k.astype(blk.q.dtype),
                                             rows, rowc, want_ds=bias is not None)
   if rs.family == "ssmax":

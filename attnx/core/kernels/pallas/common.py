@@ -1,0 +1,227 @@
+"""What the Pallas kernels of both lowerings share: the static :class:`KernelConfig` of a
+problem and the tile math on values (not refs).
+
+The pointwise tile math is :mod:`attnx.core.streaming`'s two rules, the blocked kernel's
+(:mod:`attnx.core.blocked`; same masking, same empty-row and NaN rules): the online max
+(:func:`~attnx.core.streaming.online_max_update`) for ``w.online_max``, ``acc += F(S)·V``
+with one division at the end otherwise (:func:`~attnx.core.streaming.pointwise_update`), both
+ended by :func:`~attnx.core.streaming.pointwise_finalize`; the backward's dS from the saved
+statistic is :func:`~attnx.core.streaming.pointwise_tile_grad` (:func:`bwd_tile`): α·P∘(dP − D)
+(online max), F'(s)∘(dP − D)/l (``"sum"``), F'(s)∘dP/n (``"length"``), F'(s)∘dP (``"none"``).
+Scores are in base-2 units for the online max (exp2, log₂e folded into the score's scale:
+:attr:`KernelConfig.z_mult`). Each lowering spells the rules with its own
+:class:`~attnx.core.streaming.Ops` (:data:`.triton.OPS`, :data:`.mosaic.OPS`).
+
+All arrays the kernels get are already padded (T to Tp, S to Sp, and on the GPU the head dims);
+padded rows/keys are excluded through the ``q_len``/``kv_len`` bounds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from attnx.core import streaming
+from attnx.core.contract import finite
+from attnx.core.weightings import Pointwise
+
+Array = jax.Array
+LOG2E = math.log2(math.e)
+LANES = 128  # TPU vector lanes: row statistics are stored replicated over 128 lanes
+NT = (((1,), (1,)), ((), ()))  # dot_general dimensions of a @ b.T
+
+__all__ = ["LANES", "LOG2E", "NT", "KernelConfig", "accumulate_dkv", "bcast_index", "bnth",
+           "bwd_tile", "dot_chunks", "grad_rows", "kv_hi", "q_range", "ref_cols", "tile_scores",
+           "tile_valid", "uncounted"]
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+  """Static description of one problem (closed over by the kernels).
+
+  Tiles: (bq, bk) forward, (bq_dq, bk_dq) for dQ, (bq_dkv, bk_dkv) for dK/dV. ``q_bound`` /
+  ``kv_bound``: rows i ≥ q_len[b] / keys j ≥ kv_len[b] are invalid (lengths or padding).
+  """
+
+  w: Pointwise
+  backend: str  # "gpu" | "tpu"
+  interpret: bool
+  s: int  # true number of keys S (F's num_keys argument)
+  tp: int  # padded T
+  sp: int  # padded S
+  g: int  # query heads per kv head
+  scale: float
+  is_causal: bool
+  q_bound: bool
+  kv_bound: bool
+  bq: int
+  bk: int
+  bq_dq: int
+  bk_dq: int
+  bq_dkv: int
+  bk_dkv: int
+  num_warps: int = 4  # GPU forward
+  num_warps_bwd: int = 4  # GPU dK/dV
+  num_warps_dq: int = 4  # GPU dQ
+  num_stages: int = 2
+  num_stages_bwd: int = 2
+  # GPU: dK and dV in two passes of one accumulator each (their registers, at wide heads).
+  split_dkv: bool = False
+  # Sparsemax/entmax: skip the work of key tiles whose every weight is zero (:mod:`.rows`).
+  skip_zero_tiles: bool = True
+
+  @property
+  def alpha(self) -> float:
+    return float(self.w.exp_alpha) if self.w.online_max else 1.0
+
+  @property
+  def z_mult(self) -> tuple[float, float]:
+    """(q·k, bias) multipliers of the tile score z (base-2 exponent for online max)."""
+    if self.w.online_max:
+      return self.scale * self.alpha * LOG2E, self.alpha * LOG2E
+    return self.scale, 1.0
+
+  @property
+  def grad_mult(self) -> tuple[float, float]:
+    """(q·k, bias) multipliers turning the cotangent of z (natural units) into gradients."""
+    return self.scale * self.alpha, self.alpha
+
+  def needs_valid(self, has_mask: bool) -> bool:
+    return has_mask or self.is_causal or self.q_bound or self.kv_bound
+
+
+def _cdiv(a, b: int):
+  return lax.div(a + (b - 1), b)
+
+
+def kv_hi(cfg: KernelConfig, i, bq: int, bk: int, q_len, kv_len):
+  """Number of key tiles seen by query tile i (causal: not above the diagonal)."""
+  hi = jnp.int32(cfg.sp // bk)
+  if cfg.is_causal:
+    hi = jnp.minimum(hi, lax.div(i * bq + bq + bk - 1, bk))
+  if cfg.kv_bound:
+    hi = jnp.minimum(hi, _cdiv(kv_len, bk))
+  if cfg.q_bound:
+    hi = jnp.where(i * bq < q_len, hi, 0)
+  return hi
+
+
+def q_range(cfg: KernelConfig, j, bq: int, bk: int, q_len, kv_len):
+  """[lo, hi) of the query tiles that see key tile j."""
+  lo = lax.div(j * bk, bq) if cfg.is_causal else jnp.int32(0)
+  hi = jnp.int32(cfg.tp // bq)
+  if cfg.q_bound:
+    hi = jnp.minimum(hi, _cdiv(q_len, bq))
+  if cfg.kv_bound:
+    hi = jnp.where(j * bk < kv_len, hi, lo)
+  return lo, jnp.maximum(hi, lo)
+
+
+def tile_valid(cfg: KernelConfig, shape: tuple[int, int], r0, c0, mask_tile, q_len, kv_len):
+  """Boolean [bq, bk] validity of a tile (None when every entry is valid)."""
+  valid = None
+  if mask_tile is not None:  # broadcast as int32, compare after (no i1 broadcasts)
+    valid = jnp.broadcast_to(mask_tile.astype(jnp.int32), shape) != 0
+  if cfg.is_causal or cfg.q_bound or cfg.kv_bound:
+    rows = r0 + lax.broadcasted_iota(jnp.int32, shape, 0)
+    cols = c0 + lax.broadcasted_iota(jnp.int32, shape, 1)
+    conds = []
+    if cfg.is_causal:
+      conds.append(cols <= rows)
+    if cfg.q_bound:
+      conds.append(rows < q_len)
+    if cfg.kv_bound:
+      conds.append(cols < kv_len)
+    for c in conds:
+      valid = c if valid is None else valid & c
+  return valid
+
+
+def tile_scores(cfg: KernelConfig, qs, ks, bias_tile):
+  """The tile score z [bq, bk] float32 (base-2 exponent for online-max weightings).
+
+  ``qs``/``ks``: the [bq, c] / [bk, c] chunks of the head dim (one chunk but on the GPU).
+  """
+  zq, zb = cfg.z_mult
+  z = None
+  for q, k in zip(qs, ks, strict=True):
+    d = lax.dot_general(q, k, NT, preferred_element_type=jnp.float32)
+    z = d if z is None else z + d
+  if zq != 1.0:
+    z = z * zq
+  if bias_tile is not None:
+    b = bias_tile.astype(jnp.float32)
+    z = z + (b * zb if zb != 1.0 else b)
+  return z
+
+
+def bwd_tile(cfg: KernelConfig, z, valid, dp, rows, ops: streaming.Ops):
+  """(P, dZ) of one tile: the weights (for dV) and the cotangent of z in natural units.
+
+  ``rows``: (r0, r1, δ) of :func:`attnx.core.streaming.pointwise_grad_rows`, broadcast
+  against the tile (zeros where the rule reads nothing); ``ops`` the lowering's spelling.
+  """
+  return streaming.pointwise_tile_grad(cfg.w, z, valid, dp, rows, cfg.s, ops=ops)
+
+
+def ref_cols(ref, c0, size: int):
+  """Columns [c0, c0 + size) of a 2-D ref (all of it when its last dim is broadcast)."""
+  if ref.shape[-1] == 1:
+    return ref[...]
+  return ref[:, pl.ds(c0, size)]
+
+
+def bcast_index(shape: tuple[int, ...], full: tuple[Any, ...]) -> tuple[Any, ...]:
+  """Block indices of a bias/mask with broadcast (size-1) dims: 0 along those."""
+  return tuple(0 if d == 1 else x for d, x in zip(shape, full, strict=True))
+
+
+def dot_chunks(as_, bs):
+  """Σ_c a_c @ b_cᵀ (float32)."""
+  out = None
+  for a, b in zip(as_, bs, strict=True):
+    d = lax.dot_general(a, b, NT, preferred_element_type=jnp.float32)
+    out = d if out is None else out + d
+  return out
+
+
+def accumulate_dkv(dkv: tuple, p: Array, dz: Array, qs: list, dos: list) -> tuple:
+  """(dK + dZᵀ·Q, dV + Pᵀ·dO) in float32, per head-dim chunk, for the accumulators held (an
+  empty tuple: that one is not wanted, as in a pass of the two-pass form)."""
+  dk, dv = dkv
+  # The transposes first: the order in which the fused pass compiled without spills.
+  pt = p.astype(dos[0].dtype).T if dv else None
+  dzt = dz.astype(qs[0].dtype).T if dk else None
+  if dv:
+    dv = tuple(a + jnp.dot(pt, do, preferred_element_type=jnp.float32)
+               for a, do in zip(dv, dos, strict=True))
+  if dk:
+    dk = tuple(a + jnp.dot(dzt, finite(q), preferred_element_type=jnp.float32)
+               for a, q in zip(dk, qs, strict=True))
+  return dk, dv
+
+
+def uncounted(cfg: KernelConfig, has_mask: bool) -> int | None:
+  """pointwise_finalize's ``num_keys``: S when no tile is masked (so no key was counted)."""
+  return None if cfg.needs_valid(has_mask) else cfg.s
+
+
+def grad_rows(cfg: KernelConfig, stat: Array, o: Array, do: Array) -> list[Array]:
+  """The per-row values (r0, r1, δ) [B, N, Tp] of :func:`backward`, from the forward's row
+  statistic [B, N, Tp] and O, dO [B, Tp, N, Hv]: those of
+  :func:`attnx.core.streaming.pointwise_grad_rows`, zeros where the rule reads nothing."""
+  # δ_i = dO_i·O_i; XLA drops it where the rule does not read it ("length", "none").
+  delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1).transpose(0, 2, 1)
+  zeros = jnp.zeros_like(stat)
+  return [zeros if r is None else r for r in streaming.pointwise_grad_rows(cfg.w, stat, delta)]
+
+
+def bnth(x: Array) -> Array:
+  """[B, T, N, H] <-> [B, N, T, H] (the Mosaic kernels' layout)."""
+  return x.transpose(0, 2, 1, 3)

@@ -1,0 +1,345 @@
+"""The Mosaic (TPU) kernels of pointwise F, behind
+:func:`attnx.core.kernels.pallas.wrapper.pallas_attention`.
+
+The three kernels of :mod:`.triton` (forward; dQ and dS; dK/dV over the G query heads of a kv
+head), laid out for the TPU: arrays are transposed to ``[B, N, T, H]`` (a block's last two dims
+must be multiples of (8, 128) or full); the streamed axis (keys, or queries for dK/dV) is the
+last, "arbitrary" grid axis with VMEM scratch accumulators, as in JAX's
+``ops/tpu/flash_attention.py``; lengths arrive as scalar prefetch (SMEM); row statistics live
+lane-replicated as ``[rows, 128]`` (:data:`OPS`). Skipped tiles (causal, key lengths) keep
+their block index so that no DMA is issued for them. :func:`forward` and :func:`backward` take
+and return the ``[B, T, N, H]`` layout of :mod:`.triton`'s.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from attnx.core import streaming
+from attnx.core.contract import finite
+from attnx.core.kernels.pallas.common import (
+    LANES,
+    NT,
+    KernelConfig,
+    bcast_index,
+    bnth,
+    bwd_tile,
+    kv_hi,
+    q_range,
+    tile_scores,
+    tile_valid,
+    uncounted,
+)
+
+Array = jax.Array
+# The spelling of the streaming rules Mosaic lowers: row statistics replicated over 128 lanes.
+OPS = streaming.Ops(exp2=True, ones_column=False, lanes=LANES)
+
+__all__ = ["OPS", "backward", "forward", "to_lanes_all"]
+
+
+def _tile(ref):
+  return None if ref is None else ref[...]
+
+
+# --------------------------------------------------------------------------------------------
+# Forward.
+# --------------------------------------------------------------------------------------------
+
+def _fwd_kernel(*refs, cfg: KernelConfig, has_bias: bool, has_mask: bool):
+  it = iter(refs)
+  qlen_ref, kvlen_ref, q_ref, k_ref, v_ref = (next(it) for _ in range(5))
+  bias_ref = next(it) if has_bias else None
+  mask_ref = next(it) if has_mask else None
+  o_ref, stat_ref = next(it), next(it)
+  w, bq, bk, ops = cfg.w, cfg.bq, cfg.bk, OPS
+  scratch = list(it)
+  b, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
+  q_len, kv_len = qlen_ref[b], kvlen_ref[b]
+
+  # The state lives in VMEM scratch across the key tiles (the last grid axis): m and l as
+  # lane-replicated [bq, 128] (ops.lanes), acc as [bq, Hv].
+  if w.online_max:
+    m_sc, l_sc, acc_sc = scratch
+  else:
+    l_sc, acc_sc = scratch
+
+  @pl.when(j == 0)
+  def _init():
+    acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
+    if w.online_max:
+      m0, l0 = streaming.online_max_start(w)  # from the offset's virtual key, if any
+      m_sc[...] = jnp.full(m_sc.shape, m0, jnp.float32)
+      l_sc[...] = jnp.full(l_sc.shape, l0, jnp.float32)
+    else:
+      l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
+
+  @pl.when(j < kv_hi(cfg, i, bq, bk, q_len, kv_len))
+  def _run():
+    z = tile_scores(cfg, [q_ref[...]], [k_ref[...]], _tile(bias_ref))
+    valid = tile_valid(cfg, (bq, bk), i * bq, j * bk, _tile(mask_ref), q_len, kv_len)
+    v = v_ref[...]
+    if w.online_max:
+      acc_sc[...], m_sc[...], l_sc[...] = streaming.online_max_update(
+          acc_sc[...], m_sc[...], z, valid, v, l_sc[...], ops=ops)
+    else:
+      l = l_sc[...]
+      acc_sc[...], l_new = streaming.pointwise_update(w, acc_sc[...], l, z, valid, v, cfg.s,
+                                                      ops=ops)
+      if l_new is not l:  # "none", and "length" on unmasked tiles, leave l as it is
+        l_sc[...] = l_new
+
+  @pl.when(j == cfg.sp // bk - 1)
+  def _finish():
+    if w.online_max:
+      o, st = streaming.pointwise_finalize(w, acc_sc[...], m_sc[...], l_sc[...],
+                                           add_offset=False, ops=ops)
+    else:
+      o, st = streaming.pointwise_finalize(w, acc_sc[...], l_sc[...],
+                                           num_keys=uncounted(cfg, has_mask), ops=ops)
+    o_ref[...] = o.astype(o_ref.dtype)
+    stat_ref[...] = st
+
+
+def _bias_spec(x: Array | None, bq: int, bk: int, index: Callable) -> list:
+  """[Bb, Nb, Tb, Sb] bias/mask: a (bq|1, bk|1) tile at the grid's (b, head, i, j)."""
+  if x is None:
+    return []
+  shape = x.shape
+  blk = (None, None, bq if shape[2] > 1 else 1, bk if shape[3] > 1 else 1)
+  return [pl.BlockSpec(blk, lambda *ids: bcast_index(shape, index(*ids)))]
+
+
+def _params(n_parallel: int, n_arbitrary: int):
+  return pltpu.CompilerParams(
+      dimension_semantics=("parallel",) * n_parallel + ("arbitrary",) * n_arbitrary)
+
+
+def _kv_clamp(cfg: KernelConfig, b, i, j, bq, bk, ql, kl):
+  """Key tile to fetch at grid step j: a skipped tile repeats the last needed one (no DMA)."""
+  hi = kv_hi(cfg, i, bq, bk, ql[b], kl[b])
+  return jnp.minimum(j, jnp.maximum(hi - 1, 0))
+
+
+def _forward(cfg: KernelConfig, q, k, v, bias, mask, q_len, kv_len, out_dtype):
+  b, n, tp, h = q.shape
+  hv = v.shape[-1]
+  bq, bk, g = cfg.bq, cfg.bk, cfg.g
+
+  def kv_map(bb, hh, i, j, ql, kl):
+    return bb, lax.div(hh, g), _kv_clamp(cfg, bb, i, j, bq, bk, ql, kl), 0
+
+  def bias_map(bb, hh, i, j, ql, kl):
+    return bb, hh, i, _kv_clamp(cfg, bb, i, j, bq, bk, ql, kl)
+
+  in_specs = [pl.BlockSpec((None, None, bq, h), lambda bb, hh, i, j, *_: (bb, hh, i, 0)),
+              pl.BlockSpec((None, None, bk, h), kv_map),
+              pl.BlockSpec((None, None, bk, hv), kv_map)]
+  for x in (bias, mask):
+    in_specs += _bias_spec(x, bq, bk, bias_map)
+  out_map = lambda bb, hh, i, j, *_: (bb, hh, i, 0)
+  scratch = [pltpu.VMEM((bq, LANES), jnp.float32), pltpu.VMEM((bq, hv), jnp.float32)]
+  if cfg.w.online_max:
+    scratch = [pltpu.VMEM((bq, LANES), jnp.float32)] + scratch
+  o, st = pl.pallas_call(
+      functools.partial(_fwd_kernel, cfg=cfg, has_bias=bias is not None,
+                        has_mask=mask is not None),
+      grid_spec=pltpu.PrefetchScalarGridSpec(
+          num_scalar_prefetch=2, grid=(b, n, tp // bq, cfg.sp // bk), in_specs=in_specs,
+          out_specs=[pl.BlockSpec((None, None, bq, hv), out_map),
+                     pl.BlockSpec((None, None, bq, LANES), out_map)],
+          scratch_shapes=scratch),
+      out_shape=[jax.ShapeDtypeStruct((b, n, tp, hv), out_dtype),
+                 jax.ShapeDtypeStruct((b, n, tp, LANES), jnp.float32)],
+      compiler_params=_params(3, 1), interpret=cfg.interpret, name="attnx_pallas_fwd",
+  )(q_len, kv_len, *[x for x in (q, k, v, bias, mask) if x is not None])
+  return o, st[..., 0]
+
+
+# --------------------------------------------------------------------------------------------
+# Backward: dQ (and dS), then dK/dV.
+# --------------------------------------------------------------------------------------------
+
+def _dq_kernel(*refs, cfg: KernelConfig, has_bias: bool, has_mask: bool, want_ds: bool):
+  it = iter(refs)
+  qlen_ref, kvlen_ref = next(it), next(it)
+  q_ref, k_ref, v_ref, do_ref, r0_ref, r1_ref, dl_ref = (next(it) for _ in range(7))
+  bias_ref = next(it) if has_bias else None
+  mask_ref = next(it) if has_mask else None
+  dq_ref = next(it)
+  ds_ref = next(it) if want_ds else None
+  dq_sc = next(it)
+  bq, bk = cfg.bq_dq, cfg.bk_dq
+  b, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
+  q_len, kv_len = qlen_ref[b], kvlen_ref[b]
+  gq, gb = cfg.grad_mult
+
+  @pl.when(j == 0)
+  def _init():
+    dq_sc[...] = jnp.zeros(dq_sc.shape, jnp.float32)
+
+  run = j < kv_hi(cfg, i, bq, bk, q_len, kv_len)
+
+  @pl.when(run)
+  def _run():
+    q, k, v, do = q_ref[...], k_ref[...], v_ref[...], do_ref[...]
+    z = tile_scores(cfg, [q], [k], _tile(bias_ref))
+    valid = tile_valid(cfg, (bq, bk), i * bq, j * bk, _tile(mask_ref), q_len, kv_len)
+    dp = lax.dot_general(do, v, NT, preferred_element_type=jnp.float32)
+    rows = tuple(OPS.spread(r[...], bk) for r in (r0_ref, r1_ref, dl_ref))
+    _, dz = bwd_tile(cfg, z, valid, dp, rows, OPS)
+    if ds_ref is not None:
+      ds_ref[...] = dz * gb if gb != 1.0 else dz
+    dq_sc[...] += jnp.dot(dz.astype(k.dtype), finite(k), preferred_element_type=jnp.float32)
+
+  if ds_ref is not None:
+    @pl.when(jnp.logical_not(run))
+    def _skip():
+      ds_ref[...] = jnp.zeros(ds_ref.shape, ds_ref.dtype)
+
+  @pl.when(j == cfg.sp // bk - 1)
+  def _finish():
+    dq_ref[...] = (dq_sc[...] * gq).astype(dq_ref.dtype)
+
+
+def _dkv_kernel(*refs, cfg: KernelConfig, has_bias: bool, has_mask: bool):
+  it = iter(refs)
+  qlen_ref, kvlen_ref = next(it), next(it)
+  q_ref, k_ref, v_ref, do_ref, r0_ref, r1_ref, dl_ref = (next(it) for _ in range(7))
+  bias_ref = next(it) if has_bias else None
+  mask_ref = next(it) if has_mask else None
+  dk_ref, dv_ref, dk_sc, dv_sc = next(it), next(it), next(it), next(it)
+  bq, bk = cfg.bq_dkv, cfg.bk_dkv
+  b, j, h, i = pl.program_id(0), pl.program_id(2), pl.program_id(3), pl.program_id(4)
+  q_len, kv_len = qlen_ref[b], kvlen_ref[b]
+  gq, _ = cfg.grad_mult
+  lo, hi = q_range(cfg, j, bq, bk, q_len, kv_len)
+
+  @pl.when((h == 0) & (i == 0))
+  def _init():
+    dk_sc[...] = jnp.zeros(dk_sc.shape, jnp.float32)
+    dv_sc[...] = jnp.zeros(dv_sc.shape, jnp.float32)
+
+  @pl.when((i >= lo) & (i < hi))
+  def _run():
+    q, k, v, do = q_ref[...], k_ref[...], v_ref[...], do_ref[...]
+    z = tile_scores(cfg, [q], [k], _tile(bias_ref))
+    valid = tile_valid(cfg, (bq, bk), i * bq, j * bk, _tile(mask_ref), q_len, kv_len)
+    dp = lax.dot_general(do, v, NT, preferred_element_type=jnp.float32)
+    rows = tuple(OPS.spread(r[...], bk) for r in (r0_ref, r1_ref, dl_ref))
+    p, dz = bwd_tile(cfg, z, valid, dp, rows, OPS)
+    # Transposed in float32, then cast (as JAX's TPU flash kernel).
+    dv_sc[...] += jnp.dot(p.T.astype(do.dtype), do, preferred_element_type=jnp.float32)
+    dk_sc[...] += jnp.dot(dz.T.astype(q.dtype), finite(q), preferred_element_type=jnp.float32)
+
+  @pl.when((h == cfg.g - 1) & (i == cfg.tp // bq - 1))
+  def _finish():
+    dk_ref[...] = (dk_sc[...] * gq).astype(dk_ref.dtype)
+    dv_ref[...] = dv_sc[...].astype(dv_ref.dtype)
+
+
+def _backward(cfg: KernelConfig, q, k, v, bias, mask, q_len, kv_len, do, rows, want_ds):
+  b, n, tp, h = q.shape
+  _, kh, sp, _ = k.shape
+  hv = v.shape[-1]
+  g = cfg.g
+  has = dict(has_bias=bias is not None, has_mask=mask is not None)
+  rows = [to_lanes_all(r) for r in rows]
+  args = [q, k, v, do, *rows] + [x for x in (bias, mask) if x is not None]
+
+  # dQ (and dS): grid (B, N, query tiles, key tiles).
+  bq, bk = cfg.bq_dq, cfg.bk_dq
+  row_map = lambda bb, hh, i, j, *_: (bb, hh, i, 0)
+
+  def kv_map(bb, hh, i, j, ql, kl):
+    return bb, lax.div(hh, g), _kv_clamp(cfg, bb, i, j, bq, bk, ql, kl), 0
+
+  def bias_map(bb, hh, i, j, ql, kl):
+    return bb, hh, i, _kv_clamp(cfg, bb, i, j, bq, bk, ql, kl)
+
+  in_specs = [pl.BlockSpec((None, None, bq, h), row_map), pl.BlockSpec((None, None, bk, h), kv_map),
+              pl.BlockSpec((None, None, bk, hv), kv_map),
+              pl.BlockSpec((None, None, bq, hv), row_map)]
+  in_specs += [pl.BlockSpec((None, None, bq, LANES), row_map)] * 3
+  for x in (bias, mask):
+    in_specs += _bias_spec(x, bq, bk, bias_map)
+  out_specs = [pl.BlockSpec((None, None, bq, h), row_map)]
+  out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
+  if want_ds:
+    out_specs.append(pl.BlockSpec((None, None, bq, bk), lambda bb, hh, i, j, *_: (bb, hh, i, j)))
+    out_shape.append(jax.ShapeDtypeStruct((b, n, tp, sp), jnp.float32))
+  res = pl.pallas_call(
+      functools.partial(_dq_kernel, cfg=cfg, want_ds=want_ds, **has),
+      grid_spec=pltpu.PrefetchScalarGridSpec(
+          num_scalar_prefetch=2, grid=(b, n, tp // bq, sp // bk), in_specs=in_specs,
+          out_specs=out_specs, scratch_shapes=[pltpu.VMEM((bq, h), jnp.float32)]),
+      out_shape=out_shape, compiler_params=_params(3, 1), interpret=cfg.interpret,
+      name="attnx_pallas_dq")(q_len, kv_len, *args)
+  dq, ds = res[0], (res[1] if want_ds else None)
+
+  # dK, dV: grid (B, K, key tiles, G, query tiles); the last two accumulate in VMEM.
+  bq, bk = cfg.bq_dkv, cfg.bk_dkv
+
+  def q_clamp(bb, j, i, ql, kl):
+    lo, hi = q_range(cfg, j, bq, bk, ql[bb], kl[bb])
+    return jnp.minimum(jnp.maximum(i, lo), jnp.maximum(hi - 1, lo))
+
+  def qrow_map(bb, hh, j, gg, i, ql, kl):
+    return bb, hh * g + gg, q_clamp(bb, j, i, ql, kl), 0
+
+  def bias_map_kv(bb, hh, j, gg, i, ql, kl):
+    return bb, hh * g + gg, q_clamp(bb, j, i, ql, kl), j
+
+  kv_map2 = lambda bb, hh, j, *_: (bb, hh, j, 0)
+  in_specs = [pl.BlockSpec((None, None, bq, h), qrow_map),
+              pl.BlockSpec((None, None, bk, h), kv_map2),
+              pl.BlockSpec((None, None, bk, hv), kv_map2),
+              pl.BlockSpec((None, None, bq, hv), qrow_map)]
+  in_specs += [pl.BlockSpec((None, None, bq, LANES), qrow_map)] * 3
+  for x in (bias, mask):
+    in_specs += _bias_spec(x, bq, bk, bias_map_kv)
+  dk, dv = pl.pallas_call(
+      functools.partial(_dkv_kernel, cfg=cfg, **has),
+      grid_spec=pltpu.PrefetchScalarGridSpec(
+          num_scalar_prefetch=2, grid=(b, kh, sp // bk, g, tp // bq), in_specs=in_specs,
+          out_specs=[pl.BlockSpec((None, None, bk, h), kv_map2),
+                     pl.BlockSpec((None, None, bk, hv), kv_map2)],
+          scratch_shapes=[pltpu.VMEM((bk, h), jnp.float32), pltpu.VMEM((bk, hv), jnp.float32)]),
+      out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+      compiler_params=_params(3, 2), interpret=cfg.interpret, name="attnx_pallas_dkv",
+  )(q_len, kv_len, *args)
+  return dq, dk, dv, ds
+
+
+# --------------------------------------------------------------------------------------------
+# Layouts.
+# --------------------------------------------------------------------------------------------
+
+def to_lanes_all(r: Array) -> Array:
+  """[B, N, Tp] row values -> [B, N, Tp, 128] (lane-replicated, as the TPU kernels read them)."""
+  return jnp.broadcast_to(r[..., None], r.shape + (LANES,))
+
+
+
+def forward(cfg: KernelConfig, q, k, v, bias, mask, q_len, kv_len,
+            out_dtype: Any) -> tuple[Array, Array]:
+  """O [B, Tp, N, Hv] and the row statistic [B, N, Tp] of [B, Tp, N, H] arrays (the kernels
+  run on their [B, N, Tp, H] transposes)."""
+  o, st = _forward(cfg, bnth(q), bnth(k), bnth(v), bias, mask, q_len, kv_len, out_dtype)
+  return bnth(o), st
+
+
+def backward(cfg: KernelConfig, q, k, v, bias, mask, q_len, kv_len, do, rows,
+             want_ds: bool) -> tuple[Array, Array, Array, Array | None]:
+  """dq, dk, dv [B, Tp|Sp, N|K, H] and dS [B, N, Tp, Sp] or None, as :func:`forward`."""
+  dq, dk, dv, ds = _backward(cfg, bnth(q), bnth(k), bnth(v), bias, mask, q_len, kv_len,
+                             bnth(do), rows, want_ds)
+  return bnth(dq), bnth(dk), bnth(dv), ds

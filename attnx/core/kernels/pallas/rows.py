@@ -1,0 +1,295 @@
+"""The whole-row weightings' Pallas kernels: what the Triton (:mod:`.triton_rows`) and Mosaic
+(:mod:`.mosaic_rows`) kernels share.
+
+SSMax, softpick, stick-breaking, sparsemax and α-entmax run as the streaming families of
+:mod:`attnx.core.streaming`: every kernel does its per-tile math with that module's
+``init`` / ``update`` / ``finalize`` / ``entmax_threshold`` / ``tile_grad`` (the definitions the
+XLA blocked kernel :mod:`attnx.core.blocked_rows` uses), spelled with the
+:class:`~attnx.core.streaming.Ops` its lowering accepts (:data:`.triton_rows.OPS`,
+:data:`.mosaic_rows.OPS`). Layout, padding, masks, lengths, bias and GQA are those of the
+pointwise kernels (:mod:`.common`'s tile math).
+
+Kernels (the same bodies on both backends, the loops of this module; keys are streamed by
+in-kernel loops, so a program holds its rows' streaming state in registers / VMEM values):
+
+* forward: one program per (query tile, batch, head). Sparsemax / entmax first find each
+  row's threshold τ with passes over the row's key tiles, then one pass over the key tiles
+  (from the last tile backwards for stick-breaking) accumulates the state; writes O, the row
+  statistics of ``finalize`` (and Σu·v/Σu for entmax): :func:`forward_rows`.
+* dQ: one program per (query tile, batch, head), looping over the key tiles (last first for
+  stick-breaking) with the family's per-row carries (:class:`streaming.GradCarry`) in
+  registers; writes dQ, SSMax's dc (the cotangent of the per-row scale c_i), optionally dS
+  (the bias gradient before the sum over broadcast dims), and for stick-breaking the carries
+  of every row at every key tile (the stick L and Σ A·dP of the keys after the tile; GPU
+  [B, N, key tiles, Tp], TPU [B, N, Tp, key tiles]: O(T·S/block_k) floats, an intermediate of
+  the backward, not a residual): :func:`dq_rows`.
+* dK/dV: one program per (key tile, batch, kv head), looping over the G query heads that share
+  it and over the query tiles that see it; stick-breaking reads its carries from the dQ pass
+  (so its dQ and dK/dV passes use the same key tiles): :func:`dkv_step`.
+
+Saved for the backward (O(T)): the output in float32, the row statistics and, for entmax,
+Σu·v/Σu. A kernel's refs arrive in the order of :func:`fwd_names` / :func:`dq_names` /
+:func:`dkv_names` (:func:`split_refs` names them).
+
+SSMax's per-row scale c_i = s·log n_i is computed outside (:func:`row_scale`) and enters as a
+[B, N, Tp] input with a gradient, so a learned s (scalar or per head) gets one by autodiff.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from attnx.core import streaming as st
+from attnx.core.contract import finite
+from attnx.core.kernels.pallas.common import (
+    KernelConfig,
+    accumulate_dkv,
+    dot_chunks,
+    tile_scores,
+    tile_valid,
+)
+from attnx.core.weightings import RowNormalizer
+
+Array = jax.Array
+F32 = jnp.float32
+
+__all__ = ["dkv_names", "dkv_step", "dq_names", "dq_rows", "forward_rows", "fwd_names",
+           "num_key_tiles", "row_scale", "split_refs", "stat_refs_of", "streams", "tile_fn"]
+
+
+def streams(weighting: Any) -> bool:
+  """Whether ``weighting`` is a whole-row weighting these kernels run."""
+  return isinstance(weighting, RowNormalizer) and weighting.stream is not None
+
+
+def num_key_tiles(cfg: KernelConfig) -> int:
+  """Key tiles of the backward (stick-breaking's carries: one column per tile)."""
+  return cfg.sp // cfg.bk_dkv
+
+
+# --------------------------------------------------------------------------------------------
+# SSMax's per-row scale, outside the kernels.
+# --------------------------------------------------------------------------------------------
+
+def row_scale(rs: st.RowStream, b: int, n: int, t: int, s: int, bias4: Array | None,
+              mask4: Array | None, is_causal: bool, kv_lengths: Array | None,
+              s_param: Array | float | None) -> Array:
+  """[B, N, T] float32 c_i = s·log max(n_i, 1), n_i the keys row i attends (mask, bias ≠ −∞,
+  causal, key lengths), as :func:`attnx.core.blocked_rows._valid_counts`; ``s_param`` a scalar
+  or one value per query head [N] (default the weighting's s)."""
+  rows = jnp.arange(t)
+  if mask4 is None and bias4 is None:  # closed form: no [T, S] intermediate
+    n_valid = jnp.clip(rows + 1, 0, s) if is_causal else jnp.full((t,), s)
+    n_valid = jnp.broadcast_to(n_valid, (b, t))
+    if kv_lengths is not None:
+      n_valid = jnp.minimum(n_valid, kv_lengths[:, None])
+    counts = jnp.broadcast_to(n_valid.astype(F32)[:, None, :], (b, n, t))
+    return st.row_scale(rs, counts, _per_head(rs, s_param, n))
+  valid = jnp.ones((1, 1, t, s), bool)
+  if mask4 is not None:
+    valid = valid & mask4
+  if bias4 is not None:
+    valid = valid & (bias4 != -jnp.inf)
+  if is_causal:
+    valid = valid & (jnp.arange(s)[None, :] <= rows[:, None])
+  if kv_lengths is not None:
+    valid = valid & (jnp.arange(s) < kv_lengths[:, None, None, None])
+  counts = jnp.broadcast_to(jnp.sum(valid, axis=-1, dtype=F32), (b, n, t))
+  return st.row_scale(rs, counts, _per_head(rs, s_param, n))
+
+
+def _per_head(rs: st.RowStream, s_param: Array | float | None, n: int) -> Array:
+  sv = jnp.asarray(rs.s if s_param is None else s_param, F32)
+  if sv.ndim:  # one s per query head
+    sv = jnp.broadcast_to(sv.reshape(-1), (n,))[None, :, None]
+  return sv
+
+
+# --------------------------------------------------------------------------------------------
+# Tile loops shared by both backends (values and ref accessors, no layout).
+# --------------------------------------------------------------------------------------------
+
+def tile_fn(cfg, i, bq, bk, qs, load_k, bias_cols, mask_cols, q_len, kv_len):
+  """tile(j) -> (z [bq, bk] float32, valid [bq, bk] bool, the key tile's head-dim chunks) of
+  query tile i and key tile j."""
+  def tile(j):
+    c0 = j * bk
+    ks = load_k(c0)
+    z = tile_scores(cfg, qs, ks, bias_cols(c0))
+    valid = tile_valid(cfg, (bq, bk), i * bq, c0, mask_cols(c0), q_len, kv_len)
+    return z, _scored(z, valid), ks
+  return tile
+
+
+def _scored(z, valid):
+  """valid without the keys whose score is −∞, which are masked (NaN stays valid: the row is
+  NaN); ``valid`` None means every key."""
+  scored = z != -jnp.inf
+  return scored if valid is None else valid & scored
+
+
+def forward_rows(cfg, ops, tile, load_v, hi, rowc, bq: int, hv: int):
+  """(O, row statistics, Σu·v/Σu or None) of one query tile: threshold passes (entmax), then
+  one pass over key tiles [0, hi) (last first for stick-breaking)."""
+  rs = cfg.w.stream
+  bk = cfg.bk
+  rows = (bq,)
+  ctx = rowc if rs.needs_row_scale else None
+  if rs.needs_threshold:
+    def tile_pass(fn, init):
+      return lax.fori_loop(0, hi, lambda j, c: fn(c, *tile(j)[:2]), init)
+    ctx = st.entmax_threshold(tile_pass, rows, rs, ops)
+
+  skip = _skips(cfg)
+
+  def body(r, state):
+    j = hi - 1 - r if rs.reverse else r
+    z, valid, _ = tile(j)
+    add = lambda state: st.update(rs, state, z, valid, load_v(j * bk), ctx, ops)
+    if not skip:
+      return add(state)
+    # A tile of zero weights adds exact zeros: no powers, no P·V (AdaSplash's block skipping).
+    return lax.cond(st.entmax_zero_tile(z, valid, ctx.m, ctx.tau, rs, ops), lambda s: s, add,
+                    state)
+
+  state = lax.fori_loop(0, hi, body, st.init(rs, rows, hv))
+  return st.finalize(rs, state, ctx)
+
+
+def _skips(cfg) -> bool:
+  """Whether the kernels leave out the work of key tiles whose weights are all zero."""
+  return cfg.w.stream.needs_threshold and cfg.skip_zero_tiles
+
+
+def _all_finite(xs) -> Array:
+  """Whether every entry of the arrays xs is finite (a scalar bool; no boolean reductions)."""
+  bad = sum(jnp.max(jnp.where(jnp.abs(x.astype(F32)) < jnp.inf, 0.0, 1.0)) for x in xs)
+  return bad == 0.0
+
+
+def _zero_grad_tile(cfg, ops, z, valid, stats, do_ok) -> Array:
+  """Whether a backward tile adds nothing: all its weights are zero (entmax's m, τ in the row
+  statistics) and dO is finite (NaN or Inf in dO makes even a zero weight's products NaN, as
+  autodiff of the dense weights)."""
+  return st.entmax_zero_tile(z, valid, stats[0], stats[1], cfg.w.stream, ops) & do_ok
+
+
+def dq_rows(cfg, ops, tile, qs, load_v, dos, hi, stats, delta, rowc, ds_store, carry_store):
+  """(dQ in units of z [bq, H chunks], SSMax's dc or None) of one query tile: key tiles
+  [0, hi), last first for stick-breaking, whose carries of the keys after tile j (the stick L
+  and Σ A·dP) go to ``carry_store(j, L, ΣA·dP)`` for the dK/dV pass."""
+  rs = cfg.w.stream
+  bq, bk = cfg.bq_dq, cfg.bk_dq
+
+  skip = _skips(cfg)
+  do_ok = _all_finite(dos) if skip else None
+
+  def body(r, c):
+    dq, ca, cb = c
+    j = hi - 1 - r if rs.reverse else r
+    c0 = j * bk
+    z, valid, ks = tile(j)
+    if rs.family == "stick_breaking":
+      carry_store(j, ca, cb)
+
+    def grad(dq):
+      vt = load_v(c0)
+      dp = dot_chunks(dos, vt)
+      _, dz, gc = st.tile_grad(rs, z, valid, dp, stats, delta, st.GradCarry(ca, cb), rowc, ops,
+                               weights_dtype=vt[0].dtype)
+      dq = tuple(a + jnp.dot(dz.astype(k.dtype), finite(k), preferred_element_type=F32)
+                 for a, k in zip(dq, ks, strict=True))
+      return dq, dz, gc.a, gc.b
+
+    if skip:
+      dq, dz, ca, cb = lax.cond(_zero_grad_tile(cfg, ops, z, valid, stats, do_ok),
+                                lambda dq: (dq, jnp.zeros_like(z), ca, cb), grad, dq)
+    else:
+      dq, dz, ca, cb = grad(dq)
+    ds_store(c0, dz)
+    return dq, ca, cb
+
+  zero = jnp.zeros((bq,), F32)
+  dq0 = tuple(jnp.zeros((bq, x.shape[-1]), F32) for x in qs)
+  dq, ca, _ = lax.fori_loop(0, hi, body, (dq0, zero, zero))
+  return dq, ca if rs.needs_row_scale else None
+
+
+def dkv_step(cfg, ops, dkv, j, i, qs, dos, ks, vs, bias_t, mask_t, q_len, kv_len, stats, delta,
+              rowc, carry):
+  """(dK, dV) after query tile i (rows of one head) against key tile j in the dK/dV pass
+  (``()`` for the one not wanted: dV needs the weights only, not dP = dO·Vᵀ nor V)."""
+  rs = cfg.w.stream
+  bq, bk = cfg.bq_dkv, cfg.bk_dkv
+  z = tile_scores(cfg, qs, ks, bias_t)
+  valid = _scored(z, tile_valid(cfg, (bq, bk), i * bq, j * bk, mask_t, q_len, kv_len))
+
+  def grad(dkv):
+    dp = dot_chunks(dos, vs) if dkv[0] else jnp.zeros((bq, bk), F32)
+    p, dz, _ = st.tile_grad(rs, z, valid, dp, stats, delta, carry, rowc, ops,
+                            weights_dtype=dos[0].dtype)
+    return accumulate_dkv(dkv, p, dz, qs, dos)
+
+  # The split passes (GPU, wide heads) do not skip: the branch's merge of the accumulator
+  # spilled registers (entmax dK at float32 H = 256: 3 KB) where the pass without it did not.
+  if not _skips(cfg) or cfg.split_dkv:
+    return grad(dkv)
+  return lax.cond(_zero_grad_tile(cfg, ops, z, valid, stats, _all_finite(dos)), lambda c: c, grad,
+                  dkv)
+
+
+# --------------------------------------------------------------------------------------------
+# The kernels' operands, in order.
+# --------------------------------------------------------------------------------------------
+
+def split_refs(refs, names):
+  """Refs in order, as a dict over the names whose flag is True (None for the others)."""
+  it = iter(refs)
+  out = {name: (next(it) if on else None) for name, on in names}
+  rest = list(it)
+  assert not rest, len(rest)
+  return out
+
+
+def fwd_names(cfg, has_bias, has_mask, lens_first: bool):
+  rs = cfg.w.stream
+  ins = [("q", True), ("k", True), ("v", True), ("rowc", rs.needs_row_scale),
+         ("bias", has_bias), ("mask", has_mask)]
+  lens = [("qlen", True), ("kvlen", True)]
+  outs = [("o", True)] + [(f"stat{n}", True) for n in range(rs.num_stats)] + [
+      ("smean", rs.saves_support_mean)]
+  return (lens + ins if lens_first else ins + lens) + outs
+
+
+def _bwd_rows_in(cfg):
+  rs = cfg.w.stream
+  return ([(f"stat{n}", True) for n in range(rs.num_stats)] + [("delta", True),
+                                                                ("rowc", rs.needs_row_scale)])
+
+
+def dq_names(cfg, has_bias, has_mask, want_ds, lens_first: bool):
+  rs = cfg.w.stream
+  ins = [("q", True), ("k", True), ("v", True), ("do", True)] + _bwd_rows_in(cfg) + [
+      ("bias", has_bias), ("mask", has_mask)]
+  lens = [("qlen", True), ("kvlen", True)]
+  stick = rs.family == "stick_breaking"
+  outs = [("dq", True), ("ds", want_ds), ("dc", rs.needs_row_scale), ("ca", stick),
+          ("cb", stick)]
+  return (lens + ins if lens_first else ins + lens) + outs
+
+
+def dkv_names(cfg, has_bias, has_mask, lens_first: bool, want_dk: bool = True,
+               want_dv: bool = True):
+  stick = cfg.w.stream.family == "stick_breaking"
+  ins = [("q", True), ("k", True), ("v", True), ("do", True)] + _bwd_rows_in(cfg) + [
+      ("bias", has_bias), ("mask", has_mask), ("ca", stick), ("cb", stick)]
+  lens = [("qlen", True), ("kvlen", True)]
+  return (lens + ins if lens_first else ins + lens) + [("dk", want_dk), ("dv", want_dv)]
+
+
+def stat_refs_of(r, cfg):
+  return [r[f"stat{n}"] for n in range(cfg.w.stream.num_stats)]

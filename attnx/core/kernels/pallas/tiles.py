@@ -1,0 +1,265 @@
+"""The Pallas kernels' backends, what each supports, and their tiles.
+
+* :func:`resolve_backend` / :func:`backend_for_platform` — the kernel family ("gpu": Triton,
+  "tpu": Mosaic) of a name or a JAX platform;
+* :func:`supported` — why a combination cannot run (None when it can);
+* :func:`default_block_sizes` / :func:`check_block_sizes` — per-backend tile rules, the GPU's
+  from tables of spill-free tiles per dtype width, head size and streaming family;
+* :func:`kernel_tiles` — the tiles and GPU launch parameters of one problem.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from attnx.core.kernels.common import round_up
+from attnx.core.kernels.pallas.rows import streams
+from attnx.core.weightings import Pointwise
+
+BACKENDS = ("gpu", "tpu")
+_BACKEND_ALIASES = {"gpu": "gpu", "cuda": "gpu", "rocm": "gpu", "triton": "gpu", "tpu": "tpu",
+                    "mosaic": "tpu"}
+_DTYPES = {"gpu": ("float32", "bfloat16", "float16"), "tpu": ("float32", "bfloat16")}
+GPU_MAX_HEAD_DIM = 256  # after padding to a multiple of 16: larger tiles do not fit in registers
+GPU_MIN_BLOCK = 16  # tl.dot needs every matmul dim ≥ 16
+TPU_SUBLANES = 8
+TPU_LANES = 128
+
+__all__ = ["BACKENDS", "GPU_MAX_HEAD_DIM", "GPU_MIN_BLOCK", "TPU_LANES", "TPU_SUBLANES",
+           "BlockSizes", "backend_for_platform", "check_block_sizes", "default_block_sizes",
+           "gpu_tiles", "kernel_tiles", "pow2", "q_align", "resolve_backend", "supported"]
+
+
+def resolve_backend(backend: str | None = None, interpret: bool = False) -> str:
+  """``"gpu"`` or ``"tpu"``: the kernel family to build.
+
+  ``None`` follows ``jax.default_backend()``; on a CPU it is an error unless ``interpret``
+  (then the GPU kernels run in Pallas' interpreter). ``"cuda"``, ``"rocm"``, ``"triton"``
+  mean ``"gpu"`` and ``"mosaic"`` means ``"tpu"``. An explicit backend is accepted on any
+  machine, so that a CPU can trace and lower the kernels for a GPU/TPU.
+  """
+  if backend is None:
+    return backend_for_platform(jax.default_backend(), interpret)
+  name = _BACKEND_ALIASES.get(str(backend).lower())
+  if name is None:
+    raise ValueError(f"Unknown Pallas backend {backend!r}; valid: 'gpu' (Triton) or 'tpu' "
+                     "(Mosaic), or None for the default device.")
+  return name
+
+
+def backend_for_platform(platform: str, interpret: bool = False) -> str:
+  """``"gpu"`` or ``"tpu"``: the kernel family for the JAX platform ``platform`` (what
+  ``jax.default_backend()`` names); a CPU is an error unless ``interpret``."""
+  if platform in _BACKEND_ALIASES:
+    return _BACKEND_ALIASES[platform]
+  if interpret:
+    return "gpu"
+  raise ValueError(
+      f"implementation='pallas' needs a GPU or TPU; this machine runs JAX on {platform!r}. "
+      "Pass interpret=True to run the kernels in Pallas' interpreter (slow; for testing), or "
+      "use implementation='blocked' (the XLA flash-style kernel) on a CPU.")
+
+
+def supported(weighting: Any, *, backend: str | None = None, dtype: Any = None,
+              head_dim: int | None = None, value_head_dim: int | None = None,
+              interpret: bool = False) -> str | None:
+  """Why ``implementation="pallas"`` cannot run this combination, or None if it can.
+
+  Checks the weighting (pointwise, or a whole-row weighting with a streaming family:
+  :mod:`attnx.core.kernels.pallas.rows`), the backend (a GPU/TPU, or ``interpret`` on a CPU),
+  the dtype (float32/bfloat16, and float16 on the GPU) and the GPU's head-size limit
+  (:data:`GPU_MAX_HEAD_DIM` after padding to a multiple of 16). Whether F lowers on the backend is
+  found out by compiling it (:func:`self_check`).
+  """
+  if not isinstance(weighting, Pointwise) and not streams(weighting):
+    name = getattr(weighting, "name", type(weighting).__name__)
+    return (f"weighting {name!r} normalizes whole rows and has no streaming form; use "
+            "implementation='dense'")
+  try:
+    be = resolve_backend(backend, interpret)
+  except ValueError as e:
+    return str(e)
+  if dtype is not None:
+    name = jnp.dtype(dtype).name
+    if name not in _DTYPES[be]:
+      return (f"dtype {name} is not supported by the Pallas {be} kernels (supported: "
+              f"{', '.join(_DTYPES[be])}); use implementation='blocked'")
+  if be == "gpu":
+    for label, h in (("head dim", head_dim), ("value head dim", value_head_dim)):
+      if h is not None and round_up(h, GPU_MIN_BLOCK) > GPU_MAX_HEAD_DIM:
+        return (f"{label} {h} exceeds the GPU kernel's limit {GPU_MAX_HEAD_DIM}; use "
+                "implementation='blocked'")
+  return None
+
+
+def pow2(x: int) -> int:
+  return max(GPU_MIN_BLOCK, 1 << max(int(x) - 1, 0).bit_length())
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+  """Tile sizes of the three kernels: forward, dQ and dK/dV (queries × keys each)."""
+
+  block_q: int
+  block_k: int
+  block_q_dq: int
+  block_k_dq: int
+  block_q_dkv: int
+  block_k_dkv: int
+
+
+# Defaults. GPU tiles and warps per kernel (queries × keys, warps), by dtype width and padded
+# head size, with overrides per streaming family: the first entry of a small grid of
+# candidates that compiled with 0 spill bytes for an H100 *and* an A100 (ptxas at XLA's
+# production settings; experiments/kernel_compile.py) for the F of the tier (pointwise: softmax,
+# sigmoid, power, softplus; every whole-row family), causal GQA at T = 2048. The tutorial tiles
+# of Triton's fused attention (forward 128 × 64, dQ 64 × 32, dK/dV 32 × 64, 4 warps at H ≤ 64)
+# spilled 12–1700 B in the backward of most F on one of the two chips; an A100 (no wgmma: the
+# MMA operands live in registers) binds most often. Where the fused dK/dV pass spilled at every
+# tile (float32 at H > 64: the dK and dV accumulators and the K, V tiles in registers), dK and
+# dV run as two passes (split_dkv: scores recomputed, one accumulator each; the dV pass needs
+# neither V nor dP). Where no candidate was spill-free (the distance kernels' dK at H = 128;
+# stick-breaking's dK at float32 H = 256 with a bias) the table keeps the best one and
+# docs/known_limits.md gives the figures. TPU tiles as in JAX's splash attention (bigger tiles
+# amortize the ~0.35 µs per-grid-step overhead); none of them overflows VMEM on a v5e or v6e.
+# kernel -> (block_q, block_k, num_warps); dK/dV may add a 4th entry, True: split_dkv (dK and
+# dV in two passes of one accumulator each, where the fused pass spilled at every tile tried).
+_GpuTier = dict[str, tuple[int, ...]]
+
+
+# (float32?, largest padded head size) -> tiles, tried in order. The distance kernels run their
+# dot form (H + 2 columns) in float32: H = 64 and 128 land in the float32 tiers of 80 and 160.
+_GPU_TIERS: tuple[tuple[bool, int, _GpuTier], ...] = (
+    (False, 64, dict(fwd=(128, 64, 8), dq=(64, 16, 8), dkv=(16, 32, 4))),
+    (False, 128, dict(fwd=(128, 32, 8), dq=(64, 16, 8), dkv=(32, 64, 8))),
+    (False, 256, dict(fwd=(64, 64, 8), dq=(64, 16, 8), dkv=(16, 64, 8))),
+    (True, 64, dict(fwd=(128, 32, 8), dq=(64, 16, 8), dkv=(16, 32, 4))),
+    (True, 80, dict(fwd=(32, 64, 4), dq=(64, 16, 8), dkv=(16, 16, 8, True))),
+    (True, 128, dict(fwd=(32, 32, 8), dq=(64, 16, 8), dkv=(16, 64, 8, True))),
+    (True, 160, dict(fwd=(32, 32, 8), dq=(64, 16, 8), dkv=(16, 64, 8, True))),
+    (True, 256, dict(fwd=(32, 32, 8), dq=(16, 16, 8), dkv=(16, 16, 8, True))),
+)
+
+
+# Per family, per tier (same keys): the kernels whose tiles differ. Stick-breaking's dQ keeps
+# 32 query rows on 4 warps (its carries; its key tile is the dK/dV kernel's).
+_GPU_FAMILY_TIERS: dict[str, dict[tuple[bool, int], _GpuTier]] = {
+    "entmax": {(False, 64): dict(fwd=(64, 64, 8)), (False, 128): dict(fwd=(32, 64, 4)),
+               (False, 256): dict(fwd=(32, 64, 8), dkv=(16, 32, 8)),
+               (True, 128): dict(fwd=(32, 64, 8), dkv=(16, 16, 8)),
+               (True, 256): dict(dq=(32, 16, 8))},
+    "softpick": {(False, 128): dict(fwd=(64, 64, 8)), (False, 256): dict(fwd=(32, 64, 8))},
+    "stick_breaking": {
+        (False, 64): dict(fwd=(128, 32, 8), dq=(32, 32, 4), dkv=(16, 32, 4)),
+        (False, 128): dict(dq=(32, 32, 4), dkv=(16, 32, 4)),
+        (False, 256): dict(fwd=(32, 64, 8), dq=(16, 16, 4), dkv=(16, 16, 8)),
+        (True, 64): dict(dq=(32, 32, 4)),
+        (True, 128): dict(fwd=(32, 64, 8), dq=(32, 16, 4), dkv=(16, 16, 8, True)),
+        (True, 256): dict(dq=(16, 16, 4)),
+    },
+}
+
+
+_TPU_DEFAULT = dict(block_q=256, block_k=512, block_q_dq=256, block_k_dq=256,
+                    block_q_dkv=256, block_k_dkv=256)
+
+
+def q_align(backend: str, dtype: Any) -> int:
+  """TPU query tiles: a multiple of the sublane count of the dtype's (8·packing, 128) tile."""
+  return TPU_SUBLANES * (4 // min(jnp.dtype(dtype).itemsize, 4)) if backend == "tpu" else 1
+
+
+def check_block_sizes(backend: str, dtype: Any = jnp.float32, **blocks: int | None) -> None:
+  """Raises ValueError for a tile size the backend's lowering rejects.
+
+  GPU (Triton): powers of 2, at least 16. TPU (Mosaic): query tiles a multiple of 8 (16 for
+  16-bit dtypes), key tiles a multiple of 128 (the key axis is the lane axis of every tile).
+  """
+  be = resolve_backend(backend)
+  for name, value in blocks.items():
+    if value is None:
+      continue
+    if not isinstance(value, numbers.Integral) or value < 1:
+      raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if be == "gpu":
+      if value < GPU_MIN_BLOCK or value & (value - 1):
+        raise ValueError(
+            f"{name}={value} is not valid for the GPU (Triton) kernels: Pallas' Triton "
+            f"lowering needs power-of-2 tiles, and tl.dot at least {GPU_MIN_BLOCK} (e.g. "
+            f"{max(GPU_MIN_BLOCK, 1 << (int(value).bit_length() - 1))}).")
+    else:
+      is_q = name.startswith("block_q")
+      align = q_align(be, dtype) if is_q else TPU_LANES
+      if value % align:
+        raise ValueError(
+            f"{name}={value} is not valid for the TPU (Mosaic) kernels: "
+            f"{'query' if is_q else 'key'} tiles must be a multiple of {align} "
+            f"({'sublanes of a ' + jnp.dtype(dtype).name + ' tile' if is_q else 'lanes'}).")
+
+
+def gpu_tiles(head_dim: int | None, family: str | None, dtype: Any) -> dict[str, int]:
+  """The GPU kernels' tiles and warps for a padded head size, a dtype and a streaming family
+  (None: pointwise F): :class:`BlockSizes` fields plus ``num_warps`` (forward), ``num_warps_dq``
+  and ``num_warps_bwd`` (dK/dV), from :data:`_GPU_TIERS` and :data:`_GPU_FAMILY_TIERS`."""
+  wide = jnp.dtype(dtype).itemsize > 2
+  hp = head_dim or 0
+  key, tier = next(((w, h), t) for w, h, t in _GPU_TIERS if w == wide and (hp <= h or h == 256))
+  tier = {**tier, **_GPU_FAMILY_TIERS.get(family or "", {}).get(key, {})}
+  (bq, bk, w), (bq_dq, bk_dq, w_dq) = tier["fwd"], tier["dq"]
+  bq_dkv, bk_dkv, w_dkv, *split = tier["dkv"]
+  return dict(block_q=bq, block_k=bk, block_q_dq=bq_dq, block_k_dq=bk_dq, block_q_dkv=bq_dkv,
+              block_k_dkv=bk_dkv, num_warps=w, num_warps_dq=w_dq, num_warps_bwd=w_dkv,
+              split_dkv=bool(split and split[0]))
+
+
+def default_block_sizes(backend: str, t: int, s: int, dtype: Any = jnp.float32,
+                        block_q: int | None = None, block_k: int | None = None, *,
+                        head_dim: int | None = None, family: str | None = None) -> BlockSizes:
+  """The tiles used for T queries and S keys (``block_q``/``block_k`` override all kernels).
+
+  Defaults (queries × keys): GPU by dtype width and head size (``head_dim``, the padded one;
+  without it the H ≤ 64 tier, e.g. bf16: forward 128 × 64, dQ 64 × 16, dK/dV 16 × 32) and by
+  a whole-row weighting's streaming ``family``, the tiles that compiled without register
+  spills for an H100 and an A100 (:data:`_GPU_TIERS`); TPU forward 256 × 512, backward
+  256 × 256. Every tile is then capped at the (aligned) sequence: GPU at the next power of 2
+  (≥ 16), TPU at T rounded up to 8 (16 for 16-bit dtypes) and S rounded up to 128.
+  """
+  be = resolve_backend(backend)
+  check_block_sizes(be, dtype, block_q=block_q, block_k=block_k)
+  sizes = dict(_TPU_DEFAULT)
+  if be == "gpu":
+    sizes = {n: v for n, v in gpu_tiles(head_dim, family, dtype).items()
+             if n.startswith("block_")}
+  for name in sizes:
+    given = block_q if name.startswith("block_q") else block_k
+    if given is not None:
+      sizes[name] = int(given)
+  if be == "gpu":
+    cap_q, cap_k = pow2(t), pow2(s)
+  else:
+    cap_q, cap_k = round_up(max(t, 1), q_align(be, dtype)), round_up(max(s, 1), TPU_LANES)
+  return BlockSizes(**{n: min(v, cap_q if n.startswith("block_q") else cap_k)
+                       for n, v in sizes.items()})
+
+
+def kernel_tiles(be: str, weighting: Any, t: int, s: int, h: int, hv: int, dtype: Any,
+           block_q: int | None, block_k: int | None) -> tuple[BlockSizes, dict[str, Any]]:
+  """The tiles (:func:`default_block_sizes`, checked) and the GPU's launch parameters (warps,
+  dK/dV as two passes; none on the TPU) of a T × S problem of head sizes H, Hv."""
+  rows = not isinstance(weighting, Pointwise)
+  # The GPU's padded head size (a multiple of 16) picks its tiles.
+  family = weighting.stream.family if rows else None
+  blocks = default_block_sizes(be, t, s, dtype, block_q, block_k,
+                               head_dim=round_up(max(h, hv), GPU_MIN_BLOCK), family=family)
+  launch = {} if be != "gpu" else {
+      n: v for n, v in gpu_tiles(round_up(max(h, hv), GPU_MIN_BLOCK), family,
+                                  dtype).items() if not n.startswith("block_")}
+  if rows and weighting.stream.reverse:
+    # Stick-breaking's dQ pass saves its carries at the dK/dV pass's key tiles.
+    blocks = dataclasses.replace(blocks, block_k_dq=blocks.block_k_dkv)
+  return blocks, launch

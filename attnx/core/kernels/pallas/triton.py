@@ -1,0 +1,332 @@
+"""The Triton (GPU) kernels of pointwise F, behind
+:func:`attnx.core.kernels.pallas.wrapper.pallas_attention`.
+
+Three kernels, FlashAttention-2 style (Dao 2023, "FlashAttention-2: Faster Attention with Better
+Parallelism and Work Partitioning"; Dao et al. 2022, "FlashAttention: Fast and Memory-Efficient
+Exact Attention with IO-Awareness"):
+
+* forward: one query tile per program, key tiles streamed by an in-kernel loop (Triton has no
+  cross-program accumulators); writes O and one row statistic (log2-sum-exp for online-max
+  weightings, the normalizer l otherwise);
+* dK/dV: one key tile per program, looping over the G query heads that share it (GQA) and over
+  query tiles; with ``cfg.split_dkv`` dK and dV in two passes (:func:`dkv_passes`);
+* dQ: one query tile per program, looping over key tiles; optionally writes the score
+  cotangent dS (the bias gradient before the sum over broadcast dims).
+
+Arrays stay in the ``[B, T, N, H]`` layout (strided loads). Every in-kernel array must have
+power-of-2 dims, so tiles are powers of 2 and the head dims, zero-padded to a multiple of 16 by
+the caller, are processed in power-of-2 chunks (:func:`head_chunks`). The tile math is
+:mod:`.common`'s, spelled with :data:`OPS`: Σ F summed apart from the F·V matmul.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from attnx.core import streaming
+from attnx.core.contract import finite
+from attnx.core.kernels.pallas.common import (
+    KernelConfig,
+    accumulate_dkv,
+    bcast_index,
+    bwd_tile,
+    dot_chunks,
+    kv_hi,
+    q_range,
+    ref_cols,
+    tile_scores,
+    tile_valid,
+    uncounted,
+)
+
+Array = jax.Array
+# The spelling of the streaming rules Triton lowers (see streaming.Ops).
+OPS = streaming.Ops(exp2=True, ones_column=False)
+
+__all__ = ["OPS", "backward", "bias_specs", "dkv_passes", "forward", "head_chunks", "load_chunks",
+           "load_chunks3", "store_chunks"]
+
+
+def head_chunks(size: int) -> tuple[tuple[int, int], ...]:
+  """(offset, width) chunks of a GPU head dim padded to a multiple of 16: the binary
+  decomposition into powers of 2 ≥ 16 (Triton arrays must be powers of 2), e.g. 130 → 144 =
+  128 + 16 instead of a padding to 256 (the neg_sq_dist score adds two columns to H)."""
+  padded = -(-size // 16) * 16
+  out, offset = [], 0
+  for bit in reversed(range(padded.bit_length())):
+    width = 1 << bit
+    if padded & width:
+      out.append((offset, width))
+      offset += width
+  return tuple(out)
+
+
+def load_chunks(ref, rows, chunks):
+  return [ref[rows, pl.ds(o, c)] for o, c in chunks]
+
+
+def load_chunks3(ref, rows, head, chunks):
+  return [ref[rows, head, pl.ds(o, c)] for o, c in chunks]
+
+
+def store_chunks(ref, values, chunks, mult: float = 1.0):
+  for (o, c), x in zip(chunks, values, strict=True):
+    ref[:, pl.ds(o, c)] = (x * mult if mult != 1.0 else x).astype(ref.dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# Forward.
+# --------------------------------------------------------------------------------------------
+
+def _fwd_kernel(*refs, cfg: KernelConfig, has_bias: bool, has_mask: bool):
+  it = iter(refs)
+  q_ref, k_ref, v_ref = next(it), next(it), next(it)
+  bias_ref = next(it) if has_bias else None
+  mask_ref = next(it) if has_mask else None
+  qlen_ref, kvlen_ref, o_ref, stat_ref = next(it), next(it), next(it), next(it)
+  w, bq, bk, ops = cfg.w, cfg.bq, cfg.bk, OPS
+  hc, vc = head_chunks(q_ref.shape[-1]), head_chunks(v_ref.shape[-1])
+  i = pl.program_id(0)
+  q_len, kv_len = qlen_ref[0], kvlen_ref[0]
+  qs = load_chunks(q_ref, slice(None), hc)
+
+  def tile(j):
+    c0 = j * bk
+    rows = pl.ds(c0, bk)
+    ks, vs = load_chunks(k_ref, rows, hc), tuple(load_chunks(v_ref, rows, vc))
+    z = tile_scores(cfg, qs, ks, None if bias_ref is None else ref_cols(bias_ref, c0, bk))
+    mask_t = None if mask_ref is None else ref_cols(mask_ref, c0, bk)
+    return z, vs, tile_valid(cfg, (bq, bk), i * bq, c0, mask_t, q_len, kv_len)
+
+  # The accumulator and V are tuples of head-dim chunks (streaming's rules map over them).
+  acc0 = tuple(jnp.zeros((bq, c), jnp.float32) for _, c in vc)
+  hi = kv_hi(cfg, i, bq, bk, q_len, kv_len)
+  if w.online_max:
+    def body(j, carry):
+      acc, m, l = carry
+      z, vs, valid = tile(j)
+      return streaming.online_max_update(acc, m, z, valid, vs, l, ops=ops)
+
+    m0, l0 = streaming.online_max_start(w)  # from the offset's virtual key, if any
+    acc, m, l = lax.fori_loop(0, hi, body, (acc0, jnp.full((bq,), m0, jnp.float32),
+                                            jnp.full((bq,), l0, jnp.float32)))
+    os_, st = streaming.pointwise_finalize(w, acc, m, l, add_offset=False, ops=ops)
+  else:
+    def body(j, carry):
+      z, vs, valid = tile(j)
+      return streaming.pointwise_update(w, *carry, z, valid, vs, cfg.s, ops=ops)
+
+    acc, l = lax.fori_loop(0, hi, body, (acc0, jnp.zeros((bq,), jnp.float32)))
+    os_, st = streaming.pointwise_finalize(w, acc, l, num_keys=uncounted(cfg, has_mask),
+                                           ops=ops)
+  store_chunks(o_ref, os_, vc)
+  stat_ref[...] = st
+
+
+def bias_specs(x: Array | None, block: tuple[int, ...], index: Callable) -> list:
+  if x is None:
+    return []
+  shape = x.shape
+  blk = tuple(1 if d == 1 else b for d, b in zip(shape, block, strict=True))
+  blk = (None, None) + blk[2:]  # batch and head dims are squeezed
+  return [pl.BlockSpec(blk, lambda *ids: bcast_index(shape, index(*ids)))]
+
+
+def forward(cfg: KernelConfig, q, k, v, bias, mask, q_len, kv_len, out_dtype):
+  b, tp, n, hp = q.shape
+  hvp = v.shape[-1]
+  bq, g = cfg.bq, cfg.g
+  in_specs = [
+      pl.BlockSpec((None, bq, None, hp), lambda i, bb, h: (bb, i, h, 0)),
+      pl.BlockSpec((None, cfg.sp, None, hp), lambda i, bb, h: (bb, 0, lax.div(h, g), 0)),
+      pl.BlockSpec((None, cfg.sp, None, hvp), lambda i, bb, h: (bb, 0, lax.div(h, g), 0)),
+  ]
+  for x in (bias, mask):
+    in_specs += bias_specs(x, (1, 1, bq, cfg.sp), lambda i, bb, h: (bb, h, i, 0))
+  in_specs += [pl.BlockSpec((1,), lambda i, bb, h: (bb,))] * 2
+  kernel = functools.partial(_fwd_kernel, cfg=cfg, has_bias=bias is not None,
+                             has_mask=mask is not None)
+  args = [x for x in (q, k, v, bias, mask) if x is not None] + [q_len, kv_len]
+  return pl.pallas_call(
+      kernel, grid=(tp // bq, b, n), in_specs=in_specs,
+      out_specs=[pl.BlockSpec((None, bq, None, hvp), lambda i, bb, h: (bb, i, h, 0)),
+                 pl.BlockSpec((None, None, bq), lambda i, bb, h: (bb, h, i))],
+      out_shape=[jax.ShapeDtypeStruct((b, tp, n, hvp), out_dtype),
+                 jax.ShapeDtypeStruct((b, n, tp), jnp.float32)],
+      compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+      interpret=cfg.interpret, name="attnx_pallas_fwd")(*args)
+
+
+# --------------------------------------------------------------------------------------------
+# Backward: dQ (and dS), then dK/dV.
+# --------------------------------------------------------------------------------------------
+
+def _dq_kernel(*refs, cfg: KernelConfig, has_bias: bool, has_mask: bool, want_ds: bool):
+  it = iter(refs)
+  q_ref, k_ref, v_ref, do_ref, r0_ref, r1_ref, dl_ref = (next(it) for _ in range(7))
+  bias_ref = next(it) if has_bias else None
+  mask_ref = next(it) if has_mask else None
+  qlen_ref, kvlen_ref, dq_ref = next(it), next(it), next(it)
+  ds_ref = next(it) if want_ds else None
+  bq, bk = cfg.bq_dq, cfg.bk_dq
+  hc, vc = head_chunks(q_ref.shape[-1]), head_chunks(v_ref.shape[-1])
+  i = pl.program_id(0)
+  q_len, kv_len = qlen_ref[0], kvlen_ref[0]
+  qs, dos = load_chunks(q_ref, slice(None), hc), load_chunks(do_ref, slice(None), vc)
+  r0, r1, delta = r0_ref[...][:, None], r1_ref[...][:, None], dl_ref[...][:, None]
+  gq, gb = cfg.grad_mult
+
+  def body(j, dq):
+    c0 = j * bk
+    rows = pl.ds(c0, bk)
+    ks, vs = load_chunks(k_ref, rows, hc), load_chunks(v_ref, rows, vc)
+    z = tile_scores(cfg, qs, ks, None if bias_ref is None else ref_cols(bias_ref, c0, bk))
+    mask_t = None if mask_ref is None else ref_cols(mask_ref, c0, bk)
+    valid = tile_valid(cfg, (bq, bk), i * bq, c0, mask_t, q_len, kv_len)
+    _, dz = bwd_tile(cfg, z, valid, dot_chunks(dos, vs), (r0, r1, delta), OPS)
+    if ds_ref is not None:
+      ds_ref[:, rows] = dz * gb if gb != 1.0 else dz
+    return tuple(a + jnp.dot(dz.astype(k.dtype), finite(k), preferred_element_type=jnp.float32)
+                 for a, k in zip(dq, ks, strict=True))
+
+  hi = kv_hi(cfg, i, bq, bk, q_len, kv_len)
+  dq = lax.fori_loop(0, hi, body, tuple(jnp.zeros((bq, c), jnp.float32) for _, c in hc))
+  store_chunks(dq_ref, dq, hc, gq)
+  if ds_ref is not None:  # tiles the loop skipped get a zero score cotangent
+    def zero(j, c):
+      ds_ref[:, pl.ds(j * bk, bk)] = jnp.zeros((bq, bk), jnp.float32)
+      return c
+    lax.fori_loop(hi, cfg.sp // bk, zero, 0)
+
+
+def _dkv_kernel(*refs, cfg: KernelConfig, has_bias: bool, has_mask: bool,
+                    want_dk: bool = True, want_dv: bool = True):
+  """dK and/or dV of one key tile (``cfg.split_dkv``: one of them per pass)."""
+  it = iter(refs)
+  q_ref, k_ref, v_ref, do_ref, r0_ref, r1_ref, dl_ref = (next(it) for _ in range(7))
+  bias_ref = next(it) if has_bias else None
+  mask_ref = next(it) if has_mask else None
+  qlen_ref, kvlen_ref = next(it), next(it)
+  dk_ref = next(it) if want_dk else None
+  dv_ref = next(it) if want_dv else None
+  bq, bk = cfg.bq_dkv, cfg.bk_dkv
+  hc, vc = head_chunks(k_ref.shape[-1]), head_chunks(v_ref.shape[-1])
+  j = pl.program_id(0)
+  q_len, kv_len = qlen_ref[0], kvlen_ref[0]
+  ks = load_chunks(k_ref, slice(None), hc)
+  # dV needs the weights only; dP = dO·Vᵀ (and V) only for dK.
+  vs = load_chunks(v_ref, slice(None), vc) if want_dk else None
+  c0 = j * bk
+  lo, hi = q_range(cfg, j, bq, bk, q_len, kv_len)
+  gq, _ = cfg.grad_mult
+
+  def head(h, carry):
+    def q_block(i, carry):
+      dk, dv = carry
+      r = pl.ds(i * bq, bq)
+      qs, dos = load_chunks3(q_ref, r, h, hc), load_chunks3(do_ref, r, h, vc)
+      r0, r1, delta = r0_ref[h, r][:, None], r1_ref[h, r][:, None], dl_ref[h, r][:, None]
+      bias_t = mask_t = None
+      if bias_ref is not None:
+        bias_t = bias_ref[h if bias_ref.shape[0] > 1 else 0,
+                          r if bias_ref.shape[1] > 1 else pl.ds(0, 1), :]
+      if mask_ref is not None:
+        mask_t = mask_ref[h if mask_ref.shape[0] > 1 else 0,
+                          r if mask_ref.shape[1] > 1 else pl.ds(0, 1), :]
+      z = tile_scores(cfg, qs, ks, bias_t)
+      valid = tile_valid(cfg, (bq, bk), i * bq, c0, mask_t, q_len, kv_len)
+      dp = dot_chunks(dos, vs) if want_dk else jnp.zeros((bq, bk), jnp.float32)
+      p, dz = bwd_tile(cfg, z, valid, dp, (r0, r1, delta), OPS)
+      return accumulate_dkv((dk, dv), p, dz, qs, dos)
+    return lax.fori_loop(lo, hi, q_block, carry)
+
+  init = (tuple(jnp.zeros((bk, c), jnp.float32) for _, c in hc) if want_dk else (),
+          tuple(jnp.zeros((bk, c), jnp.float32) for _, c in vc) if want_dv else ())
+  dk, dv = lax.fori_loop(0, cfg.g, head, init)
+  if want_dk:
+    store_chunks(dk_ref, dk, hc, gq)
+  if want_dv:
+    store_chunks(dv_ref, dv, vc)
+
+
+def dkv_passes(kernel: Callable, cfg: KernelConfig, args: list, in_specs: list, k: Array,
+                   v: Array, params: Any, name: str, has: dict) -> tuple[Array, Array]:
+  """(dK, dV) by the GPU dK/dV ``kernel`` (keyword flags ``want_dk``/``want_dv``): one pass
+  named ``{name}_dkv``, or with ``cfg.split_dkv`` two (``{name}_dk``, ``{name}_dv``) that
+  each hold one accumulator, for heads whose two accumulators spill registers."""
+  b, sp, kh, _ = k.shape
+  bk = cfg.bk_dkv
+  out = lambda x: (pl.BlockSpec((None, bk, None, x.shape[-1]), lambda j, bb, h: (bb, j, h, 0)),
+                   jax.ShapeDtypeStruct(x.shape, x.dtype))
+
+  def call(want_dk: bool, want_dv: bool, suffix: str) -> list[Array]:
+    outs = [out(x) for x, on in ((k, want_dk), (v, want_dv)) if on]
+    return pl.pallas_call(
+        functools.partial(kernel, cfg=cfg, want_dk=want_dk, want_dv=want_dv, **has),
+        grid=(sp // bk, b, kh), in_specs=in_specs, out_specs=[o[0] for o in outs],
+        out_shape=[o[1] for o in outs], compiler_params=params, interpret=cfg.interpret,
+        name=f"{name}_{suffix}")(*args)
+
+  if cfg.split_dkv:
+    (dk,), (dv,) = call(True, False, "dk"), call(False, True, "dv")
+    return dk, dv
+  dk, dv = call(True, True, "dkv")
+  return dk, dv
+
+
+def backward(cfg: KernelConfig, q, k, v, bias, mask, q_len, kv_len, do, rows, want_ds):
+  b, tp, n, hp = q.shape
+  _, sp, kh, _ = k.shape
+  hvp = v.shape[-1]
+  g = cfg.g
+  has = dict(has_bias=bias is not None, has_mask=mask is not None)
+  lens = [pl.BlockSpec((1,), lambda i, bb, h: (bb,))] * 2
+  params = plgpu.CompilerParams(num_warps=cfg.num_warps_bwd, num_stages=cfg.num_stages_bwd)
+  dq_params = plgpu.CompilerParams(num_warps=cfg.num_warps_dq, num_stages=cfg.num_stages_bwd)
+  args = [q, k, v, do, *rows] + [x for x in (bias, mask) if x is not None] + [q_len, kv_len]
+
+  # dQ (and dS): grid over query tiles of every query head.
+  bq, kv = cfg.bq_dq, lambda i, bb, h: (bb, 0, lax.div(h, g), 0)
+  in_specs = [pl.BlockSpec((None, bq, None, hp), lambda i, bb, h: (bb, i, h, 0)),
+              pl.BlockSpec((None, sp, None, hp), kv), pl.BlockSpec((None, sp, None, hvp), kv),
+              pl.BlockSpec((None, bq, None, hvp), lambda i, bb, h: (bb, i, h, 0))]
+  in_specs += [pl.BlockSpec((None, None, bq), lambda i, bb, h: (bb, h, i))] * 3
+  for x in (bias, mask):
+    in_specs += bias_specs(x, (1, 1, bq, sp), lambda i, bb, h: (bb, h, i, 0))
+  out_specs = [pl.BlockSpec((None, bq, None, hp), lambda i, bb, h: (bb, i, h, 0))]
+  out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
+  if want_ds:
+    out_specs.append(pl.BlockSpec((None, None, bq, sp), lambda i, bb, h: (bb, h, i, 0)))
+    out_shape.append(jax.ShapeDtypeStruct((b, n, tp, sp), jnp.float32))
+  res = pl.pallas_call(
+      functools.partial(_dq_kernel, cfg=cfg, want_ds=want_ds, **has),
+      grid=(tp // bq, b, n), in_specs=in_specs + lens, out_specs=out_specs,
+      out_shape=out_shape, compiler_params=dq_params, interpret=cfg.interpret,
+      name="attnx_pallas_dq")(*args)
+  dq, ds = res[0], (res[1] if want_ds else None)
+
+  # dK, dV: grid over key tiles of every kv head; the G query heads of a kv head in-kernel.
+  bk = cfg.bk_dkv
+  in_specs = [pl.BlockSpec((None, tp, g, hp), lambda j, bb, h: (bb, 0, h, 0)),
+              pl.BlockSpec((None, bk, None, hp), lambda j, bb, h: (bb, j, h, 0)),
+              pl.BlockSpec((None, bk, None, hvp), lambda j, bb, h: (bb, j, h, 0)),
+              pl.BlockSpec((None, tp, g, hvp), lambda j, bb, h: (bb, 0, h, 0))]
+  in_specs += [pl.BlockSpec((None, g, tp), lambda j, bb, h: (bb, h, 0))] * 3
+  for x in (bias, mask):
+    if x is None:
+      continue
+    shape = x.shape
+    blk = (None, 1 if shape[1] == 1 else g, 1 if shape[2] == 1 else tp, 1 if shape[3] == 1 else bk)
+    in_specs.append(pl.BlockSpec(
+        blk, lambda j, bb, h, shape=shape: bcast_index(shape, (bb, h, 0, j))))
+  dk, dv = dkv_passes(_dkv_kernel, cfg, args, in_specs + lens, k, v, params,
+                          "attnx_pallas", has)
+  return dq, dk, dv, ds

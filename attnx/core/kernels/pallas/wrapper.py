@@ -1,0 +1,406 @@
+"""Pallas attention kernels (GPU through Triton, TPU through Mosaic) for every pointwise F and
+the whole-row weightings with a streaming family.
+
+    out_i = Σ_j F(s_ij) v_j / N_i,   s_ij = scale · q_i·k_j + bias_ij
+
+The same math, layout and edge-case contract as :func:`attnx.core.blocked.blocked_attention`
+(:mod:`attnx.core.contract`), written as fused Pallas kernels: FlashAttention's tiling (Dao et
+al. 2022, "FlashAttention: Fast and Memory-Efficient Exact Attention with IO-Awareness") and
+FlashAttention-2's work partitioning and recomputing backward (Dao 2023, "FlashAttention-2:
+Faster Attention with Better Parallelism and Work Partitioning"): the forward saves O and one
+row statistic (log-sum-exp for online-max weightings, the normalizer otherwise); the backward
+(a ``jax.custom_vjp``) recomputes the tiles in a dK/dV kernel and a dQ kernel. The kernels
+themselves live in :mod:`.triton` and :mod:`.mosaic` (pointwise F), :mod:`.triton_rows` and
+:mod:`.mosaic_rows` (SSMax, softpick, stick-breaking, sparsemax, α-entmax); their tiles and
+backends in :mod:`.tiles`.
+
+This module: :func:`pallas_attention` (checks, padding, the custom VJPs, the kernels of each
+lowering platform by :func:`.platforms.by_platform`), :func:`kernel_inputs` (the config and
+padded operands, shared with the ring's steps in :mod:`.block`) and the per-backend entry
+points :func:`forward` / :func:`backward` (pointwise) and :func:`row_forward` /
+:func:`row_backward` (whole-row) on padded arrays.
+
+Supported inputs (both backends): every :class:`~attnx.core.weightings.Pointwise` weighting,
+GQA (N a multiple of K), T ≠ S, ragged T and S (padded internally), H ≠ Hv, ``is_causal``
+(top-left aligned; tiles above the diagonal are skipped), an additive ``bias`` and a boolean
+``mask`` of any shape broadcastable to [B, N, T, S] whose dims are each 1 or full, per-batch
+``q_lengths``/``kv_lengths`` (tiles beyond the key length are skipped), a static float scale
+(a traced scale is folded into q). dtypes: float32, bfloat16 and (GPU) float16, with float32
+scores, F and accumulators. The bias gradient materializes dS as [B, N, T, S] float32 before
+summing over the bias' broadcast dims, and only when the bias is differentiated.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import numbers
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from attnx.core.contract import finite, nonfinite_inputs
+from attnx.core.kernels.common import round_up, sum_to
+from attnx.core.kernels.pallas import mosaic, mosaic_rows, platforms, tiles, triton, triton_rows
+from attnx.core.kernels.pallas.common import KernelConfig, grad_rows
+from attnx.core.kernels.pallas.rows import row_scale, streams
+from attnx.core.weightings import Pointwise
+
+Array = jax.Array
+F32 = jnp.float32
+
+__all__ = ["backward", "forward", "kernel_inputs", "pad_to", "pallas_attention", "row_backward",
+           "row_forward"]
+
+
+# --------------------------------------------------------------------------------------------
+# Entry points on padded arrays: [B, Tp, N, H] in, [B, Tp, N, Hv] out, either backend.
+# --------------------------------------------------------------------------------------------
+
+def forward(cfg: KernelConfig, q, k, v, bias, mask, q_len, kv_len,
+            out_dtype: Any = None) -> tuple[Array, Array]:
+  """O [B, Tp, N, Hv] (``out_dtype``, default q's) and the row statistic [B, N, Tp] (float32)
+  of a pointwise F.
+
+  ``bias``/``mask``: [Bb, Nb, Tb, Sb] with every dim 1 or full (mask as int8/int32).
+  ``out_dtype`` float32 keeps O as accumulated (ring attention merges the O of key blocks).
+  """
+  out_dtype = q.dtype if out_dtype is None else out_dtype
+  kernels = triton if cfg.backend == "gpu" else mosaic
+  return kernels.forward(cfg, q, k, v, bias, mask, q_len, kv_len, out_dtype)
+
+
+def backward(cfg: KernelConfig, q, k, v, bias, mask, q_len, kv_len, do, rows,
+             want_ds: bool) -> tuple[Array, Array, Array, Array | None]:
+  """dq, dk, dv (input dtypes) and, when ``want_ds``, dS [B, N, Tp, Sp] float32.
+
+  ``rows``: the three per-row values (r0, r1, δ), each [B, N, Tp] float32, of
+  :func:`.common.grad_rows`.
+  """
+  kernels = triton if cfg.backend == "gpu" else mosaic
+  return kernels.backward(cfg, q, k, v, bias, mask, q_len, kv_len, do, rows, want_ds)
+
+
+def row_forward(cfg: KernelConfig, q, k, v, rowc, bias, mask, q_len, kv_len, out_dtype=None):
+  """(O [B, Tp, N, Hv], row statistics (each [B, N, Tp] float32), Σu·v/Σu [B, Tp, N, Hv]
+  float32 or None) of a whole-row weighting; ``rowc`` SSMax's [B, N, Tp] c or None."""
+  out_dtype = q.dtype if out_dtype is None else out_dtype
+  kernels = triton_rows if cfg.backend == "gpu" else mosaic_rows
+  return kernels.forward(cfg, q, k, v, rowc, bias, mask, q_len, kv_len, out_dtype)
+
+
+def row_backward(cfg: KernelConfig, q, k, v, bias, mask, q_len, kv_len, do, rows, rowc,
+                 want_ds: bool):
+  """(dq, dk, dv, dS [B, N, Tp, Sp] or None, dc [B, N, Tp] or None) of a whole-row
+  weighting. ``rows``: the row statistics and δ (each [B, N, Tp] float32)."""
+  kernels = triton_rows if cfg.backend == "gpu" else mosaic_rows
+  return kernels.backward(cfg, q, k, v, bias, mask, q_len, kv_len, do, rows, rowc, want_ds)
+
+
+# --------------------------------------------------------------------------------------------
+# The custom VJPs.
+# --------------------------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=512)
+def _make_kernel(cfg: KernelConfig) -> Callable[..., Array]:
+  """A custom-VJP function (q, k, v, bias, mask, q_len, kv_len) -> O of padded arrays."""
+
+  @jax.custom_vjp
+  def attn(q, k, v, bias, mask, q_len, kv_len):
+    return forward(cfg, q, k, v, bias, mask, q_len, kv_len)[0]
+
+  def fwd(q, k, v, bias, mask, q_len, kv_len):
+    # symbolic_zeros: each array arrives as CustomVJPPrimal(value, perturbed); dS is only
+    # materialized when the bias is differentiated.
+    want_ds = bias is not None and bias.perturbed
+    vals = [None if x is None else x.value for x in (q, k, v, bias, mask, q_len, kv_len)]
+    o, stat = forward(cfg, *vals)
+    marker = jnp.zeros((), jnp.float32) if want_ds else None
+    return o, (*vals, o, stat, marker)
+
+  def bwd(res, do):
+    q, k, v, bias, mask, q_len, kv_len, o, stat, marker = res
+    if isinstance(do, jax.custom_derivatives.SymbolicZero):
+      return (None,) * 7
+    rows = grad_rows(cfg, stat, o, do)
+    dq, dk, dv, ds = backward(cfg, q, k, v, bias, mask, q_len, kv_len, do, rows,
+                                      want_ds=marker is not None)
+    dbias = None if ds is None else sum_to(ds, bias.shape).astype(bias.dtype)
+    return dq, dk, dv, dbias, None, None, None
+
+  attn.defvjp(fwd, bwd, symbolic_zeros=True)
+  return attn
+
+
+@functools.lru_cache(maxsize=512)
+def _make_row_kernel(cfg: KernelConfig):
+  """A custom-VJP function (q, k, v, bias, mask, q_len, kv_len, rowc) -> O of padded arrays
+  (rowc: SSMax's per-row scale [B, N, Tp], None for the other families)."""
+  rs = cfg.w.stream
+  if rs.reverse and cfg.bk_dq != cfg.bk_dkv:
+    raise ValueError(f"stick-breaking's dQ and dK/dV key tiles must agree (its carries are "
+                     f"per key tile), got {cfg.bk_dq} and {cfg.bk_dkv}")
+
+  @jax.custom_vjp
+  def attn(q, k, v, bias, mask, q_len, kv_len, rowc):
+    return row_forward(cfg, q, k, v, rowc, bias, mask, q_len, kv_len)[0]
+
+  def fwd(q, k, v, bias, mask, q_len, kv_len, rowc):
+    want_ds = bias is not None and bias.perturbed
+    vals = [None if x is None else x.value for x in (q, k, v, bias, mask, q_len, kv_len, rowc)]
+    q_, k_, v_, bias_, mask_, ql, kl, rowc_ = vals
+    # O in float32 for δ = dO·O (the backward's row sums), q's dtype for the caller.
+    o, stats, smean = row_forward(cfg, q_, k_, v_, rowc_, bias_, mask_, ql, kl, out_dtype=F32)
+    marker = jnp.zeros((), F32) if want_ds else None
+    return o.astype(q_.dtype), (*vals, o, stats, smean, marker)
+
+  def bwd(res, do):
+    q, k, v, bias, mask, q_len, kv_len, rowc, o, stats, smean, marker = res
+    if isinstance(do, jax.custom_derivatives.SymbolicZero):
+      return (None,) * 8
+    ref = smean if rs.saves_support_mean else o
+    delta = jnp.sum(do.astype(F32) * ref, axis=-1).transpose(0, 2, 1)
+    dq, dk, dv, ds, dc = row_backward(cfg, q, k, v, bias, mask, q_len, kv_len, do, (*stats, delta),
+                                  rowc, want_ds=marker is not None)
+    dbias = None if ds is None else sum_to(ds, bias.shape).astype(bias.dtype)
+    return dq, dk, dv, dbias, None, None, None, dc
+
+  attn.defvjp(fwd, bwd, symbolic_zeros=True)
+  return attn
+
+
+# --------------------------------------------------------------------------------------------
+# The public kernel.
+# --------------------------------------------------------------------------------------------
+
+def _as_4d(x: Array | None, shape4: tuple[int, int, int, int], name: str) -> Array | None:
+  """A [B|1, N|1, T|1, S|1]-broadcastable array (≤ 4 dims) as 4-D, each dim 1 or full."""
+  if x is None:
+    return None
+  x = jnp.asarray(x)
+  if x.ndim > 4:
+    raise ValueError(f"{name} must have at most 4 dims [B, N, T, S], got shape {x.shape}")
+  x = x.reshape((1,) * (4 - x.ndim) + x.shape)
+  if any(d not in (1, f) for d, f in zip(x.shape, shape4, strict=True)):
+    raise ValueError(f"{name} of shape {x.shape} does not broadcast to [B, N, T, S] = "
+                     f"{shape4} (each dim must be 1 or full)")
+  return x
+
+
+def pad_to(x: Array, sizes: dict[int, int], value: Any = 0, keep_one: bool = False) -> Array:
+  """Pads the given axes at the end to the given sizes; with ``keep_one`` a size-1 axis is a
+  broadcast (of a bias or mask) and stays as is. q, k and v of length 1 are padded."""
+  pads = [(0, 0)] * x.ndim
+  for axis, size in sizes.items():
+    if x.shape[axis] != size and not (keep_one and x.shape[axis] == 1):
+      pads[axis] = (0, size - x.shape[axis])
+  if all(p == (0, 0) for p in pads):
+    return x
+  return jnp.pad(x, pads, constant_values=value)
+
+
+def _lengths(x: Array | None, b: int, full: int, name: str) -> Array:
+  if x is None:
+    return jnp.full((b,), full, jnp.int32)
+  x = jnp.asarray(x)
+  if x.shape not in ((b,), ()) or not jnp.issubdtype(x.dtype, jnp.integer):
+    raise ValueError(f"{name} must be an integer array of shape [B] = ({b},), got "
+                     f"{x.shape} {x.dtype}")
+  return jnp.clip(jnp.broadcast_to(x, (b,)).astype(jnp.int32), 0, full)
+
+
+def pallas_attention(q: Array, k: Array, v: Array, *, weighting: Any,
+                     scale: float | Array, bias: Array | None = None, mask: Array | None = None,
+                     is_causal: bool = False, q_lengths: Array | None = None,
+                     kv_lengths: Array | None = None, block_q: int | None = None,
+                     block_k: int | None = None, backend: str | None = None,
+                     interpret: bool = False, ssmax_s: Array | float | None = None,
+                     skip_zero_tiles: bool = True) -> Array:
+  """Fused attention out_i = Σ_j w_ij v_j for a pointwise weighting F, or a whole-row weighting
+  with a streaming family (SSMax, softpick, stick-breaking, sparsemax, entmax: the kernels of
+  :mod:`attnx.core.kernels.pallas.rows`), as Pallas kernels.
+
+  Args:
+    q: queries [B, T, N, H].
+    k: keys [B, S, K, H]; N a multiple of K (GQA: query head n uses kv head n // (N // K)).
+    v: values [B, S, K, Hv].
+    weighting: the :class:`~attnx.core.weightings.Pointwise` F and its normalization, or a
+      :class:`~attnx.core.weightings.RowNormalizer` with a ``stream``.
+    scale: multiplies q·k; a Python/NumPy number is compiled into the kernels, an array is
+      multiplied into q beforehand (in float32, then cast back to q's dtype).
+    bias: additive bias broadcastable to [B, N, T, S] (≤ 4 dims, each 1 or full).
+    mask: boolean mask broadcastable to [B, N, T, S]; True = attend.
+    is_causal: query i attends key j ≤ i (top-left aligned, like ``jnp.tril``).
+    q_lengths, kv_lengths: optional int [B]: rows i ≥ q_lengths[b] get no valid key (zero
+      output), keys j ≥ kv_lengths[b] are masked (and their tiles skipped).
+    block_q, block_k: tile sizes for every kernel (default :func:`default_block_sizes`);
+      validated by :func:`check_block_sizes`. T and S need not be multiples of them.
+    backend: ``"gpu"`` (Triton) or ``"tpu"`` (Mosaic); None (default) chooses per lowering
+      platform: the Triton kernels where the program is lowered for a GPU, the Mosaic ones for
+      a TPU (:func:`.platforms.by_platform`), so that a CPU host can lower, export
+      or compile it for either, or for both at once. Lowering it for a CPU raises ValueError.
+    interpret: run the kernels in Pallas' interpreter (any machine, slow; for testing); with
+      ``backend=None`` they are the kernels of the host's kind of device (GPU on a CPU).
+    ssmax_s: SSMax only: s as a scalar or one value per query head [N] (an array gets a
+      gradient); default the weighting's own s.
+    skip_zero_tiles: sparsemax/entmax only: in the output pass and the backward, a key tile
+      whose scores show every weight of the query tile to be zero (all x ≤ τ) adds nothing and
+      its remaining work (powers, P·V; dP, dS·K, Pᵀ·dO, dSᵀ·Q) is left out (AdaSplash's block
+      skipping; the scores are computed to find out). The result is the same bit for bit;
+      False computes every tile (for side-by-side timings). The threshold passes compute
+      every tile: these kernels keep no table of tile maxima across passes.
+
+  Returns:
+    [B, T, N, Hv] in q's dtype, equal up to float rounding to
+    ``blocked_attention(q, k, v, weighting=..., ...)`` (float32 accumulation).
+
+  Raises:
+    ValueError: for an unsupported combination (see :func:`tiles.supported`; the message names the
+      alternative implementation), bad shapes or tile sizes.
+  """
+  if backend is None and not interpret:
+    return _per_platform(
+        q, k, v, weighting=weighting, scale=scale, bias=bias, mask=mask, is_causal=is_causal,
+        q_lengths=q_lengths, kv_lengths=kv_lengths, block_q=block_q, block_k=block_k,
+        ssmax_s=ssmax_s, skip_zero_tiles=skip_zero_tiles)
+  rows = not isinstance(weighting, Pointwise)
+  if not isinstance(skip_zero_tiles, bool):
+    raise ValueError(f"skip_zero_tiles must be a bool, got {skip_zero_tiles!r}")
+  if rows and not streams(weighting):
+    raise ValueError(f"implementation='pallas' cannot run this: {tiles.supported(weighting)}.")
+  q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
+  if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+    raise ValueError(f"expected 4-D [B, T, N, H] inputs, got {q.shape}, {k.shape}, {v.shape}")
+  b, t, n, h = q.shape
+  _, s, kh, _ = k.shape
+  hv = v.shape[-1]
+  if kh == 0 or n % kh or k.shape[:3] != v.shape[:3] or k.shape[0] != b or k.shape[-1] != h:
+    raise ValueError(f"incompatible shapes q {q.shape}, k {k.shape}, v {v.shape}")
+  if not (q.dtype == k.dtype == v.dtype):
+    raise ValueError(f"q, k and v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+  be = tiles.resolve_backend(backend, interpret)
+  reason = tiles.supported(weighting, backend=be, dtype=q.dtype, head_dim=h, value_head_dim=hv,
+                     interpret=interpret)
+  if reason:
+    raise ValueError(f"implementation='pallas' cannot run this: {reason}.")
+  if mask is not None and jnp.asarray(mask).dtype != jnp.bool_:
+    raise ValueError(f"mask must be boolean, got {jnp.asarray(mask).dtype}")
+  bias4 = _as_4d(bias, (b, n, t, s), "bias")
+  mask4 = _as_4d(mask, (b, n, t, s), "mask")
+  blocks, launch = tiles.kernel_tiles(be, weighting, t, s, h, hv, q.dtype, block_q, block_k)
+  q_len = _lengths(q_lengths, b, t, "q_lengths")
+  kv_len = _lengths(kv_lengths, b, s, "kv_lengths")
+  if q.size == 0 or s == 0:  # no query, or no key (every row has no valid key)
+    return jnp.zeros((b, t, n, hv), q.dtype)
+
+  rowc = None
+  if rows and weighting.stream.needs_row_scale:  # SSMax's c_i = s·log n_i, from the raw masks
+    rowc = row_scale(weighting.stream, b, n, t, s, bias4, mask4, is_causal,
+                                 None if kv_lengths is None else kv_len, ssmax_s)
+  cfg, (q, k, v, bias4, mask4) = kernel_inputs(
+      q, k, v, bias4, mask4, weighting=weighting, scale=scale, backend=be, interpret=interpret,
+      blocks=blocks, launch=launch, is_causal=is_causal, q_bound=q_lengths is not None,
+      kv_bound=kv_lengths is not None, skip_zero_tiles=skip_zero_tiles)
+  if rows:
+    if rowc is not None:
+      rowc = pad_to(rowc, {2: cfg.tp})
+    out = _make_row_kernel(cfg)(q, k, v, bias4, mask4, q_len, kv_len, rowc)
+  else:
+    out = _make_kernel(cfg)(q, k, v, bias4, mask4, q_len, kv_len)
+  return out[:, :t, :, :hv]
+
+
+def kernel_inputs(q: Array, k: Array, v: Array, bias4: Array | None, mask4: Array | None, *,
+                  weighting: Any, scale: float | Array, backend: str, interpret: bool,
+                  blocks: tiles.BlockSizes, launch: dict[str, Any], is_causal: bool, q_bound: bool,
+                  kv_bound: bool, skip_zero_tiles: bool = True, num_keys: int | None = None
+                  ) -> tuple[KernelConfig, tuple[Array | None, ...]]:
+  """The kernels' config and padded operands (q, k, v, bias, mask) of a checked, non-empty
+  problem: q [B, T, N, H], k/v [B, S, K, H|Hv], bias/mask [B|1, N|1, T|1, S|1] (each dim 1 or
+  full; the mask boolean), tiles and launch parameters from :func:`tiles.kernel_tiles`.
+
+  Shared by :func:`pallas_attention` and the per-block entry points of ring attention
+  (:mod:`.block`). Applies the contract's input step (:func:`nonfinite_inputs`),
+  folds an array ``scale`` into q (the config's scale is then 1), pads T and S to whole tiles
+  (``q_bound``/``kv_bound``: the caller passes lengths, so rows/keys past them are invalid even
+  without padding) and, on the GPU, the head dims to multiples of 16. ``num_keys``: the key count
+  F sees (sigmoid's default b = −log n), default S. Raises ValueError where a TPU whole-row kernel
+  would not fit in VMEM.
+  """
+  b, t, n, h = q.shape
+  _, s, kh, _ = k.shape
+  hv = v.shape[-1]
+  be = backend
+  rows = not isinstance(weighting, Pointwise)
+  q, k, v, bias4 = nonfinite_inputs(q, k, v, bias4)
+  if not isinstance(scale, numbers.Real):  # a traced/learned scale: fold it into q
+    # A NaN entry of q stays NaN with no path to the scale's gradient (0·NaN there would make
+    # it NaN even when the NaN's row attends nothing; attnx.core.contract).
+    q32 = q.astype(jnp.float32)
+    q = jnp.where(jnp.isnan(q32), q32,
+                  finite(q32) * jnp.asarray(scale, jnp.float32)).astype(q.dtype)
+    scale = 1.0
+  tp = round_up(t, math.lcm(blocks.block_q, blocks.block_q_dq, blocks.block_q_dkv))
+  sp = round_up(s, math.lcm(blocks.block_k, blocks.block_k_dq, blocks.block_k_dkv))
+  # GPU: head dims padded to a multiple of 16, processed in power-of-2 chunks (head_chunks).
+  hp, hvp = ((round_up(h, tiles.GPU_MIN_BLOCK), round_up(hv, tiles.GPU_MIN_BLOCK)) if be == "gpu"
+             else (h, hv))
+  if rows and be == "gpu":  # the streaming state's value rows: one power-of-2 array
+    hvp = tiles.pow2(hv)
+  cfg = KernelConfig(
+      w=weighting, backend=be, interpret=bool(interpret), s=s if num_keys is None else num_keys,
+      tp=tp, sp=sp, g=n // kh, scale=float(scale), is_causal=bool(is_causal),
+      q_bound=q_bound or tp != t, kv_bound=kv_bound or sp != s, bq=blocks.block_q,
+      bk=blocks.block_k, bq_dq=blocks.block_q_dq, bk_dq=blocks.block_k_dq,
+      bq_dkv=blocks.block_q_dkv, bk_dkv=blocks.block_k_dkv, **launch,
+      # 3 stages of f32 tiles (a bias tile too) overflow an A100's 163 KiB of shared memory.
+      num_stages=3 if hp <= 128 and q.dtype.itemsize == 2 else 2, num_stages_bwd=2,
+      skip_zero_tiles=skip_zero_tiles)
+  q = pad_to(q, {1: tp, 3: hp})
+  k = pad_to(k, {1: sp, 3: hp})
+  v = pad_to(v, {1: sp, 3: hvp})
+  # Narrow dtypes on the TPU only for full-height tiles whose rows fill its packed tiling
+  # ((16, 128) for bf16, (32, 128) for int8); 32-bit otherwise.
+  min_bq = min(blocks.block_q, blocks.block_q_dq, blocks.block_q_dkv)
+  if bias4 is not None:
+    if bias4.dtype != jnp.bfloat16 or (be == "tpu" and (min_bq % 16 or bias4.shape[2] == 1)):
+      bias4 = bias4.astype(jnp.float32)
+    bias4 = pad_to(bias4, {2: tp, 3: sp}, keep_one=True)
+  if mask4 is not None:
+    wide = be == "tpu" and (min_bq % 32 or mask4.shape[2] == 1)
+    mask4 = pad_to(mask4.astype(jnp.int32 if wide else jnp.int8), {2: tp, 3: sp}, keep_one=True)
+  if rows and be == "tpu":
+    need = mosaic_rows.vmem_bytes(cfg, q.dtype, h, hv, bias4, mask4, backward=True)
+    if need > mosaic_rows.VMEM_LIMIT:
+      raise ValueError(
+          f"implementation='pallas' cannot run this: the TPU kernels of {weighting.name!r} "
+          f"hold whole sequences in VMEM, ~{need / 2**20:.0f} MiB here (limit "
+          f"{mosaic_rows.VMEM_LIMIT / 2**20:.0f} MiB); use implementation='blocked'.")
+  return cfg, (q, k, v, bias4, mask4)
+
+
+def _per_platform(q: Array, k: Array, v: Array, **kwargs: Any) -> Array:
+  """:func:`pallas_attention` with the Triton kernels where the program is lowered for a GPU
+  and the Mosaic kernels for a TPU. Array arguments travel as operands, the rest (tiles, a
+  Python scale, the weighting) is compiled into both branches."""
+  q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
+  if q.ndim != 4 or v.ndim != 4:
+    raise ValueError(f"expected 4-D [B, T, N, H] inputs, got {q.shape}, {k.shape}, {v.shape}")
+  arrays = {n: kwargs[n] for n in ("scale", "bias", "mask", "q_lengths", "kv_lengths", "ssmax_s")
+            if kwargs[n] is not None and not isinstance(kwargs[n], numbers.Number)}
+  static = {n: x for n, x in kwargs.items() if n not in arrays}
+
+  def kernel(backend: str) -> Callable[..., Array]:
+    return lambda q, k, v, arrays: pallas_attention(q, k, v, backend=backend, **static,
+                                                    **arrays)
+
+  return platforms.by_platform(
+      q, k, v, arrays, gpu=kernel("gpu"), tpu=kernel("tpu"),
+      out=jax.ShapeDtypeStruct((*q.shape[:3], v.shape[-1]), q.dtype),
+      other=("implementation='pallas' needs a GPU or TPU; this program is being lowered or run "
+             "for a platform with neither (the CPU host, unless lowered with "
+             "lowering_platforms=('cuda',) or ('tpu',)). Pass interpret=True to run the kernels "
+             "in Pallas' interpreter (slow; for testing), or use implementation='blocked' (the "
+             "XLA flash-style kernel) on a CPU."))

@@ -6,10 +6,11 @@ of sum(out) w.r.t. q, k, v) of
 * ``jax.nn.dot_product_attention(implementation="xla")`` and ``flax.linen.dot_product_attention``
   (softmax; they materialize the T×S scores),
 * ``attnx.core.attention(implementation="dense")`` (softmax),
-* ``attnx.core.attention(implementation="blocked")`` (attnx.core.blocked: online softmax,
+* ``attnx.core.attention(implementation="blocked")`` (attnx.core.kernels.xla.pointwise: online
+softmax,
   Dao et al. 2022 / Rabe & Staats 2021) for softmax and every other pointwise weighting F,
 * with the ``rows`` preset, the whole-row weightings (``row_weightings``: SSMax, softpick,
-  stick-breaking, sparsemax, 1.5-entmax, α-entmax; attnx.core.blocked_rows) blocked and dense,
+  stick-breaking, sparsemax, 1.5-entmax, α-entmax; attnx.core.kernels.xla.rows) blocked and dense,
   on the shapes with at most ``row_max_scores`` scores per head; longer shapes compile them
   for their memory only,
 
@@ -56,8 +57,8 @@ import numpy as np  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
 from attnx import core, train  # noqa: E402
-from attnx.core import blocked_rows  # noqa: E402
 from attnx.core import weightings as wlib  # noqa: E402
+from attnx.core.kernels.xla import rows as blocked_rows  # noqa: E402
 from attnx.train import benchmark  # noqa: E402
 from attnx.train import config as train_config  # noqa: E402
 from attnx.train.benchmark import matmul_rate  # noqa: E402

@@ -16,7 +16,6 @@ from attnx.core.api import (
     check_compatible,
     explain,
 )
-from attnx.core.blocked import blocked_attention
 from attnx.core.flax_adapter import flax_attention_fn
 from attnx.core.implementations import (
     Implementation,
@@ -25,6 +24,7 @@ from attnx.core.implementations import (
     list_implementations,
 )
 from attnx.core.kernels.pallas import PallasVerification, verify_pallas
+from attnx.core.kernels.xla.pointwise import blocked_attention
 from attnx.core.linear import (
     elu_plus_one_features,
     favor_features,

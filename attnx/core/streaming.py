@@ -42,8 +42,8 @@ F (:func:`online_max_update`), or acc += F·V with a sum, count or nothing besid
 :func:`pointwise_finalize` normalizes once (the denominator offset a virtual key of score 0),
 and the backward recomputes each tile's weights and dS from the saved row statistic
 (:func:`pointwise_grad_rows`, :func:`pointwise_tile_grad`). The blocked kernel
-(:mod:`attnx.core.blocked`: its tiles, its causal triangle's merge of the raw states of its
-pieces, its backward) and both Pallas backends (:mod:`attnx.core.kernels.pallas`, forward and
+(:mod:`attnx.core.kernels.xla.pointwise`: its tiles, its causal triangle's merge of the raw states
+of its pieces, its backward) and both Pallas backends (:mod:`attnx.core.kernels.pallas`, forward and
 dQ/dK/dV kernels) run them. :class:`Ops` spells what differs between kernel languages: the
 primitives Triton and Mosaic lack, base-2 exponents, where Σ F accumulates and the layout of
 the row statistics, so that every backend runs the same tile math.
@@ -221,9 +221,9 @@ def _masked(z: Array, valid: Array, fill: float = 0.0) -> Array:
 
 # --------------------------------------------------------------------------------------------
 # Pointwise F (:class:`attnx.core.weightings.Pointwise` ``w``): the two streaming rules, used
-# by the blocked kernel (attnx.core.blocked: its key tiles and its causal triangle's merge)
-# and by the Pallas kernels (attnx.core.kernels.pallas: Triton and Mosaic, through their Ops).
-# A raw state is (acc, st), or (acc, m, l) for the online max without a ones column:
+# by the blocked kernel (attnx.core.kernels.xla.pointwise: its key tiles and its causal triangle's
+# merge) and by the Pallas kernels (attnx.core.kernels.pallas: Triton and Mosaic, through their
+# Ops). A raw state is (acc, st), or (acc, m, l) for the online max without a ones column:
 # * acc = Σ F·V over the keys seen, [..., rows, Hv] or a tuple of head-dim chunks of it (v is
 #   then the tuple of the matching chunks of V); with ``ops.ones_column`` and "sum", V ends in
 #   a column of ones, so acc's last column is Σ F;

@@ -15,9 +15,9 @@ import pytest
 from absl.testing import parameterized
 
 from attnx import core
-from attnx.core.blocked_rows import blocked_row_attention
 from attnx.core.kernels import pallas as pallas_lib
 from attnx.core.kernels.pallas import verify as pallas_verify
+from attnx.core.kernels.xla.rows import blocked_row_attention
 
 KERNELS = set(core.weightings.POINTWISE_KERNELS)
 

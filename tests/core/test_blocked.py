@@ -1,4 +1,5 @@
-"""attnx.core.blocked: the flash-style kernel against the dense pointwise_weights reference.
+"""attnx.core.kernels.xla.pointwise: the flash-style kernel against the dense pointwise_weights
+reference.
 
 Compilation dominates the runtime of these tests, so each group of cases is compiled once as a
 single jitted program (shared through functools.cache) and the parametrized tests index it.
@@ -15,9 +16,9 @@ import pytest
 from absl.testing import parameterized
 from support import differential as diff
 
-from attnx.core import blocked as blocked_lib
 from attnx.core import weightings as wlib
-from attnx.core.blocked import (
+from attnx.core.kernels.xla import pointwise as blocked_lib
+from attnx.core.kernels.xla.pointwise import (
   blocked_attention,
   causal_leaves,
   default_block_sizes,

@@ -1,4 +1,5 @@
-"""attnx.core.blocked_rows: the blocked kernel of the whole-row weightings against the dense ones.
+"""attnx.core.kernels.xla.rows: the blocked kernel of the whole-row weightings against the dense
+ones.
 
 ``attention(..., implementation="blocked")`` runs SSMax (Nakanishi 2025, "Scalable-Softmax Is
 Superior for Attention"), softpick (Zuhri et al. 2025, "Softpick: No Attention Sink, No Massive
@@ -22,14 +23,14 @@ import pytest
 from support import reference
 
 from attnx import core
-from attnx.core import blocked as blocked_lib
 from attnx.core import streaming
 from attnx.core import weightings as wlib
-from attnx.core.blocked_rows import (
-    blocked_row_attention,
-    causal_block_sizes,
-    threshold_passes,
-    zero_tiles,
+from attnx.core.kernels.xla import pointwise as blocked_lib
+from attnx.core.kernels.xla.rows import (
+  blocked_row_attention,
+  causal_block_sizes,
+  threshold_passes,
+  zero_tiles,
 )
 
 BASE = ["ssmax", "softpick", "stick_breaking", "sparsemax", "entmax15", "entmax:alpha=1.3",
@@ -715,7 +716,7 @@ def test_raw_block_states_of_key_blocks_merge_to_the_whole(name):
   # The entry points of ring attention (attnx.core.parallel.ring): the streaming states of two key
   # blocks merge to the whole row (stick-breaking: the later block first), and the blocks'
   # gradients, the later block's carries going on to the earlier one, add up to the whole.
-  from attnx.core import blocked_rows
+  from attnx.core.kernels.xla import rows as blocked_rows
 
   w = wlib.get_weighting(name)
   rs = w.stream

@@ -25,8 +25,8 @@ import os
 import pytest
 from support import differential as diff
 
-from attnx.core import blocked_rows
 from attnx.core import weightings as wlib
+from attnx.core.kernels.xla import rows as blocked_rows
 
 C = diff.Case
 _NO_PALLAS = dict(pallas="none")

@@ -194,7 +194,7 @@ def test_blocked_pointwise_computes_in_float64(weighting, kw):
 @pytest.mark.parametrize("weighting", ["ssmax", "sparsemax", "stick_breaking"])
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "zerobias"])
 def test_blocked_whole_row_computes_in_float64(weighting, bias):
-  # A (zero) bias sends SSMax through the whole-row kernel (attnx.core.blocked_rows) instead of
+  # A (zero) bias sends SSMax through the whole-row kernel (attnx.core.kernels.xla.rows) instead of
   # the pointwise kernel's softmax of (c_i·q_i)·k; the other two always run it.
   with jax.enable_x64(True):
     q, k, v, g = _inputs(seed=2)

@@ -19,9 +19,9 @@ import pytest
 
 from attnx import core
 from attnx.core import weightings as wlib
-from attnx.core.blocked import blocked_attention
 from attnx.core.kernels import pallas as pa
 from attnx.core.kernels.pallas import tiles as pallas_tiles
+from attnx.core.kernels.xla.pointwise import blocked_attention
 from attnx.core.scores import get_score
 
 POINTWISE = wlib.list_weightings("pointwise")

@@ -3,8 +3,8 @@
 Differential: the keys of a problem are cut into 2–3 blocks (a ring step each; the last one,
 when causal, the diagonal block of the local rows); each block's raw state comes from the
 Pallas entry point (Pallas' interpreter, "gpu" or "tpu" kernels) or from the XLA one
-(attnx.core.blocked / blocked_rows), in a mix; the states are merged and normalized with the
-streaming rules, the blocks' gradients are taken from the global output and statistics (the
+(attnx.core.kernels.xla.pointwise / blocked_rows), in a mix; the states are merged and normalized
+with the streaming rules, the blocks' gradients are taken from the global output and statistics (the
 whole-row carries going from block to block), and all of it is compared with the float64
 brute force (tests/support/reference.py): values within 1e-5 · max(1, max |ref|), gradients
 within 1e-4 · max(1, max |ref|). Every case has GQA, t ≠ s, lengths that are no powers of 2
@@ -27,10 +27,11 @@ import pytest
 from support import lowering
 from support.reference import reference
 
-from attnx.core import blocked as bl
-from attnx.core import blocked_rows, streaming
+from attnx.core import streaming
 from attnx.core import weightings as wlib
 from attnx.core.kernels.pallas import block as ring_pallas
+from attnx.core.kernels.xla import pointwise as bl
+from attnx.core.kernels.xla import rows as blocked_rows
 
 OUT_TOL, GRAD_TOL = 1e-5, 1e-4
 SCALE = 0.4

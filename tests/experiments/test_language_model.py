@@ -135,7 +135,8 @@ def _spy(monkeypatch, fn):
 def test_long_contexts_stream_and_equal_dense_attention(weighting, kind, monkeypatch):
   import jax
 
-  from attnx.core import blocked, blocked_rows
+  from attnx.core.kernels.xla import pointwise as blocked
+  from attnx.core.kernels.xla import rows as blocked_rows
 
   c = exp.get_config("tiny")
   c.model.context = 8  # 64× is 512 characters: past both streaming thresholds (256², 512²)

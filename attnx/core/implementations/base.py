@@ -223,7 +223,7 @@ def to_4d(x: Array | None, batch: tuple[int, ...]) -> Array | None:
 
 def run_streaming(problem: Problem, inputs: Inputs, kernel: Callable[..., Array]) -> Array:
   """Runs a streaming ``kernel`` (``[B, T, N, H]`` layout, like
-  :func:`attnx.core.blocked.blocked_attention`) on the score's dot-product form.
+  :func:`attnx.core.kernels.xla.pointwise.blocked_attention`) on the score's dot-product form.
 
   The batch dims are flattened into one, bias and mask brought to 4-D, and q', k', v cast to
   one dtype (scores that transform q/k in float32, distances and cosine, upcast v too).

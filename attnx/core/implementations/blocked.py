@@ -1,8 +1,8 @@
 """``implementation="blocked"``: flash-style key tiles in XLA, O(T) memory, on any backend.
 
-Pointwise weightings run :func:`attnx.core.blocked.blocked_attention`, the whole-row ones with
-a streaming family (SSMax, softpick, stick-breaking, sparsemax, α-entmax) run
-:func:`attnx.core.blocked_rows.blocked_row_attention`; both take every score with a
+Pointwise weightings run :func:`attnx.core.kernels.xla.pointwise.blocked_attention`, the whole-row
+ones with a streaming family (SSMax, softpick, stick-breaking, sparsemax, α-entmax) run
+:func:`attnx.core.kernels.xla.rows.blocked_row_attention`; both take every score with a
 dot-product form (``Score.to_dot``: all built-in scores but ``additive``). Neither forms the
 [T, S] weights, so dropout on the weights and ``return_weights`` are not supported.
 
@@ -18,19 +18,19 @@ from typing import Any
 
 import jax
 
-from attnx.core import blocked_rows
 from attnx.core import scores as scores_lib
 from attnx.core import weightings as weightings_lib
-from attnx.core.blocked import blocked_attention
 from attnx.core.implementations.base import (
-    Implementation,
-    Inputs,
-    Problem,
-    needs_weights_reason,
-    run_streaming,
-    static_dims_reason,
-    streaming_config_reason,
+  Implementation,
+  Inputs,
+  Problem,
+  needs_weights_reason,
+  run_streaming,
+  static_dims_reason,
+  streaming_config_reason,
 )
+from attnx.core.kernels.xla import rows as blocked_rows
+from attnx.core.kernels.xla.pointwise import blocked_attention
 
 Array = jax.Array
 
@@ -63,7 +63,8 @@ def small_problem_reason(problem: Problem) -> str | None:
 
 
 class BlockedImplementation(Implementation):
-  """The XLA flash-style kernels (:mod:`attnx.core.blocked`, :mod:`attnx.core.blocked_rows`)."""
+  """The XLA flash-style kernels (:mod:`attnx.core.kernels.xla.pointwise`,
+  :mod:`attnx.core.kernels.xla.rows`)."""
 
   name = "blocked"
 

@@ -73,7 +73,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from attnx.core import blocked as bl
 from attnx.core import problem as problem_lib
 from attnx.core import scores as scores_lib
 from attnx.core import streaming
@@ -81,6 +80,7 @@ from attnx.core.contract import compute_dtype, nonfinite_inputs
 from attnx.core.kernels import common
 from attnx.core.kernels import pallas as pa
 from attnx.core.kernels.pallas import block as ring_pallas
+from attnx.core.kernels.xla import pointwise as bl
 from attnx.core.parallel import layout as ring_layout
 from attnx.core.parallel import steps, stick_zigzag
 from attnx.core.parallel.layout import LAYOUTS, ring_work, zigzag_permute, zigzag_unpermute

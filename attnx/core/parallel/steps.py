@@ -13,9 +13,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from attnx.core import blocked as bl
-from attnx.core import blocked_rows, streaming
+from attnx.core import streaming
 from attnx.core.kernels.pallas import block as ring_pallas
+from attnx.core.kernels.xla import pointwise as bl
+from attnx.core.kernels.xla import rows as blocked_rows
 from attnx.core.kernels.xla import tiling as tl
 from attnx.core.parallel import layout as ring_layout
 from attnx.core.weightings import Pointwise

@@ -1,7 +1,8 @@
 """The Pallas attention kernels: Triton on a GPU, Mosaic on a TPU.
 
 :func:`pallas_attention` runs every pointwise F and the whole-row weightings with a streaming
-family as fused kernels, with the contract of :func:`attnx.core.blocked.blocked_attention`.
+family as fused kernels, with the contract of
+:func:`attnx.core.kernels.xla.pointwise.blocked_attention`.
 
 Modules, each importing only those above it:
 

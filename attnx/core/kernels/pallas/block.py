@@ -3,12 +3,13 @@
 A ring step (:mod:`attnx.core.parallel.ring`) computes the raw streaming state of the local query
 rows against one visiting key shard, and in the backward the gradients of that block given the rows'
 final (global) output and statistics. The XLA entry points are
-:func:`attnx.core.blocked.raw_block_state` / :func:`~attnx.core.blocked.block_grads` (pointwise
-F) and :func:`attnx.core.blocked_rows.raw_block_state` / :func:`~attnx.core.blocked_rows.
-block_grads` (SSMax, softpick, stick-breaking). This module has the same functions, same
-arguments, layouts (q [X, G, t, H], k/v [X, s, H], bias/mask [Bb, Kb, Gb, t|1, s|1], X = B·K) and
-``cfg`` (:func:`attnx.core.blocked.block_config`), same results, computed by the Pallas kernels
-(:mod:`attnx.core.kernels.pallas`, through :mod:`.wrapper`'s entry points); the keyword-only
+:func:`attnx.core.kernels.xla.pointwise.raw_block_state` /
+:func:`~attnx.core.kernels.xla.pointwise.block_grads` (pointwise F) and
+:func:`attnx.core.kernels.xla.rows.raw_block_state` / :func:`~attnx.core.kernels.xla.rows.
+block_grads` (SSMax, softpick, stick-breaking). This module has the same functions, same arguments,
+layouts (q [X, G, t, H], k/v [X, s, H], bias/mask [Bb, Kb, Gb, t|1, s|1], X = B·K) and ``cfg``
+(:func:`attnx.core.kernels.xla.pointwise.block_config`), same results, computed by the Pallas
+kernels (:mod:`attnx.core.kernels.pallas`, through :mod:`.wrapper`'s entry points); the keyword-only
 ``backend`` ("gpu"/"tpu") and ``interpret`` choose the kernels, ``block_q``/``block_k`` cap their
 tiles (the cfg's tiles are the XLA kernel's; Pallas has its own rules, and pads the block).
 
@@ -231,8 +232,8 @@ def raw_block_state(q: Array, k: Array, v: Array, bias: Array | None, mask: Arra
                     scale: Array, cfg: tl.TileConfig, *, backend: str, interpret: bool = False,
                     block_q: int | None = None,
                     block_k: int | None = None) -> tuple[Array, Array]:
-  """:func:`attnx.core.blocked.raw_block_state` on the Pallas forward: the raw state (acc, st)
-  of every query row over this block's keys for a pointwise F, in the XLA layout and units
+  """:func:`attnx.core.kernels.xla.pointwise.raw_block_state` on the Pallas forward: the raw state
+  (acc, st) of every query row over this block's keys for a pointwise F, in the XLA layout and units
   (merges with XLA states by :func:`attnx.core.streaming.pointwise_merge`)."""
   w = cfg.w
   x, g, t, _ = q.shape
@@ -264,8 +265,8 @@ def block_grads(q: Array, k: Array, v: Array, bias: Array | None, mask: Array | 
                 scale: Array, out: Array, stat: Array, do: Array, cfg: tl.TileConfig, *,
                 backend: str, interpret: bool = False, block_q: int | None = None,
                 block_k: int | None = None):
-  """:func:`attnx.core.blocked.block_grads` on the Pallas backward: (dq, dk, dv, dbias,
-  dscale) float32 of this block's scores given the rows' final output ``out`` and statistic
+  """:func:`attnx.core.kernels.xla.pointwise.block_grads` on the Pallas backward: (dq, dk, dv,
+  dbias, dscale) float32 of this block's scores given the rows' final output ``out`` and statistic
   ``stat`` (:func:`attnx.core.streaming.pointwise_finalize` of the merged state)."""
   w = cfg.w
   if q.shape[2] == 0 or k.shape[1] == 0:
@@ -312,7 +313,7 @@ def raw_row_block_state(q: Array, k: Array, v: Array, bias: Array | None, mask: 
                         row_scales: Array | None, scale: Array, cfg: tl.TileConfig, *, backend: str,
                         interpret: bool = False, block_q: int | None = None,
                         block_k: int | None = None) -> Any:
-  """:func:`attnx.core.blocked_rows.raw_block_state` on the Pallas forward: the streaming state
+  """:func:`attnx.core.kernels.xla.rows.raw_block_state` on the Pallas forward: the streaming state
   (``MaxState`` of SSMax and softpick, ``StickState`` of stick-breaking) of every query row
   over this block's keys, leaves [X, G, t, ...] (merges with XLA states by
   :func:`attnx.core.streaming.merge`). ``row_scales``: SSMax's global c_i [X, G, t]."""
@@ -343,7 +344,7 @@ def row_block_grads(q: Array, k: Array, v: Array, bias: Array | None, mask: Arra
                     stats: tuple[Array, ...], do: Array, carry0: tuple[Array, Array],
                     cfg: tl.TileConfig, *, backend: str, interpret: bool = False,
                     block_q: int | None = None, block_k: int | None = None):
-  """:func:`attnx.core.blocked_rows.block_grads` on the Pallas backward: (dq, dk, dv, dbias,
+  """:func:`attnx.core.kernels.xla.rows.block_grads` on the Pallas backward: (dq, dk, dv, dbias,
   (carry_a, carry_b), dscale) of this block's scores from the rows' final output and
   statistics; ``carry0`` the grad carries after the blocks visited before (SSMax: dc so far;
   stick-breaking, blocks from the last key backwards: L and Σ A·dP of the later keys)."""

@@ -2,8 +2,8 @@
 problem and the tile math on values (not refs).
 
 The pointwise tile math is :mod:`attnx.core.streaming`'s two rules, the blocked kernel's
-(:mod:`attnx.core.blocked`; same masking, same empty-row and NaN rules): the online max
-(:func:`~attnx.core.streaming.online_max_update`) for ``w.online_max``, ``acc += F(S)·V``
+(:mod:`attnx.core.kernels.xla.pointwise`; same masking, same empty-row and NaN rules): the online
+max (:func:`~attnx.core.streaming.online_max_update`) for ``w.online_max``, ``acc += F(S)·V``
 with one division at the end otherwise (:func:`~attnx.core.streaming.pointwise_update`), both
 ended by :func:`~attnx.core.streaming.pointwise_finalize`; the backward's dS from the saved
 statistic is :func:`~attnx.core.streaming.pointwise_tile_grad` (:func:`bwd_tile`): α·P∘(dP − D)

@@ -4,7 +4,7 @@
 SSMax, softpick, stick-breaking, sparsemax and α-entmax run as the streaming families of
 :mod:`attnx.core.streaming`: every kernel does its per-tile math with that module's
 ``init`` / ``update`` / ``finalize`` / ``entmax_threshold`` / ``tile_grad`` (the definitions the
-XLA blocked kernel :mod:`attnx.core.blocked_rows` uses), spelled with the
+XLA blocked kernel :mod:`attnx.core.kernels.xla.rows` uses), spelled with the
 :class:`~attnx.core.streaming.Ops` its lowering accepts (:data:`.triton_rows.OPS`,
 :data:`.mosaic_rows.OPS`). Layout, padding, masks, lengths, bias and GQA are those of the
 pointwise kernels (:mod:`.common`'s tile math).
@@ -79,7 +79,7 @@ def row_scale(rs: st.RowStream, b: int, n: int, t: int, s: int, bias4: Array | N
               mask4: Array | None, is_causal: bool, kv_lengths: Array | None,
               s_param: Array | float | None) -> Array:
   """[B, N, T] float32 c_i = s·log max(n_i, 1), n_i the keys row i attends (mask, bias ≠ −∞,
-  causal, key lengths), as :func:`attnx.core.blocked_rows._valid_counts`; ``s_param`` a scalar
+  causal, key lengths), as :func:`attnx.core.kernels.xla.rows._valid_counts`; ``s_param`` a scalar
   or one value per query head [N] (default the weighting's s)."""
   rows = jnp.arange(t)
   if mask4 is None and bias4 is None:  # closed form: no [T, S] intermediate

@@ -83,8 +83,8 @@ def self_check(backend: str, weighting: Any, dtype: Any, head_dim: int, *,
   be wrong). Distance kernels (``w.distance_kernel``) get scores −‖q − k‖² through
   ``Score.to_dot`` (head_dim counts the two extra columns), the others q·k/√H.
   """
-  from attnx.core.blocked import blocked_attention  # noqa: PLC0415
-  from attnx.core.blocked_rows import blocked_row_attention  # noqa: PLC0415
+  from attnx.core.kernels.xla.pointwise import blocked_attention  # noqa: PLC0415
+  from attnx.core.kernels.xla.rows import blocked_row_attention  # noqa: PLC0415
 
   kernel = kernel or wrapper.pallas_attention
   blocked = blocked_attention if isinstance(weighting, Pointwise) else blocked_row_attention

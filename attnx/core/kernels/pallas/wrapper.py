@@ -3,16 +3,16 @@ the whole-row weightings with a streaming family.
 
     out_i = Σ_j F(s_ij) v_j / N_i,   s_ij = scale · q_i·k_j + bias_ij
 
-The same math, layout and edge-case contract as :func:`attnx.core.blocked.blocked_attention`
-(:mod:`attnx.core.contract`), written as fused Pallas kernels: FlashAttention's tiling (Dao et
-al. 2022, "FlashAttention: Fast and Memory-Efficient Exact Attention with IO-Awareness") and
-FlashAttention-2's work partitioning and recomputing backward (Dao 2023, "FlashAttention-2:
-Faster Attention with Better Parallelism and Work Partitioning"): the forward saves O and one
-row statistic (log-sum-exp for online-max weightings, the normalizer otherwise); the backward
-(a ``jax.custom_vjp``) recomputes the tiles in a dK/dV kernel and a dQ kernel. The kernels
-themselves live in :mod:`.triton` and :mod:`.mosaic` (pointwise F), :mod:`.triton_rows` and
-:mod:`.mosaic_rows` (SSMax, softpick, stick-breaking, sparsemax, α-entmax); their tiles and
-backends in :mod:`.tiles`.
+The same math, layout and edge-case contract as
+:func:`attnx.core.kernels.xla.pointwise.blocked_attention` (:mod:`attnx.core.contract`), written as
+fused Pallas kernels: FlashAttention's tiling (Dao et al. 2022, "FlashAttention: Fast and
+Memory-Efficient Exact Attention with IO-Awareness") and FlashAttention-2's work partitioning and
+recomputing backward (Dao 2023, "FlashAttention-2: Faster Attention with Better Parallelism and Work
+Partitioning"): the forward saves O and one row statistic (log-sum-exp for online-max weightings,
+the normalizer otherwise); the backward (a ``jax.custom_vjp``) recomputes the tiles in a dK/dV
+kernel and a dQ kernel. The kernels themselves live in :mod:`.triton` and :mod:`.mosaic` (pointwise
+F), :mod:`.triton_rows` and :mod:`.mosaic_rows` (SSMax, softpick, stick-breaking, sparsemax,
+α-entmax); their tiles and backends in :mod:`.tiles`.
 
 This module: :func:`pallas_attention` (checks, padding, the custom VJPs, the kernels of each
 lowering platform by :func:`.platforms.by_platform`), :func:`kernel_inputs` (the config and

@@ -4,8 +4,8 @@ Internal layout: q [X, G, Tp, H] and k/v [X, Sp, H] with X = B·K (G query heads
 head), bias/mask [Bb, Kb, Gb, Tb, Sb]. A tile flattens (G, bq) into rows, so scores are one
 batched [G·bq, H] × [H, bk] matmul whose output needs no relayout. The kernels run on
 ``heads_in_chunk`` of the X rows at a time (a chunk). Shared by the pointwise kernels
-(:mod:`attnx.core.blocked`), the whole-row ones (:mod:`attnx.core.blocked_rows`) and the
-ring's steps.
+(:mod:`attnx.core.kernels.xla.pointwise`), the whole-row ones (:mod:`attnx.core.kernels.xla.rows`)
+and the ring's steps.
 """
 
 from __future__ import annotations

@@ -17,11 +17,11 @@ and the per-row carries are updated in place). Saved: the output, one to three r
 and for entmax Σu·v/Σu — O(T·H) memory.
 
 SSMax on full rows without a bias, in float32 or float64, is softmax of (c_i·q_i)·k and runs in the
-pointwise kernel of :mod:`attnx.core.blocked` (:func:`_ssmax_as_softmax`); causal, with a bias
-or with 16-bit inputs, here.
+pointwise kernel of :mod:`attnx.core.kernels.xla.pointwise` (:func:`_ssmax_as_softmax`); causal,
+with a bias or with 16-bit inputs, here.
 
-Layout, masks, padding and chunks of heads are those of :mod:`attnx.core.blocked`; the tiles
-are chosen per family (:func:`causal_block_sizes`, measured).
+Layout, masks, padding and chunks of heads are those of :mod:`attnx.core.kernels.xla.pointwise`; the
+tiles are chosen per family (:func:`causal_block_sizes`, measured).
 """
 
 from __future__ import annotations
@@ -34,10 +34,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from attnx.core import blocked as bl
 from attnx.core import streaming as st
 from attnx.core.contract import compute_dtype, finite, nonfinite_inputs
 from attnx.core.kernels import common
+from attnx.core.kernels.xla import pointwise as bl
 from attnx.core.kernels.xla import tiling as tl
 from attnx.core.weightings import RowNormalizer, get_weighting
 
@@ -389,9 +389,9 @@ def raw_block_state(q: Array, k: Array, v: Array, bias: Array | None, mask: Arra
   out [X, G, t, ...], for :func:`attnx.core.streaming.merge` with other key blocks of the same
   rows and one :func:`attnx.core.streaming.finalize`.
 
-  Kernel layout as :func:`attnx.core.blocked.raw_block_state`; ``cfg`` from
-  :func:`attnx.core.blocked.block_config` with ``whole_chunk=True`` (one chunk of heads);
-  ``row_scales`` SSMax's c_i = s·log n_i [X, G, t] with n_i the row's count over the whole
+  Kernel layout as :func:`attnx.core.kernels.xla.pointwise.raw_block_state`; ``cfg`` from
+  :func:`attnx.core.kernels.xla.pointwise.block_config` with ``whole_chunk=True`` (one chunk of
+  heads); ``row_scales`` SSMax's c_i = s·log n_i [X, G, t] with n_i the row's count over the whole
   problem. Not for sparsemax/entmax: their threshold needs every key of the row first.
   """
   rs = cfg.w.stream
@@ -502,7 +502,8 @@ def _ssmax_row_scales(q, k, bias, mask, rs: st.RowStream, is_causal: bool, ssmax
 
 def _ssmax_as_softmax(q, k, v, mask, weighting, scale, block_q, block_k, ssmax_s) -> Array:
   """SSMax without a bias, in float32 or float64: softmax of (c_i·q_i)·k, the pointwise kernel
-  (:func:`attnx.core.blocked.blocked_attention`) on the rows of q scaled by c_i = s·log n_i.
+  (:func:`attnx.core.kernels.xla.pointwise.blocked_attention`) on the rows of q scaled by c_i =
+  s·log n_i.
 
   Taken for full (non-causal) rows, where it is as fast as softmax and the row kernel 1.18×
   (2-core Xeon, fwd+bwd, 1×4096×4×64, side by side). Causal rows stay in the row kernel:
@@ -531,8 +532,8 @@ def _block_k(family: str, s: int) -> int:
 def causal_block_sizes(family: str, t: int, s: int, group: int = 1) -> tuple[int, int]:
   """Default causal (block_q, block_k) of a streaming family for T queries, S keys and
   ``group`` query heads per kv head (see :data:`CAUSAL_BLOCK_Q`): capped at the (8-aligned)
-  lengths and, like the pointwise kernel's, at :data:`attnx.core.blocked.TILE_BUDGET` scores
-  per tile."""
+  lengths and, like the pointwise kernel's, at :data:`attnx.core.kernels.xla.pointwise.TILE_BUDGET`
+  scores per tile."""
   bk = _block_k(family, s)
   bq = (STICK_SHORT_BLOCK_Q if family == "stick_breaking" and t < STICK_SHORT_T
         else CAUSAL_BLOCK_Q)

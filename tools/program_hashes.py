@@ -14,11 +14,11 @@ hashing so that what a behaviour-free move may change does not count: function s
 renumbered in order of appearance (a renamed private helper is the same program) and source
 locations are dropped (programs are lowered with no traceback frames in their locations, since
 the Pallas kernels' serialized IR embeds file:line locations that no text substitution can
-reach: a line moved in a kernel's file would change its hash). Anything else that differs — an operation, a shape, a constant, the
-order of operations, a kernel's serialized IR — is reported. ``--compare`` exits 1 when any
-hash differs or a case is missing, and lists them. Compare runs made with the same JAX and the
-same installed plugins (the ``aot`` extra's CUDA plugin takes part in lowering for ``cuda``);
-two runs of the same code give the same hashes.
+reach: a line moved in a kernel's file would change its hash). Anything else that differs — an
+operation, a shape, a constant, the order of operations, a kernel's serialized IR — is reported.
+``--compare`` exits 1 when any hash differs or a case is missing, and lists them. Compare runs
+made with the same JAX and the same installed plugins (the ``aot`` extra's CUDA plugin takes
+part in lowering for ``cuda``); two runs of the same code give the same hashes.
 
 The corpus covers what the kernels branch on: every implementation (dense, blocked, Pallas in
 the interpreter, Pallas lowered for each chip), one weighting per streaming family and

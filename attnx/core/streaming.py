@@ -207,6 +207,34 @@ class RowStream:
     """Whether the backward needs Σu·v/Σu ([rows, Hv]) besides the output (entmax)."""
     return self.family == "entmax"
 
+  @property
+  def suffix_carries(self) -> bool:
+    """Whether the backward of a key tile (or of a ring block) needs the grad carries of the
+    keys after it (stick-breaking: the stick L they leave and their Σ A·dP), so that a kernel
+    whose dQ and dK/dV passes are apart saves them per key tile."""
+    return self.family == "stick_breaking"
+
+  @property
+  def output_is_state(self) -> bool:
+    """Whether :func:`finalize` returns the raw state as it is (stick-breaking: (Σ A·v, L)),
+    so that a block's output and statistic are its raw state."""
+    return self.family == "stick_breaking"
+
+  @property
+  def max_start(self) -> float | None:
+    """The running max m of a :class:`MaxState` that has seen no key: −∞ (SSMax), or 0 where
+    m never drops below 0 (softpick: keeps e^{−m} ≤ 1); None for the other families."""
+    return {"ssmax": -float("inf"), "softpick": 0.0}.get(self.family)
+
+  @property
+  def block_stream(self) -> RowStream:
+    """The stream of one key block whose state is merged with others (ring attention): this
+    one without the terms that belong to the whole row (softpick's ε), which :func:`finalize`
+    adds once after the merge."""
+    if self.family == "softpick" and self.eps:
+      return dataclasses.replace(self, eps=0.0)
+    return self
+
 
 def pv(p: Array, v: Array) -> Array:
   """Σ_j p_ij v_j accumulated in max(float32, v's dtype); p [..., rows, keys], v [..., keys,

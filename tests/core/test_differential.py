@@ -168,7 +168,7 @@ BRANCH_CASES = (
     C(seed=74, t=160, s=160, n=2, weighting="entmax15", causal=True, structure="banded",
       mask="columns", block_q=16, block_k=128),
     # float32 above H = 64 on the GPU: dK and dV in two passes (the pointwise and the row
-    # kernels' split_dkv; the row pass then does not skip zero tiles), GQA, a bias, masks.
+    # kernels' two_pass_dkv; the row pass then does not skip zero tiles), GQA, a bias, masks.
     C(seed=75, t=90, s=70, n=4, kh=2, h=64, hv=40, weighting="gaussian", score="neg_sq_dist",
       causal=True, bias="1x1x", mask="padding", pallas="gpu", only=("dense", "pallas")),
     C(seed=76, t=70, s=90, n=2, h=130, hv=130, weighting="entmax15", mask="columns",

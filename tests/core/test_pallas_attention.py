@@ -8,6 +8,7 @@ exhaustive sweep (every pointwise weighting × both backends) is marked `exhaust
 default; run it with `-m exhaustive`).
 """
 
+import dataclasses
 import functools
 import logging
 import re
@@ -291,17 +292,17 @@ def test_block_size_rules():
   assert pa.default_block_sizes("gpu", 20, 40, jnp.float32, head_dim=256,
                                 family="entmax") == pa.BlockSizes(32, 32, 32, 16, 16, 16)
   # dK and dV in two passes where the fused one spilled: float32 above H = 64 only.
-  assert [hp for hp in (64, 80, 128, 144, 256) if pallas_tiles.gpu_tiles(hp, None, jnp.float32)[
-      "split_dkv"]] == [80, 128, 144, 256]
-  assert not any(pallas_tiles.gpu_tiles(hp, f, jnp.bfloat16)["split_dkv"] for hp in (64, 128, 256)
-                 for f in (None, "entmax", "stick_breaking"))
+  assert [hp for hp in (64, 80, 128, 144, 256)
+          if pallas_tiles.gpu_tiles(hp, None, jnp.float32).dkv.two_pass_dkv] == [80, 128, 144, 256]
+  assert not any(pallas_tiles.gpu_tiles(hp, f, jnp.bfloat16).dkv.two_pass_dkv
+                 for hp in (64, 128, 256) for f in (None, "entmax", "stick_breaking"))
   assert gpu(block_q=32, block_k=128, head_dim=256) == pa.BlockSizes(32, 128, 32, 128, 32, 128)
   for wide in (jnp.bfloat16, jnp.float32):  # every tier and family: warps of 4 or 8, tiles ≥ 16
     for hp in (16, 64, 80, 128, 144, 256):
       for family in (None, "entmax", "softpick", "ssmax", "stick_breaking"):
         t = pallas_tiles.gpu_tiles(hp, family, wide)
-        assert {t[w] for w in ("num_warps", "num_warps_dq", "num_warps_bwd")} <= {4, 8}
-        pa.check_block_sizes("gpu", **{n: v for n, v in t.items() if n.startswith("block")})
+        assert {kernel.warps for kernel in t} <= {4, 8}
+        pa.check_block_sizes("gpu", **dataclasses.asdict(t.block_sizes()))
   with pytest.raises(ValueError, match="power-of-2"):
     pa.pallas_attention(jnp.zeros((1, 8, 1, 8)), jnp.zeros((1, 8, 1, 8)),
                         jnp.zeros((1, 8, 1, 8)), weighting=wlib.get_weighting("relu"),
@@ -309,7 +310,7 @@ def test_block_size_rules():
 
 
 @pytest.mark.parametrize("name", ["softmax", "entmax15", "stick_breaking"])
-def test_split_dkv_passes_match_the_fused_pass(monkeypatch, name):
+def test_two_pass_dkv_matches_the_fused_pass(monkeypatch, name):
   # The two passes (dK, then dV without V or dP) give the fused pass's dK and dV bit for bit,
   # pointwise and whole-row (sparsemax/entmax skip zero tiles in the fused pass only; stick-
   # breaking reads its carries in both); the names say which kernels ran.
@@ -320,7 +321,8 @@ def test_split_dkv_passes_match_the_fused_pass(monkeypatch, name):
   tiles = pallas_tiles.gpu_tiles
 
   def grads(split: bool):
-    monkeypatch.setattr(pallas_tiles, "gpu_tiles", lambda *a: {**tiles(*a), "split_dkv": split})
+    monkeypatch.setattr(pallas_tiles, "gpu_tiles", lambda *a: tiles(*a)._replace(
+        dkv=tiles(*a).dkv._replace(two_pass_dkv=split)))
     loss = lambda q, k, v: jnp.sum(jnp.square(pa.pallas_attention(
         q, k, v, weighting=w, scale=0.3, is_causal=True, block_q=16, block_k=16, backend="gpu",
         interpret=True)))

@@ -428,7 +428,7 @@ def test_every_kernel_leaves_out_the_tiles_the_zero_test_names(backend):
 
 
 @pytest.mark.parametrize("backend", pa.BACKENDS)
-def test_wide_float32_heads_skip_except_in_the_gpus_split_dkv_passes(backend):
+def test_wide_float32_heads_skip_except_in_the_gpus_two_pass_dkv(backend):
   # float32 at a head size of 72 (padded 80): the GPU runs dK and dV as two passes, which
   # do not skip (the branch spilled registers there); the TPU keeps its one dK/dV kernel,
   # which does. A zero test that names every tile shows who asks it.

@@ -15,7 +15,7 @@ def expected_kernels(platform: str, dtype: str, h: int, hv: int | None,
   """Kernel names (without ``attnx_pallas_[rows_]``) of a fwd+bwd program: forward, dQ, and
   dK/dV — as two passes, dK and dV, where the GPU table splits them (float32 above H = 64)."""
   padded = -(-max(h, hv or h) // pa.GPU_MIN_BLOCK) * pa.GPU_MIN_BLOCK
-  split = platform == "cuda" and pa.gpu_tiles(padded, family, jnp.dtype(dtype))["split_dkv"]
+  split = platform == "cuda" and pa.gpu_tiles(padded, family, jnp.dtype(dtype)).dkv.two_pass_dkv
   return {"fwd", "dq"} | ({"dk", "dv"} if split else {"dkv"})
 
 

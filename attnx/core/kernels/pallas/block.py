@@ -69,9 +69,8 @@ from attnx.core.weightings import Pointwise, get_weighting
 Array = jax.Array
 F32 = jnp.float32
 LN2 = math.log(2.0)
-FAMILIES = ("pointwise", "ssmax", "softpick", "stick_breaking")
 
-__all__ = ["FAMILIES", "block_grads", "raw_block_state", "raw_row_block_state",
+__all__ = ["block_grads", "raw_block_state", "raw_row_block_state",
            "row_block_grads", "supported"]
 
 
@@ -94,7 +93,7 @@ def supported(weighting: Any, backend: str) -> str | None:
   if rs is None:
     return (f"weighting {w.name!r} normalizes whole rows and has no streaming form, so it has "
             "no ring step")
-  if rs.family not in FAMILIES:
+  if rs.needs_threshold:
     return (f"weighting {w.name!r} ({rs.family}) has no ring step: its threshold τ_i needs "
             "every key of the row before the first weight")
   return None
@@ -294,11 +293,10 @@ def _row_weighting(w: Any) -> Any:
   """The weighting the block's kernels run: softpick without ε (the row's, added once by
   :func:`attnx.core.streaming.finalize` after the merge); the others as they are."""
   rs = getattr(w, "stream", None)
-  if rs is None or rs.family not in FAMILIES:
+  if rs is None or rs.needs_threshold:
     raise ValueError(f"the Pallas ring step cannot run this: {supported(w, 'gpu')}.")
-  if rs.family == "softpick" and rs.eps:
-    return dataclasses.replace(w, stream=dataclasses.replace(rs, eps=0.0))
-  return w
+  block = rs.block_stream
+  return w if block is rs else dataclasses.replace(w, stream=block)
 
 
 def _row_forward(blk: _Block, row_scales: Array | None) -> tuple[Array, Array]:
@@ -326,15 +324,15 @@ def raw_row_block_state(q: Array, k: Array, v: Array, bias: Array | None, mask: 
     return streaming.init(rs, (x, g, t), hv)
   blk = _block(q, k, v, bias, mask, scale, cfg, kw, backend, interpret, block_q, block_k)
   o, lse = _row_forward(blk, row_scales)
-  if rs.family == "stick_breaking":  # (Σ A·v, L): the raw state itself
+  if rs.output_is_state:  # stick-breaking's (Σ A·v, L)
     return streaming.StickState(o, lse)
   empty = lse == jnp.inf  # no valid key in the block (softpick: or no weight)
   zero = jnp.zeros(lse.shape, F32)
-  if rs.family == "ssmax":  # the online max: m = lse, l = 1
+  if rs.max_start == -jnp.inf:  # an online max with no floor (SSMax): m = lse, l = 1
     return streaming.MaxState(jnp.where(empty[..., None], 0.0, o), jnp.where(empty, 0.0, 1.0),
                               jnp.where(empty, -jnp.inf, lse))
-  # Softpick: e^{lse} = Σ|eᶻ − 1| (ε = 0); m ≥ 0 as the running max keeps it, l = e^{lse − m}.
-  m = jnp.where(empty, 0.0, jnp.maximum(lse, 0.0))
+  # m never below its start (softpick: e^{lse} = Σ|eᶻ − 1|, ε = 0, m ≥ 0); l = e^{lse − m}.
+  m = jnp.where(empty, rs.max_start, jnp.maximum(lse, rs.max_start))
   l = jnp.where(empty, zero, jnp.exp(lse - m))
   return streaming.MaxState(o * l[..., None], l, m)
 
@@ -357,7 +355,8 @@ def row_block_grads(q: Array, k: Array, v: Array, bias: Array | None, mask: Arra
   do32 = do.astype(F32)
   delta = jnp.sum(do32 * out.astype(F32), axis=-1)
   carry_a, carry_b = carry0
-  if rs.family == "stick_breaking":
+  carries = (carry_a, carry_b)  # softpick's: nothing to add
+  if rs.suffix_carries:  # stick-breaking
     # The block's weights are its own (an empty stick) times e^{L₀}: dO·e^{L₀} makes each
     # A·dP the global one, and δ less the later keys' Σ A·dP is what the block's keys share.
     rest = jnp.exp(carry_a)
@@ -371,9 +370,7 @@ def row_block_grads(q: Array, k: Array, v: Array, bias: Array | None, mask: Arra
   dq, dk, dv, ds, dc = wrapper.row_backward(blk.cfg, blk.q, blk.k, blk.v, blk.bias, blk.mask,
                                             blk.q_len, blk.kv_len, do_k.astype(blk.q.dtype),
                                             rows, rowc, want_ds=bias is not None)
-  if rs.family == "ssmax":
+  if rs.needs_row_scale:  # SSMax: dc, the cotangent of the row scale
     carries = (carry_a + _xgt(dc, blk), carry_b)
-  elif rs.family == "softpick":
-    carries = (carry_a, carry_b)
   dq, dk, dv, dbias, dscale = _scaled_grads(dq, dk, dv, ds, q, bias, scale, blk)
   return dq, dk, dv, dbias, carries, dscale

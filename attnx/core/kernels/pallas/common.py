@@ -72,7 +72,7 @@ class KernelConfig:
   num_stages: int = 2
   num_stages_bwd: int = 2
   # GPU: dK and dV in two passes of one accumulator each (their registers, at wide heads).
-  split_dkv: bool = False
+  two_pass_dkv: bool = False
   # Sparsemax/entmax: skip the work of key tiles whose every weight is zero (:mod:`.rows`).
   skip_zero_tiles: bool = True
 

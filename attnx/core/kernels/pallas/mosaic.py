@@ -159,7 +159,8 @@ def _forward(cfg: KernelConfig, q, k, v, bias, mask, q_len, kv_len, out_dtype):
           scratch_shapes=scratch),
       out_shape=[jax.ShapeDtypeStruct((b, n, tp, hv), out_dtype),
                  jax.ShapeDtypeStruct((b, n, tp, LANES), jnp.float32)],
-      compiler_params=_params(3, 1), interpret=cfg.interpret, name="attnx_pallas_fwd",
+      compiler_params=_params(n_parallel=3, n_arbitrary=1), interpret=cfg.interpret,
+      name="attnx_pallas_fwd",
   )(q_len, kv_len, *[x for x in (q, k, v, bias, mask) if x is not None])
   return o, st[..., 0]
 
@@ -281,7 +282,8 @@ def _backward(cfg: KernelConfig, q, k, v, bias, mask, q_len, kv_len, do, rows, w
       grid_spec=pltpu.PrefetchScalarGridSpec(
           num_scalar_prefetch=2, grid=(b, n, tp // bq, sp // bk), in_specs=in_specs,
           out_specs=out_specs, scratch_shapes=[pltpu.VMEM((bq, h), jnp.float32)]),
-      out_shape=out_shape, compiler_params=_params(3, 1), interpret=cfg.interpret,
+      out_shape=out_shape, compiler_params=_params(n_parallel=3, n_arbitrary=1),
+      interpret=cfg.interpret,
       name="attnx_pallas_dq")(q_len, kv_len, *args)
   dq, ds = res[0], (res[1] if want_ds else None)
 
@@ -314,7 +316,8 @@ def _backward(cfg: KernelConfig, q, k, v, bias, mask, q_len, kv_len, do, rows, w
                      pl.BlockSpec((None, None, bk, hv), kv_map2)],
           scratch_shapes=[pltpu.VMEM((bk, h), jnp.float32), pltpu.VMEM((bk, hv), jnp.float32)]),
       out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
-      compiler_params=_params(3, 2), interpret=cfg.interpret, name="attnx_pallas_dkv",
+      compiler_params=_params(n_parallel=3, n_arbitrary=2), interpret=cfg.interpret,
+      name="attnx_pallas_dkv",
   )(q_len, kv_len, *args)
   return dq, dk, dv, ds
 

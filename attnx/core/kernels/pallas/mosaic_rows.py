@@ -131,7 +131,7 @@ def _forward(cfg, q, k, v, rowc, bias, mask, q_len, kv_len, out_dtype):
               pl.BlockSpec((None, None, sp, hv), kvmap)]
   in_specs += [lanes] if rowc is not None else []
   for x in (bias, mask):
-    in_specs += _bias_spec(x, bq, sp, None, lambda bb, hh, i, *_: (bb, hh, i, 0))
+    in_specs += _bias_spec(x, bq, sp, lead=None, index=lambda bb, hh, i, *_: (bb, hh, i, 0))
   orow = pl.BlockSpec((None, None, bq, hv), rowmap)
   out_specs = [orow] + [lanes] * rs.num_stats
   out_shape = [jax.ShapeDtypeStruct((b, n, tp, hv), out_dtype)] + [
@@ -147,7 +147,8 @@ def _forward(cfg, q, k, v, rowc, bias, mask, q_len, kv_len, out_dtype):
       grid_spec=pltpu.PrefetchScalarGridSpec(
           num_scalar_prefetch=2, grid=(b, n, tp // bq), in_specs=in_specs, out_specs=out_specs),
       out_shape=out_shape,
-      compiler_params=_params(cfg, 3, vmem_bytes(cfg, q.dtype, h, hv, bias, mask)),
+      compiler_params=_params(cfg, n_parallel=3,
+                              vmem=vmem_bytes(cfg, q.dtype, h, hv, bias, mask)),
       interpret=cfg.interpret, name="attnx_pallas_rows_fwd")(q_len, kv_len, *args)
   o, stats = res[0], tuple(x[..., 0] for x in res[1:1 + rs.num_stats])
   return o, stats, (res[-1] if rs.saves_support_mean else None)
@@ -237,7 +238,7 @@ def _backward(cfg, q, k, v, bias, mask, q_len, kv_len, do, rows, rowc, want_ds):
   hv = v.shape[-1]
   g = cfg.g
   rs = cfg.w.stream
-  stick = rs.family == "stick_breaking"
+  saves_carries = rs.suffix_carries  # stick-breaking
   has = dict(has_bias=bias is not None, has_mask=mask is not None)
   rows = [mosaic.to_lanes_all(x) for x in list(rows) + ([rowc] if rowc is not None else [])]
   ncols = num_key_tiles(cfg)
@@ -253,7 +254,7 @@ def _backward(cfg, q, k, v, bias, mask, q_len, kv_len, do, rows, rowc, want_ds):
               pl.BlockSpec((None, None, bq, hv), rowmap)]
   in_specs += [lanes] * len(rows)
   for x in (bias, mask):
-    in_specs += _bias_spec(x, bq, sp, None, lambda bb, hh, i, *_: (bb, hh, i, 0))
+    in_specs += _bias_spec(x, bq, sp, lead=None, index=lambda bb, hh, i, *_: (bb, hh, i, 0))
   out_specs = [pl.BlockSpec((None, None, bq, h), rowmap)]
   out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
   if want_ds:
@@ -262,7 +263,7 @@ def _backward(cfg, q, k, v, bias, mask, q_len, kv_len, do, rows, rowc, want_ds):
   if rs.needs_row_scale:
     out_specs.append(lanes)
     out_shape.append(jax.ShapeDtypeStruct((b, n, tp, LANES), F32))
-  if stick:
+  if saves_carries:
     out_specs += [pl.BlockSpec((None, None, bq, ncols), rowmap)] * 2
     out_shape += [jax.ShapeDtypeStruct((b, n, tp, ncols), F32)] * 2
   args = [q, k, v, do, *rows] + [x for x in (bias, mask) if x is not None]
@@ -270,12 +271,13 @@ def _backward(cfg, q, k, v, bias, mask, q_len, kv_len, do, rows, rowc, want_ds):
       functools.partial(_dq_kernel, cfg=cfg, want_ds=want_ds, **has),
       grid_spec=pltpu.PrefetchScalarGridSpec(
           num_scalar_prefetch=2, grid=(b, n, tp // bq), in_specs=in_specs, out_specs=out_specs),
-      out_shape=out_shape, compiler_params=_params(cfg, 3, vmem), interpret=cfg.interpret,
+      out_shape=out_shape, compiler_params=_params(cfg, n_parallel=3, vmem=vmem),
+      interpret=cfg.interpret,
       name="attnx_pallas_rows_dq")(q_len, kv_len, *args))
   dq = res.pop(0)
   ds = res.pop(0) if want_ds else None
   dc = res.pop(0)[..., 0] if rs.needs_row_scale else None
-  carries = res if stick else []
+  carries = res if saves_carries else []
 
   # dK, dV: grid (B, K, key tiles); the G query heads and the query tiles in-kernel.
   bk = cfg.bk_dkv
@@ -286,7 +288,7 @@ def _backward(cfg, q, k, v, bias, mask, q_len, kv_len, do, rows, rowc, want_ds):
               pl.BlockSpec((None, g, tp, hv), headmap)]
   in_specs += [pl.BlockSpec((None, g, tp, LANES), headmap)] * len(rows)
   for x in (bias, mask):
-    in_specs += _bias_spec(x, tp, bk, g, lambda bb, hh, j, *_: (bb, hh, 0, j))
+    in_specs += _bias_spec(x, tp, bk, lead=g, index=lambda bb, hh, j, *_: (bb, hh, 0, j))
   in_specs += [pl.BlockSpec((None, g, tp, ncols), headmap)] * len(carries)
   args = [q, k, v, do, *rows] + [x for x in (bias, mask) if x is not None] + carries
   dk, dv = pl.pallas_call(
@@ -296,7 +298,7 @@ def _backward(cfg, q, k, v, bias, mask, q_len, kv_len, do, rows, rowc, want_ds):
           out_specs=[pl.BlockSpec((None, None, bk, h), kvmap2),
                      pl.BlockSpec((None, None, bk, hv), kvmap2)]),
       out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
-      compiler_params=_params(cfg, 3, vmem), interpret=cfg.interpret,
+      compiler_params=_params(cfg, n_parallel=3, vmem=vmem), interpret=cfg.interpret,
       name="attnx_pallas_rows_dkv")(q_len, kv_len, *args)
   return dq, dk, dv, ds, dc
 

@@ -193,7 +193,7 @@ def dq_rows(cfg, ops, tile, qs, load_v, dos, hi, stats, delta, rowc, ds_store, c
     j = hi - 1 - r if rs.reverse else r
     c0 = j * bk
     z, valid, ks = tile(j)
-    if rs.family == "stick_breaking":
+    if rs.suffix_carries:  # the carries of the keys after tile j, for the dK/dV pass
       carry_store(j, ca, cb)
 
     def grad(dq):
@@ -236,7 +236,7 @@ def dkv_step(cfg, ops, dkv, j, i, qs, dos, ks, vs, bias_t, mask_t, q_len, kv_len
 
   # The split passes (GPU, wide heads) do not skip: the branch's merge of the accumulator
   # spilled registers (entmax dK at float32 H = 256: 3 KB) where the pass without it did not.
-  if not _skips(cfg) or cfg.split_dkv:
+  if not _skips(cfg) or cfg.two_pass_dkv:
     return grad(dkv)
   return lax.cond(_zero_grad_tile(cfg, ops, z, valid, stats, _all_finite(dos)), lambda c: c, grad,
                   dkv)
@@ -276,17 +276,17 @@ def dq_names(cfg, has_bias, has_mask, want_ds, lens_first: bool):
   ins = [("q", True), ("k", True), ("v", True), ("do", True)] + _bwd_rows_in(cfg) + [
       ("bias", has_bias), ("mask", has_mask)]
   lens = [("qlen", True), ("kvlen", True)]
-  stick = rs.family == "stick_breaking"
-  outs = [("dq", True), ("ds", want_ds), ("dc", rs.needs_row_scale), ("ca", stick),
-          ("cb", stick)]
+  carries = rs.suffix_carries
+  outs = [("dq", True), ("ds", want_ds), ("dc", rs.needs_row_scale), ("ca", carries),
+          ("cb", carries)]
   return (lens + ins if lens_first else ins + lens) + outs
 
 
 def dkv_names(cfg, has_bias, has_mask, lens_first: bool, want_dk: bool = True,
                want_dv: bool = True):
-  stick = cfg.w.stream.family == "stick_breaking"
+  carries = cfg.w.stream.suffix_carries
   ins = [("q", True), ("k", True), ("v", True), ("do", True)] + _bwd_rows_in(cfg) + [
-      ("bias", has_bias), ("mask", has_mask), ("ca", stick), ("cb", stick)]
+      ("bias", has_bias), ("mask", has_mask), ("ca", carries), ("cb", carries)]
   lens = [("qlen", True), ("kvlen", True)]
   return (lens + ins if lens_first else ins + lens) + [("dk", want_dk), ("dv", want_dv)]
 

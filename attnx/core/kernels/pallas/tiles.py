@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -31,8 +31,9 @@ TPU_SUBLANES = 8
 TPU_LANES = 128
 
 __all__ = ["BACKENDS", "GPU_MAX_HEAD_DIM", "GPU_MIN_BLOCK", "TPU_LANES", "TPU_SUBLANES",
-           "BlockSizes", "backend_for_platform", "check_block_sizes", "default_block_sizes",
-           "gpu_tiles", "kernel_tiles", "pow2", "q_align", "resolve_backend", "supported"]
+           "BlockSizes", "GpuTier", "GpuTile", "GpuTiles", "backend_for_platform",
+           "check_block_sizes", "default_block_sizes", "gpu_tiles", "kernel_tiles", "pow2",
+           "q_align", "resolve_backend", "supported"]
 
 
 def resolve_backend(backend: str | None = None, interpret: bool = False) -> str:
@@ -113,58 +114,91 @@ class BlockSizes:
   block_k_dkv: int
 
 
-# Defaults. GPU tiles and warps per kernel (queries × keys, warps), by dtype width and padded
-# head size, with overrides per streaming family: the first entry of a small grid of
-# candidates that compiled with 0 spill bytes for an H100 *and* an A100 (ptxas at XLA's
-# production settings; experiments/kernel_compile.py) for the F of the tier (pointwise: softmax,
-# sigmoid, power, softplus; every whole-row family), causal GQA at T = 2048. The tutorial tiles
-# of Triton's fused attention (forward 128 × 64, dQ 64 × 32, dK/dV 32 × 64, 4 warps at H ≤ 64)
-# spilled 12–1700 B in the backward of most F on one of the two chips; an A100 (no wgmma: the
-# MMA operands live in registers) binds most often. Where the fused dK/dV pass spilled at every
-# tile (float32 at H > 64: the dK and dV accumulators and the K, V tiles in registers), dK and
-# dV run as two passes (split_dkv: scores recomputed, one accumulator each; the dV pass needs
-# neither V nor dP). Where no candidate was spill-free (the distance kernels' dK at H = 128;
-# stick-breaking's dK at float32 H = 256 with a bias) the table keeps the best one and
-# docs/known_limits.md gives the figures. TPU tiles as in JAX's splash attention (bigger tiles
-# amortize the ~0.35 µs per-grid-step overhead); none of them overflows VMEM on a v5e or v6e.
-# kernel -> (block_q, block_k, num_warps); dK/dV may add a 4th entry, True: split_dkv (dK and
-# dV in two passes of one accumulator each, where the fused pass spilled at every tile tried).
-_GpuTier = dict[str, tuple[int, ...]]
+class GpuTile(NamedTuple):
+  """One GPU kernel's launch: a ``block_q`` × ``block_k`` tile on ``warps`` warps."""
+
+  block_q: int
+  block_k: int
+  warps: int
+  # dK/dV only: dK and dV in two passes of one accumulator each (the scores computed twice; the
+  # dV pass needs neither V nor dP), where the fused pass spilled registers at every tile tried.
+  two_pass_dkv: bool = False
 
 
-# (float32?, largest padded head size) -> tiles, tried in order. The distance kernels run their
-# dot form (H + 2 columns) in float32: H = 64 and 128 land in the float32 tiers of 80 and 160.
-_GPU_TIERS: tuple[tuple[bool, int, _GpuTier], ...] = (
-    (False, 64, dict(fwd=(128, 64, 8), dq=(64, 16, 8), dkv=(16, 32, 4))),
-    (False, 128, dict(fwd=(128, 32, 8), dq=(64, 16, 8), dkv=(32, 64, 8))),
-    (False, 256, dict(fwd=(64, 64, 8), dq=(64, 16, 8), dkv=(16, 64, 8))),
-    (True, 64, dict(fwd=(128, 32, 8), dq=(64, 16, 8), dkv=(16, 32, 4))),
-    (True, 80, dict(fwd=(32, 64, 4), dq=(64, 16, 8), dkv=(16, 16, 8, True))),
-    (True, 128, dict(fwd=(32, 32, 8), dq=(64, 16, 8), dkv=(16, 64, 8, True))),
-    (True, 160, dict(fwd=(32, 32, 8), dq=(64, 16, 8), dkv=(16, 64, 8, True))),
-    (True, 256, dict(fwd=(32, 32, 8), dq=(16, 16, 8), dkv=(16, 16, 8, True))),
+class GpuTiles(NamedTuple):
+  """The launches of the three GPU kernels: forward, dQ and dK/dV."""
+
+  fwd: GpuTile
+  dq: GpuTile
+  dkv: GpuTile
+
+  def block_sizes(self) -> BlockSizes:
+    return BlockSizes(block_q=self.fwd.block_q, block_k=self.fwd.block_k,
+                      block_q_dq=self.dq.block_q, block_k_dq=self.dq.block_k,
+                      block_q_dkv=self.dkv.block_q, block_k_dkv=self.dkv.block_k)
+
+
+class GpuTier(NamedTuple):
+  """A row of the GPU tile table: the tiles of one dtype width up to a padded head size."""
+
+  float32: bool  # 32-bit dtypes (else 16-bit)
+  max_head_dim: int  # the largest padded head size of the tier (256: every larger one too)
+  tiles: GpuTiles
+
+
+# GPU tiles and warps per kernel, by dtype width and padded head size, with overrides per
+# streaming family: for each kernel the first of a small grid of candidates that compiled with
+# no register spills for an H100 *and* an A100 (ptxas at XLA's production settings;
+# experiments/kernel_compile.py) for the F of the tier (pointwise: softmax, sigmoid, power,
+# softplus; every whole-row family), causal GQA at T = 2048: Triton's tutorial tiles spilled
+# (docs/guides/pallas.md). Where the fused dK/dV pass spilled at every tile (float32 at H > 64:
+# the dK and dV accumulators and the K, V tiles in registers), dK and dV run as two passes
+# (GpuTile.two_pass_dkv). Where no candidate was spill-free (the distance kernels' dK at
+# H = 128; stick-breaking's dK at float32 H = 256 with a bias) the table keeps the best one
+# (docs/known_limits.md). Tiers are tried in order. The distance kernels run their dot form
+# (H + 2 columns) in float32: H = 64 and 128 land in the float32 tiers of 80 and 160.
+_GPU_TIERS: tuple[GpuTier, ...] = (
+    GpuTier(False, 64, GpuTiles(fwd=GpuTile(128, 64, 8), dq=GpuTile(64, 16, 8),
+                                dkv=GpuTile(16, 32, 4))),
+    GpuTier(False, 128, GpuTiles(fwd=GpuTile(128, 32, 8), dq=GpuTile(64, 16, 8),
+                                 dkv=GpuTile(32, 64, 8))),
+    GpuTier(False, 256, GpuTiles(fwd=GpuTile(64, 64, 8), dq=GpuTile(64, 16, 8),
+                                 dkv=GpuTile(16, 64, 8))),
+    GpuTier(True, 64, GpuTiles(fwd=GpuTile(128, 32, 8), dq=GpuTile(64, 16, 8),
+                               dkv=GpuTile(16, 32, 4))),
+    GpuTier(True, 80, GpuTiles(fwd=GpuTile(32, 64, 4), dq=GpuTile(64, 16, 8),
+                               dkv=GpuTile(16, 16, 8, two_pass_dkv=True))),
+    GpuTier(True, 128, GpuTiles(fwd=GpuTile(32, 32, 8), dq=GpuTile(64, 16, 8),
+                                dkv=GpuTile(16, 64, 8, two_pass_dkv=True))),
+    GpuTier(True, 160, GpuTiles(fwd=GpuTile(32, 32, 8), dq=GpuTile(64, 16, 8),
+                                dkv=GpuTile(16, 64, 8, two_pass_dkv=True))),
+    GpuTier(True, 256, GpuTiles(fwd=GpuTile(32, 32, 8), dq=GpuTile(16, 16, 8),
+                                dkv=GpuTile(16, 16, 8, two_pass_dkv=True))),
 )
-
-
-# Per family, per tier (same keys): the kernels whose tiles differ. Stick-breaking's dQ keeps
-# 32 query rows on 4 warps (its carries; its key tile is the dK/dV kernel's).
-_GPU_FAMILY_TIERS: dict[str, dict[tuple[bool, int], _GpuTier]] = {
-    "entmax": {(False, 64): dict(fwd=(64, 64, 8)), (False, 128): dict(fwd=(32, 64, 4)),
-               (False, 256): dict(fwd=(32, 64, 8), dkv=(16, 32, 8)),
-               (True, 128): dict(fwd=(32, 64, 8), dkv=(16, 16, 8)),
-               (True, 256): dict(dq=(32, 16, 8))},
-    "softpick": {(False, 128): dict(fwd=(64, 64, 8)), (False, 256): dict(fwd=(32, 64, 8))},
+# Per family, per tier (keyed by the tier's (float32, max_head_dim)): the kernels whose tiles
+# differ (a GpuTiles field -> its tile). Stick-breaking's dQ keeps 32 query rows on 4 warps
+# (its carries; its key tile is the dK/dV kernel's).
+_GPU_FAMILY_TIERS: dict[str, dict[tuple[bool, int], dict[str, GpuTile]]] = {
+    "entmax": {(False, 64): dict(fwd=GpuTile(64, 64, 8)),
+               (False, 128): dict(fwd=GpuTile(32, 64, 4)),
+               (False, 256): dict(fwd=GpuTile(32, 64, 8), dkv=GpuTile(16, 32, 8)),
+               (True, 128): dict(fwd=GpuTile(32, 64, 8), dkv=GpuTile(16, 16, 8)),
+               (True, 256): dict(dq=GpuTile(32, 16, 8))},
+    "softpick": {(False, 128): dict(fwd=GpuTile(64, 64, 8)),
+                 (False, 256): dict(fwd=GpuTile(32, 64, 8))},
     "stick_breaking": {
-        (False, 64): dict(fwd=(128, 32, 8), dq=(32, 32, 4), dkv=(16, 32, 4)),
-        (False, 128): dict(dq=(32, 32, 4), dkv=(16, 32, 4)),
-        (False, 256): dict(fwd=(32, 64, 8), dq=(16, 16, 4), dkv=(16, 16, 8)),
-        (True, 64): dict(dq=(32, 32, 4)),
-        (True, 128): dict(fwd=(32, 64, 8), dq=(32, 16, 4), dkv=(16, 16, 8, True)),
-        (True, 256): dict(dq=(16, 16, 4)),
+        (False, 64): dict(fwd=GpuTile(128, 32, 8), dq=GpuTile(32, 32, 4),
+                          dkv=GpuTile(16, 32, 4)),
+        (False, 128): dict(dq=GpuTile(32, 32, 4), dkv=GpuTile(16, 32, 4)),
+        (False, 256): dict(fwd=GpuTile(32, 64, 8), dq=GpuTile(16, 16, 4),
+                           dkv=GpuTile(16, 16, 8)),
+        (True, 64): dict(dq=GpuTile(32, 32, 4)),
+        (True, 128): dict(fwd=GpuTile(32, 64, 8), dq=GpuTile(32, 16, 4),
+                          dkv=GpuTile(16, 16, 8, two_pass_dkv=True)),
+        (True, 256): dict(dq=GpuTile(16, 16, 4)),
     },
 }
-
-
+# TPU tiles as in JAX's splash attention (bigger tiles amortize the per-grid-step overhead).
 _TPU_DEFAULT = dict(block_q=256, block_k=512, block_q_dq=256, block_k_dq=256,
                     block_q_dkv=256, block_k_dkv=256)
 
@@ -202,19 +236,15 @@ def check_block_sizes(backend: str, dtype: Any = jnp.float32, **blocks: int | No
             f"({'sublanes of a ' + jnp.dtype(dtype).name + ' tile' if is_q else 'lanes'}).")
 
 
-def gpu_tiles(head_dim: int | None, family: str | None, dtype: Any) -> dict[str, int]:
+def gpu_tiles(head_dim: int | None, family: str | None, dtype: Any) -> GpuTiles:
   """The GPU kernels' tiles and warps for a padded head size, a dtype and a streaming family
-  (None: pointwise F): :class:`BlockSizes` fields plus ``num_warps`` (forward), ``num_warps_dq``
-  and ``num_warps_bwd`` (dK/dV), from :data:`_GPU_TIERS` and :data:`_GPU_FAMILY_TIERS`."""
+  (None: pointwise F), from :data:`_GPU_TIERS` and :data:`_GPU_FAMILY_TIERS`."""
   wide = jnp.dtype(dtype).itemsize > 2
   hp = head_dim or 0
-  key, tier = next(((w, h), t) for w, h, t in _GPU_TIERS if w == wide and (hp <= h or h == 256))
-  tier = {**tier, **_GPU_FAMILY_TIERS.get(family or "", {}).get(key, {})}
-  (bq, bk, w), (bq_dq, bk_dq, w_dq) = tier["fwd"], tier["dq"]
-  bq_dkv, bk_dkv, w_dkv, *split = tier["dkv"]
-  return dict(block_q=bq, block_k=bk, block_q_dq=bq_dq, block_k_dq=bk_dq, block_q_dkv=bq_dkv,
-              block_k_dkv=bk_dkv, num_warps=w, num_warps_dq=w_dq, num_warps_bwd=w_dkv,
-              split_dkv=bool(split and split[0]))
+  tier = next(t for t in _GPU_TIERS
+              if t.float32 == wide and (hp <= t.max_head_dim or t.max_head_dim == 256))
+  family_tiles = _GPU_FAMILY_TIERS.get(family or "", {})
+  return tier.tiles._replace(**family_tiles.get((tier.float32, tier.max_head_dim), {}))
 
 
 def default_block_sizes(backend: str, t: int, s: int, dtype: Any = jnp.float32,
@@ -233,8 +263,7 @@ def default_block_sizes(backend: str, t: int, s: int, dtype: Any = jnp.float32,
   check_block_sizes(be, dtype, block_q=block_q, block_k=block_k)
   sizes = dict(_TPU_DEFAULT)
   if be == "gpu":
-    sizes = {n: v for n, v in gpu_tiles(head_dim, family, dtype).items()
-             if n.startswith("block_")}
+    sizes = dataclasses.asdict(gpu_tiles(head_dim, family, dtype).block_sizes())
   for name in sizes:
     given = block_q if name.startswith("block_q") else block_k
     if given is not None:
@@ -248,18 +277,18 @@ def default_block_sizes(backend: str, t: int, s: int, dtype: Any = jnp.float32,
 
 
 def kernel_tiles(be: str, weighting: Any, t: int, s: int, h: int, hv: int, dtype: Any,
-           block_q: int | None, block_k: int | None) -> tuple[BlockSizes, dict[str, Any]]:
-  """The tiles (:func:`default_block_sizes`, checked) and the GPU's launch parameters (warps,
-  dK/dV as two passes; none on the TPU) of a T × S problem of head sizes H, Hv."""
+                 block_q: int | None, block_k: int | None) -> tuple[BlockSizes, GpuTiles | None]:
+  """The tiles (:func:`default_block_sizes`, checked) and, on the GPU, the kernels' launches
+  (:func:`gpu_tiles`: warps, dK/dV as two passes; None on the TPU) of a T × S problem of head
+  sizes H, Hv."""
   rows = not isinstance(weighting, Pointwise)
   # The GPU's padded head size (a multiple of 16) picks its tiles.
   family = weighting.stream.family if rows else None
   blocks = default_block_sizes(be, t, s, dtype, block_q, block_k,
                                head_dim=round_up(max(h, hv), GPU_MIN_BLOCK), family=family)
-  launch = {} if be != "gpu" else {
-      n: v for n, v in gpu_tiles(round_up(max(h, hv), GPU_MIN_BLOCK), family,
-                                  dtype).items() if not n.startswith("block_")}
-  if rows and weighting.stream.reverse:
+  launch = (gpu_tiles(round_up(max(h, hv), GPU_MIN_BLOCK), family, dtype) if be == "gpu"
+            else None)
+  if rows and weighting.stream.suffix_carries:
     # Stick-breaking's dQ pass saves its carries at the dK/dV pass's key tiles.
     blocks = dataclasses.replace(blocks, block_k_dq=blocks.block_k_dkv)
   return blocks, launch

@@ -9,7 +9,7 @@ Exact Attention with IO-Awareness"):
   cross-program accumulators); writes O and one row statistic (log2-sum-exp for online-max
   weightings, the normalizer l otherwise);
 * dK/dV: one key tile per program, looping over the G query heads that share it (GQA) and over
-  query tiles; with ``cfg.split_dkv`` dK and dV in two passes (:func:`dkv_passes`);
+  query tiles; with ``cfg.two_pass_dkv`` dK and dV in two passes (:func:`dkv_passes`);
 * dQ: one query tile per program, looping over key tiles; optionally writes the score
   cotangent dS (the bias gradient before the sum over broadcast dims).
 
@@ -209,7 +209,7 @@ def _dq_kernel(*refs, cfg: KernelConfig, has_bias: bool, has_mask: bool, want_ds
 
 def _dkv_kernel(*refs, cfg: KernelConfig, has_bias: bool, has_mask: bool,
                     want_dk: bool = True, want_dv: bool = True):
-  """dK and/or dV of one key tile (``cfg.split_dkv``: one of them per pass)."""
+  """dK and/or dV of one key tile (``cfg.two_pass_dkv``: one of them per pass)."""
   it = iter(refs)
   q_ref, k_ref, v_ref, do_ref, r0_ref, r1_ref, dl_ref = (next(it) for _ in range(7))
   bias_ref = next(it) if has_bias else None
@@ -258,9 +258,9 @@ def _dkv_kernel(*refs, cfg: KernelConfig, has_bias: bool, has_mask: bool,
 
 
 def dkv_passes(kernel: Callable, cfg: KernelConfig, args: list, in_specs: list, k: Array,
-                   v: Array, params: Any, name: str, has: dict) -> tuple[Array, Array]:
+               v: Array, *, params: Any, name: str, has: dict) -> tuple[Array, Array]:
   """(dK, dV) by the GPU dK/dV ``kernel`` (keyword flags ``want_dk``/``want_dv``): one pass
-  named ``{name}_dkv``, or with ``cfg.split_dkv`` two (``{name}_dk``, ``{name}_dv``) that
+  named ``{name}_dkv``, or with ``cfg.two_pass_dkv`` two (``{name}_dk``, ``{name}_dv``) that
   each hold one accumulator, for heads whose two accumulators spill registers."""
   b, sp, kh, _ = k.shape
   bk = cfg.bk_dkv
@@ -275,10 +275,11 @@ def dkv_passes(kernel: Callable, cfg: KernelConfig, args: list, in_specs: list, 
         out_shape=[o[1] for o in outs], compiler_params=params, interpret=cfg.interpret,
         name=f"{name}_{suffix}")(*args)
 
-  if cfg.split_dkv:
-    (dk,), (dv,) = call(True, False, "dk"), call(False, True, "dv")
+  if cfg.two_pass_dkv:
+    (dk,) = call(want_dk=True, want_dv=False, suffix="dk")
+    (dv,) = call(want_dk=False, want_dv=True, suffix="dv")
     return dk, dv
-  dk, dv = call(True, True, "dkv")
+  dk, dv = call(want_dk=True, want_dv=True, suffix="dkv")
   return dk, dv
 
 
@@ -327,6 +328,6 @@ def backward(cfg: KernelConfig, q, k, v, bias, mask, q_len, kv_len, do, rows, wa
     blk = (None, 1 if shape[1] == 1 else g, 1 if shape[2] == 1 else tp, 1 if shape[3] == 1 else bk)
     in_specs.append(pl.BlockSpec(
         blk, lambda j, bb, h, shape=shape: bcast_index(shape, (bb, h, 0, j))))
-  dk, dv = dkv_passes(_dkv_kernel, cfg, args, in_specs + lens, k, v, params,
-                          "attnx_pallas", has)
+  dk, dv = dkv_passes(_dkv_kernel, cfg, args, in_specs + lens, k, v, params=params,
+                      name="attnx_pallas", has=has)
   return dq, dk, dv, ds

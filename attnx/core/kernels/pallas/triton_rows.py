@@ -160,7 +160,8 @@ def _dq_kernel(*refs, cfg, has_bias, has_mask, want_ds):
 
 
 def _dkv_kernel(*refs, cfg, has_bias, has_mask, want_dk=True, want_dv=True):
-  r = split_refs(refs, dkv_names(cfg, has_bias, has_mask, False, want_dk, want_dv))
+  r = split_refs(refs, dkv_names(cfg, has_bias, has_mask, lens_first=False, want_dk=want_dk,
+                                      want_dv=want_dv))
   bq, bk = cfg.bq_dkv, cfg.bk_dkv
   hc, vc = triton.head_chunks(r["k"].shape[-1]), triton.head_chunks(r["v"].shape[-1])
   j = pl.program_id(0)
@@ -206,7 +207,7 @@ def backward(cfg, q, k, v, bias, mask, q_len, kv_len, do, rows, rowc, want_ds):
   hvp = v.shape[-1]
   g = cfg.g
   rs = cfg.w.stream
-  stick = rs.family == "stick_breaking"
+  saves_carries = rs.suffix_carries  # stick-breaking
   has = dict(has_bias=bias is not None, has_mask=mask is not None)
   lens = [pl.BlockSpec((1,), lambda i, bb, h: (bb,))] * 2
   params = plgpu.CompilerParams(num_warps=cfg.num_warps_bwd, num_stages=cfg.num_stages_bwd)
@@ -232,7 +233,7 @@ def backward(cfg, q, k, v, bias, mask, q_len, kv_len, do, rows, rowc, want_ds):
   if rs.needs_row_scale:
     out_specs.append(rowvec)
     out_shape.append(jax.ShapeDtypeStruct((b, n, tp), F32))
-  if stick:  # [B, N, key tiles, Tp]: the carries of each row at each key tile
+  if saves_carries:  # [B, N, key tiles, Tp]: the carries of each row at each key tile
     out_specs += [pl.BlockSpec((None, None, ncols, bq), lambda i, bb, h: (bb, h, 0, i))] * 2
     out_shape += [jax.ShapeDtypeStruct((b, n, ncols, tp), F32)] * 2
   args = [q, k, v, do, *rows] + [x for x in (bias, mask) if x is not None] + [q_len, kv_len]
@@ -244,7 +245,7 @@ def backward(cfg, q, k, v, bias, mask, q_len, kv_len, do, rows, rowc, want_ds):
   dq = res.pop(0)
   ds = res.pop(0) if want_ds else None
   dc = res.pop(0) if rs.needs_row_scale else None
-  carries = res if stick else []
+  carries = res if saves_carries else []
 
   # dK, dV: grid over key tiles of every kv head; the G query heads of a kv head in-kernel.
   bk = cfg.bk_dkv
@@ -264,6 +265,6 @@ def backward(cfg, q, k, v, bias, mask, q_len, kv_len, do, rows, rowc, want_ds):
   in_specs += [pl.BlockSpec((None, g, ncols, tp), lambda j, bb, h: (bb, h, 0, 0))] * len(carries)
   args = [q, k, v, do, *rows] + [x for x in (bias, mask) if x is not None] + carries + [
       q_len, kv_len]
-  dk, dv = triton.dkv_passes(_dkv_kernel, cfg, args, in_specs + lens, k, v, params,
-                             "attnx_pallas_rows", has)
+  dk, dv = triton.dkv_passes(_dkv_kernel, cfg, args, in_specs + lens, k, v, params=params,
+                             name="attnx_pallas_rows", has=has)
   return dq, dk, dv, ds, dc

@@ -139,7 +139,7 @@ def _make_row_kernel(cfg: KernelConfig):
   """A custom-VJP function (q, k, v, bias, mask, q_len, kv_len, rowc) -> O of padded arrays
   (rowc: SSMax's per-row scale [B, N, Tp], None for the other families)."""
   rs = cfg.w.stream
-  if rs.reverse and cfg.bk_dq != cfg.bk_dkv:
+  if rs.suffix_carries and cfg.bk_dq != cfg.bk_dkv:
     raise ValueError(f"stick-breaking's dQ and dK/dV key tiles must agree (its carries are "
                      f"per key tile), got {cfg.bk_dq} and {cfg.bk_dkv}")
 
@@ -314,12 +314,12 @@ def pallas_attention(q: Array, k: Array, v: Array, *, weighting: Any,
 
 def kernel_inputs(q: Array, k: Array, v: Array, bias4: Array | None, mask4: Array | None, *,
                   weighting: Any, scale: float | Array, backend: str, interpret: bool,
-                  blocks: tiles.BlockSizes, launch: dict[str, Any], is_causal: bool, q_bound: bool,
-                  kv_bound: bool, skip_zero_tiles: bool = True, num_keys: int | None = None
-                  ) -> tuple[KernelConfig, tuple[Array | None, ...]]:
+                  blocks: tiles.BlockSizes, launch: tiles.GpuTiles | None, is_causal: bool,
+                  q_bound: bool, kv_bound: bool, skip_zero_tiles: bool = True,
+                  num_keys: int | None = None) -> tuple[KernelConfig, tuple[Array | None, ...]]:
   """The kernels' config and padded operands (q, k, v, bias, mask) of a checked, non-empty
   problem: q [B, T, N, H], k/v [B, S, K, H|Hv], bias/mask [B|1, N|1, T|1, S|1] (each dim 1 or
-  full; the mask boolean), tiles and launch parameters from :func:`tiles.kernel_tiles`.
+  full; the mask boolean), tiles and GPU launches from :func:`.tiles.kernel_tiles`.
 
   Shared by :func:`pallas_attention` and the per-block entry points of ring attention
   (:mod:`.block`). Applies the contract's input step (:func:`nonfinite_inputs`),
@@ -349,12 +349,15 @@ def kernel_inputs(q: Array, k: Array, v: Array, bias4: Array | None, mask4: Arra
              else (h, hv))
   if rows and be == "gpu":  # the streaming state's value rows: one power-of-2 array
     hvp = tiles.pow2(hv)
+  gpu = {} if launch is None else dict(
+      num_warps=launch.fwd.warps, num_warps_dq=launch.dq.warps, num_warps_bwd=launch.dkv.warps,
+      two_pass_dkv=launch.dkv.two_pass_dkv)
   cfg = KernelConfig(
       w=weighting, backend=be, interpret=bool(interpret), s=s if num_keys is None else num_keys,
       tp=tp, sp=sp, g=n // kh, scale=float(scale), is_causal=bool(is_causal),
       q_bound=q_bound or tp != t, kv_bound=kv_bound or sp != s, bq=blocks.block_q,
       bk=blocks.block_k, bq_dq=blocks.block_q_dq, bk_dq=blocks.block_k_dq,
-      bq_dkv=blocks.block_q_dkv, bk_dkv=blocks.block_k_dkv, **launch,
+      bq_dkv=blocks.block_q_dkv, bk_dkv=blocks.block_k_dkv, **gpu,
       # 3 stages of f32 tiles (a bias tile too) overflow an A100's 163 KiB of shared memory.
       num_stages=3 if hp <= 128 and q.dtype.itemsize == 2 else 2, num_stages_bwd=2,
       skip_zero_tiles=skip_zero_tiles)

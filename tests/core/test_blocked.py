@@ -18,6 +18,7 @@ from support import differential as diff
 
 from attnx.core import weightings as wlib
 from attnx.core.kernels.xla import pointwise as blocked_lib
+from attnx.core.kernels.xla import tiling
 from attnx.core.kernels.xla.pointwise import (
   blocked_attention,
   causal_leaves,
@@ -578,8 +579,8 @@ def test_squares_get_tiles_that_divide_them():
 
 def test_tiles_that_do_not_cover_the_padded_length_fail_at_trace_time():
   q, k, v, *_ = _inputs(b=1, t=40, s=40, n=1, kh=1)
-  cfg = blocked_lib._Cfg(w=wlib.get_weighting("softmax"), t=40, s=40, bq=16, bk=16,
-                         is_causal=False, has_mask=False, has_bias=False)
+  cfg = tiling.TileConfig(w=wlib.get_weighting("softmax"), t=40, s=40, bq=16, bk=16,
+                          is_causal=False, has_mask=False, has_bias=False)
   q4 = jnp.zeros((1, 1, 40, 8))  # 40 rows are not whole 16-row tiles (48 would be)
   k3 = jnp.zeros((1, 40, 8))
   with pytest.raises(AssertionError, match="not whole tiles"):

@@ -304,16 +304,6 @@ def targets(rows: list[dict[str, Any]], config) -> list[dict[str, Any]]:
   return out
 
 
-def _fmt(v: Any) -> str:
-  if isinstance(v, float):
-    if not np.isfinite(v):
-      return str(v)
-    if v != 0 and (abs(v) < 1e-2 or abs(v) >= 1e5):
-      return f"{v:.1e}"
-    return f"{v:.3g}" if abs(v) < 100 else f"{v:.0f}"
-  return str(v)
-
-
 def markdown_table(rows: list[dict[str, Any]], config) -> str:
   lines = [
       f"*Median of {config.repeats} runs after {config.warmup} warm-up runs; dtype "
@@ -329,7 +319,8 @@ def markdown_table(rows: list[dict[str, Any]], config) -> str:
       "|" + "|".join("---" for _ in COLUMNS) + "|",
   ]
   for r in rows:
-    lines.append("| " + " | ".join(_fmt(r.get(c, "")) for c in COLUMNS) + " |")
+    cells = (train.benchmark.format_number(r.get(c, "")) for c in COLUMNS)
+    lines.append("| " + " | ".join(cells) + " |")
   return "\n".join(lines) + "\n"
 
 
@@ -367,7 +358,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
       rows.append(run_case(case, inputs, config, platform))
       r = rows[-1]
       print(f"{r['shape']} {r['impl']} {r['weighting']} {r['mode']}: "
-            f"{_fmt(r.get('TFLOP/s', r.get('note', '')))}", flush=True)
+            f"{train.benchmark.format_number(r.get('TFLOP/s', r.get('note', '')))}", flush=True)
   _add_ratios(rows)
   table = markdown_table(rows, config)
   elapsed = time.time() - t_start

@@ -819,15 +819,7 @@ def _blocked(q, k, v, *, weighting, scale, bias, mask, is_causal, block_q, block
     tp, sp = cfg.num_q_blocks * bq, cfg.num_k_blocks * bk
 
   # [B, T, N, H] -> [X, G, Tp, H] and [B, S, K, H] -> [X, Sp, H] (X = B·K), zero padded.
-  q4 = common.pad_axis(q.transpose(0, 2, 1, 3).reshape(b * kv_heads, g, t, h), 2, tp)
-  k3 = common.pad_axis(k.transpose(0, 2, 1, 3).reshape(b * kv_heads, s, h), 1, sp)
-  v3 = common.pad_axis(v.transpose(0, 2, 1, 3).reshape(b * kv_heads, s, -1), 1, sp)
-  bias5 = common.as_5d(bias, n, kv_heads, "bias")
-  mask5 = common.as_5d(mask, n, kv_heads, "mask")
-  if bias5 is not None:
-    bias5 = common.pad_axis(common.pad_axis(bias5, 3, tp, keep_one=True), 4, sp, keep_one=True)
-  if mask5 is not None:
-    mask5 = common.pad_axis(common.pad_axis(mask5, 3, tp, False, True), 4, sp, False, True)
+  q4, k3, v3, bias5, mask5 = tl.kernel_layout(q, k, v, bias, mask, tp, sp)
   scale_arr = jnp.asarray(scale, compute_dtype(q.dtype))
   out = _make_kernel(cfg)(q4, k3, v3, bias5, mask5, scale_arr)
   return out[:, :, :t].reshape(b, n, t, -1).transpose(0, 2, 1, 3)

@@ -576,15 +576,7 @@ def _inputs(q, k, v, bias, mask, scale, weighting, is_causal, block_q, block_k, 
     c = _ssmax_row_scales(q, k, bias, mask, rs, is_causal, ssmax_s)
     row_scales = common.pad_axis(c.reshape(b * kv_heads, g, t), 2, tp)
   q, k, v, bias = nonfinite_inputs(q, k, v, bias)
-  q4 = common.pad_axis(q.transpose(0, 2, 1, 3).reshape(b * kv_heads, g, t, h), 2, tp)
-  k3 = common.pad_axis(k.transpose(0, 2, 1, 3).reshape(b * kv_heads, s, h), 1, sp)
-  v3 = common.pad_axis(v.transpose(0, 2, 1, 3).reshape(b * kv_heads, s, -1), 1, sp)
-  bias5 = common.as_5d(bias, n, kv_heads, "bias")
-  mask5 = common.as_5d(mask, n, kv_heads, "mask")
-  if bias5 is not None:
-    bias5 = common.pad_axis(common.pad_axis(bias5, 3, tp, keep_one=True), 4, sp, keep_one=True)
-  if mask5 is not None:
-    mask5 = common.pad_axis(common.pad_axis(mask5, 3, tp, False, True), 4, sp, False, True)
+  q4, k3, v3, bias5, mask5 = tl.kernel_layout(q, k, v, bias, mask, tp, sp)
   scale = jnp.asarray(scale, compute_dtype(q4.dtype))
   return (q4, k3, v3, bias5, mask5, row_scales, scale), cfg
 

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from attnx.core.contract import compute_dtype
+from attnx.core.kernels import common
 from attnx.core.weightings import Pointwise
 
 Array = jax.Array
@@ -25,8 +26,8 @@ Array = jax.Array
 ALIGN = 8  # tiles are multiples of 8 rows (SIMD-friendly)
 
 __all__ = ["ALIGN", "TileConfig", "bias_tile", "bias_tile_rows", "check_tiling", "chunk_bias",
-           "chunk_bias_window", "chunk_rows", "k_range", "prescale", "put_row_block", "q_range",
-           "row_block", "slice_along", "tile_scores", "valid_tile"]
+           "chunk_bias_window", "chunk_rows", "k_range", "kernel_layout", "prescale",
+           "put_row_block", "q_range", "row_block", "slice_along", "tile_scores", "valid_tile"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -204,3 +205,20 @@ def check_tiling(q: Array, k: Array, cfg: TileConfig) -> None:
         f"of ({cfg.bq}, {cfg.bk})")
 
 
+def kernel_layout(q: Array, k: Array, v: Array, bias: Array | None, mask: Array | None,
+                  tp: int, sp: int) -> tuple[Array, Array, Array, Array | None, Array | None]:
+  """[B, T, N, H] q and [B, S, K, H] k/v -> q [X, G, Tp, H], k/v [X, Sp, H] (X = B·K), zero
+  padded to Tp, Sp; bias/mask [Bb, Kb, Gb, Tp|1, Sp|1] (a padded mask is False)."""
+  b, t, n, h = q.shape
+  _, s, kv_heads, _ = k.shape
+  g = n // kv_heads
+  q4 = common.pad_axis(q.transpose(0, 2, 1, 3).reshape(b * kv_heads, g, t, h), 2, tp)
+  k3 = common.pad_axis(k.transpose(0, 2, 1, 3).reshape(b * kv_heads, s, h), 1, sp)
+  v3 = common.pad_axis(v.transpose(0, 2, 1, 3).reshape(b * kv_heads, s, -1), 1, sp)
+  bias5 = common.as_5d(bias, n, kv_heads, "bias")
+  mask5 = common.as_5d(mask, n, kv_heads, "mask")
+  if bias5 is not None:
+    bias5 = common.pad_axis(common.pad_axis(bias5, 3, tp, keep_one=True), 4, sp, keep_one=True)
+  if mask5 is not None:
+    mask5 = common.pad_axis(common.pad_axis(mask5, 3, tp, False, True), 4, sp, False, True)
+  return q4, k3, v3, bias5, mask5

@@ -14,9 +14,11 @@ Variants: ``causal_gqa`` (T = S = 2048, N = 8 query heads on K = 2 kv heads, cau
 ``ragged`` (T = 1000 queries on S = 3000 keys, no power of two, not causal).
 
 A program passes when it compiles (a kernel over the shared memory a block may have, or over
-its scoped VMEM, fails to), no kernel of it spills registers (GPU), and none uses more than the
-chip's shared memory / VMEM. Presets: ``sample`` (CI: every F at H = 128, bf16, causal GQA on
-h100 and v5e), ``default`` (the full matrix), ``tiny`` (2 F on h100, for a quick look).
+its scoped VMEM, fails to), no kernel of it spills registers (GPU) — except a kernel whose GPU
+tiles were chosen by time on a GPU (``tiles.GpuTier.timed``: measured faster than the spill-free
+ones), whose spills the rows still show — and none uses more than the chip's shared memory /
+VMEM. Presets: ``sample`` (CI: every F at H = 128, bf16, causal GQA on h100 and v5e),
+``default`` (the full matrix), ``tiny`` (2 F on h100, for a quick look).
 
 Needs the compile-only toolchain (``pip install -e ".[aot]"``: JAX's CUDA plugin at jaxlib's
 version, ptxas, libtpu); without it the report says what to install and the run exits 0 with
@@ -46,6 +48,8 @@ import ml_collections  # noqa: E402
 
 from attnx import aot, core, train  # noqa: E402
 from attnx.core import weightings as wlib  # noqa: E402
+from attnx.core.kernels.common import round_up  # noqa: E402
+from attnx.core.kernels.pallas import tiles as pallas_tiles  # noqa: E402
 from attnx.train import config as train_config  # noqa: E402
 
 VARIANTS = ("causal_gqa", "mask_bias", "ragged")
@@ -144,8 +148,30 @@ def program(weighting: str, dtype: str, head_dim: int, variant: str, config):
   return jax.grad(loss, argnums=tuple(range(len(args)))), args
 
 
-def judge(report: aot.CompileReport, target: aot.Target) -> str:
-  """"pass", or what failed: the compile, a spill, shared memory or VMEM over the limit."""
+def timed_kernels(weighting: str, dtype: str, head_dim: int) -> frozenset[str]:
+  """The GPU kernels of a case whose tiles were chosen by time on a GPU (their spills are a
+  measured trade: :func:`attnx.core.kernels.pallas.tiles.timed_kernels`)."""
+  name, score = case_weighting(weighting, head_dim)
+  w = wlib.get_weighting(name)
+  family = None if isinstance(w, wlib.Pointwise) else w.stream.family
+  if score == "neg_sq_dist":  # the dot form: H + 2 columns in float32
+    dtype, head_dim = "float32", head_dim + 2
+  return pallas_tiles.timed_kernels(round_up(head_dim, pallas_tiles.GPU_MIN_BLOCK), family,
+                                    dtype)
+
+
+def kernel_role(kernel_name: str) -> str:
+  """"fwd", "dq" or "dkv" (dK and dV run as two passes count as "dkv") of a Pallas kernel."""
+  role = kernel_name.removeprefix("attnx_pallas_").removeprefix("rows_")
+  return "dkv" if role in ("dk", "dv") else role
+
+
+def judge(report: aot.CompileReport, target: aot.Target,
+          timed: frozenset[str] = frozenset()) -> str:
+  """"pass", or what failed: the compile, a spill, shared memory or VMEM over the limit.
+
+  A spill in a kernel of ``timed`` (GPU tiles chosen by time: :func:`timed_kernels`) is a
+  measured trade, not a failure; the kernels' rows still show it."""
   if not report.ok:
     first = (report.error or "").splitlines()[0]
     if report.category == "trace_error" and "cannot run this" in first:
@@ -153,7 +179,7 @@ def judge(report: aot.CompileReport, target: aot.Target) -> str:
     return f"FAIL {report.category}: {first[:160]}"
   problems = []
   for k in report.pallas_kernels:
-    if k.spill_store_bytes:
+    if k.spill_store_bytes and kernel_role(k.name) not in timed:
       problems.append(f"{k.name} spills {k.spill_store_bytes} B")
     if k.smem_bytes and target.smem_per_block and k.smem_bytes > target.smem_per_block:
       problems.append(f"{k.name} smem {k.smem_bytes} > {target.smem_per_block}")
@@ -173,7 +199,10 @@ def compile_case(case: dict[str, Any], config) -> tuple[aot.CompileReport, list[
   """Compiles one case; its report and one row per Pallas kernel."""
   fn, args = program(case["weighting"], case["dtype"], case["H"], case["variant"], config)
   report = aot.compile_for(fn, *args, target=case["target"])
-  status = judge(report, aot.TARGETS[case["target"]])
+  target = aot.TARGETS[case["target"]]
+  timed = (timed_kernels(case["weighting"], case["dtype"], case["H"])
+           if target.platform == "cuda" else frozenset())
+  status = judge(report, target, timed)
   base = {key: case[key] for key in ("target", "weighting", "dtype", "H", "variant")}
   rows = []
   for k in report.pallas_kernels or [None]:
@@ -241,7 +270,9 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   os.makedirs(workdir, exist_ok=True)
   title = "Pallas kernels compiled for real chips"
   claim = ("Every Pallas kernel attnx ships compiles for H100, A100, TPU v5e and v6e at its "
-           "default tiles with 0 spill bytes and shared memory / VMEM within the chip's limit.")
+           "default tiles with 0 spill bytes (except GPU tiles chosen by time on a GPU, whose "
+           "spills were measured to cost less than smaller tiles) and shared memory / VMEM "
+           "within the chip's limit.")
   rep = train.Report(title, workdir, config=config, claim=claim)
   targets = train.split_list(config.targets)
   missing = {t: why for t in targets if (why := aot.available(t))}
@@ -276,8 +307,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
            + ", ".join(f"{d} {v}" for d, v in versions.items() if v) + ".")
   rep.section("Summary")
   rep.table(per_target)
-  rep.verdict(not failed, "every program passes (compiles, 0 spill bytes, within the chip's "
-              "memory limits)." if not failed else
+  rep.verdict(not failed, "every program passes (compiles, 0 spill bytes outside the timed "
+              "GPU tiles, within the chip's memory limits)." if not failed else
               f"{len(failed)} of {len(todo)} programs fail: "
               + "; ".join(" ".join(map(str, f)) for f in failed[:12])
               + (" ..." if len(failed) > 12 else ""))

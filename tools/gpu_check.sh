@@ -3,22 +3,23 @@
 #
 #   tools/gpu_check.sh [OUT]        (OUT: where results go; default runs/gpu_check)
 #
-# Runs, in order, from the repository root:
-#   1. the Pallas tests on the GPU, compiled kernels, no interpreter
+# Runs, from the repository root, in two phases:
+#   1. the GPU alone: the Pallas benchmark's quick preset at one shape (TFLOP/s per F vs cuDNN
+#      softmax and JAX's Pallas flash; target: every pointwise F >= 60 % of cuDNN softmax at
+#      T >= 4k; BENCHMARK=0 skips it), then tools/gpu_tile_sweep.py (the forward, dQ and dK/dV
+#      tiles timed; SWEEP=0 skips it, SWEEP_BUDGET seconds, default 150);
+#   2. side by side on the GPU: the Pallas tests with compiled kernels, no interpreter
 #      (tests/core/test_pallas_device.py: every streaming weighting vs a float64 brute force;
-#      tests/core/test_platforms.py: lowering per platform);
-#   2. the Pallas benchmark's quick preset at one shape (TFLOP/s per F vs cuDNN softmax and JAX's Pallas
-#      flash; the kernel issue's target: every pointwise F >= 60 % of cuDNN softmax at T >= 4k);
-#   3. a short language_model run with implementation="pallas" (4 weightings, 200 steps);
-#   4. the CPU test suite under the machine's own JAX (JAX_PLATFORMS=cpu), to learn whether a
-#      newer JAX than pyproject.toml admits passes it, in CPU_SUITE_WORKERS shards (default 10);
-#      CPU_SUITE=0 skips it.
-# The benchmark (BENCHMARK=0 skips it) runs first, alone, so that its timings come from a quiet
-# machine; steps 1, 3 and 4 then run side by side.
-# Each step is bounded by `timeout` (STEP_TIMEOUT seconds, default 240) so that one hung step
-# cannot eat a lent machine's time.
-# and writes OUT/gpu_check.md (date, chip, driver, JAX version, each step's outcome and time,
-# the benchmark's target table) plus each step's log and report, for the docs (docs/guides/pallas.md) to quote.
+#      tests/core/test_platforms.py), in DEVICE_TEST_WORKERS pytest-xdist workers (default 6),
+#      and a short training run with implementation="pallas" (compare_weightings:quick, digits).
+# Beside both, on the other cores (pinned, niced): the CPU test suite (JAX_PLATFORMS=cpu) under
+# the machine's own JAX and, if .whl-newest/ holds it, under the newest JAX release, to learn
+# whether a newer JAX than pyproject.toml admits passes it (CPU_SUITE=0 skips them;
+# CPU_SUITE_WORKERS each, default 5; CPU_SUITE_TIMEOUT seconds, default 420).
+# Every other step is bounded by `timeout` (STEP_TIMEOUT seconds, default 240) so that one hung
+# step cannot eat a lent machine's time. Writes OUT/gpu_check.md (date, chip, driver, JAX
+# version, each step's outcome and time, the benchmark's target table, the tile sweep) plus each
+# step's log and report, for the docs (docs/guides/pallas.md) to quote.
 #
 # The GPU machine has JAX with CUDA, flax, optax, chex and orbax but not attnx's other
 # dependencies, and no network: run tools/fetch_gpu_wheels.sh beforehand on a machine that
@@ -39,6 +40,18 @@ if compgen -G ".whl/*.whl" > /dev/null; then
   export PYTHONPATH="$site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 else
   export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+fi
+
+# The newest JAX release, for the CPU suite only (the machine's CUDA plugin is its own JAX's):
+# .whl-newest/ holds jax and a jaxlib whose libjax_common.so is stripped, as .tar.xz archives
+# (the wheels are over what a lent machine's call carries).
+newest_site=""
+if compgen -G ".whl-newest/*.tar.xz" > /dev/null; then
+  newest_site="${TMPDIR:-/tmp}/attnx-gpu-check-newest"
+  for a in .whl-newest/*.tar.xz; do
+    "$py" -c "import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2], filter='data')" \
+      "$a" "$newest_site" || { echo "gpu_check: unpacking $a failed" >&2; exit 2; }
+  done
 fi
 
 if ! "$py" -c "import jax, sys; sys.exit(jax.default_backend() != 'gpu')"; then
@@ -93,64 +106,76 @@ step() {  # step NAME COMMAND...: runs it, logs to OUT/NAME.log, records the out
   return $rc
 }
 
-# The CPU suite in N shards of whole test files, one plain pytest process and log each, so that
-# a run cut short by the lent time still says what each shard passed and failed so far.
+# The CPU suite under one JAX: pytest-xdist workers, verbose, so that a run stopped by its timeout
+# still names every test it passed or failed (`cpu_suite LABEL PYTHONPATH WORKERS`). The aot tests
+# need the aot extra's toolchain at jaxlib 0.10.2 (pyproject.toml) and are left out.
 cpu_suite() {
-  local n=$1 i rc=0
-  local files
-  mapfile -t files < <(find tests -name 'test_*.py' | sort)
-  for ((i = 0; i < n; i++)); do
-    local shard=()
-    for ((j = i; j < ${#files[@]}; j += n)); do shard+=("${files[j]}"); done
-    JAX_PLATFORMS=cpu timeout "${STEP_TIMEOUT:-240}" "$py" -m pytest -q -p no:cacheprovider \
-      -p no:benchmark "${shard[@]}" \
-      > "$out/cpu_suite.$i.log" 2>&1 &
-  done
-  for ((i = 0; i < n; i++)); do wait -n || rc=1; done
-  for ((i = 0; i < n; i++)); do
-    grep -h -E "^(FAILED|ERROR) " "$out/cpu_suite.$i.log"
-    echo "shard $i: $(tail -1 "$out/cpu_suite.$i.log")"
-  done
-  # One closing line for all shards: the sums of pytest's counts.
-  local word total line=""
-  for word in passed failed skipped deselected errors error; do
-    total=$(tail -q -n1 "$out"/cpu_suite.*.log | grep -o -E "[0-9]+ $word\b" |
-      awk '{s += $1} END {print s + 0}')
-    [ "$total" -gt 0 ] && line="$line${line:+, }$total $word"
-  done
-  echo "all shards: $line"
+  local label=$1 path=$2 n=$3 log="$out/pytest_$1.log" rc
+  JAX_PLATFORMS=cpu PYTHONPATH="$path" timeout "${CPU_SUITE_TIMEOUT:-420}" $pin_cpu \
+    "$py" -c "import jax, sys; print('jax', jax.__version__, file=sys.stderr)" > "$log" 2>&1
+  JAX_PLATFORMS=cpu PYTHONPATH="$path" timeout "${CPU_SUITE_TIMEOUT:-420}" $pin_cpu \
+    "$py" -m pytest -v -p no:cacheprovider -p no:benchmark -n "$n" \
+    --ignore=tests/core/test_aot.py --ignore=tests/experiments/test_kernel_compile.py tests \
+    >> "$log" 2>&1
+  rc=$?
+  grep -E "^(FAILED|ERROR) |\] (FAILED|ERROR) " "$log" | sed 's/^\[gw[0-9]*\] \[ *[0-9]*%\] //' |
+    sort -u
+  echo "$label: $(grep -c '\] PASSED ' "$log") passed, $(grep -c '\] FAILED ' "$log") failed," \
+    "$(grep -c '\] SKIPPED ' "$log") skipped, $(grep -c '\] ERROR ' "$log") errors" \
+    "$([ $rc -eq 124 ] && echo "(stopped by its ${CPU_SUITE_TIMEOUT:-420} s timeout)")"
   return $rc
 }
 
-# The benchmark first, alone on the machine (BENCHMARK=0 skips it). One shape and the F of the
-# table in docs/guides/pallas.md ("Measured on an NVIDIA H100"), so the figures compare with
-# the tiles timed before; the whole-row weightings as the preset has.
+# Phase 1, the GPU alone: the benchmark, then the tile sweep (BENCHMARK=0 / SWEEP=0 skip them).
+# One shape and the F of the table in docs/guides/pallas.md ("Measured on an NVIDIA H100"), so
+# the figures compare with the tiles timed before. The CPU suites run meanwhile on the other
+# cores (pinned there, niced): they use no GPU, and a kernel's time is the GPU's.
+pin_cpu=""
+pin_gpu=""
+cores=$(nproc)
+if command -v taskset > /dev/null && [ "$cores" -ge 8 ]; then
+  pin_gpu="taskset -c 0-5"
+  pin_cpu="nice -n 10 taskset -c 6-$((cores - 1))"
+fi
+pids=()
+if [ "${CPU_SUITE:-1}" != 0 ]; then
+  workers=${CPU_SUITE_WORKERS:-5}
+  step cpu_suite cpu_suite machine "$PYTHONPATH" "$workers" &
+  pids+=($!)
+  if [ -n "$newest_site" ]; then
+    step cpu_suite_newest cpu_suite newest "$newest_site:$PYTHONPATH" "$workers" &
+    pids+=($!)
+  fi
+fi
 if [ "${BENCHMARK:-1}" != 0 ]; then
-  step pallas_benchmark "$py" launch.py --config=experiments/pallas_benchmark.py:quick \
+  step pallas_benchmark $pin_gpu "$py" launch.py --config=experiments/pallas_benchmark.py:quick \
     --config.shapes=4x4096x16x128 --config.weightings=softmax,relu,sigmoid,power \
     --workdir="$out/pallas_benchmark"
 fi
-# Then the rest side by side: the device tests and the training run share the GPU (each
-# allocating as it goes instead of taking 75 % of its memory up front), the CPU suite the cores.
-pids=()
-if [ "${CPU_SUITE:-1}" != 0 ]; then
-  step cpu_suite cpu_suite "${CPU_SUITE_WORKERS:-10}" &
-  pids+=($!)
+if [ "${SWEEP:-1}" != 0 ]; then
+  step tile_sweep $pin_gpu "$py" tools/gpu_tile_sweep.py --out="$out/tile_sweep" \
+    --weightings="${SWEEP_WEIGHTINGS:-softmax,sigmoid,relu,power,ssmax,sparsemax}" \
+    --budget="${SWEEP_BUDGET:-150}"
 fi
+# Phase 2, side by side on the GPU (each process allocating as it goes instead of taking 75 %
+# of its memory up front): the device tests in parallel workers (each compiles its kernels,
+# ≈ 11 s a test), and a short training run with the Pallas kernels (digits, offline).
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
-step pallas_tests "$py" -m pytest -q -p no:cacheprovider tests/core/test_pallas_device.py \
-  tests/core/test_platforms.py &
+step pallas_tests $pin_gpu "$py" -m pytest -q -p no:cacheprovider -n "${DEVICE_TEST_WORKERS:-6}" \
+  tests/core/test_pallas_device.py tests/core/test_platforms.py &
 pids+=($!)
-step language_model "$py" launch.py --config=experiments/language_model.py \
-  --config.weightings=softmax,relu,sparsemax,stick_breaking --config.num_seeds=1 \
-  --config.num_steps=200 --config.eval_every=100 --config.implementation=pallas \
-  --workdir="$out/language_model" || status=1
+step training $pin_gpu "$py" launch.py --config=experiments/compare_weightings.py:quick \
+  --config.weightings=softmax,relu,sparsemax,stick_breaking --config.implementation=pallas \
+  --workdir="$out/training" || status=1
 for pid in "${pids[@]}"; do wait "$pid" || status=1; done
 
 if [ -f "$out/pallas_benchmark/report.md" ]; then
   { echo; echo "## Pallas benchmark (quick)"; echo;
     sed -n '/^## Targets/,/^## Results/p' "$out/pallas_benchmark/report.md" | sed '$d'; } \
     >> "$summary"
+fi
+if [ -f "$out/tile_sweep/tile_sweep.md" ]; then
+  { echo; sed 's/^# /## /' "$out/tile_sweep/tile_sweep.md"; } >> "$summary"
 fi
 echo "summary: $summary"
 exit $status

@@ -3,9 +3,10 @@
     python tools/program_hashes.py --out before.json            # on the code before
     python tools/program_hashes.py --out after.json --compare before.json   # after
 
-``tools/program_hashes_baseline.json`` is the corpus of commit 0275588 (whose ``attnx.core`` and
-``attnx.nn`` are those of 97c6697; jax 0.10.2 with the ``aot`` extra installed,
-JAX_PLATFORMS=cpu): the starting point of the ``attnx.core`` reshaping.
+``tools/program_hashes_baseline.json`` is the corpus of the code right after the GPU tile
+table's timed dQ/dK/dV tiles (jax 0.10.2 with the ``aot`` extra installed, JAX_PLATFORMS=cpu),
+in the middle of the ``attnx.core`` reshaping: that commit differed from the one before in the
+11 Pallas programs lowered for ``cuda`` whose backward reads those tiles, and in nothing else.
 
 Each case is traced and lowered to StableHLO (forward, and forward+backward as the gradient
 of a fixed random cotangent), on this machine's CPU — and, for the Pallas kernels, lowered for

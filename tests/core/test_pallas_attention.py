@@ -264,8 +264,8 @@ def test_block_size_rules():
   pa.check_block_sizes("gpu", block_q=16, block_k=256)
   # Defaults, capped at the (aligned) sequence lengths; an override applies to every kernel.
   assert pa.default_block_sizes("gpu", 4096, 4096) == pa.BlockSizes(128, 32, 64, 16, 16, 32)
-  assert pa.default_block_sizes("gpu", 37, 53, jnp.bfloat16) == pa.BlockSizes(64, 64, 64, 16,
-                                                                              16, 32)
+  assert pa.default_block_sizes("gpu", 37, 53, jnp.bfloat16) == pa.BlockSizes(64, 64, 64, 64,
+                                                                              64, 64)
   assert pa.default_block_sizes("tpu", 4096, 4096) == pa.BlockSizes(256, 512, 256, 256, 256,
                                                                      256)
   assert pa.default_block_sizes("tpu", 37, 53, jnp.bfloat16) == pa.BlockSizes(
@@ -273,18 +273,19 @@ def test_block_size_rules():
   assert pa.default_block_sizes("gpu", 4096, 4096, block_q=32, block_k=128) == pa.BlockSizes(
       32, 128, 32, 128, 32, 128)
   # GPU tiles by dtype width and padded head size, per family where measured (no register
-  # spills when compiled for an H100 and an A100: tests/experiments/test_kernel_compile.py);
-  # an override still applies to every kernel; warps come with the tiles.
+  # spills when compiled for an H100 and an A100: tests/experiments/test_kernel_compile.py; the
+  # 16-bit dQ and dK/dV tiles up to H = 128 timed on an H100); an override still applies to
+  # every kernel; warps come with the tiles.
   gpu = functools.partial(pa.default_block_sizes, "gpu", 4096, 4096)
-  assert gpu(jnp.bfloat16, head_dim=64) == gpu(jnp.bfloat16) == pa.BlockSizes(128, 64, 64, 16,
-                                                                              16, 32)
+  assert gpu(jnp.bfloat16, head_dim=64) == gpu(jnp.bfloat16) == pa.BlockSizes(128, 64, 64, 64,
+                                                                              64, 64)
   assert gpu(jnp.float32, head_dim=64) == gpu() == pa.BlockSizes(128, 32, 64, 16, 16, 32)
-  assert gpu(jnp.bfloat16, head_dim=128) == pa.BlockSizes(128, 32, 64, 16, 32, 64)
+  assert gpu(jnp.bfloat16, head_dim=128) == pa.BlockSizes(128, 32, 64, 32, 64, 64)
   assert gpu(jnp.bfloat16, head_dim=144) == gpu(jnp.bfloat16, head_dim=256) == pa.BlockSizes(
       64, 64, 64, 16, 16, 64)
   assert gpu(jnp.float32, head_dim=256) == pa.BlockSizes(32, 32, 16, 16, 16, 16)
   assert gpu(jnp.bfloat16, head_dim=128, family="entmax").block_q == 32
-  assert gpu(jnp.bfloat16, head_dim=128, family="softpick") == pa.BlockSizes(64, 64, 64, 16, 32,
+  assert gpu(jnp.bfloat16, head_dim=128, family="softpick") == pa.BlockSizes(64, 64, 64, 32, 64,
                                                                              64)
   assert gpu(jnp.bfloat16, head_dim=128, family="ssmax") == gpu(jnp.bfloat16, head_dim=128)
   stick = gpu(jnp.bfloat16, head_dim=128, family="stick_breaking")

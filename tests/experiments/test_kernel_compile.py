@@ -45,10 +45,12 @@ def _check(case: dict) -> None:
   assert names in ({"fwd", "dq", "dkv"}, {"fwd", "dq", "dk", "dv"}), report
   assert "dkv" in names or case["target"] in ("h100", "a100"), report
   target = aot.TARGETS[case["target"]]
+  timed = kc.timed_kernels(case["weighting"], case["dtype"], case["H"])
   for k in report.pallas_kernels:
     if target.platform == "cuda":
       assert k.registers and k.registers <= target.max_registers_per_thread
-      assert k.spill_store_bytes == 0 and 0 < k.smem_bytes <= target.smem_per_block
+      assert k.spill_store_bytes == 0 or kc.kernel_role(k.name) in timed, k
+      assert 0 < k.smem_bytes <= target.smem_per_block
       assert k.num_warps in (4, 8) and k.grid and all(g > 0 for g in k.grid)
     else:
       assert k.vmem_bytes and k.vmem_bytes <= target.vmem_bytes and k.vmem_limit_bytes
@@ -113,12 +115,29 @@ def test_judge_names_each_failure():
       aot.KernelReport("attnx_pallas_fwd", "pallas", registers=200, spill_store_bytes=0,
                        smem_bytes=1024),))
   assert kc.judge(clean, t) == "pass"
+  # A spill in a kernel whose tiles were chosen by time is not a failure; its size still is.
+  assert kc.judge(ok, t, timed=frozenset({"dkv"})) == "FAIL attnx_pallas_dkv smem 300000 > 232448"
+  assert kc.judge(ok, t, timed=frozenset({"dq"})).startswith("FAIL attnx_pallas_dkv spills 24 B")
   bad = aot.CompileReport("h100", False, "smem_overflow", "RESOURCE_EXHAUSTED: Shared memory",
                           1.0, 0.1)
   assert kc.judge(bad, t).startswith("FAIL smem_overflow: RESOURCE_EXHAUSTED")
   unmeasured = aot.CompileReport("h100", True, "ok", None, 1.0, 0.1, kernels=(
       aot.KernelReport("attnx_pallas_fwd", "pallas", smem_bytes=1024),))
   assert "registers not measured" in kc.judge(unmeasured, t)
+
+
+def test_timed_kernels_follow_the_tile_table():
+  from attnx.core.kernels.pallas import tiles  # noqa: PLC0415
+  # bf16 at H = 128: the tier's dQ and dK/dV tiles were timed; stick-breaking's own were not.
+  assert tiles.gpu_tier(128, "bfloat16").timed
+  assert kc.timed_kernels("softmax", "bfloat16", 128) == {"dq", "dkv"}
+  assert kc.timed_kernels("stick_breaking", "bfloat16", 128) == set()
+  assert kc.timed_kernels("softmax", "float32", 128) == set()
+  # The distance kernels run their dot form in float32 (H + 2 columns): an untimed tier.
+  assert kc.timed_kernels("gaussian", "bfloat16", 128) == set()
+  assert [kc.kernel_role(n) for n in ("attnx_pallas_fwd", "attnx_pallas_rows_dq",
+                                      "attnx_pallas_dk", "attnx_pallas_dv")] == [
+                                          "fwd", "dq", "dkv", "dkv"]
 
 
 def test_config_errors():

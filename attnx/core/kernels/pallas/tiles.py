@@ -32,8 +32,8 @@ TPU_LANES = 128
 
 __all__ = ["BACKENDS", "GPU_MAX_HEAD_DIM", "GPU_MIN_BLOCK", "TPU_LANES", "TPU_SUBLANES",
            "BlockSizes", "GpuTier", "GpuTile", "GpuTiles", "backend_for_platform",
-           "check_block_sizes", "default_block_sizes", "gpu_tiles", "kernel_tiles", "pow2",
-           "q_align", "resolve_backend", "supported"]
+           "check_block_sizes", "default_block_sizes", "gpu_tier", "gpu_tiles", "kernel_tiles",
+           "pow2", "q_align", "resolve_backend", "supported", "timed_kernels"]
 
 
 def resolve_backend(backend: str | None = None, interpret: bool = False) -> str:
@@ -144,6 +144,9 @@ class GpuTier(NamedTuple):
   float32: bool  # 32-bit dtypes (else 16-bit)
   max_head_dim: int  # the largest padded head size of the tier (256: every larger one too)
   tiles: GpuTiles
+  # The tier's dQ and dK/dV tiles were chosen by time on a GPU (tools/gpu_tile_sweep.py), not by
+  # the compile-time proxy "no register spills": a spill there is a measured trade.
+  timed: bool = False
 
 
 # GPU tiles and warps per kernel, by dtype width and padded head size, with overrides per
@@ -151,17 +154,19 @@ class GpuTier(NamedTuple):
 # no register spills for an H100 *and* an A100 (ptxas at XLA's production settings;
 # experiments/kernel_compile.py) for the F of the tier (pointwise: softmax, sigmoid, power,
 # softplus; every whole-row family), causal GQA at T = 2048: Triton's tutorial tiles spilled
-# (docs/guides/pallas.md). Where the fused dK/dV pass spilled at every tile (float32 at H > 64:
-# the dK and dV accumulators and the K, V tiles in registers), dK and dV run as two passes
-# (GpuTile.two_pass_dkv). Where no candidate was spill-free (the distance kernels' dK at
+# (docs/guides/pallas.md). Where a GPU was at hand the dQ and dK/dV tiles were then chosen by
+# time instead (GpuTier.timed: the spill-free ones made fwd+bwd 2.2-2.4x slower, fewer threads
+# in flight costing more than the spills saved). Where the fused dK/dV pass spilled at every
+# tile (float32 at H > 64: the dK and dV accumulators and the K, V tiles in registers), dK and
+# dV run as two passes (GpuTile.two_pass_dkv). Where no candidate was spill-free (the distance kernels' dK at
 # H = 128; stick-breaking's dK at float32 H = 256 with a bias) the table keeps the best one
 # (docs/known_limits.md). Tiers are tried in order. The distance kernels run their dot form
 # (H + 2 columns) in float32: H = 64 and 128 land in the float32 tiers of 80 and 160.
 _GPU_TIERS: tuple[GpuTier, ...] = (
-    GpuTier(False, 64, GpuTiles(fwd=GpuTile(128, 64, 8), dq=GpuTile(64, 16, 8),
-                                dkv=GpuTile(16, 32, 4))),
-    GpuTier(False, 128, GpuTiles(fwd=GpuTile(128, 32, 8), dq=GpuTile(64, 16, 8),
-                                 dkv=GpuTile(32, 64, 8))),
+    GpuTier(False, 64, GpuTiles(fwd=GpuTile(128, 64, 8), dq=GpuTile(64, 64, 4),
+                                dkv=GpuTile(64, 64, 4)), timed=True),
+    GpuTier(False, 128, GpuTiles(fwd=GpuTile(128, 32, 8), dq=GpuTile(64, 32, 4),
+                                 dkv=GpuTile(64, 64, 4)), timed=True),
     GpuTier(False, 256, GpuTiles(fwd=GpuTile(64, 64, 8), dq=GpuTile(64, 16, 8),
                                  dkv=GpuTile(16, 64, 8))),
     GpuTier(True, 64, GpuTiles(fwd=GpuTile(128, 32, 8), dq=GpuTile(64, 16, 8),
@@ -236,15 +241,32 @@ def check_block_sizes(backend: str, dtype: Any = jnp.float32, **blocks: int | No
             f"({'sublanes of a ' + jnp.dtype(dtype).name + ' tile' if is_q else 'lanes'}).")
 
 
+def gpu_tier(head_dim: int | None, dtype: Any) -> GpuTier:
+  """The row of :data:`_GPU_TIERS` for a padded head size and a dtype."""
+  wide = jnp.dtype(dtype).itemsize > 2
+  hp = head_dim or 0
+  return next(t for t in _GPU_TIERS
+              if t.float32 == wide and (hp <= t.max_head_dim or t.max_head_dim == 256))
+
+
+def _family_tiles(tier: GpuTier, family: str | None) -> dict[str, GpuTile]:
+  return _GPU_FAMILY_TIERS.get(family or "", {}).get((tier.float32, tier.max_head_dim), {})
+
+
 def gpu_tiles(head_dim: int | None, family: str | None, dtype: Any) -> GpuTiles:
   """The GPU kernels' tiles and warps for a padded head size, a dtype and a streaming family
   (None: pointwise F), from :data:`_GPU_TIERS` and :data:`_GPU_FAMILY_TIERS`."""
-  wide = jnp.dtype(dtype).itemsize > 2
-  hp = head_dim or 0
-  tier = next(t for t in _GPU_TIERS
-              if t.float32 == wide and (hp <= t.max_head_dim or t.max_head_dim == 256))
-  family_tiles = _GPU_FAMILY_TIERS.get(family or "", {})
-  return tier.tiles._replace(**family_tiles.get((tier.float32, tier.max_head_dim), {}))
+  tier = gpu_tier(head_dim, dtype)
+  return tier.tiles._replace(**_family_tiles(tier, family))
+
+
+def timed_kernels(head_dim: int | None, family: str | None, dtype: Any) -> frozenset[str]:
+  """The kernels (``"dq"``, ``"dkv"``) whose GPU tiles were chosen by time on a GPU
+  (:attr:`GpuTier.timed`; a streaming family's own tiles were chosen by compiling)."""
+  tier = gpu_tier(head_dim, dtype)
+  if not tier.timed:
+    return frozenset()
+  return frozenset({"dq", "dkv"}) - set(_family_tiles(tier, family))
 
 
 def default_block_sizes(backend: str, t: int, s: int, dtype: Any = jnp.float32,

@@ -255,10 +255,10 @@ def attention(query: Array, key: Array, value: Array, bias: Array | None = None,
       :func:`attention_weights` gives them: before dropout.
     interpret: run ``implementation="pallas"`` in Pallas' interpreter (the only way on a CPU:
       for tests; slow).
-    weighting_params: arrays for the weighting's learnable parameters, which then get
-      gradients: ``{"s": s}`` for ``ssmax`` (a scalar or one value per query head, shape
-      ``[N]``; Nakanishi 2025 learn s per head). Every implementation that runs the weighting
-      takes them.
+    weighting_params: arrays for the parameters the weighting declares learnable
+      (``get_weighting(w).learnable``), which then get gradients: ``{"s": s}`` for ``ssmax``
+      (a scalar or one value per query head, shape ``[N]``; Nakanishi 2025 learn s per head).
+      Every implementation that runs the weighting takes them.
 
   Dropout and ``return_weights`` need the weights themselves, so they run the dense
   implementation (``implementation=None`` picks it); ``implementation="blocked"``, which never

@@ -27,8 +27,8 @@ from attnx.core.implementations.blocked import min_scores
 Array = jax.Array
 
 __all__ = ["check_compatible", "check_implementation", "check_inputs", "check_score_params",
-           "choose_implementation", "describe", "dropout_active", "plan", "prepare", "resolve",
-           "ssmax_param"]
+           "check_weighting_params", "choose_implementation", "describe", "dropout_active",
+           "plan", "prepare", "resolve"]
 
 
 def _fail(msg: str) -> None:
@@ -202,21 +202,29 @@ def prepare(query: Array, key: Array, value: Array, bias: Array | None, mask: Ar
   return q, k, v, bias, mask, w, sc, params, scale
 
 
-def ssmax_param(w: Any, weighting_params: dict[str, Any] | None, n: int) -> Array | None:
-  """SSMax's learned s from ``weighting_params`` (shape () or [N]), checked: float32, or
-  float64 for a float64 s; the kernels take it in their compute dtype."""
-  if not weighting_params:
-    return None
-  family = getattr(getattr(w, "stream", None), "family", None)
-  if family != "ssmax" or set(weighting_params) != {"s"}:
-    raise ValueError(f"weighting_params {sorted(weighting_params)} do not apply to weighting "
-                     f"{w.name!r}: only 'ssmax' takes learnable parameters ({{'s': array}}).")
-  s = jnp.asarray(weighting_params["s"])
-  s = s.astype(jnp.promote_types(s.dtype, jnp.float32))
-  if s.shape not in ((), (n,)):
-    raise ValueError(f"weighting_params['s'] must be a scalar or one value per query head "
-                     f"[N] = [{n}], got shape {s.shape}.")
-  return s
+def check_weighting_params(w: Any, values: dict[str, Any] | None,
+                           n: int) -> dict[str, Array]:
+  """The checked ``weighting_params`` of a call: each a parameter the weighting declares
+  (``w.learnable``), a scalar or one value per query head ``[N]``, float32 (float64 for a
+  float64 array; the kernels take it in their compute dtype). ``{}`` for None."""
+  if not values:
+    return {}
+  declared = [p.name for p in getattr(w, "learnable", ())]
+  if set(values) != set(declared):
+    takes = (f"it takes {{{', '.join(repr(n) + ': array' for n in declared)}}}" if declared
+             else "it has no learnable parameters (of the built-in weightings only 'ssmax' "
+                  "has one: {'s': array})")
+    raise ValueError(f"weighting_params {sorted(values)} do not apply to weighting "
+                     f"{w.name!r}: {takes}.")
+  out = {}
+  for name in declared:
+    x = jnp.asarray(values[name])
+    x = x.astype(jnp.promote_types(x.dtype, jnp.float32))
+    if x.shape not in ((), (n,)):
+      raise ValueError(f"weighting_params[{name!r}] must be a scalar or one value per query "
+                       f"head [N] = [{n}], got shape {x.shape}.")
+    out[name] = x
+  return out
 
 
 def dropout_active(dropout_rate: Any, deterministic: Any) -> bool:
@@ -276,12 +284,12 @@ def plan(query: Array, key: Array, value: Array, bias: Array | None = None,
                      "needs dropout_rng, a PRNG key; pass deterministic=True to turn it off.")
   q, k, v, bias, mask, w, sc, params, scale = prepare(
       query, key, value, bias, mask, weighting, score, scale, score_params)
-  ssmax_s = ssmax_param(w, weighting_params, q.shape[-2])
+  wparams = check_weighting_params(w, weighting_params, q.shape[-2])
   problem = describe(q, k, v, bias, mask, w, sc, params, is_causal=is_causal, block_q=block_q,
                      block_k=block_k, dropout_rate=float(dropout_rate) if dropout else 0.0,
                      broadcast_dropout=broadcast_dropout, return_weights=return_weights,
                      interpret=interpret)
   inputs = Inputs(query=q, key=k, value=v, bias=bias, mask=mask, scale=scale,
-                  score_params=params, ssmax_s=ssmax_s, dropout_rng=dropout_rng)
+                  score_params=params, weighting_params=wparams, dropout_rng=dropout_rng)
   return problem, inputs
 

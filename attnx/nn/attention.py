@@ -35,9 +35,10 @@ SCORE_DIM_SCORES = ("metric",) + tuple(
 
 
 def _ssmax_init(weighting: Any) -> float | None:
-  """SSMax's s of ``weighting`` (the initial value of a learned s), None for other weightings."""
-  stream = getattr(core.get_weighting(weighting), "stream", None)
-  return stream.s if stream is not None and stream.family == "ssmax" else None
+  """The weighting's own ``s`` (the initial value of a learned s: SSMax declares it as a
+  learnable parameter), None for a weighting without one."""
+  return next((p.default for p in core.get_weighting(weighting).learnable if p.name == "s"),
+              None)
 
 
 class MultiHeadAttention(nn.Module, kw_only=True):

@@ -51,15 +51,20 @@ def test_resolve_gives_the_objects_and_the_default_scale():
     problem.resolve("gaussian", "scaled_dot", None, None, 16)
 
 
-def test_ssmax_param_checks_weighting_and_shape():
+def test_weighting_params_are_the_ones_a_weighting_declares():
   ssmax = core.get_weighting("ssmax")
-  assert problem.ssmax_param(ssmax, None, 4) is None
-  s = problem.ssmax_param(ssmax, {"s": np.full(4, 0.5, np.float16)}, 4)
-  assert s.shape == (4,) and s.dtype == jnp.float32  # at least float32
+  assert [(p.name, p.default, p.kernel_arg) for p in ssmax.learnable] == [("s", 1.0, "ssmax_s")]
+  assert problem.check_weighting_params(ssmax, None, 4) == {}
+  got = problem.check_weighting_params(ssmax, {"s": np.full(4, 0.5, np.float16)}, 4)
+  assert list(got) == ["s"] and got["s"].shape == (4,) and got["s"].dtype == jnp.float32
+  assert ssmax.kernel_args(got) == {"ssmax_s": got["s"]}
   with pytest.raises(ValueError, match=r"one value per query head \[N\] = \[4\]"):
-    problem.ssmax_param(ssmax, {"s": jnp.ones(3)}, 4)
-  with pytest.raises(ValueError, match="only 'ssmax' takes learnable parameters"):
-    problem.ssmax_param(core.get_weighting("softmax"), {"s": jnp.ones(4)}, 4)
+    problem.check_weighting_params(ssmax, {"s": jnp.ones(3)}, 4)
+  with pytest.raises(ValueError, match=r"do not apply to weighting 'ssmax': it takes \{'s'"):
+    problem.check_weighting_params(ssmax, {"t": jnp.ones(4)}, 4)
+  for name in ("softmax", "sparsemax", "stick_breaking"):  # pointwise and whole-row
+    with pytest.raises(ValueError, match="has no learnable parameters.*only 'ssmax'"):
+      problem.check_weighting_params(core.get_weighting(name), {"s": jnp.ones(4)}, 4)
 
 
 def test_dropout_active_only_for_a_positive_rate_when_not_deterministic():

@@ -111,8 +111,9 @@ class Inputs:
     bias, mask: broadcastable to ``[batch..., N, T, S]``, or None.
     scale: the score's multiplier (a Python float, or an array: a learned scale).
     score_params: the score's parameters (arrays and numbers), checked.
-    ssmax_s: SSMax's learned s (shape () or [N], float32 or float64), or None for the
-      weighting's own.
+    weighting_params: the weighting's parameters given as arrays, checked
+      (:func:`attnx.core.problem.check_weighting_params`: each declared by the weighting, shape
+      () or [N]); empty for the weighting's own values.
     dropout_rng: the PRNG key of dropout on the weights, or None.
   """
 
@@ -123,7 +124,7 @@ class Inputs:
   mask: Array | None
   scale: float | Array
   score_params: dict[str, Any]
-  ssmax_s: Array | None = None
+  weighting_params: dict[str, Array] = dataclasses.field(default_factory=dict)
   dropout_rng: Array | None = None
 
 

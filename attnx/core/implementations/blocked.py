@@ -82,5 +82,5 @@ class BlockedImplementation(Implementation):
   def __call__(self, problem: Problem, inputs: Inputs) -> Array:
     kernel = (blocked_attention if problem.pointwise
               else functools.partial(blocked_rows.blocked_row_attention,
-                                     ssmax_s=inputs.ssmax_s))
+                                     **problem.weighting.kernel_args(inputs.weighting_params)))
     return run_streaming(problem, inputs, kernel)

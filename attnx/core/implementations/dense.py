@@ -19,7 +19,6 @@ from attnx.core import scores as scores_lib
 from attnx.core import weightings as weightings_lib
 from attnx.core.contract import finite, nonfinite_inputs
 from attnx.core.implementations.base import Implementation, Inputs, Problem
-from attnx.core.weightings import rownorm
 
 Array = jax.Array
 
@@ -101,11 +100,10 @@ class DenseImplementation(Implementation):
                           inputs.scale)
     valid = combined_mask(inputs.mask, p.is_causal, p.t, p.s)
     w = p.weighting
-    if inputs.ssmax_s is not None:  # s per head: [N] against the [..., N, T, S] scores
-      s_rows = (inputs.ssmax_s.reshape(inputs.ssmax_s.shape + (1, 1)) if inputs.ssmax_s.ndim
-                else inputs.ssmax_s)
-      w = dataclasses.replace(w, fn=lambda z, wh, ax: rownorm.ssmax(z, axis=ax, where=wh,
-                                                                    s=s_rows))
+    if inputs.weighting_params:  # per head: [N] against the [..., N, T, S] scores
+      rows = {name: x.reshape(x.shape + (1, 1)) if x.ndim else x
+              for name, x in inputs.weighting_params.items()}
+      w = dataclasses.replace(w, fn=w.bind(rows))
     probs = weightings_lib.apply_weighting(scores, w, axis=-1, where=valid)
     used = (drop_weights(probs, inputs.dropout_rng, p.dropout_rate, p.broadcast_dropout,
                          k.ndim) if p.dropout else probs)

@@ -110,5 +110,5 @@ class PallasImplementation(Implementation):
     backend = _backends(problem)[0] if problem.interpret else None
     kernel = functools.partial(
         pallas_lib.pallas_attention, backend=backend, interpret=problem.interpret,
-        **({} if inputs.ssmax_s is None else {"ssmax_s": inputs.ssmax_s}))
+        **problem.weighting.kernel_args(inputs.weighting_params))
     return run_streaming(problem, inputs, kernel)

@@ -564,7 +564,8 @@ def ring_attention(q: Array, k: Array, v: Array, bias: Array | None = None,
   if layout == "zigzag" and family == "stick_breaking" and s % 2:
     raise ValueError(f"stick_breaking in the zigzag layout sends the two chunks of a shard "
                      f"around the ring apart: the local key length {s} must be even.")
-  ssmax_s = problem_lib.ssmax_param(w, weighting_params, n)
+  ssmax_s = w.kernel_args(problem_lib.check_weighting_params(w, weighting_params, n)).get(
+      "ssmax_s")
   if mask is not None and jnp.asarray(mask).dtype != jnp.bool_:
     raise ValueError(f"mask must be boolean (True = attend), got dtype "
                      f"{jnp.asarray(mask).dtype}.")

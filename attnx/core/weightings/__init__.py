@@ -21,6 +21,7 @@ from attnx.core.weightings.base import (
     RowNormalizer,
     Weighting,
     WeightingLike,
+    WeightingParam,
     check_normalization,
     label,
 )
@@ -63,7 +64,7 @@ from attnx.core.weightings.simplex import (
 
 __all__ = [
     "BUILTIN", "NORMALIZATIONS", "POINTWISE_KERNELS", "TRAITS", "Normalization", "Pointwise",
-    "RowNormalizer", "Weighting", "WeightingLike", "apply_weighting", "boxcar",
+    "RowNormalizer", "Weighting", "WeightingLike", "WeightingParam", "apply_weighting", "boxcar",
     "check_normalization", "describe_weightings", "elu_plus_one", "entmax15_weighting",
     "entmax_weighting", "epanechnikov", "exp", "gaussian", "get_weighting", "label",
     "list_weightings", "parse_weighting_name", "pointwise_weights", "power",

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +32,22 @@ from attnx.core.streaming import RowStream
 Array = jax.Array
 Normalization = str  # "sum" | "length" | "none"
 NORMALIZATIONS = ("sum", "length", "none")
+
+@dataclasses.dataclass(frozen=True)
+class WeightingParam:
+  """A parameter of a weighting that a caller may pass as an array (``weighting_params``) and a
+  module may learn: a scalar, or one value per query head ``[N]``.
+
+  Attributes:
+    name: its key in ``weighting_params``.
+    default: the weighting's own value (a module's initial value).
+    kernel_arg: the keyword under which the streaming kernels take it.
+  """
+
+  name: str
+  default: float
+  kernel_arg: str
+
 
 @dataclasses.dataclass(frozen=True)
 class Pointwise:
@@ -69,6 +85,12 @@ class Pointwise:
   zero_on_nonpositive: bool = False
 
   kind = "pointwise"
+  learnable: ClassVar[tuple[WeightingParam, ...]] = ()  # no pointwise F learns a parameter
+
+  def kernel_args(self, values: dict[str, Any]) -> dict[str, Any]:
+    """The streaming kernels' keyword arguments for ``weighting_params``: none."""
+    del values
+    return {}
 
   @property
   def online_max(self) -> bool:
@@ -117,6 +139,10 @@ class RowNormalizer:
       None for a weighting that runs dense only.
     sums_to_one, zero_on_nonpositive, shift_invariant: declared traits (see :data:`TRAITS`),
       set by the weighting's constructor. Default False: "not known to hold".
+    learnable: the parameters that ``weighting_params`` may give as arrays
+      (:class:`WeightingParam`), e.g. SSMax's ``s``.
+    bind: ``values -> fn``: the dense implementation with those arrays (each broadcastable
+      against the scores) in place of the weighting's own values; None if nothing is learnable.
   """
 
   name: str
@@ -125,6 +151,8 @@ class RowNormalizer:
   sums_to_one: bool = False
   zero_on_nonpositive: bool = False
   shift_invariant: bool = False
+  learnable: tuple[WeightingParam, ...] = ()
+  bind: Callable[[dict[str, Any]], Callable[[Array, Array | None, int], Array]] | None = None
 
   kind = "row"
   online_max = False
@@ -138,6 +166,10 @@ class RowNormalizer:
   def traits(self) -> dict[str, Any]:
     """``{trait: value}`` for every name in :data:`TRAITS`."""
     return _traits(self)
+
+  def kernel_args(self, values: dict[str, Any]) -> dict[str, Any]:
+    """The streaming kernels' keyword arguments for checked ``weighting_params`` values."""
+    return {p.kernel_arg: values[p.name] for p in self.learnable if p.name in values}
 
 
 Weighting = Pointwise | RowNormalizer

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from attnx.core import params as params_lib
 from attnx.core.contract import compute_dtype
 from attnx.core.streaming import RowStream
-from attnx.core.weightings.base import RowNormalizer, label
+from attnx.core.weightings.base import RowNormalizer, WeightingParam, label
 
 Array = jax.Array
 
@@ -185,7 +185,9 @@ def ssmax_weighting(s: float = SSMAX_DEFAULT_S) -> RowNormalizer:
       name=label("ssmax", s=None if s == SSMAX_DEFAULT_S else s),
       fn=lambda z, w, ax: ssmax(z, axis=ax, where=w, s=s), stream=RowStream("ssmax", s=s),
       # softmax of c·z, c = s·log n per row: a shift c·M of every c·z cancels.
-      sums_to_one=True, shift_invariant=True)
+      sums_to_one=True, shift_invariant=True,
+      learnable=(WeightingParam("s", default=s, kernel_arg="ssmax_s"),),
+      bind=lambda values: lambda z, w, ax: ssmax(z, axis=ax, where=w, s=values["s"]))
 
 
 def softpick_weighting(eps: float = SOFTPICK_EPS) -> RowNormalizer:

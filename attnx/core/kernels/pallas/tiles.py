@@ -158,10 +158,10 @@ class GpuTier(NamedTuple):
 # time instead (GpuTier.timed: the spill-free ones made fwd+bwd 2.2-2.4x slower, fewer threads
 # in flight costing more than the spills saved). Where the fused dK/dV pass spilled at every
 # tile (float32 at H > 64: the dK and dV accumulators and the K, V tiles in registers), dK and
-# dV run as two passes (GpuTile.two_pass_dkv). Where no candidate was spill-free (the distance kernels' dK at
-# H = 128; stick-breaking's dK at float32 H = 256 with a bias) the table keeps the best one
-# (docs/known_limits.md). Tiers are tried in order. The distance kernels run their dot form
-# (H + 2 columns) in float32: H = 64 and 128 land in the float32 tiers of 80 and 160.
+# dV run as two passes (GpuTile.two_pass_dkv). Where no candidate was spill-free (the distance
+# kernels' dK at H = 128; stick-breaking's dK at float32 H = 256 with a bias) the table keeps
+# the best one (docs/known_limits.md). Tiers are tried in order. The distance kernels run their
+# dot form (H + 2 columns) in float32: H = 64 and 128 land in the float32 tiers of 80 and 160.
 _GPU_TIERS: tuple[GpuTier, ...] = (
     GpuTier(False, 64, GpuTiles(fwd=GpuTile(128, 64, 8), dq=GpuTile(64, 64, 4),
                                 dkv=GpuTile(64, 64, 4)), timed=True),

@@ -207,8 +207,8 @@ def ssmax_param(w: Any, weighting_params: dict[str, Any] | None, n: int) -> Arra
   float64 for a float64 s; the kernels take it in their compute dtype."""
   if not weighting_params:
     return None
-  family = getattr(getattr(w, "stream", None), "family", None)
-  if family != "ssmax" or set(weighting_params) != {"s"}:
+  stream = getattr(w, "stream", None)  # only SSMax's s enters through the per-row scale
+  if stream is None or not stream.needs_row_scale or set(weighting_params) != {"s"}:
     raise ValueError(f"weighting_params {sorted(weighting_params)} do not apply to weighting "
                      f"{w.name!r}: only 'ssmax' takes learnable parameters ({{'s': array}}).")
   s = jnp.asarray(weighting_params["s"])

@@ -37,7 +37,7 @@ SCORE_DIM_SCORES = ("metric",) + tuple(
 def _ssmax_init(weighting: Any) -> float | None:
   """SSMax's s of ``weighting`` (the initial value of a learned s), None for other weightings."""
   stream = getattr(core.get_weighting(weighting), "stream", None)
-  return stream.s if stream is not None and stream.family == "ssmax" else None
+  return stream.s if stream is not None and stream.needs_row_scale else None
 
 
 class MultiHeadAttention(nn.Module, kw_only=True):

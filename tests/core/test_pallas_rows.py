@@ -671,12 +671,12 @@ def test_softpick_scaled_expm1_matches_float64():
   for c in (-13.8, 0.0, 5.0, 95.0, 300.0):
     z = x[x <= max(c, 0.0)] if c >= 0 else x[np.abs(x) < 1]
     zj = jnp.asarray(z)
-    got = streaming._scaled_expm1(zj, jnp.exp(zj - c), jnp.exp(jnp.float32(-c)))
+    got = streaming.softpick.scaled_expm1(zj, jnp.exp(zj - c), jnp.exp(jnp.float32(-c)))
     want = np.exp(-c) * np.expm1(z.astype(np.float64))
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-37, err_msg=f"c = {c}")
     normal = np.abs(want) > 1e-30  # e^{−95} and below are float32 subnormals
     np.testing.assert_array_equal(np.signbit(np.asarray(got)[normal]), np.signbit(want[normal]))
-  assert np.isnan(streaming._scaled_expm1(jnp.float32(np.nan), jnp.float32(np.nan), 1.0))
+  assert np.isnan(streaming.softpick.scaled_expm1(jnp.float32(np.nan), jnp.float32(np.nan), 1.0))
 
 
 def test_comparison_sign_matches_xla():

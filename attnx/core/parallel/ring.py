@@ -104,7 +104,7 @@ def _forward(rc: steps.RingConfig, q, k, v, bias, mask, rsc, scale):
   p, hv = rc.p, v.shape[-1]
   i = lax.axis_index(rc.axis)
   rows = q.shape[:2] + (rc.t,)
-  stick = rc.family == "stick_breaking"
+  two_runs = rc.reverse
 
   def body(r, c):
     travel, low, high = c
@@ -116,7 +116,7 @@ def _forward(rc: steps.RingConfig, q, k, v, bias, mask, rsc, scale):
     run = lambda kind: (lambda: steps.kind_state(rc, ring_layout.PIECES[kind], q, kv, b, m,
                                                  rsc, scale, hv))
     part = steps.switch(rc, i, src, run)
-    if not stick:
+    if not two_runs:
       return after, steps.merge(rc, low, part), high
     # Shards i, i−1, …, 0 and then P−1, …, i+1 each come before the previous one: two runs,
     # each merged behind the state of the keys after it.
@@ -128,7 +128,7 @@ def _forward(rc: steps.RingConfig, q, k, v, bias, mask, rsc, scale):
   init = (steps.travelling_arrays(rc, k, v, bias, mask), steps.empty(rc, rows, hv),
           steps.empty(rc, rows, hv))
   _, low, high = lax.fori_loop(0, p, body, init)
-  if stick:
+  if two_runs:
     state = steps.merge(rc, high, low)
     out, stats, _ = streaming.finalize(rc.w.stream, state, None)
     return out, stats, (high.acc, high.log_rest)
@@ -145,12 +145,12 @@ def _backward(rc: steps.RingConfig, res, do):
   i = lax.axis_index(rc.axis)
   do = do.astype(rc.dtype)
   rows = q.shape[:3]
-  stick = rc.family == "stick_breaking"
+  two_runs = rc.reverse
   zero_rows = steps.zeros(rc, rows)
   # Carries of the whole-row backward. SSMax: dc, summed over every shard. Stick-breaking, run
   # from the later keys backwards: the run of shards after i (high) starts empty, the run of
   # shards up to i (low) starts after all of them: with their L and Σ A·dP = dO·O_high.
-  if stick:
+  if two_runs:
     low_c = extra  # (L, Σ A·dP) of the later run: steps.start_carries
     high_c = (zero_rows, zero_rows)
   else:
@@ -175,12 +175,12 @@ def _backward(rc: steps.RingConfig, res, do):
     src = (i - r) % p
     after = lax.ppermute(travel, rc.axis, steps.perm(p)) if p > 1 else travel
     kv, b, m = steps.step_inputs(rc, travel, bias, mask, src)
-    later = src > i if stick else False
-    carries = steps.select(later, high_c, low_c) if stick else low_c
+    later = src > i if two_runs else False
+    carries = steps.select(later, high_c, low_c) if two_runs else low_c
     run = lambda kind: (lambda c: steps.kind_grads(rc, ring_layout.PIECES[kind], q, kv, b, m,
                                                    rsc, scale, out, stats, do, c))
     gq, (gk, gv), db, carries, gs = steps.switch(rc, i, src, run, carries)
-    if stick:
+    if two_runs:
       low_c, high_c = steps.select(later, low_c, carries), steps.select(later, carries, high_c)
     else:
       low_c = carries
@@ -200,7 +200,7 @@ def _backward(rc: steps.RingConfig, res, do):
   dk, dv, dbias_t = tgrads
   dq, dscale, dbias_local, low_c, _ = acc
   dbias = dbias_t if rc.bias_kind == "travel" else dbias_local
-  drsc = low_c[0] if rc.family == "ssmax" else None
+  drsc = low_c[0] if rc.needs_row_scale else None
   return dq, dk, dv, dbias, drsc, dscale
 
 
@@ -309,11 +309,10 @@ def _make_ring(rc: steps.RingConfig, passes: int):
   ``rc.head_dims[1]``, of ``passes`` passes that run one after another (``lax.scan``), each a
   whole ring over its heads, so that every ring buffer holds only the pass' heads."""
 
-  zigzag_stick = rc.family == "stick_breaking" and rc.layout == "zigzag"
   forward = ((lambda rc, q, k, v, bias, mask, rsc, scale:
               stick_zigzag.forward(rc, q, k, v, bias, mask, scale))
-             if zigzag_stick else _forward)
-  backward = stick_zigzag.backward if zigzag_stick else _backward
+             if rc.chunks_apart else _forward)
+  backward = stick_zigzag.backward if rc.chunks_apart else _backward
   b, kc, g = rc.head_dims
   hq = kc * g
 
@@ -561,8 +560,9 @@ def ring_attention(q: Array, k: Array, v: Array, bias: Array | None = None,
   if layout == "zigzag" and is_causal and t % 2:
     raise ValueError(f"the zigzag layout holds two chunks per device: the local length {t} "
                      f"must be even (the global length a multiple of 2·P = {2 * p}).")
-  if layout == "zigzag" and family == "stick_breaking" and s % 2:
-    raise ValueError(f"stick_breaking in the zigzag layout sends the two chunks of a shard "
+  stream = steps.stream_of(w)
+  if layout == "zigzag" and stream is not None and stream.reverse and s % 2:
+    raise ValueError(f"{family} in the zigzag layout sends the two chunks of a shard "
                      f"around the ring apart: the local key length {s} must be even.")
   ssmax_s = w.kernel_args(problem_lib.check_weighting_params(w, weighting_params, n)).get(
       "ssmax_s")
@@ -601,7 +601,7 @@ def ring_attention(q: Array, k: Array, v: Array, bias: Array | None = None,
   qd, kd, value = flat(qd), flat(kd), flat(value)
   rc = dataclasses.replace(rc, dtype=compute_dtype(compute))  # float64 inputs: float64
   rsc = None
-  if family == "ssmax":
+  if rc.needs_row_scale:
     sv = jnp.asarray(w.stream.s if ssmax_s is None else ssmax_s, rc.dtype)
     if sv.ndim:
       sv = jnp.broadcast_to(sv.reshape(-1), (n,))[None, :, None]

@@ -23,7 +23,10 @@ from attnx.core.weightings import Pointwise
 
 Array = jax.Array
 F32 = jnp.float32
-FAMILIES = ("pointwise", "ssmax", "softpick", "stick_breaking")
+# The families a ring runs: a pointwise F, and every whole-row family that streams in one pass
+# over the keys (not sparsemax/entmax, whose threshold needs every key of the row first).
+FAMILIES = ("pointwise",) + tuple(name for name in streaming.FAMILIES
+                                  if not streaming.get_family(name).needs_threshold)
 
 
 # --------------------------------------------------------------------------------------------
@@ -61,7 +64,39 @@ class RingConfig:
 
   @property
   def pointwise(self) -> bool:
-    return self.family == "pointwise"
+    """Whether F is pointwise (the rules of :mod:`attnx.core.streaming.pointwise`)."""
+    return isinstance(self.w, Pointwise)
+
+  @property
+  def stream(self) -> streaming.RowStream | None:
+    """The whole-row weighting's stream; None for a pointwise F."""
+    return stream_of(self.w)
+
+  @property
+  def reverse(self) -> bool:
+    """Whether a merge takes the later keys first (:attr:`streaming.RowStream.reverse`): the
+    ring keeps two runs of states, the shards up to this device's and those after it, and
+    merges them at the end."""
+    return self.stream is not None and self.stream.reverse
+
+  @property
+  def chunks_apart(self) -> bool:
+    """Whether the two zigzag chunks of a shard travel around the ring apart, in opposite
+    directions (:mod:`attnx.core.parallel.stick_zigzag`), so that every chunk arrives before
+    the earlier chunks of its run: a reverse family in the zigzag layout."""
+    return self.layout == "zigzag" and self.reverse
+
+  @property
+  def suffix_carries(self) -> bool:
+    """Whether a block's backward starts from the carries of the keys after it
+    (:attr:`streaming.RowStream.suffix_carries`): :func:`start_carries`."""
+    return self.stream is not None and self.stream.suffix_carries
+
+  @property
+  def needs_row_scale(self) -> bool:
+    """Whether the kernels take the per-row scale c_i of the whole row (SSMax), whose
+    gradient the backward returns."""
+    return self.stream is not None and self.stream.needs_row_scale
 
   def cfg(self, t: int, s: int, causal: bool) -> tl.TileConfig:
     return bl.block_config(
@@ -114,7 +149,7 @@ def check_tiles(rc: RingConfig) -> None:
   shapes = {(rc.t, rc.s, rc.is_causal)}
   if rc.layout == "zigzag" and rc.is_causal:
     shapes |= {(rc.t, half_s, False), (half_t, rc.s, False)}
-  if rc.layout == "zigzag" and rc.family == "stick_breaking":
+  if rc.chunks_apart:
     shapes |= {(rc.t, half_s, False), (half_t, half_s, rc.is_causal), (half_t, half_s, False)}
   for t, s, causal in shapes:
     cfg = rc.cfg(t, s, causal)
@@ -127,6 +162,11 @@ def check_tiles(rc: RingConfig) -> None:
             "padding keys).")
 
 
+def stream_of(w: Any) -> streaming.RowStream | None:
+  """The stream of a whole-row weighting ``w``; None for a pointwise F."""
+  return None if isinstance(w, Pointwise) else w.stream
+
+
 def family_of(w: Any) -> str:
   if isinstance(w, Pointwise):
     return "pointwise"
@@ -136,7 +176,7 @@ def family_of(w: Any) -> str:
                      "it cannot run ring-parallel: gather K/V (lax.all_gather(..., tiled=True) "
                      "along the sequence) and call attnx.core.attention, or use a streamable "
                      "weighting.")
-  if stream.family == "entmax":
+  if stream.needs_threshold:
     raise ValueError(
         f"Weighting {w.name!r} cannot run ring-parallel: its threshold τ_i needs every key of "
         "the row before the first weight (several passes over all keys). Gather K/V with "
@@ -353,7 +393,7 @@ def start_carries(rc: RingConfig, extra: Any, do: Array) -> Any:
   """Stick-breaking: the carries each run of the backward starts from, (L, Σ A·dP) of the
   keys after the run, from the later runs' forward states (``extra``) and dO [X, G, t, Hv].
   They are rows only: computed before the backward's ring, the saved states die first."""
-  if rc.family != "stick_breaking":
+  if not rc.suffix_carries:
     return extra
   if rc.layout == "contiguous":
     o_high, l_high = extra

@@ -52,9 +52,14 @@ CAUSAL_BLOCK_Q = 512
 BLOCK_K = 512
 STICK_BLOCK_K = 256
 STICK_SHORT_BLOCK_Q, STICK_SHORT_T = 256, 2048
+# The families whose tiles differ from those defaults: their key tiles, and (query block,
+# length below which it applies) of their causal query blocks.
+FAMILY_BLOCK_K = {"stick_breaking": STICK_BLOCK_K}
+FAMILY_SHORT_BLOCK_Q = {"stick_breaking": (STICK_SHORT_BLOCK_Q, STICK_SHORT_T)}
 
-__all__ = ["BLOCK_K", "CAUSAL_BLOCK_Q", "STICK_BLOCK_K", "block_grads", "blocked_row_attention",
-           "causal_block_sizes", "raw_block_state", "streams", "threshold_passes", "zero_tiles"]
+__all__ = ["BLOCK_K", "CAUSAL_BLOCK_Q", "FAMILY_BLOCK_K", "FAMILY_SHORT_BLOCK_Q", "STICK_BLOCK_K",
+           "block_grads", "blocked_row_attention", "causal_block_sizes", "raw_block_state",
+           "streams", "threshold_passes", "zero_tiles"]
 
 
 def streams(weighting: Any) -> bool:
@@ -524,8 +529,8 @@ def _ssmax_as_softmax(q, k, v, mask, weighting, scale, block_q, block_k, ssmax_s
 
 
 def _block_k(family: str, s: int) -> int:
-  """Key tiles of :data:`BLOCK_K` (stick-breaking: :data:`STICK_BLOCK_K`), capped at S."""
-  bk = STICK_BLOCK_K if family == "stick_breaking" else BLOCK_K
+  """Key tiles of :data:`BLOCK_K` (or the family's in :data:`FAMILY_BLOCK_K`), capped at S."""
+  bk = FAMILY_BLOCK_K.get(family, BLOCK_K)
   return min(bk, common.round_up(max(s, 1), tl.ALIGN))
 
 
@@ -535,8 +540,8 @@ def causal_block_sizes(family: str, t: int, s: int, group: int = 1) -> tuple[int
   lengths and, like the pointwise kernel's, at :data:`attnx.core.kernels.xla.pointwise.TILE_BUDGET`
   scores per tile."""
   bk = _block_k(family, s)
-  bq = (STICK_SHORT_BLOCK_Q if family == "stick_breaking" and t < STICK_SHORT_T
-        else CAUSAL_BLOCK_Q)
+  short_bq, short_t = FAMILY_SHORT_BLOCK_Q.get(family, (CAUSAL_BLOCK_Q, 0))
+  bq = short_bq if t < short_t else CAUSAL_BLOCK_Q
   budget = max(tl.ALIGN, (bl.TILE_BUDGET // (bk * max(group, 1))) // tl.ALIGN * tl.ALIGN)
   return min(bq, budget, common.round_up(max(t, 1), tl.ALIGN)), bk
 

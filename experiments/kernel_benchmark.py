@@ -200,12 +200,11 @@ def _attn_fn(impl: str, weighting: str, config, score: str = "scaled_dot",
       mask = nn.make_causal_mask(jnp.ones(q.shape[:2])) if causal else None
       return nn.dot_product_attention(q, k, v, mask=mask)
     return flax_fn
-  kw = {}
-  if impl == "attnx blocked":
-    kw = {"block_q": int(config.block_q) or None, "block_k": int(config.block_k) or None}
-  implementation = "dense" if impl == "attnx dense" else "blocked"
+  implementation = (core.Dense() if impl == "attnx dense" else
+                    core.Blocked(block_q=int(config.block_q) or None,
+                                 block_k=int(config.block_k) or None))
   return lambda q, k, v: core.attention(q, k, v, weighting=weighting, score=score,
-                                        is_causal=causal, implementation=implementation, **kw)
+                                        is_causal=causal, implementation=implementation)
 
 
 def _program(fn, mode: str):

@@ -103,9 +103,9 @@ def attention_cases():
   """(name, fn, args, platforms) of core.attention over the kernels' branch points."""
   shapes = {"self": (2, 96, 96, 4, 2, 32), "t!=s": (1, 80, 112, 2, 1, 16)}
   impls = {"dense": dict(implementation="dense"),
-           "blocked": dict(implementation="blocked", block_q=32, block_k=32),
+           "blocked": dict(implementation=core.Blocked(block_q=32, block_k=32)),
            "blocked_default": dict(implementation="blocked"),
-           "pallas_interpret": dict(implementation="pallas", interpret=True)}
+           "pallas_interpret": dict(implementation=core.Pallas(interpret=True))}
   for shape_name, shape in shapes.items():
     q, k, v, mask, bias = _qkv(*shape)
     for w in WEIGHTINGS if shape_name == "self" else T_NE_S_WEIGHTINGS:
@@ -145,7 +145,7 @@ def ring_cases():
     for layout in ("contiguous", "zigzag"):
       for impl in ("blocked", "pallas"):
         kw = dict(axis_name="sp", weighting=w, is_causal=True, layout=layout,
-                  implementation=impl, interpret=impl == "pallas")
+                  implementation=core.Pallas(interpret=True) if impl == "pallas" else impl)
         inner = lambda q_, k_, v_, kw=kw: core.ring_attention(q_, k_, v_, **kw)
         call = jax.shard_map(inner, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec,
                              check_vma=False)

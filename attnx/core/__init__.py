@@ -18,7 +18,10 @@ from attnx.core.api import (
 )
 from attnx.core.flax_adapter import flax_attention_fn
 from attnx.core.implementations import (
+    Blocked,
+    Dense,
     Implementation,
+    Pallas,
     Problem,
     get_implementation,
     list_implementations,
@@ -59,8 +62,9 @@ from attnx.core.weightings.rownorm import softpick, ssmax, stick_breaking
 from attnx.core.weightings.simplex import entmax15, entmax_bisect, sparsemax
 
 __all__ = [
-    "BLOCKED_MIN_SCORES", "IMPLEMENTATIONS", "ROW_BLOCKED_MIN_SCORES", "Explanation",
-    "Implementation", "PallasVerification", "Pointwise", "Problem", "RowNormalizer", "Score",
+    "BLOCKED_MIN_SCORES", "IMPLEMENTATIONS", "ROW_BLOCKED_MIN_SCORES", "Blocked", "Dense",
+    "Explanation", "Implementation", "Pallas", "PallasVerification", "Pointwise", "Problem",
+    "RowNormalizer", "Score",
     "additive", "attention", "attention_weights", "bilinear", "blocked_attention", "causal_mask",
     "check_compatible", "cosine", "describe_weightings", "dot", "elu_plus_one_features",
     "entmax15", "entmax_bisect", "explain", "favor_features", "favor_plus_features",

@@ -108,12 +108,13 @@ def attention_weights(query: Array, key: Array, bias: Array | None = None,
   return weightings_lib.apply_weighting(scores, w, axis=-1, where=valid)
 
 
-def _walk(problem: Problem) -> tuple[Implementation, dict[str, str]]:
-  """The automatic choice: the first implementation in dispatch order that supports
-  ``problem`` and does not decline it; also why it passed over the ones before it that could
-  run it."""
+def _walk(problem: Problem, order: tuple[Implementation, ...]) -> tuple[Implementation,
+                                                                        dict[str, str]]:
+  """The automatic choice: the first implementation in ``order`` (the dispatch order) that
+  supports ``problem`` and does not decline it; also why it passed over the ones before it
+  that could run it."""
   declined = {}
-  for impl in impl_lib.dispatch_order():
+  for impl in order:
     if impl.supports(problem) is None:
       why = impl.declines(problem)
       if why is None:
@@ -122,16 +123,16 @@ def _walk(problem: Problem) -> tuple[Implementation, dict[str, str]]:
   raise AssertionError(f"no implementation runs {problem}")  # dense runs every problem
 
 
-def _select(problem: Problem, implementation: str | None) -> Implementation:
+def _select(problem: Problem,
+            chosen: Implementation | tuple[Implementation, ...]) -> Implementation:
   """The implementation :func:`attention` runs: the explicit one (ValueError with its reason
-  when it cannot run ``problem``) or the automatic choice."""
-  if implementation is None:
-    return _walk(problem)[0]
-  impl = get_implementation(implementation)
-  reason = impl.supports(problem)
+  when it cannot run ``problem``) or the automatic choice over an order."""
+  if isinstance(chosen, tuple):
+    return _walk(problem, chosen)[0]
+  reason = chosen.supports(problem)
   if reason is not None:
     raise ValueError(reason)
-  return impl
+  return chosen
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,7 +174,9 @@ class Explanation:
 
 
 def explain(query: Array, key: Array, value: Array, bias: Array | None = None,
-            mask: Array | None = None, **kwargs: Any) -> Explanation:
+            mask: Array | None = None, *, implementation: str | Implementation | None = None,
+            block_q: int | None = None, block_k: int | None = None, interpret: bool = False,
+            **kwargs: Any) -> Explanation:
   """Which implementation ``attention(query, key, value, bias, mask, **kwargs)`` runs, and why
   each other one cannot run it or was passed over, without running it.
 
@@ -194,21 +197,28 @@ def explain(query: Array, key: Array, value: Array, bias: Array | None = None,
     dense: runs this call
     >>> core.explain(q, k, v, implementation="blocked", return_weights=True).chosen is None
     True
+    >>> core.explain(q, k, v, implementation=core.Blocked(block_q=8)).chosen
+    'blocked'
   """
+  settings = impl_lib.legacy_settings("explain", block_q=block_q, block_k=block_k,
+                                      interpret=interpret)
+  chosen = impl_lib.configure(implementation, settings, "explain")
   problem, _ = problem_lib.plan(query, key, value, bias, mask, **kwargs)
-  implementation = kwargs.get("implementation")
-  reasons = {impl.name: impl.supports(problem) for impl in impl_lib.dispatch_order()}
-  if implementation is None:
-    chosen, declined = _walk(problem)
-    return Explanation(problem, chosen.name, reasons, declined)
-  name = get_implementation(implementation).name
-  return Explanation(problem, name if reasons[name] is None else None, reasons, {})
+  order = chosen if isinstance(chosen, tuple) else tuple(
+      chosen if impl.name == chosen.name else impl for impl in impl_lib.dispatch_order())
+  reasons = {impl.name: impl.supports(problem) for impl in order}
+  if isinstance(chosen, tuple):
+    impl, declined = _walk(problem, chosen)
+    return Explanation(problem, impl.name, reasons, declined)
+  return Explanation(problem, chosen.name if reasons[chosen.name] is None else None, reasons,
+                     {})
 
 
 def attention(query: Array, key: Array, value: Array, bias: Array | None = None,
               mask: Array | None = None, *, weighting: Any = "softmax",
               score: Any = "scaled_dot", is_causal: bool = False, scale: float | None = None,
-              implementation: str | None = None, score_params: dict[str, Any] | None = None,
+              implementation: str | Implementation | None = None,
+              score_params: dict[str, Any] | None = None,
               block_q: int | None = None, block_k: int | None = None,
               dropout_rate: float = 0.0, dropout_rng: Array | None = None,
               deterministic: bool = False, broadcast_dropout: bool = True,
@@ -228,20 +238,24 @@ def attention(query: Array, key: Array, value: Array, bias: Array | None = None,
       ``(q, k) -> [batch..., N, T, S]``.
     is_causal: query i attends keys j ≤ i (top-left aligned, as in jax.nn).
     scale: multiplies the score; default 1/√H for ``scaled_dot`` and 1 for the others.
-    implementation: ``"dense"``, ``"blocked"`` (flash-style in XLA, O(T) memory), ``"pallas"``
-      (fused Pallas kernels: Triton on GPU, Mosaic on TPU; :mod:`attnx.core.kernels.pallas`)
-      or None: the first of ``list_implementations()`` (pallas, blocked, dense) that
-      supports the call and does not decline it — dense for small problems; for large
-      streamable ones the blocked kernel, or on a GPU/TPU the Pallas kernel once its one-time
-      verification against blocked passed for that (backend, weighting, dtype, head size)
-      (:func:`~attnx.core.kernels.pallas.verify.verify_pallas`: run eagerly on inputs of its own,
-      also when this call is being traced; one warning and blocked if it fails). An explicit
-      name runs that implementation or raises a ValueError saying why it cannot (an explicit
-      ``"pallas"`` never falls back). :func:`explain` shows the choice and the reasons.
+    implementation: an implementation object with its kernel settings — ``core.Dense()``,
+      ``core.Blocked(block_q=..., block_k=...)`` (flash-style in XLA, O(T) memory),
+      ``core.Pallas(block_q=..., block_k=..., interpret=...)`` (fused Pallas kernels: Triton
+      on GPU, Mosaic on TPU; :mod:`attnx.core.kernels.pallas`) — or its name (``"dense"``,
+      ``"blocked"``, ``"pallas"``: the defaults), or None: the first of
+      ``list_implementations()`` (pallas, blocked, dense) that supports the call and does not
+      decline it — dense for small problems; for large streamable ones the blocked kernel, or
+      on a GPU/TPU the Pallas kernel once its one-time verification against blocked passed
+      for that (backend, weighting, dtype, head size)
+      (:func:`~attnx.core.kernels.pallas.verify.verify_pallas`: run eagerly on inputs of its
+      own, also when this call is being traced; one warning and blocked if it fails). An
+      explicit implementation runs or raises a ValueError saying why it cannot (an explicit
+      Pallas never falls back). :func:`explain` shows the choice and the reasons.
     score_params: arrays for parametrized scores: ``bilinear`` (W), ``metric`` (L),
       ``additive`` (Wq, Wk, v); scalars for ``cosine`` (temperature).
-    block_q, block_k: tile sizes of the blocked/Pallas kernel (default: chosen by the kernel,
-      validated against the backend's rules for Pallas).
+    block_q, block_k: deprecated (removed in the next release; a DeprecationWarning): the tile
+      caps, now ``core.Blocked(block_q=...)`` / ``core.Pallas(block_q=...)``. With a name or
+      None they apply to the implementations that have tiles.
     dropout_rate: dropout on the weights, in [0, 1) (a Python number): each weight is kept
       with probability 1 − rate and rescaled by 1/(1 − rate).
     dropout_rng: the PRNG key of that dropout; required when dropout applies.
@@ -253,8 +267,9 @@ def attention(query: Array, key: Array, value: Array, bias: Array | None = None,
       False draws one mask per weight.
     return_weights: also return the weights ``[batch..., N, T, S]`` (float32), as
       :func:`attention_weights` gives them: before dropout.
-    interpret: run ``implementation="pallas"`` in Pallas' interpreter (the only way on a CPU:
-      for tests; slow).
+    interpret: deprecated (removed in the next release; a DeprecationWarning): now
+      ``core.Pallas(interpret=True)``, Pallas' interpreter (the only way on a CPU: for tests;
+      slow).
     weighting_params: arrays for the parameters the weighting declares learnable
       (``get_weighting(w).learnable``), which then get gradients: ``{"s": s}`` for ``ssmax``
       (a scalar or one value per query head, shape ``[N]``; Nakanishi 2025 learn s per head).
@@ -291,13 +306,13 @@ def attention(query: Array, key: Array, value: Array, bias: Array | None = None,
 
   Exporting (``jax.export``) with a symbolic batch: the batch dims ``[batch...]`` (of q, k,
   v and of a mask/bias that has them) may be symbolic, forward and gradient, for
-  ``"dense"``, ``"blocked"``, None and ``"pallas"`` with ``interpret=True``. T, S, N, K, H
+  ``"dense"``, ``"blocked"``, None and ``core.Pallas(interpret=True)``. T, S, N, K, H
   and Hv must be static for ``"blocked"`` and ``"pallas"`` (dense takes them symbolic too,
   and None then runs it). The compiled Pallas kernels take no symbolic batch (JAX's Pallas
   lowerings need a static grid): ``"pallas"`` raises a ValueError and None runs blocked.
 
   Raises:
-    ValueError: bad shapes or dtypes, a tile size below 1 (whatever the implementation), an
+    ValueError: bad shapes or dtypes, a tile size below 1 (when the object is made), an
       unknown or incompatible weighting/score/implementation, ``dropout_rate`` outside
       [0, 1), dropout without ``dropout_rng``, or an explicit implementation that cannot run
       the call (e.g. dropout / ``return_weights`` with ``implementation="blocked"``; the
@@ -318,14 +333,20 @@ def attention(query: Array, key: Array, value: Array, bias: Array | None = None,
     >>> core.attention(q, k, v, weighting="relu", score="cosine:temperature=0.1",
     ...                is_causal=True).shape
     (2, 5, 4, 16)
+    >>> fast = core.attention(q, k, v, implementation=core.Blocked(block_q=8, block_k=8))
+    >>> bool(jnp.allclose(fast, core.attention(q, k, v), atol=1e-5))
+    True
   """
+  settings = impl_lib.legacy_settings("attention", block_q=block_q, block_k=block_k,
+                                      interpret=interpret)
+  chosen = impl_lib.configure(implementation, settings, "attention")
   problem, inputs = problem_lib.plan(
       query, key, value, bias, mask, weighting=weighting, score=score, is_causal=is_causal,
-      scale=scale, score_params=score_params, block_q=block_q, block_k=block_k,
-      dropout_rate=dropout_rate, dropout_rng=dropout_rng, deterministic=deterministic,
-      broadcast_dropout=broadcast_dropout, return_weights=return_weights, interpret=interpret,
+      scale=scale, score_params=score_params, dropout_rate=dropout_rate,
+      dropout_rng=dropout_rng, deterministic=deterministic,
+      broadcast_dropout=broadcast_dropout, return_weights=return_weights,
       weighting_params=weighting_params)
-  impl = _select(problem, implementation)
+  impl = _select(problem, chosen)
   if problem.empty:  # no query, or no key: every row has no valid key
     p = problem
     out = jnp.zeros((*p.batch, p.t, p.num_heads, p.value_head_dim), p.dtype)

@@ -11,6 +11,7 @@ model see the future).
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -18,6 +19,8 @@ import jax
 import jax.numpy as jnp
 
 from attnx.core import api as attention_lib
+from attnx.core import implementations as impl_lib
+from attnx.core.implementations import Implementation
 
 Array = jax.Array
 
@@ -42,7 +45,7 @@ def _matmul_precision(precision: Any) -> str | None:
 
 
 def flax_attention_fn(weighting: Any = "softmax", score: Any = "scaled_dot", *,
-                      implementation: str | None = None,
+                      implementation: str | Implementation | None = None,
                       score_params: dict[str, Any] | None = None,
                       weighting_params: dict[str, Any] | None = None,
                       scale: float | None = None,
@@ -74,7 +77,10 @@ def flax_attention_fn(weighting: Any = "softmax", score: Any = "scaled_dot", *,
 
   Any other keyword is a ``TypeError`` naming it. Dropout and sowing need the weights, so they
   are not available with ``implementation="blocked"`` or ``"pallas"`` (a ValueError at call
-  time; ``interpret=True`` runs the Pallas kernel in Pallas' interpreter, e.g. on a CPU).
+  time). ``implementation`` is an implementation object with its kernel settings
+  (``core.Pallas(interpret=True)`` runs the Pallas kernel in Pallas' interpreter, e.g. on a
+  CPU) or its name; ``interpret`` is deprecated (a DeprecationWarning; removed in the next
+  release) for ``core.Pallas(interpret=True)``.
   Everything static is validated here, at construction (:func:`~attnx.core.check_compatible`,
   and that a parametrized score gets its ``score_params``), so a bad configuration fails before
   any model is built.
@@ -84,6 +90,10 @@ def flax_attention_fn(weighting: Any = "softmax", score: Any = "scaled_dot", *,
       score, a weighting or score that cannot stream with ``implementation="blocked"``, or
       missing/unknown ``score_params``.
   """
+  settings = impl_lib.legacy_settings("flax_attention_fn", interpret=interpret)
+  auto_settings = settings if implementation is None else {}  # the automatic choice's
+  if implementation is not None:
+    implementation = impl_lib.configure(implementation, settings, "flax_attention_fn")
   try:
     attention_lib.check_compatible(weighting, score, implementation)
     attention_lib.check_score_params(score, score_params)
@@ -112,14 +122,16 @@ def flax_attention_fn(weighting: Any = "softmax", score: Any = "scaled_dot", *,
     if dtype is not None:
       query, key, value = (jnp.asarray(x, dtype) for x in (query, key, value))
     # Dropout and sowing need the weights: core.attention runs the dense path for them.
-    with jax.default_matmul_precision(_matmul_precision(precision)):
+    with jax.default_matmul_precision(_matmul_precision(precision)), warnings.catch_warnings():
+      if auto_settings:  # deprecated keywords, warned about at construction
+        warnings.filterwarnings("ignore", "attention.* is deprecated", DeprecationWarning)
       out = attention_lib.attention(
           query, key, value, bias, mask, weighting=weighting, score=score, scale=scale,
           is_causal=bool(is_causal), score_params=score_params,
           weighting_params=weighting_params, implementation=implementation,
           dropout_rate=dropout_rate, dropout_rng=dropout_rng, deterministic=deterministic,
           broadcast_dropout=broadcast_dropout, return_weights=module is not None,
-          interpret=interpret)
+          **auto_settings)
     if module is None:
       return out
     out, w = out

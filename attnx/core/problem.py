@@ -12,7 +12,6 @@ dropout. :func:`plan` turns a checked call into the :class:`~attnx.core.implemen
 from __future__ import annotations
 
 import math
-import numbers
 from typing import Any
 
 import jax
@@ -21,7 +20,7 @@ import jax.numpy as jnp
 from attnx.core import params as params_lib
 from attnx.core import scores as scores_lib
 from attnx.core import weightings as weightings_lib
-from attnx.core.implementations import Inputs, Problem, get_implementation
+from attnx.core.implementations import Implementation, Inputs, Problem, get_implementation
 from attnx.core.implementations.blocked import min_scores
 
 Array = jax.Array
@@ -88,7 +87,8 @@ def _zero_on_distances(weighting: Any, w: Any) -> bool:
     return not bool(jnp.any(weightings_lib.apply_weighting(row, w) != 0))
 
 
-def check_implementation(implementation: str | None, w: Any, sc: scores_lib.Score) -> None:
+def check_implementation(implementation: str | Implementation | None, w: Any,
+                         sc: scores_lib.Score) -> None:
   """Raises ValueError for an unknown implementation name, or one that cannot run weighting
   ``w`` with score ``sc`` whatever the shapes."""
   if implementation is None:
@@ -99,7 +99,7 @@ def check_implementation(implementation: str | None, w: Any, sc: scores_lib.Scor
 
 
 def check_compatible(weighting: Any, score: Any = "scaled_dot",
-                     implementation: str | None = None) -> None:
+                     implementation: str | Implementation | None = None) -> None:
   """Raises ValueError if ``weighting``, ``score`` and ``implementation`` do not fit together.
 
   * The distance kernels (``gaussian``, ``boxcar``, ``triangular``, ``epanechnikov``) read the
@@ -176,14 +176,14 @@ def resolve(weighting: Any, score: Any, scale: float | Array | None,
   return w, sc, params, float(scale) if not isinstance(scale, jax.Array) else scale
 
 
-def choose_implementation(implementation: str | None, w: Any, sc: scores_lib.Score, t: int,
-                           s: int) -> str:
+def choose_implementation(implementation: str | Implementation | None, w: Any,
+                          sc: scores_lib.Score, t: int, s: int) -> str:
   """The name ``implementation`` checked, or for None the automatic choice between dense and
   blocked for T×S scores (the answer on a CPU), from the weighting and score alone: for
   callers that decide before they have arrays (the differential test net)."""
   check_implementation(implementation, w, sc)
   if implementation is not None:
-    return implementation
+    return get_implementation(implementation).name
   blocked_ok = get_implementation("blocked").supports_config(w, sc) is None
   return "blocked" if blocked_ok and t * s >= min_scores(w) else "dense"
 
@@ -242,8 +242,7 @@ def dropout_active(dropout_rate: Any, deterministic: Any) -> bool:
 
 def describe(q: Array, k: Array, v: Array, bias: Array | None, mask: Array | None, w: Any,
              sc: scores_lib.Score, params: dict[str, Any], *, is_causal: bool,
-             block_q: int | None, block_k: int | None, dropout_rate: float,
-             broadcast_dropout: bool, return_weights: bool, interpret: bool) -> Problem:
+             dropout_rate: float, broadcast_dropout: bool, return_weights: bool) -> Problem:
   """The static description of a checked call (shapes and dtypes only: works on tracers)."""
   stream_dtype = stream_head_dim = None
   if sc.to_dot is not None:  # what the streaming kernels will see, without computing it
@@ -255,29 +254,21 @@ def describe(q: Array, k: Array, v: Array, bias: Array | None, mask: Array | Non
       num_heads=q.shape[-2], num_kv_heads=k.shape[-2], head_dim=q.shape[-1],
       value_head_dim=v.shape[-1], dtype=q.dtype.name, stream_dtype=stream_dtype,
       stream_head_dim=stream_head_dim, is_causal=bool(is_causal), has_mask=mask is not None,
-      has_bias=bias is not None, block_q=None if block_q is None else int(block_q),
-      block_k=None if block_k is None else int(block_k), dropout_rate=dropout_rate,
+      has_bias=bias is not None, dropout_rate=dropout_rate,
       broadcast_dropout=bool(broadcast_dropout), return_weights=bool(return_weights),
-      platform=jax.default_backend(), interpret=bool(interpret))
+      platform=jax.default_backend())
 
 
 def plan(query: Array, key: Array, value: Array, bias: Array | None = None,
           mask: Array | None = None, *, weighting: Any = "softmax", score: Any = "scaled_dot",
           is_causal: bool = False, scale: float | None = None,
-          implementation: str | None = None, score_params: dict[str, Any] | None = None,
-          block_q: int | None = None, block_k: int | None = None, dropout_rate: float = 0.0,
+          score_params: dict[str, Any] | None = None, dropout_rate: float = 0.0,
           dropout_rng: Array | None = None, deterministic: bool = False,
           broadcast_dropout: bool = True, return_weights: bool = False,
-          interpret: bool = False,
           weighting_params: dict[str, Any] | None = None) -> tuple[Problem, Inputs]:
-  """Checks the arguments of :func:`attention` (which documents them); the call's Problem and
-  Inputs. The implementation name is checked by the dispatcher (:mod:`attnx.core.api`)."""
-  del implementation  # chosen by the dispatcher, after every argument is checked
-  for name, blk in (("block_q", block_q), ("block_k", block_k)):
-    # Checked for every implementation, so a bad tile fails the same way whichever one runs.
-    bad = not isinstance(blk, numbers.Integral) or isinstance(blk, bool) or blk < 1
-    if blk is not None and bad:
-      raise ValueError(f"{name} must be a positive int tile size or None, got {blk!r}.")
+  """Checks the arguments of :func:`attention` (which documents them) that describe the
+  problem; the call's Problem and Inputs. The implementation and its settings are the
+  dispatcher's (:mod:`attnx.core.api`)."""
   dropout = dropout_active(dropout_rate, deterministic)
   if dropout and dropout_rng is None:
     raise ValueError(f"attention dropout (dropout_rate={dropout_rate}, deterministic=False) "
@@ -285,10 +276,9 @@ def plan(query: Array, key: Array, value: Array, bias: Array | None = None,
   q, k, v, bias, mask, w, sc, params, scale = prepare(
       query, key, value, bias, mask, weighting, score, scale, score_params)
   wparams = check_weighting_params(w, weighting_params, q.shape[-2])
-  problem = describe(q, k, v, bias, mask, w, sc, params, is_causal=is_causal, block_q=block_q,
-                     block_k=block_k, dropout_rate=float(dropout_rate) if dropout else 0.0,
-                     broadcast_dropout=broadcast_dropout, return_weights=return_weights,
-                     interpret=interpret)
+  problem = describe(q, k, v, bias, mask, w, sc, params, is_causal=is_causal,
+                     dropout_rate=float(dropout_rate) if dropout else 0.0,
+                     broadcast_dropout=broadcast_dropout, return_weights=return_weights)
   inputs = Inputs(query=q, key=k, value=v, bias=bias, mask=mask, scale=scale,
                   score_params=params, weighting_params=wparams, dropout_rng=dropout_rng)
   return problem, inputs

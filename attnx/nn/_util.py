@@ -24,7 +24,12 @@ def score_name(score: Any) -> str | None:
   return None
 
 
-def validate_attention_config(weighting: Any, score: Any, implementation: str | None,
+def implementation_name(implementation: Any) -> str | None:
+  """The name of an implementation given as a name or an object (None: automatic)."""
+  return None if implementation is None else core.get_implementation(implementation).name
+
+
+def validate_attention_config(weighting: Any, score: Any, implementation: Any,
                               where: str) -> None:
   """Raises a clear ValueError, prefixed by ``where``, for an unknown or incompatible
   weighting/score/implementation (:func:`attnx.core.check_compatible`): e.g. a distance

@@ -68,8 +68,9 @@ class MultiHeadAttention(nn.Module, kw_only=True):
       at the weighting's s, e.g. ``"ssmax:s=0.43"``), as Nakanishi ("Scalable-Softmax Is
       Superior for Attention") does; gradients reach it through every implementation.
     implementation: ``None`` | ``"dense"`` | ``"blocked"`` | ``"pallas"`` (GPU/TPU; see
-      ``core.attention``). Dropout and weights (``sow_weights``, ``return_weights``) need the
-      dense one.
+      ``core.attention``), or an implementation object with kernel settings
+      (``core.Blocked(block_q=128)``). Dropout and weights (``sow_weights``,
+      ``return_weights``) need the dense one.
     is_causal: query i attends keys j ≤ i.
     dropout_rate: dropout on the attention weights (``core.attention``'s, flax's RNG use).
     broadcast_dropout: share the dropout mask across batch and heads (as flax).
@@ -119,7 +120,7 @@ class MultiHeadAttention(nn.Module, kw_only=True):
   scale: float | None = None
   learn_temperature: bool | None = None
   learn_ssmax_s: bool = False
-  implementation: str | None = None
+  implementation: str | core.Implementation | None = None
   is_causal: bool = False
   dropout_rate: float = 0.0
   broadcast_dropout: bool = True
@@ -168,8 +169,8 @@ class MultiHeadAttention(nn.Module, kw_only=True):
       raise ValueError(f"{where}: learn_ssmax_s applies only to weighting 'ssmax', not to "
                        f"{self.weighting!r}.")
     _check_sequence_axis(self, where)
-    if self.implementation not in (None, "dense") and (self.dropout_rate > 0
-                                                        or self.sow_weights):
+    if _util.implementation_name(self.implementation) not in (None, "dense") and (
+        self.dropout_rate > 0 or self.sow_weights):
       needs = "dropout_rate > 0" if self.dropout_rate > 0 else "sow_weights=True"
       raise ValueError(f"{where}: {needs} needs the attention weights, which implementation="
                        f"{self.implementation!r} never forms; use implementation='dense' or "
@@ -276,7 +277,8 @@ class MultiHeadAttention(nn.Module, kw_only=True):
           weighting=self.weighting, score=score, weighting_params=weighting_params,
           is_causal=is_causal, scale=scale, score_params=score_params,
           layout=self.sequence_layout,
-          implementation=None if self.implementation in (None, "dense") else self.implementation)
+          implementation=(None if _util.implementation_name(self.implementation) in (None, "dense")
+                          else self.implementation))
       return self._project_out(x, features)
     x = core.attention(
         query, key, value, bias, mask, weighting=self.weighting, score=score,

@@ -413,8 +413,8 @@ class PallasDispatch(parameterized.TestCase):
     q, k, v = self._qkv()
     for w in ("softmax", "relu:normalization=length"):
       np.testing.assert_allclose(
-          core.attention(q, k, v, weighting=w, is_causal=True, implementation="pallas",
-                         interpret=True),
+          core.attention(q, k, v, weighting=w, is_causal=True,
+                         implementation=core.Pallas(interpret=True)),
           core.attention(q, k, v, weighting=w, is_causal=True, implementation="dense"),
           rtol=1e-5, atol=1e-5)
 
@@ -426,7 +426,7 @@ class PallasDispatch(parameterized.TestCase):
                        match="normalizes whole rows.*'pallas'.*implementation='dense'"):
       core.attention(q, k, v, weighting=_STREAM_LESS, implementation="pallas")
     with pytest.raises(ValueError, match="return_weights.*implementation='dense'"):
-      core.attention(q, k, v, implementation="pallas", interpret=True, return_weights=True)
+      core.attention(q, k, v, implementation=core.Pallas(interpret=True), return_weights=True)
 
 
 # --------------------------------------------------------------------------------------------
@@ -479,7 +479,8 @@ def _self_check_warnings(caplog):
           if r.levelno == logging.WARNING and "self-check failed" in r.getMessage()]
 
 
-# (implementation, attention kwargs, platform or None for this machine, reason regex or None)
+# (implementation: a name or an object with its settings, attention kwargs, platform or None
+#  for this machine, reason regex or None)
 SUPPORT_CASES = [
     ("blocked", dict(weighting=_STREAM_LESS), None,
      r"^Weighting 'row_softmax' normalizes whole rows .*'blocked'.*implementation='dense'"),
@@ -491,7 +492,7 @@ SUPPORT_CASES = [
     ("blocked", dict(weighting="sparsemax", is_causal=True), None, None),
     ("pallas", dict(weighting=_STREAM_LESS), "gpu", r"normalizes whole rows.*'pallas'"),
     ("pallas", dict(score="additive", score_params=_ADDITIVE), "gpu", r"^Score 'additive'"),
-    ("pallas", dict(dropout_rate=0.1, dropout_rng=_KEY, interpret=True), None,
+    (core.Pallas(interpret=True), dict(dropout_rate=0.1, dropout_rng=_KEY), None,
      r"^dropout on the weights.*'pallas'"),
     ("pallas", dict(return_weights=True), "tpu", r"^return_weights=True.*'pallas'"),
     # On a CPU host the call traces for both kinds of device (it fails when lowered for the
@@ -499,16 +500,16 @@ SUPPORT_CASES = [
     ("pallas", dict(), "cpu", None),
     ("pallas", dict(dtype=jnp.float16, h=300), "cpu",  # neither kind: both reasons
      r"head dim 300 exceeds .*; implementation='pallas' cannot run this: dtype float16 .*tpu"),
-    ("pallas", dict(interpret=True, block_k=48), "cpu", r"block_k=48 .*power-of-2"),
-    ("pallas", dict(block_k=64), "tpu", r"block_k=64 .*multiple of 128"),
+    (core.Pallas(interpret=True, block_k=48), dict(), "cpu", r"block_k=48 .*power-of-2"),
+    (core.Pallas(block_k=64), dict(), "tpu", r"block_k=64 .*multiple of 128"),
     ("pallas", dict(dtype=jnp.float16), "tpu",
      r"^implementation='pallas' cannot run this: dtype float16 .*tpu.*'blocked'"),
     ("pallas", dict(h=300), "gpu", r"cannot run this: head dim 300 exceeds .* 256"),
     ("pallas", dict(score="neg_sq_dist", weighting="gaussian", h=255), "gpu",
      r"cannot run this: head dim 257 exceeds"),  # the dot-product form adds 2 columns
-    ("pallas", dict(interpret=True), "cpu", None),
+    (core.Pallas(interpret=True), dict(), "cpu", None),
     ("pallas", dict(weighting="entmax15", h=256, dtype=jnp.bfloat16), "gpu", None),
-    ("pallas", dict(weighting="ssmax", dtype=jnp.bfloat16, block_q=16, block_k=128), "tpu",
+    (core.Pallas(block_q=16, block_k=128), dict(weighting="ssmax", dtype=jnp.bfloat16), "tpu",
      None),
     ("dense", dict(weighting=_STREAM_LESS, score="additive", score_params=_ADDITIVE,
                    return_weights=True, dropout_rate=0.1, dropout_rng=_KEY), None, None),
@@ -524,29 +525,32 @@ class ImplementationObjects(parameterized.TestCase):
       impl = core.get_implementation(name)
       assert isinstance(impl, core.Implementation) and impl.name == name
     with pytest.raises(ValueError, match=r"Unknown implementation 'flash'; valid: dense, "
-                                         r"blocked, pallas or None"):
+                                         r"blocked, pallas, an implementation object "
+                                         r"\(core\.Dense\(\), .*\) or None \(automatic\)"):
       core.get_implementation("flash")
     with pytest.raises(ValueError, match="Unknown implementation 'flash'"):
       core.explain(*_qkv(), implementation="flash")
 
   @parameterized.parameters(*SUPPORT_CASES)
-  def test_supports_reason_is_the_explicit_error(self, name, kw, platform, match):
+  def test_supports_reason_is_the_explicit_error(self, implementation, kw, platform, match):
     kw = dict(kw)
     q, k, v = _qkv(h=kw.pop("h", 8), dtype=kw.pop("dtype", jnp.float32))
+    impl = core.get_implementation(implementation)
+    name = impl.name
     with _platform(platform) if platform else contextlib.nullcontext():
-      ex = core.explain(q, k, v, implementation=name, **kw)
-      reason = core.get_implementation(name).supports(ex.problem)
+      ex = core.explain(q, k, v, implementation=implementation, **kw)
+      reason = impl.supports(ex.problem)
       assert ex.reasons[name] == reason and ex.declined == {}
       if match is None:
         assert reason is None and ex.chosen == name
       else:
         assert ex.chosen is None and re.search(match, reason), reason
         with pytest.raises(ValueError, match=re.escape(reason)):
-          core.attention(q, k, v, implementation=name, **kw)
+          core.attention(q, k, v, implementation=implementation, **kw)
     if match is None and name != "pallas" and "dropout_rate" not in kw:
       ref = core.attention(q, k, v, **{**kw, "implementation": "dense"})
-      chex.assert_trees_all_close(core.attention(q, k, v, implementation=name, **kw), ref,
-                                  atol=1e-5)
+      chex.assert_trees_all_close(core.attention(q, k, v, implementation=implementation, **kw),
+                                  ref, atol=1e-5)
 
   def test_supports_config_is_what_check_compatible_raises(self):
     for name in core.list_implementations():
@@ -575,7 +579,8 @@ class ImplementationObjects(parameterized.TestCase):
     # On this CPU host the Pallas kernels trace (for a GPU or TPU lowering) but the automatic
     # choice declines them; with the interpreter they can run, and the choice declines them too.
     assert rows.reasons["pallas"] is None and "GPU or TPU only" in rows.declined["pallas"]
-    interp = core.explain(q, k, v, weighting="sparsemax", interpret=True)
+    with pytest.warns(DeprecationWarning, match="interpret=True"):  # automatic, interpreted
+      interp = core.explain(q, k, v, weighting="sparsemax", interpret=True)
     assert interp.reasons["pallas"] is None and interp.chosen == "blocked"
     assert "GPU or TPU only" in interp.declined["pallas"]
     assert "dense: can run it (not chosen)" in str(interp)

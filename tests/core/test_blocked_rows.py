@@ -102,11 +102,16 @@ def _inputs(case, seed=0):
   return q, k, v, bias, mask, ct
 
 
+def _tiled(impl):
+  """``impl`` with this file's tiles (BQ × BK) where it has tiles: blocked; dense has none."""
+  return core.Blocked(block_q=BQ, block_k=BK) if impl == "blocked" else impl
+
+
 def _attention(impl, name, case, mask):
   causal = CASES[case][5]
   return lambda q, k, v, bias, scale: core.attention(
-      q, k, v, bias, mask, weighting=name, scale=scale, is_causal=causal, implementation=impl,
-      block_q=BQ, block_k=BK)
+      q, k, v, bias, mask, weighting=name, scale=scale, is_causal=causal,
+      implementation=_tiled(impl))
 
 
 def _out_and_grads(attn, q, k, v, bias, ct, scale):
@@ -215,8 +220,8 @@ def test_bf16_softpick_gradients_of_a_row_with_one_tiny_score():
 
   def grads(impl, dtype):
     loss = lambda q, k, v: jnp.sum(core.attention(
-        q, k, v, None, mask, weighting="softpick", scale=1.0, implementation=impl, block_q=BQ,
-        block_k=BK).astype(jnp.float32) * ct)
+        q, k, v, None, mask, weighting="softpick", scale=1.0,
+        implementation=_tiled(impl)).astype(jnp.float32) * ct)
     return jax.jit(jax.grad(loss, (0, 1, 2)))(*(jnp.asarray(x, dtype) for x in (q, k, v)))
 
   got, want = grads("blocked", jnp.bfloat16), grads("dense", jnp.float32)
@@ -240,7 +245,7 @@ def test_empty_sequences_give_zeros(name, t, s):
   v = rng.standard_normal((2, s, 2, 3)).astype(np.float32)
   for impl in ("blocked", "dense"):
     f = lambda q, k, v, impl=impl: core.attention(q, k, v, weighting=name, is_causal=True,
-                                                  implementation=impl, block_q=BQ, block_k=BK)
+                                                  implementation=_tiled(impl))
     out, grads = jax.value_and_grad(lambda *a, f=f: jnp.sum(f(*a)), argnums=(0, 1, 2))(q, k, v)
     np.testing.assert_array_equal(out, 0.0)
     assert f(q, k, v).shape == (2, t, 4, 3)
@@ -468,8 +473,9 @@ def _long(name):
 
   def attn(impl):
     # Default query blocks (blocked_rows.causal_block_sizes: 256 or 512 rows), 18 key tiles of 64.
+    impl = core.Blocked(block_k=64) if impl == "blocked" else impl
     return lambda q, k, v: core.attention(q, k, v, weighting=name, is_causal=True,
-                                          implementation=impl, block_k=64)
+                                          implementation=impl)
 
   @jax.jit
   def run(q, k, v):

@@ -124,13 +124,13 @@ def _rows(out: np.ndarray) -> np.ndarray:
 class ContractTests:
   """Every contract test, for the implementation a subclass names (not collected itself).
 
-  A subclass sets ``implementation`` (and ``interpret``), the tiles of the fixed case, the
-  fuzz's example count, and overrides :meth:`call` / :meth:`unsupported` /
-  :meth:`tile_ok` where its implementation differs.
+  A subclass sets ``implementation`` (its name), the tiles of the fixed case, the fuzz's
+  example count, and overrides :meth:`configured` (the implementation object with its
+  settings), :meth:`call` / :meth:`unsupported` / :meth:`tile_ok` where its implementation
+  differs.
   """
 
   implementation: ClassVar[str]
-  interpret: ClassVar[bool] = False
   pallas_backend: ClassVar[str | None] = None  # "gpu" | "tpu": the Pallas kernels it runs
   fixed_tiles: ClassVar[tuple[int | None, int | None]] = (None, None)
   fuzz_examples: ClassVar[int] = 10
@@ -145,10 +145,17 @@ class ContractTests:
   # What the implementation is and supports.
   # ------------------------------------------------------------------------------------------
 
-  def call(self, q, k, v, bias=None, mask=None, **kw) -> Any:
-    """``core.attention`` with this implementation (the one hook a subclass may replace)."""
-    return core.attention(q, k, v, bias, mask, implementation=self.implementation,
-                          interpret=self.interpret, **kw)
+  def configured(self, block_q: int | None = None,
+                 block_k: int | None = None) -> core.Implementation:
+    """The implementation object with tile caps ``block_q``, ``block_k`` (a ValueError for a
+    tile below 1, when the object is made)."""
+    return type(core.get_implementation(self.implementation))(block_q=block_q, block_k=block_k)
+
+  def call(self, q, k, v, bias=None, mask=None, block_q=None, block_k=None, **kw) -> Any:
+    """``core.attention`` with this implementation and these tiles (the one hook a subclass
+    may replace)."""
+    return core.attention(q, k, v, bias, mask,
+                          implementation=self.configured(block_q, block_k), **kw)
 
   def unsupported(self, weighting: str, score: str = "scaled_dot",
                   dtype: str = "float32") -> str | None:
@@ -163,7 +170,7 @@ class ContractTests:
     return None
 
   def tile_ok(self, name: str, block: int, dtype: str) -> bool:
-    """The documented tile rule: dense and blocked take any positive tile."""
+    """The documented tile rule: blocked takes any positive tile (dense has no tiles)."""
     del name, dtype
     return block >= 1
 
@@ -483,6 +490,11 @@ class ContractTests:
   def test_tiles_follow_the_documented_rule(self, t):
     # For the Pallas classes the two backends' rules differ (GPU: powers of 2 ≥ 16; TPU: query
     # tiles a multiple of 8, key tiles of 128), which also shows the right kernels are built.
+    # A tile below 1 is refused when the object is made, whatever the backend.
+    if self.is_reference:
+      with pytest.raises(TypeError, match="block_q"):  # dense has no tiles
+        core.Dense(block_q=8)
+      return
     q, k, v = jnp.ones((1, t, 2, 8)), jnp.ones((1, 6, 1, 8)), jnp.ones((1, 6, 1, 8))
     for bq, bk in ((0, 8), (8, -1), (8, 8), (16, 16), (8, 128), (16, 128), (24, 32), (3, 7)):
       ok = self.tile_ok("block_q", bq, "float32") and self.tile_ok("block_k", bk, "float32")
@@ -547,8 +559,12 @@ class TestDense(ContractTests):
   implementation = "dense"
   fuzz_examples = 4
 
+  def configured(self, block_q=None, block_k=None):
+    assert block_q is None and block_k is None, "dense has no tiles"
+    return core.Dense()
+
   def fuzz_tiles(self, dtype):
-    return [(None, None)]  # dense ignores tiles: one compiled program per configuration
+    return [(None, None)]  # dense has no tiles: one compiled program per configuration
 
 
 class TestBlocked(ContractTests):
@@ -563,8 +579,10 @@ class _Pallas(ContractTests):
   """``implementation="pallas"`` in Pallas' interpreter (not collected itself)."""
 
   implementation = "pallas"
-  interpret = True
   fuzz_examples = 2  # the interpreter compiles for seconds per configuration
+
+  def configured(self, block_q=None, block_k=None):
+    return core.Pallas(block_q=block_q, block_k=block_k, interpret=True)
 
   def unsupported(self, weighting, score="scaled_dot", dtype="float32"):
     reason = super().unsupported(weighting, score, dtype)
@@ -575,7 +593,8 @@ class _Pallas(ContractTests):
 
 
 class TestPallasGPUInterpret(_Pallas):
-  """The Triton (GPU) kernels: what ``interpret=True`` builds on a CPU. 2×2 tiles."""
+  """The Triton (GPU) kernels: what ``core.Pallas(interpret=True)`` builds on a CPU. 2×2
+  tiles."""
 
   pallas_backend = "gpu"
   fixed_tiles = (16, 16)
@@ -652,8 +671,9 @@ def test_a_nan_query_row_reaches_its_dq_and_its_keys_like_jax_nn(implementation)
   # everything the row does not reach.
   (q, k, v, ct, mask, valid), (q0, ct0) = _nan_row_case()
   got = _out_and_vjp(lambda q, k, v: core.attention(
-      q, k, v, mask=mask, is_causal=True, implementation=implementation,
-      interpret=implementation == "pallas"), q, k, v, ct)
+      q, k, v, mask=mask, is_causal=True,
+      implementation=core.Pallas(interpret=True) if implementation == "pallas"
+      else implementation), q, k, v, ct)
   want = _out_and_vjp(lambda q, k, v: jax.nn.dot_product_attention(
       q, k, v, mask=jnp.asarray(mask), is_causal=True), q0, k, v, ct0)
   for name, g, w, nan in zip(("out", "dq", "dk", "dv"), got, want,
@@ -671,8 +691,9 @@ def test_a_nan_query_row_reaches_its_dq_and_its_keys_in_every_whole_row_weightin
   # without the row. The Pallas kernels are held to dense's NaN in test_pallas_rows.
   (q, k, v, ct, mask, valid), (q0, ct0) = _nan_row_case()
   got = _out_and_vjp(lambda q, k, v: core.attention(
-      q, k, v, mask=mask, is_causal=True, weighting=weighting, implementation=implementation,
-      block_q=8, block_k=8), q, k, v, ct)
+      q, k, v, mask=mask, is_causal=True, weighting=weighting,
+      implementation=core.Blocked(block_q=8, block_k=8) if implementation == "blocked"
+      else implementation), q, k, v, ct)
   ref = ref_lib.reference(q0, k, v, weighting=weighting, mask=mask, is_causal=True,
                           cotangent=ct0)
   want = [ref.out, ref.grads["q"], ref.grads["k"], ref.grads["v"]]

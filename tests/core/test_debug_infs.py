@@ -48,11 +48,12 @@ def _inputs():
 
 def _value_and_grad(implementation, weighting, kwargs):
   q, k, v, ct = _inputs()
-  extra = {"block_q": 8, "block_k": 8} if implementation == "blocked" else {}
+  if implementation == "blocked":
+    implementation = core.Blocked(block_q=8, block_k=8)
 
   def loss(q, k, v):
     out = core.attention(q, k, v, implementation=implementation, weighting=weighting,
-                         **kwargs, **extra)
+                         **kwargs)
     return jnp.sum(out * ct), out
 
   (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)

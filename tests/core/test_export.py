@@ -86,7 +86,7 @@ def test_per_example_mask_and_two_batch_dims():
 
 def test_pallas_interpret():
   t = 32
-  attn = lambda q, k, v: core.attention(q, k, v, implementation="pallas", interpret=True,
+  attn = lambda q, k, v: core.attention(q, k, v, implementation=core.Pallas(interpret=True),
                                         weighting="softmax", is_causal=True,
                                         mask=(jnp.arange(t) != 4)[None, None, None, :])
   _check(_with_grad(attn, t), t, batches=(2,))

@@ -294,8 +294,9 @@ def test_is_causal_no_earlier_output_sees_a_later_token(weighting, implementatio
   # The NNX user's failure: a causal model whose outputs depend on later tokens. Changing the
   # last token (its query, key and value) must leave every earlier output exactly as it was.
   weighting, score = _causal_case(weighting)
-  fn = core.flax_attention_fn(weighting, score, implementation=implementation,
-                              interpret=implementation == "pallas")
+  if implementation == "pallas":
+    implementation = core.Pallas(interpret=True)
+  fn = core.flax_attention_fn(weighting, score, implementation=implementation)
   q, noise, v = (jax.random.normal(jax.random.PRNGKey(i), (1, 7, 2, 8)) for i in (20, 21, 22))
   k = q + 0.1 * noise  # keys near their queries: compact distance kernels have weights too
   q2, k2, v2 = (x.at[:, -1].multiply(0.5) for x in (q, k, v))

@@ -23,7 +23,6 @@ import numpy as np
 import pytest
 
 from attnx import core
-from attnx.core.implementations import get_implementation
 from attnx.core.parallel import ring
 
 # Float64 results against the float64 brute force: summing a few dozen O(1) terms leaves
@@ -31,7 +30,7 @@ from attnx.core.parallel import ring
 TOL = 1e-12
 
 B, T, S, N, K, H = 2, 40, 56, 4, 2, 16  # GQA (2 query heads per kv head), ragged tiles of 16
-TILES = dict(block_q=16, block_k=16)
+BLOCKED = core.Blocked(block_q=16, block_k=16)
 
 
 def _inputs(seed=0, t=T, s=S, n=N, kv=K, h=H, dtype=np.float64):
@@ -184,7 +183,7 @@ def test_blocked_pointwise_computes_in_float64(weighting, kw):
     causal = kw.get("is_causal", False)
     got = _value_and_grads(
         lambda q, k, v: core.attention(q, k, v, mask=mask, weighting=weighting,
-                                       is_causal=causal, implementation="blocked", **TILES),
+                                       is_causal=causal, implementation=BLOCKED),
         q, k, v, g)
     ref = _value_and_grads(lambda q, k, v: _reference(weighting, q, k, v, causal, mask),
                            q, k, v, g)
@@ -201,7 +200,7 @@ def test_blocked_whole_row_computes_in_float64(weighting, bias):
     b = jnp.zeros((1, 1, T, S), jnp.float64) if bias else None
     got = _value_and_grads(
         lambda q, k, v: core.attention(q, k, v, b, weighting=weighting,
-                                       implementation="blocked", **TILES), q, k, v, g)
+                                       implementation=BLOCKED), q, k, v, g)
     ref = _value_and_grads(lambda q, k, v: _reference(weighting, q, k, v), q, k, v, g)
     _assert_close(got, ref, f"blocked {weighting} bias={bias}")
 
@@ -221,7 +220,7 @@ def test_blocked_tokamax_case_float64():
 def test_float32_inputs_unchanged_under_x64():
   # The flag alone changes nothing for float32 inputs: float32 out, the same numbers.
   q, k, v, g = _inputs(dtype=np.float32)
-  fn = lambda q, k, v: core.attention(q, k, v, implementation="blocked", is_causal=True, **TILES)
+  fn = lambda q, k, v: core.attention(q, k, v, implementation=BLOCKED, is_causal=True)
   want = _value_and_grads(fn, q, k, v, g)
   with jax.enable_x64(True):
     got = _value_and_grads(fn, q, k, v, g)
@@ -235,13 +234,12 @@ def test_pallas_refuses_float64(interpret):
   with jax.enable_x64(True):
     q, k, v, _ = _inputs()
     with pytest.raises(ValueError, match=r"float64.*implementation='blocked'"):
-      core.attention(q, k, v, implementation="pallas", interpret=interpret)
+      core.attention(q, k, v, implementation=core.Pallas(interpret=interpret))
     # On a GPU or TPU too: Pallas cannot run it, so the automatic choice never takes it.
     problem = core.explain(q, k, v).problem
-    pallas = get_implementation("pallas")
+    pallas = core.Pallas(interpret=interpret)
     for platform in ("gpu", "tpu"):
-      reason = pallas.supports(dataclasses.replace(problem, platform=platform,
-                                                   interpret=interpret))
+      reason = pallas.supports(dataclasses.replace(problem, platform=platform))
       assert reason is not None and "float64" in reason, (platform, reason)
 
 

@@ -240,7 +240,7 @@ def test_learned_ssmax_s_gets_the_dense_gradient(backend):
 
     def pallas(q, k, v, s):
       return core.attention(q, k, v, bias, mask, weighting="ssmax", scale=SCALE,
-                            implementation="pallas", interpret=True, block_q=bq, block_k=bk,
+                            implementation=core.Pallas(block_q=bq, block_k=bk, interpret=True),
                             weighting_params={"s": s})
   else:
     def pallas(q, k, v, s):
@@ -575,8 +575,8 @@ def test_tile_rules_are_the_pointwise_ones():
     pa.pallas_attention(q.astype(jnp.bfloat16), q.astype(jnp.bfloat16), q.astype(jnp.bfloat16),
                         weighting=w, scale=1.0, block_q=8, backend="tpu", interpret=True)
   with pytest.raises(ValueError, match="power-of-2"):  # the dispatcher checks the same rules
-    core.attention(q, q, q, weighting="sparsemax", implementation="pallas", interpret=True,
-                   block_k=48)
+    core.attention(q, q, q, weighting="sparsemax",
+                   implementation=core.Pallas(block_k=48, interpret=True))
 
 
 def test_support_and_the_automatic_choice():
@@ -607,7 +607,8 @@ def test_support_and_the_automatic_choice():
 def test_dispatch_runs_the_row_kernels():
   q, k, v, bias, mask, _ = _inputs("full")
   jaxpr = str(jax.make_jaxpr(lambda q: core.attention(
-      q, k, v, bias, mask, weighting="softpick", implementation="pallas", interpret=True))(q))
+      q, k, v, bias, mask, weighting="softpick",
+      implementation=core.Pallas(interpret=True)))(q))
   assert "attnx_pallas_rows_fwd" in jaxpr
   jaxpr = str(jax.make_jaxpr(lambda q: core.attention(
       q, k, v, bias, mask, weighting="softpick"))(q))

@@ -88,8 +88,8 @@ def test_a_kernel_only_one_kind_of_device_has_fails_there_only():
 
 def test_interpret_keeps_the_hosts_kernels_and_runs():
   q, k, v = _qkv(t=64, dtype=jnp.float32)
-  f = functools.partial(core.attention, weighting="relu", implementation="pallas",
-                        interpret=True)
+  f = functools.partial(core.attention, weighting="relu",
+                        implementation=core.Pallas(interpret=True))
   ref = core.attention(q, k, v, weighting="relu", implementation="dense")
   chex.assert_trees_all_close(jax.jit(f)(q, k, v), ref, atol=2e-5)
 

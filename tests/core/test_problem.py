@@ -80,13 +80,15 @@ def test_dropout_active_only_for_a_positive_rate_when_not_deterministic():
 
 def test_plan_describes_the_call_without_arrays():
   q, k = jnp.ones((2, 5, 6, 8)), jnp.ones((2, 7, 3, 8))
-  prob, inputs = problem.plan(q, k, k, weighting="sigmoid", is_causal=True, block_q=16)
+  prob, inputs = problem.plan(q, k, k, weighting="sigmoid", is_causal=True)
   assert (prob.t, prob.s, prob.num_heads, prob.num_kv_heads, prob.head_dim) == (5, 7, 6, 3, 8)
-  assert prob.is_causal and prob.block_q == 16 and prob.block_k is None
+  assert prob.is_causal and not hasattr(prob, "block_q")  # tiles: the implementation's
   assert not prob.has_mask and not prob.has_bias and prob.batch == (2,)
   assert inputs.scale == pytest.approx(1 / math.sqrt(8)) and inputs.query is not None
-  with pytest.raises(ValueError, match="block_q must be a positive int"):
-    problem.plan(q, k, k, block_q=0)
+  with pytest.raises(TypeError, match="block_q"):  # kernel settings are not plan's
+    problem.plan(q, k, k, block_q=16)
+  with pytest.raises(ValueError, match="block_q must be a positive int"):  # checked when made
+    core.Blocked(block_q=0)
 
 
 def test_choose_implementation_is_blocked_for_large_streaming_problems_only():

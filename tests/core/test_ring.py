@@ -341,7 +341,7 @@ def test_pallas_ring_refusals():
   mesh = jax.make_mesh((1,), ("sp",), axis_types=(jax.sharding.AxisType.Auto,))
   with pytest.raises(ValueError, match="check_vma=True.*use check_vma=False"):
     jax.shard_map(lambda q, k, v: ring.ring_attention(
-        q, k, v, axis_name="sp", implementation="pallas", interpret=True), mesh=mesh,
+        q, k, v, axis_name="sp", implementation=core.Pallas(interpret=True)), mesh=mesh,
         in_specs=(P(None, "sp"),) * 3, out_specs=P(None, "sp"), check_vma=True)(q, k, v)
   # The automatic choice on this CPU host: the blocked kernel (no Pallas custom call).
   text = jax.jit(lambda q, k, v: _one_device(lambda q, k, v: ring.ring_attention(
@@ -411,9 +411,14 @@ def test_entmax_family_refused_with_the_alternative(weighting):
 
 @pytest.mark.parametrize("kwargs,match", [
     (dict(layout="striped"), "Unknown layout 'striped'"),
-    (dict(implementation="dense"), "implementation must be None, 'blocked' or 'pallas'"),
+    (dict(implementation="dense"), re.escape("implementation must be None, 'blocked' or "
+                                             "'pallas' (or core.Blocked(...), core.Pallas(...)), "
+                                             "got 'dense'.")),
+    (dict(implementation=core.Dense()), r"implementation must be None, .*got 'dense'\."),
+    (dict(implementation="foo"), r"Unknown implementation 'foo'; valid: dense, blocked, pallas, "
+                                 r"an implementation object .* or None \(automatic\)\."),
     (dict(score="additive"), "not a dot product"),
-    (dict(block_q=0), "block_q must be a positive int"),
+    (dict(block_q=0), "block_q must be a positive int"),  # deprecated: refused before it warns
     (dict(kv_head_block=3), "kv_head_block must be a positive int dividing the 2 kv heads"),
     (dict(weighting="nope"), "Unknown weighting 'nope'"),
 ])

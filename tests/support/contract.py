@@ -81,7 +81,7 @@ def default_score(weighting: str) -> str:
 
 @contextlib.contextmanager
 def tpu_platform() -> Iterator[None]:
-  """JAX reports a TPU: ``implementation="pallas", interpret=True`` builds the Mosaic (TPU)
+  """JAX reports a TPU: ``implementation=core.Pallas(interpret=True)`` builds the Mosaic (TPU)
   kernels instead of the Triton (GPU) ones, and runs them in Pallas' interpreter.
 
   The Pallas backend is picked from ``jax.default_backend()`` (a CPU with ``interpret``

@@ -26,6 +26,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from attnx import core
 from attnx.core import api, problem
@@ -309,9 +310,14 @@ def rejects(case: Case, impl: str) -> bool:
 
 
 def _call(case: Case, impl: str, scalar_params: tuple):
-  """fn(q, k, v, bias, mask, array_params) -> output of implementation ``impl``."""
-  kw = dict(weighting=case.weighting, is_causal=case.causal, block_q=case.block_q,
-            block_k=case.block_k)
+  """fn(q, k, v, bias, mask, array_params) -> output of implementation ``impl``.
+
+  The blocked and Pallas implementations get the case's tiles on their objects (a tile below 1
+  is a ValueError when the object is made); dense has no tiles. The automatic choice with tiles
+  ("auto" in :meth:`Case.implementations`) can only be asked with the deprecated keywords: it
+  expects their DeprecationWarning."""
+  tiles = dict(block_q=case.block_q, block_k=case.block_k)
+  kw = dict(weighting=case.weighting, is_causal=case.causal)
   if impl == "pallas_tpu":
     w = wlib.get_weighting(case.weighting)
     scale = case.scale
@@ -320,13 +326,28 @@ def _call(case: Case, impl: str, scalar_params: tuple):
     return lambda q, k, v, bias, mask, params: pallas_lib.pallas_attention(
         q, k, v, weighting=w, scale=scale, bias=bias, mask=mask, is_causal=case.causal,
         block_q=case.block_q, block_k=case.block_k, backend="tpu", interpret=True)
-  implementation = {"auto": None}.get(impl, impl)
-  if impl == "dense":
-    kw.update(block_q=None, block_k=None)
-  return lambda q, k, v, bias, mask, params: core.attention(
-      q, k, v, bias=bias, mask=mask, score=case.score,
-      score_params={**params, **dict(scalar_params)} or None, scale=case.scale,
-      implementation=implementation, interpret=impl == "pallas" and not ON_GPU, **kw)
+  warns = contextlib.nullcontext
+  if impl == "auto":
+    implementation = None
+    if any(x is not None for x in tiles.values()):
+      kw.update(tiles)  # deprecated keywords (a bad tile is refused before they warn)
+      if all(x is None or x >= 1 for x in tiles.values()):
+        warns = functools.partial(pytest.warns, DeprecationWarning, match="is deprecated")
+  elif impl == "blocked":
+    implementation = core.Blocked(**tiles)
+  elif impl == "pallas":
+    implementation = core.Pallas(**tiles, interpret=not ON_GPU)
+  else:
+    implementation = impl
+
+  def fn(q, k, v, bias, mask, params):
+    with warns():  # entered when traced
+      return core.attention(
+          q, k, v, bias=bias, mask=mask, score=case.score,
+          score_params={**params, **dict(scalar_params)} or None, scale=case.scale,
+          implementation=implementation, **kw)
+
+  return fn
 
 
 @functools.lru_cache(maxsize=16)

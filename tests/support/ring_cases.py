@@ -83,9 +83,10 @@ CASES = {
 # row scales, stick-breaking's zigzag carries, under check_vma too (softmax_zigzag_gqa).
 PASSES = {"softmax_full_gqa": 1, "softmax_zigzag_gqa": 1, "ssmax_full_gqa": 1,
           "softpick_causal_gqa": 1, "stick_zigzag_full_gqa": 1}
-# Also run with the Pallas kernels at every step (implementation="pallas", in Pallas'
-# interpreter; name + PALLAS): each family, both layouts, causal and not, GQA in passes, the
-# three bias shardings and the global-length rules (sigmoid's b, ReLU's count, SSMax's n).
+# Also run with the Pallas kernels at every step (implementation=core.Pallas(interpret=True),
+# in Pallas' interpreter; name + PALLAS): each family, both layouts, causal and not, GQA in
+# passes, the three bias shardings and the global-length rules (sigmoid's b, ReLU's count,
+# SSMax's n).
 PALLAS = "@pallas"
 PALLAS_CASES = ("softmax_full_gqa", "softmax_zigzag_gqa", "sigmoid_none_causal",
                 "relu_length_zigzag", "ssmax_full_gqa", "softpick_zigzag", "stick_causal",

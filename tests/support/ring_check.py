@@ -117,7 +117,7 @@ def run_ring(case: diff.Case, layout: str, arrs: dict, check_vma: bool = False, 
 
 def check_case(name: str, check_vma: bool = False, pallas: bool = False) -> dict:
   case, layout = CASES[name]
-  kernel = dict(implementation="pallas", interpret=True) if pallas else {}
+  kernel = dict(implementation=core.Pallas(interpret=True)) if pallas else {}
   start = time.perf_counter()
   arrs, ref, want, scales = diff._reference(case)
   keeps = diff._keeps(case, ref)
@@ -233,9 +233,9 @@ def _draw_program(case: diff.Case, layout: str, devices: int, bias_spec, mask_sp
         q, k, v, bias, mask, axis_name=AXIS, weighting=case.weighting, score=case.score,
         score_params={**params, **dict(scalar_params)} or None,
         weighting_params=None if s is None else {"s": s}, scale=case.scale,
-        is_causal=case.causal, layout=layout, block_q=case.block_q, block_k=case.block_k,
-        kv_head_block=kv_head_block, implementation="pallas" if pallas else "blocked",
-        interpret=pallas)
+        is_causal=case.causal, layout=layout, kv_head_block=kv_head_block,
+        implementation=(core.Pallas(block_q=case.block_q, block_k=case.block_k, interpret=True)
+                        if pallas else core.Blocked(block_q=case.block_q, block_k=case.block_k)))
 
   specs = (P(None, AXIS),) * 3 + (bias_spec, mask_spec, P(), P() if learned else None)
   sm = jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=P(None, AXIS),

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import numbers
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -32,7 +33,7 @@ class Problem:
 
   Built once per call by the dispatcher (also while the caller's function is traced: only
   shapes, dtypes and Python values enter it). :func:`attnx.core.explain` returns the one it
-  built, and ``dataclasses.replace`` gives variants (another platform, other tiles).
+  built, and ``dataclasses.replace`` gives variants (another platform, another dtype).
 
   Attributes:
     weighting: the resolved weighting F (:class:`~attnx.core.weightings.Pointwise` or
@@ -49,13 +50,14 @@ class Problem:
       or None likewise.
     is_causal: causal masking (top-left aligned).
     has_mask, has_bias: whether a boolean mask / an additive bias is given.
-    block_q, block_k: the tile sizes asked for (None: the kernel's default).
     dropout_rate: the dropout rate on the weights when dropout applies, else 0.0.
     broadcast_dropout: one dropout mask shared by the batch and head dims.
     return_weights: whether the weights are returned too.
     platform: the JAX platform the call runs on (``jax.default_backend()``: "cpu", "gpu",
       "tpu").
-    interpret: run Pallas kernels in Pallas' interpreter.
+
+  How a kernel runs the problem (tiles, Pallas' interpreter) is not part of it: those settings
+  live on the implementation object (:class:`Blocked`, :class:`Pallas`).
   """
 
   weighting: Any
@@ -73,13 +75,10 @@ class Problem:
   is_causal: bool = False
   has_mask: bool = False
   has_bias: bool = False
-  block_q: int | None = None
-  block_k: int | None = None
   dropout_rate: float = 0.0
   broadcast_dropout: bool = True
   return_weights: bool = False
   platform: str = "cpu"
-  interpret: bool = False
 
   @property
   def pointwise(self) -> bool:
@@ -128,16 +127,67 @@ class Inputs:
   dropout_rng: Array | None = None
 
 
+def check_tile_size(name: str, value: Any) -> int | None:
+  """``value`` as a tile size: a positive int, or None (the kernel's default); ValueError
+  otherwise."""
+  bad = not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1
+  if value is not None and bad:
+    raise ValueError(f"{name} must be a positive int tile size or None, got {value!r}.")
+  return None if value is None else int(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class RingProblem:
+  """What :func:`attnx.core.ring_attention` asks an implementation before its ring runs: can
+  its kernels run every step of this ring (:meth:`Implementation.ring_reason`), and does the
+  automatic choice take them (:meth:`Implementation.ring_declines`)?
+
+  Attributes:
+    weighting: the resolved weighting F.
+    dtype: the dtype of q, k and v together.
+    head_dim, value_head_dim: H and Hv.
+    typed_vma: the inputs are typed by ``shard_map(check_vma=True)``.
+    backend: the Pallas kernels asked for (``"gpu"``/``"tpu"``), or None: the host's.
+  """
+
+  weighting: Any
+  dtype: Any
+  head_dim: int
+  value_head_dim: int
+  typed_vma: bool = False
+  backend: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
 class Implementation(abc.ABC):
-  """One way to compute attention, e.g. dense, blocked (XLA) or Pallas.
+  """One way to compute attention, e.g. dense, blocked (XLA) or Pallas, with its settings.
+
+  An implementation is a small frozen object: its fields are the kernel settings
+  (``Blocked(block_q=64)``, ``Pallas(interpret=True)``), and ``attention(...,
+  implementation=obj)`` runs it with them; the name (``"blocked"``) stands for the object with
+  its defaults.
 
   Subclasses set :attr:`name` and implement :meth:`supports` and :meth:`__call__`; the
   automatic choice also asks :meth:`declines`. The dispatcher calls :meth:`__call__` only for
   a problem that :meth:`supports` accepted and that is not :attr:`Problem.empty` (the empty
-  cases are answered once, by the dispatcher, for every implementation).
+  cases are answered once, by the dispatcher, for every implementation). An implementation
+  whose kernels can run the steps of :func:`attnx.core.ring_attention` also implements
+  :meth:`ring_reason` and :meth:`ring_kernel`.
   """
 
   name: ClassVar[str]
+
+  @property
+  def block_sizes(self) -> tuple[int | None, int | None]:
+    """The tile caps ``(block_q, block_k)`` of this implementation's kernels (None: the
+    kernel's own choice); ``(None, None)`` for an implementation without tiles."""
+    return (getattr(self, "block_q", None), getattr(self, "block_k", None))
+
+  def configured(self, settings: dict[str, Any]) -> Implementation:
+    """This implementation with those of ``settings`` (kernel-setting keywords such as
+    ``block_q`` or ``interpret``) that it has; the others do not apply to it."""
+    mine = {f.name for f in dataclasses.fields(self)}
+    return dataclasses.replace(self, **{k: v for k, v in settings.items() if k in mine})
 
   def supports_config(self, weighting: Any, score: scores_lib.Score) -> str | None:
     """The part of :meth:`supports` that depends on the resolved weighting and score alone
@@ -162,8 +212,23 @@ class Implementation(abc.ABC):
     """The output ``[batch..., T, N, Hv]`` in the query's dtype, or ``(output, weights)``
     when ``problem.return_weights``."""
 
-  def __repr__(self) -> str:
-    return f"<attention implementation {self.name!r}>"
+  def ring_reason(self, ring: RingProblem) -> str | None:
+    """None if this implementation's kernels can run every step of ``ring``, else why not
+    (the ValueError an explicit ``ring_attention(implementation=...)`` raises)."""
+    del ring
+    return (f"ring_attention runs attnx's blocked kernel or the Pallas kernels on every step: "
+            f"implementation must be None, 'blocked' or 'pallas' (or core.Blocked(...), "
+            f"core.Pallas(...)), got {self.name!r}.")
+
+  def ring_declines(self, ring: RingProblem) -> str | None:
+    """Why :func:`attnx.core.ring_attention`'s automatic choice passes over this
+    implementation's kernels for ``ring``, or None when it takes them."""
+    return self.ring_reason(ring)
+
+  def ring_kernel(self, ring: RingProblem) -> Any:
+    """The step kernels (a :class:`attnx.core.parallel.steps.BlockKernel`) every step of
+    ``ring`` runs; asked only after :meth:`ring_reason` or :meth:`ring_declines` said None."""
+    raise NotImplementedError(self.ring_reason(ring))
 
 
 def streams(w: Any) -> bool:
@@ -222,12 +287,14 @@ def to_4d(x: Array | None, batch: tuple[int, ...]) -> Array | None:
   return x.reshape((-1,) + x.shape[len(batch):])
 
 
-def run_streaming(problem: Problem, inputs: Inputs, kernel: Callable[..., Array]) -> Array:
+def run_streaming(problem: Problem, inputs: Inputs, kernel: Callable[..., Array],
+                  block_sizes: tuple[int | None, int | None]) -> Array:
   """Runs a streaming ``kernel`` (``[B, T, N, H]`` layout, like
   :func:`attnx.core.kernels.xla.pointwise.blocked_attention`) on the score's dot-product form.
 
-  The batch dims are flattened into one, bias and mask brought to 4-D, and q', k', v cast to
-  one dtype (scores that transform q/k in float32, distances and cosine, upcast v too).
+  The batch dims are flattened into one, bias and mask brought to 4-D, q', k', v cast to one
+  dtype (scores that transform q/k in float32, distances and cosine, upcast v too), and the
+  tile caps ``block_sizes = (block_q, block_k)`` passed on.
 
   The contract's input step (:func:`~attnx.core.contract.nonfinite_inputs`) runs before the
   dot-product form too, not only inside the kernel: a score like ``neg_sq_dist`` forms |k|²
@@ -243,5 +310,5 @@ def run_streaming(problem: Problem, inputs: Inputs, kernel: Callable[..., Array]
   out = kernel(flat(qd), flat(kd), flat(value), weighting=problem.weighting,
                scale=inputs.scale, bias=to_4d(bias, batch),
                mask=to_4d(inputs.mask, batch), is_causal=problem.is_causal,
-               block_q=problem.block_q, block_k=problem.block_k)
+               block_q=block_sizes[0], block_k=block_sizes[1])
   return out.reshape(batch + out.shape[1:]).astype(problem.dtype)

@@ -13,8 +13,9 @@ measured to beat dense.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 
@@ -24,11 +25,14 @@ from attnx.core.implementations.base import (
   Implementation,
   Inputs,
   Problem,
+  RingProblem,
+  check_tile_size,
   needs_weights_reason,
   run_streaming,
   static_dims_reason,
   streaming_config_reason,
 )
+from attnx.core.kernels.xla import block as xla_block
 from attnx.core.kernels.xla import rows as blocked_rows
 from attnx.core.kernels.xla.pointwise import blocked_attention
 
@@ -62,11 +66,24 @@ def small_problem_reason(problem: Problem) -> str | None:
           f"{which} = {threshold}, where dense is faster")
 
 
-class BlockedImplementation(Implementation):
+@dataclasses.dataclass(frozen=True)
+class Blocked(Implementation):
   """The XLA flash-style kernels (:mod:`attnx.core.kernels.xla.pointwise`,
-  :mod:`attnx.core.kernels.xla.rows`)."""
+  :mod:`attnx.core.kernels.xla.rows`): ``implementation=core.Blocked(block_q=..., block_k=...)``
+  (``"blocked"``: the defaults). Also the step kernel of :func:`attnx.core.ring_attention`.
 
-  name = "blocked"
+  Attributes:
+    block_q, block_k: caps on the query and key tiles (None: chosen by the kernel from the
+      shapes; the kernel takes the largest tile up to the cap that suits the lengths).
+  """
+
+  name: ClassVar[str] = "blocked"
+  block_q: int | None = None
+  block_k: int | None = None
+
+  def __post_init__(self):
+    for field in ("block_q", "block_k"):
+      object.__setattr__(self, field, check_tile_size(field, getattr(self, field)))
 
   def supports_config(self, weighting: Any, score: scores_lib.Score) -> str | None:
     return streaming_config_reason(self.name, weighting, score)
@@ -83,4 +100,12 @@ class BlockedImplementation(Implementation):
     kernel = (blocked_attention if problem.pointwise
               else functools.partial(blocked_rows.blocked_row_attention,
                                      **problem.weighting.kernel_args(inputs.weighting_params)))
-    return run_streaming(problem, inputs, kernel)
+    return run_streaming(problem, inputs, kernel, self.block_sizes)
+
+  def ring_reason(self, ring: RingProblem) -> str | None:
+    del ring  # every weighting the ring streams (ring.check_supported) runs in XLA
+    return None
+
+  def ring_kernel(self, ring: RingProblem) -> Any:
+    del ring
+    return xla_block.XLA_BLOCK_KERNEL

@@ -10,7 +10,7 @@ streaming kernels' tiling costs more than the T×S weights (see
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -84,10 +84,12 @@ def drop_weights(w: Array, rng: Array, rate: float, broadcast: bool, key_ndim: i
   return w * (keep.astype(w.dtype) / jnp.asarray(keep_prob, w.dtype))
 
 
-class DenseImplementation(Implementation):
-  """Scores, weights and the weighted sum as whole [batch..., N, T, S] arrays (float32)."""
+@dataclasses.dataclass(frozen=True)
+class Dense(Implementation):
+  """Scores, weights and the weighted sum as whole [batch..., N, T, S] arrays (float32):
+  ``implementation=core.Dense()`` or ``"dense"``. It has no settings."""
 
-  name = "dense"
+  name: ClassVar[str] = "dense"
 
   def supports(self, problem: Problem) -> str | None:
     del problem  # every weighting, score, dropout and return_weights

@@ -8,8 +8,8 @@ dtype and head sizes fit the kernels (:func:`attnx.core.kernels.pallas.tiles.sup
 host's GPU or TPU kernels, or on a CPU host either kind. The kernels are chosen per lowering
 platform (:func:`attnx.core.kernels.pallas.platforms.by_platform`): Triton where the program
 is lowered for a GPU, Mosaic for a TPU, so a CPU host can lower, export or AOT-compile a model
-for either; run or lowered for the CPU it raises ValueError (``interpret=True`` runs the
-kernels in Pallas' interpreter on any machine).
+for either; run or lowered for the CPU it raises ValueError (``core.Pallas(interpret=True)``
+runs the kernels in Pallas' interpreter on any machine).
 
 The automatic choice takes it first in its list, but declines it unless a GPU/TPU runs the
 call, the problem is large enough to stream at all (the blocked kernel's thresholds), and the
@@ -21,8 +21,9 @@ verified and never falls back: its errors are the kernels' own.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 
@@ -31,6 +32,8 @@ from attnx.core.implementations.base import (
     Implementation,
     Inputs,
     Problem,
+    RingProblem,
+    check_tile_size,
     needs_weights_reason,
     run_streaming,
     static_dims_reason,
@@ -38,24 +41,43 @@ from attnx.core.implementations.base import (
 )
 from attnx.core.implementations.blocked import small_problem_reason
 from attnx.core.kernels import pallas as pallas_lib
+from attnx.core.kernels.pallas import block as pallas_block
 
 Array = jax.Array
 
 
-def _backends(problem: Problem) -> tuple[str, ...]:
-  """The kernel families ("gpu", "tpu") that must be able to run ``problem``: the host's, or
-  on a CPU host without ``interpret`` either one (the call lowers for the platform it is
-  compiled for: :func:`attnx.core.kernels.pallas.platforms.by_platform`)."""
-  try:
-    return (pallas_lib.backend_for_platform(problem.platform, problem.interpret),)
-  except ValueError:
-    return pallas_lib.BACKENDS
+@dataclasses.dataclass(frozen=True)
+class Pallas(Implementation):
+  """The Pallas kernels of :mod:`attnx.core.kernels.pallas` (pointwise F and whole-row):
+  ``implementation=core.Pallas(block_q=..., block_k=..., interpret=...)`` (``"pallas"``: the
+  defaults). Also a step kernel of :func:`attnx.core.ring_attention`.
 
+  Attributes:
+    block_q, block_k: the query and key tiles (None: the backend's tile table,
+      :mod:`attnx.core.kernels.pallas.tiles`); checked against the backend's rules.
+    interpret: run the kernels in Pallas' interpreter (any machine, the only way on a CPU;
+      slow, for tests).
+  """
 
-class PallasImplementation(Implementation):
-  """The Pallas kernels of :mod:`attnx.core.kernels.pallas` (pointwise F and whole-row)."""
+  name: ClassVar[str] = "pallas"
+  block_q: int | None = None
+  block_k: int | None = None
+  interpret: bool = False
 
-  name = "pallas"
+  def __post_init__(self):
+    for field in ("block_q", "block_k"):
+      object.__setattr__(self, field, check_tile_size(field, getattr(self, field)))
+    if not isinstance(self.interpret, bool):
+      raise ValueError(f"interpret must be True or False, got {self.interpret!r}.")
+
+  def _backends(self, problem: Problem) -> tuple[str, ...]:
+    """The kernel families ("gpu", "tpu") that must be able to run ``problem``: the host's,
+    or on a CPU host without ``interpret`` either one (the call lowers for the platform it is
+    compiled for: :func:`attnx.core.kernels.pallas.platforms.by_platform`)."""
+    try:
+      return (pallas_lib.backend_for_platform(problem.platform, self.interpret),)
+    except ValueError:
+      return pallas_lib.BACKENDS
 
   def supports_config(self, weighting: Any, score: scores_lib.Score) -> str | None:
     return streaming_config_reason(self.name, weighting, score)
@@ -66,7 +88,7 @@ class PallasImplementation(Implementation):
               or static_dims_reason(self.name, problem))
     if reason is not None:
       return reason
-    if not problem.interpret and any(jax.export.is_symbolic_dim(d) for d in problem.batch):
+    if not self.interpret and any(jax.export.is_symbolic_dim(d) for d in problem.batch):
       # JAX 0.10: Triton lowers no symbolic grid ("dynamic grid bounds not supported in the
       # Triton backend"), and Mosaic no scalar-prefetch operand of symbolic shape (the
       # kernels' per-batch lengths [B]: MemRefType.get takes ints only).
@@ -76,22 +98,21 @@ class PallasImplementation(Implementation):
               "static size (Triton: 'dynamic grid bounds not supported'; Mosaic: no "
               "scalar-prefetch array of symbolic shape). Use implementation='blocked' (or "
               "None, which picks it) or export with a concrete batch.")
-    reasons = [self._backend_reason(problem, be) for be in _backends(problem)]
+    reasons = [self._backend_reason(problem, be) for be in self._backends(problem)]
     if None in reasons:
       return None
     return "; ".join(dict.fromkeys(reasons))  # on a CPU host: why neither kind can
 
-  @staticmethod
-  def _backend_reason(problem: Problem, backend: str) -> str | None:
+  def _backend_reason(self, problem: Problem, backend: str) -> str | None:
     try:  # the backend's tile rules, for empty inputs too (checked on the query's dtype)
-      pallas_lib.check_block_sizes(backend, problem.dtype, block_q=problem.block_q,
-                                   block_k=problem.block_k)
+      pallas_lib.check_block_sizes(backend, problem.dtype, block_q=self.block_q,
+                                   block_k=self.block_k)
     except ValueError as e:
       return str(e)
     reason = pallas_lib.supported(problem.weighting, backend=backend,
                                   dtype=problem.stream_dtype, head_dim=problem.stream_head_dim,
                                   value_head_dim=problem.value_head_dim,
-                                  interpret=problem.interpret)
+                                  interpret=self.interpret)
     return None if reason is None else f"implementation='pallas' cannot run this: {reason}."
 
   def declines(self, problem: Problem) -> str | None:
@@ -107,8 +128,30 @@ class PallasImplementation(Implementation):
 
   def __call__(self, problem: Problem, inputs: Inputs) -> Array:
     # backend=None: Triton or Mosaic by the platform the program is lowered for.
-    backend = _backends(problem)[0] if problem.interpret else None
+    backend = self._backends(problem)[0] if self.interpret else None
     kernel = functools.partial(
-        pallas_lib.pallas_attention, backend=backend, interpret=problem.interpret,
+        pallas_lib.pallas_attention, backend=backend, interpret=self.interpret,
         **problem.weighting.kernel_args(inputs.weighting_params))
-    return run_streaming(problem, inputs, kernel)
+    return run_streaming(problem, inputs, kernel, self.block_sizes)
+
+  def ring_reason(self, ring: RingProblem) -> str | None:
+    be = pallas_lib.resolve_backend(ring.backend, self.interpret)
+    why = pallas_block.supported(ring.weighting, be) or pallas_lib.supported(
+        ring.weighting, backend=be, dtype=ring.dtype, head_dim=ring.head_dim,
+        value_head_dim=ring.value_head_dim, interpret=self.interpret)
+    if why is None and ring.typed_vma:
+      why = ("its inputs are typed by shard_map(check_vma=True), and the Pallas kernels' "
+             "outputs carry no varying mesh axes yet: use check_vma=False")
+    return None if why is None else f"ring_attention(implementation='pallas'): {why}."
+
+  def ring_declines(self, ring: RingProblem) -> str | None:
+    # Where attention's automatic choice would take Pallas: a GPU/TPU, a verified combination.
+    if ring.typed_vma:
+      return "the inputs are typed by shard_map(check_vma=True)"
+    return pallas_block.supported(ring.weighting, "gpu") or pallas_lib.decline_reason(
+        ring.backend, ring.weighting, ring.dtype, ring.head_dim,
+        value_head_dim=ring.value_head_dim)
+
+  def ring_kernel(self, ring: RingProblem) -> pallas_block.PallasBlockKernel:
+    return pallas_block.PallasBlockKernel(
+        pallas_lib.resolve_backend(ring.backend, self.interpret), self.interpret)

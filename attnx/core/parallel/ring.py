@@ -73,13 +73,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from attnx.core import implementations as impl_lib
 from attnx.core import problem as problem_lib
 from attnx.core import scores as scores_lib
 from attnx.core import streaming
 from attnx.core.contract import compute_dtype, nonfinite_inputs
+from attnx.core.implementations import Implementation, RingProblem
 from attnx.core.kernels import common
-from attnx.core.kernels import pallas as pa
-from attnx.core.kernels.pallas import block as ring_pallas
 from attnx.core.kernels.xla import pointwise as bl
 from attnx.core.parallel import layout as ring_layout
 from attnx.core.parallel import steps, stick_zigzag
@@ -260,27 +260,20 @@ def _put_heads(full: Array, part: Array, lo: Any, axis: int) -> Array:
 
 
 _PLAIN_DOTS = (scores_lib.get_score("dot"), scores_lib.get_score("scaled_dot"))
-def _step_backend(implementation: str | None, backend: str | None, interpret: bool, w: Any,
-                  vma: tuple[str, ...], dtype: Any, head_dim: int,
-                  value_head_dim: int) -> str | None:
-  """The Pallas backend ("gpu"/"tpu") every ring step runs, or None for the blocked kernel."""
-  if implementation == "blocked":
-    return None
-  if implementation is None:  # attention's automatic choice, where the kernels can run
-    if vma or ring_pallas.supported(w, "gpu") is not None or pa.decline_reason(
-        backend, w, dtype, head_dim, value_head_dim=value_head_dim):
-      return None
-    return pa.resolve_backend(backend)
-  be = pa.resolve_backend(backend, interpret)
-  why = ring_pallas.supported(w, be) or pa.supported(
-      w, backend=be, dtype=dtype, head_dim=head_dim, value_head_dim=value_head_dim,
-      interpret=interpret)
-  if why is None and vma:
-    why = ("its inputs are typed by shard_map(check_vma=True), and the Pallas kernels' "
-           "outputs carry no varying mesh axes yet: use check_vma=False")
+
+
+def _step_implementation(chosen: Implementation | tuple[Implementation, ...],
+                         ring: RingProblem) -> Implementation:
+  """The implementation whose kernels run every ring step: the explicit one (ValueError with
+  its :meth:`~attnx.core.implementations.Implementation.ring_reason` when it cannot), or for
+  the automatic choice the first of ``chosen`` that does not decline the ring (Pallas where
+  :func:`attnx.core.attention`'s automatic choice would take it, else blocked)."""
+  if isinstance(chosen, tuple):
+    return next(impl for impl in chosen if impl.ring_declines(ring) is None)
+  why = chosen.ring_reason(ring)
   if why is not None:
-    raise ValueError(f"ring_attention(implementation='pallas'): {why}.")
-  return be
+    raise ValueError(why)
+  return chosen
 
 
 PASS_BUDGET = 1 << 19  # elements of one pass' query shard (B·t·heads·H) under the default
@@ -467,8 +460,8 @@ def ring_attention(q: Array, k: Array, v: Array, bias: Array | None = None,
                    weighting_params: dict[str, Any] | None = None, is_causal: bool = False,
                    layout: str = "contiguous", block_q: int | None = None,
                    block_k: int | None = None, kv_head_block: int | None = None,
-                   implementation: str | None = None, pallas_backend: str | None = None,
-                   interpret: bool = False) -> Array:
+                   implementation: str | Implementation | None = None,
+                   pallas_backend: str | None = None, interpret: bool = False) -> Array:
   """Attention over a sequence sharded along mesh axis ``axis_name``: call it inside
   ``jax.shard_map`` (``check_vma`` either way) on the local shards.
 
@@ -491,13 +484,17 @@ def ring_attention(q: Array, k: Array, v: Array, bias: Array | None = None,
       holds positions [i·T/P, (i+1)·T/P)) or ``"zigzag"`` (:func:`zigzag_permute`: 2P chunks,
       device i holds chunks i and 2P − 1 − i, which balances causal work: :func:`ring_work`).
       Without ``is_causal`` it changes nothing but which positions the outputs belong to.
-    block_q, block_k: caps on the kernel's tiles (the tiles divide the local lengths).
+    block_q, block_k: deprecated (removed in the next release; a DeprecationWarning): the
+      caps on the step kernel's tiles, now ``core.Blocked(block_q=...)`` /
+      ``core.Pallas(block_q=...)`` (the tiles divide the local lengths).
     kv_head_block: kv heads per pass (a divisor of K; their query heads go with them): the
       ring runs once per pass, and its buffers hold only the pass' heads. None: as many as
       keep a pass' query shard (B · T/P · heads · H) within :data:`PASS_BUDGET` elements, one
       at least. More heads per pass: fewer, larger transfers and kernels; fewer: less memory.
-    implementation: the kernel of every ring step: ``"blocked"`` (attnx's XLA blocked
-      kernel), ``"pallas"`` (the Pallas kernels, :mod:`attnx.core.kernels.pallas.block`: Triton on a
+    implementation: the kernel of every ring step, an implementation object with its settings
+      or its name: ``core.Blocked(block_q=..., block_k=...)`` / ``"blocked"`` (attnx's XLA
+      blocked kernel), ``core.Pallas(block_q=..., block_k=..., interpret=...)`` /
+      ``"pallas"`` (the Pallas kernels, :mod:`attnx.core.kernels.pallas.block`: Triton on a
       GPU, Mosaic on a TPU) or None: Pallas where the automatic choice of
       :func:`attnx.core.attention` would take it for this weighting, dtype and head size on
       ``jax.default_backend()`` (a GPU or TPU, a verified combination:
@@ -505,7 +502,8 @@ def ring_attention(q: Array, k: Array, v: Array, bias: Array | None = None,
       ``check_vma=True`` (the Pallas kernels' outputs carry no varying axes yet), else blocked.
     pallas_backend: ``"gpu"`` or ``"tpu"``: the Pallas kernels to build (to lower for a chip
       from another host); None: ``jax.default_backend()``'s.
-    interpret: run the Pallas kernels in Pallas' interpreter (any machine; slow, for tests).
+    interpret: deprecated (removed in the next release; a DeprecationWarning): now
+      ``core.Pallas(interpret=True)``, the Pallas kernels in Pallas' interpreter.
 
   Returns:
     The local output ``[batch..., T/P, N, Hv]`` in q's dtype: the rows of the global attention
@@ -538,14 +536,9 @@ def ring_attention(q: Array, k: Array, v: Array, bias: Array | None = None,
   """
   p = steps.axis_size(axis_name)
   ring_layout.check_layout(layout)
-  if implementation not in (None, "blocked", "pallas"):
-    raise ValueError(f"ring_attention runs attnx's blocked kernel or the Pallas kernels on "
-                     f"every step: implementation must be None, 'blocked' or 'pallas', got "
-                     f"{implementation!r}.")
-  for name, blk in (("block_q", block_q), ("block_k", block_k)):
-    bad = not isinstance(blk, numbers.Integral) or isinstance(blk, bool) or blk < 1
-    if blk is not None and bad:
-      raise ValueError(f"{name} must be a positive int tile size or None, got {blk!r}.")
+  settings = impl_lib.legacy_settings("ring_attention", block_q=block_q, block_k=block_k,
+                                      interpret=interpret)
+  chosen = impl_lib.configure(implementation, settings, "ring_attention")
   q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
   sc = scores_lib.get_score(score)
   problem_lib.check_inputs(q, k, v, None, None, sc)
@@ -579,15 +572,17 @@ def ring_attention(q: Array, k: Array, v: Array, bias: Array | None = None,
   rc = steps.RingConfig(axis=axis_name, p=p, layout=layout, is_causal=bool(is_causal), w=w,
                         family=family, t=t, s=s, head_dims=(b, kv_heads, n // kv_heads),
                         bias_kind=steps.kind_of(bias4, t, s, p, "bias"),
-                        mask_kind=steps.kind_of(mask4, t, s, p, "mask"), block_q=block_q,
-                        block_k=block_k,
+                        mask_kind=steps.kind_of(mask4, t, s, p, "mask"),
                         vma=bl.manual_axes(q, k, v, bias4, mask4, lax.axis_index(axis_name)))
   g = n // kv_heads
   kc = _kv_heads_per_pass(kv_head_block, b, kv_heads, g, max(t, s),
                           max(q.shape[-1], v.shape[-1]))
-  backend = _step_backend(implementation, pallas_backend, interpret, w, rc.vma,
-                          jnp.result_type(q.dtype, k.dtype, v.dtype), q.shape[-1], v.shape[-1])
-  rc = dataclasses.replace(rc, head_dims=(b, kc, g), pallas=backend, interpret=interpret)
+  ring = RingProblem(w, jnp.result_type(q.dtype, k.dtype, v.dtype), q.shape[-1], v.shape[-1],
+                     typed_vma=bool(rc.vma), backend=pallas_backend)
+  impl = _step_implementation(chosen, ring)
+  block_q, block_k = impl.block_sizes
+  rc = dataclasses.replace(rc, head_dims=(b, kc, g), block_q=block_q, block_k=block_k,
+                           kernel=impl.ring_kernel(ring))
   if t == 0 or s == 0:
     return jnp.zeros(batch + (t, n, v.shape[-1]), q.dtype)
   steps.check_tiles(rc)

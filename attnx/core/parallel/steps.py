@@ -7,16 +7,15 @@ and backward rings, :mod:`attnx.core.parallel.stick_zigzag` into stick-breaking'
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from attnx.core import streaming
-from attnx.core.kernels.pallas import block as ring_pallas
+from attnx.core.kernels.xla import block as xla_block
 from attnx.core.kernels.xla import pointwise as bl
-from attnx.core.kernels.xla import rows as blocked_rows
 from attnx.core.kernels.xla import tiling as tl
 from attnx.core.parallel import layout as ring_layout
 from attnx.core.weightings import Pointwise
@@ -30,8 +29,33 @@ FAMILIES = ("pointwise",) + tuple(name for name in streaming.FAMILIES
 
 
 # --------------------------------------------------------------------------------------------
-# The static description of one ring problem.
+# The static description of one ring problem, and the kernels of its steps.
 # --------------------------------------------------------------------------------------------
+
+class BlockKernel(Protocol):
+  """The kernels every ring step runs, given by the implementation object
+  (:meth:`attnx.core.implementations.Implementation.ring_kernel`):
+  :class:`attnx.core.kernels.xla.block.XlaBlockKernel` and
+  :class:`attnx.core.kernels.pallas.block.PallasBlockKernel`.
+
+  Layouts: q ``[X, G, t, H]``, k/v ``[X, s, H]``, bias/mask ``[Bb, Kb, Gb, t|1, s|1]``
+  (X = B·K), row scales ``[X, G, t]``; ``cfg`` from :meth:`RingConfig.cfg`.
+  """
+
+  def state(self, q, k, v, bias, mask, scale, cfg) -> Any:
+    """The raw streaming state of a pointwise F over the block."""
+
+  def row_state(self, q, k, v, bias, mask, row_scales, scale, cfg) -> Any:
+    """The raw state of a whole-row family over the block."""
+
+  def grads(self, q, k, v, bias, mask, scale, out, stat, do, cfg) -> Any:
+    """(dq, dk, dv, dbias, dscale) of a pointwise F's block, given the rows' final output
+    and statistic."""
+
+  def row_grads(self, q, k, v, bias, mask, row_scales, scale, out, stats, do, carries,
+                cfg) -> Any:
+    """(dq, dk, dv, dbias, carries, dscale) of a whole-row family's block."""
+
 
 @dataclasses.dataclass(frozen=True)
 class RingConfig:
@@ -46,21 +70,15 @@ class RingConfig:
   head_dims: tuple[int, int, int]  # (B, K, G)
   bias_kind: str  # "none", "const" (S axis 1), "travel" (sharded with k), "rows" (all keys)
   mask_kind: str
-  block_q: int | None
-  block_k: int | None
+  block_q: int | None = None  # caps on the step kernel's tiles
+  block_k: int | None = None
   vma: tuple[str, ...] = ()  # axes the inputs vary over (check_vma=True): see blocked.vary
-  pallas: str | None = None  # the Pallas kernels' backend ("gpu"/"tpu") of every step, or XLA
-  interpret: bool = False  # the Pallas kernels in Pallas' interpreter
+  kernel: BlockKernel = xla_block.XLA_BLOCK_KERNEL  # the kernels of every step
   dtype: Any = F32  # the compute dtype (contract.compute_dtype): float32, or float64
 
   @property
   def num_keys(self) -> int:
     return self.p * self.s
-
-  @property
-  def pallas_kw(self) -> dict[str, Any]:
-    """The Pallas step functions' backend arguments (empty for the blocked kernel)."""
-    return {} if self.pallas is None else dict(backend=self.pallas, interpret=self.interpret)
 
   @property
   def pointwise(self) -> bool:
@@ -247,9 +265,7 @@ def zeros(rc: RingConfig, shape: tuple[int, ...]) -> Array:
 def empty(rc: RingConfig, rows: tuple[int, ...], hv: int) -> Any:
   """The state of rows that have seen no key."""
   if rc.pointwise:
-    cols = hv + 1 if rc.w.normalization == "sum" else hv
-    st0 = -jnp.inf if rc.w.online_max else 0.0
-    return bl.vary((jnp.zeros(rows + (cols,), rc.dtype), jnp.full(rows, st0, rc.dtype)), rc.vma)
+    return bl.vary(streaming.pointwise_empty(rc.w, rows, hv, rc.dtype), rc.vma)
   return bl.vary(streaming.init(rc.w.stream, rows, hv, rc.dtype), rc.vma)
 
 
@@ -269,13 +285,9 @@ def block_state(rc: RingConfig, q, kv, bias, mask, rsc, scale, r0, r1, k0, k1, c
   bp = None if bias is None else sl(sl(bias, 3, r0, r1 - r0), 4, k0, k1 - k0)
   mp = None if mask is None else sl(sl(mask, 3, r0, r1 - r0), 4, k0, k1 - k0)
   rp = None if rsc is None else lax.slice_in_dim(rsc, r0, r1, axis=2)
-  if rc.pallas is not None:
-    if rc.pointwise:
-      return ring_pallas.raw_block_state(qp, kp, vp, bp, mp, scale, cfg, **rc.pallas_kw)
-    return ring_pallas.raw_row_block_state(qp, kp, vp, bp, mp, rp, scale, cfg, **rc.pallas_kw)
   if rc.pointwise:
-    return bl.raw_block_state(qp, kp, vp, bp, mp, scale, cfg)
-  return blocked_rows.raw_block_state(qp, kp, vp, bp, mp, rp, scale, cfg)
+    return rc.kernel.state(qp, kp, vp, bp, mp, scale, cfg)
+  return rc.kernel.row_state(qp, kp, vp, bp, mp, rp, scale, cfg)
 
 
 def kind_state(rc: RingConfig, pieces, q, kv, bias, mask, rsc, scale, hv: int) -> Any:
@@ -316,17 +328,14 @@ def kind_grads(rc: RingConfig, pieces, q, kv, bias, mask, rsc, scale, out, stats
     keys = lambda a, lo=klo, hi=khi: lax.slice_in_dim(a, lo, hi, axis=1)
     bp = None if bias is None else sl(sl(bias, 3, lo, hi - lo), 4, klo, khi - klo)
     mp = None if mask is None else sl(sl(mask, 3, lo, hi - lo), 4, klo, khi - klo)
-    kw = rc.pallas_kw
     if rc.pointwise:
-      grads = ring_pallas.block_grads if rc.pallas else bl.block_grads
-      gq, gk, gv, gb, gs = grads(rows(q), keys(k), keys(v), bp, mp, scale, rows(out),
-                                 rows(stats[0]), rows(do), cfg, **kw)
+      gq, gk, gv, gb, gs = rc.kernel.grads(rows(q), keys(k), keys(v), bp, mp, scale, rows(out),
+                                           rows(stats[0]), rows(do), cfg)
     else:
       rp = None if rsc is None else rows(rsc)
-      grads = ring_pallas.row_block_grads if rc.pallas else blocked_rows.block_grads
-      gq, gk, gv, gb, part_carries, gs = grads(
+      gq, gk, gv, gb, part_carries, gs = rc.kernel.row_grads(
           rows(q), keys(k), keys(v), bp, mp, rp, scale, rows(out), tuple(map(rows, stats)),
-          rows(do), tree_rows(carries, lo, hi - lo), cfg, **kw)
+          rows(do), tree_rows(carries, lo, hi - lo), cfg)
       carries = put_tree_rows(carries, part_carries, lo)
     dq, dk, dv = add_at(dq, gq, 2, lo), add_at(dk, gk, 1, klo), add_at(dv, gv, 1, klo)
     if db is not None:

@@ -50,6 +50,7 @@ from attnx.core.streaming.ops import F32, XLA, Array, Ops, pv
 from attnx.core.streaming.pointwise import (
     online_max_start,
     online_max_update,
+    pointwise_empty,
     pointwise_finalize,
     pointwise_grad_rows,
     pointwise_merge,
@@ -74,6 +75,6 @@ __all__ = ["F32", "FAMILIES", "MAX_THRESHOLD_PASSES", "MAX_THRESHOLD_PASSES_F64"
            "EntmaxState", "Family", "GradCarry", "MaxState", "Ops", "RowStream", "StickState",
            "Threshold", "entmax_threshold", "entmax_tile_max", "entmax_x", "entmax_zero_tile",
            "entmax_zero_tiles", "finalize", "get_family", "init", "max_threshold_passes",
-           "merge", "online_max_start", "online_max_update", "pointwise_finalize",
-           "pointwise_grad_rows", "pointwise_merge", "pointwise_tile_grad", "pointwise_update",
-           "pv", "row_scale", "tile_grad", "update"]
+           "merge", "online_max_start", "online_max_update", "pointwise_empty",
+           "pointwise_finalize", "pointwise_grad_rows", "pointwise_merge", "pointwise_tile_grad",
+           "pointwise_update", "pv", "row_scale", "tile_grad", "update"]

@@ -95,11 +95,19 @@ def pointwise_update(w: Any, acc: Any, l: Array, s: Array, valid: Array | None, 
     # F never sees masked scores, so they cannot produce NaN/inf (or their gradients).
     f = jnp.where(valid, w.fn(jnp.where(valid, s, 0.0), num_keys), 0.0)
   acc = jax.tree.map(lambda a, vc: a + pv(f, vc), acc, v)  # a ones column accumulates Σ F
-  if w.normalization == "sum" and not ops.ones_column:
+  if w.divides_by_sum and not ops.ones_column:
     l = l + ops.row_sum(f)
-  elif w.normalization == "length" and valid is not None:
+  elif w.divides_by_length and valid is not None:
     l = l + ops.row_sum(jnp.broadcast_to(valid, f.shape), dtype=l.dtype)
   return acc, l
+
+
+def pointwise_empty(w: Any, rows: tuple[int, ...], hv: int, dtype: Any) -> tuple[Array, Array]:
+  """The raw state (acc, st) of rows that have seen no key (the XLA spelling: acc [rows, Hv],
+  or [rows, Hv + 1] with Σ F in the last column; st −∞ for the online max, else 0)."""
+  cols = hv + 1 if w.divides_by_sum else hv
+  return (jnp.zeros(rows + (cols,), dtype),
+          jnp.full(rows, -jnp.inf if w.online_max else 0.0, dtype))
 
 
 def pointwise_merge(w: Any, a: tuple[Array, Array], b: tuple[Array, Array]) -> tuple[Array, Array]:
@@ -196,13 +204,13 @@ def pointwise_grad_rows(w: Any, stat: Array,
     if stat.ndim == delta.ndim + 1:
       stat = (stat[..., 0], stat[..., 1])
     return stat, None, jnp.where(jnp.isnan(delta), 0.0, delta)
-  if w.normalization == "none":
+  if w.unnormalized:
     return None, None, None
   empty = stat == 0
   tiny = jnp.abs(stat) < 2.0 ** -100
   mult = jnp.where(tiny, 2.0 ** 100, 1.0)
   inv = jnp.where(empty, 0.0, 1.0 / jnp.where(empty, 1.0, stat * mult))
-  if w.normalization == "sum":
+  if w.divides_by_sum:
     return mult, inv, delta
   return None, inv, None
 
@@ -232,11 +240,11 @@ def pointwise_tile_grad(w: Any, z: Array, valid: Array | None, dp: Array,
     return p, p * (dp - row(delta))
   sv = z if valid is None else jnp.where(valid, z, 0.0)
   f, fp = jax.jvp(lambda s: w.fn(s, num_keys), (sv,), (jnp.ones_like(sv),))
-  if w.normalization == "none":
+  if w.unnormalized:
     p, dz = f, fp * dp
   else:
     il = row(r1)
-    if w.normalization == "sum":
+    if w.divides_by_sum:
       big = row(r0)
       f, fp = f * big, fp * big
       dz = fp * ((dp - row(delta)) * il)
@@ -249,5 +257,6 @@ def pointwise_tile_grad(w: Any, z: Array, valid: Array | None, dp: Array,
 
 
 
-__all__ = ["online_max_start", "online_max_update", "pointwise_finalize", "pointwise_grad_rows",
+__all__ = ["online_max_start", "online_max_update", "pointwise_empty", "pointwise_finalize",
+           "pointwise_grad_rows",
            "pointwise_merge", "pointwise_tile_grad", "pointwise_update"]

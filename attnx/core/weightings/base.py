@@ -93,15 +93,31 @@ class Pointwise:
     return {}
 
   @property
+  def divides_by_sum(self) -> bool:
+    """``normalization="sum"``: w = F/(offset + Σ F); the streaming kernels carry Σ F (as a
+    column of ones appended to V)."""
+    return self.normalization == "sum"
+
+  @property
+  def divides_by_length(self) -> bool:
+    """``normalization="length"``: w = F/n with n the row's valid-key count."""
+    return self.normalization == "length"
+
+  @property
+  def unnormalized(self) -> bool:
+    """``normalization="none"``: w = F."""
+    return self.normalization == "none"
+
+  @property
   def online_max(self) -> bool:
     """Whether kernels should stream this weighting with a running maximum (softmax-like)."""
-    return self.exp_alpha is not None and self.normalization == "sum"
+    return self.exp_alpha is not None and self.divides_by_sum
 
   @property
   def sums_to_one(self) -> bool:
     """F(s)/ΣF(s): sum normalization without a denominator offset (true for any F; rows where
     every valid F(s) is 0 stay all zero, see :data:`TRAITS`)."""
-    return self.normalization == "sum" and self.denominator_offset == 0
+    return self.divides_by_sum and self.denominator_offset == 0
 
   @property
   def shift_invariant(self) -> bool:

@@ -70,8 +70,34 @@ Array = jax.Array
 F32 = jnp.float32
 LN2 = math.log(2.0)
 
-__all__ = ["block_grads", "raw_block_state", "raw_row_block_state",
+__all__ = ["PallasBlockKernel", "block_grads", "raw_block_state", "raw_row_block_state",
            "row_block_grads", "supported"]
+
+
+@dataclasses.dataclass(frozen=True)
+class PallasBlockKernel:
+  """The ring's steps (:class:`attnx.core.parallel.steps.BlockKernel`) on the Pallas kernels:
+  the functions below with the ``backend`` ("gpu"/"tpu") and ``interpret`` of this object.
+  :class:`attnx.core.kernels.xla.block.XlaBlockKernel` is the same on the XLA kernels."""
+
+  backend: str
+  interpret: bool = False
+
+  def state(self, *args: Any) -> Any:
+    """:func:`raw_block_state` (pointwise F)."""
+    return raw_block_state(*args, backend=self.backend, interpret=self.interpret)
+
+  def row_state(self, *args: Any) -> Any:
+    """:func:`raw_row_block_state` (whole-row families)."""
+    return raw_row_block_state(*args, backend=self.backend, interpret=self.interpret)
+
+  def grads(self, *args: Any) -> Any:
+    """:func:`block_grads` (pointwise F)."""
+    return block_grads(*args, backend=self.backend, interpret=self.interpret)
+
+  def row_grads(self, *args: Any) -> Any:
+    """:func:`row_block_grads` (whole-row families)."""
+    return row_block_grads(*args, backend=self.backend, interpret=self.interpret)
 
 
 def supported(weighting: Any, backend: str) -> str | None:
@@ -221,12 +247,6 @@ def _no_offset(w: Pointwise) -> Pointwise:
   return dataclasses.replace(w, denominator_offset=0.0) if w.denominator_offset else w
 
 
-def _empty_pointwise(w: Pointwise, rows: tuple[int, ...], hv: int) -> tuple[Array, Array]:
-  cols = hv + 1 if w.normalization == "sum" else hv
-  return (jnp.zeros(rows + (cols,), F32),
-          jnp.full(rows, -jnp.inf if w.online_max else 0.0, F32))
-
-
 def raw_block_state(q: Array, k: Array, v: Array, bias: Array | None, mask: Array | None,
                     scale: Array, cfg: tl.TileConfig, *, backend: str, interpret: bool = False,
                     block_q: int | None = None,
@@ -238,7 +258,7 @@ def raw_block_state(q: Array, k: Array, v: Array, bias: Array | None, mask: Arra
   x, g, t, _ = q.shape
   s, hv = k.shape[1], v.shape[-1]
   if t == 0 or s == 0:
-    return _empty_pointwise(w, (x, g, t), hv)
+    return streaming.pointwise_empty(w, (x, g, t), hv, F32)
   blk = _block(q, k, v, bias, mask, scale, cfg, _no_offset(w), backend, interpret, block_q,
                block_k)
   o, stat = wrapper.forward(blk.cfg, blk.q, blk.k, blk.v, blk.bias, blk.mask, blk.q_len,
@@ -249,10 +269,10 @@ def raw_block_state(q: Array, k: Array, v: Array, bias: Array | None, mask: Arra
     acc = jnp.concatenate([o, jnp.ones(o.shape[:-1] + (1,), F32)], axis=-1)
     return jnp.where(empty[..., None], 0.0, acc), jnp.where(empty, -jnp.inf, stat * LN2)
   zero = jnp.zeros(stat.shape, F32)
-  if w.normalization == "none":
+  if w.unnormalized:
     return o, zero
   acc = o * stat[..., None]  # the kernel's normalizer (0 for an empty row, whose O is 0)
-  if w.normalization == "sum":
+  if w.divides_by_sum:
     return jnp.concatenate([acc, stat[..., None]], axis=-1), zero
   # "length": the kernel counted the valid keys unless no key could be invalid (then it
   # divided by F's key count, the whole problem's): every key of the block counts.

@@ -62,8 +62,9 @@ def backend_for_platform(platform: str, interpret: bool = False) -> str:
     return "gpu"
   raise ValueError(
       f"implementation='pallas' needs a GPU or TPU; this machine runs JAX on {platform!r}. "
-      "Pass interpret=True to run the kernels in Pallas' interpreter (slow; for testing), or "
-      "use implementation='blocked' (the XLA flash-style kernel) on a CPU.")
+      "Use implementation=core.Pallas(interpret=True) (here: interpret=True) to run the "
+      "kernels in Pallas' interpreter (slow; for testing), or implementation='blocked' (the "
+      "XLA flash-style kernel) on a CPU.")
 
 
 def supported(weighting: Any, *, backend: str | None = None, dtype: Any = None,

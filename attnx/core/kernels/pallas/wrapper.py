@@ -404,6 +404,7 @@ def _per_platform(q: Array, k: Array, v: Array, **kwargs: Any) -> Array:
       out=jax.ShapeDtypeStruct((*q.shape[:3], v.shape[-1]), q.dtype),
       other=("implementation='pallas' needs a GPU or TPU; this program is being lowered or run "
              "for a platform with neither (the CPU host, unless lowered with "
-             "lowering_platforms=('cuda',) or ('tpu',)). Pass interpret=True to run the kernels "
-             "in Pallas' interpreter (slow; for testing), or use implementation='blocked' (the "
-             "XLA flash-style kernel) on a CPU."))
+             "lowering_platforms=('cuda',) or ('tpu',)). Use implementation="
+             "core.Pallas(interpret=True) (here: interpret=True) to run the kernels in Pallas' "
+             "interpreter (slow; for testing), or implementation='blocked' (the XLA "
+             "flash-style kernel) on a CPU."))

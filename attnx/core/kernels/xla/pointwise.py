@@ -199,7 +199,7 @@ def _stat_shape(cfg: tl.TileConfig, rows: tuple[int, ...]) -> tuple[int, ...]:
 
 def _out_cols(cfg: tl.TileConfig, hv: int) -> int:
   """Columns of the forward's first output: Hv, or Hv + 1 for a raw state that carries Σ F."""
-  return hv + 1 if cfg.raw and cfg.w.normalization == "sum" else hv
+  return hv + 1 if cfg.raw and cfg.w.divides_by_sum else hv
 
 
 def _forward_chunk(q, k, v, bias, mask, scale, cfg: tl.TileConfig):
@@ -225,7 +225,7 @@ def _forward_chunk(q, k, v, bias, mask, scale, cfg: tl.TileConfig):
   axes = manual_axes(q, k, v, bias, mask)
   q, qk_mult, bias_mult, _ = tl.prescale(q, scale, cfg)
   v_fwd = v
-  if w.normalization == "sum":
+  if w.divides_by_sum:
     # Row sums ride along in the F·V matmul as a column of ones appended to V: one pass over
     # the tile fewer than a separate reduction.
     v_fwd = jnp.concatenate([v, jnp.ones(v.shape[:-1] + (1,), v.dtype)], axis=-1)
@@ -355,13 +355,7 @@ def _backward_chunk(q, k, v, bias, mask, scale, out, stat, do, cfg: tl.TileConfi
                                             preferred_element_type=cd)
       dq = tl.put_row_block(dq, dq_i, i, cfg)
       if cfg.has_bias:
-        tshape = bias_shape[:3] + tuple(
-            1 if bias_shape[a] == 1 else (cfg.bq, cfg.bk)[a - 3] for a in (3, 4))
-        start = (0, 0, 0, 0 if bias_shape[3] == 1 else i * cfg.bq,
-                 0 if bias_shape[4] == 1 else j * cfg.bk)
-        cur = lax.dynamic_slice(dbias, start, tshape)
-        dz5 = dz.reshape(cfg.head_dims + (cfg.bq, cfg.bk))
-        dbias = lax.dynamic_update_slice(dbias, cur + common.sum_to(dz5, tshape), start)
+        dbias = tl.add_bias_grad_tile(dbias, dz, i, j, cfg)
       return dq, dk_j, dv_j, dbias
 
     dk0 = jnp.zeros((k.shape[0], cfg.bk, k.shape[-1]), cd)

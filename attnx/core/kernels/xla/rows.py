@@ -246,13 +246,7 @@ def _backward_chunk(q, k, v, bias, mask, row_scales, scale, out, stats, support_
       return dk_j, dv_j, dq_i, dz if cfg.has_bias else None, gc
 
     def add_dbias(dbias, dz, i):
-      tshape = bias_shape[:3] + tuple(
-          1 if bias_shape[a] == 1 else (cfg.bq, cfg.bk)[a - 3] for a in (3, 4))
-      start = (0, 0, 0, 0 if bias_shape[3] == 1 else i * cfg.bq,
-               0 if bias_shape[4] == 1 else j * cfg.bk)
-      cur = lax.dynamic_slice(dbias, start, tshape)
-      dz5 = dz.reshape(cfg.head_dims + (cfg.bq, cfg.bk))
-      return lax.dynamic_update_slice(dbias, cur + common.sum_to(dz5, tshape), start)
+      return tl.add_bias_grad_tile(dbias, dz, i, j, cfg)
 
     def q_block(i, c):
       dq, dk_j, dv_j, dbias, carry_a, carry_b = c

@@ -128,6 +128,17 @@ def bias_tile(x: Array, i: Array, j: Array, cfg: TileConfig) -> Array:
   return x
 
 
+def add_bias_grad_tile(dbias: Array, dz: Array, i: Array, j: Array, cfg: TileConfig) -> Array:
+  """``dbias`` plus tile (i, j)'s score gradient ``dz`` [X, G·bq, bk], summed over the bias'
+  broadcast dims (``dbias`` has the bias' 5-D shape, 1 where it broadcasts)."""
+  shape = dbias.shape
+  tshape = shape[:3] + tuple(1 if shape[a] == 1 else (cfg.bq, cfg.bk)[a - 3] for a in (3, 4))
+  start = (0, 0, 0, 0 if shape[3] == 1 else i * cfg.bq, 0 if shape[4] == 1 else j * cfg.bk)
+  cur = lax.dynamic_slice(dbias, start, tshape)
+  dz5 = dz.reshape(cfg.head_dims + (cfg.bq, cfg.bk))
+  return lax.dynamic_update_slice(dbias, cur + common.sum_to(dz5, tshape), start)
+
+
 def bias_tile_rows(x: Array, i: Array, j: Array, cfg: TileConfig) -> Array:
   """Tile (i, j) of a bias/mask broadcast to the scores' layout [X, G·bq, bk]."""
   x = jnp.broadcast_to(bias_tile(x, i, j, cfg), cfg.head_dims + (cfg.bq, cfg.bk))

@@ -5,6 +5,7 @@
 Imports only jax/numpy; every function works under jit, vmap, grad and shard_map.
 """
 
+from attnx.core import masks
 from attnx.core.api import (
     BLOCKED_MIN_SCORES,
     IMPLEMENTATIONS,
@@ -69,7 +70,8 @@ __all__ = [
     "check_compatible", "cosine", "describe_weightings", "dot", "elu_plus_one_features",
     "entmax15", "entmax_bisect", "explain", "favor_features", "favor_plus_features",
     "flax_attention_fn", "get_implementation", "get_score", "get_weighting",
-    "linear_attention", "list_implementations", "list_scores", "list_weightings", "metric",
+    "linear_attention", "list_implementations", "list_scores", "list_weightings", "masks",
+    "metric",
     "nadaraya_watson", "neg_sq_dist", "parse_weighting_name", "register_weighting",
     "ring_attention", "ring_work", "scaled_dot", "softpick", "sparsemax", "ssmax",
     "stick_breaking", "verify_pallas", "weights", "zigzag_permute", "zigzag_unpermute",

@@ -46,6 +46,7 @@ import jax
 import jax.numpy as jnp
 
 from attnx.core import implementations as impl_lib
+from attnx.core import masks as masks_lib
 from attnx.core import problem as problem_lib
 from attnx.core import weightings as weightings_lib
 from attnx.core.contract import nonfinite_inputs
@@ -79,10 +80,15 @@ def attention_weights(query: Array, key: Array, bias: Array | None = None,
                       mask: Array | None = None, *, weighting: Any = "softmax",
                       score: Any = "scaled_dot", is_causal: bool = False,
                       scale: float | None = None,
-                      score_params: dict[str, Any] | None = None) -> Array:
+                      score_params: dict[str, Any] | None = None,
+                      query_seq_lengths: Array | None = None,
+                      key_value_seq_lengths: Array | None = None,
+                      local_window_size: int | tuple[int, int] | None = None,
+                      segment_ids: Any = None) -> Array:
   """The attention weights w [batch..., N, T, S] (float32) of :func:`attention`.
 
-  Always dense: it materializes the T×S weights. Arguments as in :func:`attention`.
+  Always dense: it materializes the T×S weights. Arguments as in :func:`attention` (``mask``
+  a boolean array or a structured mask of :mod:`attnx.core.masks`).
 
   Example:
     Equal keys get equal weights; causal rows see keys up to their own position:
@@ -97,9 +103,12 @@ def attention_weights(query: Array, key: Array, bias: Array | None = None,
      [0.333 0.333 0.333]]
   """
   q, k = jnp.asarray(query), jnp.asarray(key)
-  q, k, _, bias, mask, w, sc, params, scale = problem_lib.prepare(
-      q, k, k, bias, mask, weighting, score, scale, score_params)
+  q, k, _, bias, mask, w, sc, params, scale, structured = problem_lib.prepare(
+      q, k, k, bias, mask, weighting, score, scale, score_params,
+      dict(query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
+           local_window_size=local_window_size, segment_ids=segment_ids))
   (t, n), s = q.shape[-3:-1], k.shape[-3]
+  mask = masks_lib.combine(mask, structured, q.shape[:-3], n, t, s)
   if q.size == 0 or s == 0:
     return jnp.zeros((*q.shape[:-3], n, t, s), jnp.float32)
   q, k, _, bias = nonfinite_inputs(q, k, None, bias)
@@ -223,7 +232,11 @@ def attention(query: Array, key: Array, value: Array, bias: Array | None = None,
               dropout_rate: float = 0.0, dropout_rng: Array | None = None,
               deterministic: bool = False, broadcast_dropout: bool = True,
               return_weights: bool = False, interpret: bool = False,
-              weighting_params: dict[str, Any] | None = None) -> Array | tuple[Array, Array]:
+              weighting_params: dict[str, Any] | None = None,
+              query_seq_lengths: Array | None = None,
+              key_value_seq_lengths: Array | None = None,
+              local_window_size: int | tuple[int, int] | None = None,
+              segment_ids: Any = None) -> Array | tuple[Array, Array]:
   """Attention with a pluggable score s and weighting F, optional dropout on the weights.
 
   Args:
@@ -231,7 +244,9 @@ def attention(query: Array, key: Array, value: Array, bias: Array | None = None,
     key: ``[batch..., S, K, H]``; ``N`` must be a multiple of ``K`` (GQA).
     value: ``[batch..., S, K, Hv]``.
     bias: optional additive score bias broadcastable to ``[batch..., N, T, S]``.
-    mask: optional boolean mask broadcastable to ``[batch..., N, T, S]``; True = attend.
+    mask: optional boolean mask broadcastable to ``[batch..., N, T, S]``; True = attend. Or a
+      structured mask of :mod:`attnx.core.masks` (``masks.sliding_window(128, 0)``,
+      ``masks.segment_ids(ids)``, ``masks.from_fn(mask_mod)``, combined with ``&``/``|``).
     weighting: F — a name from ``list_weightings()``, ``"name:k=v"`` (``"power:p=3"``,
       ``"entmax:alpha=1.5"``), a Weighting, or a callable F(z) (sum-normalized).
     score: s — a name from ``list_scores()``, ``"cosine:temperature=0.1"``, or a callable
@@ -274,6 +289,14 @@ def attention(query: Array, key: Array, value: Array, bias: Array | None = None,
       (``get_weighting(w).learnable``), which then get gradients: ``{"s": s}`` for ``ssmax``
       (a scalar or one value per query head, shape ``[N]``; Nakanishi 2025 learn s per head).
       Every implementation that runs the weighting takes them.
+    query_seq_lengths, key_value_seq_lengths: int ``[batch...]``: ``jax.nn``'s padding
+      lengths (query i < Lq_b, key j < Lkv_b); :func:`attnx.core.masks.seq_lengths`.
+    local_window_size: ``jax.nn``'s window: query i attends keys i − left ≤ j ≤ i + right for
+      ``(left, right)``, an int w meaning ``(w, w)``; :func:`attnx.core.masks.sliding_window`.
+    segment_ids: packed documents: int ``[batch..., T]`` (self-attention) or a pair
+      ``(q_ids [batch..., T], kv_ids [batch..., S])``; a pair attends where the ids are equal
+      and not negative (a negative id is padding); :func:`attnx.core.masks.segment_ids`.
+      These keywords, ``mask``, ``bias`` and ``is_causal`` combine (a pair must pass all).
 
   Dropout and ``return_weights`` need the weights themselves, so they run the dense
   implementation (``implementation=None`` picks it); ``implementation="blocked"``, which never
@@ -345,7 +368,9 @@ def attention(query: Array, key: Array, value: Array, bias: Array | None = None,
       scale=scale, score_params=score_params, dropout_rate=dropout_rate,
       dropout_rng=dropout_rng, deterministic=deterministic,
       broadcast_dropout=broadcast_dropout, return_weights=return_weights,
-      weighting_params=weighting_params)
+      weighting_params=weighting_params, query_seq_lengths=query_seq_lengths,
+      key_value_seq_lengths=key_value_seq_lengths, local_window_size=local_window_size,
+      segment_ids=segment_ids)
   impl = _select(problem, chosen)
   if problem.empty:  # no query, or no key: every row has no valid key
     p = problem

@@ -17,6 +17,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from attnx.core import masks as masks_lib
 from attnx.core import params as params_lib
 from attnx.core import scores as scores_lib
 from attnx.core import weightings as weightings_lib
@@ -188,18 +189,31 @@ def choose_implementation(implementation: str | Implementation | None, w: Any,
   return "blocked" if blocked_ok and t * s >= min_scores(w) else "dense"
 
 
-def prepare(query: Array, key: Array, value: Array, bias: Array | None, mask: Array | None,
-            weighting: Any, score: Any, scale: float | Array | None,
-            score_params: dict[str, Any] | None) -> tuple[Any, ...]:
+def prepare(query: Array, key: Array, value: Array, bias: Array | None,
+            mask: Array | masks_lib.Mask | None, weighting: Any, score: Any,
+            scale: float | Array | None, score_params: dict[str, Any] | None,
+            mask_keywords: dict[str, Any] | None = None) -> tuple[Any, ...]:
   """The arrays checked (:func:`check_inputs`) and the call resolved (:func:`resolve`):
-  ``(q, k, v, bias, mask, weighting, score, score_params, scale)``."""
+  ``(q, k, v, bias, mask, weighting, score, score_params, scale, structured)``.
+
+  ``mask`` may be a structured mask (:mod:`attnx.core.masks`), and ``mask_keywords`` holds
+  ``jax.nn``'s ``query_seq_lengths``, ``key_value_seq_lengths``, ``local_window_size`` and
+  attnx's ``segment_ids`` (:func:`~attnx.core.masks.from_jax_nn`): together they are
+  ``structured``, bound to the call (:meth:`~attnx.core.masks.Mask.bind`), or None; ``mask``
+  is then the dense boolean array given, or None."""
   q, k, v = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
   bias = None if bias is None else jnp.asarray(bias)
+  structured = masks_lib.from_jax_nn(**(mask_keywords or {}))
+  if isinstance(mask, masks_lib.Mask):
+    structured = mask if structured is None else mask & structured
+    mask = None
   mask = None if mask is None else jnp.asarray(mask)
   sc = scores_lib.get_score(score)
   check_inputs(q, k, v, bias, mask, sc)
   w, sc, params, scale = resolve(weighting, score, scale, score_params, q.shape[-1])
-  return q, k, v, bias, mask, w, sc, params, scale
+  if structured is not None:
+    structured = structured.bind(q.shape[:-3], q.shape[-2], q.shape[-3], k.shape[-3])
+  return q, k, v, bias, mask, w, sc, params, scale, structured
 
 
 def check_weighting_params(w: Any, values: dict[str, Any] | None,
@@ -242,7 +256,8 @@ def dropout_active(dropout_rate: Any, deterministic: Any) -> bool:
 
 def describe(q: Array, k: Array, v: Array, bias: Array | None, mask: Array | None, w: Any,
              sc: scores_lib.Score, params: dict[str, Any], *, is_causal: bool,
-             dropout_rate: float, broadcast_dropout: bool, return_weights: bool) -> Problem:
+             dropout_rate: float, broadcast_dropout: bool, return_weights: bool,
+             has_structured_mask: bool = False) -> Problem:
   """The static description of a checked call (shapes and dtypes only: works on tracers)."""
   stream_dtype = stream_head_dim = None
   if sc.to_dot is not None:  # what the streaming kernels will see, without computing it
@@ -254,7 +269,8 @@ def describe(q: Array, k: Array, v: Array, bias: Array | None, mask: Array | Non
       num_heads=q.shape[-2], num_kv_heads=k.shape[-2], head_dim=q.shape[-1],
       value_head_dim=v.shape[-1], dtype=q.dtype.name, stream_dtype=stream_dtype,
       stream_head_dim=stream_head_dim, is_causal=bool(is_causal), has_mask=mask is not None,
-      has_bias=bias is not None, dropout_rate=dropout_rate,
+      has_bias=bias is not None, has_structured_mask=has_structured_mask,
+      dropout_rate=dropout_rate,
       broadcast_dropout=bool(broadcast_dropout), return_weights=bool(return_weights),
       platform=jax.default_backend())
 
@@ -265,7 +281,10 @@ def plan(query: Array, key: Array, value: Array, bias: Array | None = None,
           score_params: dict[str, Any] | None = None, dropout_rate: float = 0.0,
           dropout_rng: Array | None = None, deterministic: bool = False,
           broadcast_dropout: bool = True, return_weights: bool = False,
-          weighting_params: dict[str, Any] | None = None) -> tuple[Problem, Inputs]:
+          weighting_params: dict[str, Any] | None = None,
+          query_seq_lengths: Array | None = None, key_value_seq_lengths: Array | None = None,
+          local_window_size: int | tuple[int, int] | None = None,
+          segment_ids: Any = None) -> tuple[Problem, Inputs]:
   """Checks the arguments of :func:`attention` (which documents them) that describe the
   problem; the call's Problem and Inputs. The implementation and its settings are the
   dispatcher's (:mod:`attnx.core.api`)."""
@@ -273,13 +292,17 @@ def plan(query: Array, key: Array, value: Array, bias: Array | None = None,
   if dropout and dropout_rng is None:
     raise ValueError(f"attention dropout (dropout_rate={dropout_rate}, deterministic=False) "
                      "needs dropout_rng, a PRNG key; pass deterministic=True to turn it off.")
-  q, k, v, bias, mask, w, sc, params, scale = prepare(
-      query, key, value, bias, mask, weighting, score, scale, score_params)
+  q, k, v, bias, mask, w, sc, params, scale, structured = prepare(
+      query, key, value, bias, mask, weighting, score, scale, score_params,
+      dict(query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
+           local_window_size=local_window_size, segment_ids=segment_ids))
   wparams = check_weighting_params(w, weighting_params, q.shape[-2])
   problem = describe(q, k, v, bias, mask, w, sc, params, is_causal=is_causal,
+                     has_structured_mask=structured is not None,
                      dropout_rate=float(dropout_rate) if dropout else 0.0,
                      broadcast_dropout=broadcast_dropout, return_weights=return_weights)
   inputs = Inputs(query=q, key=k, value=v, bias=bias, mask=mask, scale=scale,
-                  score_params=params, weighting_params=wparams, dropout_rng=dropout_rng)
+                  score_params=params, weighting_params=wparams, dropout_rng=dropout_rng,
+                  structured_mask=structured)
   return problem, inputs
 

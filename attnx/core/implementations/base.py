@@ -19,6 +19,7 @@ from typing import Any, ClassVar
 import jax
 import jax.numpy as jnp
 
+from attnx.core import masks as masks_lib
 from attnx.core import scores as scores_lib
 from attnx.core import weightings as weightings_lib
 from attnx.core.contract import nonfinite_inputs
@@ -50,6 +51,8 @@ class Problem:
       or None likewise.
     is_causal: causal masking (top-left aligned).
     has_mask, has_bias: whether a boolean mask / an additive bias is given.
+    has_structured_mask: whether a structured mask (:mod:`attnx.core.masks`, or ``jax.nn``'s
+      length/window keywords, ``segment_ids``) is given.
     dropout_rate: the dropout rate on the weights when dropout applies, else 0.0.
     broadcast_dropout: one dropout mask shared by the batch and head dims.
     return_weights: whether the weights are returned too.
@@ -75,6 +78,7 @@ class Problem:
   is_causal: bool = False
   has_mask: bool = False
   has_bias: bool = False
+  has_structured_mask: bool = False
   dropout_rate: float = 0.0
   broadcast_dropout: bool = True
   return_weights: bool = False
@@ -114,6 +118,9 @@ class Inputs:
       (:func:`attnx.core.problem.check_weighting_params`: each declared by the weighting, shape
       () or [N]); empty for the weighting's own values.
     dropout_rng: the PRNG key of dropout on the weights, or None.
+    structured_mask: the structured mask bound to the call (:meth:`attnx.core.masks.Mask.bind`:
+      per-batch arrays with one flat batch axis), or None. A pair may attend where ``mask``,
+      ``structured_mask`` and ``is_causal`` all allow it.
   """
 
   query: Array
@@ -125,6 +132,7 @@ class Inputs:
   score_params: dict[str, Any]
   weighting_params: dict[str, Array] = dataclasses.field(default_factory=dict)
   dropout_rng: Array | None = None
+  structured_mask: Any = None
 
 
 def check_tile_size(name: str, value: Any) -> int | None:
@@ -288,13 +296,16 @@ def to_4d(x: Array | None, batch: tuple[int, ...]) -> Array | None:
 
 
 def run_streaming(problem: Problem, inputs: Inputs, kernel: Callable[..., Array],
-                  block_sizes: tuple[int | None, int | None]) -> Array:
+                  block_sizes: tuple[int | None, int | None],
+                  structured_kernel: bool = False) -> Array:
   """Runs a streaming ``kernel`` (``[B, T, N, H]`` layout, like
   :func:`attnx.core.kernels.xla.pointwise.blocked_attention`) on the score's dot-product form.
 
   The batch dims are flattened into one, bias and mask brought to 4-D, q', k', v cast to one
   dtype (scores that transform q/k in float32, distances and cosine, upcast v too), and the
-  tile caps ``block_sizes = (block_q, block_k)`` passed on.
+  tile caps ``block_sizes = (block_q, block_k)`` passed on. A structured mask goes to a
+  ``structured_kernel`` as ``structured_mask=`` (evaluated per tile); other kernels get it
+  materialized into ``mask``.
 
   The contract's input step (:func:`~attnx.core.contract.nonfinite_inputs`) runs before the
   dot-product form too, not only inside the kernel: a score like ``neg_sq_dist`` forms |k|²
@@ -302,6 +313,12 @@ def run_streaming(problem: Problem, inputs: Inputs, kernel: Callable[..., Array]
   NaN; after the step, the ``where`` gives a non-finite entry a zero gradient, as in dense.
   """
   batch = problem.batch
+  mask, extra = inputs.mask, {}
+  if inputs.structured_mask is not None and structured_kernel:
+    extra = dict(structured_mask=inputs.structured_mask)
+  else:
+    mask = masks_lib.combine(mask, inputs.structured_mask, batch, problem.num_heads, problem.t,
+                             problem.s)
   query, key, value, bias = nonfinite_inputs(inputs.query, inputs.key, inputs.value,
                                              inputs.bias)
   qd, kd = problem.score.to_dot(query, key, **inputs.score_params)
@@ -309,6 +326,6 @@ def run_streaming(problem: Problem, inputs: Inputs, kernel: Callable[..., Array]
   flat = lambda x: x.astype(compute).reshape((-1,) + x.shape[len(batch):])
   out = kernel(flat(qd), flat(kd), flat(value), weighting=problem.weighting,
                scale=inputs.scale, bias=to_4d(bias, batch),
-               mask=to_4d(inputs.mask, batch), is_causal=problem.is_causal,
-               block_q=block_sizes[0], block_k=block_sizes[1])
+               mask=to_4d(mask, batch), is_causal=problem.is_causal,
+               block_q=block_sizes[0], block_k=block_sizes[1], **extra)
   return out.reshape(batch + out.shape[1:]).astype(problem.dtype)

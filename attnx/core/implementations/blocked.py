@@ -100,7 +100,9 @@ class Blocked(Implementation):
     kernel = (blocked_attention if problem.pointwise
               else functools.partial(blocked_rows.blocked_row_attention,
                                      **problem.weighting.kernel_args(inputs.weighting_params)))
-    return run_streaming(problem, inputs, kernel, self.block_sizes)
+    # The pointwise kernel evaluates a structured mask per tile and skips its empty tiles.
+    return run_streaming(problem, inputs, kernel, self.block_sizes,
+                         structured_kernel=problem.pointwise)
 
   def ring_reason(self, ring: RingProblem) -> str | None:
     del ring  # every weighting the ring streams (ring.check_supported) runs in XLA

@@ -15,6 +15,7 @@ from typing import Any, ClassVar
 import jax
 import jax.numpy as jnp
 
+from attnx.core import masks as masks_lib
 from attnx.core import scores as scores_lib
 from attnx.core import weightings as weightings_lib
 from attnx.core.contract import finite, nonfinite_inputs
@@ -100,7 +101,9 @@ class Dense(Implementation):
     q, k, v, bias = nonfinite_inputs(inputs.query, inputs.key, inputs.value, inputs.bias)
     scores = dense_scores(q, repeat_kv(k, p.num_heads), bias, p.score, inputs.score_params,
                           inputs.scale)
-    valid = combined_mask(inputs.mask, p.is_causal, p.t, p.s)
+    mask = masks_lib.combine(inputs.mask, inputs.structured_mask, p.batch, p.num_heads, p.t,
+                             p.s)
+    valid = combined_mask(mask, p.is_causal, p.t, p.s)
     w = p.weighting
     if inputs.weighting_params:  # per head: [N] against the [..., N, T, S] scores
       rows = {name: x.reshape(x.shape + (1, 1)) if x.ndim else x

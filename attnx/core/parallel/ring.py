@@ -74,9 +74,9 @@ import numpy as np
 from jax import lax
 
 from attnx.core import implementations as impl_lib
+from attnx.core import masks, streaming
 from attnx.core import problem as problem_lib
 from attnx.core import scores as scores_lib
-from attnx.core import streaming
 from attnx.core.contract import compute_dtype, nonfinite_inputs
 from attnx.core.implementations import Implementation, RingProblem
 from attnx.core.kernels import common
@@ -559,6 +559,10 @@ def ring_attention(q: Array, k: Array, v: Array, bias: Array | None = None,
                      f"around the ring apart: the local key length {s} must be even.")
   ssmax_s = w.kernel_args(problem_lib.check_weighting_params(w, weighting_params, n)).get(
       "ssmax_s")
+  if isinstance(mask, masks.Mask):
+    raise ValueError("ring_attention takes a boolean mask array (shards as documented), not a "
+                     "structured mask (attnx.core.masks) yet: materialize the local part, e.g. "
+                     "masks.materialize(mask.bind(...), ...), or run core.attention.")
   if mask is not None and jnp.asarray(mask).dtype != jnp.bool_:
     raise ValueError(f"mask must be boolean (True = attend), got dtype "
                      f"{jnp.asarray(mask).dtype}.")

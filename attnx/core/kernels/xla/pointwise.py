@@ -51,7 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import export, lax
 
-from attnx.core import streaming
+from attnx.core import masks, streaming
 from attnx.core.contract import compute_dtype, finite, nonfinite_inputs
 from attnx.core.kernels import common
 from attnx.core.kernels.xla import tiling as tl
@@ -102,6 +102,14 @@ def vary(tree: Any, axes: tuple[str, ...]) -> Any:
     return lax.pcast(x, missing, to="varying") if missing else x
 
   return jax.tree.map(one, tree)
+
+
+# Default tiles under a structured mask: the tiles it skips are whole tiles, so shorter ones
+# skip more, and cost more per score (the loop's per-tile work). 512×256 was the fastest of
+# 128–1024 × 128–256 at T = 16 384 for a causal 512-window and 16 packed documents, fwd+bwd on
+# 2 CPU cores (docs/guides/masks.md).
+STRUCTURED_BLOCK_Q = 512
+STRUCTURED_BLOCK_K = 256
 
 
 def default_block_sizes(t: int, s: int, group: int = 1, is_causal: bool = False,
@@ -167,9 +175,10 @@ def _pv(p: Array, vj: Array) -> Array:
 # Forward.
 # --------------------------------------------------------------------------------------------
 
-def _forward(q, k, v, bias, mask, scale, cfg: tl.TileConfig):
+def _forward(q, k, v, bias, mask, scale, cfg: tl.TileConfig, smask: Any = None):
   """Returns O [X, G, Tp, Hv] and the row statistic [X, G, Tp] (online max: lse as the pair
-  [X, G, Tp, 2] of :func:`_stat_shape`) in the compute dtype, chunk by chunk."""
+  [X, G, Tp, 2] of :func:`_stat_shape`) in the compute dtype, chunk by chunk. ``smask``: the
+  bound structured mask (``cfg.structured``), evaluated per tile."""
   x, g, tp, _ = q.shape
   chunk_cfg = dataclasses.replace(cfg, head_dims=cfg.chunk_head_dims())
 
@@ -177,7 +186,8 @@ def _forward(q, k, v, bias, mask, scale, cfg: tl.TileConfig):
     out, stat = carry
     o, st = _forward_chunk(tl.chunk_rows(q, c, cfg), tl.chunk_rows(k, c, cfg),
                            tl.chunk_rows(v, c, cfg), tl.chunk_bias(bias, c, cfg),
-                           tl.chunk_bias(mask, c, cfg), scale, chunk_cfg)
+                           tl.chunk_bias(mask, c, cfg), scale, chunk_cfg, smask,
+                           c * cfg.heads_in_chunk)
     return (lax.dynamic_update_slice_in_dim(out, o, c * cfg.heads_in_chunk, 0),
             lax.dynamic_update_slice_in_dim(stat, st, c * cfg.heads_in_chunk, 0))
 
@@ -185,7 +195,7 @@ def _forward(q, k, v, bias, mask, scale, cfg: tl.TileConfig):
   init = vary((jnp.zeros((x, g, tp, _out_cols(cfg, v.shape[-1])), cd),
                jnp.zeros(_stat_shape(cfg, (x, g, tp)), cd)), manual_axes(q, k, v, bias, mask))
   if cfg.heads_in_chunk == x:
-    return _forward_chunk(q, k, v, bias, mask, scale, chunk_cfg)
+    return _forward_chunk(q, k, v, bias, mask, scale, chunk_cfg, smask, 0)
   return lax.fori_loop(0, x // cfg.heads_in_chunk, chunk, init)
 
 
@@ -202,7 +212,41 @@ def _out_cols(cfg: tl.TileConfig, hv: int) -> int:
   return hv + 1 if cfg.raw and cfg.w.divides_by_sum else hv
 
 
-def _forward_chunk(q, k, v, bias, mask, scale, cfg: tl.TileConfig):
+def _tile_loop(cfg: tl.TileConfig, kinds: Array | None, outer: Any, axis: int,
+               plain: tuple[Any, Any], step: Any) -> tuple[Any, Any, Any]:
+  """The bounds and body of a kernel's inner loop over tiles (``axis`` 1: the key tiles of
+  query tile ``outer``; 0: the query tiles of key tile ``outer``). Without a structured mask:
+  ``plain`` bounds and ``step(inner, carry, masked=True)``. With one (``kinds`` from
+  :func:`attnx.core.kernels.xla.tiling.tile_kinds`): the span of the tiles it does not skip,
+  and per tile a switch between skipping it, the step without the elementwise structured mask
+  (every pair may attend) and the step with it."""
+  if kinds is None:
+    return (*plain, lambda inner, c: step(inner, c, True))
+  lo, hi = tl.tile_span(kinds, axis)
+  kind_of = (lambda inner: kinds[outer, inner]) if axis == 1 else (
+      lambda inner: kinds[inner, outer])
+  full_ok = not cfg.w.divides_by_length  # a full tile would count no key without a mask
+
+  def body(inner, c):
+    branches = [lambda c: c, lambda c: step(inner, c, not full_ok),
+                lambda c: step(inner, c, True)]
+    return lax.switch(kind_of(inner), branches, c)
+
+  return lo[outer], hi[outer], body
+
+
+def _tile_valid(mask, smask, x0, i, j, cfg: tl.TileConfig, structured: bool) -> Array | None:
+  """The tile's validity: :func:`~attnx.core.kernels.xla.tiling.valid_tile` and, where
+  ``structured``, the structured mask's."""
+  valid = tl.valid_tile(mask, i, j, cfg)
+  if cfg.structured and structured:
+    st = tl.structured_tile(smask, x0, i, j, cfg)
+    valid = st if valid is None else valid & st
+  return valid
+
+
+def _forward_chunk(q, k, v, bias, mask, scale, cfg: tl.TileConfig, smask: Any = None,
+                   x0: Any = 0):
   """One chunk of :func:`_forward`: O [X', G, Tp, Hv] and the row statistic [X', G, Tp]
   (X' = ``cfg.heads_in_chunk``).
 
@@ -230,19 +274,21 @@ def _forward_chunk(q, k, v, bias, mask, scale, cfg: tl.TileConfig):
     # the tile fewer than a separate reduction.
     v_fwd = jnp.concatenate([v, jnp.ones(v.shape[:-1] + (1,), v.dtype)], axis=-1)
 
+  kinds = tl.tile_kinds(smask, x0, cfg) if cfg.structured else None
+
   def q_block(i, carry):
     out, stat = carry
     qi = tl.row_block(q, i, cfg)
 
-    def tile(j):
+    def tile(j, structured):
       kj = tl.slice_along(k, j * cfg.bk, cfg.bk, 1)
       vj = tl.slice_along(v_fwd, j * cfg.bk, cfg.bk, 1)
       z = tl.tile_scores(qi, kj, bias, i, j, cfg, qk_mult, bias_mult)
-      return z, vj, tl.valid_tile(mask, i, j, cfg)
+      return z, vj, _tile_valid(mask, smask, x0, i, j, cfg, structured)
 
     if w.online_max:
-      def k_block(j, c):
-        z, vj, valid = tile(j)
+      def k_step(j, c, structured):
+        z, vj, valid = tile(j, structured)
         return streaming.online_max_update(*c, z, valid, vj)
 
       # The offset is a virtual key with z = 0, in l's column of ones (raw: not yet;
@@ -250,20 +296,22 @@ def _forward_chunk(q, k, v, bias, mask, scale, cfg: tl.TileConfig):
       m_start, off = streaming.online_max_start(w, with_offset=not cfg.raw)
       m0 = jnp.full(row_shape, m_start, cd)
       acc0 = jnp.zeros(row_shape + (hv + 1,), cd).at[..., hv].set(off)
-      acc, m = lax.fori_loop(*tl.k_range(i, cfg), k_block, vary((acc0, m0), axes))
+      lo, hi, k_block = _tile_loop(cfg, kinds, i, 1, tl.k_range(i, cfg), k_step)
+      acc, m = lax.fori_loop(lo, hi, k_block, vary((acc0, m0), axes))
       if cfg.raw:
         return tl.put_row_block(out, acc, i, cfg), tl.put_row_block(stat, m, i, cfg)
       o, st = streaming.pointwise_finalize(w, acc, m, add_offset=False, split_lse=True)
     else:
       norm = w.normalization
 
-      def k_block(j, c):
-        s, vj, valid = tile(j)
+      def k_step(j, c, structured):
+        s, vj, valid = tile(j, structured)
         return streaming.pointwise_update(w, *c, s, valid, vj, cfg.num_keys)
 
       l0 = jnp.zeros(row_shape, cd)
       acc0 = jnp.zeros(row_shape + (v_fwd.shape[-1],), cd)
-      acc, l = lax.fori_loop(*tl.k_range(i, cfg), k_block, vary((acc0, l0), axes))
+      lo, hi, k_block = _tile_loop(cfg, kinds, i, 1, tl.k_range(i, cfg), k_step)
+      acc, l = lax.fori_loop(lo, hi, k_block, vary((acc0, l0), axes))
       if cfg.raw:
         if norm == "length" and not cfg.needs_valid:
           l = jnp.full(row_shape, float(cfg.s), cd)  # every key of the block
@@ -285,12 +333,13 @@ def _forward_chunk(q, k, v, bias, mask, scale, cfg: tl.TileConfig):
 # --------------------------------------------------------------------------------------------
 
 
-def _backward(q, k, v, bias, mask, scale, out, stat, do, cfg: tl.TileConfig):
+def _backward(q, k, v, bias, mask, scale, out, stat, do, cfg: tl.TileConfig,
+              smask: Any = None):
   """(dq, dk, dv, dbias, dscale), chunk by chunk; chunks may share a broadcast bias slice."""
   x = q.shape[0]
   chunk_cfg = dataclasses.replace(cfg, head_dims=cfg.chunk_head_dims())
   if cfg.heads_in_chunk == x:
-    return _backward_chunk(q, k, v, bias, mask, scale, out, stat, do, chunk_cfg)
+    return _backward_chunk(q, k, v, bias, mask, scale, out, stat, do, chunk_cfg, smask, 0)
   cd = compute_dtype(q.dtype)
 
   def chunk(c, carry):
@@ -298,7 +347,7 @@ def _backward(q, k, v, bias, mask, scale, out, stat, do, cfg: tl.TileConfig):
     rows = lambda a: tl.chunk_rows(a, c, cfg)
     dq_c, dk_c, dv_c, dbias_c, dscale_c = _backward_chunk(
         rows(q), rows(k), rows(v), tl.chunk_bias(bias, c, cfg), tl.chunk_bias(mask, c, cfg), scale,
-        rows(out), rows(stat), rows(do), chunk_cfg)
+        rows(out), rows(stat), rows(do), chunk_cfg, smask, c * cfg.heads_in_chunk)
     put = lambda buf, a: lax.dynamic_update_slice_in_dim(buf, a, c * cfg.heads_in_chunk, 0)
     if cfg.has_bias:
       starts, sizes = tl.chunk_bias_window(bias, c, cfg)
@@ -312,7 +361,8 @@ def _backward(q, k, v, bias, mask, scale, out, stat, do, cfg: tl.TileConfig):
   return lax.fori_loop(0, x // cfg.heads_in_chunk, chunk, init)
 
 
-def _backward_chunk(q, k, v, bias, mask, scale, out, stat, do, cfg: tl.TileConfig):
+def _backward_chunk(q, k, v, bias, mask, scale, out, stat, do, cfg: tl.TileConfig,
+                    smask: Any = None, x0: Any = 0):
   """One chunk of :func:`_backward`."""
   w = cfg.w
   tl.check_tiling(q, k, cfg)
@@ -326,13 +376,14 @@ def _backward_chunk(q, k, v, bias, mask, scale, out, stat, do, cfg: tl.TileConfi
   grad_rows = streaming.pointwise_grad_rows(w, stat, delta)
   bias_shape = bias.shape if cfg.has_bias else None
   axes = manual_axes(q, k, v, bias, mask, out, do)
+  kinds = tl.tile_kinds(smask, x0, cfg) if cfg.structured else None
 
   def k_block(j, carry):
     dq, dk_all, dv_all, dbias = carry
     kj, vj = tl.slice_along(k, j * cfg.bk, cfg.bk, 1), tl.slice_along(v, j * cfg.bk, cfg.bk, 1)
     kj_f = tl.slice_along(k_f, j * cfg.bk, cfg.bk, 1)
 
-    def q_block(i, c):
+    def q_step(i, c, structured):
       dq, dk_j, dv_j, dbias = c
       qi, doi = tl.row_block(q, i, cfg), tl.row_block(do, i, cfg)
       # The tile is computed as in the forward, [X, G·bq, bk] (queries × keys), by the
@@ -341,7 +392,7 @@ def _backward_chunk(q, k, v, bias, mask, scale, out, stat, do, cfg: tl.TileConfi
       # dot for it sums q·k in another order, 2.5× further from the exact scores at T ≫ S
       # (docs/guides/implementations.md, "Precision and accuracy").
       z = tl.tile_scores(qi, kj, bias, i, j, cfg, qk_mult, bias_mult)
-      valid = tl.valid_tile(mask, i, j, cfg)
+      valid = _tile_valid(mask, smask, x0, i, j, cfg, structured)
       row = lambda a: tl.row_block(a, i, cfg)[..., None]  # per-query statistic, broadcast over keys
       dp = jnp.einsum("xqd,xsd->xqs", doi, vj, preferred_element_type=cd)
       # dz: the cotangent of z = α·s (α = 1 unless online max).
@@ -360,8 +411,8 @@ def _backward_chunk(q, k, v, bias, mask, scale, out, stat, do, cfg: tl.TileConfi
 
     dk0 = jnp.zeros((k.shape[0], cfg.bk, k.shape[-1]), cd)
     dv0 = jnp.zeros((v.shape[0], cfg.bk, v.shape[-1]), cd)
-    dq, dk_j, dv_j, dbias = lax.fori_loop(*tl.q_range(j, cfg), q_block,
-                                          (dq, *vary((dk0, dv0), axes), dbias))
+    lo, hi, q_block = _tile_loop(cfg, kinds, j, 0, tl.q_range(j, cfg), q_step)
+    dq, dk_j, dv_j, dbias = lax.fori_loop(lo, hi, q_block, (dq, *vary((dk0, dv0), axes), dbias))
     dk_all = lax.dynamic_update_slice_in_dim(dk_all, dk_j, j * cfg.bk, axis=1)
     dv_all = lax.dynamic_update_slice_in_dim(dv_all, dv_j, j * cfg.bk, axis=1)
     return dq, dk_all, dv_all, dbias
@@ -684,7 +735,10 @@ def finite_residual(tree: Any) -> Any:
 
 
 def _make_kernel(cfg: tl.TileConfig):
-  """A custom-VJP function of internal-layout arrays (q, k, v, bias, mask, scale) -> O."""
+  """A custom-VJP function of internal-layout arrays (q, k, v, bias, mask, scale) -> O; with
+  ``cfg.structured`` it takes the bound structured mask as a seventh argument."""
+  if cfg.structured:
+    return _make_structured_kernel(cfg)
 
   causal_or_plain = _causal_forward if cfg.is_causal else _forward
 
@@ -707,9 +761,41 @@ def _make_kernel(cfg: tl.TileConfig):
   def bwd(res, do):
     q, k, v, bias, mask, scale, out, stat = res
     dq, dk, dv, dbias, dscale = backward(q, k, v, bias, mask, scale, out, stat, do)
-    dbias = None if bias is None else dbias.astype(bias.dtype)
-    return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dbias, None,
-            dscale.astype(scale.dtype))
+    return _cotangents(q, k, v, bias, scale, dq, dk, dv, dbias, dscale)
+
+  kernel.defvjp(fwd, bwd)
+  return kernel
+
+
+def _cotangents(q, k, v, bias, scale, dq, dk, dv, dbias, dscale):
+  """The kernel's cotangents (q, k, v, bias, mask, scale) in the inputs' dtypes."""
+  dbias = None if bias is None else dbias.astype(bias.dtype)
+  return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dbias, None,
+          dscale.astype(scale.dtype))
+
+
+def _make_structured_kernel(cfg: tl.TileConfig):
+  """:func:`_make_kernel` with a structured mask (a pytree of index arrays: no cotangent)."""
+
+  @jax.jit
+  def forward(q, k, v, bias, mask, scale, smask):
+    out, stat = _forward(q, k, v, bias, mask, scale, cfg, smask)
+    return out, finite_residual(stat)
+
+  backward = jax.jit(functools.partial(_backward, cfg=cfg))
+
+  @jax.custom_vjp
+  def kernel(q, k, v, bias, mask, scale, smask):
+    return forward(q, k, v, bias, mask, scale, smask)[0].astype(q.dtype)
+
+  def fwd(q, k, v, bias, mask, scale, smask):
+    out, stat = forward(q, k, v, bias, mask, scale, smask)
+    return out.astype(q.dtype), (q, k, v, bias, mask, scale, out, stat, smask)
+
+  def bwd(res, do):
+    q, k, v, bias, mask, scale, out, stat, smask = res
+    grads = backward(q, k, v, bias, mask, scale, out, stat, do, smask=smask)
+    return (*_cotangents(q, k, v, bias, scale, *grads), None)
 
   kernel.defvjp(fwd, bwd)
   return kernel
@@ -718,7 +804,7 @@ def _make_kernel(cfg: tl.TileConfig):
 def blocked_attention(q: Array, k: Array, v: Array, *, weighting: Pointwise, scale: float | Array,
                       bias: Array | None = None, mask: Array | None = None,
                       is_causal: bool = False, block_q: int | None = None,
-                      block_k: int | None = None) -> Array:
+                      block_k: int | None = None, structured_mask: Any = None) -> Array:
   """Memory-efficient attention out_i = Σ_j w_ij v_j for a pointwise weighting F.
 
   Args:
@@ -733,6 +819,10 @@ def blocked_attention(q: Array, k: Array, v: Array, *, weighting: Pointwise, sca
     is_causal: query i attends key j ≤ i (top-left aligned, like ``jnp.tril``).
     block_q, block_k: tile sizes (default :func:`default_block_sizes`); T and S need not be
       multiples of them. Heads are processed in chunks that fill :data:`TILE_BUDGET`.
+    structured_mask: a structured mask (:mod:`attnx.core.masks`) bound to the flat batch
+      (:meth:`~attnx.core.masks.Mask.bind` with the batch ``(B,)``): evaluated per tile, never
+      as a [T, S] array, and the tiles where it allows no pair are skipped (with ``is_causal``
+      the causal condition joins it).
 
   Returns:
     [B, T, N, Hv] in q's dtype; equal (up to float rounding) to
@@ -747,6 +837,9 @@ def blocked_attention(q: Array, k: Array, v: Array, *, weighting: Pointwise, sca
   if q.size == 0 or s == 0:  # no query, or no key (every row has no valid key)
     return jnp.zeros((b, t, n, v.shape[-1]), q.dtype)
   kw = dict(weighting=weighting, scale=scale, block_q=block_q, block_k=block_k, num_keys=s)
+  if structured_mask is not None:  # the tiles of the mask, not the causal triangle's pieces
+    smask = masks.Causal() & structured_mask if is_causal else structured_mask
+    return _blocked(q, k, v, bias=bias, mask=mask, is_causal=False, structured=smask, **kw)
   if is_causal and s > t:  # keys j ≥ T are above the diagonal of every row: never touched
     return _blocked(q, k[:, :t], v[:, :t], bias=_part4(bias, 3, 0, t),
                     mask=_part4(mask, 3, 0, t), is_causal=True, **kw)
@@ -785,7 +878,8 @@ def _part4(x: Array | None, axis: int, lo: int, hi: int) -> Array | None:
   return x if x.shape[axis] == 1 else lax.slice_in_dim(x, lo, hi, axis=axis)
 
 
-def _blocked(q, k, v, *, weighting, scale, bias, mask, is_causal, block_q, block_k, num_keys):
+def _blocked(q, k, v, *, weighting, scale, bias, mask, is_causal, block_q, block_k, num_keys,
+             structured=None):
   """:func:`blocked_attention` on checked, non-empty inputs; causal ones have T = S."""
   b, t, n, h = q.shape
   _, s, kv_heads, _ = k.shape
@@ -802,6 +896,8 @@ def _blocked(q, k, v, *, weighting, scale, bias, mask, is_causal, block_q, block
     tp = sp = num_diag_tiles * d
   else:
     dq, dk = default_block_sizes(t, s, g)
+    if structured is not None:  # shorter tiles skip more (docs/guides/masks.md, measured)
+      dq, dk = min(dq, STRUCTURED_BLOCK_Q), min(dk, STRUCTURED_BLOCK_K)
     # A tile never needs to be longer than the (8-aligned) sequence.
     bq = min(block_q, common.round_up(t, tl.ALIGN)) if block_q else dq
     bk = min(block_k, common.round_up(s, tl.ALIGN)) if block_k else dk
@@ -809,11 +905,12 @@ def _blocked(q, k, v, *, weighting, scale, bias, mask, is_causal, block_q, block
                         has_mask=mask is not None, has_bias=bias is not None,
                         head_dims=(b, kv_heads, g), kv_heads=kv_heads,
                         heads_in_chunk=heads_per_chunk(b, kv_heads, g, bq, bk),
-                        full_num_keys=num_keys)
+                        full_num_keys=num_keys, structured=structured is not None)
     tp, sp = cfg.num_q_blocks * bq, cfg.num_k_blocks * bk
 
   # [B, T, N, H] -> [X, G, Tp, H] and [B, S, K, H] -> [X, Sp, H] (X = B·K), zero padded.
   q4, k3, v3, bias5, mask5 = tl.kernel_layout(q, k, v, bias, mask, tp, sp)
   scale_arr = jnp.asarray(scale, compute_dtype(q.dtype))
-  out = _make_kernel(cfg)(q4, k3, v3, bias5, mask5, scale_arr)
+  args = (q4, k3, v3, bias5, mask5, scale_arr) + ((structured,) if cfg.structured else ())
+  out = _make_kernel(cfg)(*args)
   return out[:, :, :t].reshape(b, n, t, -1).transpose(0, 2, 1, 3)

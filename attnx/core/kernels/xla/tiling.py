@@ -25,9 +25,10 @@ Array = jax.Array
 
 ALIGN = 8  # tiles are multiples of 8 rows (SIMD-friendly)
 
-__all__ = ["ALIGN", "TileConfig", "bias_tile", "bias_tile_rows", "check_tiling", "chunk_bias",
-           "chunk_bias_window", "chunk_rows", "k_range", "kernel_layout", "prescale",
-           "put_row_block", "q_range", "row_block", "slice_along", "tile_scores", "valid_tile"]
+__all__ = ["ALIGN", "TileConfig", "add_bias_grad_tile", "bias_tile", "bias_tile_rows",
+           "check_tiling", "chunk_bias", "chunk_bias_window", "chunk_rows", "k_range",
+           "kernel_layout", "prescale", "put_row_block", "q_range", "row_block", "slice_along",
+           "structured_tile", "tile_kinds", "tile_scores", "tile_span", "valid_tile"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +54,8 @@ class TileConfig:
   num_diag_tiles: int = 0
   # The key count S that F sees (F(z, S)); 0 = s. Causal sub-blocks keep the problem's S.
   full_num_keys: int = 0
+  # A structured mask (attnx.core.masks) is evaluated per tile and its empty tiles skipped.
+  structured: bool = False
 
   @property
   def num_keys(self) -> int:
@@ -72,7 +75,7 @@ class TileConfig:
 
   @property
   def needs_valid(self) -> bool:
-    return self.has_mask or self.is_causal or self.pad_k
+    return self.has_mask or self.is_causal or self.pad_k or self.structured
 
   def chunk_head_dims(self) -> tuple[int, int, int]:
     """(B, K, G) of one chunk of heads_in_chunk consecutive X rows."""
@@ -161,6 +164,52 @@ def valid_tile(mask: Array | None, i: Array, j: Array, cfg: TileConfig) -> Array
       c = cols < cfg.s if c is None else c & (cols < cfg.s)
     valid = c if valid is None else valid & c
   return valid
+
+
+def structured_tile(smask: Any, x0: Array, i: Array, j: Array, cfg: TileConfig) -> Array:
+  """A structured mask (:class:`attnx.core.masks.Mask`, bound) on tile (i, j) of a chunk
+  whose first (batch, kv head) row is ``x0``: booleans broadcastable to [X, G·bq, bk]."""
+  x_rows = cfg.head_dims[0] * cfg.head_dims[1]
+  g = cfg.head_dims[2]
+  xs = x0 + lax.broadcasted_iota(jnp.int32, (x_rows, 1, 1), 0)
+  r = lax.broadcasted_iota(jnp.int32, (1, g * cfg.bq, 1), 1)
+  b, h = xs // cfg.kv_heads, (xs % cfg.kv_heads) * g + r // cfg.bq
+  cols = j * cfg.bk + lax.broadcasted_iota(jnp.int32, (1, 1, cfg.bk), 2)
+  return smask.mask_mod(b, h, i * cfg.bq + r % cfg.bq, cols)
+
+
+def tile_kinds(smask: Any, x0: Array, cfg: TileConfig) -> Array:
+  """How a chunk (first row ``x0``) meets every tile of a structured mask, [nq, nk] int32:
+  0 no pair may attend (skip the tile), 1 every pair may (no elementwise mask needed), 2 some
+  may — from the mask's :meth:`~attnx.core.masks.Mask.block_table`, never a T×S array."""
+  nq, nk = cfg.num_q_blocks, cfg.num_k_blocks
+  some, every = smask.block_table(cfg.bq, cfg.bk, nq, nk)
+  x_rows, g = cfg.head_dims[0] * cfg.head_dims[1], cfg.head_dims[2]
+  xs = x0 + jnp.arange(x_rows)
+
+  def rows(table: Array) -> Array:  # [B|1, N|1, nq, nk] -> this chunk's [X, G, nq, nk]
+    b = (xs // cfg.kv_heads if table.shape[0] > 1 else jnp.zeros_like(xs))[:, None]
+    h = ((xs % cfg.kv_heads)[:, None] * g + jnp.arange(g) if table.shape[1] > 1
+         else jnp.zeros((1, g), jnp.int32))
+    return table[b, h]
+
+  some_c = jnp.any(rows(some), axis=(0, 1))
+  # A tile past the end of the keys holds padding, which is always masked.
+  inside = (jnp.arange(nk) + 1) * cfg.bk <= cfg.s
+  every_c = jnp.all(rows(every), axis=(0, 1)) & inside[None, :]
+  return jnp.where(some_c, jnp.where(every_c, 1, 2), 0).astype(jnp.int32)
+
+
+def tile_span(kinds: Array, axis: int) -> tuple[Array, Array]:
+  """The first and one-past-last tile along ``axis`` of :func:`tile_kinds` that is not
+  skipped, for every tile of the other axis (``lo = hi`` where all are skipped): the loop
+  bounds of a kernel's inner loop (axis 1: key tiles of each query tile; 0: query tiles of
+  each key tile)."""
+  n = kinds.shape[axis]
+  idx = jnp.expand_dims(jnp.arange(n), 1 - axis)
+  lo = jnp.min(jnp.where(kinds > 0, idx, n), axis=axis)
+  hi = jnp.max(jnp.where(kinds > 0, idx + 1, 0), axis=axis)
+  return lo, jnp.maximum(hi, lo)
 
 
 def tile_scores(qi: Array, kj: Array, bias: Array | None, i: Array, j: Array, cfg: TileConfig,

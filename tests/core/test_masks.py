@@ -1,0 +1,300 @@
+"""Structured masks (attnx.core.masks) and jax.nn's mask keywords: each mask against a numpy
+formula, the tile metadata against the materialized mask, attention against
+jax.nn.dot_product_attention, the blocked kernel's per-tile evaluation against a float64 dense
+brute force, and the errors of bad input."""
+
+import itertools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from attnx import core
+from attnx.core import masks
+
+B, N, K, H = 2, 4, 2, 8
+
+
+def _ids(rng, b, length, docs=4):
+  """Sorted document ids with padding (-1) first, as a packer lays them out."""
+  return np.sort(rng.integers(-1, docs, (b, length)), axis=1).astype(np.int32)
+
+
+def _formulas(t, s, rng):
+  """(mask, its [B|1, N|1, T, S] boolean formula) for every kind of mask."""
+  i, j = np.arange(t)[:, None], np.arange(s)[None, :]
+  qi, ki = _ids(rng, B, t), _ids(rng, B, s)
+  seg = np.stack([(qi[b][:, None] == ki[b][None]) & (qi[b][:, None] >= 0) for b in range(B)])
+  lq, lk = np.array([t, t // 2], np.int32), np.array([0, max(s - 3, 0)], np.int32)
+  cases = {
+      "causal": (masks.causal(), j <= i),
+      "window": (masks.sliding_window(5, 2), (j >= i - 5) & (j <= i + 2)),
+      "window0": (masks.sliding_window(0, 0), j == i),
+      "chunked": (masks.chunked_causal(8), (j <= i) & (j // 8 == i // 8)),
+      "prefix": (masks.prefix_lm(np.array([3, 10])),
+                 np.stack([(j < p) | (j <= i) for p in (3, 10)])[:, None]),
+      "segments": (masks.segment_ids(qi, ki), seg[:, None]),
+      "lengths": (masks.seq_lengths(lq, lk),
+                  np.stack([(i < a) & (j < c) for a, c in zip(lq, lk, strict=True)])[:, None]),
+      "mask_mod": (masks.from_fn(lambda b, h, q, k: (q + 2 * k + h) % 5 != 0),
+                   np.stack([(i + 2 * j + h) % 5 != 0 for h in range(N)])[None]),
+  }
+  cases["and"] = (cases["window"][0] & cases["segments"][0],
+                  cases["window"][1] & cases["segments"][1])
+  cases["or"] = (cases["prefix"][0] | cases["chunked"][0], cases["prefix"][1] | cases["chunked"][1])
+  return cases
+
+
+@pytest.mark.parametrize("t, s", [(37, 45), (64, 64)])
+def test_each_mask_is_its_formula(t, s):
+  for name, (mask, formula) in _formulas(t, s, np.random.default_rng(t)).items():
+    got = masks.materialize(mask.bind((B,), N, t, s), (B,), N, t, s)
+    np.testing.assert_array_equal(np.broadcast_to(got, (B, N, t, s)),
+                                  np.broadcast_to(formula, (B, N, t, s)), err_msg=name)
+
+
+@pytest.mark.parametrize("bq, bk", [(8, 16), (5, 7), (16, 8), (1, 1)])
+def test_tile_metadata_never_skips_a_valid_pair(bq, bk):
+  """some = False only for tiles without a valid pair; every = True only where all are."""
+  t, s = 37, 45
+  nq, nk = -(-t // bq), -(-s // bk)
+  for name, (mask, _) in _formulas(t, s, np.random.default_rng(3)).items():
+    bound = mask.bind((B,), N, t, s)
+    dense = np.broadcast_to(masks.materialize(bound, (B,), N, t, s), (B, N, t, s))
+    some, every = (np.broadcast_to(x, (B, N, nq, nk)) for x in bound.block_table(bq, bk, nq, nk))
+    for i, j in itertools.product(range(nq), range(nk)):
+      tile = dense[:, :, i * bq:(i + 1) * bq, j * bk:(j + 1) * bk]
+      assert not np.any(~some[..., i, j] & tile.any((-2, -1))), (name, i, j)
+      assert not np.any(every[..., i, j] & ~tile.all((-2, -1))), (name, i, j)
+    # The analytic bounds are tight on tiles inside T and S: causal, window, lengths.
+    if name in ("causal", "window", "lengths"):
+      for i, j in itertools.product(range(t // bq), range(s // bk)):
+        tile = dense[:, :, i * bq:(i + 1) * bq, j * bk:(j + 1) * bk]
+        np.testing.assert_array_equal(some[..., i, j], tile.any((-2, -1)), err_msg=name)
+
+
+def test_block_table_equals_tile_range():
+  """SegmentIds and the combinators compute their tables from block statistics; they agree
+  with the per-tile answer."""
+  rng = np.random.default_rng(5)
+  t = 50
+  ids = _ids(rng, B, t)
+  for mask in (masks.segment_ids(ids), masks.segment_ids(ids) & masks.sliding_window(4, 0),
+               masks.segment_ids(ids) | masks.prefix_lm(np.array([2, 7]))):
+    bound = mask.bind((B,), N, t, t)
+    table = bound.block_table(8, 16, 7, 4)
+    per_tile = masks.Mask.block_table(bound, 8, 16, 7, 4)
+    for a, b in zip(table, per_tile, strict=True):
+      np.testing.assert_array_equal(np.broadcast_to(a, (B, N, 7, 4)),
+                                    np.broadcast_to(b, (B, N, 7, 4)))
+
+
+def test_masks_are_pytrees():
+  ids = jnp.array([[0, 0, 1, 1, -1]])
+  mask = masks.segment_ids(ids) & masks.sliding_window(2, 0)
+  leaves, tree = jax.tree.flatten(mask)
+  assert len(leaves) == 2  # q and kv ids; the window sizes are static
+  rebuilt = jax.tree.unflatten(tree, [x + 1 for x in leaves])
+  assert rebuilt.b == mask.b and int(rebuilt.a.q_ids[0, 0]) == 1
+  fn = jax.jit(lambda m: masks.materialize(m.bind((1,), 1, 5, 5), (1,), 1, 5, 5))
+  np.testing.assert_array_equal(fn(mask)[0, 0], np.array(
+      [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [0, 0, 1, 0, 0], [0, 0, 1, 1, 0], [0] * 5], bool))
+
+
+# ---------------------------------------------------------------------------------------------
+# jax.nn's keywords: the same results as jax.nn.dot_product_attention.
+# ---------------------------------------------------------------------------------------------
+
+JAX_NN_CASES = [
+    dict(query_seq_lengths=[40, 17, 3], key_value_seq_lengths=[40, 25, 30]),
+    dict(key_value_seq_lengths=[1, 40, 12]),
+    dict(local_window_size=(5, 2)),
+    dict(local_window_size=4, is_causal=True),
+    dict(local_window_size=(0, 0)),
+    dict(local_window_size=(100, 100)),
+    dict(query_seq_lengths=[40, 17, 3], key_value_seq_lengths=[40, 25, 30],
+         local_window_size=(3, 0), is_causal=True),
+]
+
+
+@pytest.mark.parametrize("kw", JAX_NN_CASES)
+@pytest.mark.parametrize("implementation", ["dense", "blocked", "pallas"])
+def test_jax_nn_keywords_equal_jax_nn(kw, implementation):
+  b, t, n, h = 3, 40, 4, 16
+  kq, kk, kv = jax.random.split(jax.random.key(0), 3)
+  q, k, v = (jax.random.normal(key, (b, t, n, h)) for key in (kq, kk, kv))
+  kw = {name: jnp.asarray(x, jnp.int32) if "lengths" in name else x for name, x in kw.items()}
+  impl = core.Pallas(interpret=True, block_q=16, block_k=16) if implementation == "pallas" else (
+      core.Blocked(block_q=16, block_k=8) if implementation == "blocked" else "dense")
+  # Rows with a valid key (jax.nn gives the others the mean of the values, attnx zeros).
+  structured = masks.from_jax_nn(**{n_: x for n_, x in kw.items() if n_ != "is_causal"})
+  valid = masks.materialize(structured.bind((b,), n, t, t), (b,), n, t, t)
+  if kw.get("is_causal"):
+    valid = valid & jnp.tril(jnp.ones((t, t), bool))
+  row_ok = jnp.broadcast_to(valid.any(-1), (b, 1, t)).transpose(0, 2, 1)[..., None]
+  ct = jax.random.normal(jax.random.key(1), (b, t, n, h)) * row_ok
+
+  def loss(fn, q, k, v):
+    return jnp.sum(fn(q, k, v) * ct)
+
+  ours = lambda q, k, v: core.attention(q, k, v, implementation=impl, **kw)
+  theirs = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, **kw)
+  chex.assert_trees_all_close(ours(q, k, v) * row_ok, theirs(q, k, v) * row_ok, atol=2e-6,
+                              rtol=2e-6)
+  chex.assert_trees_all_close(jax.grad(loss, argnums=(1, 2, 3))(ours, q, k, v),
+                              jax.grad(loss, argnums=(1, 2, 3))(theirs, q, k, v),
+                              atol=2e-5, rtol=2e-5)
+
+
+def test_query_padding_rows_are_zero():
+  q = k = v = jnp.ones((2, 6, 1, 4))
+  out = core.attention(q, k, v, query_seq_lengths=jnp.array([6, 2]),
+                       key_value_seq_lengths=jnp.array([6, 6]))
+  assert float(jnp.abs(out[1, 2:]).max()) == 0.0 and float(out[0].min()) == 1.0
+
+
+def test_segment_ids_keyword_is_the_mask_object():
+  rng = np.random.default_rng(0)
+  kq, kk, kv = jax.random.split(jax.random.key(2), 3)
+  q, k, v = (jax.random.normal(key, (B, 30, N, H)) for key in (kq, kk, kv))
+  ids = _ids(rng, B, 30)
+  for w in ("softmax", "sigmoid:normalization=none", "stick_breaking"):
+    a = core.attention(q, k, v, weighting=w, segment_ids=ids, is_causal=True)
+    b = core.attention(q, k, v, weighting=w, mask=masks.segment_ids(ids) & masks.causal())
+    c = core.attention(q, k, v, weighting=w, segment_ids=(ids, ids), is_causal=True)
+    chex.assert_trees_all_close(a, b, c, atol=1e-6)
+
+
+def test_packed_documents_attend_alone():
+  """Softmax over three packed documents equals each document attended on its own."""
+  lens = (7, 12, 5)
+  ids = np.repeat(np.arange(3), lens)[None].astype(np.int32)
+  kq, kk, kv = jax.random.split(jax.random.key(3), 3)
+  q, k, v = (jax.random.normal(key, (1, sum(lens), N, H)) for key in (kq, kk, kv))
+  for impl in ("dense", core.Blocked(block_q=8, block_k=8)):
+    packed = core.attention(q, k, v, segment_ids=ids, is_causal=True, implementation=impl)
+    start = 0
+    for n_ in lens:
+      part = slice(start, start + n_)
+      alone = core.attention(q[:, part], k[:, part], v[:, part], is_causal=True)
+      chex.assert_trees_all_close(packed[:, part], alone, atol=1e-6)
+      start += n_
+
+
+# ---------------------------------------------------------------------------------------------
+# The blocked kernel evaluates the mask per tile: against a float64 dense brute force.
+# ---------------------------------------------------------------------------------------------
+
+def _draws(count, seed):
+  rng = np.random.default_rng(seed)
+  weightings = ["softmax", "relu", "sigmoid:normalization=none", "power:p=2,normalization=length",
+                "softmax_plus_one", "gaussian"]
+  for _ in range(count):
+    t = int(rng.choice([1, 9, 40, 70, 130]))
+    s = t if rng.random() < 0.6 else int(rng.choice([1, 33, 96]))
+    kinds = list(_formulas(t, s, rng).items())
+    name, (mask, _) = kinds[rng.integers(len(kinds))]
+    yield dict(t=t, s=s, mask_name=name, mask=mask, weighting=str(rng.choice(weightings)),
+               causal=bool(rng.random() < 0.4), bq=int(rng.choice([8, 16, 24])),
+               bk=int(rng.choice([8, 16, 40])), bias=bool(rng.random() < 0.3),
+               dense_mask=bool(rng.random() < 0.2), seed=int(rng.integers(1 << 30)))
+
+
+@pytest.mark.parametrize("case", list(_draws(24, 0)), ids=lambda c: (
+    f"{c['mask_name']}-{c['weighting']}-t{c['t']}s{c['s']}-c{int(c['causal'])}-"
+    f"{c['bq']}x{c['bk']}-b{int(c['bias'])}m{int(c['dense_mask'])}"))
+def test_blocked_kernel_against_float64(case):
+  t, s = case["t"], case["s"]
+  keys = jax.random.split(jax.random.key(case["seed"]), 6)
+  q = jax.random.normal(keys[0], (B, t, N, H))
+  k = jax.random.normal(keys[1], (B, s, K, H))
+  v = jax.random.normal(keys[2], (B, s, K, H))
+  bias = jax.random.normal(keys[3], (B, 1, t, s)) if case["bias"] else None
+  dense_mask = jax.random.bernoulli(keys[4], 0.8, (1, N, t, s)) if case["dense_mask"] else None
+  score = "neg_sq_dist" if case["weighting"] == "gaussian" else "scaled_dot"
+  ct = jax.random.normal(keys[5], (B, t, N, H))
+
+  def run(impl, q, k, v, bias):
+    mask = case["mask"]
+    if dense_mask is not None:  # a dense mask on top of the structured one
+      mask = mask & masks.from_fn(lambda b, h, i, j: dense_mask[0, h, i, j])
+    return core.attention(q, k, v, bias, mask, weighting=case["weighting"], score=score,
+                          is_causal=case["causal"], implementation=impl)
+
+  blocked = core.Blocked(block_q=case["bq"], block_k=case["bk"])
+  args = (q, k, v, bias)
+  got = run(blocked, *args)
+  grads = jax.grad(lambda *a: jnp.sum(run(blocked, *a) * ct), argnums=(0, 1, 2))(*args)
+  with jax.enable_x64(True):
+    a64 = tuple(None if x is None else jnp.asarray(np.asarray(x, np.float64)) for x in args)
+    ct64 = jnp.asarray(np.asarray(ct, np.float64))
+    ref = run("dense", *a64)
+    ref_grads = jax.grad(lambda *a: jnp.sum(run("dense", *a) * ct64), argnums=(0, 1, 2))(*a64)
+  ref, ref_grads = np.asarray(ref), [np.asarray(r) for r in ref_grads]
+  scale = max(1.0, float(np.abs(ref).max()))
+  np.testing.assert_allclose(got, ref, atol=2e-5 * scale, rtol=1e-4)
+  for g, r in zip(grads, ref_grads, strict=True):
+    gs = max(1.0, float(np.abs(r).max()))
+    np.testing.assert_allclose(g, r, atol=5e-5 * gs, rtol=1e-3)
+
+
+def test_blocked_kernel_skips_tiles_and_never_forms_t_by_s():
+  """A narrow window visits only the tiles near the diagonal: the compiled program holds no
+  [T, S] array, and its cost shrinks with the window."""
+  t = 1024
+  q = k = v = jax.ShapeDtypeStruct((1, t, 1, 16), jnp.float32)
+
+  def program(mask):
+    fn = lambda q, k, v: core.attention(q, k, v, mask=mask, is_causal=True,
+                                        implementation=core.Blocked(block_q=64, block_k=64))
+    return jax.jit(fn).lower(q, k, v)
+
+  text = program(masks.sliding_window(64, 0)).as_text()
+  assert f"{t}x{t}" not in text and "1024,1024" not in text
+  compiled = program(masks.segment_ids(jnp.zeros((1, t), jnp.int32))).compile()
+  memory = compiled.memory_analysis()
+  if memory is not None:
+    assert memory.temp_size_in_bytes < t * t  # a bool T×S array alone would be this
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad input.
+# ---------------------------------------------------------------------------------------------
+
+def test_bad_input_is_a_clear_error():
+  q = k = v = jnp.ones((2, 8, 2, 4))
+  with pytest.raises(ValueError, match="left must be an int >= 0"):
+    masks.sliding_window(-1, 0)
+  with pytest.raises(ValueError, match="chunk_size must be an int >= 1"):
+    masks.chunked_causal(0)
+  with pytest.raises(ValueError, match="integer array"):
+    core.attention(q, k, v, segment_ids=jnp.ones((2, 8)))
+  with pytest.raises(ValueError, match=r"segment ids must be \[batch..., T\]"):
+    core.attention(q, k, v, segment_ids=jnp.ones((2, 7), jnp.int32))
+  with pytest.raises(ValueError, match="does not fit the call"):
+    core.attention(q, k, v, segment_ids=jnp.ones((3, 8), jnp.int32))
+  with pytest.raises(ValueError, match=r"must be in \[0, 8\]"):
+    core.attention(q, k, v, query_seq_lengths=jnp.array([9, 2]))
+  with pytest.raises(ValueError, match=r"must be in \[0, 8\]"):
+    core.attention(q, k, v, key_value_seq_lengths=jnp.array([-1, 2]))
+  with pytest.raises(ValueError, match="local_window_size must be an int or a"):
+    core.attention(q, k, v, local_window_size=(1, 2, 3))
+  with pytest.raises(ValueError, match="must return booleans"):
+    core.attention(q, k, v, mask=masks.from_fn(lambda b, h, i, j: i - j))
+  with pytest.raises(TypeError, match="combines with & only with another"):
+    masks.causal() & jnp.ones((8, 8), bool)
+  with pytest.raises(ValueError, match="needs q_lengths, kv_lengths or both"):
+    masks.seq_lengths()
+
+
+def test_ring_refuses_a_structured_mask_clearly():
+  mesh = jax.make_mesh((1,), ("sp",), axis_types=(jax.sharding.AxisType.Auto,))
+  ring = jax.shard_map(
+      lambda q, k, v: core.ring_attention(q, k, v, mask=masks.sliding_window(2, 0),
+                                          axis_name="sp"),
+      mesh=mesh, in_specs=jax.sharding.PartitionSpec(None, "sp"),
+      out_specs=jax.sharding.PartitionSpec(None, "sp"), check_vma=False)
+  with pytest.raises(ValueError, match="not a structured mask"):
+    ring(*(jnp.ones((1, 8, 2, 4)),) * 3)

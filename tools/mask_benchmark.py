@@ -1,0 +1,74 @@
+"""Times blocked fwd+bwd attention under structured masks (docs/guides/masks.md's table).
+
+    python tools/mask_benchmark.py [--length 16384] [--weighting softmax]
+
+Rows: plain causal, causal + a 512-key sliding window, causal + 16 packed documents (segment
+ids), and the same window as a dense [T, S] boolean mask (what such a mask cost before
+attnx.core.masks). Each row: the best of three runs after compiling, and the time per unmasked
+score. Runs on whatever JAX runs on; run it on a quiet machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import jax
+import jax.numpy as jnp
+
+from attnx import core
+from attnx.core import masks
+
+
+def _time(fn, *args, repeats: int = 3) -> float:
+  jax.block_until_ready(fn(*args))
+  best = float("inf")
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    best = min(best, time.perf_counter() - start)
+  return best
+
+
+def main() -> None:
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--length", type=int, default=16384)
+  p.add_argument("--weighting", default="softmax")
+  p.add_argument("--heads", type=int, default=2)
+  p.add_argument("--head_dim", type=int, default=64)
+  p.add_argument("--window", type=int, default=512)
+  p.add_argument("--documents", type=int, default=16)
+  a = p.parse_args()
+  t, window, docs = a.length, a.window, a.documents
+  if t % docs:
+    p.error(f"--length {t} must be a multiple of --documents {docs}")
+  keys = jax.random.split(jax.random.key(0), 3)
+  q, k, v = (jax.random.normal(key, (1, t, a.heads, a.head_dim)) for key in keys)
+  ids = jnp.repeat(jnp.arange(docs, dtype=jnp.int32), t // docs)[None]
+  rows = jnp.arange(t)[:, None]
+  dense_window = jnp.arange(t)[None, :] >= rows - (window - 1)
+  in_window = sum(min(i + 1, window) for i in range(t))
+  cases = [
+      ("plain causal", {}, t * (t + 1) / 2),
+      (f"causal + sliding_window({window - 1}, 0)",
+       dict(mask=masks.sliding_window(window - 1, 0)), in_window),
+      (f"causal + {docs} packed documents", dict(segment_ids=ids),
+       docs * (t // docs) * (t // docs + 1) / 2),
+      ("causal + the window as a dense [T, S] mask", dict(mask=dense_window), in_window),
+  ]
+  print(f"blocked fwd+bwd, {a.weighting}, T = {t}, N = {a.heads}, H = {a.head_dim}, "
+        f"{jax.devices()[0].device_kind}")
+  base = None
+  for name, kw, unmasked in cases:
+    fn = jax.jit(jax.grad(lambda q, k, v, kw=kw: core.attention(
+        q, k, v, weighting=a.weighting, is_causal=True, implementation="blocked",
+        **kw).sum(), argnums=(0, 1, 2)))
+    seconds = _time(fn, q, k, v)
+    per = seconds / unmasked * 1e9
+    base = base or per
+    print(f"  {name:45s} {seconds * 1e3:9.1f} ms {per:8.2f} ns/unmasked score "
+          f"{per / base:6.2f}x", flush=True)
+
+
+if __name__ == "__main__":
+  main()

@@ -175,6 +175,22 @@ BRANCH_CASES = (
       pallas="gpu", only=("dense", "pallas")),
     C(seed=77, t=60, s=60, n=2, h=72, hv=72, weighting="stick_breaking", causal=True,
       bias="x11x", pallas="gpu", only=("dense", "pallas")),
+    # Structured masks (attnx.core.masks): the blocked pointwise kernel's tile kinds (skipped,
+    # full without the elementwise mask, partial) and spans, forward and backward; documents
+    # across tile boundaries with padding, GQA and a bias; T ≠ S; the whole-row and Pallas
+    # paths that read the mask materialized.
+    C(seed=78, t=300, s=300, b=2, n=4, kh=2, causal=True, structured="combo", bias="x1xx",
+      block_q=32, block_k=16, **_NO_PALLAS),
+    C(seed=79, t=130, s=70, n=2, weighting="sigmoid:normalization=none", structured="window",
+      block_q=16, block_k=16, **_NO_PALLAS),
+    C(seed=80, t=200, s=200, b=3, n=2, weighting="relu:normalization=length",
+      structured="lengths", block_q=24, block_k=40, **_NO_PALLAS),
+    C(seed=81, t=90, s=90, n=2, weighting="softmax_plus_one", structured="prefix", causal=True,
+      block_q=16, block_k=32, **_NO_PALLAS),
+    C(seed=82, t=100, s=100, n=4, kh=2, weighting="stick_breaking", structured="segments",
+      causal=True, pallas="gpu"),
+    C(seed=83, t=64, s=64, n=2, weighting="gaussian", score="neg_sq_dist",
+      structured="mask_mod", block_q=16, block_k=16, pallas="gpu"),
 )
 CI_RANDOM = 4
 INSTANCES = 5  # random inputs per configuration in the large run (compiling dominates a case)

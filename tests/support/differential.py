@@ -85,6 +85,10 @@ class Case:
   # q_i·k_j peaks at i = j and sparsemax/entmax rows have a band of support: the key tiles far
   # from the diagonal are all zero (the kernels' zero-tile skipping), as local attention.
   structure: str = "none"
+  # A structured mask (attnx.core.masks) instead of a dense one: "window", "chunked",
+  # "prefix", "segments", "lengths", "mask_mod" or "combo" (documents & a causal window); its
+  # sizes come from the seed, its arrays (ids, lengths) from the instance.
+  structured: str = "none"
 
   def implementations(self) -> list[str]:
     """The implementations this case runs; on a CPU the automatic choice replaces the
@@ -102,7 +106,8 @@ class Case:
     # Pallas runs every streaming weighting: pointwise F and the whole-row families.
     if streaming and small and self.pallas != "none":
       out.append("pallas")
-      if self.score in ("dot", "scaled_dot") and self.pallas == "both" and not ON_GPU:
+      if (self.score in ("dot", "scaled_dot") and self.pallas == "both" and not ON_GPU
+          and self.structured == "none"):
         out.append("pallas_tpu")
     return [i for i in out if self.only is None or i in self.only]
 
@@ -207,7 +212,47 @@ def draw(seed: int, kind: str | None = None) -> Case:
   # Drawn last, so that the fields above are those of the seed before this option existed.
   if can_band(case) and rng.random() < 0.5:
     case = dataclasses.replace(case, structure="banded")
+  if rng.random() < 0.3:  # a structured mask replaces the dense one
+    case = dataclasses.replace(case, mask="none", structured=str(rng.choice(STRUCTURED)))
   return case
+
+
+STRUCTURED = ("window", "chunked", "prefix", "segments", "lengths", "mask_mod", "combo")
+
+
+def _ids(rng: np.random.Generator, b: int, length: int) -> np.ndarray:
+  """Sorted document ids [B, length] with leading padding (-1): documents of any length,
+  length 1 included, spanning tile boundaries."""
+  docs = int(rng.integers(1, 7))
+  return np.sort(rng.integers(-1, docs, (b, length)), axis=1).astype(np.int32)
+
+
+def structured_mask(case: Case, instance: int = 0) -> core.masks.Mask | None:
+  """The case's structured mask: sizes from the seed, arrays from the instance."""
+  if case.structured == "none":
+    return None
+  sizes = np.random.default_rng([13, case.seed])
+  arrays = np.random.default_rng([17, case.seed, instance])
+  t, s, b = case.t, case.s, case.b
+  masks = core.masks
+  window = masks.sliding_window(int(sizes.integers(0, max(t, s) + 2)),
+                                int(sizes.choice((0, 0, int(sizes.integers(0, s + 2))))))
+  if case.structured == "window":
+    return window
+  if case.structured == "chunked":
+    return masks.chunked_causal(int(sizes.integers(1, max(t, 1) + 2)))
+  if case.structured == "prefix":
+    return masks.prefix_lm(arrays.integers(0, s + 1, b).astype(np.int32))
+  if case.structured == "lengths":
+    return masks.seq_lengths(arrays.integers(0, t + 1, b).astype(np.int32),
+                             arrays.integers(0, s + 1, b).astype(np.int32))
+  if case.structured == "mask_mod":
+    a, c = int(sizes.integers(1, 7)), int(sizes.integers(2, 5))
+    return masks.from_fn(lambda bi, h, i, j: (a * i + j + h + bi) % c != 0)
+  q_ids = _ids(arrays, b, t)
+  kv_ids = q_ids if s == t else _ids(arrays, b, s)
+  documents = masks.segment_ids(q_ids, kv_ids)
+  return documents & window if case.structured == "combo" else documents
 
 
 def can_band(case: Case) -> bool:
@@ -250,6 +295,7 @@ def inputs(case: Case, instance: int = 0) -> dict[str, Any]:
   if case.structure == "banded":
     _add_band(case, arrs)
   arrs["mask"] = _mask(case, rng)
+  arrs["structured"] = structured_mask(case, instance)
   arrs["bias"] = None
   if case.bias:
     full = (case.b, case.n, case.t, case.s)
@@ -373,6 +419,8 @@ def run_impl(case: Case, impl: str, arrs) -> tuple[np.ndarray, dict[str, np.ndar
   config = dataclasses.replace(case, seed=0, only=None, pallas="both")
   args = [jnp.asarray(arrs[x]) if arrs[x] is not None else None
           for x in ("q", "k", "v", "bias", "mask", "ct")]
+  if arrs["structured"] is not None:
+    args[4] = arrs["structured"]  # a pytree argument of the compiled program
   # JAX's GPU default computes float32 matmuls in TF32 (≈ 1e-3 relative scores), which moves
   # entries across kinks of F; the net compares float32 at float32 precision.
   with jax.default_matmul_precision("highest") if ON_GPU else contextlib.nullcontext():
@@ -406,9 +454,13 @@ KINK_REL = 2e-5  # float32 scores are off by ~1e-6 relative; a kink closer than 
 @functools.lru_cache(maxsize=4)
 def _reference(case: Case, instance: int = 0):
   arrs = inputs(case, instance)
+  mask = arrs["mask"]
+  if arrs["structured"] is not None:  # the brute force reads it materialized
+    call = ((case.b,), case.n, case.t, case.s)
+    mask = np.asarray(core.masks.materialize(arrs["structured"].bind(*call), *call))
   ref = ref_lib.reference(
       arrs["q"], arrs["k"], arrs["v"], weighting=case.weighting, score=case.score,
-      score_params=arrs["score_params"], scale=case.scale, bias=arrs["bias"], mask=arrs["mask"],
+      score_params=arrs["score_params"], scale=case.scale, bias=arrs["bias"], mask=mask,
       is_causal=case.causal, cotangent=arrs["ct"], kink_rel=KINK_REL)
   want = {"out": ref.out, **ref.grads}
   bounds = dict(ref.bounds)

@@ -160,12 +160,17 @@ class Explanation:
     declined: with ``implementation=None``: the implementations before ``chosen`` that could
       run the problem but were passed over, with why (too small to pay off, a CPU, a failed
       Pallas verification). Empty for an explicit implementation.
+    mask_tiles: with a structured mask (:mod:`attnx.core.masks`), how the chosen
+      implementation's kernel meets it — ``{"tiles": (bq, bk), "skipped": ..., "unmasked":
+      ..., "masked": ...}`` tile counts — or None (no structured mask, a kernel that reads it
+      materialized, or ids/lengths being traced).
   """
 
   problem: Problem
   chosen: str | None
   reasons: dict[str, str | None]
   declined: dict[str, str]
+  mask_tiles: dict[str, Any] | None = None
 
   def __str__(self) -> str:
     lines = []
@@ -179,6 +184,12 @@ class Explanation:
       else:
         status = "can run it (not chosen)"
       lines.append(f"{name}: {status}")
+    if self.mask_tiles:
+      m = self.mask_tiles
+      total = m["skipped"] + m["unmasked"] + m["masked"]
+      lines.append(f"{self.chosen} skips {m['skipped']} of {total} tiles of "
+                   f"{m['tiles'][0]}x{m['tiles'][1]} under the structured mask; "
+                   f"{m['unmasked']} run without the elementwise mask, {m['masked']} with it")
     return "\n".join(lines)
 
 
@@ -212,15 +223,16 @@ def explain(query: Array, key: Array, value: Array, bias: Array | None = None,
   settings = impl_lib.legacy_settings("explain", block_q=block_q, block_k=block_k,
                                       interpret=interpret)
   chosen = impl_lib.configure(implementation, settings, "explain")
-  problem, _ = problem_lib.plan(query, key, value, bias, mask, **kwargs)
+  problem, inputs = problem_lib.plan(query, key, value, bias, mask, **kwargs)
   order = chosen if isinstance(chosen, tuple) else tuple(
       chosen if impl.name == chosen.name else impl for impl in impl_lib.dispatch_order())
   reasons = {impl.name: impl.supports(problem) for impl in order}
   if isinstance(chosen, tuple):
     impl, declined = _walk(problem, chosen)
-    return Explanation(problem, impl.name, reasons, declined)
-  return Explanation(problem, chosen.name if reasons[chosen.name] is None else None, reasons,
-                     {})
+  else:
+    impl, declined = (chosen if reasons[chosen.name] is None else None), {}
+  tiles = None if impl is None or problem.empty else impl.mask_tiles(problem, inputs)
+  return Explanation(problem, None if impl is None else impl.name, reasons, declined, tiles)
 
 
 def attention(query: Array, key: Array, value: Array, bias: Array | None = None,

@@ -259,6 +259,25 @@ def test_blocked_kernel_skips_tiles_and_never_forms_t_by_s():
     assert memory.temp_size_in_bytes < t * t  # a bool T×S array alone would be this
 
 
+def test_explain_counts_the_skipped_tiles():
+  t = 1024
+  q = k = v = jnp.ones((1, t, 2, 8))
+  blocked = core.Blocked(block_q=128, block_k=128)
+  ex = core.explain(q, k, v, mask=masks.sliding_window(127, 0), is_causal=True,
+                    implementation=blocked)
+  # 8×8 tiles of 128: the 8 diagonal tiles and the 7 just below lie partly inside the
+  # 128-key causal window (masked); no tile lies wholly inside it; the other 49 are skipped.
+  m = ex.mask_tiles
+  assert m["tiles"] == (128, 128) and m["skipped"] + m["unmasked"] + m["masked"] == 64
+  assert m["skipped"] == 64 - 8 - 7 and m["masked"] == 15 and m["unmasked"] == 0
+  assert "skips 49 of 64 tiles of 128x128" in str(ex)
+  ids = jnp.repeat(jnp.arange(4, dtype=jnp.int32), t // 4)[None]
+  m = core.explain(q, k, v, segment_ids=ids, implementation=blocked).mask_tiles
+  assert (m["skipped"], m["unmasked"], m["masked"]) == (48, 16, 0)  # 4 documents of 2×2 tiles
+  assert core.explain(q, k, v, implementation=blocked).mask_tiles is None
+  assert core.explain(q, k, v, segment_ids=ids, implementation="dense").mask_tiles is None
+
+
 # ---------------------------------------------------------------------------------------------
 # Bad input.
 # ---------------------------------------------------------------------------------------------

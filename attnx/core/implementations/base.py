@@ -220,6 +220,12 @@ class Implementation(abc.ABC):
     """The output ``[batch..., T, N, Hv]`` in the query's dtype, or ``(output, weights)``
     when ``problem.return_weights``."""
 
+  def mask_tiles(self, problem: Problem, inputs: Inputs) -> dict[str, Any] | None:
+    """How this implementation's kernel meets the call's structured mask (its tiles, and how
+    many it skips), for :func:`attnx.core.explain`; None where it reads no tiles of one."""
+    del problem, inputs
+    return None
+
   def ring_reason(self, ring: RingProblem) -> str | None:
     """None if this implementation's kernels can run every step of ``ring``, else why not
     (the ValueError an explicit ``ring_attention(implementation=...)`` raises)."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any, ClassVar
 
 import jax
@@ -34,7 +35,7 @@ from attnx.core.implementations.base import (
 )
 from attnx.core.kernels.xla import block as xla_block
 from attnx.core.kernels.xla import rows as blocked_rows
-from attnx.core.kernels.xla.pointwise import blocked_attention
+from attnx.core.kernels.xla.pointwise import blocked_attention, mask_tile_counts
 
 Array = jax.Array
 
@@ -103,6 +104,17 @@ class Blocked(Implementation):
     # The pointwise kernel evaluates a structured mask per tile and skips its empty tiles.
     return run_streaming(problem, inputs, kernel, self.block_sizes,
                          structured_kernel=problem.pointwise)
+
+  def mask_tiles(self, problem: Problem, inputs: Inputs) -> dict[str, Any] | None:
+    if inputs.structured_mask is None or not problem.pointwise:
+      return None
+    try:
+      return mask_tile_counts(inputs.structured_mask, problem.weighting,
+                              math.prod(problem.batch), problem.t, problem.s,
+                              problem.num_heads, problem.num_kv_heads, problem.is_causal,
+                              *self.block_sizes)
+    except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError):
+      return None  # traced ids or lengths: no count
 
   def ring_reason(self, ring: RingProblem) -> str | None:
     del ring  # every weighting the ring streams (ring.check_supported) runs in XLA

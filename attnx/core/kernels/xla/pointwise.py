@@ -70,8 +70,9 @@ DEFAULT_BLOCK_K = 256
 # of the full T², and everything but the diagonal tiles runs unmasked with tall tiles.
 CAUSAL_LEAF = 128
 
-__all__ = ["CAUSAL_LEAF", "DEFAULT_BLOCK_K", "TILE_BUDGET", "block_config", "block_grads",
-           "blocked_attention", "causal_leaves", "default_block_sizes", "raw_block_state"]
+__all__ = ["CAUSAL_LEAF", "DEFAULT_BLOCK_K", "STRUCTURED_BLOCK_K", "STRUCTURED_BLOCK_Q",
+           "TILE_BUDGET", "block_config", "block_grads", "blocked_attention", "causal_leaves",
+           "default_block_sizes", "mask_tile_counts", "plain_tiles", "raw_block_state"]
 
 
 def manual_axes(*xs: Any) -> tuple[str, ...]:
@@ -878,6 +879,37 @@ def _part4(x: Array | None, axis: int, lo: int, hi: int) -> Array | None:
   return x if x.shape[axis] == 1 else lax.slice_in_dim(x, lo, hi, axis=axis)
 
 
+def plain_tiles(t: int, s: int, g: int, block_q: int | None, block_k: int | None,
+                structured: bool) -> tuple[int, int]:
+  """The (bq, bk) tiles of the plain (non-causal-triangle) kernel: the caps asked for, else
+  :func:`default_block_sizes` (under a structured mask at most :data:`STRUCTURED_BLOCK_Q` ×
+  :data:`STRUCTURED_BLOCK_K`: shorter tiles skip more), never longer than the sequence."""
+  dq, dk = default_block_sizes(t, s, g)
+  if structured:
+    dq, dk = min(dq, STRUCTURED_BLOCK_Q), min(dk, STRUCTURED_BLOCK_K)
+  # A tile never needs to be longer than the (8-aligned) sequence.
+  bq = min(block_q, common.round_up(t, tl.ALIGN)) if block_q else dq
+  bk = min(block_k, common.round_up(s, tl.ALIGN)) if block_k else dk
+  return bq, bk
+
+
+def mask_tile_counts(structured_mask: Any, weighting: Pointwise, b: int, t: int, s: int,
+                     num_heads: int, kv_heads: int, is_causal: bool,
+                     block_q: int | None = None, block_k: int | None = None) -> dict[str, Any]:
+  """How :func:`blocked_attention` meets a bound structured mask: its tiles ``(bq, bk)`` and
+  how many of them it skips (no pair may attend for any head), runs without the elementwise
+  mask (every pair may) and runs masked (:func:`attnx.core.explain` shows it)."""
+  smask = masks.Causal() & structured_mask if is_causal else structured_mask
+  g = num_heads // kv_heads
+  bq, bk = plain_tiles(t, s, g, block_q, block_k, True)
+  cfg = tl.TileConfig(w=weighting, t=t, s=s, bq=bq, bk=bk, is_causal=False, has_mask=False,
+                      has_bias=False, head_dims=(b, kv_heads, g), kv_heads=kv_heads,
+                      structured=True)
+  kinds = np.asarray(tl.tile_kinds(smask, 0, cfg))
+  return {"tiles": (bq, bk), "skipped": int((kinds == 0).sum()),
+          "unmasked": int((kinds == 1).sum()), "masked": int((kinds == 2).sum())}
+
+
 def _blocked(q, k, v, *, weighting, scale, bias, mask, is_causal, block_q, block_k, num_keys,
              structured=None):
   """:func:`blocked_attention` on checked, non-empty inputs; causal ones have T = S."""
@@ -895,12 +927,7 @@ def _blocked(q, k, v, *, weighting, scale, bias, mask, is_causal, block_q, block
                         user_bk=block_k or 0, full_num_keys=num_keys)
     tp = sp = num_diag_tiles * d
   else:
-    dq, dk = default_block_sizes(t, s, g)
-    if structured is not None:  # shorter tiles skip more (docs/guides/masks.md, measured)
-      dq, dk = min(dq, STRUCTURED_BLOCK_Q), min(dk, STRUCTURED_BLOCK_K)
-    # A tile never needs to be longer than the (8-aligned) sequence.
-    bq = min(block_q, common.round_up(t, tl.ALIGN)) if block_q else dq
-    bk = min(block_k, common.round_up(s, tl.ALIGN)) if block_k else dk
+    bq, bk = plain_tiles(t, s, g, block_q, block_k, structured is not None)
     cfg = tl.TileConfig(w=weighting, t=t, s=s, bq=bq, bk=bk, is_causal=False,
                         has_mask=mask is not None, has_bias=bias is not None,
                         head_dims=(b, kv_heads, g), kv_heads=kv_heads,

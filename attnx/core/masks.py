@@ -208,7 +208,7 @@ def _flat_batch(name: str, x: Array | None, batch: tuple[int, ...], trailing: in
   if all(d == 1 for d in lead):
     return x.reshape((1,) + x.shape[len(lead):])
   x = jnp.broadcast_to(x, batch + x.shape[len(lead):])
-  return x.reshape((-1,) + x.shape[len(lead):])
+  return x.reshape((math.prod(batch),) + x.shape[len(lead):])  # explicit: S may be 0
 
 
 def _per_batch(x: Array, b: Any) -> Array:

@@ -148,6 +148,18 @@ def test_jax_nn_keywords_equal_jax_nn(kw, implementation):
                               atol=2e-5, rtol=2e-5)
 
 
+def test_empty_key_axis_with_per_batch_masks():
+  """No key (S = 0) with per-batch arrays of a zero-length axis: zeros, as without a mask (the
+  differential net's seed 163 found the reshape that failed here)."""
+  q = jnp.ones((3, 5, 2, 4))
+  k = v = jnp.ones((3, 0, 2, 4))
+  ids = (jnp.zeros((3, 5), jnp.int32), jnp.zeros((3, 0), jnp.int32))
+  for impl in ("dense", "blocked"):
+    out = core.attention(q, k, v, segment_ids=ids, local_window_size=(2, 0),
+                         implementation=impl)
+    assert out.shape == (3, 5, 2, 4) and float(jnp.abs(out).max()) == 0.0
+
+
 def test_query_padding_rows_are_zero():
   q = k = v = jnp.ones((2, 6, 1, 4))
   out = core.attention(q, k, v, query_seq_lengths=jnp.array([6, 2]),

@@ -394,48 +394,45 @@ class FromFn(Mask):
     return jnp.any(m, axis=(-2, -1)), jnp.all(m, axis=(-2, -1))
 
 
+class _Pair(Mask):
+  """Two masks combined pair by pair with :attr:`op` (``&`` or ``|``), and so are their tile
+  metadata (for ``|``, "every" of either side is "every" of the union: still exact or False)."""
+
+  a: Mask
+  b: Mask
+  op: Callable[[Any, Any], Array]  # the subclass': jnp.logical_and or jnp.logical_or
+
+  def bind(self, batch, n, t, s):
+    return type(self)(self.a.bind(batch, n, t, s), self.b.bind(batch, n, t, s))
+
+  def mask_mod(self, b, h, q_idx, kv_idx):
+    return self.op(self.a.mask_mod(b, h, q_idx, kv_idx), self.b.mask_mod(b, h, q_idx, kv_idx))
+
+  def tile_range(self, q0, bq, k0, bk):
+    (sa, ea), (sb, eb) = self.a.tile_range(q0, bq, k0, bk), self.b.tile_range(q0, bq, k0, bk)
+    return self.op(sa, sb), self.op(ea, eb)
+
+  def block_table(self, bq, bk, nq, nk):
+    (sa, ea), (sb, eb) = self.a.block_table(bq, bk, nq, nk), self.b.block_table(bq, bk, nq, nk)
+    return self.op(sa, sb), self.op(ea, eb)
+
+
 @_pytree("a", "b")
-class And(Mask):
+class And(_Pair):
   """Both masks: a pair may attend where ``a`` and ``b`` allow it."""
 
   a: Mask
   b: Mask
-
-  def bind(self, batch, n, t, s):
-    return And(self.a.bind(batch, n, t, s), self.b.bind(batch, n, t, s))
-
-  def mask_mod(self, b, h, q_idx, kv_idx):
-    return self.a.mask_mod(b, h, q_idx, kv_idx) & self.b.mask_mod(b, h, q_idx, kv_idx)
-
-  def tile_range(self, q0, bq, k0, bk):
-    (sa, ea), (sb, eb) = self.a.tile_range(q0, bq, k0, bk), self.b.tile_range(q0, bq, k0, bk)
-    return sa & sb, ea & eb
-
-  def block_table(self, bq, bk, nq, nk):
-    (sa, ea), (sb, eb) = self.a.block_table(bq, bk, nq, nk), self.b.block_table(bq, bk, nq, nk)
-    return sa & sb, ea & eb
+  op = staticmethod(jnp.logical_and)
 
 
 @_pytree("a", "b")
-class Or(Mask):
+class Or(_Pair):
   """Either mask: a pair may attend where ``a`` or ``b`` allows it."""
 
   a: Mask
   b: Mask
-
-  def bind(self, batch, n, t, s):
-    return Or(self.a.bind(batch, n, t, s), self.b.bind(batch, n, t, s))
-
-  def mask_mod(self, b, h, q_idx, kv_idx):
-    return self.a.mask_mod(b, h, q_idx, kv_idx) | self.b.mask_mod(b, h, q_idx, kv_idx)
-
-  def tile_range(self, q0, bq, k0, bk):
-    (sa, ea), (sb, eb) = self.a.tile_range(q0, bq, k0, bk), self.b.tile_range(q0, bq, k0, bk)
-    return sa | sb, ea | eb
-
-  def block_table(self, bq, bk, nq, nk):
-    (sa, ea), (sb, eb) = self.a.block_table(bq, bk, nq, nk), self.b.block_table(bq, bk, nq, nk)
-    return sa | sb, ea | eb
+  op = staticmethod(jnp.logical_or)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -191,6 +191,32 @@ BRANCH_CASES = (
       causal=True, pallas="gpu"),
     C(seed=83, t=64, s=64, n=2, weighting="gaussian", score="neg_sq_dist",
       structured="mask_mod", block_q=16, block_k=16, pallas="gpu"),
+    # The whole-row kernel's structured tiles (skipped, full, partial) in every pass: SSMax's
+    # n_i counted per tile (with a bias, and in bf16: the row kernel), stick-breaking's stick
+    # walked backwards over documents, softpick, sparsemax's threshold with zero-tile
+    # skipping on a banded window, entmax on packed documents with GQA and T != S; SSMax
+    # without a bias runs as softmax in the pointwise kernel with the mask's counts.
+    C(seed=84, t=200, s=200, b=2, n=4, kh=2, weighting="ssmax", structured="combo",
+      bias="x1xx", causal=True, block_q=24, block_k=16, **_NO_PALLAS),
+    C(seed=85, t=150, s=150, n=2, weighting="ssmax", dtype="bfloat16", structured="window",
+      block_q=16, block_k=32, **_NO_PALLAS),
+    C(seed=86, t=130, s=130, b=2, n=2, weighting="stick_breaking", structured="segments",
+      causal=True, block_q=16, block_k=24, **_NO_PALLAS),
+    C(seed=87, t=120, s=90, b=2, n=2, weighting="softpick", structured="lengths", block_q=16,
+      block_k=16, **_NO_PALLAS),
+    C(seed=88, t=300, s=300, n=2, weighting="sparsemax", causal=True, structure="banded",
+      structured="window", block_q=32, block_k=32, **_NO_PALLAS),
+    C(seed=89, t=140, s=100, b=2, n=4, kh=2, weighting="entmax15", structured="segments",
+      block_q=16, block_k=16, **_NO_PALLAS),
+    C(seed=90, t=100, s=100, b=2, n=2, weighting="ssmax", structured="prefix", causal=True,
+      block_q=16, block_k=16, **_NO_PALLAS),
+    # Skipped tiles between attended ones (sink keys | a window), in both kernels.
+    C(seed=91, t=260, s=260, b=2, n=2, weighting="stick_breaking", structured="sinks",
+      causal=True, block_q=16, block_k=16, **_NO_PALLAS),
+    C(seed=92, t=260, s=200, b=2, n=4, kh=2, structured="sinks", causal=True, block_q=16,
+      block_k=16, **_NO_PALLAS),
+    C(seed=93, t=260, s=260, n=2, weighting="entmax15", structured="sinks", block_q=16,
+      block_k=24, **_NO_PALLAS),
 )
 CI_RANDOM = 4
 INSTANCES = 5  # random inputs per configuration in the large run (compiling dominates a case)

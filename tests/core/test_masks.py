@@ -199,10 +199,15 @@ def test_packed_documents_attend_alone():
 # The blocked kernel evaluates the mask per tile: against a float64 dense brute force.
 # ---------------------------------------------------------------------------------------------
 
-def _draws(count, seed):
+_POINTWISE = ["softmax", "relu", "sigmoid:normalization=none", "power:p=2,normalization=length",
+              "softmax_plus_one", "gaussian"]
+# The whole-row families: SSMax (its n_i), softpick, stick-breaking (the stick, walked
+# backwards), sparsemax and entmax (the threshold count, zero-tile skipping).
+_WHOLE_ROW = ["ssmax", "softpick", "stick_breaking", "sparsemax", "entmax15"]
+
+
+def _draws(count, seed, weightings=tuple(_POINTWISE)):
   rng = np.random.default_rng(seed)
-  weightings = ["softmax", "relu", "sigmoid:normalization=none", "power:p=2,normalization=length",
-                "softmax_plus_one", "gaussian"]
   for _ in range(count):
     t = int(rng.choice([1, 9, 40, 70, 130]))
     s = t if rng.random() < 0.6 else int(rng.choice([1, 33, 96]))
@@ -214,7 +219,8 @@ def _draws(count, seed):
                dense_mask=bool(rng.random() < 0.2), seed=int(rng.integers(1 << 30)))
 
 
-@pytest.mark.parametrize("case", list(_draws(24, 0)), ids=lambda c: (
+@pytest.mark.parametrize("case", list(_draws(24, 0)) + list(_draws(15, 1, _WHOLE_ROW)),
+                         ids=lambda c: (
     f"{c['mask_name']}-{c['weighting']}-t{c['t']}s{c['s']}-c{int(c['causal'])}-"
     f"{c['bq']}x{c['bk']}-b{int(c['bias'])}m{int(c['dense_mask'])}"))
 def test_blocked_kernel_against_float64(case):
@@ -252,16 +258,18 @@ def test_blocked_kernel_against_float64(case):
     np.testing.assert_allclose(g, r, atol=5e-5 * gs, rtol=1e-3)
 
 
-def test_blocked_kernel_skips_tiles_and_never_forms_t_by_s():
-  """A narrow window visits only the tiles near the diagonal: the compiled program holds no
-  [T, S] array, and its cost shrinks with the window."""
+@pytest.mark.parametrize("weighting", ["softmax", "ssmax", "stick_breaking", "entmax15"])
+def test_blocked_kernel_never_forms_t_by_s(weighting):
+  """Neither blocked kernel forms a [T, S] array under a structured mask, values or
+  gradients."""
   t = 1024
   q = k = v = jax.ShapeDtypeStruct((1, t, 1, 16), jnp.float32)
 
   def program(mask):
-    fn = lambda q, k, v: core.attention(q, k, v, mask=mask, is_causal=True,
+    fn = lambda q, k, v: core.attention(q, k, v, mask=mask, is_causal=True, weighting=weighting,
                                         implementation=core.Blocked(block_q=64, block_k=64))
-    return jax.jit(fn).lower(q, k, v)
+    return jax.jit(jax.value_and_grad(lambda *a: jnp.sum(fn(*a)), argnums=(0, 1, 2))).lower(
+        q, k, v)
 
   text = program(masks.sliding_window(64, 0)).as_text()
   assert f"{t}x{t}" not in text and "1024,1024" not in text
@@ -283,6 +291,12 @@ def test_explain_counts_the_skipped_tiles():
   assert m["tiles"] == (128, 128) and m["skipped"] + m["unmasked"] + m["masked"] == 64
   assert m["skipped"] == 64 - 8 - 7 and m["masked"] == 15 and m["unmasked"] == 0
   assert "skips 49 of 64 tiles of 128x128" in str(ex)
+  # The whole-row kernel (entmax) reads the same tiles; SSMax without a bias runs as softmax
+  # in the pointwise kernel, with a bias in the whole-row kernel.
+  for weighting, bias in (("entmax15", None), ("ssmax", None), ("ssmax", jnp.zeros((t, t)))):
+    m = core.explain(q, k, v, bias, mask=masks.sliding_window(127, 0), is_causal=True,
+                     weighting=weighting, implementation=blocked).mask_tiles
+    assert (m["tiles"], m["skipped"], m["masked"]) == ((128, 128), 49, 15)
   ids = jnp.repeat(jnp.arange(4, dtype=jnp.int32), t // 4)[None]
   m = core.explain(q, k, v, segment_ids=ids, implementation=blocked).mask_tiles
   assert (m["skipped"], m["unmasked"], m["masked"]) == (48, 16, 0)  # 4 documents of 2×2 tiles

@@ -86,8 +86,9 @@ class Case:
   # from the diagonal are all zero (the kernels' zero-tile skipping), as local attention.
   structure: str = "none"
   # A structured mask (attnx.core.masks) instead of a dense one: "window", "chunked",
-  # "prefix", "segments", "lengths", "mask_mod" or "combo" (documents & a causal window); its
-  # sizes come from the seed, its arrays (ids, lengths) from the instance.
+  # "prefix", "segments", "lengths", "mask_mod", "combo" (documents & a causal window) or
+  # "sinks" (the first keys | a window, StreamingLLM's pattern: skipped tiles between the
+  # attended ones); its sizes come from the seed, its arrays (ids, lengths) from the instance.
   structured: str = "none"
 
   def implementations(self) -> list[str]:
@@ -217,7 +218,8 @@ def draw(seed: int, kind: str | None = None) -> Case:
   return case
 
 
-STRUCTURED = ("window", "chunked", "prefix", "segments", "lengths", "mask_mod", "combo")
+STRUCTURED = ("window", "chunked", "prefix", "segments", "lengths", "mask_mod", "combo",
+              "sinks")
 
 
 def _ids(rng: np.random.Generator, b: int, length: int) -> np.ndarray:
@@ -246,6 +248,10 @@ def structured_mask(case: Case, instance: int = 0) -> core.masks.Mask | None:
   if case.structured == "lengths":
     return masks.seq_lengths(arrays.integers(0, t + 1, b).astype(np.int32),
                              arrays.integers(0, s + 1, b).astype(np.int32))
+  if case.structured == "sinks":
+    sinks = arrays.integers(0, min(s, 24) + 1, b).astype(np.int32)
+    local = masks.sliding_window(int(sizes.integers(0, max(t, s) // 4 + 1)), 0)
+    return masks.seq_lengths(np.full(b, t, np.int32), sinks) | local
   if case.structured == "mask_mod":
     a, c = int(sizes.integers(1, 7)), int(sizes.integers(2, 5))
     return masks.from_fn(lambda bi, h, i, j: (a * i + j + h + bi) % c != 0)

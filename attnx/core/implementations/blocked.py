@@ -101,18 +101,19 @@ class Blocked(Implementation):
     kernel = (blocked_attention if problem.pointwise
               else functools.partial(blocked_rows.blocked_row_attention,
                                      **problem.weighting.kernel_args(inputs.weighting_params)))
-    # The pointwise kernel evaluates a structured mask per tile and skips its empty tiles.
-    return run_streaming(problem, inputs, kernel, self.block_sizes,
-                         structured_kernel=problem.pointwise)
+    # Both kernels evaluate a structured mask per tile and skip its empty tiles.
+    return run_streaming(problem, inputs, kernel, self.block_sizes, structured_kernel=True)
 
   def mask_tiles(self, problem: Problem, inputs: Inputs) -> dict[str, Any] | None:
-    if inputs.structured_mask is None or not problem.pointwise:
+    if inputs.structured_mask is None:
       return None
+    shape = (inputs.structured_mask, problem.weighting, math.prod(problem.batch), problem.t,
+             problem.s, problem.num_heads, problem.num_kv_heads, problem.is_causal)
     try:
-      return mask_tile_counts(inputs.structured_mask, problem.weighting,
-                              math.prod(problem.batch), problem.t, problem.s,
-                              problem.num_heads, problem.num_kv_heads, problem.is_causal,
-                              *self.block_sizes)
+      if problem.pointwise:
+        return mask_tile_counts(*shape, *self.block_sizes)
+      return blocked_rows.mask_tile_counts(*shape, inputs.bias is not None, problem.dtype,
+                                           *self.block_sizes)
     except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError):
       return None  # traced ids or lengths: no count
 

@@ -226,24 +226,12 @@ def _tile_loop(cfg: tl.TileConfig, kinds: Array | None, outer: Any, axis: int,
   lo, hi = tl.tile_span(kinds, axis)
   kind_of = (lambda inner: kinds[outer, inner]) if axis == 1 else (
       lambda inner: kinds[inner, outer])
-  full_ok = not cfg.w.divides_by_length  # a full tile would count no key without a mask
 
   def body(inner, c):
-    branches = [lambda c: c, lambda c: step(inner, c, not full_ok),
-                lambda c: step(inner, c, True)]
-    return lax.switch(kind_of(inner), branches, c)
+    return tl.kind_switch(kind_of(inner), lambda c: c, lambda c, masked: step(inner, c, masked),
+                          c, full_needs_mask=cfg.w.divides_by_length)
 
   return lo[outer], hi[outer], body
-
-
-def _tile_valid(mask, smask, x0, i, j, cfg: tl.TileConfig, structured: bool) -> Array | None:
-  """The tile's validity: :func:`~attnx.core.kernels.xla.tiling.valid_tile` and, where
-  ``structured``, the structured mask's."""
-  valid = tl.valid_tile(mask, i, j, cfg)
-  if cfg.structured and structured:
-    st = tl.structured_tile(smask, x0, i, j, cfg)
-    valid = st if valid is None else valid & st
-  return valid
 
 
 def _forward_chunk(q, k, v, bias, mask, scale, cfg: tl.TileConfig, smask: Any = None,
@@ -285,7 +273,7 @@ def _forward_chunk(q, k, v, bias, mask, scale, cfg: tl.TileConfig, smask: Any = 
       kj = tl.slice_along(k, j * cfg.bk, cfg.bk, 1)
       vj = tl.slice_along(v_fwd, j * cfg.bk, cfg.bk, 1)
       z = tl.tile_scores(qi, kj, bias, i, j, cfg, qk_mult, bias_mult)
-      return z, vj, _tile_valid(mask, smask, x0, i, j, cfg, structured)
+      return z, vj, tl.tile_valid(mask, smask, x0, i, j, cfg, structured)
 
     if w.online_max:
       def k_step(j, c, structured):
@@ -384,8 +372,10 @@ def _backward_chunk(q, k, v, bias, mask, scale, out, stat, do, cfg: tl.TileConfi
     kj, vj = tl.slice_along(k, j * cfg.bk, cfg.bk, 1), tl.slice_along(v, j * cfg.bk, cfg.bk, 1)
     kj_f = tl.slice_along(k_f, j * cfg.bk, cfg.bk, 1)
 
-    def q_step(i, c, structured):
-      dq, dk_j, dv_j, dbias = c
+    def tile_terms(i, dk_j, dv_j, structured, dq_rows=None):
+      """Tile (i, j): dK and dV of key block j with its terms added, its dQ term
+      [X, G·bq, H] (added to ``dq_rows()`` where given) and with a bias dz (the score
+      gradient, for dbias)."""
       qi, doi = tl.row_block(q, i, cfg), tl.row_block(do, i, cfg)
       # The tile is computed as in the forward, [X, G·bq, bk] (queries × keys), by the
       # forward's own tl.tile_scores (the same dot, summed in the same order). A transposed tile
@@ -393,7 +383,7 @@ def _backward_chunk(q, k, v, bias, mask, scale, out, stat, do, cfg: tl.TileConfi
       # dot for it sums q·k in another order, 2.5× further from the exact scores at T ≫ S
       # (docs/guides/implementations.md, "Precision and accuracy").
       z = tl.tile_scores(qi, kj, bias, i, j, cfg, qk_mult, bias_mult)
-      valid = _tile_valid(mask, smask, x0, i, j, cfg, structured)
+      valid = tl.tile_valid(mask, smask, x0, i, j, cfg, structured)
       row = lambda a: tl.row_block(a, i, cfg)[..., None]  # per-query statistic, broadcast over keys
       dp = jnp.einsum("xqd,xsd->xqs", doi, vj, preferred_element_type=cd)
       # dz: the cotangent of z = α·s (α = 1 unless online max).
@@ -403,16 +393,44 @@ def _backward_chunk(q, k, v, bias, mask, scale, out, stat, do, cfg: tl.TileConfi
       dzc = dz.astype(qi.dtype)
       dk_j = dk_j + jnp.einsum("xqs,xqh->xsh", dzc, tl.row_block(q_f, i, cfg),
                                preferred_element_type=cd)
-      dq_i = tl.row_block(dq, i, cfg) + jnp.einsum("xqs,xsh->xqh", dzc, kj_f,
-                                            preferred_element_type=cd)
+      base = None if dq_rows is None else dq_rows()  # read before the product, as always
+      dq_i = jnp.einsum("xqs,xsh->xqh", dzc, kj_f, preferred_element_type=cd)
+      return dk_j, dv_j, dq_i if base is None else base + dq_i, dz if cfg.has_bias else None
+
+    def add_terms(i, dq, dbias, dq_i, dz):  # dq_i: the rows' new dQ
       dq = tl.put_row_block(dq, dq_i, i, cfg)
       if cfg.has_bias:
         dbias = tl.add_bias_grad_tile(dbias, dz, i, j, cfg)
+      return dq, dbias
+
+    def q_step(i, c, structured):
+      dq, dk_j, dv_j, dbias = c
+      dk_j, dv_j, dq_i, dz = tile_terms(i, dk_j, dv_j, structured,
+                                        lambda: tl.row_block(dq, i, cfg))
+      dq, dbias = add_terms(i, dq, dbias, dq_i, dz)
+      return dq, dk_j, dv_j, dbias
+
+    def structured_q_step(i, c):  # the dQ and dbias buffers stay outside the switch
+      dq, dk_j, dv_j, dbias = c
+
+      def leave_out(dk_j, dv_j):
+        rows = (q.shape[0], q.shape[1] * cfg.bq)
+        return (dk_j, dv_j, jnp.zeros(rows + q.shape[-1:], cd),
+                jnp.zeros(rows + (cfg.bk,), cd) if cfg.has_bias else None)
+
+      dk_j, dv_j, dq_term, dz = tl.kind_switch(
+          kinds[i, j], leave_out, lambda *c: tile_terms(i, *c), dk_j, dv_j,
+          full_needs_mask=w.divides_by_length)
+      dq, dbias = add_terms(i, dq, dbias, tl.row_block(dq, i, cfg) + dq_term, dz)
       return dq, dk_j, dv_j, dbias
 
     dk0 = jnp.zeros((k.shape[0], cfg.bk, k.shape[-1]), cd)
     dv0 = jnp.zeros((v.shape[0], cfg.bk, v.shape[-1]), cd)
-    lo, hi, q_block = _tile_loop(cfg, kinds, j, 0, tl.q_range(j, cfg), q_step)
+    if kinds is None:
+      lo, hi, q_block = _tile_loop(cfg, kinds, j, 0, tl.q_range(j, cfg), q_step)
+    else:
+      lo, hi = (a[j] for a in tl.tile_span(kinds, 0))
+      q_block = structured_q_step
     dq, dk_j, dv_j, dbias = lax.fori_loop(lo, hi, q_block, (dq, *vary((dk0, dv0), axes), dbias))
     dk_all = lax.dynamic_update_slice_in_dim(dk_all, dk_j, j * cfg.bk, axis=1)
     dv_all = lax.dynamic_update_slice_in_dim(dv_all, dv_j, j * cfg.bk, axis=1)
@@ -905,9 +923,7 @@ def mask_tile_counts(structured_mask: Any, weighting: Pointwise, b: int, t: int,
   cfg = tl.TileConfig(w=weighting, t=t, s=s, bq=bq, bk=bk, is_causal=False, has_mask=False,
                       has_bias=False, head_dims=(b, kv_heads, g), kv_heads=kv_heads,
                       structured=True)
-  kinds = np.asarray(tl.tile_kinds(smask, 0, cfg))
-  return {"tiles": (bq, bk), "skipped": int((kinds == 0).sum()),
-          "unmasked": int((kinds == 1).sum()), "masked": int((kinds == 2).sum())}
+  return tl.tile_counts(smask, cfg)
 
 
 def _blocked(q, k, v, *, weighting, scale, bias, mask, is_causal, block_q, block_k, num_keys,

@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from attnx.core import masks
 from attnx.core import streaming as st
 from attnx.core.contract import compute_dtype, finite, nonfinite_inputs
 from attnx.core.kernels import common
@@ -58,8 +59,9 @@ FAMILY_BLOCK_K = {"stick_breaking": STICK_BLOCK_K}
 FAMILY_SHORT_BLOCK_Q = {"stick_breaking": (STICK_SHORT_BLOCK_Q, STICK_SHORT_T)}
 
 __all__ = ["BLOCK_K", "CAUSAL_BLOCK_Q", "FAMILY_BLOCK_K", "FAMILY_SHORT_BLOCK_Q", "STICK_BLOCK_K",
-           "block_grads", "blocked_row_attention", "causal_block_sizes", "raw_block_state",
-           "streams", "threshold_passes", "zero_tiles"]
+           "block_grads", "blocked_row_attention", "causal_block_sizes", "mask_tile_counts",
+           "raw_block_state",
+           "streams", "structured_counts", "threshold_passes", "zero_tiles"]
 
 
 def streams(weighting: Any) -> bool:
@@ -67,37 +69,56 @@ def streams(weighting: Any) -> bool:
   return isinstance(weighting, RowNormalizer) and weighting.stream is not None
 
 
-def _tiles(q, k, v, bias, mask, i, cfg: tl.TileConfig, qk_mult, bias_mult):
-  """tile(j) -> (z [X, G·bq, bk] in the compute dtype, valid (broadcastable), v tile) of query
-  block i."""
+def _valid(z: Array, mask, smask, x0, i, j, cfg: tl.TileConfig, structured: bool) -> Array:
+  """Tile (i, j)'s valid keys, [X, G·bq, bk]: the dense mask's, the structured mask's (where
+  ``structured``: a tile every pair of which may attend leaves it out), and a finite score (a
+  score of −∞ is a masked key; NaN stays valid: the row is NaN)."""
+  valid = tl.tile_valid(mask, smask, x0, i, j, cfg, structured)
+  finite = z != -jnp.inf
+  return finite if valid is None else valid & finite
+
+
+def _tiles(q, k, v, bias, mask, i, cfg: tl.TileConfig, qk_mult, bias_mult, smask=None, x0=0):
+  """tile(j, structured=True) -> (z [X, G·bq, bk] in the compute dtype, valid, v tile) of
+  query block i."""
   qi = tl.row_block(q, i, cfg)
 
-  def tile(j):
+  def tile(j, structured=True):
     kj, vj = tl.slice_along(k, j * cfg.bk, cfg.bk, 1), tl.slice_along(v, j * cfg.bk, cfg.bk, 1)
     z = tl.tile_scores(qi, kj, bias, i, j, cfg, qk_mult, bias_mult)
-    valid = tl.valid_tile(mask, i, j, cfg)
-    finite = z != -jnp.inf  # a score of −∞ is a masked key (NaN stays valid: the row is NaN)
-    return z, (finite if valid is None else valid & finite), vj
+    return z, _valid(z, mask, smask, x0, i, j, cfg, structured), vj
 
   return tile
 
 
-def _fold(tile, lo, hi, fn, init, reverse: bool = False, zero: Array | None = None):
+def _fold(tile, lo, hi, fn, init, reverse: bool = False, zero: Array | None = None,
+          kinds: Array | None = None):
   """Folds fn(carry, z, valid, v) over key tiles [lo, hi), last tile first if reverse.
 
   ``zero`` ([num_k_blocks] bool) marks tiles to leave out: their scores are never computed
-  (``lax.cond`` runs only the taken branch).
+  (``lax.cond`` runs only the taken branch). ``kinds`` ([num_k_blocks] int32): the query
+  block's row of a structured mask's tile kinds (:func:`attnx.core.kernels.xla.tiling.kind_switch`).
   """
   def body(r, c):
     j = hi - 1 - r if reverse else lo + r
+    visit = lambda c: tl.kind_switch(None if kinds is None else kinds[j], lambda c: c,
+                                     lambda c, structured: fn(c, *tile(j, structured)), c)
     if zero is None:
-      return fn(c, *tile(j))
-    return lax.cond(zero[j], lambda c: c, lambda c: fn(c, *tile(j)), c)
+      return visit(c)
+    return lax.cond(zero[j], lambda c: c, visit, c)
   return lax.fori_loop(0, hi - lo, body, init)
 
 
+def _k_bounds(i, cfg: tl.TileConfig, span) -> tuple[Any, Any]:
+  """The key tiles query block i visits: under a structured mask the span of its tiles that
+  are not skipped (``span``: :func:`attnx.core.kernels.xla.tiling.tile_span` along keys),
+  else all (causal: those not entirely above the diagonal)."""
+  return tl.k_range(i, cfg) if span is None else (span[0][i], span[1][i])
+
+
 def _entmax_threshold_skipping(tile, i, lo, hi, rows: tuple[int, ...], cfg: tl.TileConfig,
-                               dtype: Any = F32) -> tuple[st.Threshold, Array]:
+                               dtype: Any = F32, kinds: Array | None = None
+                               ) -> tuple[st.Threshold, Array]:
   """τ of a query block (:func:`attnx.core.streaming.entmax_threshold`) with zero tiles left
   out of the passes, and which tiles are zero at the final τ ([num_k_blocks] bool).
 
@@ -106,7 +127,8 @@ def _entmax_threshold_skipping(tile, i, lo, hi, rows: tuple[int, ...], cfg: tl.T
   scores): the test of a tile at any τ then needs no second QKᵀ. A tile whose every x is at or
   below the threshold of every row adds exact zeros to the sums of a pass, to the output and to
   the gradients (:func:`attnx.core.streaming.entmax_zero_tiles`). Tiles not visited (above the
-  causal diagonal) keep a max of −∞ and count as zero.
+  causal diagonal, or skipped by a structured mask: ``kinds`` as in :func:`_fold`) keep a
+  max of −∞ and count as zero.
 
   The padding rows of a ragged last query block (q = 0: every key in their support) would
   keep every tile of that block: they are made empty rows here instead (no key, done at once).
@@ -117,11 +139,15 @@ def _entmax_threshold_skipping(tile, i, lo, hi, rows: tuple[int, ...], cfg: tl.T
 
   def max_body(r, c):
     j = lo + r
-    z, valid, _ = tile(j)
-    m, n, table = c
-    tile_max = st.entmax_tile_max(z, valid, rs)
-    return (jnp.maximum(m, tile_max), n + jnp.sum(valid, axis=-1, dtype=dtype),
-            lax.dynamic_update_index_in_dim(table, tile_max, j, 0))
+
+    def step(c, structured):
+      z, valid, _ = tile(j, structured)
+      m, n, table = c
+      tile_max = st.entmax_tile_max(z, valid, rs)
+      return (jnp.maximum(m, tile_max), n + jnp.sum(valid, axis=-1, dtype=dtype),
+              lax.dynamic_update_index_in_dim(table, tile_max, j, 0))
+
+    return tl.kind_switch(None if kinds is None else kinds[j], lambda c: c, step, c)
 
   init = (jnp.full(rows, -jnp.inf, dtype), jnp.zeros(rows, dtype),
           jnp.full((num_k_blocks,) + rows, -jnp.inf, dtype))
@@ -133,19 +159,21 @@ def _entmax_threshold_skipping(tile, i, lo, hi, rows: tuple[int, ...], cfg: tl.T
 
   def sums_pass(fn, init, m_row, tau):
     return _fold(tile, lo, hi, lambda c, z, ok, _: fn(c, z, ok), init,
-                 zero=st.entmax_zero_tiles(table, m_row, tau))
+                 zero=st.entmax_zero_tiles(table, m_row, tau), kinds=kinds)
 
   def tile_pass(fn, init):  # unused: both passes entmax_threshold makes are the hooks above
-    return _fold(tile, lo, hi, lambda c, z, ok, _: fn(c, z, ok), init)
+    return _fold(tile, lo, hi, lambda c, z, ok, _: fn(c, z, ok), init, kinds=kinds)
 
   th = st.entmax_threshold(tile_pass, rows, rs, row_max=(m, n), sums_pass=sums_pass,
                            dtype=dtype)
   return th, st.entmax_zero_tiles(table, th.m, th.tau)
 
 
-def _forward_chunk(q, k, v, bias, mask, row_scales, scale, cfg: tl.TileConfig, skip: bool):
+def _forward_chunk(q, k, v, bias, mask, row_scales, scale, cfg: tl.TileConfig, skip: bool,
+                   smask: Any = None, x0: Any = 0):
   """(O [x, G, Tp, Hv], row statistics, Σu·v/Σu or None, max threshold passes, zero tiles) of
-  a chunk.
+  a chunk (whose first row is ``x0``; ``smask``: the bound structured mask of
+  ``cfg.structured``, evaluated per tile, its empty tiles skipped).
 
   With ``skip`` (entmax family only), key tiles that are all zero for every row of a query
   block are left out of the threshold passes after the first and of the output pass; the last
@@ -160,24 +188,27 @@ def _forward_chunk(q, k, v, bias, mask, row_scales, scale, cfg: tl.TileConfig, s
   cd = compute_dtype(q.dtype)
   q, qk_mult, bias_mult, _ = tl.prescale(q, scale, cfg)
   skip = skip and rs.needs_threshold
+  kinds = tl.tile_kinds(smask, x0, cfg) if cfg.structured else None
+  span = None if kinds is None else tl.tile_span(kinds, 1)
 
   def q_block(i, carry):
     out, stats, support_mean, passes, zero_table = carry
-    tile = _tiles(q, k, v, bias, mask, i, cfg, qk_mult, bias_mult)
-    lo, hi = tl.k_range(i, cfg)
+    tile = _tiles(q, k, v, bias, mask, i, cfg, qk_mult, bias_mult, smask, x0)
+    row_kinds = None if kinds is None else kinds[i]
+    lo, hi = _k_bounds(i, cfg, span)
     ctx = tl.row_block(row_scales, i, cfg) if rs.needs_row_scale else None
     zero = None
     if skip:
-      ctx, zero = _entmax_threshold_skipping(tile, i, lo, hi, rows, cfg, cd)
+      ctx, zero = _entmax_threshold_skipping(tile, i, lo, hi, rows, cfg, cd, row_kinds)
       passes = jnp.maximum(passes, ctx.passes)
       zero_table = lax.dynamic_update_index_in_dim(zero_table, zero, i, 0)
     elif rs.needs_threshold:
       ctx = st.entmax_threshold(
-          lambda fn, init: _fold(tile, lo, hi, lambda c, z, ok, _: fn(c, z, ok), init), rows, rs,
-          dtype=cd)
+          lambda fn, init: _fold(tile, lo, hi, lambda c, z, ok, _: fn(c, z, ok), init,
+                                 kinds=row_kinds), rows, rs, dtype=cd)
       passes = jnp.maximum(passes, ctx.passes)
     state = _fold(tile, lo, hi, lambda c, z, ok, vj: st.update(rs, c, z, ok, vj, ctx),
-                  st.init(rs, rows, hv, cd), rs.reverse, zero)
+                  st.init(rs, rows, hv, cd), rs.reverse, zero, row_kinds)
     o, row_stats, sm = st.finalize(rs, state, ctx)
     put = lambda buf, a: tl.put_row_block(buf, a, i, cfg)
     stats = tuple(put(buf, a) for buf, a in zip(stats, row_stats, strict=True))
@@ -193,8 +224,9 @@ def _forward_chunk(q, k, v, bias, mask, row_scales, scale, cfg: tl.TileConfig, s
 
 def _backward_chunk(q, k, v, bias, mask, row_scales, scale, out, stats, support_mean, do,
                     zero, cfg: tl.TileConfig, carry0: tuple[Array, Array] | None = None,
-                    both_carries: bool = False):
-  """(dq, dk, dv, dbias, drow_scales, dscale) of a chunk.
+                    both_carries: bool = False, smask: Any = None, x0: Any = 0):
+  """(dq, dk, dv, dbias, drow_scales, dscale) of a chunk (first row ``x0``; ``smask`` as in
+  :func:`_forward_chunk`: its skipped tiles add nothing to any gradient or grad carry).
 
   ``zero``: None, or the forward's [num_q_blocks, num_k_blocks] table of all-zero tiles, which
   add exact zeros to every gradient and are left out, in query blocks whose dO is finite (a
@@ -218,20 +250,20 @@ def _backward_chunk(q, k, v, bias, mask, row_scales, scale, out, stats, support_
   if zero is not None:
     do_blocks = do.reshape(do.shape[:2] + (cfg.num_q_blocks, cfg.bq) + do.shape[3:])
     zero = zero & jnp.all(jnp.isfinite(do_blocks), axis=(0, 1, 3, 4))[:, None]
+  kinds = tl.tile_kinds(smask, x0, cfg) if cfg.structured else None
+  span = None if kinds is None else tl.tile_span(kinds, 0)
 
   def k_block(r, carry):
     j = cfg.num_k_blocks - 1 - r if rs.reverse else r
     kj, vj = tl.slice_along(k, j * cfg.bk, cfg.bk, 1), tl.slice_along(v, j * cfg.bk, cfg.bk, 1)
     kj_f = tl.slice_along(k_f, j * cfg.bk, cfg.bk, 1)
 
-    def tile_terms(i, dk_j, dv_j, carry_a, carry_b):
+    def masked_tile_terms(i, dk_j, dv_j, carry_a, carry_b, structured):
       """Tile (i, j): dK and dV of key block j with its terms added, its dQ term
       [X, G·bq, H], dz (for dbias) and the grad carries of its rows."""
       qi, doi = tl.row_block(q, i, cfg), tl.row_block(do, i, cfg)
       z = tl.tile_scores(qi, kj, bias, i, j, cfg, qk_mult, bias_mult)
-      valid = tl.valid_tile(mask, i, j, cfg)
-      finite = z != -jnp.inf
-      valid = finite if valid is None else valid & finite
+      valid = _valid(z, mask, smask, x0, i, j, cfg, structured)
       dp = jnp.einsum("xqd,xsd->xqs", doi, vj, preferred_element_type=cd)
       ctx = block_rows(row_scales, i) if rs.needs_row_scale else None
       p, dz, gc = st.tile_grad(rs, z, valid, dp, tuple(block_rows(a, i) for a in stats),
@@ -244,6 +276,19 @@ def _backward_chunk(q, k, v, bias, mask, row_scales, scale, out, stats, support_
                                preferred_element_type=cd)
       dq_i = jnp.einsum("xqs,xsh->xqh", dzc, kj_f, preferred_element_type=cd)
       return dk_j, dv_j, dq_i, dz if cfg.has_bias else None, gc
+
+    def tile_terms(i, dk_j, dv_j, carry_a, carry_b):
+      """:func:`masked_tile_terms` of a tile of the structured mask's kind (a skipped tile:
+      zero dQ and dz terms, dK, dV and the carries unchanged); the dQ and dbias buffers stay
+      outside the switch."""
+      def leave_out(dk_j, dv_j, carry_a, carry_b):
+        rows = (q.shape[0], q.shape[1] * cfg.bq)
+        return (dk_j, dv_j, jnp.zeros(rows + q.shape[-1:], cd),
+                jnp.zeros(rows + (cfg.bk,), cd) if cfg.has_bias else None,
+                st.GradCarry(carry_a, carry_b))
+
+      return tl.kind_switch(None if kinds is None else kinds[i, j], leave_out,
+                            lambda *c: masked_tile_terms(i, *c), dk_j, dv_j, carry_a, carry_b)
 
     def add_dbias(dbias, dz, i):
       return tl.add_bias_grad_tile(dbias, dz, i, j, cfg)
@@ -284,8 +329,9 @@ def _backward_chunk(q, k, v, bias, mask, row_scales, scale, out, stats, support_
     dq, dk_all, dv_all, dbias, carry_a, carry_b = carry
     dk0 = jnp.zeros((k.shape[0], cfg.bk, k.shape[-1]), cd)
     dv0 = jnp.zeros((v.shape[0], cfg.bk, v.shape[-1]), cd)
+    lo, hi = tl.q_range(j, cfg) if span is None else (span[0][j], span[1][j])
     dq, dk_j, dv_j, dbias, carry_a, carry_b = lax.fori_loop(
-        *tl.q_range(j, cfg), body, (dq, *bl.vary((dk0, dv0), axes), dbias, carry_a, carry_b))
+        lo, hi, body, (dq, *bl.vary((dk0, dv0), axes), dbias, carry_a, carry_b))
     dk_all = lax.dynamic_update_slice_in_dim(dk_all, dk_j, j * cfg.bk, axis=1)
     dv_all = lax.dynamic_update_slice_in_dim(dv_all, dv_j, j * cfg.bk, axis=1)
     return dq, dk_all, dv_all, dbias, carry_a, carry_b
@@ -309,20 +355,22 @@ def _backward_chunk(q, k, v, bias, mask, row_scales, scale, out, stats, support_
 # Chunks of heads.
 # --------------------------------------------------------------------------------------------
 
-def _forward(q, k, v, bias, mask, row_scales, scale, cfg: tl.TileConfig, skip: bool):
+def _forward(q, k, v, bias, mask, row_scales, scale, cfg: tl.TileConfig, skip: bool,
+             smask: Any = None):
   """:func:`_forward_chunk` over the chunks of heads; the zero-tile table gains a leading
   chunk axis, [num_chunks, num_q_blocks, num_k_blocks] (or is None)."""
   x = q.shape[0]
   chunk_cfg = dataclasses.replace(cfg, head_dims=cfg.chunk_head_dims())
   if cfg.heads_in_chunk == x:
-    *res, zero = _forward_chunk(q, k, v, bias, mask, row_scales, scale, chunk_cfg, skip)
+    *res, zero = _forward_chunk(q, k, v, bias, mask, row_scales, scale, chunk_cfg, skip,
+                                smask)
     return (*res, None if zero is None else zero[None])
   rows = lambda a, c: None if a is None else tl.chunk_rows(a, c, cfg)
 
   def chunk(c, carry):
     res = _forward_chunk(rows(q, c), rows(k, c), rows(v, c), tl.chunk_bias(bias, c, cfg),
                          tl.chunk_bias(mask, c, cfg), rows(row_scales, c), scale, chunk_cfg,
-                         skip)
+                         skip, smask, c * cfg.heads_in_chunk)
     put = lambda buf, a: lax.dynamic_update_slice_in_dim(buf, a, c * cfg.heads_in_chunk, 0)
     out, stats, support_mean, passes, zero = carry
     return (put(out, res[0]), tuple(put(b, a) for b, a in zip(stats, res[1], strict=True)),
@@ -346,13 +394,13 @@ def _forward(q, k, v, bias, mask, row_scales, scale, cfg: tl.TileConfig, skip: b
 
 
 def _backward(q, k, v, bias, mask, row_scales, scale, out, stats, support_mean, do, zero,
-              cfg: tl.TileConfig):
+              cfg: tl.TileConfig, smask: Any = None):
   x = q.shape[0]
   cd = compute_dtype(q.dtype)
   chunk_cfg = dataclasses.replace(cfg, head_dims=cfg.chunk_head_dims())
   if cfg.heads_in_chunk == x:
     return _backward_chunk(q, k, v, bias, mask, row_scales, scale, out, stats, support_mean, do,
-                           None if zero is None else zero[0], chunk_cfg)
+                           None if zero is None else zero[0], chunk_cfg, smask=smask)
   rows = lambda a, c: None if a is None else tl.chunk_rows(a, c, cfg)
 
   def chunk(c, carry):
@@ -361,7 +409,7 @@ def _backward(q, k, v, bias, mask, row_scales, scale, out, stats, support_mean, 
         rows(q, c), rows(k, c), rows(v, c), tl.chunk_bias(bias, c, cfg),
         tl.chunk_bias(mask, c, cfg), rows(row_scales, c), scale, rows(out, c),
         tuple(rows(a, c) for a in stats), rows(support_mean, c), rows(do, c),
-        None if zero is None else zero[c], chunk_cfg)
+        None if zero is None else zero[c], chunk_cfg, smask=smask, x0=c * cfg.heads_in_chunk)
     put = lambda buf, a: lax.dynamic_update_slice_in_dim(buf, a, c * cfg.heads_in_chunk, 0)
     if cfg.has_bias:
       starts, sizes = tl.chunk_bias_window(bias, c, cfg)
@@ -433,33 +481,35 @@ def block_grads(q: Array, k: Array, v: Array, bias: Array | None, mask: Array | 
 
 
 def _make_kernel(cfg: tl.TileConfig, skip: bool):
-  """A custom-VJP function of internal-layout (q, k, v, bias, mask, row_scales, scale) -> O;
-  ``skip``: leave out all-zero key tiles (entmax family)."""
+  """A custom-VJP function of internal-layout (q, k, v, bias, mask, row_scales, scale, smask)
+  -> O; ``skip``: leave out all-zero key tiles (entmax family); ``smask``: the bound structured
+  mask of ``cfg.structured`` (a pytree of index arrays: no cotangent), else None."""
 
   @jax.jit  # as the pointwise kernel's: only finite arrays leave (bl.finite_residual)
-  def forward(q, k, v, bias, mask, row_scales, scale):
+  def forward(q, k, v, bias, mask, row_scales, scale, smask):
     out, stats, support_mean, _, zero = _forward(q, k, v, bias, mask, row_scales, scale, cfg,
-                                                 skip)
+                                                 skip, smask)
     return out, bl.finite_residual(stats), support_mean, zero
 
   backward = jax.jit(functools.partial(_backward, cfg=cfg))
 
   @jax.custom_vjp
-  def kernel(q, k, v, bias, mask, row_scales, scale):
-    return forward(q, k, v, bias, mask, row_scales, scale)[0].astype(q.dtype)
+  def kernel(q, k, v, bias, mask, row_scales, scale, smask):
+    return forward(q, k, v, bias, mask, row_scales, scale, smask)[0].astype(q.dtype)
 
-  def fwd(q, k, v, bias, mask, row_scales, scale):
-    out, stats, support_mean, zero = forward(q, k, v, bias, mask, row_scales, scale)
+  def fwd(q, k, v, bias, mask, row_scales, scale, smask):
+    out, stats, support_mean, zero = forward(q, k, v, bias, mask, row_scales, scale, smask)
     return out.astype(q.dtype), (q, k, v, bias, mask, row_scales, scale, out, stats,
-                                 support_mean, zero)
+                                 support_mean, zero, smask)
 
   def bwd(res, do):
-    q, k, v, bias, mask, row_scales, scale, out, stats, support_mean, zero = res
+    q, k, v, bias, mask, row_scales, scale, out, stats, support_mean, zero, smask = res
     dq, dk, dv, dbias, drow_scales, dscale = backward(q, k, v, bias, mask, row_scales, scale,
-                                                      out, stats, support_mean, do, zero)
+                                                      out, stats, support_mean, do, zero,
+                                                      smask=smask)
     return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype),
             None if bias is None else dbias.astype(bias.dtype), None,
-            None if row_scales is None else drow_scales, dscale.astype(scale.dtype))
+            None if row_scales is None else drow_scales, dscale.astype(scale.dtype), None)
 
   kernel.defvjp(fwd, bwd)
   return kernel
@@ -485,9 +535,46 @@ def _valid_counts(b: int, n: int, t: int, s: int, bias, mask, is_causal: bool) -
   return jnp.broadcast_to(jnp.sum(valid, axis=-1, dtype=F32), (b, n, t))
 
 
-def _ssmax_row_scales(q, k, bias, mask, rs: st.RowStream, is_causal: bool, ssmax_s) -> Array:
+def structured_counts(structured_mask: Any, bias: Array | None, mask: Array | None, b: int,
+                      num_heads: int, kv_heads: int, t: int, s: int, bq: int, bk: int) -> Array:
+  """[B, N, T] float32: the number of keys each row attends under a bound structured mask
+  (and a [B|1, N|1, T|1, S|1] dense ``mask`` and ``bias``, whose −∞ masks), counted tile by
+  tile (tiles of ``bq`` × ``bk``) without a T×S array; the tiles the mask skips count
+  nothing, those it allows whole count without evaluating it."""
+  g = num_heads // kv_heads
+  cfg = tl.TileConfig(w=get_weighting("softmax"), t=t, s=s, bq=bq, bk=bk, is_causal=False,
+                      has_mask=mask is not None, has_bias=bias is not None,
+                      head_dims=(b, kv_heads, g), kv_heads=kv_heads, structured=True)
+  tp, sp = cfg.num_q_blocks * bq, cfg.num_k_blocks * bk
+  bias5, mask5 = tl.bias_mask_layout(bias, mask, num_heads, kv_heads, tp, sp)
+  kinds = tl.tile_kinds(structured_mask, 0, cfg)
+  lo, hi = tl.tile_span(kinds, 1)
+  rows = (b * kv_heads, g * bq)
+
+  def q_block(i, buf):
+    def k_step(j, n):
+      def count(n, structured):
+        valid = tl.tile_valid(mask5, structured_mask, 0, i, j, cfg, structured)
+        if bias5 is not None:
+          finite = tl.bias_tile_rows(bias5, i, j, cfg) != -jnp.inf
+          valid = finite if valid is None else valid & finite
+        if valid is None:
+          return n + float(bk)
+        return n + jnp.sum(jnp.broadcast_to(valid, rows + (bk,)), axis=-1, dtype=F32)
+      return tl.kind_switch(kinds[i, j], lambda n: n, count, n)
+
+    n = lax.fori_loop(lo[i], hi[i], k_step, jnp.zeros(rows, F32))
+    return tl.put_row_block(buf, n, i, cfg)
+
+  counts = lax.fori_loop(0, cfg.num_q_blocks, q_block, jnp.zeros((b * kv_heads, g, tp), F32))
+  return counts[:, :, :t].reshape(b, num_heads, t)
+
+
+def _ssmax_row_scales(q, k, bias, mask, rs: st.RowStream, is_causal: bool, ssmax_s,
+                      structured: Any = None, tiles: tuple[int, int] | None = None) -> Array:
   """SSMax's c_i = s·log n_i, [B, N, T] in the compute dtype (s: the weighting's, or
-  ``ssmax_s``)."""
+  ``ssmax_s``); under a ``structured`` mask n_i counted on ``tiles``
+  (:func:`structured_counts`)."""
   b, t, n, _ = q.shape
   s = k.shape[1]
   bias4 = None if bias is None else bias.reshape((1,) * (4 - bias.ndim) + bias.shape)
@@ -496,10 +583,15 @@ def _ssmax_row_scales(q, k, bias, mask, rs: st.RowStream, is_causal: bool, ssmax
   sv = jnp.asarray(rs.s if ssmax_s is None else ssmax_s, cd)
   if sv.ndim:  # one s per query head
     sv = jnp.broadcast_to(sv.reshape(-1), (n,))[None, :, None]
-  return st.row_scale(rs, _valid_counts(b, n, t, s, bias4, mask4, is_causal), sv, cd)
+  if structured is None:
+    counts = _valid_counts(b, n, t, s, bias4, mask4, is_causal)
+  else:
+    counts = structured_counts(structured, bias4, mask4, b, n, k.shape[2], t, s, *tiles)
+  return st.row_scale(rs, counts, sv, cd)
 
 
-def _ssmax_as_softmax(q, k, v, mask, weighting, scale, block_q, block_k, ssmax_s) -> Array:
+def _ssmax_as_softmax(q, k, v, mask, weighting, scale, block_q, block_k, ssmax_s,
+                      structured: Any = None) -> Array:
   """SSMax without a bias, in float32 or float64: softmax of (c_i·q_i)·k, the pointwise kernel
   (:func:`attnx.core.kernels.xla.pointwise.blocked_attention`) on the rows of q scaled by c_i =
   s·log n_i.
@@ -513,13 +605,43 @@ def _ssmax_as_softmax(q, k, v, mask, weighting, scale, block_q, block_k, ssmax_s
   a row without a valid key (dq' = 0) must not reach a learned s; where the row attends a
   key, dq' is NaN and so is dc_i, as in the row kernel.
   """
-  c = _ssmax_row_scales(q, k, None, mask, weighting.stream, False, ssmax_s)
+  tiles = None
+  if structured is not None:  # n_i counted on the pointwise kernel's tiles of the mask
+    tiles = bl.plain_tiles(q.shape[1], k.shape[1], q.shape[2] // k.shape[2], block_q, block_k,
+                           True)
+  c = _ssmax_row_scales(q, k, None, mask, weighting.stream, False, ssmax_s, structured, tiles)
   c = jnp.transpose(c, (0, 2, 1))[..., None]  # [B, T, N, 1]
   q, _, _, _ = nonfinite_inputs(q, k, None, None)
   c_fixed = lax.stop_gradient(c)
   q_scaled = c_fixed * q + (c - c_fixed) * finite(q)  # the value c·q; dc from the finite copy
   return bl.blocked_attention(q_scaled, k, v, weighting=get_weighting("softmax"), scale=scale,
-                              mask=mask, block_q=block_q, block_k=block_k)
+                              mask=mask, block_q=block_q, block_k=block_k,
+                              structured_mask=structured)
+
+
+def _runs_as_softmax(weighting: RowNormalizer, has_bias: bool, dtype: Any,
+                     is_causal: bool) -> bool:
+  """Whether :func:`blocked_row_attention` runs SSMax as softmax in the pointwise kernel
+  (:func:`_ssmax_as_softmax`): full rows (or a structured mask) without a bias, float32 or
+  float64."""
+  return (weighting.stream.needs_row_scale and not has_bias
+          and jnp.dtype(dtype).itemsize >= 4 and not is_causal)
+
+
+def mask_tile_counts(structured_mask: Any, weighting: RowNormalizer, b: int, t: int, s: int,
+                     num_heads: int, kv_heads: int, is_causal: bool, has_bias: bool,
+                     dtype: Any, block_q: int | None = None,
+                     block_k: int | None = None) -> dict[str, Any]:
+  """How :func:`blocked_row_attention` meets a bound structured mask (as
+  :func:`attnx.core.kernels.xla.pointwise.mask_tile_counts`: its tiles and how many it skips,
+  runs without the elementwise mask and runs masked)."""
+  if _runs_as_softmax(weighting, has_bias, dtype, False):
+    return bl.mask_tile_counts(structured_mask, get_weighting("softmax"), b, t, s, num_heads,
+                               kv_heads, is_causal, block_q, block_k)
+  smask = masks.Causal() & structured_mask if is_causal else structured_mask
+  cfg = _cfg(weighting, t, s, b, kv_heads, num_heads // kv_heads, False, block_q, block_k,
+             False, False, True)
+  return tl.tile_counts(smask, cfg)
 
 
 def _block_k(family: str, s: int) -> int:
@@ -541,8 +663,11 @@ def causal_block_sizes(family: str, t: int, s: int, group: int = 1) -> tuple[int
 
 
 def _problem(family: str, t: int, s: int, g: int, b: int, kv_heads: int, is_causal: bool,
-             block_q, block_k):
-  if is_causal:
+             block_q, block_k, structured: bool = False):
+  if structured:  # the causal tiles, at most the pointwise kernel's under a structured mask
+    bq, bk = causal_block_sizes(family, t, s, g)
+    bq, bk = min(bq, bl.STRUCTURED_BLOCK_Q), min(bk, bl.STRUCTURED_BLOCK_K)
+  elif is_causal:
     bq, bk = causal_block_sizes(family, t, s, g)
   else:  # the pointwise kernel's query blocks
     bq, bk = bl.default_block_sizes(t, s, g)[0], _block_k(family, s)
@@ -551,33 +676,37 @@ def _problem(family: str, t: int, s: int, g: int, b: int, kv_heads: int, is_caus
   return bq, bk, bl.heads_per_chunk(b, kv_heads, g, bq, bk)
 
 
-def _cfg(weighting, t, s, b, kv_heads, g, is_causal, block_q, block_k, has_mask, has_bias):
+def _cfg(weighting, t, s, b, kv_heads, g, is_causal, block_q, block_k, has_mask, has_bias,
+         structured: bool = False):
   bq, bk, heads_in_chunk = _problem(weighting.stream.family, t, s, g, b, kv_heads, is_causal,
-                                    block_q, block_k)
+                                    block_q, block_k, structured)
   return tl.TileConfig(w=weighting, t=t, s=s, bq=bq, bk=bk, is_causal=is_causal, has_mask=has_mask,
                        has_bias=has_bias, head_dims=(b, kv_heads, g), kv_heads=kv_heads,
-                       heads_in_chunk=heads_in_chunk)
+                       heads_in_chunk=heads_in_chunk, structured=structured)
 
 
-def _inputs(q, k, v, bias, mask, scale, weighting, is_causal, block_q, block_k, ssmax_s):
-  """Checked, non-empty inputs in the kernel layout (the scale last, in the compute dtype),
-  and the problem's cfg."""
+def _inputs(q, k, v, bias, mask, scale, weighting, is_causal, block_q, block_k, ssmax_s,
+            structured: Any = None):
+  """Checked, non-empty inputs in the kernel layout (the scale last, in the compute dtype,
+  then the structured mask: ``structured``, with the causal condition already joined, or
+  None), and the problem's cfg."""
   _check_only(q, k, v, mask, weighting, block_q, block_k)
   b, t, n, h = q.shape
   _, s, kv_heads, _ = k.shape
   g = n // kv_heads
   cfg = _cfg(weighting, t, s, b, kv_heads, g, is_causal, block_q, block_k, mask is not None,
-             bias is not None)
+             bias is not None, structured is not None)
   tp, sp = cfg.num_q_blocks * cfg.bq, cfg.num_k_blocks * cfg.bk
   rs = weighting.stream
   row_scales = None
   if rs.needs_row_scale:
-    c = _ssmax_row_scales(q, k, bias, mask, rs, is_causal, ssmax_s)
+    c = _ssmax_row_scales(q, k, bias, mask, rs, is_causal, ssmax_s, structured,
+                          (cfg.bq, cfg.bk))
     row_scales = common.pad_axis(c.reshape(b * kv_heads, g, t), 2, tp)
   q, k, v, bias = nonfinite_inputs(q, k, v, bias)
   q4, k3, v3, bias5, mask5 = tl.kernel_layout(q, k, v, bias, mask, tp, sp)
   scale = jnp.asarray(scale, compute_dtype(q4.dtype))
-  return (q4, k3, v3, bias5, mask5, row_scales, scale), cfg
+  return (q4, k3, v3, bias5, mask5, row_scales, scale, structured), cfg
 
 
 def blocked_row_attention(q: Array, k: Array, v: Array, *, weighting: RowNormalizer,
@@ -585,7 +714,7 @@ def blocked_row_attention(q: Array, k: Array, v: Array, *, weighting: RowNormali
                           mask: Array | None = None, is_causal: bool = False,
                           block_q: int | None = None, block_k: int | None = None,
                           ssmax_s: Array | float | None = None,
-                          skip_zero_tiles: bool = True) -> Array:
+                          skip_zero_tiles: bool = True, structured_mask: Any = None) -> Array:
   """Memory-efficient attention for a whole-row weighting (its ``stream`` family).
 
   Args:
@@ -608,6 +737,11 @@ def blocked_row_attention(q: Array, k: Array, v: Array, *, weighting: RowNormali
       every row of the query block is zero (all x ≤ τ), in the threshold passes after the
       first, the output pass and the backward (AdaSplash's block skipping). The result is the
       same bit for bit; False computes every tile (for side-by-side timings).
+    structured_mask: a structured mask (:mod:`attnx.core.masks`) bound to the flat batch
+      (:meth:`~attnx.core.masks.Mask.bind` with the batch ``(B,)``): evaluated per tile, never
+      as a [T, S] array, in every pass (SSMax's n_i, stick-breaking's stick and the entmax
+      threshold count only the keys it allows), and the tiles where it allows no pair are
+      skipped (with ``is_causal`` the causal condition joins it).
 
   Returns:
     [B, T, N, Hv] in q's dtype, equal up to float rounding to the dense weights' product with
@@ -619,11 +753,14 @@ def blocked_row_attention(q: Array, k: Array, v: Array, *, weighting: RowNormali
     return jnp.zeros((b, t, n, v.shape[-1]), q.dtype)
   if not isinstance(skip_zero_tiles, bool):
     raise ValueError(f"skip_zero_tiles must be a bool, got {skip_zero_tiles!r}")
-  if (weighting.stream.needs_row_scale and bias is None and jnp.dtype(q.dtype).itemsize >= 4
-      and not is_causal):
-    return _ssmax_as_softmax(q, k, v, mask, weighting, scale, block_q, block_k, ssmax_s)
+  if structured_mask is not None:  # the tiles of the mask, not the causal ones
+    structured_mask = masks.Causal() & structured_mask if is_causal else structured_mask
+    is_causal = False
+  if _runs_as_softmax(weighting, bias is not None, q.dtype, is_causal):
+    return _ssmax_as_softmax(q, k, v, mask, weighting, scale, block_q, block_k, ssmax_s,
+                             structured_mask)
   arrays, cfg = _inputs(q, k, v, bias, mask, scale, weighting, is_causal, block_q, block_k,
-                        ssmax_s)
+                        ssmax_s, structured_mask)
   out = _make_kernel(cfg, skip_zero_tiles)(*arrays)
   return out[:, :, :t].reshape(b, n, t, -1).transpose(0, 2, 1, 3)
 
@@ -643,7 +780,7 @@ def threshold_passes(q: Array, k: Array, v: Array, *, weighting: RowNormalizer,
   benchmark's report. 0 for the other families."""
   arrays, cfg = _inputs(q, k, v, bias, mask, scale, weighting, is_causal, block_q, block_k,
                         None)
-  return _forward(*arrays, cfg, True)[3]
+  return _forward(*arrays[:-1], cfg, True)[3]
 
 
 def zero_tiles(q: Array, k: Array, v: Array, *, weighting: RowNormalizer, scale: float | Array,
@@ -668,7 +805,7 @@ def zero_tiles(q: Array, k: Array, v: Array, *, weighting: RowNormalizer, scale:
     raise ValueError(f"zero_tiles needs queries and keys, got q {q.shape}, k {k.shape}")
   arrays, cfg = _inputs(q, k, v, bias, mask, scale, weighting, is_causal, block_q, block_k,
                         None)
-  zero = _forward(*arrays, cfg, True)[4]
+  zero = _forward(*arrays[:-1], cfg, True)[4]
   hi = jnp.stack([jnp.asarray(tl.k_range(i, cfg)[1]) for i in range(cfg.num_q_blocks)])
   visited = jnp.arange(cfg.num_k_blocks)[None, :] < hi[:, None]
   visited = jnp.broadcast_to(visited, zero.shape)

@@ -15,6 +15,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from attnx.core.contract import compute_dtype
@@ -25,10 +26,11 @@ Array = jax.Array
 
 ALIGN = 8  # tiles are multiples of 8 rows (SIMD-friendly)
 
-__all__ = ["ALIGN", "TileConfig", "add_bias_grad_tile", "bias_tile", "bias_tile_rows",
-           "check_tiling", "chunk_bias", "chunk_bias_window", "chunk_rows", "k_range",
-           "kernel_layout", "prescale", "put_row_block", "q_range", "row_block", "slice_along",
-           "structured_tile", "tile_kinds", "tile_scores", "tile_span", "valid_tile"]
+__all__ = ["ALIGN", "TileConfig", "add_bias_grad_tile", "bias_mask_layout", "bias_tile",
+           "bias_tile_rows", "check_tiling", "chunk_bias", "chunk_bias_window", "chunk_rows",
+           "k_range", "kernel_layout", "kind_switch", "prescale", "put_row_block", "q_range",
+           "row_block", "slice_along", "structured_tile", "tile_counts", "tile_kinds",
+           "tile_scores", "tile_span", "tile_valid", "valid_tile"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,6 +180,17 @@ def structured_tile(smask: Any, x0: Array, i: Array, j: Array, cfg: TileConfig) 
   return smask.mask_mod(b, h, i * cfg.bq + r % cfg.bq, cols)
 
 
+def tile_valid(mask: Array | None, smask: Any, x0: Array, i: Array, j: Array, cfg: TileConfig,
+               structured: bool) -> Array | None:
+  """Tile (i, j)'s validity: :func:`valid_tile` and, where ``structured`` (and
+  ``cfg.structured``), the structured mask's (:func:`structured_tile`)."""
+  valid = valid_tile(mask, i, j, cfg)
+  if cfg.structured and structured:
+    st = structured_tile(smask, x0, i, j, cfg)
+    valid = st if valid is None else valid & st
+  return valid
+
+
 def tile_kinds(smask: Any, x0: Array, cfg: TileConfig) -> Array:
   """How a chunk (first row ``x0``) meets every tile of a structured mask, [nq, nk] int32:
   0 no pair may attend (skip the tile), 1 every pair may (no elementwise mask needed), 2 some
@@ -198,6 +211,29 @@ def tile_kinds(smask: Any, x0: Array, cfg: TileConfig) -> Array:
   inside = (jnp.arange(nk) + 1) * cfg.bk <= cfg.s
   every_c = jnp.all(rows(every), axis=(0, 1)) & inside[None, :]
   return jnp.where(some_c, jnp.where(every_c, 1, 2), 0).astype(jnp.int32)
+
+
+def tile_counts(smask: Any, cfg: TileConfig) -> dict[str, Any]:
+  """How a kernel with ``cfg``'s tiles meets a bound structured mask over all its rows: the
+  tiles ``(bq, bk)`` and how many it skips (no pair may attend for any head), runs without the
+  elementwise mask (every pair may) and runs masked (:func:`attnx.core.explain` shows it)."""
+  kinds = np.asarray(tile_kinds(smask, 0, cfg))
+  return {"tiles": (cfg.bq, cfg.bk), "skipped": int((kinds == 0).sum()),
+          "unmasked": int((kinds == 1).sum()), "masked": int((kinds == 2).sum())}
+
+
+def kind_switch(kind: Array | None, skipped: Any, step: Any, *operands: Any,
+                full_needs_mask: bool = False) -> Any:
+  """A tile's work by its :func:`tile_kinds` ``kind``: ``skipped(*operands)`` (0, no pair may
+  attend), ``step(*operands, False)`` (1, every pair may: no elementwise structured mask;
+  ``step(*operands, True)`` still where ``full_needs_mask``, for a family that counts valid
+  keys) or ``step(*operands, True)`` (2). ``kind`` None (no structured mask): the masked
+  step. Only the tile's own terms belong in ``operands``: XLA copies a conditional's operands,
+  so a [X, G, Tp, H] buffer there is copied on every call."""
+  if kind is None:
+    return step(*operands, True)
+  return lax.switch(kind, [skipped, lambda *o: step(*o, full_needs_mask),
+                           lambda *o: step(*o, True)], *operands)
 
 
 def tile_span(kinds: Array, axis: int) -> tuple[Array, Array]:
@@ -275,10 +311,17 @@ def kernel_layout(q: Array, k: Array, v: Array, bias: Array | None, mask: Array 
   q4 = common.pad_axis(q.transpose(0, 2, 1, 3).reshape(b * kv_heads, g, t, h), 2, tp)
   k3 = common.pad_axis(k.transpose(0, 2, 1, 3).reshape(b * kv_heads, s, h), 1, sp)
   v3 = common.pad_axis(v.transpose(0, 2, 1, 3).reshape(b * kv_heads, s, -1), 1, sp)
-  bias5 = common.as_5d(bias, n, kv_heads, "bias")
-  mask5 = common.as_5d(mask, n, kv_heads, "mask")
+  return (q4, k3, v3) + bias_mask_layout(bias, mask, n, kv_heads, tp, sp)
+
+
+def bias_mask_layout(bias: Array | None, mask: Array | None, num_heads: int, kv_heads: int,
+                     tp: int, sp: int) -> tuple[Array | None, Array | None]:
+  """A [B|1, N|1, T|1, S|1] bias and mask in the kernels' layout [Bb, Kb, Gb, Tp|1, Sp|1],
+  padded to Tp, Sp (a padded mask is False)."""
+  bias5 = common.as_5d(bias, num_heads, kv_heads, "bias")
+  mask5 = common.as_5d(mask, num_heads, kv_heads, "mask")
   if bias5 is not None:
     bias5 = common.pad_axis(common.pad_axis(bias5, 3, tp, keep_one=True), 4, sp, keep_one=True)
   if mask5 is not None:
     mask5 = common.pad_axis(common.pad_axis(mask5, 3, tp, False, True), 4, sp, False, True)
-  return q4, k3, v3, bias5, mask5
+  return bias5, mask5

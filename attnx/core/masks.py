@@ -85,6 +85,19 @@ class Mask(abc.ABC):
     del batch, n, t, s
     return self
 
+  def sequence_keys(self, t: int, s: int) -> Array | None:
+    """On a bound mask: how many keys the sequence of each query holds, ``[B or 1, T]`` int32,
+    where the mask splits a row into sequences — packed documents (:func:`segment_ids`: the
+    keys with the query's id; 0 for a padding query), padded lengths (:func:`seq_lengths`:
+    the row's key length; 0 for a query past its length) — or None where it does not (every
+    query's sequence is all S keys). Position masks (causal, windows, chunks, prefixes,
+    ``mask_mod``) keep the sequence: a causal query of a 100-key document is in a sequence
+    of 100 keys although it attends fewer. ``&`` takes the smaller count of two, ``|`` the
+    larger. The "n" of a weighting whose formula counts a sequence's keys (sigmoid's
+    b = −log n)."""
+    del t, s
+    return None
+
   def __and__(self, other: Mask) -> Mask:
     return And(self, _as_mask(other, "&"))
 
@@ -252,6 +265,17 @@ class SeqLengths(Mask):
       out[name] = _flat_batch(f"seq_lengths' {name}", x, batch, 0)
     return SeqLengths(**out)
 
+  def sequence_keys(self, t, s):
+    if self.q_lengths is None and self.kv_lengths is None:
+      return None
+    b = _batch_len(self.q_lengths, self.kv_lengths)
+    n = jnp.full((b, t), s, jnp.int32)
+    if self.kv_lengths is not None:
+      n = jnp.broadcast_to(self.kv_lengths[:, None], (b, t)).astype(jnp.int32)
+    if self.q_lengths is not None:
+      n = jnp.where(jnp.arange(t) < self.q_lengths[:, None], n, 0)
+    return n
+
   def _lengths(self, b):
     lq = None if self.q_lengths is None else _per_batch(self.q_lengths, b)
     lk = None if self.kv_lengths is None else _per_batch(self.kv_lengths, b)
@@ -341,6 +365,15 @@ class SegmentIds(Mask):
     every = (qlo == qhi) & (klo == khi) & (qlo == klo) & (qlo >= 0)
     return some, every
 
+  def sequence_keys(self, t, s):
+    # The keys of each id, counted on the sorted key ids: O((T + S) log S), no T×S array.
+    b = max(self.q_ids.shape[0], self.kv_ids.shape[0])
+    q_ids = jnp.broadcast_to(self.q_ids, (b, t))
+    kv_sorted = jnp.sort(jnp.broadcast_to(self.kv_ids, (b, s)), axis=1)
+    count = jax.vmap(lambda keys, ids: jnp.searchsorted(keys, ids, side="right")
+                     - jnp.searchsorted(keys, ids, side="left"))(kv_sorted, q_ids)
+    return jnp.where(q_ids >= 0, count, 0).astype(jnp.int32)
+
   def block_table(self, bq, bk, nq, nk):
     # Per-block minima and maxima of the ids, once: O(T + S), not a gather per tile.
     def stats(ids, size, n):
@@ -401,6 +434,7 @@ class _Pair(Mask):
   a: Mask
   b: Mask
   op: Callable[[Any, Any], Array]  # the subclass': jnp.logical_and or jnp.logical_or
+  count_op: Callable[[Any, Any], Array]  # of two sequence_keys: jnp.minimum or jnp.maximum
 
   def bind(self, batch, n, t, s):
     return type(self)(self.a.bind(batch, n, t, s), self.b.bind(batch, n, t, s))
@@ -416,6 +450,12 @@ class _Pair(Mask):
     (sa, ea), (sb, eb) = self.a.block_table(bq, bk, nq, nk), self.b.block_table(bq, bk, nq, nk)
     return self.op(sa, sb), self.op(ea, eb)
 
+  def sequence_keys(self, t, s):
+    na, nb = self.a.sequence_keys(t, s), self.b.sequence_keys(t, s)
+    if na is None or nb is None:
+      return nb if na is None else na
+    return self.count_op(na, nb)
+
 
 @_pytree("a", "b")
 class And(_Pair):
@@ -424,6 +464,7 @@ class And(_Pair):
   a: Mask
   b: Mask
   op = staticmethod(jnp.logical_and)
+  count_op = staticmethod(jnp.minimum)
 
 
 @_pytree("a", "b")
@@ -433,6 +474,7 @@ class Or(_Pair):
   a: Mask
   b: Mask
   op = staticmethod(jnp.logical_or)
+  count_op = staticmethod(jnp.maximum)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from attnx.core import masks as masks_lib
 from attnx.core import params as params_lib
@@ -213,7 +214,27 @@ def prepare(query: Array, key: Array, value: Array, bias: Array | None,
   w, sc, params, scale = resolve(weighting, score, scale, score_params, q.shape[-1])
   if structured is not None:
     structured = structured.bind(q.shape[:-3], q.shape[-2], q.shape[-3], k.shape[-3])
+    bias = sequence_bias(w, structured, bias, q, k.shape[-3])
   return q, k, v, bias, mask, w, sc, params, scale, structured
+
+
+def sequence_bias(w: Any, structured: masks_lib.Mask, bias: Array | None, q: Array,
+                  s: int) -> Array | None:
+  """``bias`` plus the weighting's per-query shift for the keys of each query's sequence
+  (``Pointwise.sequence_shift``: sigmoid's −log n with n the query's document) where the
+  bound ``structured`` mask splits rows into sequences; ``bias`` unchanged otherwise. The
+  shift is a [batch..., 1, T, 1] bias: every implementation reads it as any bias."""
+  shift = getattr(w, "sequence_shift", None)
+  if shift is None or s == 0:
+    return bias
+  t, batch = q.shape[-3], q.shape[:-3]
+  n = structured.sequence_keys(t, s)
+  if n is None:
+    return bias
+  dtype = jnp.float64 if q.dtype == jnp.float64 else jnp.float32
+  lead = batch if n.shape[0] > 1 else (1,) * len(batch)
+  extra = lax.stop_gradient(shift(n, s).astype(dtype)).reshape(lead + (1, t, 1))
+  return extra if bias is None else bias + extra
 
 
 def check_weighting_params(w: Any, values: dict[str, Any] | None,

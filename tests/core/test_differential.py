@@ -217,6 +217,12 @@ BRANCH_CASES = (
       block_k=16, **_NO_PALLAS),
     C(seed=93, t=260, s=260, n=2, weighting="entmax15", structured="sinks", block_q=16,
       block_k=24, **_NO_PALLAS),
+    # Sigmoid's b = −log n with n the query's document / key length (a per-query bias
+    # added to the caller's), in every implementation.
+    C(seed=94, t=120, s=120, b=2, n=4, kh=2, weighting="sigmoid:normalization=none",
+      structured="segments", causal=True, bias="x1xx", block_q=16, block_k=32, pallas="gpu"),
+    C(seed=95, t=90, s=130, b=3, n=2, weighting="sigmoid:normalization=none",
+      structured="lengths", block_q=16, block_k=16, **_NO_PALLAS),
 )
 CI_RANDOM = 4
 INSTANCES = 5  # random inputs per configuration in the large run (compiling dominates a case)

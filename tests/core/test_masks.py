@@ -179,20 +179,84 @@ def test_segment_ids_keyword_is_the_mask_object():
     chex.assert_trees_all_close(a, b, c, atol=1e-6)
 
 
-def test_packed_documents_attend_alone():
-  """Softmax over three packed documents equals each document attended on its own."""
+_IMPLEMENTATIONS = ("dense", core.Blocked(block_q=8, block_k=8),
+                    core.Pallas(block_q=16, block_k=16, interpret=True))
+
+
+@pytest.mark.parametrize("weighting", ["softmax", "sigmoid:normalization=none",
+                                       "relu:normalization=length", "ssmax", "stick_breaking"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_packed_documents_attend_alone(weighting, causal):
+  """Three packed documents give each document what it gets attended on its own (the dense
+  implementation), values and gradients, in every implementation: also for the weightings
+  that count keys (sigmoid's b = −log n with n the document's keys, the "length"
+  normalization's and SSMax's n the keys a query attends)."""
   lens = (7, 12, 5)
   ids = np.repeat(np.arange(3), lens)[None].astype(np.int32)
-  kq, kk, kv = jax.random.split(jax.random.key(3), 3)
-  q, k, v = (jax.random.normal(key, (1, sum(lens), N, H)) for key in (kq, kk, kv))
-  for impl in ("dense", core.Blocked(block_q=8, block_k=8)):
-    packed = core.attention(q, k, v, segment_ids=ids, is_causal=True, implementation=impl)
-    start = 0
-    for n_ in lens:
-      part = slice(start, start + n_)
-      alone = core.attention(q[:, part], k[:, part], v[:, part], is_causal=True)
-      chex.assert_trees_all_close(packed[:, part], alone, atol=1e-6)
-      start += n_
+  kq, kk, kv, kc = jax.random.split(jax.random.key(3), 4)
+  q, k, v, ct = (jax.random.normal(key, (1, sum(lens), N, H)) for key in (kq, kk, kv, kc))
+  kw = dict(weighting=weighting, is_causal=causal)
+
+  def loss(impl, q, k, v, rows=slice(None), **extra):
+    out = core.attention(q, k, v, implementation=impl, **kw, **extra)
+    return jnp.sum(out * ct[:, rows]), out
+
+  parts, start = [], 0
+  for n_ in lens:
+    parts.append(slice(start, start + n_))
+    start += n_
+  alone = [jax.grad(lambda *a, p=p: loss("dense", *a, rows=p), argnums=(0, 1, 2),
+                    has_aux=True)(*(x[:, p] for x in (q, k, v))) for p in parts]
+  for impl in _IMPLEMENTATIONS:
+    grads, packed = jax.grad(lambda *a: loss(impl, *a, segment_ids=ids), argnums=(0, 1, 2),
+                             has_aux=True)(q, k, v)
+    for p, (grads_alone, out_alone) in zip(parts, alone, strict=True):
+      chex.assert_trees_all_close(packed[:, p], out_alone, atol=2e-6)
+      chex.assert_trees_all_close([g[:, p] for g in grads], list(grads_alone), atol=2e-5)
+
+
+def test_sigmoid_n_all_keeps_the_static_key_count():
+  """``n="all"``: sigmoid's b = −log S with S the packed row's keys, as before."""
+  lens = (7, 12, 5)
+  ids = np.repeat(np.arange(3), lens)[None].astype(np.int32)
+  q, k, v = (jax.random.normal(key, (1, sum(lens), N, H)) for key in
+             jax.random.split(jax.random.key(4), 3))
+  mask = ids[0][:, None] == ids[0][None, :]
+  for impl in _IMPLEMENTATIONS:
+    got = core.attention(q, k, v, segment_ids=ids, implementation=impl,
+                         weighting="sigmoid:normalization=none,n=all")
+    want = core.attention(q, k, v, mask=mask, weighting="sigmoid:normalization=none")
+    chex.assert_trees_all_close(got, want, atol=2e-6)
+  with pytest.raises(ValueError, match="n must be one of"):
+    core.get_weighting("sigmoid:normalization=none,n=rows")
+
+
+def test_sequence_keys_count_each_querys_sequence():
+  rng = np.random.default_rng(5)
+  t, s = 30, 26
+  q_ids = np.sort(rng.integers(-1, 4, (B, t)), axis=1).astype(np.int32)
+  kv_ids = np.sort(rng.integers(-1, 4, (B, s)), axis=1).astype(np.int32)
+  lq, lk = np.array([t, 11], np.int32), np.array([4, s], np.int32)
+  docs = np.where(q_ids >= 0, (q_ids[:, :, None] == kv_ids[:, None, :]).sum(-1), 0)
+  lens = np.where(np.arange(t)[None] < lq[:, None], lk[:, None], 0)
+
+  def count(mask):
+    return mask.bind((B,), N, t, s).sequence_keys(t, s)
+
+  np.testing.assert_array_equal(count(masks.segment_ids(q_ids, kv_ids)), docs)
+  np.testing.assert_array_equal(count(masks.seq_lengths(lq, lk)), lens)
+  np.testing.assert_array_equal(count(masks.seq_lengths(None, lk)),
+                                np.broadcast_to(lk[:, None], (B, t)))
+  both = masks.segment_ids(q_ids, kv_ids) & masks.causal() & masks.seq_lengths(lq, lk)
+  np.testing.assert_array_equal(count(both), np.minimum(docs, lens))
+  np.testing.assert_array_equal(count(masks.segment_ids(q_ids, kv_ids)
+                                      | masks.seq_lengths(lq, lk)), np.maximum(docs, lens))
+  np.testing.assert_array_equal(count(masks.seq_lengths(lq)),
+                                np.where(np.arange(t)[None] < lq[:, None], s, 0))
+  for position in (masks.causal(), masks.sliding_window(3, 0), masks.chunked_causal(4),
+                   masks.prefix_lm(3), masks.from_fn(lambda b, h, i, j: i >= j)):
+    assert count(position) is None
+  assert count(masks.sliding_window(3, 0) & masks.segment_ids(q_ids, kv_ids)).shape == (B, t)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -65,7 +65,7 @@ def _fields(w, repr_learnable: bool = False) -> dict:
   """Everything a weighting declares except its function F (compared by its values)."""
   out = {"type": type(w).__name__, "kind": w.kind}
   for f in dataclasses.fields(w):
-    if f.name not in ("fn", "bind"):  # functions: compared by their values
+    if f.name not in ("fn", "bind", "sequence_shift"):  # functions: compared by their values
       v = getattr(w, f.name)
       out[f.name] = repr(v) if f.name == "stream" or (repr_learnable and
                                                       f.name == "learnable") else v
@@ -118,6 +118,11 @@ def test_every_spec_resolves_to_the_recorded_weighting(spec, recorded):
   assert fields.pop("learnable", "()") == ("()" if spec.split(":")[0] != "ssmax" else
                                           repr(w.learnable))
   assert fields == recorded["specs"][spec]["fields"]
+  # Declared since the recording: sigmoid's b = −log n of the query's sequence.
+  name, params = core.parse_weighting_name(spec)
+  counts = (name == "sigmoid" and params.get("normalization") == "none"
+            and "bias" not in params)
+  assert (getattr(w, "sequence_shift", None) is not None) == counts
   got = _values(w, spec)
   for key in ("weights", "weights_where"):
     np.testing.assert_allclose(got[key], recorded["specs"][spec][key], rtol=1e-6, atol=1e-7)

@@ -460,14 +460,15 @@ KINK_REL = 2e-5  # float32 scores are off by ~1e-6 relative; a kink closer than 
 @functools.lru_cache(maxsize=4)
 def _reference(case: Case, instance: int = 0):
   arrs = inputs(case, instance)
-  mask = arrs["mask"]
+  mask, row_keys = arrs["mask"], None
   if arrs["structured"] is not None:  # the brute force reads it materialized
     call = ((case.b,), case.n, case.t, case.s)
     mask = np.asarray(core.masks.materialize(arrs["structured"].bind(*call), *call))
+    row_keys = ref_lib.sequence_keys64(arrs["structured"], case.b, case.t, case.s)
   ref = ref_lib.reference(
       arrs["q"], arrs["k"], arrs["v"], weighting=case.weighting, score=case.score,
       score_params=arrs["score_params"], scale=case.scale, bias=arrs["bias"], mask=mask,
-      is_causal=case.causal, cotangent=arrs["ct"], kink_rel=KINK_REL)
+      is_causal=case.causal, cotangent=arrs["ct"], kink_rel=KINK_REL, row_keys=row_keys)
   want = {"out": ref.out, **ref.grads}
   bounds = dict(ref.bounds)
   if case.bias:  # full [B, N, T, S] gradient -> the bias' shape

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from attnx import core
 from attnx.core import weightings as wlib
 
 f64 = jnp.float64
@@ -149,8 +150,11 @@ def row_weights64(z, valid, name: str, params: dict[str, Any]):
   raise ValueError(f"no reference for weighting {name!r}")
 
 
-def pointwise_weights64(z, valid, w: wlib.Pointwise, num_keys: int):
-  """F(z)/N of a pointwise weighting in float64, masked entries 0, empty rows 0."""
+def pointwise_weights64(z, valid, w: wlib.Pointwise, num_keys: int, row_keys=None,
+                        key_counts: tuple[int, ...] = ()):
+  """F(z)/N of a pointwise weighting in float64, masked entries 0, empty rows 0. ``row_keys``
+  ([B, T], with its distinct values ``key_counts``): the keys of each query's sequence, F's n
+  where F counts them (``w.sequence_shift``), else S."""
   zv = jnp.where(valid, z, 0.0)
   if w.online_max:  # exp(αz) overflows float64 for large z: the ratio with a shift
     m = jax.lax.stop_gradient(jnp.max(jnp.where(valid, w.exp_alpha * zv, -jnp.inf), -1,
@@ -158,7 +162,12 @@ def pointwise_weights64(z, valid, w: wlib.Pointwise, num_keys: int):
     f = jnp.where(valid, jnp.exp(w.exp_alpha * zv - m), 0.0)
     den = jnp.sum(f, -1, keepdims=True) + w.denominator_offset * jnp.exp(-m)
     return f / jnp.where(den > 0, den, 1.0)
-  f = jnp.where(valid, w.fn(zv, num_keys), 0.0)
+  if row_keys is not None and w.sequence_shift is not None:  # F(z, n) with each row's own n
+    n_rows = row_keys[:, None, :, None]
+    f = sum(jnp.where(n_rows == n, w.fn(zv, n), 0.0) for n in key_counts)
+    f = jnp.where(valid, f, 0.0)
+  else:
+    f = jnp.where(valid, w.fn(zv, num_keys), 0.0)
   if w.normalization == "none":
     return f
   if w.normalization == "length":
@@ -171,6 +180,30 @@ def pointwise_weights64(z, valid, w: wlib.Pointwise, num_keys: int):
 # --------------------------------------------------------------------------------------------
 # The whole attention.
 # --------------------------------------------------------------------------------------------
+
+def sequence_keys64(mask: Any, b: int, t: int, s: int) -> np.ndarray | None:
+  """The keys of each query's sequence, [B, T], of an (unbound) structured mask with batch
+  dims (B,), counted pair by pair in numpy: a document's keys with the query's id (0 for
+  padding), a padded row's key length (0 past its query length); ``&`` the smaller, ``|``
+  the larger of two; None for a mask that does not split rows."""
+  masks = core.masks
+  if isinstance(mask, masks.SegmentIds):
+    qi = np.broadcast_to(np.asarray(mask.q_ids), (b, t))
+    ki = np.broadcast_to(np.asarray(mask.kv_ids), (b, s))
+    return np.where(qi >= 0, (qi[:, :, None] == ki[:, None, :]).sum(-1), 0)
+  if isinstance(mask, masks.SeqLengths):
+    if mask.q_lengths is None and mask.kv_lengths is None:
+      return None
+    kv = np.full(b, s) if mask.kv_lengths is None else np.broadcast_to(mask.kv_lengths, (b,))
+    lq = np.full(b, t) if mask.q_lengths is None else np.broadcast_to(mask.q_lengths, (b,))
+    return np.where(np.arange(t)[None, :] < lq[:, None], kv[:, None], 0)
+  if isinstance(mask, (masks.And, masks.Or)):
+    na, nb = sequence_keys64(mask.a, b, t, s), sequence_keys64(mask.b, b, t, s)
+    if na is None or nb is None:
+      return nb if na is None else na
+    return (np.minimum if isinstance(mask, masks.And) else np.maximum)(na, nb)
+  return None
+
 
 def valid_mask(b, n, t, s, mask, is_causal) -> np.ndarray:
   valid = np.ones((b, n, t, s), bool)
@@ -185,14 +218,16 @@ def valid_mask(b, n, t, s, mask, is_causal) -> np.ndarray:
 def reference(q, k, v, *, weighting: str, score: str = "scaled_dot",
               score_params: dict[str, Any] | None = None, scale: float | None = None,
               bias=None, mask=None, is_causal: bool = False, cotangent=None,
-              kink_rel: float | None = None) -> Reference:
+              kink_rel: float | None = None, row_keys=None) -> Reference:
   """The float64 brute force of ``attnx.core.attention`` with these arguments.
 
   Inputs are numpy arrays in their test dtype; they are cast to float64 exactly. ``cotangent``
   (the output's) gives the gradients of q, k, v and bias; the bias gradient comes at the full
   [B, N, T, S] shape (sum it over the bias' broadcast dims). With ``kink_rel`` the result
   also marks the entries whose score lies within kink_rel · (1 + max |score|) of a kink of F
-  (:func:`_kinks`). One jitted float64 program per call.
+  (:func:`_kinks`). ``row_keys`` ([B, T] ints, :func:`sequence_keys64`): the keys of each
+  query's sequence under a mask that splits rows into sequences, the n of an F that counts
+  them. One jitted float64 program per call.
   """
   b, t, n, h = q.shape
   s_len = k.shape[1]
@@ -206,10 +241,12 @@ def reference(q, k, v, *, weighting: str, score: str = "scaled_dot",
               for key, val in (score_params or {}).items()}
     bias64 = None if bias is None else jnp.broadcast_to(as64(bias), full)
     ct = as64(cotangent if cotangent is not None else np.zeros((b, t, n, v.shape[-1])))
+    counts = () if row_keys is None else tuple(int(c) for c in np.unique(row_keys))
     out, grads, bounds, z, slope, jump = _program(
         as64(q), as64(k), as64(v), bias64, params, jnp.asarray(valid), ct,
-        weighting=weighting, score=score, scale=float(scale),
-        kink_rel=None if kink_rel is None else float(kink_rel))
+        None if row_keys is None else jnp.asarray(row_keys), weighting=weighting, score=score,
+        scale=float(scale), kink_rel=None if kink_rel is None else float(kink_rel),
+        key_counts=counts)
     grads = dict(zip(("q", "k", "v", "bias"), map(np.asarray, grads), strict=True))
     if bias is None:
       del grads["bias"]
@@ -221,8 +258,10 @@ def reference(q, k, v, *, weighting: str, score: str = "scaled_dot",
   return ref
 
 
-@functools.partial(jax.jit, static_argnames=("weighting", "score", "scale", "kink_rel"))
-def _program(q, k, v, bias, params, valid, ct, *, weighting, score, scale, kink_rel):
+@functools.partial(jax.jit, static_argnames=("weighting", "score", "scale", "kink_rel",
+                                             "key_counts"))
+def _program(q, k, v, bias, params, valid, ct, row_keys, *, weighting, score, scale, kink_rel,
+             key_counts):
   w = wlib.get_weighting(weighting)
   name, wparams = wlib.parse_weighting_name(weighting)
   b, t, n, _ = q.shape
@@ -235,7 +274,7 @@ def _program(q, k, v, bias, params, valid, ct, *, weighting, score, scale, kink_
 
   def weights_of(z):
     if isinstance(w, wlib.Pointwise):
-      return pointwise_weights64(z, valid, w, s_len)
+      return pointwise_weights64(z, valid, w, s_len, row_keys, key_counts)
     return row_weights64(z, valid, name, wparams)
 
   def per_kv_head(x):  # [B, S, N, H] summed over each kv head's G query heads

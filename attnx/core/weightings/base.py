@@ -70,6 +70,12 @@ class Pointwise:
     zero_on_nonpositive: declared trait (see :data:`TRAITS`): F(s) = 0 for every s ≤ 0, so
       every weight at a score ≤ 0 is 0 under any normalization. Default False ("not known"),
       also for a callable F: pass ``get_weighting(F, zero_on_nonpositive=True)`` to declare it.
+    sequence_shift: for an F whose formula counts the keys of a query's sequence (sigmoid's
+      default b = −log n): ``shift(n, S)`` with F(z, n) = F(z + shift(n, S), S), for n the
+      keys of the query's own sequence ``[B or 1, T]`` and S the static key count. Under a
+      mask that splits rows into sequences (packed documents, padded lengths:
+      :meth:`attnx.core.masks.Mask.sequence_keys`), :func:`attnx.core.attention` adds it to
+      the bias of each query, the same in every implementation. None: F's n is S.
 
   The other traits follow from the fields: ``sums_to_one`` from the normalization,
   ``shift_invariant`` from ``exp_alpha`` (declare F = exp(αs) through ``exp_alpha``, not as a
@@ -83,6 +89,7 @@ class Pointwise:
   denominator_offset: float = 0.0
   distance_kernel: bool = False
   zero_on_nonpositive: bool = False
+  sequence_shift: Callable[[Array, int], Array] | None = None
 
   kind = "pointwise"
   learnable: ClassVar[tuple[WeightingParam, ...]] = ()  # no pointwise F learns a parameter

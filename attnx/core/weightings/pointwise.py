@@ -132,19 +132,40 @@ def power(p: float = 2.0, normalization: str = "sum") -> Pointwise:
                     zero_on_nonpositive=True)
 
 
-def sigmoid(bias: float | None = None, normalization: str = "sum") -> Pointwise:
+_SIGMOID_N = ("sequence", "all")
+
+
+def _log_keys_shift(n: Array, s: int) -> Array:
+  """log S − log max(n, 1): moves σ(z − log S) to σ(z − log n) (a query without keys, n = 0,
+  is masked whole; it keeps a finite shift)."""
+  return math.log(max(s, 1)) - jnp.log(jnp.maximum(n, 1).astype(jnp.float32))
+
+
+def sigmoid(bias: float | None = None, normalization: str = "sum",
+            n: str = "sequence") -> Pointwise:
   """σ(s + b); b = −log n by default when unnormalized (Ramapuram et al. 2024)
 
-  ``bias=None`` is b = −log n (n the number of keys) with ``normalization="none"``, else 0.
+  ``bias=None`` is b = −log n with ``normalization="none"``, else 0. ``n="sequence"``
+  (default): n is the number of keys of the query's sequence, as in Ramapuram et al.'s
+  formula — the S keys of the call, or under packed documents (``segment_ids``) the keys of
+  the query's document and under padded lengths (``key_value_seq_lengths``) the row's key
+  length (:meth:`attnx.core.masks.Mask.sequence_keys`), so that a packed document gets the
+  weights it gets alone. ``n="all"``: n = S always (attnx before 2026-11-27). A causal or
+  windowed query's n is still its sequence's, not the keys it attends.
   """
   if bias is not None:
     bias = params_lib.number("weighting 'sigmoid'", "bias", bias)
+  if n not in _SIGMOID_N:
+    raise ValueError(f"weighting 'sigmoid': n must be one of {_SIGMOID_N}, got {n!r}.")
 
-  def fn(z, n):
-    b = (-math.log(max(n, 1)) if normalization == "none" else 0.0) if bias is None else bias
+  def fn(z, num_keys):
+    b = ((-math.log(max(num_keys, 1)) if normalization == "none" else 0.0) if bias is None
+         else bias)
     return jax.nn.sigmoid(z + b)
+  counts = bias is None and normalization == "none" and n == "sequence"
   return _pointwise(label("sigmoid", bias=bias, normalization=None if normalization == "sum"
-                          else normalization), fn, normalization)
+                          else normalization, n=None if n == "sequence" else n), fn,
+                    normalization, sequence_shift=_log_keys_shift if counts else None)
 
 
 # --------------------------------------------------------------------------------------------

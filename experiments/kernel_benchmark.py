@@ -20,8 +20,13 @@ the max abs error against a float64 reference on the first queries. Every case r
 (non-causal) and causal, timed side by side; the "causal / full" column is the time of a causal
 row over its full twin (the ideal is 0.5: half of the T×S scores).
 
+With ``masks`` (the ``masks`` preset), causal rows of the blocked cases also run under a
+structured mask — a sliding window and packed documents (attnx.core.masks; the kernels skip
+the tiles the mask empties) — with the time per attended pair over plain causal attention's.
+
 Command:
   python launch.py --config=experiments/kernel_benchmark.py:default --workdir=runs/kernel_benchmark
+  python launch.py --config=experiments/kernel_benchmark.py:masks --workdir=runs/kb_masks
   python experiments/kernel_benchmark.py --preset=tiny --workdir=/tmp/kb
 Expected runtime on 2 CPU cores: tiny < 30 s, quick ≈ 3 min, default ≈ 7.5 min.
 Causal rows double the runtime of every preset (measured before they were added: tiny < 30 s,
@@ -69,6 +74,8 @@ ROW_WEIGHTINGS = ("ssmax", "softpick", "stick_breaking", "sparsemax", "entmax15"
 BASELINES = ("jax.nn (xla)", "flax.linen", "attnx dense")
 MODES = ("fwd", "fwd+bwd")
 CAUSAL = ("full", "causal")
+# Structured masks (attnx.core.masks) on top of causal: a sliding window and packed documents.
+MASKS = ("window", "documents")
 GIB = 2.0**30
 
 
@@ -94,6 +101,12 @@ def _default() -> ml_collections.ConfigDict:
   c.baselines = ",".join(BASELINES)
   c.dtype = "float32"
   c.causal = "full,causal"  # "full" and/or "causal" rows of every case
+  # Causal rows of the blocked cases under a structured mask too: "window" (the last
+  # `mask_window` keys up to the query) and/or "documents" (`mask_documents` packed documents
+  # of equal length, segment ids), e.g. "window,documents"; empty = none.
+  c.masks = ""
+  c.mask_window = 512
+  c.mask_documents = 16
   c.block_q = 0  # 0 = the kernel's default
   c.block_k = 0
   c.repeats = 5  # timed runs per case, round-robin (median): jax.nn alone varies by ±20 %
@@ -116,7 +129,8 @@ def _tiny(c: ml_collections.ConfigDict) -> None:
   mean nothing)."""
   c.update(dict(shapes="2x64x2x16,1x128x2x32", repeats=1, matmul_size=512,
                 weightings="softmax,relu,gaussian,triangular", error_queries=32,
-                row_weightings="sparsemax"))
+                row_weightings="sparsemax", masks="window,documents", mask_window=24,
+                mask_documents=4))
 
 
 def _rows(c: ml_collections.ConfigDict) -> None:
@@ -128,9 +142,20 @@ def _rows(c: ml_collections.ConfigDict) -> None:
                 row_weightings=",".join(ROW_WEIGHTINGS)))
 
 
+def _masks(c: ml_collections.ConfigDict) -> None:
+  """python launch.py --config=experiments/kernel_benchmark.py:masks (≈ 5 min): blocked
+  fwd+bwd of softmax and stick-breaking, full, causal, causal + a 512-key window and causal +
+  16 packed documents, at T = 1024 … 16 384 (N = 2, H = 64): the structured-mask targets and
+  figure."""
+  c.update(dict(shapes="1x1024x2x64,1x4096x2x64,1x16384x2x64", weightings="softmax",
+                baselines="", modes="fwd+bwd", masks="window,documents",
+                row_weightings="stick_breaking", row_max_scores=16384 * 16384,
+                dense_max_gib=0.0))
+
+
 # Each preset is the default changed by one small function (see the module docstring).
 PRESET_FNS: dict[str, Callable[[ml_collections.ConfigDict], None]] = {
-    "default": lambda c: None, "quick": _quick, "tiny": _tiny, "rows": _rows}
+    "default": lambda c: None, "quick": _quick, "tiny": _tiny, "rows": _rows, "masks": _masks}
 PRESETS = tuple(PRESET_FNS)
 
 
@@ -142,7 +167,8 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
 def validate_config(config: ml_collections.ConfigDict) -> None:
   """Raises ValueError for bad shapes, modes, baselines or weightings."""
   _shapes(config)
-  for key, valid in (("modes", MODES), ("baselines", BASELINES), ("causal", CAUSAL)):
+  for key, valid in (("modes", MODES), ("baselines", BASELINES), ("causal", CAUSAL),
+                     ("masks", MASKS)):
     bad = [m for m in train.split_list(config[key]) if m not in valid]
     if bad:
       raise ValueError(f"config.{key} has invalid entries {bad}; valid: {', '.join(valid)}")
@@ -155,6 +181,14 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     if not blocked_rows.streams(wlib.get_weighting(name)):
       raise ValueError(f"config.row_weightings: {name!r} is not a streaming whole-row "
                        "weighting")
+  if "documents" in train.split_list(config.masks):
+    docs = int(config.mask_documents)
+    bad = [t for _, t, _, _ in _shapes(config) if docs < 1 or t % docs]
+    if bad:
+      raise ValueError(f"config.mask_documents = {docs} must divide every T; it does not "
+                       f"divide {bad}")
+  if "window" in train.split_list(config.masks) and int(config.mask_window) < 1:
+    raise ValueError(f"config.mask_window must be >= 1, got {config.mask_window}")
   if config.dtype not in ("float32", "bfloat16"):
     raise ValueError(f"config.dtype must be float32 or bfloat16, got {config.dtype!r}")
 
@@ -178,7 +212,7 @@ def case_weighting(name: str, head_dim: int) -> tuple[str, str]:
   compactly supported kernel sees about half of the keys instead of none.
   """
   w = wlib.get_weighting(name)
-  if not w.distance_kernel:
+  if not getattr(w, "distance_kernel", False):  # whole-row weightings run on scaled_dot
     return name, "scaled_dot"
   if "h" not in wlib.parse_weighting_name(name)[1]:
     sep = "," if ":" in name else ":"
@@ -190,8 +224,44 @@ def case_weighting(name: str, head_dim: int) -> tuple[str, str]:
 # The attention functions under test and the float64 reference.
 # --------------------------------------------------------------------------------------------
 
+def mask_keywords(mask: str, t: int, config) -> dict[str, Any]:
+  """``core.attention``'s keywords of a structured-mask row (with ``is_causal=True``)."""
+  if mask == "window":
+    return dict(local_window_size=(int(config.mask_window) - 1, 0))
+  if mask == "documents":
+    docs = int(config.mask_documents)
+    return dict(segment_ids=jnp.repeat(jnp.arange(docs, dtype=jnp.int32), t // docs)[None])
+  return {}
+
+
+def attended_pairs(mask: str, t: int, causal: bool, config) -> int:
+  """The (query, key) pairs a row of length T attends: T², T(T+1)/2 causal, and the causal
+  pairs inside the window or inside each document."""
+  if mask == "window":
+    w = int(config.mask_window)
+    return sum(min(i + 1, w) for i in range(t))
+  if mask == "documents":
+    n = t // int(config.mask_documents)
+    return int(config.mask_documents) * n * (n + 1) // 2
+  return t * (t + 1) // 2 if causal else t * t
+
+
+def _valid(mask: str, nq: int, s: int, causal: bool, config) -> np.ndarray | None:
+  """The reference's [nq, S] valid pairs, written out from the masks' definitions."""
+  i, j = np.arange(nq)[:, None], np.arange(s)[None, :]
+  if not causal:
+    return None
+  valid = j <= i
+  if mask == "window":
+    valid &= j >= i - (int(config.mask_window) - 1)
+  if mask == "documents":
+    length = s // int(config.mask_documents)
+    valid &= (i // length) == (j // length)
+  return valid
+
+
 def _attn_fn(impl: str, weighting: str, config, score: str = "scaled_dot",
-             causal: bool = False) -> Any:
+             causal: bool = False, mask: str = "", t: int = 0) -> Any:
   if impl == "jax.nn (xla)":
     return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal,
                                                         implementation="xla")
@@ -203,8 +273,10 @@ def _attn_fn(impl: str, weighting: str, config, score: str = "scaled_dot",
   implementation = (core.Dense() if impl == "attnx dense" else
                     core.Blocked(block_q=int(config.block_q) or None,
                                  block_k=int(config.block_k) or None))
+  extra = mask_keywords(mask, t, config)
   return lambda q, k, v: core.attention(q, k, v, weighting=weighting, score=score,
-                                        is_causal=causal, implementation=implementation)
+                                        is_causal=causal, implementation=implementation,
+                                        **extra)
 
 
 def _program(fn, mode: str):
@@ -213,13 +285,13 @@ def _program(fn, mode: str):
   return jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32)), argnums=(0, 1, 2))
 
 
-def _reference(q, k, v, weighting: str, nq: int, is_causal: bool, mode: str,
+def _reference(q, k, v, weighting: str, nq: int, valid: np.ndarray | None, mode: str,
                score: str = "scaled_dot") -> np.ndarray:
   """float64 output (fwd) or dq (fwd+bwd) of the first nq queries (dq_i depends on row i only)."""
   w = wlib.get_weighting(weighting)
   with jax.enable_x64(True):
     q64, k64, v64 = (jnp.asarray(np.asarray(x, np.float64)) for x in (q[:, :nq], k, v))
-    n, kh, s = q.shape[2], k.shape[2], k.shape[1]
+    n, kh = q.shape[2], k.shape[2]
     kk, vv = jnp.repeat(k64, n // kh, axis=2), jnp.repeat(v64, n // kh, axis=2)
 
     def out(qs):
@@ -229,11 +301,9 @@ def _reference(q, k, v, weighting: str, nq: int, is_causal: bool, mode: str,
         scores = 2 * jnp.einsum("btnh,bsnh->bnts", qs, kk) - qq - kn
       else:
         scores = jnp.einsum("btnh,bsnh->bnts", qs, kk) / np.sqrt(q.shape[-1])
-      valid = None
-      if is_causal:
-        valid = jnp.arange(s)[None, :] <= jnp.arange(nq)[:, None]
-      p = (wlib.pointwise_weights(scores, w, where=valid) if isinstance(w, wlib.Pointwise)
-           else wlib.apply_weighting(scores, w, where=valid))
+      where = None if valid is None else jnp.asarray(valid)
+      p = (wlib.pointwise_weights(scores, w, where=where) if isinstance(w, wlib.Pointwise)
+           else wlib.apply_weighting(scores, w, where=where))
       return jnp.einsum("bnts,bsnh->btnh", p, vv)
 
     res = out(q64) if mode == "fwd" else jax.grad(lambda x: jnp.sum(out(x)))(q64)
@@ -276,6 +346,11 @@ def _cases(config) -> list[dict[str, Any]]:
           for impl in ("attnx blocked", "attnx dense") if row_timed else ("attnx blocked",):
             cases.append(dict(shape=shape, impl=impl, weighting=name, score="scaled_dot",
                               mode=mode, causal=causal, memory_only=not row_timed))
+      for mask in train.split_list(config.masks):  # causal + a structured mask, blocked
+        for name in names + train.split_list(config.row_weightings):
+          weighting, score = case_weighting(name, h)
+          cases.append(dict(shape=shape, impl="attnx blocked", weighting=weighting,
+                            score=score, mode=mode, causal=True, mask=mask))
   return cases
 
 
@@ -294,17 +369,18 @@ def prepare_case(case: dict[str, Any], inputs, config,
   mode, impl, weighting = case["mode"], case["impl"], case["weighting"]
   score = case.get("score", "scaled_dot")
   causal = bool(case.get("causal", False))
-  # FLOPs of the scores a row needs: half of them when causal.
+  mask = case.get("mask", "")
+  # FLOPs of the scores a row needs: half of them when causal, those a mask keeps.
+  pairs = attended_pairs(mask, t, causal, config) if mask else (t * t / 2 if causal else t * t)
   row: dict[str, Any] = {"shape": "x".join(map(str, shape)), "impl": impl,
                          "weighting": weighting, "score": score, "mode": mode,
-                         "causal": causal,
-                         "flops": 4.0 * b * n * t * t * h * (2.5 if mode == "fwd+bwd" else 1.0)
-                         * (0.5 if causal else 1.0)}
+                         "causal": causal, "mask": mask,
+                         "flops": 4.0 * b * n * pairs * h * (2.5 if mode == "fwd+bwd" else 1.0)}
   is_baseline = impl != "attnx blocked"
   if is_baseline and _scores_gib(shape) > float(config.dense_max_gib):
     row["note"] = f"skipped: needs {_scores_gib(shape):.0f} GiB for the T×S scores"
     return row, None
-  program = jax.jit(_program(_attn_fn(impl, weighting, config, score, causal), mode))
+  program = jax.jit(_program(_attn_fn(impl, weighting, config, score, causal, mask, t), mode))
   compiled = program.lower(*inputs).compile()
   mem = benchmark.program_memory(compiled)
   temp = mem.scratch
@@ -325,9 +401,10 @@ def prepare_case(case: dict[str, Any], inputs, config,
     row["note"] = f"skipped: {type(e).__name__}: {str(e).splitlines()[0][:80]}"
     return row, None
   nq = min(int(config.error_queries), t)
-  key = (shape, weighting, mode, causal)
+  key = (shape, weighting, mode, causal, mask)
   if key not in refs:
-    refs[key] = _reference(*inputs, weighting, nq, causal, mode, score)
+    refs[key] = _reference(*inputs, weighting, nq, _valid(mask, nq, t, causal, config), mode,
+                           score)
   row["max abs err"] = _error(result, refs[key], mode, nq)
   return row, compiled
 
@@ -365,9 +442,10 @@ def run_case(case: dict[str, Any], inputs, config, rate: float, refs: dict) -> d
 _SOFTMAX_OF_SCORE = {"scaled_dot": "softmax", "neg_sq_dist": "gaussian"}
 
 
-def _add_ratios(rows: list[dict[str, Any]]) -> None:
-  """speed-up vs jax.nn and time / softmax (same causality), causal / full (same case)."""
-  causal = lambda r: bool(r.get("causal", False))
+def _add_ratios(rows: list[dict[str, Any]], config=None) -> None:
+  """speed-up vs jax.nn and time / softmax (same causality and mask), causal / full (same
+  case), and under a mask the time per attended pair over plain causal's."""
+  causal = lambda r: (bool(r.get("causal", False)), r.get("mask", ""))
   by_key = {(r["shape"], r["mode"], r["impl"], r["weighting"], causal(r)): r for r in rows}
   softmax_rows = {(r["shape"], r["mode"], r.get("score", "scaled_dot"), causal(r)): r
                   for r in rows if r["impl"] == "attnx blocked"
@@ -382,17 +460,23 @@ def _add_ratios(rows: list[dict[str, Any]]) -> None:
     sm = softmax_rows.get((r["shape"], r["mode"], r.get("score", "scaled_dot"), causal(r)), {})
     if r["impl"] == "attnx blocked" and "time ms" in sm:
       r["time / softmax"] = r["time ms"] / sm["time ms"]
-    full = by_key.get((r["shape"], r["mode"], r["impl"], r["weighting"], False), {})
-    if causal(r) and "time ms" in full:
+    full = by_key.get((r["shape"], r["mode"], r["impl"], r["weighting"], (False, "")), {})
+    if causal(r)[0] and "time ms" in full:
       r["causal / full"] = r["time ms"] / full["time ms"]
+    plain = by_key.get((r["shape"], r["mode"], r["impl"], r["weighting"], (True, "")), {})
+    if r.get("mask") and "time ms" in plain and config is not None:
+      t = int(r["shape"].split("x")[1])
+      r["per pair / causal"] = ((r["time ms"] / attended_pairs(r["mask"], t, True, config))
+                                / (plain["time ms"] / attended_pairs("", t, True, config)))
     dense = by_key.get((r["shape"], r["mode"], "attnx dense", r["weighting"], causal(r)), {})
     if r["impl"] == "attnx blocked" and r["weighting"] != "softmax" and "time ms" in dense:
       r["speed-up vs dense"] = dense["time ms"] / r["time ms"]
 
 
-COLUMNS = ["shape", "impl", "weighting", "score", "mode", "causal", "time ms", "GFLOP/s",
-           "% matmul", "scratch MiB", "peak MiB", "max abs err", "speed-up vs jax.nn",
-           "time / softmax", "causal / full", "speed-up vs dense", "note"]
+COLUMNS = ["shape", "impl", "weighting", "score", "mode", "causal", "mask", "time ms",
+           "GFLOP/s", "% matmul", "scratch MiB", "peak MiB", "max abs err",
+           "speed-up vs jax.nn", "time / softmax", "causal / full", "per pair / causal",
+           "speed-up vs dense", "note"]
 
 
 # The targets of the kernel issue, checked on the T = 4096 and T = 65536 shapes of a run.
@@ -405,6 +489,9 @@ ROW_TIME_TARGETS = {"ssmax": 1.3, "softpick": 1.3, "stick_breaking": 2.0, "spars
                     "entmax15": 3.0, "entmax": 5.0}
 ROW_DENSE_MIN_T, ROW_DENSE_TARGET = 1024, 2.0  # blocked faster from T = 1024, 2× at T = 4096
 ROW_MEMORY_TARGET_MIB = 256.0
+# Structured masks: time per attended pair within this factor of plain causal attention's,
+# fwd+bwd at MASK_TARGET_SHAPE (softmax and a whole-row F).
+MASK_TARGET_SHAPE, MASK_TARGET = "1x16384x2x64", 1.3
 
 
 def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -412,6 +499,8 @@ def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
   A target whose shape or baseline was not run in this configuration is left out.
   """
+  masked = [r for r in rows if r.get("mask")]
+  rows = [r for r in rows if not r.get("mask")]
   full_rows = [r for r in rows if not r.get("causal", False)]
   by_key = {(r["shape"], r["mode"], r["impl"], r["weighting"]): r for r in full_rows}
 
@@ -472,6 +561,11 @@ def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         and int(r["shape"].split("x")[1]) >= CAUSAL_MIN_T and "causal / full" in r):
       add(f"blocked softmax causal / full ≤ {CAUSAL_TARGET} at {r['shape']} ({r['mode']})",
           r["causal / full"], lambda x: x <= CAUSAL_TARGET)
+  for r in masked:
+    if r["shape"] == MASK_TARGET_SHAPE and r["mode"] == "fwd+bwd":
+      add(f"{r['weighting']} causal + {r['mask']}: fwd+bwd time per attended pair ≤ "
+          f"{MASK_TARGET}× plain causal at {r['shape']}", r.get("per pair / causal"),
+          lambda x: x <= MASK_TARGET, "{:.2f}×")
   return out
 
 
@@ -518,7 +612,7 @@ def plot_rows(rows: list[dict[str, Any]], row_weightings: list[str]):
         pts = sorted((int(r["shape"].split("x")[1]), r["time / softmax"]) for r in rows
                      if r["weighting"] == name and r["impl"] == impl
                      and r["mode"] == "fwd+bwd" and bool(r.get("causal")) == causal
-                     and "time / softmax" in r)
+                     and not r.get("mask") and "time / softmax" in r)
         if pts:
           ax.plot(*zip(*pts, strict=True), style, color=f"C{i}",
                   label=f"{name} ({impl.split()[1]})")
@@ -529,6 +623,44 @@ def plot_rows(rows: list[dict[str, Any]], row_weightings: list[str]):
     ax.set_title(f"fwd+bwd time / blocked softmax ({'causal' if causal else 'full'})")
     ax.grid(alpha=0.3)
   axes[1].legend(fontsize=7, ncol=2)
+  fig.tight_layout()
+  return fig
+
+
+def plot_masks(rows: list[dict[str, Any]]):
+  """Blocked fwd+bwd under structured masks vs T: time of full, causal, causal + window and
+  causal + documents per weighting, and time per attended pair over plain causal's."""
+  import matplotlib  # noqa: PLC0415
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # noqa: PLC0415
+  fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+  names = list(dict.fromkeys(r["weighting"] for r in rows if r.get("mask")))
+  kinds = (("full", "-o"), ("causal", "--s"), ("window", "-^"), ("documents", "-.d"))
+  kind = lambda r: r.get("mask") or ("causal" if r.get("causal") else "full")
+  for i, name in enumerate(names):
+    for label, style in kinds:
+      pts = sorted((int(r["shape"].split("x")[1]), r) for r in rows
+                   if r["weighting"] == name and r["impl"] == "attnx blocked"
+                   and r["mode"] == "fwd+bwd" and kind(r) == label and "time ms" in r)
+      if not pts:
+        continue
+      ts = [p[0] for p in pts]
+      axes[0].plot(ts, [p[1]["time ms"] for p in pts], style, color=f"C{i}",
+                   label=f"{name}: {label}")
+      per_pair = [p for p in pts if "per pair / causal" in p[1]]
+      if per_pair:
+        axes[1].plot([p[0] for p in per_pair], [p[1]["per pair / causal"] for p in per_pair],
+                     style, color=f"C{i}", label=f"{name}: {label}")
+  axes[0].set_yscale("log")
+  axes[0].set_title("blocked fwd+bwd time (ms)")
+  axes[1].axhline(1.0, color="k", lw=0.8)
+  axes[1].axhline(MASK_TARGET, color="k", lw=0.8, ls=":")
+  axes[1].set_title("time per attended pair / plain causal's")
+  for ax in axes:
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("sequence length T (= S)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
   fig.tight_layout()
   return fig
 
@@ -544,8 +676,11 @@ def markdown_table(rows: list[dict[str, Any]], rate: float, config) -> str:
       "temp buffers of the compiled program; peak = scratch + inputs + outputs. "
       f"Error: max |out − ref| (fwd) or max |dq − ref| (fwd+bwd) over the first "
       f"{config.error_queries} queries against a float64 reference. dtype {config.dtype}. "
-      "GFLOP/s of causal rows count the T·S/2 scores they need. 'causal / full': time of a "
-      "causal row over the same case's full row, timed side by side. Score scaled_dot, "
+      "GFLOP/s of causal rows count the T·S/2 scores they need, of masked rows the pairs "
+      "they attend. 'causal / full': time of a causal row over the same case's full row, "
+      "timed side by side; 'per pair / causal': a masked row's time per attended pair over "
+      "the plain causal row's (mask: causal + 'window' of the last mask_window keys, or + "
+      "'documents', mask_documents packed documents of equal length). Score scaled_dot, "
       "except for the distance kernels, which run on neg_sq_dist −‖q − k‖² with bandwidth "
       "h = √(2H) (the typical distance of two N(0, I) inputs). 'time / softmax': time over "
       "blocked softmax on the same score — for neg_sq_dist, the Gaussian kernel, which is "
@@ -604,7 +739,7 @@ def measure(config: ml_collections.ConfigDict) -> tuple[list[dict[str, Any]], fl
   bar.close()
   rate = max(rates)
   rows = [_finish(r, rate) for r in rows]
-  _add_ratios(rows)
+  _add_ratios(rows, config)
   return rows, rate
 
 
@@ -638,8 +773,14 @@ def write_report(config: ml_collections.ConfigDict, workdir: str, rows: list[dic
   rep.section("Results")
   rep.figure(plot_scaling(rows), "scaling", "Softmax attention: time, fraction of the matmul "
              "rate and scratch memory vs sequence length (the shapes' batch and heads differ).")
+  if any(r.get("mask") and "time ms" in r for r in rows):
+    rep.figure(plot_masks(rows), "masks", "Structured masks (blocked fwd+bwd, tiles skipped): "
+               f"time vs T for full, causal, causal + a {config.mask_window}-key window and "
+               f"causal + {config.mask_documents} packed documents, and the time per attended "
+               f"pair over plain causal attention's (dotted: the {MASK_TARGET}× target).")
   row_names = train.split_list(config.row_weightings)
-  if any("time / softmax" in r and r["weighting"] in row_names for r in rows):
+  if any("time / softmax" in r and r["weighting"] in row_names and not r.get("mask")
+         for r in rows):
     rep.figure(plot_rows(rows, row_names), "row_weightings", "Whole-row weightings: fwd+bwd "
                "time over blocked softmax, blocked kernel (solid) and dense (dotted).")
   rep.text(table)

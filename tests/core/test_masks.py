@@ -208,7 +208,8 @@ def test_packed_documents_attend_alone(weighting, causal):
   alone = [jax.grad(lambda *a, p=p: loss("dense", *a, rows=p), argnums=(0, 1, 2),
                     has_aux=True)(*(x[:, p] for x in (q, k, v))) for p in parts]
   for impl in _IMPLEMENTATIONS:
-    grads, packed = jax.grad(lambda *a: loss(impl, *a, segment_ids=ids), argnums=(0, 1, 2),
+    grads, packed = jax.grad(lambda *a, impl=impl: loss(impl, *a, segment_ids=ids),
+                             argnums=(0, 1, 2),
                              has_aux=True)(q, k, v)
     for p, (grads_alone, out_alone) in zip(parts, alone, strict=True):
       chex.assert_trees_all_close(packed[:, p], out_alone, atol=2e-6)

@@ -12,7 +12,8 @@ from experiments import kernel_benchmark as exp  # noqa: E402
 
 
 def test_presets_and_validation():
-  assert set(exp.PRESETS) == {"default", "quick", "tiny", "rows"}
+  assert set(exp.PRESETS) == {"default", "quick", "tiny", "rows", "masks"}
+  assert exp.get_config("masks").masks == "window,documents"
   assert exp.get_config().experiment == "kernel_benchmark"
   assert len(exp.get_config("quick").shapes.split(",")) == 3
   assert len(exp.get_config("default").shapes.split(",")) == 5
@@ -21,7 +22,9 @@ def test_presets_and_validation():
   assert exp.get_config().causal == "full,causal"
   for key, value, match in (("shapes", "2x64x2", "BxTxNxH"), ("modes", "bwd", "modes"),
                             ("causal", "full,diagonal", "causal"),
-                            ("weightings", "softmax,sparsemax", "pointwise")):
+                            ("weightings", "softmax,sparsemax", "pointwise"),
+                            ("masks", "window,diagonal", "masks"),
+                            ("mask_documents", 5, "divide"), ("mask_window", 0, "window")):
     c = exp.get_config("tiny")
     c[key] = value
     with pytest.raises(ValueError, match=match):
@@ -54,22 +57,30 @@ def test_tiny_end_to_end(tmp_path):
     for mode in exp.MODES:
       for causal in (False, True):  # every case full and causal
         got = sorted((r["impl"], r["weighting"], r["score"]) for r in rows
-                     if r["shape"] == shape and r["mode"] == mode and r["causal"] == causal)
+                     if r["shape"] == shape and r["mode"] == mode and r["causal"] == causal
+                     and not r["mask"])
         want = [(b, "softmax", "scaled_dot") for b in exp.BASELINES]
         want += [("attnx blocked", *exp.case_weighting(w, head_dim)) for w in weightings]
         want += [(impl, w, "scaled_dot") for w in config.row_weightings.split(",")
                  for impl in ("attnx blocked", "attnx dense")]
         assert got == sorted(want), (shape, mode, causal)
+      for mask in exp.MASKS:  # causal + each structured mask: the blocked cases
+        got = sorted(r["weighting"] for r in rows if r["shape"] == shape
+                     and r["mode"] == mode and r["mask"] == mask and r["causal"])
+        assert got == sorted([exp.case_weighting(w, head_dim)[0] for w in weightings]
+                             + config.row_weightings.split(",")), (shape, mode, mask)
   for r in rows:
     assert "note" not in r, r
     assert r["time ms"] > 0 and r["GFLOP/s"] > 0 and r["scratch MiB"] >= 0
     assert r["max abs err"] < 1e-4, r
-    assert r["speed-up vs jax.nn"] > 0 or r["impl"] == "attnx dense"
+    assert r["impl"] == "attnx dense" or r["mask"] or r["speed-up vs jax.nn"] > 0
     if r["impl"] == "attnx blocked":
       assert r["time / softmax"] > 0
-      if r["weighting"] != "softmax" and r["weighting"] in config.row_weightings:
+      if (r["weighting"] != "softmax" and r["weighting"] in config.row_weightings
+          and not r["mask"]):  # masked rows run blocked only
         assert r["speed-up vs dense"] > 0
     assert (r["causal / full"] > 0) if r["causal"] else ("causal / full" not in r)
+    assert (r["per pair / causal"] > 0) if r["mask"] else ("per pair / causal" not in r)
   md = (tmp_path / "benchmark.md").read_text()
   header = md.splitlines()[2]
   for col in exp.COLUMNS:
@@ -79,6 +90,7 @@ def test_tiny_end_to_end(tmp_path):
   assert md.strip() in report and "jax" in report and "Command" in report
   assert (tmp_path / "scaling.png").exists() and "scaling.png" in report
   assert (tmp_path / "row_weightings.png").exists() and "Threshold passes" in report
+  assert (tmp_path / "masks.png").exists() and "masks.png" in report
   assert out["targets"] == []  # the tiny shapes check no target
   for r in rows:
     assert r["peak MiB"] >= r["scratch MiB"]
@@ -152,3 +164,27 @@ def test_causal_rows_get_their_full_twin_ratio_and_target():
   goals = {g["target"]: g["met"] for g in exp.targets(rows)}
   assert goals == {"blocked softmax causal / full ≤ 0.6 at 1x1024x4x64 (fwd)": "yes",
                    "blocked softmax causal / full ≤ 0.6 at 1x1024x4x64 (fwd+bwd)": "**no**"}
+
+
+def test_masked_rows_count_their_pairs_and_meet_the_mask_target_by_the_rule():
+  c = exp.get_config("tiny")
+  c.update(dict(mask_window=5, mask_documents=3))
+  for mask in ("", *exp.MASKS):  # the pair counts are the references' valid pairs
+    assert exp.attended_pairs(mask, 12, True, c) == exp._valid(mask, 12, 12, True, c).sum()
+  assert exp.attended_pairs("", 12, False, c) == 144 and exp._valid("", 12, 12, False, c) is None
+  t, blk = exp.MASK_TARGET_SHAPE, "attnx blocked"
+  n = int(t.split("x")[1])
+  pairs = {m: exp.attended_pairs(m, n, True, exp.get_config("masks")) for m in ("", *exp.MASKS)}
+  rows = [_row(t, "fwd+bwd", blk, "softmax", causal=True, mask="", **{"time ms": 100.0}),
+          _row(t, "fwd+bwd", blk, "softmax", causal=True, mask="window",
+               **{"time ms": 100.0 * 1.2 * pairs["window"] / pairs[""]}),
+          _row(t, "fwd+bwd", blk, "softmax", causal=True, mask="documents",
+               **{"time ms": 100.0 * 2.0 * pairs["documents"] / pairs[""]})]
+  exp._add_ratios(rows, exp.get_config("masks"))
+  assert [round(r.get("per pair / causal", 0), 6) for r in rows] == [0, 1.2, 2.0]
+  goals = {g["target"]: g["met"] for g in exp.targets(rows)}
+  assert goals == {
+      f"softmax causal + window: fwd+bwd time per attended pair ≤ 1.3× plain causal at {t}":
+          "yes",
+      f"softmax causal + documents: fwd+bwd time per attended pair ≤ 1.3× plain causal at {t}":
+          "**no**"}

@@ -399,12 +399,22 @@ def test_bad_input_is_a_clear_error():
     masks.seq_lengths()
 
 
-def test_ring_refuses_a_structured_mask_clearly():
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_ring_of_one_takes_a_structured_mask(layout):
+  """ring_attention reads a mask object at the global positions (the 8-device check is
+  tests/support/ring_cases.py's structured cases); here a ring of one equals attention."""
   mesh = jax.make_mesh((1,), ("sp",), axis_types=(jax.sharding.AxisType.Auto,))
-  ring = jax.shard_map(
-      lambda q, k, v: core.ring_attention(q, k, v, mask=masks.sliding_window(2, 0),
-                                          axis_name="sp"),
-      mesh=mesh, in_specs=jax.sharding.PartitionSpec(None, "sp"),
-      out_specs=jax.sharding.PartitionSpec(None, "sp"), check_vma=False)
-  with pytest.raises(ValueError, match="not a structured mask"):
-    ring(*(jnp.ones((1, 8, 2, 4)),) * 3)
+  ids = jnp.repeat(jnp.arange(3, dtype=jnp.int32), jnp.array([5, 7, 4]),
+                   total_repeat_length=16)[None]
+  mask = masks.segment_ids(ids) & masks.sliding_window(4, 0)
+  q, k, v = (jax.random.normal(key, (1, 16, 2, 8)) for key in
+             jax.random.split(jax.random.key(6), 3))
+  for weighting in ("softmax", "sigmoid:normalization=none", "stick_breaking"):
+    ring = jax.shard_map(
+        lambda q, k, v, w=weighting: core.ring_attention(q, k, v, mask=mask, axis_name="sp",
+                                                         weighting=w, is_causal=True,
+                                                         layout=layout),
+        mesh=mesh, in_specs=jax.sharding.PartitionSpec(None, "sp"),
+        out_specs=jax.sharding.PartitionSpec(None, "sp"), check_vma=False)
+    want = core.attention(q, k, v, mask=mask, weighting=weighting, is_causal=True)
+    chex.assert_trees_all_close(ring(q, k, v), want, atol=2e-6)

@@ -77,6 +77,16 @@ CASES = {
                               mask="padding", bias="x11x"), Z),
     "stick_zigzag_full_gqa": (C(seed=39, t=T, s=T, n=4, kh=2, weighting="stick_breaking",
                                 mask="random", bias="xxxx"), Z),
+    # Structured masks (attnx.core.masks) of the global sequence: packed documents, a window,
+    # documents with a window; sigmoid's n of each query's document.
+    "softmax_documents_zigzag": (C(seed=42, t=T, s=T, b=2, n=4, kh=2, causal=True,
+                                   structured="segments"), Z),
+    "sigmoid_none_documents": (C(seed=43, t=T, s=T, b=2, weighting="sigmoid:normalization=none",
+                                 structured="segments", bias="x11x"), K),
+    "stick_window_causal": (C(seed=44, t=T, s=T, weighting="stick_breaking", causal=True,
+                              structured="window"), K),
+    "ssmax_combo_zigzag": (C(seed=45, t=T, s=T, weighting="ssmax", causal=True,
+                             structured="combo"), Z),
 }
 # Cases that run their kv heads in passes of one (kv_head_block=1: two rings one after the
 # other, each over half the heads): a per-head bias and one broadcast over the heads, SSMax's

@@ -99,8 +99,11 @@ def run_ring(case: diff.Case, layout: str, arrs: dict, check_vma: bool = False, 
   specs = (P(None, AXIS),) * 3 + (None if bias is None else _spec4(bias),
                                   None if mask is None else _spec4(mask))
 
+  structured = arrs["structured"]  # a mask object of the global sequence (replicated)
+
   def local(q, k, v, bias, mask):
-    return ring.ring_attention(q, k, v, bias, mask, axis_name=AXIS, weighting=case.weighting,
+    return ring.ring_attention(q, k, v, bias, mask if structured is None else structured,
+                               axis_name=AXIS, weighting=case.weighting,
                                score=case.score, score_params=arrs["score_params"] or None,
                                scale=case.scale, is_causal=case.causal, layout=layout, **extra)
 

@@ -431,6 +431,38 @@ def _valid_counts(rc: steps.RingConfig, bias4: Array | None, mask4: Array | None
 
 
 # --------------------------------------------------------------------------------------------
+# Structured masks.
+# --------------------------------------------------------------------------------------------
+
+def _structured_rows(mask: masks.Mask, w: Any, bias4: Array | None, batch: tuple[int, ...],
+                     n: int, t: int, s: int, p: int, layout: str, axis: Any,
+                     dtype: Any) -> tuple[Array, Array | None]:
+  """A structured mask (of the global sequence: ids and lengths of all P·T positions) as the
+  local rows' mask over every key, [B|1, N|1, t, P·s] in the layout's key order (the "whole S
+  axis" sharding), and the bias with the weighting's per-query shift for the keys of each
+  query's sequence (:func:`attnx.core.problem.sequence_bias`: sigmoid's −log n)."""
+  bound = mask.bind(batch, n, p * t, p * s)
+  qpos = ring_layout.positions(lax.axis_index(axis), t, p, layout)
+  kpos = jnp.asarray(np.concatenate([ring_layout.positions(j, s, p, layout, np)
+                                     for j in range(p)]))
+  bflat = int(np.prod(batch)) if batch else 1
+  m = bound.mask_mod(jnp.arange(bflat)[:, None, None, None], jnp.arange(n)[None, :, None, None],
+                     qpos[None, None, :, None], kpos[None, None, None, :])
+  m = jnp.broadcast_to(m, jnp.broadcast_shapes(jnp.shape(m), (1, 1, t, p * s)))
+  shift = getattr(w, "sequence_shift", None)
+  counts = None if shift is None else bound.sequence_keys(p * t, p * s)
+  if counts is not None:
+    extra = lax.stop_gradient(shift(jnp.take(counts, qpos, axis=1), p * s).astype(dtype))
+    extra = extra[:, None, :, None]
+    if bias4 is not None and p > 1 and bias4.shape[2:] == (1, s):
+      # A key padding bias travels with its shard; with a per-query shift it has both axes,
+      # so it takes the whole S axis (its gradient goes back through the gather).
+      bias4 = lax.all_gather(bias4, axis, axis=3, tiled=True)
+    bias4 = extra if bias4 is None else bias4 + extra
+  return m, bias4
+
+
+# --------------------------------------------------------------------------------------------
 # Public entry point.
 # --------------------------------------------------------------------------------------------
 
@@ -472,7 +504,11 @@ def ring_attention(q: Array, k: Array, v: Array, bias: Array | None = None,
     bias, mask: as in :func:`attnx.core.attention` (additive; boolean, True = attend), local
       shards whose T axis is 1 or sharded with q and whose S axis is 1, sharded with k (then
       T must be 1: a key padding mask, which travels with K/V) or the whole S in the layout's
-      order (see the module docstring).
+      order (see the module docstring). ``mask`` may also be a structured mask
+      (:mod:`attnx.core.masks`) of the whole sequence — ids and lengths of all P·T positions,
+      replicated — evaluated at the global positions of the local rows against every key
+      ([t, P·S] booleans per device; the kernels' tile skipping does not reach the ring
+      yet); sigmoid's n is then each query's own sequence, as in :func:`attnx.core.attention`.
     axis_name: the mesh axis the sequence is sharded over.
     weighting: F, as in :func:`attnx.core.attention`: every pointwise weighting, and the
       whole-row ``ssmax``, ``softpick`` and ``stick_breaking``. Sparsemax and α-entmax raise
@@ -559,15 +595,17 @@ def ring_attention(q: Array, k: Array, v: Array, bias: Array | None = None,
                      f"around the ring apart: the local key length {s} must be even.")
   ssmax_s = w.kernel_args(problem_lib.check_weighting_params(w, weighting_params, n)).get(
       "ssmax_s")
+  structured = None
   if isinstance(mask, masks.Mask):
-    raise ValueError("ring_attention takes a boolean mask array (shards as documented), not a "
-                     "structured mask (attnx.core.masks) yet: materialize the local part, e.g. "
-                     "masks.materialize(mask.bind(...), ...), or run core.attention.")
+    structured, mask = mask, None
   if mask is not None and jnp.asarray(mask).dtype != jnp.bool_:
     raise ValueError(f"mask must be boolean (True = attend), got dtype "
                      f"{jnp.asarray(mask).dtype}.")
   bias4 = _to_4d(bias, batch, "bias")
   mask4 = _to_4d(mask, batch, "mask")
+  if structured is not None:
+    mask4, bias4 = _structured_rows(structured, w, bias4, batch, n, t, s, p, layout,
+                                    axis_name, jnp.result_type(q.dtype, jnp.float32))
   for name, x in (("bias", bias4), ("mask", mask4)):
     if x is not None and x.shape[1] not in (1, n):
       raise ValueError(f"{name} of local shape {x.shape} has {x.shape[1]} heads, expected "

@@ -230,6 +230,21 @@ def test_ring_work_counts_the_kernels_steps():
 # The zigzag layout.
 # --------------------------------------------------------------------------------------------
 
+def test_ring_work_counts_the_steps_a_structured_mask_skips():
+  # 8 devices of 24 positions: a 21-key causal window meets the device's own shard and the one
+  # before it; 4 documents of 48 positions (2 shards each) meet 1 or 2 shards (contiguous), but
+  # every zigzag device holds a chunk of the first and of the last document.
+  window = core.masks.sliding_window(20, 0)
+  assert list(core.ring_work(8, "contiguous", mask=window, length=192)) == [2] + [6] * 7
+  ids = np.repeat(np.arange(4), 48)[None]
+  docs = core.masks.segment_ids(ids)
+  assert list(core.ring_work(8, "contiguous", mask=docs, length=192)) == [2, 6] * 4
+  assert list(core.ring_work(8, "zigzag", mask=docs, length=192)) == [8] * 8
+  assert list(core.ring_work(8, "contiguous", False, mask=docs, length=192)) == [8] * 8
+  with pytest.raises(ValueError, match="sequence length"):
+    core.ring_work(8, mask=window)
+
+
 def test_zigzag_permute_roundtrip_and_order():
   x = jnp.arange(24).reshape(2, 12, 1)
   z = ring.zigzag_permute(x, 3)

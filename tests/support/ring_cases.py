@@ -87,6 +87,11 @@ CASES = {
                               structured="window"), K),
     "ssmax_combo_zigzag": (C(seed=45, t=T, s=T, weighting="ssmax", causal=True,
                              structured="combo"), Z),
+    # Narrow windows (27 and 14 keys): most steps' shards do not meet and are skipped.
+    "softmax_window_skips_gqa": (C(seed=53, t=T, s=T, n=4, kh=2, causal=True,
+                                   structured="window", bias="x11x"), K),
+    "relu_length_window_skips_zigzag": (C(seed=71, t=T, s=T, weighting="relu:normalization=length",
+                                          causal=True, structured="window"), Z),
 }
 # Cases that run their kv heads in passes of one (kv_head_block=1: two rings one after the
 # other, each over half the heads): a per-head bias and one broadcast over the heads, SSMax's

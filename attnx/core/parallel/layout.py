@@ -72,8 +72,9 @@ def piece_work(piece: Piece) -> float:
   return (r1 - r0) * (k1 - k0) * (0.5 if causal else 1.0)
 
 
-def ring_work(num_devices: int, layout: str = "contiguous",
-              is_causal: bool = True) -> np.ndarray:
+def ring_work(num_devices: int, layout: str = "contiguous", is_causal: bool = True, *,
+              mask: Any = None, length: int | None = None, batch: tuple[int, ...] = (1,),
+              num_heads: int = 1) -> np.ndarray:
   """The work of each device over a whole ring, [P] floats, in tiles of chunk × chunk scores
   (a chunk is T/(2P) positions; a causal triangle counts ½): what the ring schedules, read
   from the same table of step kinds the kernel runs.
@@ -84,6 +85,11 @@ def ring_work(num_devices: int, layout: str = "contiguous",
   own: one step costs up to 3 chunk tiles on some devices, where every step of this table
   costs 2.)
 
+  ``mask``: a structured mask (:mod:`attnx.core.masks`, concrete arrays) of a sequence of
+  ``length`` positions (``batch`` dims and ``num_heads`` as the call's): the steps in which it
+  lets no query of the device meet a key of the visiting shard count nothing, as the ring
+  skips them (stick-breaking in the zigzag layout skips none).
+
   Example:
     >>> from attnx import core
     >>> print(core.ring_work(4, "contiguous"), core.ring_work(4, "zigzag"))
@@ -91,11 +97,25 @@ def ring_work(num_devices: int, layout: str = "contiguous",
   """
   check_layout(layout)
   p = int(num_devices)
+  meets = np.ones((p, p), bool)
+  if mask is not None:
+    if length is None or length % (2 * p if layout == "zigzag" else p):
+      raise ValueError(f"ring_work with a mask needs the sequence length, a multiple of "
+                       f"{2 * p if layout == 'zigzag' else p}; got length={length!r}.")
+    bound = mask.bind(tuple(batch), num_heads, length, length)
+    t = length // p
+    b = np.arange(int(np.prod(batch)))[:, None, None, None]
+    h = np.arange(num_heads)[None, :, None, None]
+    pos = [positions(d, t, p, layout, np) for d in range(p)]
+    meets = np.array([[bool(np.any(bound.mask_mod(b, h, pos[i][:, None], pos[j][None, :])))
+                       for j in range(p)] for i in range(p)])
   out = np.zeros(p)
   for i in range(p):
     for r in range(p):
-      kind = int(step_kind(i, (i - r) % p, layout, is_causal, np))
-      out[i] += sum(piece_work(pc) for pc in PIECES[kind])
+      src = (i - r) % p
+      kind = int(step_kind(i, src, layout, is_causal, np))
+      if meets[i, src]:
+        out[i] += sum(piece_work(pc) for pc in PIECES[kind])
   return out
 
 

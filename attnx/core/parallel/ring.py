@@ -115,7 +115,7 @@ def _forward(rc: steps.RingConfig, q, k, v, bias, mask, rsc, scale):
     kv, b, m = steps.step_inputs(rc, travel, bias, mask, src)
     run = lambda kind: (lambda: steps.kind_state(rc, ring_layout.PIECES[kind], q, kv, b, m,
                                                  rsc, scale, hv))
-    part = steps.switch(rc, i, src, run)
+    part = steps.switch(rc, i, src, run, mask=m)
     if not two_runs:
       return after, steps.merge(rc, low, part), high
     # Shards i, i−1, …, 0 and then P−1, …, i+1 each come before the previous one: two runs,
@@ -179,7 +179,7 @@ def _backward(rc: steps.RingConfig, res, do):
     carries = steps.select(later, high_c, low_c) if two_runs else low_c
     run = lambda kind: (lambda c: steps.kind_grads(rc, ring_layout.PIECES[kind], q, kv, b, m,
                                                    rsc, scale, out, stats, do, c))
-    gq, (gk, gv), db, carries, gs = steps.switch(rc, i, src, run, carries)
+    gq, (gk, gv), db, carries, gs = steps.switch(rc, i, src, run, carries, mask=m)
     if two_runs:
       low_c, high_c = steps.select(later, low_c, carries), steps.select(later, carries, high_c)
     else:
@@ -615,7 +615,8 @@ def ring_attention(q: Array, k: Array, v: Array, bias: Array | None = None,
                         family=family, t=t, s=s, head_dims=(b, kv_heads, n // kv_heads),
                         bias_kind=steps.kind_of(bias4, t, s, p, "bias"),
                         mask_kind=steps.kind_of(mask4, t, s, p, "mask"),
-                        vma=bl.manual_axes(q, k, v, bias4, mask4, lax.axis_index(axis_name)))
+                        vma=bl.manual_axes(q, k, v, bias4, mask4, lax.axis_index(axis_name)),
+                        skip_empty_steps=structured is not None)
   g = n // kv_heads
   kc = _kv_heads_per_pass(kv_head_block, b, kv_heads, g, max(t, s),
                           max(q.shape[-1], v.shape[-1]))

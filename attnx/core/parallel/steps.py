@@ -75,6 +75,8 @@ class RingConfig:
   vma: tuple[str, ...] = ()  # axes the inputs vary over (check_vma=True): see blocked.vary
   kernel: BlockKernel = xla_block.XLA_BLOCK_KERNEL  # the kernels of every step
   dtype: Any = F32  # the compute dtype (contract.compute_dtype): float32, or float64
+  # A structured mask's block ("rows" mask): a step whose block allows no pair is skipped.
+  skip_empty_steps: bool = False
 
   @property
   def num_keys(self) -> int:
@@ -388,11 +390,18 @@ def branch(rc: RingConfig, i: Array, src: Array) -> Array:
   return sum(jnp.where(kind == kd, n, 0) for n, kd in enumerate(kinds) if n)
 
 
-def switch(rc: RingConfig, i: Array, src: Array, run, *operands):
+def switch(rc: RingConfig, i: Array, src: Array, run, *operands, mask: Array | None = None):
   """run(kind)(*operands) for the step's kind: one instance of each kind's kernel in the
   program (one loop over the steps, ``lax.switch`` inside), which keeps both the compile
-  time and XLA's scratch memory (each instance gets its own) down."""
+  time and XLA's scratch memory (each instance gets its own) down. With
+  ``rc.skip_empty_steps``, a step whose ``mask`` block allows no pair runs the skipped kind
+  (no work: an empty state, zero gradients)."""
   kinds = step_kinds(rc)
+  if rc.skip_empty_steps and mask is not None:
+    index = branch(rc, i, src) if len(kinds) > 1 else 0
+    index = jnp.where(jnp.any(mask), index, len(kinds))
+    fns = [run(kd) for kd in kinds] + [run(ring_layout.SKIP)]
+    return lax.switch(index, fns, *operands)
   if len(kinds) == 1:
     return run(kinds[0])(*operands)
   return lax.switch(branch(rc, i, src), [run(kd) for kd in kinds], *operands)

@@ -507,8 +507,9 @@ def ring_attention(q: Array, k: Array, v: Array, bias: Array | None = None,
       order (see the module docstring). ``mask`` may also be a structured mask
       (:mod:`attnx.core.masks`) of the whole sequence — ids and lengths of all P·T positions,
       replicated — evaluated at the global positions of the local rows against every key
-      ([t, P·S] booleans per device; the kernels' tile skipping does not reach the ring
-      yet); sigmoid's n is then each query's own sequence, as in :func:`attnx.core.attention`.
+      ([t, P·S] booleans per device); a step whose shards it lets meet in no pair is
+      skipped (:func:`ring_work` with ``mask=`` counts the work left); sigmoid's n is then
+      each query's own sequence, as in :func:`attnx.core.attention`.
     axis_name: the mesh axis the sequence is sharded over.
     weighting: F, as in :func:`attnx.core.attention`: every pointwise weighting, and the
       whole-row ``ssmax``, ``softpick`` and ``stick_breaking``. Sparsemax and α-entmax raise

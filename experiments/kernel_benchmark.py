@@ -237,13 +237,9 @@ def mask_keywords(mask: str, t: int, config) -> dict[str, Any]:
 def attended_pairs(mask: str, t: int, causal: bool, config) -> int:
   """The (query, key) pairs a row of length T attends: T², T(T+1)/2 causal, and the causal
   pairs inside the window or inside each document."""
-  if mask == "window":
-    w = int(config.mask_window)
-    return sum(min(i + 1, w) for i in range(t))
-  if mask == "documents":
-    n = t // int(config.mask_documents)
-    return int(config.mask_documents) * n * (n + 1) // 2
-  return t * (t + 1) // 2 if causal else t * t
+  return benchmark.attended_pairs(
+      t, causal, window=int(config.mask_window) if mask == "window" else None,
+      documents=int(config.mask_documents) if mask == "documents" else None)
 
 
 def _valid(mask: str, nq: int, s: int, causal: bool, config) -> np.ndarray | None:

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 
 from attnx import core
 from attnx.core import masks
+from attnx.train.benchmark import attended_pairs
 
 
 def _time(fn, *args, repeats: int = 3) -> float:
@@ -47,13 +48,13 @@ def main() -> None:
   ids = jnp.repeat(jnp.arange(docs, dtype=jnp.int32), t // docs)[None]
   rows = jnp.arange(t)[:, None]
   dense_window = jnp.arange(t)[None, :] >= rows - (window - 1)
-  in_window = sum(min(i + 1, window) for i in range(t))
+  in_window = attended_pairs(t, window=window)
   cases = [
-      ("plain causal", {}, t * (t + 1) / 2),
+      ("plain causal", {}, attended_pairs(t)),
       (f"causal + sliding_window({window - 1}, 0)",
        dict(mask=masks.sliding_window(window - 1, 0)), in_window),
       (f"causal + {docs} packed documents", dict(segment_ids=ids),
-       docs * (t // docs) * (t // docs + 1) / 2),
+       attended_pairs(t, documents=docs)),
       ("causal + the window as a dense [T, S] mask", dict(mask=dense_window), in_window),
   ]
   print(f"blocked fwd+bwd, {a.weighting}, T = {t}, N = {a.heads}, H = {a.head_dim}, "

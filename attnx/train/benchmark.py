@@ -91,6 +91,21 @@ def program_memory(compiled: Any) -> ProgramMemory:
                        + float(mem.output_size_in_bytes))
 
 
+def attended_pairs(t: int, causal: bool = True, window: int | None = None,
+                   documents: int | None = None) -> int:
+  """The (query, key) pairs a row of T positions attends, the unit of the masked benchmarks'
+  time per pair: T² (full), T(T+1)/2 (causal), and for causal attention the pairs within a
+  ``window`` of the last keys up to the query, or within each of ``documents`` packed
+  documents of equal length."""
+  if window is not None:
+    w = min(window, t)
+    return w * (w + 1) // 2 + (t - w) * w
+  if documents is not None:
+    n = t // documents
+    return documents * n * (n + 1) // 2
+  return t * (t + 1) // 2 if causal else t * t
+
+
 def format_number(v: Any) -> str:
   """A benchmark table cell: floats to 3 significant digits (no decimals from 100 on,
   ``1.2e-03`` / ``1.2e+05`` below 0.01 and from 1e5), non-finite floats and everything else

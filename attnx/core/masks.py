@@ -98,6 +98,21 @@ class Mask(abc.ABC):
     del t, s
     return None
 
+  def leaf_kinds(self) -> tuple[str, ...]:
+    """What each array leaf of a bound mask holds, in pytree order: ``"batch"`` (one value per
+    flat batch, ``[B or 1]``), ``"q"`` (one per query position, ``[B or 1, T]``) or ``"kv"``
+    (one per key position, ``[B or 1, S]``). A fused kernel loads them per tile
+    (:meth:`local_mod`)."""
+    return ()
+
+  def local_mod(self, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Array:
+    """:meth:`mask_mod` on a mask whose array leaves were replaced by their values at one tile
+    (see :meth:`leaf_kinds`): a ``"batch"`` leaf by its scalar at ``b``, a ``"q"`` leaf by its
+    values at the tile's query positions (a column, broadcasting against ``q_idx``), a ``"kv"``
+    leaf by those at its key positions (a row). How a fused kernel evaluates a mask without
+    gathers. Masks without array leaves evaluate :meth:`mask_mod` itself."""
+    return self.mask_mod(b, h, q_idx, kv_idx)
+
   def __and__(self, other: Mask) -> Mask:
     return And(self, _as_mask(other, "&"))
 
@@ -281,15 +296,23 @@ class SeqLengths(Mask):
     lk = None if self.kv_lengths is None else _per_batch(self.kv_lengths, b)
     return lq, lk
 
+  def leaf_kinds(self):
+    return ("batch",) * ((self.q_lengths is not None) + (self.kv_lengths is not None))
+
   def mask_mod(self, b, h, q_idx, kv_idx):
     del h
-    lq, lk = self._lengths(b)
-    ok = jnp.asarray(True)
-    if lq is not None:
-      ok = ok & (q_idx < lq)
-    if lk is not None:
-      ok = ok & (kv_idx < lk)
-    return ok
+    return self._within(self._lengths(b), q_idx, kv_idx)
+
+  def local_mod(self, b, h, q_idx, kv_idx):
+    del b, h
+    return self._within((self.q_lengths, self.kv_lengths), q_idx, kv_idx)
+
+  @staticmethod
+  def _within(lengths, q_idx, kv_idx):
+    lq, lk = lengths  # seq_lengths has at least one (no constant True: kernels trace this)
+    ok = [c for c in (None if lq is None else q_idx < lq, None if lk is None else kv_idx < lk)
+          if c is not None]
+    return ok[0] & ok[1] if len(ok) == 2 else ok[0]
 
   def tile_range(self, q0, bq, k0, bk):
     b = jnp.arange(_batch_len(self.q_lengths, self.kv_lengths))[:, None]
@@ -321,10 +344,18 @@ class PrefixLM(Mask):
       p = p.reshape((1,) * len(batch))
     return PrefixLM(_flat_batch("prefix_lm's prefix_lengths", p, batch, 0))
 
+  def leaf_kinds(self):
+    return ("batch",)
+
   def mask_mod(self, b, h, q_idx, kv_idx):
-    del h
     p = self.prefix_lengths
-    p = p if p.ndim == 0 else _per_batch(p, b)
+    return self._local(p if p.ndim == 0 else _per_batch(p, b), q_idx, kv_idx)
+
+  def local_mod(self, b, h, q_idx, kv_idx):
+    return self._local(self.prefix_lengths, q_idx, kv_idx)
+
+  @staticmethod
+  def _local(p, q_idx, kv_idx):
     return (kv_idx < p) | (kv_idx <= q_idx)
 
   def tile_range(self, q0, bq, k0, bk):
@@ -351,10 +382,17 @@ class SegmentIds(Mask):
     return SegmentIds(_flat_batch("segment_ids' q_ids", q, batch, 1),
                       _flat_batch("segment_ids' kv_ids", k, batch, 1))
 
+  def leaf_kinds(self):
+    return ("q", "kv")
+
   def mask_mod(self, b, h, q_idx, kv_idx):
     del h
     qv, kv = _ids_at(self.q_ids, b, q_idx), _ids_at(self.kv_ids, b, kv_idx)
     return (qv == kv) & (qv >= 0)
+
+  def local_mod(self, b, h, q_idx, kv_idx):
+    del b, h, q_idx, kv_idx
+    return (self.q_ids == self.kv_ids) & (self.q_ids >= 0)
 
   def tile_range(self, q0, bq, k0, bk):
     qs = _ids_at(self.q_ids, jnp.arange(self.q_ids.shape[0])[:, None], q0 + jnp.arange(bq))
@@ -441,6 +479,12 @@ class _Pair(Mask):
 
   def mask_mod(self, b, h, q_idx, kv_idx):
     return self.op(self.a.mask_mod(b, h, q_idx, kv_idx), self.b.mask_mod(b, h, q_idx, kv_idx))
+
+  def leaf_kinds(self):
+    return self.a.leaf_kinds() + self.b.leaf_kinds()
+
+  def local_mod(self, b, h, q_idx, kv_idx):
+    return self.op(self.a.local_mod(b, h, q_idx, kv_idx), self.b.local_mod(b, h, q_idx, kv_idx))
 
   def tile_range(self, q0, bq, k0, bk):
     (sa, ea), (sb, eb) = self.a.tile_range(q0, bq, k0, bk), self.b.tile_range(q0, bq, k0, bk)

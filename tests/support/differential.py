@@ -107,8 +107,7 @@ class Case:
     # Pallas runs every streaming weighting: pointwise F and the whole-row families.
     if streaming and small and self.pallas != "none":
       out.append("pallas")
-      if (self.score in ("dot", "scaled_dot") and self.pallas == "both" and not ON_GPU
-          and self.structured == "none"):
+      if self.score in ("dot", "scaled_dot") and self.pallas == "both" and not ON_GPU:
         out.append("pallas_tpu")
     return [i for i in out if self.only is None or i in self.only]
 
@@ -375,9 +374,18 @@ def _call(case: Case, impl: str, scalar_params: tuple):
     scale = case.scale
     if scale is None:
       scale = 1.0 / math.sqrt(case.h) if case.score == "scaled_dot" else 1.0
-    return lambda q, k, v, bias, mask, params: pallas_lib.pallas_attention(
-        q, k, v, weighting=w, scale=scale, bias=bias, mask=mask, is_causal=case.causal,
-        block_q=case.block_q, block_k=case.block_k, backend="tpu", interpret=True)
+
+    def tpu(q, k, v, bias, mask, params):
+      structured = None
+      if isinstance(mask, core.masks.Mask):  # bound as attention binds it, sigmoid's n too
+        structured = mask.bind(q.shape[:1], q.shape[2], q.shape[1], k.shape[1])
+        bias = problem.sequence_bias(w, structured, bias, q, k.shape[1])
+        mask = None
+      return pallas_lib.pallas_attention(
+          q, k, v, weighting=w, scale=scale, bias=bias, mask=mask, is_causal=case.causal,
+          block_q=case.block_q, block_k=case.block_k, backend="tpu", interpret=True,
+          structured_mask=structured)
+    return tpu
   warns = contextlib.nullcontext
   if impl == "auto":
     implementation = None

@@ -27,6 +27,7 @@ from typing import Any, ClassVar
 
 import jax
 
+from attnx.core import masks as masks_lib
 from attnx.core import scores as scores_lib
 from attnx.core.implementations.base import (
     Implementation,
@@ -42,6 +43,7 @@ from attnx.core.implementations.base import (
 from attnx.core.implementations.blocked import small_problem_reason
 from attnx.core.kernels import pallas as pallas_lib
 from attnx.core.kernels.pallas import block as pallas_block
+from attnx.core.kernels.pallas import masking as pallas_masking
 
 Array = jax.Array
 
@@ -132,7 +134,24 @@ class Pallas(Implementation):
     kernel = functools.partial(
         pallas_lib.pallas_attention, backend=backend, interpret=self.interpret,
         **problem.weighting.kernel_args(inputs.weighting_params))
-    return run_streaming(problem, inputs, kernel, self.block_sizes)
+    # The kernels loop over the tiles a structured mask may attend and evaluate it per tile.
+    return run_streaming(problem, inputs, kernel, self.block_sizes, structured_kernel=True)
+
+  def mask_tiles(self, problem: Problem, inputs: Inputs) -> dict[str, Any] | None:
+    smask = inputs.structured_mask
+    if smask is None or pallas_masking.kernel_reason(smask) is not None:
+      return None  # none, or one the kernels read materialized
+    be = self._backends(problem)[0]
+    blocks, _ = pallas_lib.tiles.kernel_tiles(
+        be, problem.weighting, problem.t, problem.s, problem.stream_head_dim,
+        problem.value_head_dim, problem.stream_dtype, self.block_q, self.block_k)
+    if problem.is_causal:
+      smask = masks_lib.Causal() & smask
+    try:
+      return pallas_masking.tile_counts(smask, blocks.block_q, blocks.block_k, problem.t,
+                                        problem.s)
+    except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError):
+      return None  # traced ids or lengths: no count
 
   def ring_reason(self, ring: RingProblem) -> str | None:
     be = pallas_lib.resolve_backend(ring.backend, self.interpret)

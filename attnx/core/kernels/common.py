@@ -9,7 +9,7 @@ import jax.numpy as jnp
 
 Array = jax.Array
 
-__all__ = ["as_5d", "pad_axis", "round_up", "sum_to"]
+__all__ = ["as_5d", "pad_axis", "round_up", "sum_to", "tile_span"]
 
 
 def round_up(x: int, m: int) -> int:
@@ -44,3 +44,15 @@ def pad_axis(x: Array, axis: int, size: int, value: Any = 0, keep_one: bool = Fa
   pads[axis] = (0, size - x.shape[axis])
   return jnp.pad(x, pads, constant_values=value)
 
+
+def tile_span(kinds: Array, axis: int) -> tuple[Array, Array]:
+  """The first and one-past-last tile along ``axis`` of a [nq, nk] table of tile kinds (0: the
+  tile is skipped, as :func:`attnx.core.kernels.xla.tiling.tile_kinds`) that is not skipped,
+  for every tile of the other axis (``lo = hi`` where all are skipped): the loop bounds of a
+  kernel's inner loop (axis 1: key tiles of each query tile; 0: query tiles of each key
+  tile)."""
+  n = kinds.shape[axis]
+  idx = jnp.expand_dims(jnp.arange(n), 1 - axis)
+  lo = jnp.min(jnp.where(kinds > 0, idx, n), axis=axis)
+  hi = jnp.max(jnp.where(kinds > 0, idx + 1, 0), axis=axis)
+  return lo, jnp.maximum(hi, lo)

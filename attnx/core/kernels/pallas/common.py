@@ -37,8 +37,8 @@ LANES = 128  # TPU vector lanes: row statistics are stored replicated over 128 l
 NT = (((1,), (1,)), ((), ()))  # dot_general dimensions of a @ b.T
 
 __all__ = ["LANES", "LOG2E", "NT", "KernelConfig", "accumulate_dkv", "bcast_index", "bnth",
-           "bwd_tile", "dot_chunks", "grad_rows", "kv_hi", "q_range", "ref_cols", "tile_scores",
-           "tile_valid", "uncounted"]
+           "bwd_tile", "dot_chunks", "grad_rows", "in_span", "kv_hi", "kv_span", "q_range",
+           "q_span", "ref_cols", "tile_scores", "tile_valid", "uncounted"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +75,8 @@ class KernelConfig:
   two_pass_dkv: bool = False
   # Sparsemax/entmax: skip the work of key tiles whose every weight is zero (:mod:`.rows`).
   skip_zero_tiles: bool = True
+  # A structured mask's static plan (:class:`.masking.MaskPlan`), or None.
+  smask: Any = None
 
   @property
   def alpha(self) -> float:
@@ -93,7 +95,14 @@ class KernelConfig:
     return self.scale * self.alpha, self.alpha
 
   def needs_valid(self, has_mask: bool) -> bool:
-    return has_mask or self.is_causal or self.q_bound or self.kv_bound
+    return (has_mask or self.is_causal or self.q_bound or self.kv_bound
+            or self.smask is not None)
+
+  @property
+  def num_smask_refs(self) -> int:
+    """The refs of a structured mask a GPU kernel gets (:func:`.masking.gpu_operands`)."""
+    p = self.smask
+    return 0 if p is None else p.num_scalars + p.num_ids + 2
 
 
 def _cdiv(a, b: int):
@@ -123,11 +132,36 @@ def q_range(cfg: KernelConfig, j, bq: int, bk: int, q_len, kv_len):
   return lo, jnp.maximum(hi, lo)
 
 
-def tile_valid(cfg: KernelConfig, shape: tuple[int, int], r0, c0, mask_tile, q_len, kv_len):
-  """Boolean [bq, bk] validity of a tile (None when every entry is valid)."""
+def kv_span(cfg: KernelConfig, i, bq: int, bk: int, q_len, kv_len, sm=None):
+  """[lo, hi) of the key tiles query tile i visits: :func:`kv_hi`'s, narrowed to a structured
+  mask's span (``sm``, a :class:`.masking.KernelMask`)."""
+  hi = kv_hi(cfg, i, bq, bk, q_len, kv_len)
+  return (0, hi) if sm is None else sm.clip(0, hi)
+
+
+def q_span(cfg: KernelConfig, j, bq: int, bk: int, q_len, kv_len, sm=None):
+  """[lo, hi) of the query tiles that visit key tile j: :func:`q_range`'s, narrowed to a
+  structured mask's span."""
+  lo, hi = q_range(cfg, j, bq, bk, q_len, kv_len)
+  return (lo, hi) if sm is None else sm.clip(lo, hi)
+
+
+def in_span(t, span):
+  """Whether grid step t runs a tile of span (lo, hi) (lo the Python int 0: ``t < hi``)."""
+  lo, hi = span
+  return t < hi if isinstance(lo, int) and lo == 0 else (t >= lo) & (t < hi)
+
+
+def tile_valid(cfg: KernelConfig, shape: tuple[int, int], r0, c0, mask_tile, q_len, kv_len,
+               sm=None, head=None):
+  """Boolean [bq, bk] validity of a tile (None when every entry is valid); ``sm`` a structured
+  mask (:class:`.masking.KernelMask`) evaluated for query head ``head``."""
   valid = None
   if mask_tile is not None:  # broadcast as int32, compare after (no i1 broadcasts)
     valid = jnp.broadcast_to(mask_tile.astype(jnp.int32), shape) != 0
+  if sm is not None:
+    st = sm.tile(head, shape, r0, c0)
+    valid = st if valid is None else valid & st
   if cfg.is_causal or cfg.q_bound or cfg.kv_bound:
     rows = r0 + lax.broadcasted_iota(jnp.int32, shape, 0)
     cols = c0 + lax.broadcasted_iota(jnp.int32, shape, 1)

@@ -25,6 +25,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from attnx.core import streaming
 from attnx.core.contract import finite
+from attnx.core.kernels.pallas import masking
 from attnx.core.kernels.pallas.common import (
     LANES,
     NT,
@@ -32,8 +33,11 @@ from attnx.core.kernels.pallas.common import (
     bcast_index,
     bnth,
     bwd_tile,
+    in_span,
     kv_hi,
+    kv_span,
     q_range,
+    q_span,
     tile_scores,
     tile_valid,
     uncounted,
@@ -43,11 +47,73 @@ Array = jax.Array
 # The spelling of the streaming rules Mosaic lowers: row statistics replicated over 128 lanes.
 OPS = streaming.Ops(exp2=True, ones_column=False, lanes=LANES)
 
-__all__ = ["OPS", "backward", "forward", "to_lanes_all"]
+__all__ = ["OPS", "backward", "forward", "kv_block", "q_block", "smask_counts", "smask_ids",
+           "smask_prefetch", "smask_view", "to_lanes_all"]
 
 
 def _tile(ref):
   return None if ref is None else ref[...]
+
+
+# --------------------------------------------------------------------------------------------
+# A structured mask's refs: scalars and spans as scalar prefetch after the lengths, ids after
+# the other inputs (:mod:`.masking`).
+# --------------------------------------------------------------------------------------------
+
+def smask_counts(cfg: KernelConfig) -> tuple[int, int]:
+  """(prefetch refs, id refs) of a structured mask in a TPU kernel."""
+  p = cfg.smask
+  return (0, 0) if p is None else (p.num_scalars + 2, p.num_ids)
+
+
+def smask_view(cfg: KernelConfig, pre: list, ids: list, b, t, n: int, bq: int, bk: int,
+               q_whole: bool = False, kv_whole: bool = False) -> masking.KernelMask | None:
+  """A TPU program's structured mask (None without one); see :func:`.masking.tpu_view`."""
+  if cfg.smask is None:
+    return None
+  return masking.tpu_view(cfg.smask, pre, ids, b, t, n, bq, bk, q_whole, kv_whole)
+
+
+def smask_prefetch(cfg: KernelConfig, smask: Any, kind: str) -> list:
+  return [] if cfg.smask is None else masking.tpu_prefetch(cfg.smask, smask, kind)
+
+
+def smask_ids(cfg: KernelConfig, smask: Any, q_block: tuple, kv_block: tuple,
+              q_index: Callable, kv_index: Callable) -> tuple[list, list]:
+  """(arrays, BlockSpecs) of a structured mask's ids: query ids [B|1, Tp, 128] in ``q_block``
+  blocks at ``q_index(*grid, *prefetch)`` (the row block), key ids [B|1, 8, Sp] in
+  ``kv_block`` blocks at ``kv_index`` (the column block)."""
+  if cfg.smask is None:
+    return [], []
+  arrays = masking.tpu_ids(cfg.smask, smask)
+  specs = []
+  for kind, f in zip((k for k in cfg.smask.kinds if k != "batch"),
+                     (f for k, f in zip(cfg.smask.kinds, cfg.smask.batched, strict=True)
+                      if k != "batch"), strict=True):
+    if kind == "q":
+      specs.append(pl.BlockSpec((None, *q_block), lambda bb, *rest, f=f: (
+          bb if f else 0, q_index(bb, *rest), 0)))
+    else:
+      specs.append(pl.BlockSpec((None, *kv_block), lambda bb, *rest, f=f: (
+          bb if f else 0, 0, kv_index(bb, *rest))))
+  return arrays, specs
+
+
+def kv_block(cfg: KernelConfig, b, i, j, bq: int, bk: int, ql, kl, pre=()):
+  """Key tile to fetch at grid step j: a skipped tile repeats a needed one (no DMA)."""
+  hi = kv_hi(cfg, i, bq, bk, ql[b], kl[b])
+  if cfg.smask is None:
+    return jnp.minimum(j, jnp.maximum(hi - 1, 0))
+  lo, hi = masking.narrow(masking.tpu_span(cfg.smask, pre, b, i, cfg.tp // bq), 0, hi)
+  return jnp.minimum(jnp.maximum(j, lo), jnp.maximum(hi - 1, lo))
+
+
+def q_block(cfg: KernelConfig, b, j, i, bq: int, bk: int, ql, kl, pre=()):
+  """Query tile to fetch at step i of key tile j's loop (a skipped one repeats a needed one)."""
+  lo, hi = q_range(cfg, j, bq, bk, ql[b], kl[b])
+  if cfg.smask is not None:
+    lo, hi = masking.narrow(masking.tpu_span(cfg.smask, pre, b, j, cfg.sp // bk), lo, hi)
+  return jnp.minimum(jnp.maximum(i, lo), jnp.maximum(hi - 1, lo))
 
 
 # --------------------------------------------------------------------------------------------
@@ -56,14 +122,20 @@ def _tile(ref):
 
 def _fwd_kernel(*refs, cfg: KernelConfig, has_bias: bool, has_mask: bool):
   it = iter(refs)
-  qlen_ref, kvlen_ref, q_ref, k_ref, v_ref = (next(it) for _ in range(5))
+  n_pre, n_ids = smask_counts(cfg)
+  qlen_ref, kvlen_ref = next(it), next(it)
+  sm_pre = [next(it) for _ in range(n_pre)]
+  q_ref, k_ref, v_ref = next(it), next(it), next(it)
   bias_ref = next(it) if has_bias else None
   mask_ref = next(it) if has_mask else None
+  sm_ids = [next(it) for _ in range(n_ids)]
   o_ref, stat_ref = next(it), next(it)
   w, bq, bk, ops = cfg.w, cfg.bq, cfg.bk, OPS
   scratch = list(it)
   b, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
   q_len, kv_len = qlen_ref[b], kvlen_ref[b]
+  sm = smask_view(cfg, sm_pre, sm_ids, b, i, cfg.tp // bq, bq, bk)
+  head = None if sm is None else pl.program_id(1)
 
   # The state lives in VMEM scratch across the key tiles (the last grid axis): m and l as
   # lane-replicated [bq, 128] (ops.lanes), acc as [bq, Hv].
@@ -82,10 +154,11 @@ def _fwd_kernel(*refs, cfg: KernelConfig, has_bias: bool, has_mask: bool):
     else:
       l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
 
-  @pl.when(j < kv_hi(cfg, i, bq, bk, q_len, kv_len))
+  @pl.when(in_span(j, kv_span(cfg, i, bq, bk, q_len, kv_len, sm)))
   def _run():
     z = tile_scores(cfg, [q_ref[...]], [k_ref[...]], _tile(bias_ref))
-    valid = tile_valid(cfg, (bq, bk), i * bq, j * bk, _tile(mask_ref), q_len, kv_len)
+    valid = tile_valid(cfg, (bq, bk), i * bq, j * bk, _tile(mask_ref), q_len, kv_len, sm,
+                       head)
     v = v_ref[...]
     if w.online_max:
       acc_sc[...], m_sc[...], l_sc[...] = streaming.online_max_update(
@@ -123,37 +196,40 @@ def _params(n_parallel: int, n_arbitrary: int):
       dimension_semantics=("parallel",) * n_parallel + ("arbitrary",) * n_arbitrary)
 
 
-def _kv_clamp(cfg: KernelConfig, b, i, j, bq, bk, ql, kl):
-  """Key tile to fetch at grid step j: a skipped tile repeats the last needed one (no DMA)."""
-  hi = kv_hi(cfg, i, bq, bk, ql[b], kl[b])
-  return jnp.minimum(j, jnp.maximum(hi - 1, 0))
-
-
-def _forward(cfg: KernelConfig, q, k, v, bias, mask, q_len, kv_len, out_dtype):
+def _forward(cfg: KernelConfig, q, k, v, bias, mask, q_len, kv_len, out_dtype, smask=None):
   b, n, tp, h = q.shape
   hv = v.shape[-1]
   bq, bk, g = cfg.bq, cfg.bk, cfg.g
 
-  def kv_map(bb, hh, i, j, ql, kl):
-    return bb, lax.div(hh, g), _kv_clamp(cfg, bb, i, j, bq, bk, ql, kl), 0
+  def clamp(bb, i, j, ql, kl, *pre):
+    return kv_block(cfg, bb, i, j, bq, bk, ql, kl, pre)
 
-  def bias_map(bb, hh, i, j, ql, kl):
-    return bb, hh, i, _kv_clamp(cfg, bb, i, j, bq, bk, ql, kl)
+  def kv_map(bb, hh, i, j, *lens):
+    return bb, lax.div(hh, g), clamp(bb, i, j, *lens), 0
+
+  def bias_map(bb, hh, i, j, *lens):
+    return bb, hh, i, clamp(bb, i, j, *lens)
 
   in_specs = [pl.BlockSpec((None, None, bq, h), lambda bb, hh, i, j, *_: (bb, hh, i, 0)),
               pl.BlockSpec((None, None, bk, h), kv_map),
               pl.BlockSpec((None, None, bk, hv), kv_map)]
   for x in (bias, mask):
     in_specs += _bias_spec(x, bq, bk, bias_map)
+  sm_ids, sm_specs = smask_ids(cfg, smask, (bq, LANES), (masking.SUBLANES, bk),
+                               lambda bb, hh, i, j, *_: i,
+                               lambda bb, hh, i, j, *lens: clamp(bb, i, j, *lens))
+  in_specs += sm_specs
   out_map = lambda bb, hh, i, j, *_: (bb, hh, i, 0)
   scratch = [pltpu.VMEM((bq, LANES), jnp.float32), pltpu.VMEM((bq, hv), jnp.float32)]
   if cfg.w.online_max:
     scratch = [pltpu.VMEM((bq, LANES), jnp.float32)] + scratch
+  sm_pre = smask_prefetch(cfg, smask, "fwd")
   o, st = pl.pallas_call(
       functools.partial(_fwd_kernel, cfg=cfg, has_bias=bias is not None,
                         has_mask=mask is not None),
       grid_spec=pltpu.PrefetchScalarGridSpec(
-          num_scalar_prefetch=2, grid=(b, n, tp // bq, cfg.sp // bk), in_specs=in_specs,
+          num_scalar_prefetch=2 + len(sm_pre), grid=(b, n, tp // bq, cfg.sp // bk),
+          in_specs=in_specs,
           out_specs=[pl.BlockSpec((None, None, bq, hv), out_map),
                      pl.BlockSpec((None, None, bq, LANES), out_map)],
           scratch_shapes=scratch),
@@ -161,7 +237,7 @@ def _forward(cfg: KernelConfig, q, k, v, bias, mask, q_len, kv_len, out_dtype):
                  jax.ShapeDtypeStruct((b, n, tp, LANES), jnp.float32)],
       compiler_params=_params(n_parallel=3, n_arbitrary=1), interpret=cfg.interpret,
       name="attnx_pallas_fwd",
-  )(q_len, kv_len, *[x for x in (q, k, v, bias, mask) if x is not None])
+  )(q_len, kv_len, *sm_pre, *[x for x in (q, k, v, bias, mask) if x is not None], *sm_ids)
   return o, st[..., 0]
 
 
@@ -171,29 +247,35 @@ def _forward(cfg: KernelConfig, q, k, v, bias, mask, q_len, kv_len, out_dtype):
 
 def _dq_kernel(*refs, cfg: KernelConfig, has_bias: bool, has_mask: bool, want_ds: bool):
   it = iter(refs)
+  n_pre, n_ids = smask_counts(cfg)
   qlen_ref, kvlen_ref = next(it), next(it)
+  sm_pre = [next(it) for _ in range(n_pre)]
   q_ref, k_ref, v_ref, do_ref, r0_ref, r1_ref, dl_ref = (next(it) for _ in range(7))
   bias_ref = next(it) if has_bias else None
   mask_ref = next(it) if has_mask else None
+  sm_ids = [next(it) for _ in range(n_ids)]
   dq_ref = next(it)
   ds_ref = next(it) if want_ds else None
   dq_sc = next(it)
   bq, bk = cfg.bq_dq, cfg.bk_dq
   b, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
   q_len, kv_len = qlen_ref[b], kvlen_ref[b]
+  sm = smask_view(cfg, sm_pre, sm_ids, b, i, cfg.tp // bq, bq, bk)
+  head = None if sm is None else pl.program_id(1)
   gq, gb = cfg.grad_mult
 
   @pl.when(j == 0)
   def _init():
     dq_sc[...] = jnp.zeros(dq_sc.shape, jnp.float32)
 
-  run = j < kv_hi(cfg, i, bq, bk, q_len, kv_len)
+  run = in_span(j, kv_span(cfg, i, bq, bk, q_len, kv_len, sm))
 
   @pl.when(run)
   def _run():
     q, k, v, do = q_ref[...], k_ref[...], v_ref[...], do_ref[...]
     z = tile_scores(cfg, [q], [k], _tile(bias_ref))
-    valid = tile_valid(cfg, (bq, bk), i * bq, j * bk, _tile(mask_ref), q_len, kv_len)
+    valid = tile_valid(cfg, (bq, bk), i * bq, j * bk, _tile(mask_ref), q_len, kv_len, sm,
+                       head)
     dp = lax.dot_general(do, v, NT, preferred_element_type=jnp.float32)
     rows = tuple(OPS.spread(r[...], bk) for r in (r0_ref, r1_ref, dl_ref))
     _, dz = bwd_tile(cfg, z, valid, dp, rows, OPS)
@@ -213,16 +295,21 @@ def _dq_kernel(*refs, cfg: KernelConfig, has_bias: bool, has_mask: bool, want_ds
 
 def _dkv_kernel(*refs, cfg: KernelConfig, has_bias: bool, has_mask: bool):
   it = iter(refs)
+  n_pre, n_ids = smask_counts(cfg)
   qlen_ref, kvlen_ref = next(it), next(it)
+  sm_pre = [next(it) for _ in range(n_pre)]
   q_ref, k_ref, v_ref, do_ref, r0_ref, r1_ref, dl_ref = (next(it) for _ in range(7))
   bias_ref = next(it) if has_bias else None
   mask_ref = next(it) if has_mask else None
+  sm_ids = [next(it) for _ in range(n_ids)]
   dk_ref, dv_ref, dk_sc, dv_sc = next(it), next(it), next(it), next(it)
   bq, bk = cfg.bq_dkv, cfg.bk_dkv
   b, j, h, i = pl.program_id(0), pl.program_id(2), pl.program_id(3), pl.program_id(4)
   q_len, kv_len = qlen_ref[b], kvlen_ref[b]
+  sm = smask_view(cfg, sm_pre, sm_ids, b, j, cfg.sp // bk, bq, bk)
+  head = None if sm is None else pl.program_id(1) * cfg.g + h
   gq, _ = cfg.grad_mult
-  lo, hi = q_range(cfg, j, bq, bk, q_len, kv_len)
+  lo, hi = q_span(cfg, j, bq, bk, q_len, kv_len, sm)
 
   @pl.when((h == 0) & (i == 0))
   def _init():
@@ -233,7 +320,8 @@ def _dkv_kernel(*refs, cfg: KernelConfig, has_bias: bool, has_mask: bool):
   def _run():
     q, k, v, do = q_ref[...], k_ref[...], v_ref[...], do_ref[...]
     z = tile_scores(cfg, [q], [k], _tile(bias_ref))
-    valid = tile_valid(cfg, (bq, bk), i * bq, j * bk, _tile(mask_ref), q_len, kv_len)
+    valid = tile_valid(cfg, (bq, bk), i * bq, j * bk, _tile(mask_ref), q_len, kv_len, sm,
+                       head)
     dp = lax.dot_general(do, v, NT, preferred_element_type=jnp.float32)
     rows = tuple(OPS.spread(r[...], bk) for r in (r0_ref, r1_ref, dl_ref))
     p, dz = bwd_tile(cfg, z, valid, dp, rows, OPS)
@@ -247,7 +335,8 @@ def _dkv_kernel(*refs, cfg: KernelConfig, has_bias: bool, has_mask: bool):
     dv_ref[...] = dv_sc[...].astype(dv_ref.dtype)
 
 
-def _backward(cfg: KernelConfig, q, k, v, bias, mask, q_len, kv_len, do, rows, want_ds):
+def _backward(cfg: KernelConfig, q, k, v, bias, mask, q_len, kv_len, do, rows, want_ds,
+              smask=None):
   b, n, tp, h = q.shape
   _, kh, sp, _ = k.shape
   hv = v.shape[-1]
@@ -260,11 +349,14 @@ def _backward(cfg: KernelConfig, q, k, v, bias, mask, q_len, kv_len, do, rows, w
   bq, bk = cfg.bq_dq, cfg.bk_dq
   row_map = lambda bb, hh, i, j, *_: (bb, hh, i, 0)
 
-  def kv_map(bb, hh, i, j, ql, kl):
-    return bb, lax.div(hh, g), _kv_clamp(cfg, bb, i, j, bq, bk, ql, kl), 0
+  def clamp(bb, i, j, ql, kl, *pre):
+    return kv_block(cfg, bb, i, j, bq, bk, ql, kl, pre)
 
-  def bias_map(bb, hh, i, j, ql, kl):
-    return bb, hh, i, _kv_clamp(cfg, bb, i, j, bq, bk, ql, kl)
+  def kv_map(bb, hh, i, j, *lens):
+    return bb, lax.div(hh, g), clamp(bb, i, j, *lens), 0
+
+  def bias_map(bb, hh, i, j, *lens):
+    return bb, hh, i, clamp(bb, i, j, *lens)
 
   in_specs = [pl.BlockSpec((None, None, bq, h), row_map), pl.BlockSpec((None, None, bk, h), kv_map),
               pl.BlockSpec((None, None, bk, hv), kv_map),
@@ -272,6 +364,10 @@ def _backward(cfg: KernelConfig, q, k, v, bias, mask, q_len, kv_len, do, rows, w
   in_specs += [pl.BlockSpec((None, None, bq, LANES), row_map)] * 3
   for x in (bias, mask):
     in_specs += _bias_spec(x, bq, bk, bias_map)
+  sm_ids, sm_specs = smask_ids(cfg, smask, (bq, LANES), (masking.SUBLANES, bk),
+                               lambda bb, hh, i, j, *_: i,
+                               lambda bb, hh, i, j, *lens: clamp(bb, i, j, *lens))
+  sm_pre = smask_prefetch(cfg, smask, "dq")
   out_specs = [pl.BlockSpec((None, None, bq, h), row_map)]
   out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
   if want_ds:
@@ -280,25 +376,25 @@ def _backward(cfg: KernelConfig, q, k, v, bias, mask, q_len, kv_len, do, rows, w
   res = pl.pallas_call(
       functools.partial(_dq_kernel, cfg=cfg, want_ds=want_ds, **has),
       grid_spec=pltpu.PrefetchScalarGridSpec(
-          num_scalar_prefetch=2, grid=(b, n, tp // bq, sp // bk), in_specs=in_specs,
-          out_specs=out_specs, scratch_shapes=[pltpu.VMEM((bq, h), jnp.float32)]),
+          num_scalar_prefetch=2 + len(sm_pre), grid=(b, n, tp // bq, sp // bk),
+          in_specs=in_specs + sm_specs, out_specs=out_specs,
+          scratch_shapes=[pltpu.VMEM((bq, h), jnp.float32)]),
       out_shape=out_shape, compiler_params=_params(n_parallel=3, n_arbitrary=1),
       interpret=cfg.interpret,
-      name="attnx_pallas_dq")(q_len, kv_len, *args)
+      name="attnx_pallas_dq")(q_len, kv_len, *sm_pre, *args, *sm_ids)
   dq, ds = res[0], (res[1] if want_ds else None)
 
   # dK, dV: grid (B, K, key tiles, G, query tiles); the last two accumulate in VMEM.
   bq, bk = cfg.bq_dkv, cfg.bk_dkv
 
-  def q_clamp(bb, j, i, ql, kl):
-    lo, hi = q_range(cfg, j, bq, bk, ql[bb], kl[bb])
-    return jnp.minimum(jnp.maximum(i, lo), jnp.maximum(hi - 1, lo))
+  def q_clamp(bb, j, i, ql, kl, *pre):
+    return q_block(cfg, bb, j, i, bq, bk, ql, kl, pre)
 
-  def qrow_map(bb, hh, j, gg, i, ql, kl):
-    return bb, hh * g + gg, q_clamp(bb, j, i, ql, kl), 0
+  def qrow_map(bb, hh, j, gg, i, *lens):
+    return bb, hh * g + gg, q_clamp(bb, j, i, *lens), 0
 
-  def bias_map_kv(bb, hh, j, gg, i, ql, kl):
-    return bb, hh * g + gg, q_clamp(bb, j, i, ql, kl), j
+  def bias_map_kv(bb, hh, j, gg, i, *lens):
+    return bb, hh * g + gg, q_clamp(bb, j, i, *lens), j
 
   kv_map2 = lambda bb, hh, j, *_: (bb, hh, j, 0)
   in_specs = [pl.BlockSpec((None, None, bq, h), qrow_map),
@@ -308,17 +404,22 @@ def _backward(cfg: KernelConfig, q, k, v, bias, mask, q_len, kv_len, do, rows, w
   in_specs += [pl.BlockSpec((None, None, bq, LANES), qrow_map)] * 3
   for x in (bias, mask):
     in_specs += _bias_spec(x, bq, bk, bias_map_kv)
+  sm_ids, sm_specs = smask_ids(cfg, smask, (bq, LANES), (masking.SUBLANES, bk),
+                               lambda bb, hh, j, gg, i, *lens: q_clamp(bb, j, i, *lens),
+                               lambda bb, hh, j, *_: j)
+  sm_pre = smask_prefetch(cfg, smask, "dkv")
   dk, dv = pl.pallas_call(
       functools.partial(_dkv_kernel, cfg=cfg, **has),
       grid_spec=pltpu.PrefetchScalarGridSpec(
-          num_scalar_prefetch=2, grid=(b, kh, sp // bk, g, tp // bq), in_specs=in_specs,
+          num_scalar_prefetch=2 + len(sm_pre), grid=(b, kh, sp // bk, g, tp // bq),
+          in_specs=in_specs + sm_specs,
           out_specs=[pl.BlockSpec((None, None, bk, h), kv_map2),
                      pl.BlockSpec((None, None, bk, hv), kv_map2)],
           scratch_shapes=[pltpu.VMEM((bk, h), jnp.float32), pltpu.VMEM((bk, hv), jnp.float32)]),
       out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
       compiler_params=_params(n_parallel=3, n_arbitrary=2), interpret=cfg.interpret,
       name="attnx_pallas_dkv",
-  )(q_len, kv_len, *args)
+  )(q_len, kv_len, *sm_pre, *args, *sm_ids)
   return dq, dk, dv, ds
 
 
@@ -333,16 +434,16 @@ def to_lanes_all(r: Array) -> Array:
 
 
 def forward(cfg: KernelConfig, q, k, v, bias, mask, q_len, kv_len,
-            out_dtype: Any) -> tuple[Array, Array]:
+            out_dtype: Any, smask: Any = None) -> tuple[Array, Array]:
   """O [B, Tp, N, Hv] and the row statistic [B, N, Tp] of [B, Tp, N, H] arrays (the kernels
   run on their [B, N, Tp, H] transposes)."""
-  o, st = _forward(cfg, bnth(q), bnth(k), bnth(v), bias, mask, q_len, kv_len, out_dtype)
+  o, st = _forward(cfg, bnth(q), bnth(k), bnth(v), bias, mask, q_len, kv_len, out_dtype, smask)
   return bnth(o), st
 
 
 def backward(cfg: KernelConfig, q, k, v, bias, mask, q_len, kv_len, do, rows,
-             want_ds: bool) -> tuple[Array, Array, Array, Array | None]:
+             want_ds: bool, smask: Any = None) -> tuple[Array, Array, Array, Array | None]:
   """dq, dk, dv [B, Tp|Sp, N|K, H] and dS [B, N, Tp, Sp] or None, as :func:`forward`."""
   dq, dk, dv, ds = _backward(cfg, bnth(q), bnth(k), bnth(v), bias, mask, q_len, kv_len,
-                             bnth(do), rows, want_ds)
+                             bnth(do), rows, want_ds, smask)
   return bnth(dq), bnth(dk), bnth(dv), ds

@@ -19,14 +19,14 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from attnx.core import streaming as st
-from attnx.core.kernels.pallas import mosaic
+from attnx.core.kernels.pallas import masking, mosaic
 from attnx.core.kernels.pallas.common import (
     LANES,
     KernelConfig,
     bcast_index,
     bnth,
-    kv_hi,
-    q_range,
+    kv_span,
+    q_span,
     ref_cols,
 )
 from attnx.core.kernels.pallas.rows import (
@@ -87,14 +87,16 @@ def _fwd_kernel(*refs, cfg, has_bias, has_mask):
   bq, bk = cfg.bq, cfg.bk
   b, i = pl.program_id(0), pl.program_id(2)
   q_len, kv_len = r["qlen"][b], r["kvlen"][b]
+  sm = mosaic.smask_view(cfg, r["sm"], r["sm_ids"], b, i, cfg.tp // bq, bq, bk, kv_whole=True)
   k_ref, v_ref, bias_ref, mask_ref = r["k"], r["v"], r["bias"], r["mask"]
   ds = lambda c0: pl.ds(pl.multiple_of(c0, LANES), bk)
   tile = tile_fn(cfg, i, bq, bk, [r["q"][...]], lambda c0: [k_ref[ds(c0), :]],
                   lambda c0: _cols(bias_ref, c0, bk),
-                  lambda c0: _cols(mask_ref, c0, bk), q_len, kv_len)
-  hi = kv_hi(cfg, i, bq, bk, q_len, kv_len)
+                  lambda c0: _cols(mask_ref, c0, bk), q_len, kv_len, sm,
+                  None if sm is None else pl.program_id(1))
+  span = kv_span(cfg, i, bq, bk, q_len, kv_len, sm)
   rowc = None if r["rowc"] is None else _lane0(r["rowc"][...])
-  o, stats, smean = forward_rows(cfg, OPS, tile, lambda c0: v_ref[ds(c0), :], hi, rowc, bq,
+  o, stats, smean = forward_rows(cfg, OPS, tile, lambda c0: v_ref[ds(c0), :], span, rowc, bq,
                                   v_ref.shape[-1])
   r["o"][...] = o.astype(r["o"].dtype)
   for ref, x in zip(stat_refs_of(r, cfg), stats, strict=True):
@@ -119,7 +121,17 @@ def _params(cfg, n_parallel: int, vmem: int):
                                                                        VMEM_LIMIT))))
 
 
-def _forward(cfg, q, k, v, rowc, bias, mask, q_len, kv_len, out_dtype):
+def _smask_ids(cfg, smask, bq: int | None) -> tuple[list, list]:
+  """The id operands of a rows kernel: its query tile of ``bq`` rows and all keys (forward,
+  dQ: grid (b, n, i)) or, ``bq`` None, all queries and its key tile (dK/dV: grid (b, kh, j))."""
+  if bq is None:
+    return mosaic.smask_ids(cfg, smask, (cfg.tp, LANES), (masking.SUBLANES, cfg.bk_dkv),
+                            lambda *_: 0, lambda bb, hh, j, *_: j)
+  return mosaic.smask_ids(cfg, smask, (bq, LANES), (masking.SUBLANES, cfg.sp),
+                          lambda bb, hh, i, *_: i, lambda *_: 0)
+
+
+def _forward(cfg, q, k, v, rowc, bias, mask, q_len, kv_len, out_dtype, smask=None):
   b, n, tp, h = q.shape
   hv = v.shape[-1]
   bq, g, sp = cfg.bq, cfg.g, cfg.sp
@@ -141,15 +153,19 @@ def _forward(cfg, q, k, v, rowc, bias, mask, q_len, kv_len, out_dtype):
     out_shape.append(jax.ShapeDtypeStruct((b, n, tp, hv), F32))
   args = [x for x in (q, k, v, None if rowc is None else mosaic.to_lanes_all(rowc), bias, mask)
           if x is not None]
+  sm_ids, sm_specs = _smask_ids(cfg, smask, bq)
+  sm_pre = mosaic.smask_prefetch(cfg, smask, "fwd")
   res = pl.pallas_call(
       functools.partial(_fwd_kernel, cfg=cfg, has_bias=bias is not None,
                         has_mask=mask is not None),
       grid_spec=pltpu.PrefetchScalarGridSpec(
-          num_scalar_prefetch=2, grid=(b, n, tp // bq), in_specs=in_specs, out_specs=out_specs),
+          num_scalar_prefetch=2 + len(sm_pre), grid=(b, n, tp // bq),
+          in_specs=in_specs + sm_specs, out_specs=out_specs),
       out_shape=out_shape,
       compiler_params=_params(cfg, n_parallel=3,
                               vmem=vmem_bytes(cfg, q.dtype, h, hv, bias, mask)),
-      interpret=cfg.interpret, name="attnx_pallas_rows_fwd")(q_len, kv_len, *args)
+      interpret=cfg.interpret, name="attnx_pallas_rows_fwd")(q_len, kv_len, *sm_pre, *args,
+                                                             *sm_ids)
   o, stats = res[0], tuple(x[..., 0] for x in res[1:1 + rs.num_stats])
   return o, stats, (res[-1] if rs.saves_support_mean else None)
 
@@ -163,13 +179,15 @@ def _dq_kernel(*refs, cfg, has_bias, has_mask, want_ds):
   bq, bk = cfg.bq_dq, cfg.bk_dq
   b, i = pl.program_id(0), pl.program_id(2)
   q_len, kv_len = r["qlen"][b], r["kvlen"][b]
+  sm = mosaic.smask_view(cfg, r["sm"], r["sm_ids"], b, i, cfg.tp // bq, bq, bk, kv_whole=True)
   k_ref, v_ref, bias_ref, mask_ref, ds_ref = r["k"], r["v"], r["bias"], r["mask"], r["ds"]
   ds = lambda c0: pl.ds(pl.multiple_of(c0, LANES), bk)
   qs = [r["q"][...]]
   tile = tile_fn(cfg, i, bq, bk, qs, lambda c0: [k_ref[ds(c0), :]],
                   lambda c0: _cols(bias_ref, c0, bk),
-                  lambda c0: _cols(mask_ref, c0, bk), q_len, kv_len)
-  hi = kv_hi(cfg, i, bq, bk, q_len, kv_len)
+                  lambda c0: _cols(mask_ref, c0, bk), q_len, kv_len, sm,
+                  None if sm is None else pl.program_id(1))
+  lo, _ = span = kv_span(cfg, i, bq, bk, q_len, kv_len, sm)
   stats = tuple(_lane0(ref[...]) for ref in stat_refs_of(r, cfg))
   rowc = None if r["rowc"] is None else _lane0(r["rowc"][...])
 
@@ -189,8 +207,14 @@ def _dq_kernel(*refs, cfg, has_bias, has_mask, want_ds):
     ca_ref[...] += _one_hot_cols(ca_ref.shape[1], j, ca)
     cb_ref[...] += _one_hot_cols(cb_ref.shape[1], j, cb)
 
-  dq, dc = dq_rows(cfg, OPS, tile, qs, lambda c0: [v_ref[ds(c0), :]], [r["do"][...]], hi, stats,
-                    _lane0(r["delta"][...]), rowc, ds_store, carry_store)
+  dq, dc, (ca, cb) = dq_rows(cfg, OPS, tile, qs, lambda c0: [v_ref[ds(c0), :]], [r["do"][...]],
+                             span, stats, _lane0(r["delta"][...]), rowc, ds_store, carry_store)
+  if ca_ref is not None and sm is not None:
+    # Key tiles before the rows' first: every key the rows attend is after them.
+    def fill(j, c):
+      carry_store(j, ca, cb)
+      return c
+    lax.fori_loop(0, lo, fill, 0)
   r["dq"][...] = (dq[0] * cfg.grad_mult[0]).astype(r["dq"].dtype)
   if dc is not None:
     r["dc"][...] = _to_lanes(dc)
@@ -201,8 +225,10 @@ def _dkv_kernel(*refs, cfg, has_bias, has_mask):
   bq, bk = cfg.bq_dkv, cfg.bk_dkv
   b, j = pl.program_id(0), pl.program_id(2)
   q_len, kv_len = r["qlen"][b], r["kvlen"][b]
+  sm = mosaic.smask_view(cfg, r["sm"], r["sm_ids"], b, j, cfg.sp // bk, bq, bk, q_whole=True)
   ks, vs = [r["k"][...]], [r["v"][...]]
-  lo, hi = q_range(cfg, j, bq, bk, q_len, kv_len)
+  lo, hi = q_span(cfg, j, bq, bk, q_len, kv_len, sm)
+  head0 = None if sm is None else pl.program_id(1) * cfg.g  # the kv head's first query head
   q_ref, do_ref, bias_ref, mask_ref = r["q"], r["do"], r["bias"], r["mask"]
   stat_refs = stat_refs_of(r, cfg)
 
@@ -223,7 +249,8 @@ def _dkv_kernel(*refs, cfg, has_bias, has_mask):
       if r["ca"] is not None:
         carry = st.GradCarry(_col(r["ca"][h, rows, :], j), _col(r["cb"][h, rows, :], j))
       return dkv_step(cfg, OPS, dkv, j, i, qs, dos, ks, vs, bias_t, mask_t, q_len, kv_len,
-                       stats, _lane0(r["delta"][h, rows, :]), rowc, carry)
+                       stats, _lane0(r["delta"][h, rows, :]), rowc, carry, sm,
+                       None if sm is None else head0 + h)
     return lax.fori_loop(lo, hi, q_block, carry)
 
   init = ((jnp.zeros((bk, ks[0].shape[-1]), F32),), (jnp.zeros((bk, vs[0].shape[-1]), F32),))
@@ -232,7 +259,7 @@ def _dkv_kernel(*refs, cfg, has_bias, has_mask):
   r["dv"][...] = dv[0].astype(r["dv"].dtype)
 
 
-def _backward(cfg, q, k, v, bias, mask, q_len, kv_len, do, rows, rowc, want_ds):
+def _backward(cfg, q, k, v, bias, mask, q_len, kv_len, do, rows, rowc, want_ds, smask=None):
   b, n, tp, h = q.shape
   _, kh, sp, _ = k.shape
   hv = v.shape[-1]
@@ -267,13 +294,16 @@ def _backward(cfg, q, k, v, bias, mask, q_len, kv_len, do, rows, rowc, want_ds):
     out_specs += [pl.BlockSpec((None, None, bq, ncols), rowmap)] * 2
     out_shape += [jax.ShapeDtypeStruct((b, n, tp, ncols), F32)] * 2
   args = [q, k, v, do, *rows] + [x for x in (bias, mask) if x is not None]
+  sm_ids, sm_specs = _smask_ids(cfg, smask, bq)
+  sm_pre = mosaic.smask_prefetch(cfg, smask, "dq")
   res = list(pl.pallas_call(
       functools.partial(_dq_kernel, cfg=cfg, want_ds=want_ds, **has),
       grid_spec=pltpu.PrefetchScalarGridSpec(
-          num_scalar_prefetch=2, grid=(b, n, tp // bq), in_specs=in_specs, out_specs=out_specs),
+          num_scalar_prefetch=2 + len(sm_pre), grid=(b, n, tp // bq),
+          in_specs=in_specs + sm_specs, out_specs=out_specs),
       out_shape=out_shape, compiler_params=_params(cfg, n_parallel=3, vmem=vmem),
       interpret=cfg.interpret,
-      name="attnx_pallas_rows_dq")(q_len, kv_len, *args))
+      name="attnx_pallas_rows_dq")(q_len, kv_len, *sm_pre, *args, *sm_ids))
   dq = res.pop(0)
   ds = res.pop(0) if want_ds else None
   dc = res.pop(0)[..., 0] if rs.needs_row_scale else None
@@ -291,15 +321,18 @@ def _backward(cfg, q, k, v, bias, mask, q_len, kv_len, do, rows, rowc, want_ds):
     in_specs += _bias_spec(x, tp, bk, lead=g, index=lambda bb, hh, j, *_: (bb, hh, 0, j))
   in_specs += [pl.BlockSpec((None, g, tp, ncols), headmap)] * len(carries)
   args = [q, k, v, do, *rows] + [x for x in (bias, mask) if x is not None] + carries
+  sm_ids, sm_specs = _smask_ids(cfg, smask, None)
+  sm_pre = mosaic.smask_prefetch(cfg, smask, "dkv")
   dk, dv = pl.pallas_call(
       functools.partial(_dkv_kernel, cfg=cfg, **has),
       grid_spec=pltpu.PrefetchScalarGridSpec(
-          num_scalar_prefetch=2, grid=(b, kh, sp // bk), in_specs=in_specs,
+          num_scalar_prefetch=2 + len(sm_pre), grid=(b, kh, sp // bk),
+          in_specs=in_specs + sm_specs,
           out_specs=[pl.BlockSpec((None, None, bk, h), kvmap2),
                      pl.BlockSpec((None, None, bk, hv), kvmap2)]),
       out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
       compiler_params=_params(cfg, n_parallel=3, vmem=vmem), interpret=cfg.interpret,
-      name="attnx_pallas_rows_dkv")(q_len, kv_len, *args)
+      name="attnx_pallas_rows_dkv")(q_len, kv_len, *sm_pre, *args, *sm_ids)
   return dq, dk, dv, ds, dc
 
 
@@ -320,27 +353,35 @@ def vmem_bytes(cfg: KernelConfig, dtype: Any, h: int, hv: int, bias: Any = None,
         out += n * max(r, 8) * max(c, LANES) * jnp.dtype(x.dtype).itemsize
     return out
 
-  fwd = sp * (h + hv) * item + cfg.bq * (h + 2 * hv) * 4 + extra(cfg.bq, sp)
+  kinds = () if cfg.smask is None else cfg.smask.kinds
+  nq_ids, nkv_ids = kinds.count("q"), kinds.count("kv")
+
+  def ids(rows: int, cols: int) -> int:  # a structured mask's ids (int32, lane layouts)
+    return 4 * (nq_ids * rows * LANES + nkv_ids * masking.SUBLANES * cols)
+
+  fwd = sp * (h + hv) * item + cfg.bq * (h + 2 * hv) * 4 + extra(cfg.bq, sp) + ids(cfg.bq, sp)
   if not backward:
     return 2 * fwd
   ncols = num_key_tiles(cfg)
   dq = sp * (h + hv) * item + cfg.bq_dq * (h + hv + 8 * LANES + 2 * ncols) * 4 + extra(
-      cfg.bq_dq, sp) + (cfg.bq_dq * sp * 4)
-  dkv = g * tp * ((h + hv) * item + 6 * LANES * 4 + 2 * ncols * 4) + extra(tp, cfg.bk_dkv, g)
+      cfg.bq_dq, sp) + (cfg.bq_dq * sp * 4) + ids(cfg.bq_dq, sp)
+  dkv = g * tp * ((h + hv) * item + 6 * LANES * 4 + 2 * ncols * 4) + extra(
+      tp, cfg.bk_dkv, g) + ids(tp, cfg.bk_dkv)
   return 2 * max(fwd, dq, dkv)
 
 
-def forward(cfg: KernelConfig, q, k, v, rowc, bias, mask, q_len, kv_len, out_dtype):
+def forward(cfg: KernelConfig, q, k, v, rowc, bias, mask, q_len, kv_len, out_dtype,
+            smask: Any = None):
   """(O, row statistics, Σu·v/Σu or None) of [B, Tp, N, H] arrays, as
   :func:`.triton_rows.forward` (the kernels run on the [B, N, Tp, H] transposes)."""
   o, stats, smean = _forward(cfg, bnth(q), bnth(k), bnth(v), rowc, bias, mask, q_len, kv_len,
-                             out_dtype)
+                             out_dtype, smask)
   return bnth(o), stats, None if smean is None else bnth(smean)
 
 
 def backward(cfg: KernelConfig, q, k, v, bias, mask, q_len, kv_len, do, rows, rowc,
-             want_ds: bool):
+             want_ds: bool, smask: Any = None):
   """(dq, dk, dv, dS or None, dc or None) as :func:`.triton_rows.backward`."""
   dq, dk, dv, ds, dc = _backward(cfg, bnth(q), bnth(k), bnth(v), bias, mask, q_len, kv_len,
-                                 bnth(do), rows, rowc, want_ds)
+                                 bnth(do), rows, rowc, want_ds, smask)
   return bnth(dq), bnth(dk), bnth(dv), ds, dc

@@ -43,15 +43,17 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from attnx.core import masks as masks_lib
 from attnx.core import streaming as st
 from attnx.core.contract import finite
 from attnx.core.kernels.pallas.common import (
-    KernelConfig,
-    accumulate_dkv,
-    dot_chunks,
-    tile_scores,
-    tile_valid,
+  KernelConfig,
+  accumulate_dkv,
+  dot_chunks,
+  tile_scores,
+  tile_valid,
 )
+from attnx.core.kernels.xla import rows as xla_rows
 from attnx.core.weightings import RowNormalizer
 
 Array = jax.Array
@@ -77,10 +79,20 @@ def num_key_tiles(cfg: KernelConfig) -> int:
 
 def row_scale(rs: st.RowStream, b: int, n: int, t: int, s: int, bias4: Array | None,
               mask4: Array | None, is_causal: bool, kv_lengths: Array | None,
-              s_param: Array | float | None) -> Array:
+              s_param: Array | float | None, structured: Any = None, kv_heads: int = 1,
+              tiles: tuple[int, int] = (128, 128)) -> Array:
   """[B, N, T] float32 c_i = s·log max(n_i, 1), n_i the keys row i attends (mask, bias ≠ −∞,
   causal, key lengths), as :func:`attnx.core.kernels.xla.rows._valid_counts`; ``s_param`` a scalar
-  or one value per query head [N] (default the weighting's s)."""
+  or one value per query head [N] (default the weighting's s). Under a bound ``structured``
+  mask n_i is counted tile by tile (``tiles``; :func:`attnx.core.kernels.xla.rows.
+  structured_counts`), without a T×S array."""
+  if structured is not None:
+    if is_causal:
+      structured = masks_lib.Causal() & structured
+    if kv_lengths is not None:
+      structured = structured & masks_lib.SeqLengths(None, kv_lengths)
+    counts = xla_rows.structured_counts(structured, bias4, mask4, b, n, kv_heads, t, s, *tiles)
+    return st.row_scale(rs, counts, _per_head(rs, s_param, n))
   rows = jnp.arange(t)
   if mask4 is None and bias4 is None:  # closed form: no [T, S] intermediate
     n_valid = jnp.clip(rows + 1, 0, s) if is_causal else jnp.full((t,), s)
@@ -113,16 +125,26 @@ def _per_head(rs: st.RowStream, s_param: Array | float | None, n: int) -> Array:
 # Tile loops shared by both backends (values and ref accessors, no layout).
 # --------------------------------------------------------------------------------------------
 
-def tile_fn(cfg, i, bq, bk, qs, load_k, bias_cols, mask_cols, q_len, kv_len):
+def tile_fn(cfg, i, bq, bk, qs, load_k, bias_cols, mask_cols, q_len, kv_len, sm=None,
+            head=None):
   """tile(j) -> (z [bq, bk] float32, valid [bq, bk] bool, the key tile's head-dim chunks) of
-  query tile i and key tile j."""
+  query tile i and key tile j (``sm``: a structured mask, of query head ``head``)."""
   def tile(j):
     c0 = j * bk
     ks = load_k(c0)
     z = tile_scores(cfg, qs, ks, bias_cols(c0))
-    valid = tile_valid(cfg, (bq, bk), i * bq, c0, mask_cols(c0), q_len, kv_len)
+    valid = tile_valid(cfg, (bq, bk), i * bq, c0, mask_cols(c0), q_len, kv_len, sm, head)
     return z, _scored(z, valid), ks
   return tile
+
+
+def _walk(span, reverse: bool):
+  """(lo, count, tile(r)) of a loop over the tiles [lo, hi) of ``span``: first to last, or
+  last first (stick-breaking); ``span`` (0, hi) keeps the loop as it was without a mask."""
+  lo, hi = span
+  if isinstance(lo, int) and lo == 0:
+    return 0, hi, (lambda r: hi - 1 - r) if reverse else (lambda r: r)
+  return 0, hi - lo, (lambda r: hi - 1 - r) if reverse else (lambda r: lo + r)
 
 
 def _scored(z, valid):
@@ -132,22 +154,24 @@ def _scored(z, valid):
   return scored if valid is None else valid & scored
 
 
-def forward_rows(cfg, ops, tile, load_v, hi, rowc, bq: int, hv: int):
+def forward_rows(cfg, ops, tile, load_v, span, rowc, bq: int, hv: int):
   """(O, row statistics, Σu·v/Σu or None) of one query tile: threshold passes (entmax), then
-  one pass over key tiles [0, hi) (last first for stick-breaking)."""
+  one pass over the key tiles [lo, hi) of ``span`` (last first for stick-breaking)."""
   rs = cfg.w.stream
   bk = cfg.bk
   rows = (bq,)
   ctx = rowc if rs.needs_row_scale else None
+  first, count, at = _walk(span, rs.reverse)
   if rs.needs_threshold:
+    lo, hi = span
     def tile_pass(fn, init):
-      return lax.fori_loop(0, hi, lambda j, c: fn(c, *tile(j)[:2]), init)
+      return lax.fori_loop(lo, hi, lambda j, c: fn(c, *tile(j)[:2]), init)
     ctx = st.entmax_threshold(tile_pass, rows, rs, ops)
 
   skip = _skips(cfg)
 
   def body(r, state):
-    j = hi - 1 - r if rs.reverse else r
+    j = at(r)
     z, valid, _ = tile(j)
     add = lambda state: st.update(rs, state, z, valid, load_v(j * bk), ctx, ops)
     if not skip:
@@ -156,7 +180,7 @@ def forward_rows(cfg, ops, tile, load_v, hi, rowc, bq: int, hv: int):
     return lax.cond(st.entmax_zero_tile(z, valid, ctx.m, ctx.tau, rs, ops), lambda s: s, add,
                     state)
 
-  state = lax.fori_loop(0, hi, body, st.init(rs, rows, hv))
+  state = lax.fori_loop(first, count, body, st.init(rs, rows, hv))
   return st.finalize(rs, state, ctx)
 
 
@@ -178,19 +202,21 @@ def _zero_grad_tile(cfg, ops, z, valid, stats, do_ok) -> Array:
   return st.entmax_zero_tile(z, valid, stats[0], stats[1], cfg.w.stream, ops) & do_ok
 
 
-def dq_rows(cfg, ops, tile, qs, load_v, dos, hi, stats, delta, rowc, ds_store, carry_store):
-  """(dQ in units of z [bq, H chunks], SSMax's dc or None) of one query tile: key tiles
-  [0, hi), last first for stick-breaking, whose carries of the keys after tile j (the stick L
-  and Σ A·dP) go to ``carry_store(j, L, ΣA·dP)`` for the dK/dV pass."""
+def dq_rows(cfg, ops, tile, qs, load_v, dos, span, stats, delta, rowc, ds_store, carry_store):
+  """(dQ in units of z [bq, H chunks], SSMax's dc or None, and stick-breaking's carries after
+  the loop) of one query tile: the key tiles [lo, hi) of ``span``, last first for
+  stick-breaking, whose carries of the keys after tile j (the stick L and Σ A·dP) go to
+  ``carry_store(j, L, ΣA·dP)`` for the dK/dV pass."""
   rs = cfg.w.stream
   bq, bk = cfg.bq_dq, cfg.bk_dq
+  first, count, at = _walk(span, rs.reverse)
 
   skip = _skips(cfg)
   do_ok = _all_finite(dos) if skip else None
 
   def body(r, c):
     dq, ca, cb = c
-    j = hi - 1 - r if rs.reverse else r
+    j = at(r)
     c0 = j * bk
     z, valid, ks = tile(j)
     if rs.suffix_carries:  # the carries of the keys after tile j, for the dK/dV pass
@@ -215,18 +241,19 @@ def dq_rows(cfg, ops, tile, qs, load_v, dos, hi, stats, delta, rowc, ds_store, c
 
   zero = jnp.zeros((bq,), F32)
   dq0 = tuple(jnp.zeros((bq, x.shape[-1]), F32) for x in qs)
-  dq, ca, _ = lax.fori_loop(0, hi, body, (dq0, zero, zero))
-  return dq, ca if rs.needs_row_scale else None
+  dq, ca, cb = lax.fori_loop(first, count, body, (dq0, zero, zero))
+  return dq, ca if rs.needs_row_scale else None, (ca, cb)
 
 
 def dkv_step(cfg, ops, dkv, j, i, qs, dos, ks, vs, bias_t, mask_t, q_len, kv_len, stats, delta,
-              rowc, carry):
+              rowc, carry, sm=None, head=None):
   """(dK, dV) after query tile i (rows of one head) against key tile j in the dK/dV pass
   (``()`` for the one not wanted: dV needs the weights only, not dP = dO·Vᵀ nor V)."""
   rs = cfg.w.stream
   bq, bk = cfg.bq_dkv, cfg.bk_dkv
   z = tile_scores(cfg, qs, ks, bias_t)
-  valid = _scored(z, tile_valid(cfg, (bq, bk), i * bq, j * bk, mask_t, q_len, kv_len))
+  valid = _scored(z, tile_valid(cfg, (bq, bk), i * bq, j * bk, mask_t, q_len, kv_len, sm,
+                                head))
 
   def grad(dkv):
     dp = dot_chunks(dos, vs) if dkv[0] else jnp.zeros((bq, bk), F32)
@@ -247,19 +274,34 @@ def dkv_step(cfg, ops, dkv, j, i, qs, dos, ks, vs, bias_t, mask_t, q_len, kv_len
 # --------------------------------------------------------------------------------------------
 
 def split_refs(refs, names):
-  """Refs in order, as a dict over the names whose flag is True (None for the others)."""
+  """Refs in order, as a dict over the names whose flag is True (None for the others); a flag
+  that is an int (not a bool) takes that many refs, as a list."""
   it = iter(refs)
-  out = {name: (next(it) if on else None) for name, on in names}
+  out = {name: ([next(it) for _ in range(on)] if type(on) is int else next(it) if on else None)
+         for name, on in names}
   rest = list(it)
   assert not rest, len(rest)
   return out
 
 
+def _lens(cfg, lens_first: bool) -> list:
+  """The lengths and a structured mask's refs: on the GPU (after the inputs) all of
+  :func:`.masking.gpu_operands`'; on the TPU (scalar prefetch, first) its scalars and spans,
+  its ids after the inputs (:func:`_ids`)."""
+  p = cfg.smask
+  n = 0 if p is None else (p.num_scalars + 2 if lens_first else cfg.num_smask_refs)
+  return [("qlen", True), ("kvlen", True), ("sm", n)]
+
+
+def _ids(cfg, lens_first: bool) -> list:
+  return [("sm_ids", cfg.smask.num_ids if lens_first and cfg.smask is not None else 0)]
+
+
 def fwd_names(cfg, has_bias, has_mask, lens_first: bool):
   rs = cfg.w.stream
   ins = [("q", True), ("k", True), ("v", True), ("rowc", rs.needs_row_scale),
-         ("bias", has_bias), ("mask", has_mask)]
-  lens = [("qlen", True), ("kvlen", True)]
+         ("bias", has_bias), ("mask", has_mask)] + _ids(cfg, lens_first)
+  lens = _lens(cfg, lens_first)
   outs = [("o", True)] + [(f"stat{n}", True) for n in range(rs.num_stats)] + [
       ("smean", rs.saves_support_mean)]
   return (lens + ins if lens_first else ins + lens) + outs
@@ -274,8 +316,8 @@ def _bwd_rows_in(cfg):
 def dq_names(cfg, has_bias, has_mask, want_ds, lens_first: bool):
   rs = cfg.w.stream
   ins = [("q", True), ("k", True), ("v", True), ("do", True)] + _bwd_rows_in(cfg) + [
-      ("bias", has_bias), ("mask", has_mask)]
-  lens = [("qlen", True), ("kvlen", True)]
+      ("bias", has_bias), ("mask", has_mask)] + _ids(cfg, lens_first)
+  lens = _lens(cfg, lens_first)
   carries = rs.suffix_carries
   outs = [("dq", True), ("ds", want_ds), ("dc", rs.needs_row_scale), ("ca", carries),
           ("cb", carries)]
@@ -286,8 +328,9 @@ def dkv_names(cfg, has_bias, has_mask, lens_first: bool, want_dk: bool = True,
                want_dv: bool = True):
   carries = cfg.w.stream.suffix_carries
   ins = [("q", True), ("k", True), ("v", True), ("do", True)] + _bwd_rows_in(cfg) + [
-      ("bias", has_bias), ("mask", has_mask), ("ca", carries), ("cb", carries)]
-  lens = [("qlen", True), ("kvlen", True)]
+      ("bias", has_bias), ("mask", has_mask), ("ca", carries), ("cb", carries)] + _ids(
+          cfg, lens_first)
+  lens = _lens(cfg, lens_first)
   return (lens + ins if lens_first else ins + lens) + [("dk", want_dk), ("dv", want_dv)]
 
 

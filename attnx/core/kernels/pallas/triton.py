@@ -33,14 +33,15 @@ from jax.experimental.pallas import triton as plgpu
 
 from attnx.core import streaming
 from attnx.core.contract import finite
+from attnx.core.kernels.pallas import masking
 from attnx.core.kernels.pallas.common import (
     KernelConfig,
     accumulate_dkv,
     bcast_index,
     bwd_tile,
     dot_chunks,
-    kv_hi,
-    q_range,
+    kv_span,
+    q_span,
     ref_cols,
     tile_scores,
     tile_valid,
@@ -52,7 +53,7 @@ Array = jax.Array
 OPS = streaming.Ops(exp2=True, ones_column=False)
 
 __all__ = ["OPS", "backward", "bias_specs", "dkv_passes", "forward", "head_chunks", "load_chunks",
-           "load_chunks3", "store_chunks"]
+           "load_chunks3", "smask_operands", "smask_view", "store_chunks", "zero_tiles"]
 
 
 def head_chunks(size: int) -> tuple[tuple[int, int], ...]:
@@ -91,11 +92,15 @@ def _fwd_kernel(*refs, cfg: KernelConfig, has_bias: bool, has_mask: bool):
   q_ref, k_ref, v_ref = next(it), next(it), next(it)
   bias_ref = next(it) if has_bias else None
   mask_ref = next(it) if has_mask else None
-  qlen_ref, kvlen_ref, o_ref, stat_ref = next(it), next(it), next(it), next(it)
+  qlen_ref, kvlen_ref = next(it), next(it)
+  sm_refs = [next(it) for _ in range(cfg.num_smask_refs)]
+  o_ref, stat_ref = next(it), next(it)
   w, bq, bk, ops = cfg.w, cfg.bq, cfg.bk, OPS
   hc, vc = head_chunks(q_ref.shape[-1]), head_chunks(v_ref.shape[-1])
   i = pl.program_id(0)
   q_len, kv_len = qlen_ref[0], kvlen_ref[0]
+  sm = smask_view(cfg, sm_refs, "fwd", bq, bk)
+  head = None if sm is None else pl.program_id(2)
   qs = load_chunks(q_ref, slice(None), hc)
 
   def tile(j):
@@ -104,11 +109,11 @@ def _fwd_kernel(*refs, cfg: KernelConfig, has_bias: bool, has_mask: bool):
     ks, vs = load_chunks(k_ref, rows, hc), tuple(load_chunks(v_ref, rows, vc))
     z = tile_scores(cfg, qs, ks, None if bias_ref is None else ref_cols(bias_ref, c0, bk))
     mask_t = None if mask_ref is None else ref_cols(mask_ref, c0, bk)
-    return z, vs, tile_valid(cfg, (bq, bk), i * bq, c0, mask_t, q_len, kv_len)
+    return z, vs, tile_valid(cfg, (bq, bk), i * bq, c0, mask_t, q_len, kv_len, sm, head)
 
   # The accumulator and V are tuples of head-dim chunks (streaming's rules map over them).
   acc0 = tuple(jnp.zeros((bq, c), jnp.float32) for _, c in vc)
-  hi = kv_hi(cfg, i, bq, bk, q_len, kv_len)
+  lo, hi = kv_span(cfg, i, bq, bk, q_len, kv_len, sm)
   if w.online_max:
     def body(j, carry):
       acc, m, l = carry
@@ -116,7 +121,7 @@ def _fwd_kernel(*refs, cfg: KernelConfig, has_bias: bool, has_mask: bool):
       return streaming.online_max_update(acc, m, z, valid, vs, l, ops=ops)
 
     m0, l0 = streaming.online_max_start(w)  # from the offset's virtual key, if any
-    acc, m, l = lax.fori_loop(0, hi, body, (acc0, jnp.full((bq,), m0, jnp.float32),
+    acc, m, l = lax.fori_loop(lo, hi, body, (acc0, jnp.full((bq,), m0, jnp.float32),
                                             jnp.full((bq,), l0, jnp.float32)))
     os_, st = streaming.pointwise_finalize(w, acc, m, l, add_offset=False, ops=ops)
   else:
@@ -124,11 +129,25 @@ def _fwd_kernel(*refs, cfg: KernelConfig, has_bias: bool, has_mask: bool):
       z, vs, valid = tile(j)
       return streaming.pointwise_update(w, *carry, z, valid, vs, cfg.s, ops=ops)
 
-    acc, l = lax.fori_loop(0, hi, body, (acc0, jnp.zeros((bq,), jnp.float32)))
+    acc, l = lax.fori_loop(lo, hi, body, (acc0, jnp.zeros((bq,), jnp.float32)))
     os_, st = streaming.pointwise_finalize(w, acc, l, num_keys=uncounted(cfg, has_mask),
                                            ops=ops)
   store_chunks(o_ref, os_, vc)
   stat_ref[...] = st
+
+
+def smask_view(cfg: KernelConfig, refs: list, kind: str, bq: int,
+               bk: int) -> masking.KernelMask | None:
+  """A GPU program's structured mask from its refs (None without one)."""
+  return None if cfg.smask is None else masking.gpu_view(cfg.smask, refs, kind, bq, bk)
+
+
+def smask_operands(cfg: KernelConfig, smask: Any, kind: str, bq: int,
+                   bk: int) -> tuple[list, list]:
+  """(arrays, BlockSpecs) of a structured mask's operands for a GPU kernel (none without)."""
+  if cfg.smask is None:
+    return [], []
+  return masking.gpu_operands(cfg.smask, smask, kind, bq, bk, cfg.tp, cfg.sp)
 
 
 def bias_specs(x: Array | None, block: tuple[int, ...], index: Callable) -> list:
@@ -140,7 +159,7 @@ def bias_specs(x: Array | None, block: tuple[int, ...], index: Callable) -> list
   return [pl.BlockSpec(blk, lambda *ids: bcast_index(shape, index(*ids)))]
 
 
-def forward(cfg: KernelConfig, q, k, v, bias, mask, q_len, kv_len, out_dtype):
+def forward(cfg: KernelConfig, q, k, v, bias, mask, q_len, kv_len, out_dtype, smask=None):
   b, tp, n, hp = q.shape
   hvp = v.shape[-1]
   bq, g = cfg.bq, cfg.g
@@ -152,9 +171,11 @@ def forward(cfg: KernelConfig, q, k, v, bias, mask, q_len, kv_len, out_dtype):
   for x in (bias, mask):
     in_specs += bias_specs(x, (1, 1, bq, cfg.sp), lambda i, bb, h: (bb, h, i, 0))
   in_specs += [pl.BlockSpec((1,), lambda i, bb, h: (bb,))] * 2
+  sm_args, sm_specs = smask_operands(cfg, smask, "fwd", bq, cfg.bk)
+  in_specs += sm_specs
   kernel = functools.partial(_fwd_kernel, cfg=cfg, has_bias=bias is not None,
                              has_mask=mask is not None)
-  args = [x for x in (q, k, v, bias, mask) if x is not None] + [q_len, kv_len]
+  args = [x for x in (q, k, v, bias, mask) if x is not None] + [q_len, kv_len] + sm_args
   return pl.pallas_call(
       kernel, grid=(tp // bq, b, n), in_specs=in_specs,
       out_specs=[pl.BlockSpec((None, bq, None, hvp), lambda i, bb, h: (bb, i, h, 0)),
@@ -174,12 +195,16 @@ def _dq_kernel(*refs, cfg: KernelConfig, has_bias: bool, has_mask: bool, want_ds
   q_ref, k_ref, v_ref, do_ref, r0_ref, r1_ref, dl_ref = (next(it) for _ in range(7))
   bias_ref = next(it) if has_bias else None
   mask_ref = next(it) if has_mask else None
-  qlen_ref, kvlen_ref, dq_ref = next(it), next(it), next(it)
+  qlen_ref, kvlen_ref = next(it), next(it)
+  sm_refs = [next(it) for _ in range(cfg.num_smask_refs)]
+  dq_ref = next(it)
   ds_ref = next(it) if want_ds else None
   bq, bk = cfg.bq_dq, cfg.bk_dq
   hc, vc = head_chunks(q_ref.shape[-1]), head_chunks(v_ref.shape[-1])
   i = pl.program_id(0)
   q_len, kv_len = qlen_ref[0], kvlen_ref[0]
+  sm = smask_view(cfg, sm_refs, "dq", bq, bk)
+  head = None if sm is None else pl.program_id(2)
   qs, dos = load_chunks(q_ref, slice(None), hc), load_chunks(do_ref, slice(None), vc)
   r0, r1, delta = r0_ref[...][:, None], r1_ref[...][:, None], dl_ref[...][:, None]
   gq, gb = cfg.grad_mult
@@ -190,21 +215,28 @@ def _dq_kernel(*refs, cfg: KernelConfig, has_bias: bool, has_mask: bool, want_ds
     ks, vs = load_chunks(k_ref, rows, hc), load_chunks(v_ref, rows, vc)
     z = tile_scores(cfg, qs, ks, None if bias_ref is None else ref_cols(bias_ref, c0, bk))
     mask_t = None if mask_ref is None else ref_cols(mask_ref, c0, bk)
-    valid = tile_valid(cfg, (bq, bk), i * bq, c0, mask_t, q_len, kv_len)
+    valid = tile_valid(cfg, (bq, bk), i * bq, c0, mask_t, q_len, kv_len, sm, head)
     _, dz = bwd_tile(cfg, z, valid, dot_chunks(dos, vs), (r0, r1, delta), OPS)
     if ds_ref is not None:
       ds_ref[:, rows] = dz * gb if gb != 1.0 else dz
     return tuple(a + jnp.dot(dz.astype(k.dtype), finite(k), preferred_element_type=jnp.float32)
                  for a, k in zip(dq, ks, strict=True))
 
-  hi = kv_hi(cfg, i, bq, bk, q_len, kv_len)
-  dq = lax.fori_loop(0, hi, body, tuple(jnp.zeros((bq, c), jnp.float32) for _, c in hc))
+  lo, hi = kv_span(cfg, i, bq, bk, q_len, kv_len, sm)
+  dq = lax.fori_loop(lo, hi, body, tuple(jnp.zeros((bq, c), jnp.float32) for _, c in hc))
   store_chunks(dq_ref, dq, hc, gq)
   if ds_ref is not None:  # tiles the loop skipped get a zero score cotangent
-    def zero(j, c):
-      ds_ref[:, pl.ds(j * bk, bk)] = jnp.zeros((bq, bk), jnp.float32)
-      return c
-    lax.fori_loop(hi, cfg.sp // bk, zero, 0)
+    zero_tiles(ds_ref, lo, hi, bq, bk, cfg.sp // bk)
+
+
+def zero_tiles(ds_ref, lo, hi, bq: int, bk: int, nk: int) -> None:
+  """Zeros in the [bq, Sp] dS block's key tiles outside [lo, hi) (a loop's skipped tiles)."""
+  def zero(j, c):
+    ds_ref[:, pl.ds(j * bk, bk)] = jnp.zeros((bq, bk), jnp.float32)
+    return c
+  if not (isinstance(lo, int) and lo == 0):
+    lax.fori_loop(0, lo, zero, 0)
+  lax.fori_loop(hi, nk, zero, 0)
 
 
 def _dkv_kernel(*refs, cfg: KernelConfig, has_bias: bool, has_mask: bool,
@@ -215,17 +247,20 @@ def _dkv_kernel(*refs, cfg: KernelConfig, has_bias: bool, has_mask: bool,
   bias_ref = next(it) if has_bias else None
   mask_ref = next(it) if has_mask else None
   qlen_ref, kvlen_ref = next(it), next(it)
+  sm_refs = [next(it) for _ in range(cfg.num_smask_refs)]
   dk_ref = next(it) if want_dk else None
   dv_ref = next(it) if want_dv else None
   bq, bk = cfg.bq_dkv, cfg.bk_dkv
   hc, vc = head_chunks(k_ref.shape[-1]), head_chunks(v_ref.shape[-1])
   j = pl.program_id(0)
   q_len, kv_len = qlen_ref[0], kvlen_ref[0]
+  sm = smask_view(cfg, sm_refs, "dkv", bq, bk)
+  head0 = None if sm is None else pl.program_id(2) * cfg.g  # the kv head's first query head
   ks = load_chunks(k_ref, slice(None), hc)
   # dV needs the weights only; dP = dO·Vᵀ (and V) only for dK.
   vs = load_chunks(v_ref, slice(None), vc) if want_dk else None
   c0 = j * bk
-  lo, hi = q_range(cfg, j, bq, bk, q_len, kv_len)
+  lo, hi = q_span(cfg, j, bq, bk, q_len, kv_len, sm)
   gq, _ = cfg.grad_mult
 
   def head(h, carry):
@@ -242,7 +277,8 @@ def _dkv_kernel(*refs, cfg: KernelConfig, has_bias: bool, has_mask: bool,
         mask_t = mask_ref[h if mask_ref.shape[0] > 1 else 0,
                           r if mask_ref.shape[1] > 1 else pl.ds(0, 1), :]
       z = tile_scores(cfg, qs, ks, bias_t)
-      valid = tile_valid(cfg, (bq, bk), i * bq, c0, mask_t, q_len, kv_len)
+      valid = tile_valid(cfg, (bq, bk), i * bq, c0, mask_t, q_len, kv_len, sm,
+                         None if sm is None else head0 + h)
       dp = dot_chunks(dos, vs) if want_dk else jnp.zeros((bq, bk), jnp.float32)
       p, dz = bwd_tile(cfg, z, valid, dp, (r0, r1, delta), OPS)
       return accumulate_dkv((dk, dv), p, dz, qs, dos)
@@ -283,7 +319,8 @@ def dkv_passes(kernel: Callable, cfg: KernelConfig, args: list, in_specs: list, 
   return dk, dv
 
 
-def backward(cfg: KernelConfig, q, k, v, bias, mask, q_len, kv_len, do, rows, want_ds):
+def backward(cfg: KernelConfig, q, k, v, bias, mask, q_len, kv_len, do, rows, want_ds,
+             smask=None):
   b, tp, n, hp = q.shape
   _, sp, kh, _ = k.shape
   hvp = v.shape[-1]
@@ -307,11 +344,12 @@ def backward(cfg: KernelConfig, q, k, v, bias, mask, q_len, kv_len, do, rows, wa
   if want_ds:
     out_specs.append(pl.BlockSpec((None, None, bq, sp), lambda i, bb, h: (bb, h, i, 0)))
     out_shape.append(jax.ShapeDtypeStruct((b, n, tp, sp), jnp.float32))
+  sm_args, sm_specs = smask_operands(cfg, smask, "dq", bq, cfg.bk_dq)
   res = pl.pallas_call(
       functools.partial(_dq_kernel, cfg=cfg, want_ds=want_ds, **has),
-      grid=(tp // bq, b, n), in_specs=in_specs + lens, out_specs=out_specs,
+      grid=(tp // bq, b, n), in_specs=in_specs + lens + sm_specs, out_specs=out_specs,
       out_shape=out_shape, compiler_params=dq_params, interpret=cfg.interpret,
-      name="attnx_pallas_dq")(*args)
+      name="attnx_pallas_dq")(*args, *sm_args)
   dq, ds = res[0], (res[1] if want_ds else None)
 
   # dK, dV: grid over key tiles of every kv head; the G query heads of a kv head in-kernel.
@@ -328,6 +366,7 @@ def backward(cfg: KernelConfig, q, k, v, bias, mask, q_len, kv_len, do, rows, wa
     blk = (None, 1 if shape[1] == 1 else g, 1 if shape[2] == 1 else tp, 1 if shape[3] == 1 else bk)
     in_specs.append(pl.BlockSpec(
         blk, lambda j, bb, h, shape=shape: bcast_index(shape, (bb, h, 0, j))))
-  dk, dv = dkv_passes(_dkv_kernel, cfg, args, in_specs + lens, k, v, params=params,
-                      name="attnx_pallas", has=has)
+  sm_args, sm_specs = smask_operands(cfg, smask, "dkv", cfg.bq_dkv, bk)
+  dk, dv = dkv_passes(_dkv_kernel, cfg, args + sm_args, in_specs + lens + sm_specs, k, v,
+                      params=params, name="attnx_pallas", has=has)
   return dq, dk, dv, ds

@@ -21,8 +21,8 @@ from attnx.core.kernels.pallas import triton
 from attnx.core.kernels.pallas.common import (
     KernelConfig,
     bcast_index,
-    kv_hi,
-    q_range,
+    kv_span,
+    q_span,
     ref_cols,
 )
 from attnx.core.kernels.pallas.rows import (
@@ -64,16 +64,17 @@ def _fwd_kernel(*refs, cfg, has_bias, has_mask):
   hc = triton.head_chunks(r["q"].shape[-1])
   i = pl.program_id(0)
   q_len, kv_len = r["qlen"][0], r["kvlen"][0]
+  sm = triton.smask_view(cfg, r["sm"], "fwd", bq, bk)
   qs = triton.load_chunks(r["q"], slice(None), hc)
   k_ref, v_ref, bias_ref, mask_ref = r["k"], r["v"], r["bias"], r["mask"]
   tile = tile_fn(cfg, i, bq, bk, qs, lambda c0: triton.load_chunks(k_ref, pl.ds(c0, bk), hc),
                   lambda c0: None if bias_ref is None else ref_cols(bias_ref, c0, bk),
                   lambda c0: None if mask_ref is None else ref_cols(mask_ref, c0, bk),
-                  q_len, kv_len)
-  hi = kv_hi(cfg, i, bq, bk, q_len, kv_len)
+                  q_len, kv_len, sm, None if sm is None else pl.program_id(2))
+  span = kv_span(cfg, i, bq, bk, q_len, kv_len, sm)
   rowc = None if r["rowc"] is None else r["rowc"][...]
-  o, stats, smean = forward_rows(cfg, OPS, tile, lambda c0: v_ref[pl.ds(c0, bk), :], hi, rowc, bq,
-                                  v_ref.shape[-1])
+  o, stats, smean = forward_rows(cfg, OPS, tile, lambda c0: v_ref[pl.ds(c0, bk), :], span, rowc,
+                                  bq, v_ref.shape[-1])
   r["o"][...] = o.astype(r["o"].dtype)
   for ref, x in zip(stat_refs_of(r, cfg), stats, strict=True):
     ref[...] = x
@@ -81,7 +82,7 @@ def _fwd_kernel(*refs, cfg, has_bias, has_mask):
     r["smean"][...] = smean
 
 
-def forward(cfg, q, k, v, rowc, bias, mask, q_len, kv_len, out_dtype):
+def forward(cfg, q, k, v, rowc, bias, mask, q_len, kv_len, out_dtype, smask=None):
   b, tp, n, hp = q.shape
   hvp = v.shape[-1]
   bq, g, sp = cfg.bq, cfg.g, cfg.sp
@@ -93,6 +94,8 @@ def forward(cfg, q, k, v, rowc, bias, mask, q_len, kv_len, out_dtype):
   for x in (bias, mask):
     in_specs += triton.bias_specs(x, (1, 1, bq, sp), lambda i, bb, h: (bb, h, i, 0))
   in_specs += [pl.BlockSpec((1,), lambda i, bb, h: (bb,))] * 2
+  sm_args, sm_specs = triton.smask_operands(cfg, smask, "fwd", bq, cfg.bk)
+  in_specs += sm_specs
   orow = pl.BlockSpec((None, bq, None, hvp), lambda i, bb, h: (bb, i, h, 0))
   out_specs = [orow] + [rowvec] * rs.num_stats
   out_shape = [jax.ShapeDtypeStruct((b, tp, n, hvp), out_dtype)] + [
@@ -100,7 +103,7 @@ def forward(cfg, q, k, v, rowc, bias, mask, q_len, kv_len, out_dtype):
   if rs.saves_support_mean:
     out_specs.append(orow)
     out_shape.append(jax.ShapeDtypeStruct((b, tp, n, hvp), F32))
-  args = [x for x in (q, k, v, rowc, bias, mask) if x is not None] + [q_len, kv_len]
+  args = [x for x in (q, k, v, rowc, bias, mask) if x is not None] + [q_len, kv_len] + sm_args
   res = pl.pallas_call(
       functools.partial(_fwd_kernel, cfg=cfg, has_bias=bias is not None,
                         has_mask=mask is not None),
@@ -121,6 +124,7 @@ def _dq_kernel(*refs, cfg, has_bias, has_mask, want_ds):
   hc, vc = triton.head_chunks(r["q"].shape[-1]), triton.head_chunks(r["v"].shape[-1])
   i = pl.program_id(0)
   q_len, kv_len = r["qlen"][0], r["kvlen"][0]
+  sm = triton.smask_view(cfg, r["sm"], "dq", bq, bk)
   qs = triton.load_chunks(r["q"], slice(None), hc)
   dos = triton.load_chunks(r["do"], slice(None), vc)
   k_ref, v_ref, bias_ref, mask_ref, ds_ref = r["k"], r["v"], r["bias"], r["mask"], r["ds"]
@@ -128,8 +132,8 @@ def _dq_kernel(*refs, cfg, has_bias, has_mask, want_ds):
   tile = tile_fn(cfg, i, bq, bk, qs, load_k,
                   lambda c0: None if bias_ref is None else ref_cols(bias_ref, c0, bk),
                   lambda c0: None if mask_ref is None else ref_cols(mask_ref, c0, bk),
-                  q_len, kv_len)
-  hi = kv_hi(cfg, i, bq, bk, q_len, kv_len)
+                  q_len, kv_len, sm, None if sm is None else pl.program_id(2))
+  lo, hi = span = kv_span(cfg, i, bq, bk, q_len, kv_len, sm)
   stats = tuple(ref[...] for ref in stat_refs_of(r, cfg))
   rowc = None if r["rowc"] is None else r["rowc"][...]
 
@@ -142,21 +146,26 @@ def _dq_kernel(*refs, cfg, has_bias, has_mask, want_ds):
   def carry_store(j, ca, cb):  # [key tiles, rows] blocks: row j
     ca_ref[j, :], cb_ref[j, :] = ca, cb
 
-  dq, dc = dq_rows(cfg, OPS, tile, qs, lambda c0: triton.load_chunks(v_ref, pl.ds(c0, bk), vc), dos,
-                    hi, stats, r["delta"][...], rowc, ds_store, carry_store)
+  dq, dc, (ca, cb) = dq_rows(
+      cfg, OPS, tile, qs, lambda c0: triton.load_chunks(v_ref, pl.ds(c0, bk), vc), dos, span,
+      stats, r["delta"][...], rowc, ds_store, carry_store)
   triton.store_chunks(r["dq"], dq, hc, cfg.grad_mult[0])
   if dc is not None:
     r["dc"][...] = dc
-  if ca_ref is not None:  # key tiles the rows do not reach: no carry
-    def zero_carry(j, c):
-      carry_store(j, jnp.zeros((bq,), F32), jnp.zeros((bq,), F32))
-      return c
-    lax.fori_loop(hi, ca_ref.shape[0], zero_carry, 0)
+  if ca_ref is not None:
+    def fill(values):
+      def put(j, c):
+        carry_store(j, *values())
+        return c
+      return put
+    # Key tiles after the rows' last: no carry; before their first (a structured mask's):
+    # every key the rows attend is after them.
+    lax.fori_loop(hi, ca_ref.shape[0],
+                  fill(lambda: (jnp.zeros((bq,), F32), jnp.zeros((bq,), F32))), 0)
+    if sm is not None:
+      lax.fori_loop(0, lo, fill(lambda: (ca, cb)), 0)
   if ds_ref is not None:  # tiles the loop skipped get a zero score cotangent
-    def zero(j, c):
-      ds_ref[:, pl.ds(j * bk, bk)] = jnp.zeros((bq, bk), F32)
-      return c
-    lax.fori_loop(hi, cfg.sp // bk, zero, 0)
+    triton.zero_tiles(ds_ref, lo, hi, bq, bk, cfg.sp // bk)
 
 
 def _dkv_kernel(*refs, cfg, has_bias, has_mask, want_dk=True, want_dv=True):
@@ -166,9 +175,11 @@ def _dkv_kernel(*refs, cfg, has_bias, has_mask, want_dk=True, want_dv=True):
   hc, vc = triton.head_chunks(r["k"].shape[-1]), triton.head_chunks(r["v"].shape[-1])
   j = pl.program_id(0)
   q_len, kv_len = r["qlen"][0], r["kvlen"][0]
+  sm = triton.smask_view(cfg, r["sm"], "dkv", bq, bk)
   ks = triton.load_chunks(r["k"], slice(None), hc)
   vs = triton.load_chunks(r["v"], slice(None), vc) if want_dk else None
-  lo, hi = q_range(cfg, j, bq, bk, q_len, kv_len)
+  lo, hi = q_span(cfg, j, bq, bk, q_len, kv_len, sm)
+  head0 = None if sm is None else pl.program_id(2) * cfg.g  # the kv head's first query head
   q_ref, do_ref, bias_ref, mask_ref = r["q"], r["do"], r["bias"], r["mask"]
   stat_refs = stat_refs_of(r, cfg)
 
@@ -189,7 +200,8 @@ def _dkv_kernel(*refs, cfg, has_bias, has_mask, want_dk=True, want_dv=True):
       if r["ca"] is not None:
         carry = st.GradCarry(r["ca"][h, j, rows], r["cb"][h, j, rows])
       return dkv_step(cfg, OPS, dkv, j, i, qs, dos, ks, vs, bias_t, mask_t, q_len, kv_len,
-                       stats, r["delta"][h, rows], rowc, carry)
+                       stats, r["delta"][h, rows], rowc, carry, sm,
+                       None if sm is None else head0 + h)
     return lax.fori_loop(lo, hi, q_block, carry)
 
   init = (tuple(jnp.zeros((bk, c), F32) for _, c in hc) if want_dk else (),
@@ -201,7 +213,7 @@ def _dkv_kernel(*refs, cfg, has_bias, has_mask, want_dk=True, want_dv=True):
     triton.store_chunks(r["dv"], dv, vc)
 
 
-def backward(cfg, q, k, v, bias, mask, q_len, kv_len, do, rows, rowc, want_ds):
+def backward(cfg, q, k, v, bias, mask, q_len, kv_len, do, rows, rowc, want_ds, smask=None):
   b, tp, n, hp = q.shape
   _, sp, kh, _ = k.shape
   hvp = v.shape[-1]
@@ -237,11 +249,12 @@ def backward(cfg, q, k, v, bias, mask, q_len, kv_len, do, rows, rowc, want_ds):
     out_specs += [pl.BlockSpec((None, None, ncols, bq), lambda i, bb, h: (bb, h, 0, i))] * 2
     out_shape += [jax.ShapeDtypeStruct((b, n, ncols, tp), F32)] * 2
   args = [q, k, v, do, *rows] + [x for x in (bias, mask) if x is not None] + [q_len, kv_len]
+  sm_args, sm_specs = triton.smask_operands(cfg, smask, "dq", bq, cfg.bk_dq)
   res = list(pl.pallas_call(
       functools.partial(_dq_kernel, cfg=cfg, want_ds=want_ds, **has),
-      grid=(tp // bq, b, n), in_specs=in_specs + lens, out_specs=out_specs,
+      grid=(tp // bq, b, n), in_specs=in_specs + lens + sm_specs, out_specs=out_specs,
       out_shape=out_shape, compiler_params=dq_params, interpret=cfg.interpret,
-      name="attnx_pallas_rows_dq")(*args))
+      name="attnx_pallas_rows_dq")(*args, *sm_args))
   dq = res.pop(0)
   ds = res.pop(0) if want_ds else None
   dc = res.pop(0) if rs.needs_row_scale else None
@@ -265,6 +278,7 @@ def backward(cfg, q, k, v, bias, mask, q_len, kv_len, do, rows, rowc, want_ds):
   in_specs += [pl.BlockSpec((None, g, ncols, tp), lambda j, bb, h: (bb, h, 0, 0))] * len(carries)
   args = [q, k, v, do, *rows] + [x for x in (bias, mask) if x is not None] + carries + [
       q_len, kv_len]
-  dk, dv = triton.dkv_passes(_dkv_kernel, cfg, args, in_specs + lens, k, v, params=params,
-                             name="attnx_pallas_rows", has=has)
+  sm_args, sm_specs = triton.smask_operands(cfg, smask, "dkv", cfg.bq_dkv, bk)
+  dk, dv = triton.dkv_passes(_dkv_kernel, cfg, args + sm_args, in_specs + lens + sm_specs, k, v,
+                             params=params, name="attnx_pallas_rows", has=has)
   return dq, dk, dv, ds, dc

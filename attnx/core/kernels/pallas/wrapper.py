@@ -32,6 +32,7 @@ summing over the bias' broadcast dims, and only when the bias is differentiated.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import numbers
@@ -41,9 +42,18 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from attnx.core import masks as masks_lib
 from attnx.core.contract import finite, nonfinite_inputs
 from attnx.core.kernels.common import round_up, sum_to
-from attnx.core.kernels.pallas import mosaic, mosaic_rows, platforms, tiles, triton, triton_rows
+from attnx.core.kernels.pallas import (
+    masking,
+    mosaic,
+    mosaic_rows,
+    platforms,
+    tiles,
+    triton,
+    triton_rows,
+)
 from attnx.core.kernels.pallas.common import KernelConfig, grad_rows
 from attnx.core.kernels.pallas.rows import row_scale, streams
 from attnx.core.weightings import Pointwise
@@ -60,75 +70,86 @@ __all__ = ["backward", "forward", "kernel_inputs", "pad_to", "pallas_attention",
 # --------------------------------------------------------------------------------------------
 
 def forward(cfg: KernelConfig, q, k, v, bias, mask, q_len, kv_len,
-            out_dtype: Any = None) -> tuple[Array, Array]:
+            out_dtype: Any = None, smask: Any = None) -> tuple[Array, Array]:
   """O [B, Tp, N, Hv] (``out_dtype``, default q's) and the row statistic [B, N, Tp] (float32)
   of a pointwise F.
 
   ``bias``/``mask``: [Bb, Nb, Tb, Sb] with every dim 1 or full (mask as int8/int32).
   ``out_dtype`` float32 keeps O as accumulated (ring attention merges the O of key blocks).
+  ``smask``: a structured mask's operands (:func:`.masking.prepare`) when ``cfg.smask``.
   """
   out_dtype = q.dtype if out_dtype is None else out_dtype
   kernels = triton if cfg.backend == "gpu" else mosaic
-  return kernels.forward(cfg, q, k, v, bias, mask, q_len, kv_len, out_dtype)
+  return kernels.forward(cfg, q, k, v, bias, mask, q_len, kv_len, out_dtype, smask)
 
 
 def backward(cfg: KernelConfig, q, k, v, bias, mask, q_len, kv_len, do, rows,
-             want_ds: bool) -> tuple[Array, Array, Array, Array | None]:
+             want_ds: bool, smask: Any = None) -> tuple[Array, Array, Array, Array | None]:
   """dq, dk, dv (input dtypes) and, when ``want_ds``, dS [B, N, Tp, Sp] float32.
 
   ``rows``: the three per-row values (r0, r1, δ), each [B, N, Tp] float32, of
   :func:`.common.grad_rows`.
   """
   kernels = triton if cfg.backend == "gpu" else mosaic
-  return kernels.backward(cfg, q, k, v, bias, mask, q_len, kv_len, do, rows, want_ds)
+  return kernels.backward(cfg, q, k, v, bias, mask, q_len, kv_len, do, rows, want_ds, smask)
 
 
-def row_forward(cfg: KernelConfig, q, k, v, rowc, bias, mask, q_len, kv_len, out_dtype=None):
+def row_forward(cfg: KernelConfig, q, k, v, rowc, bias, mask, q_len, kv_len, out_dtype=None,
+                smask: Any = None):
   """(O [B, Tp, N, Hv], row statistics (each [B, N, Tp] float32), Σu·v/Σu [B, Tp, N, Hv]
   float32 or None) of a whole-row weighting; ``rowc`` SSMax's [B, N, Tp] c or None."""
   out_dtype = q.dtype if out_dtype is None else out_dtype
   kernels = triton_rows if cfg.backend == "gpu" else mosaic_rows
-  return kernels.forward(cfg, q, k, v, rowc, bias, mask, q_len, kv_len, out_dtype)
+  return kernels.forward(cfg, q, k, v, rowc, bias, mask, q_len, kv_len, out_dtype, smask)
 
 
 def row_backward(cfg: KernelConfig, q, k, v, bias, mask, q_len, kv_len, do, rows, rowc,
-                 want_ds: bool):
+                 want_ds: bool, smask: Any = None):
   """(dq, dk, dv, dS [B, N, Tp, Sp] or None, dc [B, N, Tp] or None) of a whole-row
   weighting. ``rows``: the row statistics and δ (each [B, N, Tp] float32)."""
   kernels = triton_rows if cfg.backend == "gpu" else mosaic_rows
-  return kernels.backward(cfg, q, k, v, bias, mask, q_len, kv_len, do, rows, rowc, want_ds)
+  return kernels.backward(cfg, q, k, v, bias, mask, q_len, kv_len, do, rows, rowc, want_ds,
+                          smask)
 
 
 # --------------------------------------------------------------------------------------------
 # The custom VJPs.
 # --------------------------------------------------------------------------------------------
 
+def _values(tree: Any) -> Any:
+  """The values of a pytree of ``CustomVJPPrimal`` (symbolic_zeros' forward arguments)."""
+  return jax.tree.map(lambda p: p.value, tree,
+                      is_leaf=lambda x: isinstance(x, jax.custom_derivatives.CustomVJPPrimal))
+
+
 @functools.lru_cache(maxsize=512)
 def _make_kernel(cfg: KernelConfig) -> Callable[..., Array]:
-  """A custom-VJP function (q, k, v, bias, mask, q_len, kv_len) -> O of padded arrays."""
+  """A custom-VJP function (q, k, v, bias, mask, q_len, kv_len, smask) -> O of padded arrays
+  (``smask``: a structured mask's operands, or None)."""
 
   @jax.custom_vjp
-  def attn(q, k, v, bias, mask, q_len, kv_len):
-    return forward(cfg, q, k, v, bias, mask, q_len, kv_len)[0]
+  def attn(q, k, v, bias, mask, q_len, kv_len, smask):
+    return forward(cfg, q, k, v, bias, mask, q_len, kv_len, smask=smask)[0]
 
-  def fwd(q, k, v, bias, mask, q_len, kv_len):
+  def fwd(q, k, v, bias, mask, q_len, kv_len, smask):
     # symbolic_zeros: each array arrives as CustomVJPPrimal(value, perturbed); dS is only
     # materialized when the bias is differentiated.
     want_ds = bias is not None and bias.perturbed
     vals = [None if x is None else x.value for x in (q, k, v, bias, mask, q_len, kv_len)]
-    o, stat = forward(cfg, *vals)
+    smask = _values(smask)
+    o, stat = forward(cfg, *vals, smask=smask)
     marker = jnp.zeros((), jnp.float32) if want_ds else None
-    return o, (*vals, o, stat, marker)
+    return o, (*vals, smask, o, stat, marker)
 
   def bwd(res, do):
-    q, k, v, bias, mask, q_len, kv_len, o, stat, marker = res
+    q, k, v, bias, mask, q_len, kv_len, smask, o, stat, marker = res
     if isinstance(do, jax.custom_derivatives.SymbolicZero):
-      return (None,) * 7
+      return (None,) * 8
     rows = grad_rows(cfg, stat, o, do)
     dq, dk, dv, ds = backward(cfg, q, k, v, bias, mask, q_len, kv_len, do, rows,
-                                      want_ds=marker is not None)
+                              want_ds=marker is not None, smask=smask)
     dbias = None if ds is None else sum_to(ds, bias.shape).astype(bias.dtype)
-    return dq, dk, dv, dbias, None, None, None
+    return dq, dk, dv, dbias, None, None, None, None
 
   attn.defvjp(fwd, bwd, symbolic_zeros=True)
   return attn
@@ -136,36 +157,39 @@ def _make_kernel(cfg: KernelConfig) -> Callable[..., Array]:
 
 @functools.lru_cache(maxsize=512)
 def _make_row_kernel(cfg: KernelConfig):
-  """A custom-VJP function (q, k, v, bias, mask, q_len, kv_len, rowc) -> O of padded arrays
-  (rowc: SSMax's per-row scale [B, N, Tp], None for the other families)."""
+  """A custom-VJP function (q, k, v, bias, mask, q_len, kv_len, rowc, smask) -> O of padded
+  arrays (rowc: SSMax's per-row scale [B, N, Tp], None for the other families; smask: a
+  structured mask's operands, or None)."""
   rs = cfg.w.stream
   if rs.suffix_carries and cfg.bk_dq != cfg.bk_dkv:
     raise ValueError(f"stick-breaking's dQ and dK/dV key tiles must agree (its carries are "
                      f"per key tile), got {cfg.bk_dq} and {cfg.bk_dkv}")
 
   @jax.custom_vjp
-  def attn(q, k, v, bias, mask, q_len, kv_len, rowc):
-    return row_forward(cfg, q, k, v, rowc, bias, mask, q_len, kv_len)[0]
+  def attn(q, k, v, bias, mask, q_len, kv_len, rowc, smask):
+    return row_forward(cfg, q, k, v, rowc, bias, mask, q_len, kv_len, smask=smask)[0]
 
-  def fwd(q, k, v, bias, mask, q_len, kv_len, rowc):
+  def fwd(q, k, v, bias, mask, q_len, kv_len, rowc, smask):
     want_ds = bias is not None and bias.perturbed
     vals = [None if x is None else x.value for x in (q, k, v, bias, mask, q_len, kv_len, rowc)]
     q_, k_, v_, bias_, mask_, ql, kl, rowc_ = vals
+    smask = _values(smask)
     # O in float32 for δ = dO·O (the backward's row sums), q's dtype for the caller.
-    o, stats, smean = row_forward(cfg, q_, k_, v_, rowc_, bias_, mask_, ql, kl, out_dtype=F32)
+    o, stats, smean = row_forward(cfg, q_, k_, v_, rowc_, bias_, mask_, ql, kl, out_dtype=F32,
+                                  smask=smask)
     marker = jnp.zeros((), F32) if want_ds else None
-    return o.astype(q_.dtype), (*vals, o, stats, smean, marker)
+    return o.astype(q_.dtype), (*vals, smask, o, stats, smean, marker)
 
   def bwd(res, do):
-    q, k, v, bias, mask, q_len, kv_len, rowc, o, stats, smean, marker = res
+    q, k, v, bias, mask, q_len, kv_len, rowc, smask, o, stats, smean, marker = res
     if isinstance(do, jax.custom_derivatives.SymbolicZero):
-      return (None,) * 8
+      return (None,) * 9
     ref = smean if rs.saves_support_mean else o
     delta = jnp.sum(do.astype(F32) * ref, axis=-1).transpose(0, 2, 1)
     dq, dk, dv, ds, dc = row_backward(cfg, q, k, v, bias, mask, q_len, kv_len, do, (*stats, delta),
-                                  rowc, want_ds=marker is not None)
+                                  rowc, want_ds=marker is not None, smask=smask)
     dbias = None if ds is None else sum_to(ds, bias.shape).astype(bias.dtype)
-    return dq, dk, dv, dbias, None, None, None, dc
+    return dq, dk, dv, dbias, None, None, None, dc, None
 
   attn.defvjp(fwd, bwd, symbolic_zeros=True)
   return attn
@@ -217,7 +241,7 @@ def pallas_attention(q: Array, k: Array, v: Array, *, weighting: Any,
                      kv_lengths: Array | None = None, block_q: int | None = None,
                      block_k: int | None = None, backend: str | None = None,
                      interpret: bool = False, ssmax_s: Array | float | None = None,
-                     skip_zero_tiles: bool = True) -> Array:
+                     skip_zero_tiles: bool = True, structured_mask: Any = None) -> Array:
   """Fused attention out_i = Σ_j w_ij v_j for a pointwise weighting F, or a whole-row weighting
   with a streaming family (SSMax, softpick, stick-breaking, sparsemax, entmax: the kernels of
   :mod:`attnx.core.kernels.pallas.rows`), as Pallas kernels.
@@ -251,6 +275,11 @@ def pallas_attention(q: Array, k: Array, v: Array, *, weighting: Any,
       skipping; the scores are computed to find out). The result is the same bit for bit;
       False computes every tile (for side-by-side timings). The threshold passes compute
       every tile: these kernels keep no table of tile maxima across passes.
+    structured_mask: a structured mask (:mod:`attnx.core.masks`) bound to the flat batch
+      (:meth:`~attnx.core.masks.Mask.bind` with batch ``(B,)``), and-ed with ``mask``: every
+      kernel loops only over the tiles some pair of it may attend and evaluates it per tile
+      from its arrays (:mod:`.masking`), never as a T×S array. A ``from_fn`` mask whose
+      ``mask_mod`` closes over arrays is materialized into ``mask`` instead.
 
   Returns:
     [B, T, N, Hv] in q's dtype, equal up to float rounding to
@@ -264,7 +293,7 @@ def pallas_attention(q: Array, k: Array, v: Array, *, weighting: Any,
     return _per_platform(
         q, k, v, weighting=weighting, scale=scale, bias=bias, mask=mask, is_causal=is_causal,
         q_lengths=q_lengths, kv_lengths=kv_lengths, block_q=block_q, block_k=block_k,
-        ssmax_s=ssmax_s, skip_zero_tiles=skip_zero_tiles)
+        ssmax_s=ssmax_s, skip_zero_tiles=skip_zero_tiles, structured_mask=structured_mask)
   rows = not isinstance(weighting, Pointwise)
   if not isinstance(skip_zero_tiles, bool):
     raise ValueError(f"skip_zero_tiles must be a bool, got {skip_zero_tiles!r}")
@@ -287,6 +316,13 @@ def pallas_attention(q: Array, k: Array, v: Array, *, weighting: Any,
     raise ValueError(f"implementation='pallas' cannot run this: {reason}.")
   if mask is not None and jnp.asarray(mask).dtype != jnp.bool_:
     raise ValueError(f"mask must be boolean, got {jnp.asarray(mask).dtype}")
+  if structured_mask is not None:
+    if not isinstance(structured_mask, masks_lib.Mask):
+      raise ValueError(f"structured_mask must be an attnx.core.masks.Mask, got "
+                       f"{type(structured_mask).__name__}")
+    if masking.kernel_reason(structured_mask) is not None:  # evaluated densely instead
+      mask = masks_lib.combine(mask, structured_mask, (b,), n, t, s)
+      structured_mask = None
   bias4 = _as_4d(bias, (b, n, t, s), "bias")
   mask4 = _as_4d(mask, (b, n, t, s), "mask")
   blocks, launch = tiles.kernel_tiles(be, weighting, t, s, h, hv, q.dtype, block_q, block_k)
@@ -298,17 +334,27 @@ def pallas_attention(q: Array, k: Array, v: Array, *, weighting: Any,
   rowc = None
   if rows and weighting.stream.needs_row_scale:  # SSMax's c_i = s·log n_i, from the raw masks
     rowc = row_scale(weighting.stream, b, n, t, s, bias4, mask4, is_causal,
-                                 None if kv_lengths is None else kv_len, ssmax_s)
+                     None if kv_lengths is None else kv_len, ssmax_s,
+                     structured=structured_mask, kv_heads=kh,
+                     tiles=(blocks.block_q, blocks.block_k))
   cfg, (q, k, v, bias4, mask4) = kernel_inputs(
       q, k, v, bias4, mask4, weighting=weighting, scale=scale, backend=be, interpret=interpret,
       blocks=blocks, launch=launch, is_causal=is_causal, q_bound=q_lengths is not None,
       kv_bound=kv_lengths is not None, skip_zero_tiles=skip_zero_tiles)
+  smask = None
+  if structured_mask is not None:
+    plan, smask = masking.prepare(
+        structured_mask, {"fwd": (cfg.bq, cfg.bk), "dq": (cfg.bq_dq, cfg.bk_dq),
+                          "dkv": (cfg.bq_dkv, cfg.bk_dkv)}, cfg.tp, cfg.sp)
+    cfg = dataclasses.replace(cfg, smask=plan)
+    if rows and be == "tpu":
+      _check_vmem(cfg, weighting, q.dtype, h, hv, bias4, mask4)
   if rows:
     if rowc is not None:
       rowc = pad_to(rowc, {2: cfg.tp})
-    out = _make_row_kernel(cfg)(q, k, v, bias4, mask4, q_len, kv_len, rowc)
+    out = _make_row_kernel(cfg)(q, k, v, bias4, mask4, q_len, kv_len, rowc, smask)
   else:
-    out = _make_kernel(cfg)(q, k, v, bias4, mask4, q_len, kv_len)
+    out = _make_kernel(cfg)(q, k, v, bias4, mask4, q_len, kv_len, smask)
   return out[:, :t, :, :hv]
 
 
@@ -375,13 +421,19 @@ def kernel_inputs(q: Array, k: Array, v: Array, bias4: Array | None, mask4: Arra
     wide = be == "tpu" and (min_bq % 32 or mask4.shape[2] == 1)
     mask4 = pad_to(mask4.astype(jnp.int32 if wide else jnp.int8), {2: tp, 3: sp}, keep_one=True)
   if rows and be == "tpu":
-    need = mosaic_rows.vmem_bytes(cfg, q.dtype, h, hv, bias4, mask4, backward=True)
-    if need > mosaic_rows.VMEM_LIMIT:
-      raise ValueError(
-          f"implementation='pallas' cannot run this: the TPU kernels of {weighting.name!r} "
-          f"hold whole sequences in VMEM, ~{need / 2**20:.0f} MiB here (limit "
-          f"{mosaic_rows.VMEM_LIMIT / 2**20:.0f} MiB); use implementation='blocked'.")
+    _check_vmem(cfg, weighting, q.dtype, h, hv, bias4, mask4)
   return cfg, (q, k, v, bias4, mask4)
+
+
+def _check_vmem(cfg: KernelConfig, weighting: Any, dtype: Any, h: int, hv: int,
+                bias4: Array | None, mask4: Array | None) -> None:
+  """ValueError where a TPU whole-row kernel would not fit in VMEM."""
+  need = mosaic_rows.vmem_bytes(cfg, dtype, h, hv, bias4, mask4, backward=True)
+  if need > mosaic_rows.VMEM_LIMIT:
+    raise ValueError(
+        f"implementation='pallas' cannot run this: the TPU kernels of {weighting.name!r} "
+        f"hold whole sequences in VMEM, ~{need / 2**20:.0f} MiB here (limit "
+        f"{mosaic_rows.VMEM_LIMIT / 2**20:.0f} MiB); use implementation='blocked'.")
 
 
 def _per_platform(q: Array, k: Array, v: Array, **kwargs: Any) -> Array:
@@ -391,7 +443,8 @@ def _per_platform(q: Array, k: Array, v: Array, **kwargs: Any) -> Array:
   q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
   if q.ndim != 4 or v.ndim != 4:
     raise ValueError(f"expected 4-D [B, T, N, H] inputs, got {q.shape}, {k.shape}, {v.shape}")
-  arrays = {n: kwargs[n] for n in ("scale", "bias", "mask", "q_lengths", "kv_lengths", "ssmax_s")
+  arrays = {n: kwargs[n] for n in ("scale", "bias", "mask", "q_lengths", "kv_lengths", "ssmax_s",
+                                   "structured_mask")
             if kwargs[n] is not None and not isinstance(kwargs[n], numbers.Number)}
   static = {n: x for n, x in kwargs.items() if n not in arrays}
 

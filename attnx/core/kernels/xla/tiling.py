@@ -20,6 +20,7 @@ from jax import lax
 
 from attnx.core.contract import compute_dtype
 from attnx.core.kernels import common
+from attnx.core.kernels.common import tile_span
 from attnx.core.weightings import Pointwise
 
 Array = jax.Array
@@ -234,18 +235,6 @@ def kind_switch(kind: Array | None, skipped: Any, step: Any, *operands: Any,
     return step(*operands, True)
   return lax.switch(kind, [skipped, lambda *o: step(*o, full_needs_mask),
                            lambda *o: step(*o, True)], *operands)
-
-
-def tile_span(kinds: Array, axis: int) -> tuple[Array, Array]:
-  """The first and one-past-last tile along ``axis`` of :func:`tile_kinds` that is not
-  skipped, for every tile of the other axis (``lo = hi`` where all are skipped): the loop
-  bounds of a kernel's inner loop (axis 1: key tiles of each query tile; 0: query tiles of
-  each key tile)."""
-  n = kinds.shape[axis]
-  idx = jnp.expand_dims(jnp.arange(n), 1 - axis)
-  lo = jnp.min(jnp.where(kinds > 0, idx, n), axis=axis)
-  hi = jnp.max(jnp.where(kinds > 0, idx + 1, 0), axis=axis)
-  return lo, jnp.maximum(hi, lo)
 
 
 def tile_scores(qi: Array, kj: Array, bias: Array | None, i: Array, j: Array, cfg: TileConfig,

@@ -11,7 +11,10 @@ the compile time.
 
 Variants: ``causal_gqa`` (T = S = 2048, N = 8 query heads on K = 2 kv heads, causal),
 ``mask_bias`` (the same shape, not causal, a key-padding mask and a per-head float32 bias),
-``ragged`` (T = 1000 queries on S = 3000 keys, no power of two, not causal).
+``ragged`` (T = 1000 queries on S = 3000 keys, no power of two, not causal), ``documents``
+(the causal GQA shape on packed documents with a 512-key sliding window: a structured mask of
+segment ids, a traced argument, that the kernels read per tile and whose empty tiles they
+skip).
 
 A program passes when it compiles (a kernel over the shared memory a block may have, or over
 its scoped VMEM, fails to), no kernel of it spills registers (GPU) — except a kernel whose GPU
@@ -52,7 +55,7 @@ from attnx.core.kernels.common import round_up  # noqa: E402
 from attnx.core.kernels.pallas import tiles as pallas_tiles  # noqa: E402
 from attnx.train import config as train_config  # noqa: E402
 
-VARIANTS = ("causal_gqa", "mask_bias", "ragged")
+VARIANTS = ("causal_gqa", "mask_bias", "ragged", "documents")
 ROW_WEIGHTINGS = ("ssmax", "softpick", "stick_breaking", "sparsemax", "entmax15",
                   "entmax:alpha=1.3")
 COLUMNS = ["target", "weighting", "dtype", "H", "variant", "kernel", "grid", "warps", "regs",
@@ -136,16 +139,24 @@ def program(weighting: str, dtype: str, head_dim: int, variant: str, config):
   if variant == "mask_bias":
     args.append(jax.ShapeDtypeStruct((1, n, t, s), jnp.float32))
     extra["mask"] = jnp.arange(s)[None, None, None, :] < s - 17  # key padding
+  differentiated = tuple(range(len(args)))
+  if variant == "documents":
+    args.append(jax.ShapeDtypeStruct((b, t), jnp.int32))  # segment ids, not differentiated
   attend = functools.partial(
-      core.attention, weighting=name, score=score, is_causal=variant == "causal_gqa",
+      core.attention, weighting=name, score=score,
+      is_causal=variant in ("causal_gqa", "documents"),
       scale=1.0 if score == "neg_sq_dist" else 1.0 / math.sqrt(head_dim),
       implementation="pallas")
 
-  def loss(q, k, v, *bias):
-    out = attend(q, k, v, *bias, **extra)
+  def loss(q, k, v, *rest):
+    if variant == "documents":
+      mask = core.masks.segment_ids(rest[0]) & core.masks.sliding_window(512, 0)
+      out = attend(q, k, v, mask=mask)
+    else:
+      out = attend(q, k, v, *rest, **extra)
     return jnp.sum(jnp.square(out.astype(jnp.float32)))
 
-  return jax.grad(loss, argnums=tuple(range(len(args)))), args
+  return jax.grad(loss, argnums=differentiated), args
 
 
 def timed_kernels(weighting: str, dtype: str, head_dim: int) -> frozenset[str]:

@@ -223,6 +223,29 @@ BRANCH_CASES = (
       structured="segments", causal=True, bias="x1xx", block_q=16, block_k=32, pallas="gpu"),
     C(seed=95, t=90, s=130, b=3, n=2, weighting="sigmoid:normalization=none",
       structured="lengths", block_q=16, block_k=16, **_NO_PALLAS),
+    # The Pallas kernels read structured masks per tile (spans before the kernel, ids and
+    # lengths loaded per tile; kernels/pallas/masking.py), Triton and Mosaic: stick-breaking's
+    # carries across skipped tiles (sinks | a window leaves holes in a row's span), entmax's
+    # threshold over documents with GQA and T ≠ S, SSMax's n_i counted per tile, a head- and
+    # batch-dependent mask_mod, sigmoid's per-sequence n, sparsemax's zero tiles on a band,
+    # a prefix-LM; tiles (16, 128) fit both backends' rules.
+    C(seed=96, t=160, s=160, b=2, n=2, weighting="stick_breaking", structured="sinks",
+      causal=True, block_q=16, block_k=16, pallas="gpu"),
+    C(seed=97, t=160, s=160, b=2, n=2, weighting="stick_breaking", structured="combo",
+      causal=True, block_q=16, block_k=128),
+    C(seed=98, t=150, s=130, b=2, n=4, kh=2, weighting="entmax15", structured="segments",
+      block_q=16, block_k=16, pallas="gpu"),
+    C(seed=99, t=150, s=150, b=2, n=2, weighting="ssmax", structured="combo", causal=True,
+      bias="x1xx", block_q=16, block_k=32, pallas="gpu"),
+    C(seed=100, t=160, s=160, n=2, weighting="ssmax", dtype="bfloat16", structured="window",
+      block_q=16, block_k=128),
+    C(seed=101, t=140, s=140, b=2, n=4, kh=2, structured="mask_mod", block_q=16, block_k=128),
+    C(seed=102, t=130, s=150, b=2, n=2, weighting="sigmoid", structured="lengths", block_q=16,
+      block_k=16, pallas="gpu"),
+    C(seed=103, t=160, s=160, n=2, weighting="sparsemax", causal=True, structure="banded",
+      structured="window", block_q=16, block_k=16, pallas="gpu"),
+    C(seed=104, t=150, s=150, b=2, n=2, weighting="softpick", structured="prefix", causal=True,
+      block_q=32, block_k=128),
 )
 CI_RANDOM = 4
 INSTANCES = 5  # random inputs per configuration in the large run (compiling dominates a case)

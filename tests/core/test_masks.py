@@ -13,6 +13,7 @@ import pytest
 
 from attnx import core
 from attnx.core import masks
+from attnx.core.kernels import pallas as pallas_lib
 
 B, N, K, H = 2, 4, 2, 8
 
@@ -367,6 +368,61 @@ def test_explain_counts_the_skipped_tiles():
   assert (m["skipped"], m["unmasked"], m["masked"]) == (48, 16, 0)  # 4 documents of 2×2 tiles
   assert core.explain(q, k, v, implementation=blocked).mask_tiles is None
   assert core.explain(q, k, v, segment_ids=ids, implementation="dense").mask_tiles is None
+
+
+@pytest.mark.parametrize("backend", ["gpu", "tpu"])
+@pytest.mark.parametrize("weighting", ["softmax", "stick_breaking"])
+def test_pallas_kernels_never_form_t_by_s(backend, weighting):
+  """The Pallas kernels of both lowerings read a structured mask per tile: the program of
+  values and gradients holds no [T, S] array (segment ids travel as [B, T], spans as
+  [B, tiles])."""
+  t, s = 1024, 896
+  q = jax.ShapeDtypeStruct((1, t, 2, 16), jnp.float32)
+  k = v = jax.ShapeDtypeStruct((1, s, 1, 16), jnp.float32)
+  ids = jax.ShapeDtypeStruct((1, t), jnp.int32)
+  kv_ids = jax.ShapeDtypeStruct((1, s), jnp.int32)
+
+  def loss(q, k, v, ids, kv_ids):
+    mask = masks.segment_ids(ids, kv_ids) & masks.sliding_window(200, 0)
+    out = pallas_lib.pallas_attention(
+        q, k, v, weighting=core.get_weighting(weighting), scale=0.25,
+        structured_mask=mask.bind((1,), 2, t, s), backend=backend, interpret=True,
+        block_q=64 if backend == "gpu" else 128, block_k=128)
+    return jnp.sum(out)
+
+  text = str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v, ids, kv_ids))
+  assert f"{t},{s}]" not in text and f"{t}, {s}]" not in text
+  assert "pallas_call" in text
+
+
+def test_pallas_explain_counts_the_tiles_its_loops_visit():
+  t = 1024
+  q = k = v = jnp.ones((1, t, 2, 8))
+  pallas = core.Pallas(block_q=128, block_k=128, interpret=True)
+  # The kernels loop over each query tile's span of key tiles: for a 128-key causal window
+  # the diagonal tile and the one before it (the first query tile: its diagonal only).
+  m = core.explain(q, k, v, mask=masks.sliding_window(127, 0), is_causal=True,
+                   implementation=pallas).mask_tiles
+  assert m == {"tiles": (128, 128), "skipped": 64 - 15, "unmasked": 0, "masked": 15}
+  ids = jnp.repeat(jnp.arange(4, dtype=jnp.int32), t // 4)[None]
+  m = core.explain(q, k, v, segment_ids=ids, weighting="entmax15",
+                   implementation=pallas).mask_tiles
+  assert (m["skipped"], m["masked"]) == (48, 16)  # 4 documents of 2×2 tiles
+
+
+def test_pallas_reads_a_mask_mod_that_captures_arrays_materialized():
+  # A Pallas kernel cannot capture constants: such a mask_mod is evaluated densely instead,
+  # with the same result as the dense implementation, and explain() counts no tiles.
+  rng = np.random.default_rng(3)
+  t = 40
+  table = jnp.asarray(rng.random((t, t)) < 0.6)
+  mask = masks.from_fn(lambda b, h, i, j: table[i, j])
+  q, k, v = (jnp.asarray(rng.normal(size=(2, t, 2, 8)), jnp.float32) for _ in range(3))
+  pallas = core.Pallas(block_q=16, block_k=16, interpret=True)
+  got = core.attention(q, k, v, mask=mask, implementation=pallas)
+  ref = core.attention(q, k, v, mask=mask, implementation="dense")
+  np.testing.assert_allclose(got, ref, atol=1e-5)
+  assert core.explain(q, k, v, mask=mask, implementation=pallas).mask_tiles is None
 
 
 # ---------------------------------------------------------------------------------------------

@@ -505,3 +505,14 @@ def test_ring_scratch_per_device_at_64k(weighting, causal):
   # causal masking, over the target.
   res = script_result("ring_memory.py", "65536", weighting, str(int(causal)))
   assert res["ratio"] <= 1 / 6, res
+
+
+@pytest.mark.slow
+def test_ring_scratch_with_packed_documents_holds_no_rows_by_keys_block():
+  # 16 packed documents and a 1024-key window (segment ids of the whole sequence) at
+  # T = 65 536 over 8 devices: each step evaluates its [t, s] block, so a device never holds
+  # its rows against every key ([8192, 65536] booleans, 0.5 GiB, which alone the ring held
+  # before: 0.69 GB per device then, 0.15 GB now; 0.08 GB without a mask).
+  res = script_result("ring_memory.py", "65536", "softmax", "1", "contiguous", "1")
+  assert res["ring_temp_bytes_per_device"] < (65536 // 8) * 65536, res
+  assert res["ratio"] <= 1 / 5, res

@@ -92,12 +92,18 @@ CASES = {
                                    structured="window", bias="x11x"), K),
     "relu_length_window_skips_zigzag": (C(seed=71, t=T, s=T, weighting="relu:normalization=length",
                                           causal=True, structured="window"), Z),
+    # Each step evaluates its own block of the mask (steps.MaskRows): stick-breaking's zigzag
+    # runs visit half shards; a head- and batch-dependent mask_mod in passes over the heads.
+    "stick_zigzag_documents": (C(seed=72, t=T, s=T, b=2, weighting="stick_breaking", causal=True,
+                                 structured="segments"), Z),
+    "softmax_mask_mod_passes_gqa": (C(seed=73, t=T, s=T, b=2, n=4, kh=2, structured="mask_mod"),
+                                    K),
 }
 # Cases that run their kv heads in passes of one (kv_head_block=1: two rings one after the
 # other, each over half the heads): a per-head bias and one broadcast over the heads, SSMax's
 # row scales, stick-breaking's zigzag carries, under check_vma too (softmax_zigzag_gqa).
 PASSES = {"softmax_full_gqa": 1, "softmax_zigzag_gqa": 1, "ssmax_full_gqa": 1,
-          "softpick_causal_gqa": 1, "stick_zigzag_full_gqa": 1}
+          "softpick_causal_gqa": 1, "stick_zigzag_full_gqa": 1, "softmax_mask_mod_passes_gqa": 1}
 # Also run with the Pallas kernels at every step (implementation=core.Pallas(interpret=True),
 # in Pallas' interpreter; name + PALLAS): each family, both layouts, causal and not, GQA in
 # passes, the three bias shardings and the global-length rules (sigmoid's b, ReLU's count,
@@ -105,7 +111,7 @@ PASSES = {"softmax_full_gqa": 1, "softmax_zigzag_gqa": 1, "ssmax_full_gqa": 1,
 PALLAS = "@pallas"
 PALLAS_CASES = ("softmax_full_gqa", "softmax_zigzag_gqa", "sigmoid_none_causal",
                 "relu_length_zigzag", "ssmax_full_gqa", "softpick_zigzag", "stick_causal",
-                "stick_zigzag_full_gqa")
+                "stick_zigzag_full_gqa", "ssmax_combo_zigzag")
 # Also run inside jax.shard_map(..., check_vma=True) (name + VMA): the kernels' loop starts
 # typed as varying, replicated parameters' gradients summed over the devices by the ring.
 VMA = "@check_vma"

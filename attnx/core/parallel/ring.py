@@ -231,8 +231,11 @@ def _pass_inputs(rc: steps.RingConfig, c: Any, qd, kd, vd, bias4, mask4, rsc):
   kv = lambda x: x.transpose(0, 2, 1, 3).reshape(b * kc, x.shape[1], x.shape[3])
   q4 = q.transpose(0, 2, 1, 3).reshape(b * kc, g, rc.t, q.shape[3])
   r3 = None if rsc is None else _heads(rsc, c * hq, hq).reshape(b * kc, g, rc.t)
-  return (q4, kv(k), kv(v), common.as_5d(bias, hq, kc, "bias"),
-          common.as_5d(_heads(mask4, c * hq, hq), hq, kc, "mask"), r3)
+  if isinstance(mask4, steps.MaskRows):  # its steps evaluate the pass' heads
+    mask = steps.MaskRows(mask4.mask, c * hq, hq)
+  else:
+    mask = common.as_5d(_heads(mask4, c * hq, hq), hq, kc, "mask")
+  return (q4, kv(k), kv(v), common.as_5d(bias, hq, kc, "bias"), mask, r3)
 
 
 def _clean_grads(qd, kd, vd, bias4, dq, dk, dv, dbias):
@@ -392,6 +395,8 @@ def _make_ring(rc: steps.RingConfig, passes: int):
 def _valid_counts(rc: steps.RingConfig, bias4: Array | None, mask4: Array | None, b: int,
                   n: int) -> Array:
   """[B, N, T_local] float32: how many keys of the whole sequence each local row attends."""
+  if rc.mask_kind == "structured":
+    return _structured_counts(rc, bias4, mask4, b, n)
   p, t, s = rc.p, rc.t, rc.s
   i = lax.axis_index(rc.axis)
   qpos = ring_layout.positions(i, t, p, rc.layout)
@@ -430,25 +435,42 @@ def _valid_counts(rc: steps.RingConfig, bias4: Array | None, mask4: Array | None
   return jnp.broadcast_to(counts, (b, n, t))
 
 
+def _structured_counts(rc: steps.RingConfig, bias4: Array | None, rows: steps.MaskRows,
+                       b: int, n: int) -> Array:
+  """:func:`_valid_counts` under a structured mask: shard by shard, one [t, s] block at a
+  time (with the causal condition and a bias's −∞ entries)."""
+  p, t, s = rc.p, rc.t, rc.s
+  qpos = ring_layout.positions(lax.axis_index(rc.axis), t, p, rc.layout)
+  finite = None if bias4 is None else bias4 != -jnp.inf
+  if finite is not None and rc.bias_kind == "travel":
+    finite = lax.all_gather(finite, rc.axis, axis=3, tiled=True)
+
+  def shard(j, counts):
+    valid = rows.block4(rc, j)
+    if rc.is_causal:
+      valid = valid & (ring_layout.positions(j, s, p, rc.layout)[None, :] <= qpos[:, None])
+    if finite is not None:
+      valid = valid & (finite if rc.bias_kind == "const"
+                       else lax.dynamic_slice_in_dim(finite, j * s, s, axis=3))
+    return counts + jnp.broadcast_to(jnp.sum(valid, axis=-1, dtype=F32), (b, n, t))
+
+  return lax.fori_loop(0, p, shard, jnp.zeros((b, n, t), F32))
+
+
 # --------------------------------------------------------------------------------------------
 # Structured masks.
 # --------------------------------------------------------------------------------------------
 
 def _structured_rows(mask: masks.Mask, w: Any, bias4: Array | None, batch: tuple[int, ...],
                      n: int, t: int, s: int, p: int, layout: str, axis: Any,
-                     dtype: Any) -> tuple[Array, Array | None]:
-  """A structured mask (of the global sequence: ids and lengths of all P·T positions) as the
-  local rows' mask over every key, [B|1, N|1, t, P·s] in the layout's key order (the "whole S
-  axis" sharding), and the bias with the weighting's per-query shift for the keys of each
-  query's sequence (:func:`attnx.core.problem.sequence_bias`: sigmoid's −log n)."""
+                     dtype: Any) -> tuple[steps.MaskRows, Array | None]:
+  """A structured mask (of the global sequence: ids and lengths of all P·T positions) on the
+  local rows, evaluated step by step (:class:`~attnx.core.parallel.steps.MaskRows`), and the
+  bias with the weighting's per-query shift for the keys of each query's sequence
+  (:func:`attnx.core.problem.sequence_bias`: sigmoid's −log n)."""
   bound = mask.bind(batch, n, p * t, p * s)
   qpos = ring_layout.positions(lax.axis_index(axis), t, p, layout)
-  kpos = jnp.asarray(np.concatenate([ring_layout.positions(j, s, p, layout, np)
-                                     for j in range(p)]))
-  bflat = int(np.prod(batch)) if batch else 1
-  m = bound.mask_mod(jnp.arange(bflat)[:, None, None, None], jnp.arange(n)[None, :, None, None],
-                     qpos[None, None, :, None], kpos[None, None, None, :])
-  m = jnp.broadcast_to(m, jnp.broadcast_shapes(jnp.shape(m), (1, 1, t, p * s)))
+  m = steps.MaskRows(bound, 0, n)
   shift = getattr(w, "sequence_shift", None)
   counts = None if shift is None else bound.sequence_keys(p * t, p * s)
   if counts is not None:
@@ -506,8 +528,10 @@ def ring_attention(q: Array, k: Array, v: Array, bias: Array | None = None,
       T must be 1: a key padding mask, which travels with K/V) or the whole S in the layout's
       order (see the module docstring). ``mask`` may also be a structured mask
       (:mod:`attnx.core.masks`) of the whole sequence — ids and lengths of all P·T positions,
-      replicated — evaluated at the global positions of the local rows against every key
-      ([t, P·S] booleans per device); a step whose shards it lets meet in no pair is
+      replicated — evaluated by each step at the global positions of the local rows and of
+      the visiting shard's keys (one [t, S] block at a time, never the rows against every
+      key: :class:`~attnx.core.parallel.steps.MaskRows`); a step whose shards it lets meet
+      in no pair is
       skipped (:func:`ring_work` with ``mask=`` counts the work left); sigmoid's n is then
       each query's own sequence, as in :func:`attnx.core.attention`.
     axis_name: the mesh axis the sequence is sharded over.
@@ -607,7 +631,7 @@ def ring_attention(q: Array, k: Array, v: Array, bias: Array | None = None,
   if structured is not None:
     mask4, bias4 = _structured_rows(structured, w, bias4, batch, n, t, s, p, layout,
                                     axis_name, jnp.result_type(q.dtype, jnp.float32))
-  for name, x in (("bias", bias4), ("mask", mask4)):
+  for name, x in (("bias", bias4), ("mask", None if structured is not None else mask4)):
     if x is not None and x.shape[1] not in (1, n):
       raise ValueError(f"{name} of local shape {x.shape} has {x.shape[1]} heads, expected "
                        f"{n} or 1.")
@@ -615,8 +639,11 @@ def ring_attention(q: Array, k: Array, v: Array, bias: Array | None = None,
   rc = steps.RingConfig(axis=axis_name, p=p, layout=layout, is_causal=bool(is_causal), w=w,
                         family=family, t=t, s=s, head_dims=(b, kv_heads, n // kv_heads),
                         bias_kind=steps.kind_of(bias4, t, s, p, "bias"),
-                        mask_kind=steps.kind_of(mask4, t, s, p, "mask"),
-                        vma=bl.manual_axes(q, k, v, bias4, mask4, lax.axis_index(axis_name)),
+                        mask_kind=("structured" if structured is not None
+                                   else steps.kind_of(mask4, t, s, p, "mask")),
+                        vma=bl.manual_axes(q, k, v, bias4,
+                                           None if structured is not None else mask4,
+                                           lax.axis_index(axis_name)),
                         skip_empty_steps=structured is not None)
   g = n // kv_heads
   kc = _kv_heads_per_pass(kv_head_block, b, kv_heads, g, max(t, s),

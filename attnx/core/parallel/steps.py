@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from attnx.core import streaming
+from attnx.core.kernels import common
 from attnx.core.kernels.xla import block as xla_block
 from attnx.core.kernels.xla import pointwise as bl
 from attnx.core.kernels.xla import tiling as tl
@@ -69,13 +70,13 @@ class RingConfig:
   s: int  # local keys
   head_dims: tuple[int, int, int]  # (B, K, G)
   bias_kind: str  # "none", "const" (S axis 1), "travel" (sharded with k), "rows" (all keys)
-  mask_kind: str
+  mask_kind: str  # the same, or "structured" (a MaskRows: each step's block evaluated then)
   block_q: int | None = None  # caps on the step kernel's tiles
   block_k: int | None = None
   vma: tuple[str, ...] = ()  # axes the inputs vary over (check_vma=True): see blocked.vary
   kernel: BlockKernel = xla_block.XLA_BLOCK_KERNEL  # the kernels of every step
   dtype: Any = F32  # the compute dtype (contract.compute_dtype): float32, or float64
-  # A structured mask's block ("rows" mask): a step whose block allows no pair is skipped.
+  # A structured mask: a step whose block allows no pair is skipped.
   skip_empty_steps: bool = False
 
   @property
@@ -123,6 +124,41 @@ class RingConfig:
         self.w, t, s, self.head_dims, is_causal=causal, has_mask=self.mask_kind != "none",
         has_bias=self.bias_kind != "none", num_keys=self.num_keys, block_q=self.block_q,
         block_k=self.block_k, whole_chunk=not self.pointwise)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class MaskRows:
+  """A structured mask of the whole sequence (:mod:`attnx.core.masks`, bound to the global
+  problem: flat batch, N heads, P·t queries, P·s keys) on this device's rows: each ring step
+  evaluates its block against the visiting shard's keys at their global positions (the ids and
+  lengths are the mask's; only positions change), so a device holds one [t, s] block at a time,
+  never its rows against every key. ``head0`` is the first query head of a pass over heads,
+  ``heads`` how many it has."""
+
+  mask: Any
+  head0: Any
+  heads: int = dataclasses.field(metadata=dict(static=True))
+
+  def block4(self, rc: RingConfig, src: Any, off: int = 0, size: int | None = None) -> Array:
+    """The block [Bb, N|1, t, size] of this device's rows against the keys [off, off + size)
+    of device ``src``'s shard."""
+    size = rc.s if size is None else size
+    qpos = ring_layout.positions(lax.axis_index(rc.axis), rc.t, rc.p, rc.layout)
+    kpos = ring_layout.positions(src, rc.s, rc.p, rc.layout)
+    if off or size != rc.s:
+      kpos = lax.slice_in_dim(kpos, off, off + size)
+    heads = self.head0 + jnp.arange(self.heads)
+    m = self.mask.mask_mod(jnp.arange(rc.head_dims[0])[:, None, None, None],
+                           heads[None, :, None, None], qpos[None, None, :, None],
+                           kpos[None, None, None, :])
+    m = jnp.asarray(m, bool)
+    m = m.reshape((1,) * (4 - m.ndim) + m.shape)
+    return jnp.broadcast_to(m, m.shape[:2] + (rc.t, size))
+
+  def block(self, rc: RingConfig, src: Any, off: int = 0, size: int | None = None) -> Array:
+    """:meth:`block4` in the step kernels' layout [Bb, K|1, G|1, t, size]."""
+    return common.as_5d(self.block4(rc, src, off, size), self.heads, rc.head_dims[1], "mask")
 
 
 def kind_of(x: Array | None, t: int, s: int, p: int, name: str) -> str:
@@ -363,6 +399,8 @@ def step_inputs(rc: RingConfig, travel, bias, mask, src):
       return travelling
     if kind == "rows":
       return lax.dynamic_slice_in_dim(local, src * rc.s, rc.s, axis=4)
+    if kind == "structured":
+      return local.block(rc, src)
     return local
 
   return (k, v), pick(bias, bias_t, rc.bias_kind), pick(mask, mask_t, rc.mask_kind)

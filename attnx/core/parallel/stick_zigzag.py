@@ -59,6 +59,8 @@ def _half_inputs(rc: steps.RingConfig, half, bias, mask, src, off: int):
       return travelling
     if kind == "rows":
       return lax.dynamic_slice_in_dim(local, src * rc.s + off, size, axis=4)
+    if kind == "structured":
+      return local.block(rc, src, off, size)
     return local
 
   return (k, v), pick(bias, bias_t, rc.bias_kind), pick(mask, mask_t, rc.mask_kind)

@@ -9,6 +9,8 @@ Modules, each importing only those above it:
 * :mod:`.common` — the static :class:`~.common.KernelConfig` of a problem and the tile math
   every kernel shares (scores, validity, causal and length ranges, the pointwise backward);
 * :mod:`.triton`, :mod:`.mosaic` — the kernels of pointwise F, one module per lowering;
+* :mod:`.masking` — structured masks in the kernels: spans of tiles before them, the mask's
+  arrays per tile inside them;
 * :mod:`.rows` — the whole-row families' tile loops both lowerings share, SSMax's row scale;
 * :mod:`.triton_rows`, :mod:`.mosaic_rows` — the whole-row kernels, one module per lowering;
 * :mod:`.tiles` — backends, what each supports, tile sizes (the GPU's tile tables);

@@ -27,8 +27,9 @@ GQA (N a multiple of K), T ≠ S, ragged T and S (padded internally), H ≠ Hv, 
 ``q_lengths``/``kv_lengths`` (tiles beyond the key length are skipped), a structured mask
 (:mod:`attnx.core.masks`, evaluated per tile by :mod:`.masking`; tiles outside each tile row's
 span skipped), a static float scale (a traced scale is folded into q). dtypes: float32,
-bfloat16 and (GPU) float16, with float32 scores, F and accumulators. The bias gradient materializes dS as [B, N, T, S] float32 before
-summing over the bias' broadcast dims, and only when the bias is differentiated.
+bfloat16 and (GPU) float16, with float32 scores, F and accumulators. The bias gradient
+materializes dS as [B, N, T, S] float32 before summing over the bias' broadcast dims, and only
+when the bias is differentiated.
 """
 
 from __future__ import annotations

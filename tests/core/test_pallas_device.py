@@ -11,7 +11,10 @@ automatic choice (Pallas after its self-check) at lengths up to 4096:
 * a causal GQA problem at T = S = 1000 (no power of 2: ragged last tiles) with padding, f32;
 * a full problem with T ≠ S, a random mask with fully masked rows, a per-key bias, explicit
   tiles, bf16;
-* long causal rows at T = S = 4096 for one weighting of each family.
+* long causal rows at T = S = 4096 for one weighting of each family;
+* structured masks (:mod:`attnx.core.masks`, read per tile by the kernels): packed documents
+  with a window, sinks with a window, lengths, prefix-LM and a mask_mod at T = 2048 with GQA,
+  one weighting of each family.
 
 Run on a GPU machine with ``pytest tests/core/test_pallas_device.py``; the large random run of
 the net (``-m differential``) also runs the compiled kernels there.
@@ -68,3 +71,13 @@ def test_full_mask_bias_bf16_tiles(weighting):
 def test_long_causal_rows(weighting):
   _check(diff.Case(seed=103, b=1, t=4096, s=4096, n=2, kh=1, h=128, hv=128, causal=True,
                    dtype="bfloat16", weighting=weighting, only=("pallas",)))
+
+
+@pytest.mark.parametrize("structured,weighting", [
+    ("combo", "softmax"), ("segments", "sigmoid"), ("sinks", "stick_breaking"),
+    ("combo", "ssmax"), ("lengths", "softpick"), ("prefix", "entmax15"),
+    ("mask_mod", "relu"), ("window", "sparsemax")])
+def test_structured_masks(structured, weighting):
+  _check(diff.Case(seed=104, b=2, t=2048, s=2048, n=4, kh=2, h=64, hv=64,
+                   causal=structured != "mask_mod", structured=structured, weighting=weighting,
+                   only=("pallas",)))

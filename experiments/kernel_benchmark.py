@@ -224,22 +224,19 @@ def case_weighting(name: str, head_dim: int) -> tuple[str, str]:
 # The attention functions under test and the float64 reference.
 # --------------------------------------------------------------------------------------------
 
+def _mask_sizes(mask: str, config) -> dict[str, int | None]:
+  return benchmark.mask_sizes(mask, config.mask_window, config.mask_documents)
+
+
 def mask_keywords(mask: str, t: int, config) -> dict[str, Any]:
   """``core.attention``'s keywords of a structured-mask row (with ``is_causal=True``)."""
-  if mask == "window":
-    return dict(local_window_size=(int(config.mask_window) - 1, 0))
-  if mask == "documents":
-    docs = int(config.mask_documents)
-    return dict(segment_ids=jnp.repeat(jnp.arange(docs, dtype=jnp.int32), t // docs)[None])
-  return {}
+  return benchmark.mask_keywords(t, **_mask_sizes(mask, config))
 
 
 def attended_pairs(mask: str, t: int, causal: bool, config) -> int:
   """The (query, key) pairs a row of length T attends: T², T(T+1)/2 causal, and the causal
   pairs inside the window or inside each document."""
-  return benchmark.attended_pairs(
-      t, causal, window=int(config.mask_window) if mask == "window" else None,
-      documents=int(config.mask_documents) if mask == "documents" else None)
+  return benchmark.attended_pairs(t, causal, **_mask_sizes(mask, config))
 
 
 def _valid(mask: str, nq: int, s: int, causal: bool, config) -> np.ndarray | None:

@@ -15,7 +15,15 @@ sum(out) w.r.t. q, k, v) on a GPU or TPU of
   1.5-entmax; attnx/core/kernels/pallas/rows.py),
 
 in TFLOP/s, counting 4·B·N·T·S·H FLOPs for fwd and 3.5× that for fwd+bwd (FlashAttention-2's
-convention: 2 matmuls forward, 5 backward; halved when causal). The "Targets" table checks the
+convention: 2 matmuls forward, 5 backward; halved when causal).
+
+With ``masks`` (``"window,documents"``; the quick preset), the weightings in
+``mask_weightings`` also run causal under a structured mask through ``core.attention(...,
+implementation="pallas")`` — a causal window of ``mask_window`` keys and ``mask_documents``
+packed documents (attnx.core.masks; the kernels skip the tiles outside each tile row's span) —
+beside plain causal attention with the same kernels: "per pair / causal" is a masked row's time
+per attended (query, key) pair over plain causal attention's (the masks issue's 1.3× target is
+the blocked kernel's on a CPU; here it is reported, not judged). The "Targets" table checks the
 kernel issue's target: every pointwise F at ≥ 60 % of cuDNN softmax's TFLOP/s at T ≥ 4096 (on
 a TPU, of JAX's Pallas flash softmax); the whole-row weightings are reported beside them, with
 no target (their rows do more work per score: passes, carries). On a CPU the benchmark needs
@@ -59,11 +67,13 @@ DEFAULT_SHAPES = ("16x1024x16x128,8x2048x16x128,4x4096x16x128,2x8192x16x128,1x16
 BASELINES = ("cudnn", "xla", "jax pallas flash")
 BLOCKED = "attnx blocked"  # optional baseline: attnx's XLA blocked kernel, for every F
 MODES = ("fwd", "fwd+bwd")
+MASKS = ("window", "documents")
+CAUSAL = "causal"  # the plain causal row the masked rows are compared with
 OURS = "attnx pallas"
 ROW_WEIGHTINGS = ("ssmax", "softpick", "stick_breaking", "sparsemax", "entmax15")
 GIB = 2.0**30
-COLUMNS = ["shape", "impl", "weighting", "mode", "time ms", "TFLOP/s", "vs cuDNN softmax",
-           "vs JAX flash", "max abs err", "note"]
+COLUMNS = ["shape", "impl", "weighting", "mode", "mask", "time ms", "TFLOP/s",
+           "vs cuDNN softmax", "vs JAX flash", "per pair / causal", "max abs err", "note"]
 
 
 def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
@@ -89,9 +99,14 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
   c.error_queries = 256  # max |pallas − blocked| over the first queries of the first shape
   c.target_min_t = 4096
   c.target_fraction = 0.6
+  c.masks = ""  # "window,documents": causal rows under a structured mask (and plain causal)
+  c.mask_weightings = "softmax,stick_breaking"
+  c.mask_window = 512
+  c.mask_documents = 16
   if name == "quick":
     c.shapes = "4x4096x16x128,1x16384x16x128"
     c.repeats = 5
+    c.masks = ",".join(MASKS)
   elif name == "tiny":
     c.shapes = "1x1024x2x128"
     c.weightings = "softmax,relu,gaussian"
@@ -132,6 +147,15 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
                        f"Pallas kernel; valid: {', '.join(wlib.list_weightings('row'))}")
   if config.dtype not in ("bfloat16", "float16", "float32"):
     raise ValueError(f"config.dtype must be bfloat16, float16 or float32, got {config.dtype!r}")
+  bad = [m for m in train.split_list(config.masks) if m not in MASKS]
+  if bad:
+    raise ValueError(f"config.masks has invalid entries {bad}; valid: {', '.join(MASKS)}")
+  for name in train.split_list(config.mask_weightings):
+    if not api.streams(wlib.get_weighting(name)):
+      raise ValueError(f"config.mask_weightings: {name!r} has no Pallas kernel")
+  if train.split_list(config.masks) and min(int(config.mask_window),
+                                            int(config.mask_documents)) < 1:
+    raise ValueError("config.mask_window and config.mask_documents must be >= 1")
 
 
 def case_weighting(name: str, head_dim: int) -> tuple[str, str]:
@@ -154,8 +178,15 @@ def accelerator() -> str | None:
 # The functions under test.
 # --------------------------------------------------------------------------------------------
 
-def _attn_fn(impl: str, weighting: str, config, platform: str, head_dim: int):
-  """fn(q, k, v) -> out on [B, T, N, H] arrays, or None where impl does not exist here."""
+def _mask_sizes(mask: str, config) -> dict[str, int | None]:
+  return train.benchmark.mask_sizes(mask, config.mask_window, config.mask_documents)
+
+
+def _attn_fn(impl: str, weighting: str, config, platform: str, head_dim: int, mask: str = "",
+             t: int = 0):
+  """fn(q, k, v) -> out on [B, T, N, H] arrays, or None where impl does not exist here;
+  ``mask`` a masked row's (:data:`MASKS`, or :data:`CAUSAL`): causal, through
+  ``core.attention(implementation=core.Pallas(...))``."""
   causal = bool(config.is_causal)
   sm_scale = 1.0 / math.sqrt(head_dim)
   if impl in ("cudnn", "xla"):
@@ -178,6 +209,11 @@ def _attn_fn(impl: str, weighting: str, config, platform: str, head_dim: int):
   if impl == BLOCKED:
     return lambda q, k, v: core.attention(q, k, v, weighting=name, score=score, scale=scale,
                                           is_causal=causal, implementation="blocked")
+  if mask:
+    extra = train.benchmark.mask_keywords(t, **_mask_sizes(mask, config))
+    return lambda q, k, v: core.attention(q, k, v, weighting=name, score=score, scale=scale,
+                                          is_causal=True, implementation=core.Pallas(**blocks),
+                                          **extra)
 
   def ours(q, k, v):
     qd, kd = get_score(score).to_dot(q, k)  # what attnx.core.attention does for a score
@@ -193,10 +229,18 @@ def _program(fn, mode: str):
   return jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32)), argnums=(0, 1, 2))
 
 
-def _flops(shape, mode: str, causal: bool) -> float:
+def _flops(shape, mode: str, causal: bool, pairs: float | None = None) -> float:
+  """FLOPs of the scores a problem needs: 4·B·N·(pairs)·H, pairs T² (T²/2 causal) unless
+  given (a masked row's attended pairs); 3.5× for fwd+bwd."""
   b, t, n, h = shape
-  f = 4.0 * b * n * t * t * h * (0.5 if causal else 1.0)
+  pairs = t * t * (0.5 if causal else 1.0) if pairs is None else pairs
+  f = 4.0 * b * n * pairs * h
   return f * (3.5 if mode == "fwd+bwd" else 1.0)
+
+
+def _pairs(mask: str, t: int, config) -> int:
+  """The (query, key) pairs a masked row (or the plain causal one) attends."""
+  return train.benchmark.attended_pairs(t, True, **_mask_sizes(mask, config))
 
 
 def _time(compiled, args, config) -> float:
@@ -214,12 +258,15 @@ def run_case(case: dict[str, Any], inputs, config, platform: str) -> dict[str, A
   """Compiles and times one case; a case that cannot run gets a note instead of a time."""
   shape, impl, weighting, mode = case["shape"], case["impl"], case["weighting"], case["mode"]
   b, t, n, h = shape
+  mask = case.get("mask", "")
   row: dict[str, Any] = {"shape": "x".join(map(str, shape)), "impl": impl,
                          "weighting": case_weighting(weighting, h)[0], "mode": mode}
+  if mask:
+    row["mask"] = mask
   if impl == "xla" and b * n * t * t * 6 / GIB > float(config.xla_max_gib):
     row["note"] = f"skipped: the T×S scores need {b * n * t * t * 6 / GIB:.0f} GiB"
     return row
-  fn = _attn_fn(impl, weighting, config, platform, h)
+  fn = _attn_fn(impl, weighting, config, platform, h, mask, t)
   if fn is None:
     row["note"] = f"n/a on {platform}"
     return row
@@ -230,20 +277,24 @@ def run_case(case: dict[str, Any], inputs, config, platform: str) -> dict[str, A
     row["note"] = f"failed: {type(e).__name__}: {str(e).strip().splitlines()[0][:120]}"
     return row
   row["time ms"] = 1e3 * seconds
-  row["TFLOP/s"] = _flops(shape, mode, bool(config.is_causal)) / seconds / 1e12
+  pairs = _pairs(mask, t, config) if mask else None
+  row["TFLOP/s"] = _flops(shape, mode, bool(config.is_causal), pairs) / seconds / 1e12
   if case.get("check_error") and impl == OURS and mode == "fwd":
-    row["max abs err"] = _error(fn, weighting, inputs, config, h)
+    row["max abs err"] = _error(fn, weighting, inputs, config, h, mask)
   return row
 
 
-def _error(fn, weighting: str, inputs, config, head_dim: int) -> float:
+def _error(fn, weighting: str, inputs, config, head_dim: int, mask: str = "") -> float:
   """max |pallas − blocked| over the first `error_queries` queries (same dtype and device)."""
   name, score = case_weighting(weighting, head_dim)
   scale = 1.0 if score == "neg_sq_dist" else 1.0 / math.sqrt(head_dim)
+  extra = (train.benchmark.mask_keywords(inputs[0].shape[1], **_mask_sizes(mask, config))
+           if mask else {})
 
   def ref(q, k, v):
     return core.attention(q, k, v, weighting=name, score=score, scale=scale,
-                          is_causal=bool(config.is_causal), implementation="blocked")
+                          is_causal=bool(config.is_causal) or bool(mask),
+                          implementation="blocked", **extra)
   nq = int(config.error_queries)
   got, want = (np.asarray(jax.jit(f)(*inputs)[:, :nq], np.float32) for f in (fn, ref))
   return float(np.max(np.abs(got - want)))
@@ -263,14 +314,36 @@ def _cases(config) -> list[dict[str, Any]]:
                           check_error=shape == shapes[0]))
         if BLOCKED in baselines:
           cases.append(dict(shape=shape, impl=BLOCKED, weighting=name, mode=mode))
+      masks = train.split_list(config.masks)
+      for name in train.split_list(config.mask_weightings) if masks else ():
+        for mask in (CAUSAL, *masks):
+          cases.append(dict(shape=shape, impl=OURS, weighting=name, mode=mode, mask=mask,
+                            check_error=shape == shapes[0] and mask != CAUSAL))
   return cases
+
+
+def _add_mask_ratios(rows: list[dict[str, Any]], config) -> None:
+  """'per pair / causal' of every masked row: its time per attended pair over the plain
+  causal row's (same shape, weighting and mode)."""
+  per_pair = {}
+  for r in rows:
+    if r.get("mask") and "time ms" in r:
+      t = int(r["shape"].split("x")[1])
+      per_pair[(r["shape"], r["weighting"], r["mode"], r["mask"])] = (
+          r["time ms"] / _pairs(r["mask"], t, config))
+  for r in rows:
+    key = (r["shape"], r["weighting"], r["mode"])
+    if r.get("mask") not in (None, CAUSAL) and (*key, r["mask"]) in per_pair:
+      base = per_pair.get((*key, CAUSAL))
+      if base:
+        r["per pair / causal"] = per_pair[(*key, r["mask"])] / base
 
 
 def _add_ratios(rows: list[dict[str, Any]]) -> None:
   best = {(r["shape"], r["mode"], r["impl"]): r.get("TFLOP/s") for r in rows
-          if r["weighting"] == "softmax"}
+          if r["weighting"] == "softmax" and not r.get("mask")}
   for r in rows:
-    if "TFLOP/s" not in r:
+    if "TFLOP/s" not in r or r.get("mask"):
       continue
     for col, impl in (("vs cuDNN softmax", "cudnn"), ("vs JAX flash", "jax pallas flash")):
       ref = best.get((r["shape"], r["mode"], impl))
@@ -289,7 +362,7 @@ def targets(rows: list[dict[str, Any]], config) -> list[dict[str, Any]]:
     if int(shape.split("x")[1]) < int(config.target_min_t):
       continue
     ours = [r for r in rows if r["shape"] == shape and r["mode"] == mode and r["impl"] == OURS
-            and r["weighting"] not in row_names]
+            and r["weighting"] not in row_names and not r.get("mask")]
     for col in ("vs cuDNN softmax", "vs JAX flash"):
       fractions = {r["weighting"]: r.get(col) for r in ours}
       if any(v is None for v in fractions.values()) or not fractions:
@@ -312,7 +385,9 @@ def markdown_table(rows: list[dict[str, Any]], config) -> str:
       f"{', halved for causal' if config.is_causal else ''}. 'vs cuDNN softmax' / 'vs JAX "
       "flash': TFLOP/s over that baseline's softmax at the same shape and mode. Distance "
       "kernels run on −‖q − k‖² (H + 2 dot-product columns, h = √(2H)) but are counted with "
-      "H. Error: max |out − blocked kernel| over the first "
+      "H. Masked rows (causal; 'mask'): TFLOP/s of the pairs they attend; 'per pair / "
+      "causal': their time per attended pair over the plain causal row's (mask 'causal'). "
+      "Error: max |out − blocked kernel| over the first "
       f"{config.error_queries} queries of the first shape.*",
       "",
       "| " + " | ".join(COLUMNS) + " |",
@@ -357,9 +432,10 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     for case in (c for c in cases if c["shape"] == shape):
       rows.append(run_case(case, inputs, config, platform))
       r = rows[-1]
-      print(f"{r['shape']} {r['impl']} {r['weighting']} {r['mode']}: "
+      print(f"{r['shape']} {r['impl']} {r['weighting']} {r['mode']} {r.get('mask', '')}: "
             f"{train.benchmark.format_number(r.get('TFLOP/s', r.get('note', '')))}", flush=True)
   _add_ratios(rows)
+  _add_mask_ratios(rows, config)
   table = markdown_table(rows, config)
   elapsed = time.time() - t_start
   with open(os.path.join(workdir, "benchmark.md"), "w") as f:

@@ -6,7 +6,8 @@
 # Runs, from the repository root, in two phases:
 #   1. the GPU alone: the Pallas benchmark's quick preset at one shape (TFLOP/s per F vs cuDNN
 #      softmax and JAX's Pallas flash; target: every pointwise F >= 60 % of cuDNN softmax at
-#      T >= 4k; BENCHMARK=0 skips it), then tools/gpu_tile_sweep.py (the forward, dQ and dK/dV
+#      T >= 4k; and softmax / stick-breaking under a causal window and packed documents, per
+#      attended pair vs plain causal; BENCHMARK=0 skips it), then tools/gpu_tile_sweep.py (the forward, dQ and dK/dV
 #      tiles timed; SWEEP=0 skips it, SWEEP_BUDGET seconds, default 150);
 #   2. side by side on the GPU: the Pallas tests with compiled kernels, no interpreter
 #      (tests/core/test_pallas_device.py: every streaming weighting vs a float64 brute force;

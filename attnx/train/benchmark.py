@@ -91,6 +91,27 @@ def program_memory(compiled: Any) -> ProgramMemory:
                        + float(mem.output_size_in_bytes))
 
 
+def mask_sizes(mask: str, window: int, documents: int) -> dict[str, int | None]:
+  """The sizes of a masked benchmark row named ``mask`` (``"window"``, ``"documents"``, or
+  anything else: none), as keywords of :func:`mask_keywords` and :func:`attended_pairs`."""
+  return dict(window=int(window) if mask == "window" else None,
+              documents=int(documents) if mask == "documents" else None)
+
+
+def mask_keywords(t: int, window: int | None = None,
+                  documents: int | None = None) -> dict[str, Any]:
+  """``attnx.core.attention``'s keywords of a masked benchmark row (with ``is_causal=True``):
+  a causal ``window`` of keys (``local_window_size=(window − 1, 0)``), or ``documents``
+  packed documents of equal length (``segment_ids`` [1, T]); the pairs they attend are
+  :func:`attended_pairs`'."""
+  if window is not None:
+    return dict(local_window_size=(window - 1, 0))
+  if documents is not None:
+    return dict(segment_ids=jnp.repeat(jnp.arange(documents, dtype=jnp.int32),
+                                       t // documents)[None])
+  return {}
+
+
 def attended_pairs(t: int, causal: bool = True, window: int | None = None,
                    documents: int | None = None) -> int:
   """The (query, key) pairs a row of T positions attends, the unit of the masked benchmarks'

@@ -80,3 +80,41 @@ def test_blocked_baseline_runs_every_weighting_measured():
   fn = exp._attn_fn(exp.BLOCKED, "stick_breaking", c, "gpu", 16)
   want = core.attention(q, q, q, weighting="stick_breaking", scale=0.25, implementation="dense")
   np.testing.assert_allclose(fn(q, q, q), want, atol=1e-5)
+
+
+def test_masked_rows_compare_with_plain_causal():
+  c = exp.get_config("tiny")
+  c.masks = "window,documents"
+  c.mask_window, c.mask_documents = 16, 4
+  cases = [x for x in exp._cases(c) if x.get("mask")]
+  # Per mask weighting and mode: the plain causal row and one per mask, errors on masked rows.
+  assert {(x["weighting"], x["mask"]) for x in cases} == {
+      (w, m) for w in ("softmax", "stick_breaking") for m in ("causal", "window", "documents")}
+  assert all(x["check_error"] == (x["mask"] != "causal") for x in cases)
+  assert exp.get_config("quick").masks == "window,documents"
+  rows = [{"shape": "1x64x2x16", "impl": exp.OURS, "weighting": "softmax", "mode": "fwd",
+           "mask": m, "time ms": ms} for m, ms in (("causal", 2.0), ("window", 0.5),
+                                                  ("documents", 1.0))]
+  exp._add_mask_ratios(rows, c)
+  causal_pp = 2.0 / (64 * 65 / 2)
+  window_pairs = 16 * 17 / 2 + (64 - 16) * 16
+  assert "per pair / causal" not in rows[0]
+  assert rows[1]["per pair / causal"] == pytest.approx(0.5 / window_pairs / causal_pp)
+  assert rows[2]["per pair / causal"] == pytest.approx(1.0 / (4 * 16 * 17 / 2) / causal_pp)
+  # The masked function is the public path with the Pallas kernels: equal to dense.
+  q = jax.random.normal(jax.random.PRNGKey(1), (1, 64, 2, 16))
+  fn = exp._attn_fn(exp.OURS, "softmax", c, "gpu", 16, "documents", 64)
+  ids = np.repeat(np.arange(4), 16)[None]
+  with pytest.raises(ValueError, match="GPU or TPU"):  # a CPU host: the kernels need one
+    jax.jit(fn).lower(q, q, q)
+  want = core.attention(q, q, q, segment_ids=ids, is_causal=True, scale=0.25,
+                        implementation="dense")
+  got = core.attention(q, q, q, segment_ids=ids, is_causal=True, scale=0.25,
+                       implementation=core.Pallas(interpret=True, block_q=16, block_k=16))
+  np.testing.assert_allclose(got, want, atol=1e-5)
+  for key, value, match in (("masks", "banded", "masks"), ("mask_weightings", "additive_x",
+                                                          "Unknown weighting")):
+    bad = exp.get_config("tiny")
+    bad[key] = value
+    with pytest.raises(ValueError, match=match):
+      exp.validate_config(bad)

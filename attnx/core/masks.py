@@ -43,8 +43,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 Array = jax.Array
+
+# from_fn's tile metadata evaluates its mask_mod on at most this many pairs at a time.
+_TABLE_BUDGET = 1 << 22
 
 __all__ = ["And", "Causal", "ChunkedCausal", "FromFn", "Mask", "Or", "PrefixLM", "SegmentIds",
            "SeqLengths", "SlidingWindow", "causal", "chunked_causal", "combine", "from_fn",
@@ -463,6 +467,16 @@ class FromFn(Mask):
     m = jnp.broadcast_to(self.fn(b, h, (q0 + jnp.arange(bq))[:, None], k0 + jnp.arange(bk)),
                          (self.batch_size, self.num_heads, bq, bk))
     return jnp.any(m, axis=(-2, -1)), jnp.all(m, axis=(-2, -1))
+
+  def block_table(self, bq, bk, nq, nk):
+    # The tiles in batches of at most _TABLE_BUDGET evaluated pairs: every tile's mask at once
+    # would be the whole [B, N, T, S] array.
+    per_tile = self.batch_size * self.num_heads * bq * bk
+    batch = max(1, min(nq * nk, _TABLE_BUDGET // max(per_tile, 1)))
+    q0 = jnp.repeat(jnp.arange(nq) * bq, nk)
+    k0 = jnp.tile(jnp.arange(nk) * bk, nq)
+    ranges = lax.map(lambda x: self.tile_range(x[0], bq, x[1], bk), (q0, k0), batch_size=batch)
+    return tuple(_grid_last(x.reshape((nq, nk) + x.shape[1:])) for x in ranges)
 
 
 class _Pair(Mask):

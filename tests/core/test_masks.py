@@ -395,6 +395,27 @@ def test_pallas_kernels_never_form_t_by_s(backend, weighting):
   assert "pallas_call" in text
 
 
+def test_from_fn_tile_metadata_is_evaluated_in_batches_of_tiles():
+  """from_fn's block_table equals the tile-by-tile definition, and a blocked program with a
+  mask_mod holds no [T, S] array (its tiles' metadata is evaluated a batch of tiles at a
+  time, not every tile at once)."""
+  fn = masks.from_fn(lambda b, h, i, j: ((i + 2 * j + h + b) % 5 != 0) & (j <= i + 3 * b))
+  bound = fn.bind((2,), 3, 40, 56)
+  got = bound.block_table(8, 16, 5, 4)
+  want = masks.Mask.block_table(bound, 8, 16, 5, 4)  # every tile at once, by definition
+  for g, w in zip(got, want, strict=True):
+    np.testing.assert_array_equal(g, w)
+  assert got[0].shape == (2, 3, 5, 4)
+  t = 4096
+  x = jax.ShapeDtypeStruct((1, t, 2, 16), jnp.float32)
+  band = masks.from_fn(lambda b, h, i, j: (j <= i) & (j > i - 100))
+  loss = lambda q, k, v: jnp.sum(core.attention(
+      q, k, v, mask=band, implementation=core.Blocked(block_q=128, block_k=128)))
+  memory = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(x, x, x).compile().memory_analysis()
+  if memory is not None:  # both heads' [T, S] booleans at once would be 2·T² bytes
+    assert memory.temp_size_in_bytes < t * t, memory.temp_size_in_bytes
+
+
 def test_pallas_explain_counts_the_tiles_its_loops_visit():
   t = 1024
   q = k = v = jnp.ones((1, t, 2, 8))

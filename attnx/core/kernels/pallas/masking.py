@@ -66,12 +66,22 @@ class MaskPlan:
   spans_batched: bool
 
   @property
+  def scalars(self) -> tuple[bool, ...]:
+    """The per-batch leaves' ``batched`` flags, in leaf order."""
+    return tuple(f for k, f in zip(self.kinds, self.batched, strict=True) if k == "batch")
+
+  @property
+  def ids(self) -> tuple[tuple[str, bool], ...]:
+    """``(kind, batched)`` of the per-position leaves, in leaf order."""
+    return tuple((k, f) for k, f in zip(self.kinds, self.batched, strict=True) if k != "batch")
+
+  @property
   def num_scalars(self) -> int:
-    return self.kinds.count("batch")
+    return len(self.scalars)
 
   @property
   def num_ids(self) -> int:
-    return len(self.kinds) - self.num_scalars
+    return len(self.ids)
 
 
 def kernel_reason(mask: Any) -> str | None:
@@ -290,8 +300,7 @@ def tpu_view(plan: MaskPlan, pre: list, ids: list, bb: Any, t: Any, n: int, bq: 
   refs, ``t`` its tile along its grid's looped axis (``n`` per batch); ``q_whole`` /
   ``kv_whole``: whether an id block holds the whole padded sequence (sliced per tile) or
   the program's tile."""
-  scal, _ = _split(plan, [None] * len(plan.kinds))
-  scalars = [pre[i][_batch(f, bb)] for i, (_, f) in enumerate(scal)]
+  scalars = [pre[i][_batch(f, bb)] for i, f in enumerate(plan.scalars)]
   lo, hi = tpu_span(plan, pre, bb, t, n)
 
   def q_ids(ref, r0, shape):

@@ -87,9 +87,7 @@ def smask_ids(cfg: KernelConfig, smask: Any, q_block: tuple, kv_block: tuple,
     return [], []
   arrays = masking.tpu_ids(cfg.smask, smask)
   specs = []
-  for kind, f in zip((k for k in cfg.smask.kinds if k != "batch"),
-                     (f for k, f in zip(cfg.smask.kinds, cfg.smask.batched, strict=True)
-                      if k != "batch"), strict=True):
+  for kind, f in cfg.smask.ids:
     if kind == "q":
       specs.append(pl.BlockSpec((None, *q_block), lambda bb, *rest, f=f: (
           bb if f else 0, q_index(bb, *rest), 0)))
@@ -196,19 +194,26 @@ def _params(n_parallel: int, n_arbitrary: int):
       dimension_semantics=("parallel",) * n_parallel + ("arbitrary",) * n_arbitrary)
 
 
-def _forward(cfg: KernelConfig, q, k, v, bias, mask, q_len, kv_len, out_dtype, smask=None):
-  b, n, tp, h = q.shape
-  hv = v.shape[-1]
-  bq, bk, g = cfg.bq, cfg.bk, cfg.g
-
+def _kv_maps(cfg: KernelConfig, bq: int, bk: int) -> tuple[Callable, Callable, Callable]:
+  """Index maps of a (b, n, query tile, key tile) grid: the key tile to fetch (:func:`kv_block`
+  on the grid ids and the scalar prefetch), K/V's block and a bias/mask's block."""
   def clamp(bb, i, j, ql, kl, *pre):
     return kv_block(cfg, bb, i, j, bq, bk, ql, kl, pre)
 
   def kv_map(bb, hh, i, j, *lens):
-    return bb, lax.div(hh, g), clamp(bb, i, j, *lens), 0
+    return bb, lax.div(hh, cfg.g), clamp(bb, i, j, *lens), 0
 
   def bias_map(bb, hh, i, j, *lens):
     return bb, hh, i, clamp(bb, i, j, *lens)
+
+  return clamp, kv_map, bias_map
+
+
+def _forward(cfg: KernelConfig, q, k, v, bias, mask, q_len, kv_len, out_dtype, smask=None):
+  b, n, tp, h = q.shape
+  hv = v.shape[-1]
+  bq, bk = cfg.bq, cfg.bk
+  clamp, kv_map, bias_map = _kv_maps(cfg, bq, bk)
 
   in_specs = [pl.BlockSpec((None, None, bq, h), lambda bb, hh, i, j, *_: (bb, hh, i, 0)),
               pl.BlockSpec((None, None, bk, h), kv_map),
@@ -348,15 +353,7 @@ def _backward(cfg: KernelConfig, q, k, v, bias, mask, q_len, kv_len, do, rows, w
   # dQ (and dS): grid (B, N, query tiles, key tiles).
   bq, bk = cfg.bq_dq, cfg.bk_dq
   row_map = lambda bb, hh, i, j, *_: (bb, hh, i, 0)
-
-  def clamp(bb, i, j, ql, kl, *pre):
-    return kv_block(cfg, bb, i, j, bq, bk, ql, kl, pre)
-
-  def kv_map(bb, hh, i, j, *lens):
-    return bb, lax.div(hh, g), clamp(bb, i, j, *lens), 0
-
-  def bias_map(bb, hh, i, j, *lens):
-    return bb, hh, i, clamp(bb, i, j, *lens)
+  clamp, kv_map, bias_map = _kv_maps(cfg, bq, bk)
 
   in_specs = [pl.BlockSpec((None, None, bq, h), row_map), pl.BlockSpec((None, None, bk, h), kv_map),
               pl.BlockSpec((None, None, bk, hv), kv_map),

@@ -139,12 +139,15 @@ def tile_fn(cfg, i, bq, bk, qs, load_k, bias_cols, mask_cols, q_len, kv_len, sm=
 
 
 def _walk(span, reverse: bool):
-  """(lo, count, tile(r)) of a loop over the tiles [lo, hi) of ``span``: first to last, or
-  last first (stick-breaking); ``span`` (0, hi) keeps the loop as it was without a mask."""
+  """(count, tile(r)) of a loop r = 0 … count − 1 over the tiles [lo, hi) of ``span``: first
+  to last, or last first (stick-breaking); ``span`` (0, hi) keeps the loop as it was without
+  a mask."""
   lo, hi = span
+  if reverse:
+    return (hi if isinstance(lo, int) and lo == 0 else hi - lo), lambda r: hi - 1 - r
   if isinstance(lo, int) and lo == 0:
-    return 0, hi, (lambda r: hi - 1 - r) if reverse else (lambda r: r)
-  return 0, hi - lo, (lambda r: hi - 1 - r) if reverse else (lambda r: lo + r)
+    return hi, lambda r: r
+  return hi - lo, lambda r: lo + r
 
 
 def _scored(z, valid):
@@ -161,7 +164,7 @@ def forward_rows(cfg, ops, tile, load_v, span, rowc, bq: int, hv: int):
   bk = cfg.bk
   rows = (bq,)
   ctx = rowc if rs.needs_row_scale else None
-  first, count, at = _walk(span, rs.reverse)
+  count, at = _walk(span, rs.reverse)
   if rs.needs_threshold:
     lo, hi = span
     def tile_pass(fn, init):
@@ -180,7 +183,7 @@ def forward_rows(cfg, ops, tile, load_v, span, rowc, bq: int, hv: int):
     return lax.cond(st.entmax_zero_tile(z, valid, ctx.m, ctx.tau, rs, ops), lambda s: s, add,
                     state)
 
-  state = lax.fori_loop(first, count, body, st.init(rs, rows, hv))
+  state = lax.fori_loop(0, count, body, st.init(rs, rows, hv))
   return st.finalize(rs, state, ctx)
 
 
@@ -209,7 +212,7 @@ def dq_rows(cfg, ops, tile, qs, load_v, dos, span, stats, delta, rowc, ds_store,
   ``carry_store(j, L, ΣA·dP)`` for the dK/dV pass."""
   rs = cfg.w.stream
   bq, bk = cfg.bq_dq, cfg.bk_dq
-  first, count, at = _walk(span, rs.reverse)
+  count, at = _walk(span, rs.reverse)
 
   skip = _skips(cfg)
   do_ok = _all_finite(dos) if skip else None
@@ -241,7 +244,7 @@ def dq_rows(cfg, ops, tile, qs, load_v, dos, span, stats, delta, rowc, ds_store,
 
   zero = jnp.zeros((bq,), F32)
   dq0 = tuple(jnp.zeros((bq, x.shape[-1]), F32) for x in qs)
-  dq, ca, cb = lax.fori_loop(first, count, body, (dq0, zero, zero))
+  dq, ca, cb = lax.fori_loop(0, count, body, (dq0, zero, zero))
   return dq, ca if rs.needs_row_scale else None, (ca, cb)
 
 

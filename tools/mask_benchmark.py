@@ -7,7 +7,10 @@ ids), and the same window as a dense [T, S] boolean mask (what such a mask cost 
 attnx.core.masks). With ``--bounds``, two rows with no mask at all that bound what any masking
 can reach per unmasked score: the documents attended alone (a batch of 16 causal problems of
 T/16), and rows of exactly ``window`` keys (a batch of T/window full problems of T = S =
-window). Each row: the best of three runs after compiling, and the time per unmasked score.
+window). With ``--tiles``, what one score costs in square problems of side L (full and causal,
+no mask, a batch of T/L of them, L = 256, 512, 1024): the cost of covering a band or a
+triangle with tiles of that side. Each row: the best of three runs after compiling, and the
+time per unmasked score.
 Runs on whatever JAX runs on; run it on a quiet machine.
 """
 
@@ -44,6 +47,8 @@ def main() -> None:
   p.add_argument("--documents", type=int, default=16)
   p.add_argument("--bounds", action="store_true",
                  help="add the no-mask lower bounds (documents alone, rows of window keys)")
+  p.add_argument("--tiles", action="store_true",
+                 help="add full and causal problems of side 256, 512, 1024 (no mask)")
   a = p.parse_args()
   t, window, docs = a.length, a.window, a.documents
   if t % docs:
@@ -73,6 +78,16 @@ def main() -> None:
         (f"bound: rows of {window} keys (no mask)", {}, (t // window) * window * window,
          (t // window, window, a.heads, a.head_dim), False),
     ]
+  if a.tiles:
+    for side in (256, 512, 1024):
+      if t % side:
+        p.error(f"--tiles: --length {t} must be a multiple of {side}")
+      batch = (t // side, side, a.heads, a.head_dim)
+      if not (a.bounds and side == window):  # the bound's rows of window keys already
+        cases.append((f"tiles: {t // side} full problems of {side}", {}, t * side, batch,
+                      False))
+      cases.append((f"tiles: {t // side} causal problems of {side}", {},
+                    attended_pairs(t, documents=t // side), batch, True))
   print(f"blocked fwd+bwd, {a.weighting}, T = {t}, N = {a.heads}, H = {a.head_dim}, "
         f"{jax.devices()[0].device_kind}")
   base = None

@@ -5,7 +5,7 @@
 Imports only jax/numpy; every function works under jit, vmap, grad and shard_map.
 """
 
-from attnx.core import masks
+from attnx.core import masks, score_mods
 from attnx.core.api import (
     BLOCKED_MIN_SCORES,
     IMPLEMENTATIONS,
@@ -37,6 +37,7 @@ from attnx.core.linear import (
 )
 from attnx.core.nadaraya_watson import nadaraya_watson
 from attnx.core.parallel.ring import ring_attention, ring_work, zigzag_permute, zigzag_unpermute
+from attnx.core.score_mods import ScoreMod, alibi, alibi_slopes, relative_table, soft_cap
 from attnx.core.scores import (
     Score,
     additive,
@@ -65,14 +66,16 @@ from attnx.core.weightings.simplex import entmax15, entmax_bisect, sparsemax
 __all__ = [
     "BLOCKED_MIN_SCORES", "IMPLEMENTATIONS", "ROW_BLOCKED_MIN_SCORES", "Blocked", "Dense",
     "Explanation", "Implementation", "Pallas", "PallasVerification", "Pointwise", "Problem",
-    "RowNormalizer", "Score",
-    "additive", "attention", "attention_weights", "bilinear", "blocked_attention", "causal_mask",
+    "RowNormalizer", "Score", "ScoreMod",
+    "additive", "alibi", "alibi_slopes", "attention", "attention_weights", "bilinear",
+    "blocked_attention", "causal_mask",
     "check_compatible", "cosine", "describe_weightings", "dot", "elu_plus_one_features",
     "entmax15", "entmax_bisect", "explain", "favor_features", "favor_plus_features",
     "flax_attention_fn", "get_implementation", "get_score", "get_weighting",
     "linear_attention", "list_implementations", "list_scores", "list_weightings", "masks",
     "metric",
     "nadaraya_watson", "neg_sq_dist", "parse_weighting_name", "register_weighting",
-    "ring_attention", "ring_work", "scaled_dot", "softpick", "sparsemax", "ssmax",
+    "relative_table", "ring_attention", "ring_work", "scaled_dot", "score_mods", "soft_cap",
+    "softpick", "sparsemax", "ssmax",
     "stick_breaking", "verify_pallas", "weights", "zigzag_permute", "zigzag_unpermute",
 ]

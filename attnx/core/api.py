@@ -84,7 +84,8 @@ def attention_weights(query: Array, key: Array, bias: Array | None = None,
                       query_seq_lengths: Array | None = None,
                       key_value_seq_lengths: Array | None = None,
                       local_window_size: int | tuple[int, int] | None = None,
-                      segment_ids: Any = None) -> Array:
+                      segment_ids: Any = None, logits_soft_cap: float | None = None,
+                      score_mod: Any = None, score_mod_params: Any = None) -> Array:
   """The attention weights w [batch..., N, T, S] (float32) of :func:`attention`.
 
   Always dense: it materializes the T×S weights. Arguments as in :func:`attention` (``mask``
@@ -109,10 +110,11 @@ def attention_weights(query: Array, key: Array, bias: Array | None = None,
            local_window_size=local_window_size, segment_ids=segment_ids))
   (t, n), s = q.shape[-3:-1], k.shape[-3]
   mask = masks_lib.combine(mask, structured, q.shape[:-3], n, t, s)
+  mod = problem_lib.score_modification(logits_soft_cap, score_mod, score_mod_params, q)
   if q.size == 0 or s == 0:
     return jnp.zeros((*q.shape[:-3], n, t, s), jnp.float32)
   q, k, _, bias = nonfinite_inputs(q, k, None, bias)
-  scores = dense_scores(q, repeat_kv(k, n), bias, sc, params, scale)
+  scores = dense_scores(q, repeat_kv(k, n), bias, sc, params, scale, mod)
   valid = combined_mask(mask, is_causal, t, s)
   return weightings_lib.apply_weighting(scores, w, axis=-1, where=valid)
 
@@ -248,7 +250,9 @@ def attention(query: Array, key: Array, value: Array, bias: Array | None = None,
               query_seq_lengths: Array | None = None,
               key_value_seq_lengths: Array | None = None,
               local_window_size: int | tuple[int, int] | None = None,
-              segment_ids: Any = None) -> Array | tuple[Array, Array]:
+              segment_ids: Any = None, logits_soft_cap: float | None = None,
+              score_mod: Any = None,
+              score_mod_params: Any = None) -> Array | tuple[Array, Array]:
   """Attention with a pluggable score s and weighting F, optional dropout on the weights.
 
   Args:
@@ -309,6 +313,16 @@ def attention(query: Array, key: Array, value: Array, bias: Array | None = None,
       ``(q_ids [batch..., T], kv_ids [batch..., S])``; a pair attends where the ids are equal
       and not negative (a negative id is padding); :func:`attnx.core.masks.segment_ids`.
       These keywords, ``mask``, ``bias`` and ``is_causal`` combine (a pair must pass all).
+    logits_soft_cap: c > 0: each score becomes c·tanh(s/c) before the bias and F (Gemma 2;
+      tokamax's and splash attention's name), for every F.
+    score_mod: FlexAttention's hook, ``fn(score, b, h, q_idx, kv_idx, params) -> score``,
+      applied after the cap and the bias, before F, on broadcasting arrays (``b`` the flat
+      batch index, ``h`` the query head, ``q_idx``/``kv_idx`` global positions); or a
+      :class:`~attnx.core.score_mods.ScoreMod` such as ``core.alibi(core.alibi_slopes(N))``
+      (:mod:`attnx.core.score_mods`). Evaluated per tile by the streaming kernels (never a
+      T×S array); it must return scores of the shape and dtype it is given.
+    score_mod_params: the pytree of float arrays ``score_mod`` reads (ALiBi slopes, a
+      relative-position table); they get gradients.
 
   Dropout and ``return_weights`` need the weights themselves, so they run the dense
   implementation (``implementation=None`` picks it); ``implementation="blocked"``, which never
@@ -382,7 +396,8 @@ def attention(query: Array, key: Array, value: Array, bias: Array | None = None,
       broadcast_dropout=broadcast_dropout, return_weights=return_weights,
       weighting_params=weighting_params, query_seq_lengths=query_seq_lengths,
       key_value_seq_lengths=key_value_seq_lengths, local_window_size=local_window_size,
-      segment_ids=segment_ids)
+      segment_ids=segment_ids, logits_soft_cap=logits_soft_cap, score_mod=score_mod,
+      score_mod_params=score_mod_params)
   impl = _select(problem, chosen)
   if problem.empty:  # no query, or no key: every row has no valid key
     p = problem

@@ -20,6 +20,7 @@ from jax import lax
 
 from attnx.core import masks as masks_lib
 from attnx.core import params as params_lib
+from attnx.core import score_mods as score_mods_lib
 from attnx.core import scores as scores_lib
 from attnx.core import weightings as weightings_lib
 from attnx.core.implementations import Implementation, Inputs, Problem, get_implementation
@@ -29,7 +30,7 @@ Array = jax.Array
 
 __all__ = ["check_compatible", "check_implementation", "check_inputs", "check_score_params",
            "check_weighting_params", "choose_implementation", "describe", "dropout_active",
-           "plan", "prepare", "resolve"]
+           "plan", "prepare", "resolve", "score_modification"]
 
 
 def _fail(msg: str) -> None:
@@ -278,7 +279,7 @@ def dropout_active(dropout_rate: Any, deterministic: Any) -> bool:
 def describe(q: Array, k: Array, v: Array, bias: Array | None, mask: Array | None, w: Any,
              sc: scores_lib.Score, params: dict[str, Any], *, is_causal: bool,
              dropout_rate: float, broadcast_dropout: bool, return_weights: bool,
-             has_structured_mask: bool = False) -> Problem:
+             has_structured_mask: bool = False, has_score_mod: bool = False) -> Problem:
   """The static description of a checked call (shapes and dtypes only: works on tracers)."""
   stream_dtype = stream_head_dim = None
   if sc.to_dot is not None:  # what the streaming kernels will see, without computing it
@@ -291,7 +292,7 @@ def describe(q: Array, k: Array, v: Array, bias: Array | None, mask: Array | Non
       value_head_dim=v.shape[-1], dtype=q.dtype.name, stream_dtype=stream_dtype,
       stream_head_dim=stream_head_dim, is_causal=bool(is_causal), has_mask=mask is not None,
       has_bias=bias is not None, has_structured_mask=has_structured_mask,
-      dropout_rate=dropout_rate,
+      has_score_mod=has_score_mod, dropout_rate=dropout_rate,
       broadcast_dropout=bool(broadcast_dropout), return_weights=bool(return_weights),
       platform=jax.default_backend())
 
@@ -305,7 +306,8 @@ def plan(query: Array, key: Array, value: Array, bias: Array | None = None,
           weighting_params: dict[str, Any] | None = None,
           query_seq_lengths: Array | None = None, key_value_seq_lengths: Array | None = None,
           local_window_size: int | tuple[int, int] | None = None,
-          segment_ids: Any = None) -> tuple[Problem, Inputs]:
+          segment_ids: Any = None, logits_soft_cap: float | None = None,
+          score_mod: Any = None, score_mod_params: Any = None) -> tuple[Problem, Inputs]:
   """Checks the arguments of :func:`attention` (which documents them) that describe the
   problem; the call's Problem and Inputs. The implementation and its settings are the
   dispatcher's (:mod:`attnx.core.api`)."""
@@ -318,12 +320,32 @@ def plan(query: Array, key: Array, value: Array, bias: Array | None = None,
       dict(query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
            local_window_size=local_window_size, segment_ids=segment_ids))
   wparams = check_weighting_params(w, weighting_params, q.shape[-2])
+  mod = score_modification(logits_soft_cap, score_mod, score_mod_params, q)
   problem = describe(q, k, v, bias, mask, w, sc, params, is_causal=is_causal,
-                     has_structured_mask=structured is not None,
+                     has_structured_mask=structured is not None, has_score_mod=mod is not None,
                      dropout_rate=float(dropout_rate) if dropout else 0.0,
                      broadcast_dropout=broadcast_dropout, return_weights=return_weights)
   inputs = Inputs(query=q, key=k, value=v, bias=bias, mask=mask, scale=scale,
                   score_params=params, weighting_params=wparams, dropout_rng=dropout_rng,
-                  structured_mask=structured)
+                  structured_mask=structured, score_mod=mod)
   return problem, inputs
+
+
+def score_modification(logits_soft_cap: Any, score_mod: Any, score_mod_params: Any,
+                       q: Array) -> score_mods_lib.ScoreMod | None:
+  """The call's checked :class:`~attnx.core.score_mods.ScoreMod` (None without one): a
+  positive cap, a callable or ScoreMod whose parameters are float arrays and which returns
+  scores of the tile's shape and dtype (the compute dtype of ``q``)."""
+  mod = score_mods_lib.make(logits_soft_cap, score_mod, score_mod_params)
+  if mod is None:
+    return None
+  params = jax.tree.map(jnp.asarray, mod.params)
+  for leaf in jax.tree.leaves(params):
+    if not jnp.issubdtype(leaf.dtype, jnp.floating):
+      raise ValueError(f"score_mod_params must be float arrays (they get gradients), got one "
+                       f"of dtype {leaf.dtype}; close over integer data in the score_mod "
+                       "function instead.")
+  mod = score_mods_lib.ScoreMod(cap=mod.cap, fn=mod.fn, params=params)
+  score_mods_lib.check(mod, jnp.float64 if q.dtype == jnp.float64 else jnp.float32)
+  return mod
 

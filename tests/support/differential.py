@@ -90,6 +90,11 @@ class Case:
   # "sinks" (the first keys | a window, StreamingLLM's pattern: skipped tiles between the
   # attended ones); its sizes come from the seed, its arrays (ids, lengths) from the instance.
   structured: str = "none"
+  # A score modification (attnx.core.score_mods): "cap" (logits_soft_cap), "alibi"
+  # (core.alibi, learned slopes), "table" (core.relative_table, a learned [N, 2L − 1] table)
+  # or "fn" (a score_mod function of both with score_mod_params, and a cap); the reference is
+  # support.reference.score_mod64. Parameters' gradients are compared too.
+  score_mod: str = "none"
 
   def implementations(self) -> list[str]:
     """The implementations this case runs; on a CPU the automatic choice replaces the
@@ -105,7 +110,7 @@ class Case:
       out.append("auto")
     small = max(self.t, self.s) <= PALLAS_MAX_LEN and self.b * self.n <= PALLAS_MAX_HEADS
     # Pallas runs every streaming weighting: pointwise F and the whole-row families.
-    if streaming and small and self.pallas != "none":
+    if streaming and small and self.pallas != "none" and self.score_mod == "none":
       out.append("pallas")
       if self.score in ("dot", "scaled_dot") and self.pallas == "both" and not ON_GPU:
         out.append("pallas_tpu")
@@ -214,7 +219,53 @@ def draw(seed: int, kind: str | None = None) -> Case:
     case = dataclasses.replace(case, structure="banded")
   if rng.random() < 0.3:  # a structured mask replaces the dense one
     case = dataclasses.replace(case, mask="none", structured=str(rng.choice(STRUCTURED)))
+  if rng.random() < 0.25:
+    case = dataclasses.replace(case, score_mod=str(rng.choice(ref_lib.SCORE_MODS[1:])))
   return case
+
+
+def soft_cap(case: Case) -> float | None:
+  """The case's logits_soft_cap (from its seed), for the "cap" and "fn" modifications: small
+  enough that tanh bends the scores of the case's magnitude."""
+  if case.score_mod not in ("cap", "fn"):
+    return None
+  return float(np.random.default_rng([19, case.seed]).choice((0.5, 1.0, 2.0, 5.0)))
+
+
+def mod_params(case: Case, instance: int = 0) -> dict[str, np.ndarray]:
+  """The parameters of the case's score modification (float32): ALiBi slopes [N] (the
+  standard ones, perturbed) and a relative-position table [N, 2·max(T, S) − 1]."""
+  rng = np.random.default_rng([23, case.seed, instance])
+  out = {}
+  if case.score_mod in ("alibi", "fn"):
+    base = np.asarray(core.alibi_slopes(case.n)) if case.n else np.zeros(0, np.float32)
+    out["slopes"] = (base * rng.uniform(0.5, 2.0, case.n)).astype(np.float32)
+  if case.score_mod in ("table", "fn"):
+    width = 2 * max(case.t, case.s, 1) - 1
+    out["table"] = (0.5 * rng.standard_normal((case.n, width))).astype(np.float32)
+  return out
+
+
+def _net_score_mod(score, b, h, q_idx, kv_idx, params):
+  """The "fn" modification as a user writes it (support.reference.score_mod64's "fn")."""
+  table = params["table"]
+  half = table.shape[-1] // 2
+  return (score - params["slopes"][h] * (q_idx - kv_idx)
+          + table[h, jnp.clip(q_idx - kv_idx, -half, half) + half] + 0.1 * b)
+
+
+def score_mod_keywords(case: Case, mp: dict[str, Any]) -> dict[str, Any]:
+  """attention's keywords for the case's score modification with parameters ``mp``."""
+  cap = soft_cap(case)
+  if case.score_mod == "cap":
+    return dict(logits_soft_cap=cap)
+  if case.score_mod == "alibi":
+    return dict(score_mod=core.alibi(mp["slopes"], symmetric=not case.causal))
+  if case.score_mod == "table":
+    return dict(score_mod=core.relative_table(mp["table"]))
+  if case.score_mod == "fn":
+    return dict(logits_soft_cap=cap, score_mod=_net_score_mod, score_mod_params=mp)
+  return {}
 
 
 STRUCTURED = ("window", "chunked", "prefix", "segments", "lengths", "mask_mod", "combo",
@@ -320,6 +371,7 @@ def inputs(case: Case, instance: int = 0) -> dict[str, Any]:
               "Wk": (rng.standard_normal((h, 6)) / math.sqrt(h)).astype(np.float32),
               "v": rng.standard_normal(6).astype(np.float32)}
   arrs["score_params"] = params
+  arrs["mod_params"] = mod_params(case, instance)
   return arrs
 
 
@@ -375,7 +427,8 @@ def _call(case: Case, impl: str, scalar_params: tuple):
     if scale is None:
       scale = 1.0 / math.sqrt(case.h) if case.score == "scaled_dot" else 1.0
 
-    def tpu(q, k, v, bias, mask, params):
+    def tpu(q, k, v, bias, mask, params, mp):
+      del mp  # no score modification (Case.implementations)
       structured = None
       if isinstance(mask, core.masks.Mask):  # bound as attention binds it, sigmoid's n too
         structured = mask.bind(q.shape[:1], q.shape[2], q.shape[1], k.shape[1])
@@ -400,12 +453,12 @@ def _call(case: Case, impl: str, scalar_params: tuple):
   else:
     implementation = impl
 
-  def fn(q, k, v, bias, mask, params):
+  def fn(q, k, v, bias, mask, params, mp):
     with warns():  # entered when traced
       return core.attention(
           q, k, v, bias=bias, mask=mask, score=case.score,
           score_params={**params, **dict(scalar_params)} or None, scale=case.scale,
-          implementation=implementation, **kw)
+          implementation=implementation, **kw, **score_mod_keywords(case, mp))
 
   return fn
 
@@ -417,8 +470,9 @@ def _program(config: Case, impl: str, scalar_params: tuple):
   fn = _call(config, impl, scalar_params)
 
   @jax.jit
-  def both(q, k, v, bias, mask, ct, params):
-    out, vjp = jax.vjp(lambda q, k, v, bias: fn(q, k, v, bias, mask, params), q, k, v, bias)
+  def both(q, k, v, bias, mask, ct, params, mp):
+    out, vjp = jax.vjp(lambda q, k, v, bias, mp: fn(q, k, v, bias, mask, params, mp),
+                       q, k, v, bias, mp)
     return out, vjp(ct)
 
   return both
@@ -429,7 +483,6 @@ def run_impl(case: Case, impl: str, arrs) -> tuple[np.ndarray, dict[str, np.ndar
   sp = arrs["score_params"]
   scalars = tuple(sorted((k, v) for k, v in sp.items() if np.isscalar(v)))
   params = {k: jnp.asarray(v) for k, v in sp.items() if not np.isscalar(v)}
-  names = ("q", "k", "v") + (("bias",) if arrs["bias"] is not None else ())
   config = dataclasses.replace(case, seed=0, only=None, pallas="both")
   args = [jnp.asarray(arrs[x]) if arrs[x] is not None else None
           for x in ("q", "k", "v", "bias", "mask", "ct")]
@@ -437,10 +490,14 @@ def run_impl(case: Case, impl: str, arrs) -> tuple[np.ndarray, dict[str, np.ndar
     args[4] = arrs["structured"]  # a pytree argument of the compiled program
   # JAX's GPU default computes float32 matmuls in TF32 (≈ 1e-3 relative scores), which moves
   # entries across kinks of F; the net compares float32 at float32 precision.
+  mp = {k: jnp.asarray(v) for k, v in arrs["mod_params"].items()}
+  if soft_cap(case) is not None:  # the cap is static: part of the program
+    config = dataclasses.replace(config, seed=case.seed)
   with jax.default_matmul_precision("highest") if ON_GPU else contextlib.nullcontext():
-    out, grads = _program(config, impl, scalars)(*args, params)
+    out, (dq, dk, dv, dbias, dmp) = _program(config, impl, scalars)(*args, params, mp)
+  grads = dict(q=dq, k=dk, v=dv, bias=dbias, **{f"mod_{k}": g for k, g in dmp.items()})
   return np.asarray(out, np.float64), {n: np.asarray(g, np.float64)
-                                       for n, g in zip(names, grads, strict=False)}
+                                       for n, g in grads.items() if g is not None}
 
 
 # --------------------------------------------------------------------------------------------
@@ -476,9 +533,15 @@ def _reference(case: Case, instance: int = 0):
   ref = ref_lib.reference(
       arrs["q"], arrs["k"], arrs["v"], weighting=case.weighting, score=case.score,
       score_params=arrs["score_params"], scale=case.scale, bias=arrs["bias"], mask=mask,
-      is_causal=case.causal, cotangent=arrs["ct"], kink_rel=KINK_REL, row_keys=row_keys)
-  want = {"out": ref.out, **ref.grads}
+      is_causal=case.causal, cotangent=arrs["ct"], kink_rel=KINK_REL, row_keys=row_keys,
+      score_mod=case.score_mod, mod_params=arrs["mod_params"], cap=soft_cap(case))
+  grads = dict(ref.grads)
   bounds = dict(ref.bounds)
+  for name, g in grads.pop("mod", {}).items():  # one array per parameter
+    grads[f"mod_{name}"] = g
+  for name, bound in bounds.pop("mod", {}).items():
+    bounds[f"mod_{name}"] = bound
+  want = {"out": ref.out, **grads}
   if case.bias:  # full [B, N, T, S] gradient -> the bias' shape
     axes = tuple(a for a, c in enumerate(case.bias) if c == "1")
     want["bias"] = ref.grads["bias"].sum(axis=axes, keepdims=True)
@@ -495,8 +558,9 @@ def _keeps(case: Case, ref: ref_lib.Reference) -> dict[str, np.ndarray | None]:
   """Which entries of each array are compared: those not touched by a kink of F."""
   slope, jump = ref.kink_slope, ref.kink_jump
   any_kink = slope | jump
+  mods = [f"mod_{name}" for name in ("slopes", "table")]
   if not any_kink.any():
-    return dict.fromkeys(("out", "q", "k", "v", "bias"))
+    return dict.fromkeys(("out", "q", "k", "v", "bias", *mods))
   b, n, t, s = any_kink.shape
   row_ok = ~any_kink.any(-1)  # [B, N, T]
   rows = np.moveaxis(row_ok, 1, 2)[..., None]  # [B, T, N, 1]
@@ -515,8 +579,10 @@ def _keeps(case: Case, ref: ref_lib.Reference) -> dict[str, np.ndarray | None]:
     bias_keep = ~any_kink.any(axis=axes, keepdims=True)
     if jumped:
       bias_keep = np.zeros_like(bias_keep)
+  # A parameter of the score modification sums over every pair: a kink anywhere moves it.
   return {"out": rows if jumped else None, "q": rows, "k": keys,
-          "v": keys if jumped else None, "bias": bias_keep}
+          "v": keys if jumped else None, "bias": bias_keep,
+          **{name: np.zeros((), bool) for name in mods}}
 
 
 def check(case: Case, instances: int = 1) -> list[str]:

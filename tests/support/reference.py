@@ -215,10 +215,42 @@ def valid_mask(b, n, t, s, mask, is_causal) -> np.ndarray:
   return valid
 
 
+SCORE_MODS = ("none", "cap", "alibi", "table", "fn")
+
+
+def score_mod64(kind: str, z, bias, mod_params, cap: float | None, causal: bool,
+                absolute: bool = False):
+  """The score modifications of the net written from their definitions, on float64 raw
+  scores z = scale·s(q, k) [B, N, T, S]: the soft cap c·tanh(z/c) (Gemma 2), then the bias,
+  then ``kind``'s: ALiBi's −m_h·(i − j) (Press et al.; −m_h·|i − j| when not causal), a
+  relative-position table's table[h, clip(i − j) + L//2], or "fn" (the net's own score_mod
+  function: both, plus 0.1·b). ``absolute``: the bound of the parameters' gradients (the
+  same linear map with |coefficients|)."""
+  if cap is not None:
+    z = cap * jnp.tanh(z / cap)
+  z = z + bias
+  b, n, t, s_len = z.shape
+  i = jnp.arange(t)[:, None]
+  j = jnp.arange(s_len)[None, :]
+  dist = (jnp.abs(i - j) if (absolute or not causal) and kind == "alibi" else i - j).astype(f64)
+  if absolute:
+    dist = jnp.abs(dist)
+  sign = 1.0 if absolute else -1.0
+  if kind in ("alibi", "fn"):
+    z = z + sign * mod_params["slopes"][None, :, None, None] * dist
+  if kind in ("table", "fn"):
+    half = mod_params["table"].shape[-1] // 2
+    z = z + mod_params["table"][:, jnp.clip(i - j, -half, half) + half][None]
+  if kind == "fn":
+    z = z + 0.1 * jnp.arange(b, dtype=f64)[:, None, None, None]
+  return z
+
+
 def reference(q, k, v, *, weighting: str, score: str = "scaled_dot",
               score_params: dict[str, Any] | None = None, scale: float | None = None,
               bias=None, mask=None, is_causal: bool = False, cotangent=None,
-              kink_rel: float | None = None, row_keys=None) -> Reference:
+              kink_rel: float | None = None, row_keys=None, score_mod: str = "none",
+              mod_params: dict[str, Any] | None = None, cap: float | None = None) -> Reference:
   """The float64 brute force of ``attnx.core.attention`` with these arguments.
 
   Inputs are numpy arrays in their test dtype; they are cast to float64 exactly. ``cotangent``
@@ -227,7 +259,9 @@ def reference(q, k, v, *, weighting: str, score: str = "scaled_dot",
   also marks the entries whose score lies within kink_rel · (1 + max |score|) of a kink of F
   (:func:`_kinks`). ``row_keys`` ([B, T] ints, :func:`sequence_keys64`): the keys of each
   query's sequence under a mask that splits rows into sequences, the n of an F that counts
-  them. One jitted float64 program per call.
+  them. ``score_mod``, ``mod_params``, ``cap``: the score modification of
+  :func:`score_mod64` (its parameters' gradients come as ``grads["mod"]``, a dict). One
+  jitted float64 program per call.
   """
   b, t, n, h = q.shape
   s_len = k.shape[1]
@@ -242,26 +276,30 @@ def reference(q, k, v, *, weighting: str, score: str = "scaled_dot",
     bias64 = None if bias is None else jnp.broadcast_to(as64(bias), full)
     ct = as64(cotangent if cotangent is not None else np.zeros((b, t, n, v.shape[-1])))
     counts = () if row_keys is None else tuple(int(c) for c in np.unique(row_keys))
+    mp = {key: as64(val) for key, val in (mod_params or {}).items()}
     out, grads, bounds, z, slope, jump = _program(
         as64(q), as64(k), as64(v), bias64, params, jnp.asarray(valid), ct,
-        None if row_keys is None else jnp.asarray(row_keys), weighting=weighting, score=score,
-        scale=float(scale), kink_rel=None if kink_rel is None else float(kink_rel),
-        key_counts=counts)
-    grads = dict(zip(("q", "k", "v", "bias"), map(np.asarray, grads), strict=True))
+        None if row_keys is None else jnp.asarray(row_keys), mp, weighting=weighting,
+        score=score, scale=float(scale), kink_rel=None if kink_rel is None else float(kink_rel),
+        key_counts=counts, score_mod=score_mod, cap=cap, causal=bool(is_causal))
+    grads = dict(zip(("q", "k", "v", "bias", "mod"),
+                     jax.tree.map(np.asarray, grads), strict=True))
     if bias is None:
       del grads["bias"]
+    if not mp:
+      del grads["mod"]
     if cotangent is None:
       grads = {}
     ref = Reference(np.asarray(out), grads, np.asarray(z), valid,
-                    {key: np.asarray(val) for key, val in bounds.items()})
+                    {key: jax.tree.map(np.asarray, val) for key, val in bounds.items()})
     ref.kink_slope, ref.kink_jump = np.asarray(slope), np.asarray(jump)
   return ref
 
 
 @functools.partial(jax.jit, static_argnames=("weighting", "score", "scale", "kink_rel",
-                                             "key_counts"))
-def _program(q, k, v, bias, params, valid, ct, row_keys, *, weighting, score, scale, kink_rel,
-             key_counts):
+                                             "key_counts", "score_mod", "cap", "causal"))
+def _program(q, k, v, bias, params, valid, ct, row_keys, mod_params, *, weighting, score, scale,
+             kink_rel, key_counts, score_mod, cap, causal):
   w = wlib.get_weighting(weighting)
   name, wparams = wlib.parse_weighting_name(weighting)
   b, t, n, _ = q.shape
@@ -272,6 +310,12 @@ def _program(q, k, v, bias, params, valid, ct, row_keys, *, weighting, score, sc
   def scores_of(q, k, bias):
     return scores64(q, jnp.repeat(k, g, axis=2), score, params) * scale + bias
 
+  def modified_scores(q, k, bias, mp):
+    if score_mod == "none" and cap is None:
+      return scores_of(q, k, bias)
+    raw = scores64(q, jnp.repeat(k, g, axis=2), score, params) * scale
+    return score_mod64(score_mod, raw, bias, mp, cap, causal)
+
   def weights_of(z):
     if isinstance(w, wlib.Pointwise):
       return pointwise_weights64(z, valid, w, s_len, row_keys, key_counts)
@@ -280,13 +324,13 @@ def _program(q, k, v, bias, params, valid, ct, row_keys, *, weighting, score, sc
   def per_kv_head(x):  # [B, S, N, H] summed over each kv head's G query heads
     return x.reshape(x.shape[:2] + (kh, g) + x.shape[3:]).sum(3)
 
-  z, scores_vjp = jax.vjp(scores_of, q, k, bias)
+  z, scores_vjp = jax.vjp(modified_scores, q, k, bias, mod_params)
   p, weights_vjp = jax.vjp(weights_of, z)
   vv = jnp.repeat(v, g, axis=2)
   out = jnp.einsum("bnts,bsnh->btnh", p, vv)
   dp = jnp.einsum("btnh,bsnh->bnts", ct, vv)
   dz = weights_vjp(dp)[0]
-  dq, dk, dbias = scores_vjp(dz)
+  dq, dk, dbias, dmod = scores_vjp(dz)
   dv = per_kv_head(jnp.einsum("bnts,btnh->bsnh", p, ct))
   # Bounds of the sums behind each result (sums of |terms|): the scale of its rounding error.
   ap, adz = jnp.abs(p), jnp.abs(dz)
@@ -307,11 +351,17 @@ def _program(q, k, v, bias, params, valid, ct, row_keys, *, weighting, score, sc
   bq, bk = _transform_bounds(jnp.abs(bq), jnp.abs(bk), q, k, adz, score, params, scale, g)
   bounds = {"out": jnp.einsum("bnts,bsnh->btnh", ap, jnp.abs(vv)), "q": bq, "k": bk,
             "v": per_kv_head(jnp.einsum("bnts,btnh->bsnh", ap, jnp.abs(ct))), "bias": adz}
+  if mod_params:  # the parameters' sums of |terms|: the same linear map, |coefficients|
+    zero = jnp.zeros_like(z)
+    _, mod_abs_vjp = jax.vjp(
+        lambda mp: score_mod64(score_mod, zero, zero, mp, None, causal, absolute=True),
+        mod_params)
+    bounds["mod"] = mod_abs_vjp(adz)[0]
   slope = jump = jnp.zeros(valid.shape, bool)
   if kink_rel is not None:
     zmax = jnp.max(jnp.abs(jnp.where(valid, z, 0.0)), initial=0.0)
     slope, jump = _kinks(z, valid, w, s_len, kink_rel * (1.0 + zmax), name, wparams)
-  return out, (dq, dk, dv, dbias), bounds, z, slope, jump
+  return out, (dq, dk, dv, dbias, dmod), bounds, z, slope, jump
 
 
 def _transform_bounds(bq, bk, q, k, adz, score: str, params, scale: float, g: int):

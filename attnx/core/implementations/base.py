@@ -53,6 +53,8 @@ class Problem:
     has_mask, has_bias: whether a boolean mask / an additive bias is given.
     has_structured_mask: whether a structured mask (:mod:`attnx.core.masks`, or ``jax.nn``'s
       length/window keywords, ``segment_ids``) is given.
+    has_score_mod: whether a score modification (:mod:`attnx.core.score_mods`:
+      ``logits_soft_cap``, ``score_mod``) is given.
     dropout_rate: the dropout rate on the weights when dropout applies, else 0.0.
     broadcast_dropout: one dropout mask shared by the batch and head dims.
     return_weights: whether the weights are returned too.
@@ -79,6 +81,7 @@ class Problem:
   has_mask: bool = False
   has_bias: bool = False
   has_structured_mask: bool = False
+  has_score_mod: bool = False
   dropout_rate: float = 0.0
   broadcast_dropout: bool = True
   return_weights: bool = False
@@ -121,6 +124,8 @@ class Inputs:
     structured_mask: the structured mask bound to the call (:meth:`attnx.core.masks.Mask.bind`:
       per-batch arrays with one flat batch axis), or None. A pair may attend where ``mask``,
       ``structured_mask`` and ``is_causal`` all allow it.
+    score_mod: the :class:`~attnx.core.score_mods.ScoreMod` of the call (soft cap,
+      ``score_mod`` and its parameters), or None.
   """
 
   query: Array
@@ -133,6 +138,7 @@ class Inputs:
   weighting_params: dict[str, Array] = dataclasses.field(default_factory=dict)
   dropout_rng: Array | None = None
   structured_mask: Any = None
+  score_mod: Any = None
 
 
 def check_tile_size(name: str, value: Any) -> int | None:
@@ -325,6 +331,8 @@ def run_streaming(problem: Problem, inputs: Inputs, kernel: Callable[..., Array]
   else:
     mask = masks_lib.combine(mask, inputs.structured_mask, batch, problem.num_heads, problem.t,
                              problem.s)
+  if inputs.score_mod is not None:  # implementations without it refuse it in supports()
+    extra["score_mod"] = inputs.score_mod
   query, key, value, bias = nonfinite_inputs(inputs.query, inputs.key, inputs.value,
                                              inputs.bias)
   qd, kd = problem.score.to_dot(query, key, **inputs.score_params)

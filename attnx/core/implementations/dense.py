@@ -41,8 +41,10 @@ def combined_mask(mask: Array | None, is_causal: bool, t: int, s: int) -> Array 
 
 
 def dense_scores(q: Array, k: Array, bias: Array | None, sc: scores_lib.Score,
-                 params: dict[str, Any], scale: float | Array) -> Array:
-  """[B, N, T, S] float32 scores (scale and bias applied); k already has N heads.
+                 params: dict[str, Any], scale: float | Array, mod: Any = None) -> Array:
+  """[B, N, T, S] float32 scores (scale and bias applied, and the score modification ``mod``,
+  a :class:`~attnx.core.score_mods.ScoreMod`: cap, bias, ``score_mod`` in that order); k
+  already has N heads.
 
   q and k come from :func:`~attnx.core.contract.nonfinite_inputs` (NaN their only non-finite
   value). The score is formed from their :func:`~attnx.core.contract.finite` copies, and a
@@ -60,7 +62,9 @@ def dense_scores(q: Array, k: Array, bias: Array | None, sc: scores_lib.Score,
     s = sc.dense(q_f * scale, k_f, **params)  # one pass over T×H instead of T×S
   else:
     s = sc.dense(q_f, k_f, **params) * scale
-  if bias is not None:
+  if mod is not None:
+    s = mod.grid(s, bias, q.shape[:-3])
+  elif bias is not None:
     s = s + bias.astype(s.dtype)
   nan_of = lambda x: jnp.where(jnp.any(jnp.isnan(x), axis=-1), jnp.nan, 0.0).astype(s.dtype)
   rows = jnp.swapaxes(nan_of(q), -1, -2)[..., :, None]  # [..., T, N] -> [..., N, T, 1]
@@ -100,7 +104,7 @@ class Dense(Implementation):
     p = problem
     q, k, v, bias = nonfinite_inputs(inputs.query, inputs.key, inputs.value, inputs.bias)
     scores = dense_scores(q, repeat_kv(k, p.num_heads), bias, p.score, inputs.score_params,
-                          inputs.scale)
+                          inputs.scale, inputs.score_mod)
     mask = masks_lib.combine(inputs.mask, inputs.structured_mask, p.batch, p.num_heads, p.t,
                              p.s)
     valid = combined_mask(mask, p.is_causal, p.t, p.s)

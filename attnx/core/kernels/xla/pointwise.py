@@ -176,10 +176,12 @@ def _pv(p: Array, vj: Array) -> Array:
 # Forward.
 # --------------------------------------------------------------------------------------------
 
-def _forward(q, k, v, bias, mask, scale, cfg: tl.TileConfig, smask: Any = None):
+def _forward(q, k, v, bias, mask, scale, cfg: tl.TileConfig, smask: Any = None,
+             mod: Any = None):
   """Returns O [X, G, Tp, Hv] and the row statistic [X, G, Tp] (online max: lse as the pair
   [X, G, Tp, 2] of :func:`_stat_shape`) in the compute dtype, chunk by chunk. ``smask``: the
-  bound structured mask (``cfg.structured``), evaluated per tile."""
+  bound structured mask (``cfg.structured``), evaluated per tile; ``mod``: the
+  :class:`~attnx.core.score_mods.ScoreMod` (``cfg.score_mod``), applied per tile."""
   x, g, tp, _ = q.shape
   chunk_cfg = dataclasses.replace(cfg, head_dims=cfg.chunk_head_dims())
 
@@ -188,7 +190,7 @@ def _forward(q, k, v, bias, mask, scale, cfg: tl.TileConfig, smask: Any = None):
     o, st = _forward_chunk(tl.chunk_rows(q, c, cfg), tl.chunk_rows(k, c, cfg),
                            tl.chunk_rows(v, c, cfg), tl.chunk_bias(bias, c, cfg),
                            tl.chunk_bias(mask, c, cfg), scale, chunk_cfg, smask,
-                           c * cfg.heads_in_chunk)
+                           c * cfg.heads_in_chunk, mod)
     return (lax.dynamic_update_slice_in_dim(out, o, c * cfg.heads_in_chunk, 0),
             lax.dynamic_update_slice_in_dim(stat, st, c * cfg.heads_in_chunk, 0))
 
@@ -196,7 +198,7 @@ def _forward(q, k, v, bias, mask, scale, cfg: tl.TileConfig, smask: Any = None):
   init = vary((jnp.zeros((x, g, tp, _out_cols(cfg, v.shape[-1])), cd),
                jnp.zeros(_stat_shape(cfg, (x, g, tp)), cd)), manual_axes(q, k, v, bias, mask))
   if cfg.heads_in_chunk == x:
-    return _forward_chunk(q, k, v, bias, mask, scale, chunk_cfg, smask, 0)
+    return _forward_chunk(q, k, v, bias, mask, scale, chunk_cfg, smask, 0, mod)
   return lax.fori_loop(0, x // cfg.heads_in_chunk, chunk, init)
 
 
@@ -235,7 +237,7 @@ def _tile_loop(cfg: tl.TileConfig, kinds: Array | None, outer: Any, axis: int,
 
 
 def _forward_chunk(q, k, v, bias, mask, scale, cfg: tl.TileConfig, smask: Any = None,
-                   x0: Any = 0):
+                   x0: Any = 0, mod: Any = None):
   """One chunk of :func:`_forward`: O [X', G, Tp, Hv] and the row statistic [X', G, Tp]
   (X' = ``cfg.heads_in_chunk``).
 
@@ -272,7 +274,7 @@ def _forward_chunk(q, k, v, bias, mask, scale, cfg: tl.TileConfig, smask: Any = 
     def tile(j, structured):
       kj = tl.slice_along(k, j * cfg.bk, cfg.bk, 1)
       vj = tl.slice_along(v_fwd, j * cfg.bk, cfg.bk, 1)
-      z = tl.tile_scores(qi, kj, bias, i, j, cfg, qk_mult, bias_mult)
+      z = tl.tile_scores(qi, kj, bias, i, j, cfg, qk_mult, bias_mult, mod, x0)
       return z, vj, tl.tile_valid(mask, smask, x0, i, j, cfg, structured)
 
     if w.online_max:
@@ -323,35 +325,40 @@ def _forward_chunk(q, k, v, bias, mask, scale, cfg: tl.TileConfig, smask: Any = 
 
 
 def _backward(q, k, v, bias, mask, scale, out, stat, do, cfg: tl.TileConfig,
-              smask: Any = None):
-  """(dq, dk, dv, dbias, dscale), chunk by chunk; chunks may share a broadcast bias slice."""
+              smask: Any = None, mod: Any = None):
+  """(dq, dk, dv, dbias, dscale), chunk by chunk; chunks may share a broadcast bias slice.
+  With a score modification (``cfg.score_mod``) also the cotangent of ``mod`` (its
+  parameters' gradients, summed over every tile) as a sixth element."""
   x = q.shape[0]
   chunk_cfg = dataclasses.replace(cfg, head_dims=cfg.chunk_head_dims())
   if cfg.heads_in_chunk == x:
-    return _backward_chunk(q, k, v, bias, mask, scale, out, stat, do, chunk_cfg, smask, 0)
+    return _backward_chunk(q, k, v, bias, mask, scale, out, stat, do, chunk_cfg, smask, 0, mod)
   cd = compute_dtype(q.dtype)
 
   def chunk(c, carry):
-    dq, dk, dv, dbias, dscale = carry
+    dq, dk, dv, dbias, dscale, *dmod = carry
     rows = lambda a: tl.chunk_rows(a, c, cfg)
-    dq_c, dk_c, dv_c, dbias_c, dscale_c = _backward_chunk(
+    dq_c, dk_c, dv_c, dbias_c, dscale_c, *dmod_c = _backward_chunk(
         rows(q), rows(k), rows(v), tl.chunk_bias(bias, c, cfg), tl.chunk_bias(mask, c, cfg), scale,
-        rows(out), rows(stat), rows(do), chunk_cfg, smask, c * cfg.heads_in_chunk)
+        rows(out), rows(stat), rows(do), chunk_cfg, smask, c * cfg.heads_in_chunk, mod)
     put = lambda buf, a: lax.dynamic_update_slice_in_dim(buf, a, c * cfg.heads_in_chunk, 0)
     if cfg.has_bias:
       starts, sizes = tl.chunk_bias_window(bias, c, cfg)
       dbias = lax.dynamic_update_slice(dbias, lax.dynamic_slice(dbias, starts, sizes) + dbias_c,
                                        starts)
-    return put(dq, dq_c), put(dk, dk_c), put(dv, dv_c), dbias, dscale + dscale_c
+    return (put(dq, dq_c), put(dk, dk_c), put(dv, dv_c), dbias, dscale + dscale_c,
+            *jax.tree.map(jnp.add, dmod, dmod_c))
 
   init = (jnp.zeros(q.shape, cd), jnp.zeros(k.shape, cd), jnp.zeros(v.shape, cd),
           jnp.zeros(bias.shape, cd) if cfg.has_bias else None, jnp.zeros((), cd))
+  if cfg.score_mod:
+    init += (jax.tree.map(jnp.zeros_like, mod),)
   init = vary(init, manual_axes(q, k, v, bias, mask, out, do))
   return lax.fori_loop(0, x // cfg.heads_in_chunk, chunk, init)
 
 
 def _backward_chunk(q, k, v, bias, mask, scale, out, stat, do, cfg: tl.TileConfig,
-                    smask: Any = None, x0: Any = 0):
+                    smask: Any = None, x0: Any = 0, mod: Any = None):
   """One chunk of :func:`_backward`."""
   w = cfg.w
   tl.check_tiling(q, k, cfg)
@@ -368,21 +375,24 @@ def _backward_chunk(q, k, v, bias, mask, scale, out, stat, do, cfg: tl.TileConfi
   kinds = tl.tile_kinds(smask, x0, cfg) if cfg.structured else None
 
   def k_block(j, carry):
-    dq, dk_all, dv_all, dbias = carry
+    dq, dk_all, dv_all, dbias, *dmod = carry
     kj, vj = tl.slice_along(k, j * cfg.bk, cfg.bk, 1), tl.slice_along(v, j * cfg.bk, cfg.bk, 1)
     kj_f = tl.slice_along(k_f, j * cfg.bk, cfg.bk, 1)
 
     def tile_terms(i, dk_j, dv_j, structured, dq_rows=None):
       """Tile (i, j): dK and dV of key block j with its terms added, its dQ term
-      [X, G·bq, H] (added to ``dq_rows()`` where given) and with a bias dz (the score
-      gradient, for dbias)."""
+      [X, G·bq, H] (added to ``dq_rows()`` where given), with a bias dz (the score
+      gradient, for dbias) and with a score modification the tile's cotangent of ``mod``."""
       qi, doi = tl.row_block(q, i, cfg), tl.row_block(do, i, cfg)
       # The tile is computed as in the forward, [X, G·bq, bk] (queries × keys), by the
       # forward's own tl.tile_scores (the same dot, summed in the same order). A transposed tile
       # [X, bk, G·bq] (dV = Pᵀ·dO and dK = dZᵀ·Q plain matmuls) is no faster on XLA:CPU, whose
       # dot for it sums q·k in another order, 2.5× further from the exact scores at T ≫ S
       # (docs/guides/implementations.md, "Precision and accuracy").
-      z = tl.tile_scores(qi, kj, bias, i, j, cfg, qk_mult, bias_mult)
+      if cfg.score_mod:
+        z, mod_vjp = tl.modded_tile(qi, kj, bias, i, j, cfg, qk_mult, mod, x0)
+      else:
+        z = tl.tile_scores(qi, kj, bias, i, j, cfg, qk_mult, bias_mult)
       valid = tl.tile_valid(mask, smask, x0, i, j, cfg, structured)
       row = lambda a: tl.row_block(a, i, cfg)[..., None]  # per-query statistic, broadcast over keys
       dp = jnp.einsum("xqd,xsd->xqs", doi, vj, preferred_element_type=cd)
@@ -390,12 +400,19 @@ def _backward_chunk(q, k, v, bias, mask, scale, out, stat, do, cfg: tl.TileConfi
       p, dz = streaming.pointwise_tile_grad(w, z, valid, dp, grad_rows, cfg.num_keys, row=row)
       dv_j = dv_j + jnp.einsum("xqs,xqd->xsd", p.astype(doi.dtype), doi,
                                preferred_element_type=cd)
+      extra = ()
+      if cfg.score_mod:  # through the modification: dz of scale·q·k, of the bias, of mod
+        dz, dbias_z, dmod_tile = mod_vjp(dz)
+        extra = (dmod_tile,)
       dzc = dz.astype(qi.dtype)
       dk_j = dk_j + jnp.einsum("xqs,xqh->xsh", dzc, tl.row_block(q_f, i, cfg),
                                preferred_element_type=cd)
       base = None if dq_rows is None else dq_rows()  # read before the product, as always
       dq_i = jnp.einsum("xqs,xsh->xqh", dzc, kj_f, preferred_element_type=cd)
-      return dk_j, dv_j, dq_i if base is None else base + dq_i, dz if cfg.has_bias else None
+      if cfg.score_mod:
+        dz = dbias_z
+      return (dk_j, dv_j, dq_i if base is None else base + dq_i, dz if cfg.has_bias else None,
+              *extra)
 
     def add_terms(i, dq, dbias, dq_i, dz):  # dq_i: the rows' new dQ
       dq = tl.put_row_block(dq, dq_i, i, cfg)
@@ -404,25 +421,26 @@ def _backward_chunk(q, k, v, bias, mask, scale, out, stat, do, cfg: tl.TileConfi
       return dq, dbias
 
     def q_step(i, c, structured):
-      dq, dk_j, dv_j, dbias = c
-      dk_j, dv_j, dq_i, dz = tile_terms(i, dk_j, dv_j, structured,
-                                        lambda: tl.row_block(dq, i, cfg))
+      dq, dk_j, dv_j, dbias, *dmod = c
+      dk_j, dv_j, dq_i, dz, *dmod_tile = tile_terms(i, dk_j, dv_j, structured,
+                                                    lambda: tl.row_block(dq, i, cfg))
       dq, dbias = add_terms(i, dq, dbias, dq_i, dz)
-      return dq, dk_j, dv_j, dbias
+      return dq, dk_j, dv_j, dbias, *jax.tree.map(jnp.add, dmod, dmod_tile)
 
     def structured_q_step(i, c):  # the dQ and dbias buffers stay outside the switch
-      dq, dk_j, dv_j, dbias = c
+      dq, dk_j, dv_j, dbias, *dmod = c
 
       def leave_out(dk_j, dv_j):
         rows = (q.shape[0], q.shape[1] * cfg.bq)
         return (dk_j, dv_j, jnp.zeros(rows + q.shape[-1:], cd),
-                jnp.zeros(rows + (cfg.bk,), cd) if cfg.has_bias else None)
+                jnp.zeros(rows + (cfg.bk,), cd) if cfg.has_bias else None,
+                *jax.tree.map(jnp.zeros_like, dmod))
 
-      dk_j, dv_j, dq_term, dz = tl.kind_switch(
+      dk_j, dv_j, dq_term, dz, *dmod_tile = tl.kind_switch(
           kinds[i, j], leave_out, lambda *c: tile_terms(i, *c), dk_j, dv_j,
           full_needs_mask=w.divides_by_length)
       dq, dbias = add_terms(i, dq, dbias, tl.row_block(dq, i, cfg) + dq_term, dz)
-      return dq, dk_j, dv_j, dbias
+      return dq, dk_j, dv_j, dbias, *jax.tree.map(jnp.add, dmod, dmod_tile)
 
     dk0 = jnp.zeros((k.shape[0], cfg.bk, k.shape[-1]), cd)
     dv0 = jnp.zeros((v.shape[0], cfg.bk, v.shape[-1]), cd)
@@ -431,22 +449,27 @@ def _backward_chunk(q, k, v, bias, mask, scale, out, stat, do, cfg: tl.TileConfi
     else:
       lo, hi = (a[j] for a in tl.tile_span(kinds, 0))
       q_block = structured_q_step
-    dq, dk_j, dv_j, dbias = lax.fori_loop(lo, hi, q_block, (dq, *vary((dk0, dv0), axes), dbias))
+    dq, dk_j, dv_j, dbias, *dmod = lax.fori_loop(
+        lo, hi, q_block, (dq, *vary((dk0, dv0), axes), dbias, *dmod))
     dk_all = lax.dynamic_update_slice_in_dim(dk_all, dk_j, j * cfg.bk, axis=1)
     dv_all = lax.dynamic_update_slice_in_dim(dv_all, dv_j, j * cfg.bk, axis=1)
-    return dq, dk_all, dv_all, dbias
+    return dq, dk_all, dv_all, dbias, *dmod
 
-  init = vary((jnp.zeros(q.shape, cd), jnp.zeros(k.shape, cd), jnp.zeros(v.shape, cd),
-               jnp.zeros(bias_shape, cd) if cfg.has_bias else jnp.zeros((), cd)), axes)
+  init = (jnp.zeros(q.shape, cd), jnp.zeros(k.shape, cd), jnp.zeros(v.shape, cd),
+          jnp.zeros(bias_shape, cd) if cfg.has_bias else jnp.zeros((), cd))
+  if cfg.score_mod:
+    init += (jax.tree.map(jnp.zeros_like, mod),)
+  init = vary(init, axes)
   # The loop accumulated Σ dz·k (into dq) and Σ dzᵀ·q' (into dk) with q' = q·(scale·α) in
-  # float32/float64, or the unscaled q otherwise (16-bit q).
-  dq_z, dk_z, dv, dbias_z = lax.fori_loop(0, cfg.num_k_blocks, k_block, init)
+  # float32/float64, or the unscaled q otherwise (16-bit q); under a score modification α = 1
+  # here (the tile's VJP applied it).
+  dq_z, dk_z, dv, dbias_z, *dmod = lax.fori_loop(0, cfg.num_k_blocks, k_block, init)
   c = scale * alpha
   dq = dq_z * c
   dk = dk_z if qk_mult is None else dk_z * c
   dscale = alpha * jnp.sum(dq_z * finite(q_raw).astype(cd))
   dbias = dbias_z * bias_mult if cfg.has_bias else None
-  return dq, dk, dv, dbias, dscale
+  return (dq, dk, dv, dbias, dscale, *dmod)
 
 
 # --------------------------------------------------------------------------------------------
@@ -756,7 +779,7 @@ def finite_residual(tree: Any) -> Any:
 def _make_kernel(cfg: tl.TileConfig):
   """A custom-VJP function of internal-layout arrays (q, k, v, bias, mask, scale) -> O; with
   ``cfg.structured`` it takes the bound structured mask as a seventh argument."""
-  if cfg.structured:
+  if cfg.structured or cfg.score_mod:
     return _make_structured_kernel(cfg)
 
   causal_or_plain = _causal_forward if cfg.is_causal else _forward
@@ -794,27 +817,31 @@ def _cotangents(q, k, v, bias, scale, dq, dk, dv, dbias, dscale):
 
 
 def _make_structured_kernel(cfg: tl.TileConfig):
-  """:func:`_make_kernel` with a structured mask (a pytree of index arrays: no cotangent)."""
+  """:func:`_make_kernel` with a structured mask (a pytree of index arrays: no cotangent) as a
+  seventh argument, and a score modification (a :class:`~attnx.core.score_mods.ScoreMod`,
+  whose parameters get gradients) as an eighth; None where the call has none."""
 
   @jax.jit
-  def forward(q, k, v, bias, mask, scale, smask):
-    out, stat = _forward(q, k, v, bias, mask, scale, cfg, smask)
+  def forward(q, k, v, bias, mask, scale, smask, mod):
+    out, stat = _forward(q, k, v, bias, mask, scale, cfg, smask, mod)
     return out, finite_residual(stat)
 
   backward = jax.jit(functools.partial(_backward, cfg=cfg))
 
   @jax.custom_vjp
-  def kernel(q, k, v, bias, mask, scale, smask):
-    return forward(q, k, v, bias, mask, scale, smask)[0].astype(q.dtype)
+  def kernel(q, k, v, bias, mask, scale, smask, mod):
+    return forward(q, k, v, bias, mask, scale, smask, mod)[0].astype(q.dtype)
 
-  def fwd(q, k, v, bias, mask, scale, smask):
-    out, stat = forward(q, k, v, bias, mask, scale, smask)
-    return out.astype(q.dtype), (q, k, v, bias, mask, scale, out, stat, smask)
+  def fwd(q, k, v, bias, mask, scale, smask, mod):
+    out, stat = forward(q, k, v, bias, mask, scale, smask, mod)
+    return out.astype(q.dtype), (q, k, v, bias, mask, scale, out, stat, smask, mod)
 
   def bwd(res, do):
-    q, k, v, bias, mask, scale, out, stat, smask = res
-    grads = backward(q, k, v, bias, mask, scale, out, stat, do, smask=smask)
-    return (*_cotangents(q, k, v, bias, scale, *grads), None)
+    q, k, v, bias, mask, scale, out, stat, smask, mod = res
+    dq, dk, dv, dbias, dscale, *dmod = backward(q, k, v, bias, mask, scale, out, stat, do,
+                                                smask=smask, mod=mod)
+    dmod = jax.tree.map(lambda d, p: d.astype(p.dtype), dmod[0], mod) if dmod else None
+    return (*_cotangents(q, k, v, bias, scale, dq, dk, dv, dbias, dscale), None, dmod)
 
   kernel.defvjp(fwd, bwd)
   return kernel
@@ -823,7 +850,8 @@ def _make_structured_kernel(cfg: tl.TileConfig):
 def blocked_attention(q: Array, k: Array, v: Array, *, weighting: Pointwise, scale: float | Array,
                       bias: Array | None = None, mask: Array | None = None,
                       is_causal: bool = False, block_q: int | None = None,
-                      block_k: int | None = None, structured_mask: Any = None) -> Array:
+                      block_k: int | None = None, structured_mask: Any = None,
+                      score_mod: Any = None) -> Array:
   """Memory-efficient attention out_i = Σ_j w_ij v_j for a pointwise weighting F.
 
   Args:
@@ -842,6 +870,9 @@ def blocked_attention(q: Array, k: Array, v: Array, *, weighting: Pointwise, sca
       (:meth:`~attnx.core.masks.Mask.bind` with the batch ``(B,)``): evaluated per tile, never
       as a [T, S] array, and the tiles where it allows no pair are skipped (with ``is_causal``
       the causal condition joins it).
+    score_mod: a :class:`~attnx.core.score_mods.ScoreMod` (soft cap, ``score_mod`` function
+      and its parameters), applied per tile between the score and F; its parameters get
+      gradients. The causal triangle then runs as tiles under a causal structured mask.
 
   Returns:
     [B, T, N, Hv] in q's dtype; equal (up to float rounding) to
@@ -856,9 +887,14 @@ def blocked_attention(q: Array, k: Array, v: Array, *, weighting: Pointwise, sca
   if q.size == 0 or s == 0:  # no query, or no key (every row has no valid key)
     return jnp.zeros((b, t, n, v.shape[-1]), q.dtype)
   kw = dict(weighting=weighting, scale=scale, block_q=block_q, block_k=block_k, num_keys=s)
-  if structured_mask is not None:  # the tiles of the mask, not the causal triangle's pieces
-    smask = masks.Causal() & structured_mask if is_causal else structured_mask
-    return _blocked(q, k, v, bias=bias, mask=mask, is_causal=False, structured=smask, **kw)
+  if structured_mask is not None or score_mod is not None:
+    # The tiles of the mask, not the causal triangle's pieces (whose positions are not the
+    # tile's: a score modification reads them).
+    smask = structured_mask
+    if is_causal:
+      smask = masks.Causal() if smask is None else masks.Causal() & smask
+    return _blocked(q, k, v, bias=bias, mask=mask, is_causal=False, structured=smask,
+                    score_mod=score_mod, **kw)
   if is_causal and s > t:  # keys j ≥ T are above the diagonal of every row: never touched
     return _blocked(q, k[:, :t], v[:, :t], bias=_part4(bias, 3, 0, t),
                     mask=_part4(mask, 3, 0, t), is_causal=True, **kw)
@@ -927,7 +963,7 @@ def mask_tile_counts(structured_mask: Any, weighting: Pointwise, b: int, t: int,
 
 
 def _blocked(q, k, v, *, weighting, scale, bias, mask, is_causal, block_q, block_k, num_keys,
-             structured=None):
+             structured=None, score_mod=None):
   """:func:`blocked_attention` on checked, non-empty inputs; causal ones have T = S."""
   b, t, n, h = q.shape
   _, s, kv_heads, _ = k.shape
@@ -948,12 +984,15 @@ def _blocked(q, k, v, *, weighting, scale, bias, mask, is_causal, block_q, block
                         has_mask=mask is not None, has_bias=bias is not None,
                         head_dims=(b, kv_heads, g), kv_heads=kv_heads,
                         heads_in_chunk=heads_per_chunk(b, kv_heads, g, bq, bk),
-                        full_num_keys=num_keys, structured=structured is not None)
+                        full_num_keys=num_keys, structured=structured is not None,
+                        score_mod=score_mod is not None)
     tp, sp = cfg.num_q_blocks * bq, cfg.num_k_blocks * bk
 
   # [B, T, N, H] -> [X, G, Tp, H] and [B, S, K, H] -> [X, Sp, H] (X = B·K), zero padded.
   q4, k3, v3, bias5, mask5 = tl.kernel_layout(q, k, v, bias, mask, tp, sp)
   scale_arr = jnp.asarray(scale, compute_dtype(q.dtype))
-  args = (q4, k3, v3, bias5, mask5, scale_arr) + ((structured,) if cfg.structured else ())
+  args = (q4, k3, v3, bias5, mask5, scale_arr)
+  if cfg.structured or cfg.score_mod:
+    args += (structured, score_mod)
   out = _make_kernel(cfg)(*args)
   return out[:, :, :t].reshape(b, n, t, -1).transpose(0, 2, 1, 3)

@@ -78,14 +78,15 @@ def _valid(z: Array, mask, smask, x0, i, j, cfg: tl.TileConfig, structured: bool
   return finite if valid is None else valid & finite
 
 
-def _tiles(q, k, v, bias, mask, i, cfg: tl.TileConfig, qk_mult, bias_mult, smask=None, x0=0):
+def _tiles(q, k, v, bias, mask, i, cfg: tl.TileConfig, qk_mult, bias_mult, smask=None, x0=0,
+           mod=None):
   """tile(j, structured=True) -> (z [X, G·bq, bk] in the compute dtype, valid, v tile) of
-  query block i."""
+  query block i (``mod``: the score modification of ``cfg.score_mod``)."""
   qi = tl.row_block(q, i, cfg)
 
   def tile(j, structured=True):
     kj, vj = tl.slice_along(k, j * cfg.bk, cfg.bk, 1), tl.slice_along(v, j * cfg.bk, cfg.bk, 1)
-    z = tl.tile_scores(qi, kj, bias, i, j, cfg, qk_mult, bias_mult)
+    z = tl.tile_scores(qi, kj, bias, i, j, cfg, qk_mult, bias_mult, mod, x0)
     return z, _valid(z, mask, smask, x0, i, j, cfg, structured), vj
 
   return tile
@@ -170,7 +171,7 @@ def _entmax_threshold_skipping(tile, i, lo, hi, rows: tuple[int, ...], cfg: tl.T
 
 
 def _forward_chunk(q, k, v, bias, mask, row_scales, scale, cfg: tl.TileConfig, skip: bool,
-                   smask: Any = None, x0: Any = 0):
+                   smask: Any = None, x0: Any = 0, mod: Any = None):
   """(O [x, G, Tp, Hv], row statistics, Σu·v/Σu or None, max threshold passes, zero tiles) of
   a chunk (whose first row is ``x0``; ``smask``: the bound structured mask of
   ``cfg.structured``, evaluated per tile, its empty tiles skipped).
@@ -193,7 +194,7 @@ def _forward_chunk(q, k, v, bias, mask, row_scales, scale, cfg: tl.TileConfig, s
 
   def q_block(i, carry):
     out, stats, support_mean, passes, zero_table = carry
-    tile = _tiles(q, k, v, bias, mask, i, cfg, qk_mult, bias_mult, smask, x0)
+    tile = _tiles(q, k, v, bias, mask, i, cfg, qk_mult, bias_mult, smask, x0, mod)
     row_kinds = None if kinds is None else kinds[i]
     lo, hi = _k_bounds(i, cfg, span)
     ctx = tl.row_block(row_scales, i, cfg) if rs.needs_row_scale else None
@@ -224,7 +225,8 @@ def _forward_chunk(q, k, v, bias, mask, row_scales, scale, cfg: tl.TileConfig, s
 
 def _backward_chunk(q, k, v, bias, mask, row_scales, scale, out, stats, support_mean, do,
                     zero, cfg: tl.TileConfig, carry0: tuple[Array, Array] | None = None,
-                    both_carries: bool = False, smask: Any = None, x0: Any = 0):
+                    both_carries: bool = False, smask: Any = None, x0: Any = 0,
+                    mod: Any = None):
   """(dq, dk, dv, dbias, drow_scales, dscale) of a chunk (first row ``x0``; ``smask`` as in
   :func:`_forward_chunk`: its skipped tiles add nothing to any gradient or grad carry).
 
@@ -252,6 +254,8 @@ def _backward_chunk(q, k, v, bias, mask, row_scales, scale, out, stats, support_
     zero = zero & jnp.all(jnp.isfinite(do_blocks), axis=(0, 1, 3, 4))[:, None]
   kinds = tl.tile_kinds(smask, x0, cfg) if cfg.structured else None
   span = None if kinds is None else tl.tile_span(kinds, 0)
+  # The cotangent of a score modification's parameters, summed over the tiles (or nothing).
+  mod_zeros = [jax.tree.map(jnp.zeros_like, mod)] if cfg.score_mod else []
 
   def k_block(r, carry):
     j = cfg.num_k_blocks - 1 - r if rs.reverse else r
@@ -260,9 +264,13 @@ def _backward_chunk(q, k, v, bias, mask, row_scales, scale, out, stats, support_
 
     def masked_tile_terms(i, dk_j, dv_j, carry_a, carry_b, structured):
       """Tile (i, j): dK and dV of key block j with its terms added, its dQ term
-      [X, G·bq, H], dz (for dbias) and the grad carries of its rows."""
+      [X, G·bq, H], dz (for dbias), the grad carries of its rows and with a score
+      modification the tile's cotangent of ``mod``."""
       qi, doi = tl.row_block(q, i, cfg), tl.row_block(do, i, cfg)
-      z = tl.tile_scores(qi, kj, bias, i, j, cfg, qk_mult, bias_mult)
+      if cfg.score_mod:
+        z, mod_vjp = tl.modded_tile(qi, kj, bias, i, j, cfg, qk_mult, mod, x0)
+      else:
+        z = tl.tile_scores(qi, kj, bias, i, j, cfg, qk_mult, bias_mult)
       valid = _valid(z, mask, smask, x0, i, j, cfg, structured)
       dp = jnp.einsum("xqd,xsd->xqs", doi, vj, preferred_element_type=cd)
       ctx = block_rows(row_scales, i) if rs.needs_row_scale else None
@@ -271,11 +279,15 @@ def _backward_chunk(q, k, v, bias, mask, row_scales, scale, out, stats, support_
                                weights_dtype=v.dtype)
       dv_j = dv_j + jnp.einsum("xqs,xqd->xsd", p.astype(doi.dtype), doi,
                                preferred_element_type=cd)
+      extra, dz_bias = (), dz
+      if cfg.score_mod:  # through the modification: dz of scale·q·k, of the bias, of mod
+        dz, dz_bias, dmod_tile = mod_vjp(dz)
+        extra = (dmod_tile,)
       dzc = dz.astype(qi.dtype)
       dk_j = dk_j + jnp.einsum("xqs,xqh->xsh", dzc, tl.row_block(q_f, i, cfg),
                                preferred_element_type=cd)
       dq_i = jnp.einsum("xqs,xsh->xqh", dzc, kj_f, preferred_element_type=cd)
-      return dk_j, dv_j, dq_i, dz if cfg.has_bias else None, gc
+      return (dk_j, dv_j, dq_i, dz_bias if cfg.has_bias else None, gc, *extra)
 
     def tile_terms(i, dk_j, dv_j, carry_a, carry_b):
       """:func:`masked_tile_terms` of a tile of the structured mask's kind (a skipped tile:
@@ -285,7 +297,7 @@ def _backward_chunk(q, k, v, bias, mask, row_scales, scale, out, stats, support_
         rows = (q.shape[0], q.shape[1] * cfg.bq)
         return (dk_j, dv_j, jnp.zeros(rows + q.shape[-1:], cd),
                 jnp.zeros(rows + (cfg.bk,), cd) if cfg.has_bias else None,
-                st.GradCarry(carry_a, carry_b))
+                st.GradCarry(carry_a, carry_b), *mod_zeros)
 
       return tl.kind_switch(None if kinds is None else kinds[i, j], leave_out,
                             lambda *c: masked_tile_terms(i, *c), dk_j, dv_j, carry_a, carry_b)
@@ -294,61 +306,61 @@ def _backward_chunk(q, k, v, bias, mask, row_scales, scale, out, stats, support_
       return tl.add_bias_grad_tile(dbias, dz, i, j, cfg)
 
     def q_block(i, c):
-      dq, dk_j, dv_j, dbias, carry_a, carry_b = c
-      dk_j, dv_j, dq_i, dz, gc = tile_terms(i, dk_j, dv_j, block_rows(carry_a, i),
-                                            block_rows(carry_b, i))
+      dq, dk_j, dv_j, dbias, carry_a, carry_b, *dmod = c
+      dk_j, dv_j, dq_i, dz, gc, *dmod_tile = tile_terms(i, dk_j, dv_j, block_rows(carry_a, i),
+                                                        block_rows(carry_b, i))
       dq = tl.put_row_block(dq, block_rows(dq, i) + dq_i, i, cfg)
       carry_a = tl.put_row_block(carry_a, gc.a, i, cfg)
       carry_b = tl.put_row_block(carry_b, gc.b, i, cfg)
       if cfg.has_bias:
         dbias = add_dbias(dbias, dz, i)
-      return dq, dk_j, dv_j, dbias, carry_a, carry_b
+      return dq, dk_j, dv_j, dbias, carry_a, carry_b, *jax.tree.map(jnp.add, dmod, dmod_tile)
 
     def skipping_q_block(i, c):
       # Only the tile's own terms sit inside the cond: with the [X, G, Tp, H] dQ (or dbias)
       # buffer in its operands XLA copies the buffer on every call. A zero tile adds zeros to
       # dQ and dbias (exact: they start at +0, and x + 0 = x). Entmax has no grad carries.
-      dq, dk_j, dv_j, dbias, carry_a, carry_b = c
+      dq, dk_j, dv_j, dbias, carry_a, carry_b, *dmod = c
 
       def compute(dk_j, dv_j):
-        dk_j, dv_j, dq_i, dz, _ = tile_terms(i, dk_j, dv_j, None, None)
-        return dk_j, dv_j, dq_i, dz
+        dk_j, dv_j, dq_i, dz, _, *dmod_tile = tile_terms(i, dk_j, dv_j, None, None)
+        return dk_j, dv_j, dq_i, dz, *dmod_tile
 
       def leave_out(dk_j, dv_j):
         rows = (q.shape[0], q.shape[1] * cfg.bq)
         return (dk_j, dv_j, jnp.zeros(rows + q.shape[-1:], cd),
-                jnp.zeros(rows + (cfg.bk,), cd) if cfg.has_bias else None)
+                jnp.zeros(rows + (cfg.bk,), cd) if cfg.has_bias else None, *mod_zeros)
 
-      dk_j, dv_j, dq_i, dz = lax.cond(zero[i, j], leave_out, compute, dk_j, dv_j)
+      dk_j, dv_j, dq_i, dz, *dmod_tile = lax.cond(zero[i, j], leave_out, compute, dk_j, dv_j)
       dq = tl.put_row_block(dq, block_rows(dq, i) + dq_i, i, cfg)
       if cfg.has_bias:
         dbias = add_dbias(dbias, dz, i)
-      return dq, dk_j, dv_j, dbias, carry_a, carry_b
+      return dq, dk_j, dv_j, dbias, carry_a, carry_b, *jax.tree.map(jnp.add, dmod, dmod_tile)
 
     body = q_block if zero is None else skipping_q_block
-    dq, dk_all, dv_all, dbias, carry_a, carry_b = carry
+    dq, dk_all, dv_all, dbias, carry_a, carry_b, *dmod = carry
     dk0 = jnp.zeros((k.shape[0], cfg.bk, k.shape[-1]), cd)
     dv0 = jnp.zeros((v.shape[0], cfg.bk, v.shape[-1]), cd)
     lo, hi = tl.q_range(j, cfg) if span is None else (span[0][j], span[1][j])
-    dq, dk_j, dv_j, dbias, carry_a, carry_b = lax.fori_loop(
-        lo, hi, body, (dq, *bl.vary((dk0, dv0), axes), dbias, carry_a, carry_b))
+    dq, dk_j, dv_j, dbias, carry_a, carry_b, *dmod = lax.fori_loop(
+        lo, hi, body, (dq, *bl.vary((dk0, dv0), axes), dbias, carry_a, carry_b, *dmod))
     dk_all = lax.dynamic_update_slice_in_dim(dk_all, dk_j, j * cfg.bk, axis=1)
     dv_all = lax.dynamic_update_slice_in_dim(dv_all, dv_j, j * cfg.bk, axis=1)
-    return dq, dk_all, dv_all, dbias, carry_a, carry_b
+    return dq, dk_all, dv_all, dbias, carry_a, carry_b, *dmod
 
   rows0 = jnp.zeros(q.shape[:3], cd)
   carry_a0, carry_b0 = (rows0, rows0) if carry0 is None else carry0
-  init = bl.vary((jnp.zeros(q.shape, cd), jnp.zeros(k.shape, cd), jnp.zeros(v.shape, cd),
-                  jnp.zeros(bias_shape, cd) if cfg.has_bias else jnp.zeros((), cd), carry_a0,
-                  carry_b0), axes)
-  dq_z, dk_z, dv, dbias_z, carry_a, carry_b = lax.fori_loop(0, cfg.num_k_blocks, k_block,
-                                                            init)
+  init = (jnp.zeros(q.shape, cd), jnp.zeros(k.shape, cd), jnp.zeros(v.shape, cd),
+          jnp.zeros(bias_shape, cd) if cfg.has_bias else jnp.zeros((), cd), carry_a0, carry_b0)
+  init = bl.vary(init + tuple(mod_zeros), axes)
+  dq_z, dk_z, dv, dbias_z, carry_a, carry_b, *dmod = lax.fori_loop(0, cfg.num_k_blocks, k_block,
+                                                                   init)
   c = scale * alpha
   dq = dq_z * c
   dk = dk_z if qk_mult is None else dk_z * c
   dscale = alpha * jnp.sum(dq_z * finite(q_raw).astype(cd))
   dbias = dbias_z * bias_mult if cfg.has_bias else None
-  return dq, dk, dv, dbias, (carry_a, carry_b) if both_carries else carry_a, dscale
+  return (dq, dk, dv, dbias, (carry_a, carry_b) if both_carries else carry_a, dscale, *dmod)
 
 
 # --------------------------------------------------------------------------------------------
@@ -356,21 +368,21 @@ def _backward_chunk(q, k, v, bias, mask, row_scales, scale, out, stats, support_
 # --------------------------------------------------------------------------------------------
 
 def _forward(q, k, v, bias, mask, row_scales, scale, cfg: tl.TileConfig, skip: bool,
-             smask: Any = None):
+             smask: Any = None, mod: Any = None):
   """:func:`_forward_chunk` over the chunks of heads; the zero-tile table gains a leading
   chunk axis, [num_chunks, num_q_blocks, num_k_blocks] (or is None)."""
   x = q.shape[0]
   chunk_cfg = dataclasses.replace(cfg, head_dims=cfg.chunk_head_dims())
   if cfg.heads_in_chunk == x:
     *res, zero = _forward_chunk(q, k, v, bias, mask, row_scales, scale, chunk_cfg, skip,
-                                smask)
+                                smask, 0, mod)
     return (*res, None if zero is None else zero[None])
   rows = lambda a, c: None if a is None else tl.chunk_rows(a, c, cfg)
 
   def chunk(c, carry):
     res = _forward_chunk(rows(q, c), rows(k, c), rows(v, c), tl.chunk_bias(bias, c, cfg),
                          tl.chunk_bias(mask, c, cfg), rows(row_scales, c), scale, chunk_cfg,
-                         skip, smask, c * cfg.heads_in_chunk)
+                         skip, smask, c * cfg.heads_in_chunk, mod)
     put = lambda buf, a: lax.dynamic_update_slice_in_dim(buf, a, c * cfg.heads_in_chunk, 0)
     out, stats, support_mean, passes, zero = carry
     return (put(out, res[0]), tuple(put(b, a) for b, a in zip(stats, res[1], strict=True)),
@@ -394,33 +406,36 @@ def _forward(q, k, v, bias, mask, row_scales, scale, cfg: tl.TileConfig, skip: b
 
 
 def _backward(q, k, v, bias, mask, row_scales, scale, out, stats, support_mean, do, zero,
-              cfg: tl.TileConfig, smask: Any = None):
+              cfg: tl.TileConfig, smask: Any = None, mod: Any = None):
   x = q.shape[0]
   cd = compute_dtype(q.dtype)
   chunk_cfg = dataclasses.replace(cfg, head_dims=cfg.chunk_head_dims())
   if cfg.heads_in_chunk == x:
     return _backward_chunk(q, k, v, bias, mask, row_scales, scale, out, stats, support_mean, do,
-                           None if zero is None else zero[0], chunk_cfg, smask=smask)
+                           None if zero is None else zero[0], chunk_cfg, smask=smask, mod=mod)
   rows = lambda a, c: None if a is None else tl.chunk_rows(a, c, cfg)
 
   def chunk(c, carry):
-    dq, dk, dv, dbias, drow_scales, dscale = carry
-    dq_c, dk_c, dv_c, dbias_c, drow_scales_c, dscale_c = _backward_chunk(
+    dq, dk, dv, dbias, drow_scales, dscale, *dmod = carry
+    dq_c, dk_c, dv_c, dbias_c, drow_scales_c, dscale_c, *dmod_c = _backward_chunk(
         rows(q, c), rows(k, c), rows(v, c), tl.chunk_bias(bias, c, cfg),
         tl.chunk_bias(mask, c, cfg), rows(row_scales, c), scale, rows(out, c),
         tuple(rows(a, c) for a in stats), rows(support_mean, c), rows(do, c),
-        None if zero is None else zero[c], chunk_cfg, smask=smask, x0=c * cfg.heads_in_chunk)
+        None if zero is None else zero[c], chunk_cfg, smask=smask, x0=c * cfg.heads_in_chunk,
+        mod=mod)
     put = lambda buf, a: lax.dynamic_update_slice_in_dim(buf, a, c * cfg.heads_in_chunk, 0)
     if cfg.has_bias:
       starts, sizes = tl.chunk_bias_window(bias, c, cfg)
       dbias = lax.dynamic_update_slice(
           dbias, lax.dynamic_slice(dbias, starts, sizes) + dbias_c, starts)
     return (put(dq, dq_c), put(dk, dk_c), put(dv, dv_c), dbias, put(drow_scales, drow_scales_c),
-            dscale + dscale_c)
+            dscale + dscale_c, *jax.tree.map(jnp.add, dmod, dmod_c))
 
   init = (jnp.zeros(q.shape, cd), jnp.zeros(k.shape, cd), jnp.zeros(v.shape, cd),
           jnp.zeros(bias.shape, cd) if cfg.has_bias else None, jnp.zeros(q.shape[:3], cd),
           jnp.zeros((), cd))
+  if cfg.score_mod:
+    init += (jax.tree.map(jnp.zeros_like, mod),)
   return lax.fori_loop(0, x // cfg.heads_in_chunk, chunk, init)
 
 
@@ -481,35 +496,38 @@ def block_grads(q: Array, k: Array, v: Array, bias: Array | None, mask: Array | 
 
 
 def _make_kernel(cfg: tl.TileConfig, skip: bool):
-  """A custom-VJP function of internal-layout (q, k, v, bias, mask, row_scales, scale, smask)
-  -> O; ``skip``: leave out all-zero key tiles (entmax family); ``smask``: the bound structured
-  mask of ``cfg.structured`` (a pytree of index arrays: no cotangent), else None."""
+  """A custom-VJP function of internal-layout (q, k, v, bias, mask, row_scales, scale, smask,
+  mod) -> O; ``skip``: leave out all-zero key tiles (entmax family); ``smask``: the bound
+  structured mask of ``cfg.structured`` (a pytree of index arrays: no cotangent), else None;
+  ``mod``: the :class:`~attnx.core.score_mods.ScoreMod` of ``cfg.score_mod`` (its parameters
+  get gradients), else None."""
 
   @jax.jit  # as the pointwise kernel's: only finite arrays leave (bl.finite_residual)
-  def forward(q, k, v, bias, mask, row_scales, scale, smask):
+  def forward(q, k, v, bias, mask, row_scales, scale, smask, mod):
     out, stats, support_mean, _, zero = _forward(q, k, v, bias, mask, row_scales, scale, cfg,
-                                                 skip, smask)
+                                                 skip, smask, mod)
     return out, bl.finite_residual(stats), support_mean, zero
 
   backward = jax.jit(functools.partial(_backward, cfg=cfg))
 
   @jax.custom_vjp
-  def kernel(q, k, v, bias, mask, row_scales, scale, smask):
-    return forward(q, k, v, bias, mask, row_scales, scale, smask)[0].astype(q.dtype)
+  def kernel(q, k, v, bias, mask, row_scales, scale, smask, mod):
+    return forward(q, k, v, bias, mask, row_scales, scale, smask, mod)[0].astype(q.dtype)
 
-  def fwd(q, k, v, bias, mask, row_scales, scale, smask):
-    out, stats, support_mean, zero = forward(q, k, v, bias, mask, row_scales, scale, smask)
+  def fwd(q, k, v, bias, mask, row_scales, scale, smask, mod):
+    out, stats, support_mean, zero = forward(q, k, v, bias, mask, row_scales, scale, smask, mod)
     return out.astype(q.dtype), (q, k, v, bias, mask, row_scales, scale, out, stats,
-                                 support_mean, zero, smask)
+                                 support_mean, zero, smask, mod)
 
   def bwd(res, do):
-    q, k, v, bias, mask, row_scales, scale, out, stats, support_mean, zero, smask = res
-    dq, dk, dv, dbias, drow_scales, dscale = backward(q, k, v, bias, mask, row_scales, scale,
-                                                      out, stats, support_mean, do, zero,
-                                                      smask=smask)
+    q, k, v, bias, mask, row_scales, scale, out, stats, support_mean, zero, smask, mod = res
+    dq, dk, dv, dbias, drow_scales, dscale, *dmod = backward(
+        q, k, v, bias, mask, row_scales, scale, out, stats, support_mean, do, zero,
+        smask=smask, mod=mod)
+    dmod = jax.tree.map(lambda d, p: d.astype(p.dtype), dmod[0], mod) if dmod else None
     return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype),
             None if bias is None else dbias.astype(bias.dtype), None,
-            None if row_scales is None else drow_scales, dscale.astype(scale.dtype), None)
+            None if row_scales is None else drow_scales, dscale.astype(scale.dtype), None, dmod)
 
   kernel.defvjp(fwd, bwd)
   return kernel
@@ -677,25 +695,26 @@ def _problem(family: str, t: int, s: int, g: int, b: int, kv_heads: int, is_caus
 
 
 def _cfg(weighting, t, s, b, kv_heads, g, is_causal, block_q, block_k, has_mask, has_bias,
-         structured: bool = False):
+         structured: bool = False, score_mod: bool = False):
   bq, bk, heads_in_chunk = _problem(weighting.stream.family, t, s, g, b, kv_heads, is_causal,
                                     block_q, block_k, structured)
   return tl.TileConfig(w=weighting, t=t, s=s, bq=bq, bk=bk, is_causal=is_causal, has_mask=has_mask,
                        has_bias=has_bias, head_dims=(b, kv_heads, g), kv_heads=kv_heads,
-                       heads_in_chunk=heads_in_chunk, structured=structured)
+                       heads_in_chunk=heads_in_chunk, structured=structured,
+                       score_mod=score_mod)
 
 
 def _inputs(q, k, v, bias, mask, scale, weighting, is_causal, block_q, block_k, ssmax_s,
-            structured: Any = None):
-  """Checked, non-empty inputs in the kernel layout (the scale last, in the compute dtype,
-  then the structured mask: ``structured``, with the causal condition already joined, or
-  None), and the problem's cfg."""
+            structured: Any = None, score_mod: Any = None):
+  """Checked, non-empty inputs in the kernel layout (the scale in the compute dtype, then the
+  structured mask: ``structured``, with the causal condition already joined, or None, then
+  the score modification or None), and the problem's cfg."""
   _check_only(q, k, v, mask, weighting, block_q, block_k)
   b, t, n, h = q.shape
   _, s, kv_heads, _ = k.shape
   g = n // kv_heads
   cfg = _cfg(weighting, t, s, b, kv_heads, g, is_causal, block_q, block_k, mask is not None,
-             bias is not None, structured is not None)
+             bias is not None, structured is not None, score_mod is not None)
   tp, sp = cfg.num_q_blocks * cfg.bq, cfg.num_k_blocks * cfg.bk
   rs = weighting.stream
   row_scales = None
@@ -706,7 +725,7 @@ def _inputs(q, k, v, bias, mask, scale, weighting, is_causal, block_q, block_k, 
   q, k, v, bias = nonfinite_inputs(q, k, v, bias)
   q4, k3, v3, bias5, mask5 = tl.kernel_layout(q, k, v, bias, mask, tp, sp)
   scale = jnp.asarray(scale, compute_dtype(q4.dtype))
-  return (q4, k3, v3, bias5, mask5, row_scales, scale, structured), cfg
+  return (q4, k3, v3, bias5, mask5, row_scales, scale, structured, score_mod), cfg
 
 
 def blocked_row_attention(q: Array, k: Array, v: Array, *, weighting: RowNormalizer,
@@ -714,7 +733,8 @@ def blocked_row_attention(q: Array, k: Array, v: Array, *, weighting: RowNormali
                           mask: Array | None = None, is_causal: bool = False,
                           block_q: int | None = None, block_k: int | None = None,
                           ssmax_s: Array | float | None = None,
-                          skip_zero_tiles: bool = True, structured_mask: Any = None) -> Array:
+                          skip_zero_tiles: bool = True, structured_mask: Any = None,
+                          score_mod: Any = None) -> Array:
   """Memory-efficient attention for a whole-row weighting (its ``stream`` family).
 
   Args:
@@ -742,6 +762,9 @@ def blocked_row_attention(q: Array, k: Array, v: Array, *, weighting: RowNormali
       as a [T, S] array, in every pass (SSMax's n_i, stick-breaking's stick and the entmax
       threshold count only the keys it allows), and the tiles where it allows no pair are
       skipped (with ``is_causal`` the causal condition joins it).
+    score_mod: a :class:`~attnx.core.score_mods.ScoreMod` (soft cap, ``score_mod`` function
+      and its parameters), applied per tile between the score and the weighting in every pass
+      (SSMax scales the modified score); its parameters get gradients.
 
   Returns:
     [B, T, N, Hv] in q's dtype, equal up to float rounding to the dense weights' product with
@@ -756,11 +779,11 @@ def blocked_row_attention(q: Array, k: Array, v: Array, *, weighting: RowNormali
   if structured_mask is not None:  # the tiles of the mask, not the causal ones
     structured_mask = masks.Causal() & structured_mask if is_causal else structured_mask
     is_causal = False
-  if _runs_as_softmax(weighting, bias is not None, q.dtype, is_causal):
+  if score_mod is None and _runs_as_softmax(weighting, bias is not None, q.dtype, is_causal):
     return _ssmax_as_softmax(q, k, v, mask, weighting, scale, block_q, block_k, ssmax_s,
                              structured_mask)
   arrays, cfg = _inputs(q, k, v, bias, mask, scale, weighting, is_causal, block_q, block_k,
-                        ssmax_s, structured_mask)
+                        ssmax_s, structured_mask, score_mod)
   out = _make_kernel(cfg, skip_zero_tiles)(*arrays)
   return out[:, :, :t].reshape(b, n, t, -1).transpose(0, 2, 1, 3)
 
@@ -780,7 +803,7 @@ def threshold_passes(q: Array, k: Array, v: Array, *, weighting: RowNormalizer,
   benchmark's report. 0 for the other families."""
   arrays, cfg = _inputs(q, k, v, bias, mask, scale, weighting, is_causal, block_q, block_k,
                         None)
-  return _forward(*arrays[:-1], cfg, True)[3]
+  return _forward(*arrays[:-2], cfg, True)[3]
 
 
 def zero_tiles(q: Array, k: Array, v: Array, *, weighting: RowNormalizer, scale: float | Array,
@@ -805,7 +828,7 @@ def zero_tiles(q: Array, k: Array, v: Array, *, weighting: RowNormalizer, scale:
     raise ValueError(f"zero_tiles needs queries and keys, got q {q.shape}, k {k.shape}")
   arrays, cfg = _inputs(q, k, v, bias, mask, scale, weighting, is_causal, block_q, block_k,
                         None)
-  zero = _forward(*arrays[:-1], cfg, True)[4]
+  zero = _forward(*arrays[:-2], cfg, True)[4]
   hi = jnp.stack([jnp.asarray(tl.k_range(i, cfg)[1]) for i in range(cfg.num_q_blocks)])
   visited = jnp.arange(cfg.num_k_blocks)[None, :] < hi[:, None]
   visited = jnp.broadcast_to(visited, zero.shape)

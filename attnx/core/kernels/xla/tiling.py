@@ -29,9 +29,10 @@ ALIGN = 8  # tiles are multiples of 8 rows (SIMD-friendly)
 
 __all__ = ["ALIGN", "TileConfig", "add_bias_grad_tile", "bias_mask_layout", "bias_tile",
            "bias_tile_rows", "check_tiling", "chunk_bias", "chunk_bias_window", "chunk_rows",
-           "k_range", "kernel_layout", "kind_switch", "prescale", "put_row_block", "q_range",
+           "k_range", "kernel_layout", "kind_switch", "mod_alpha", "modded_tile", "prescale",
+           "put_row_block", "q_range",
            "row_block", "slice_along", "structured_tile", "tile_counts", "tile_kinds",
-           "tile_scores", "tile_span", "tile_valid", "valid_tile"]
+           "tile_positions", "tile_scores", "tile_span", "tile_valid", "valid_tile"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +60,9 @@ class TileConfig:
   full_num_keys: int = 0
   # A structured mask (attnx.core.masks) is evaluated per tile and its empty tiles skipped.
   structured: bool = False
+  # A score modification (attnx.core.score_mods: soft cap, score_mod) is applied per tile; the
+  # kernels then take its ScoreMod (whose parameters get gradients) as an argument.
+  score_mod: bool = False
 
   @property
   def num_keys(self) -> int:
@@ -169,16 +173,23 @@ def valid_tile(mask: Array | None, i: Array, j: Array, cfg: TileConfig) -> Array
   return valid
 
 
-def structured_tile(smask: Any, x0: Array, i: Array, j: Array, cfg: TileConfig) -> Array:
-  """A structured mask (:class:`attnx.core.masks.Mask`, bound) on tile (i, j) of a chunk
-  whose first (batch, kv head) row is ``x0``: booleans broadcastable to [X, G·bq, bk]."""
+def tile_positions(x0: Array, i: Array, j: Array, cfg: TileConfig) -> tuple[Array, ...]:
+  """(b, h, q_idx, kv_idx) of tile (i, j) of a chunk whose first (batch, kv head) row is
+  ``x0``: the flat batch, the query head and the global positions, int32 arrays broadcasting
+  against the tile's [X, G·bq, bk]."""
   x_rows = cfg.head_dims[0] * cfg.head_dims[1]
   g = cfg.head_dims[2]
   xs = x0 + lax.broadcasted_iota(jnp.int32, (x_rows, 1, 1), 0)
   r = lax.broadcasted_iota(jnp.int32, (1, g * cfg.bq, 1), 1)
   b, h = xs // cfg.kv_heads, (xs % cfg.kv_heads) * g + r // cfg.bq
   cols = j * cfg.bk + lax.broadcasted_iota(jnp.int32, (1, 1, cfg.bk), 2)
-  return smask.mask_mod(b, h, i * cfg.bq + r % cfg.bq, cols)
+  return b, h, i * cfg.bq + r % cfg.bq, cols
+
+
+def structured_tile(smask: Any, x0: Array, i: Array, j: Array, cfg: TileConfig) -> Array:
+  """A structured mask (:class:`attnx.core.masks.Mask`, bound) on tile (i, j) of a chunk
+  whose first (batch, kv head) row is ``x0``: booleans broadcastable to [X, G·bq, bk]."""
+  return smask.mask_mod(*tile_positions(x0, i, j, cfg))
 
 
 def tile_valid(mask: Array | None, smask: Any, x0: Array, i: Array, j: Array, cfg: TileConfig,
@@ -238,17 +249,47 @@ def kind_switch(kind: Array | None, skipped: Any, step: Any, *operands: Any,
 
 
 def tile_scores(qi: Array, kj: Array, bias: Array | None, i: Array, j: Array, cfg: TileConfig,
-            qk_mult: Array | None, bias_mult: float) -> Array:
+                qk_mult: Array | None, bias_mult: float, mod: Any = None, x0: Any = 0) -> Array:
   """z = qk_mult · q·k + bias_mult · bias on one tile, [X, G·bq, bk] in the compute dtype
-  (float32, or float64 for float64 inputs: :func:`attnx.core.contract.compute_dtype`)."""
-  cd = compute_dtype(qi.dtype)
-  z = jnp.einsum("xqh,xsh->xqs", qi, kj, preferred_element_type=cd)
-  if qk_mult is not None:
-    z = z * qk_mult
+  (float32, or float64 for float64 inputs: :func:`attnx.core.contract.compute_dtype`). With
+  a score modification (``cfg.score_mod``: ``mod`` the call's
+  :class:`~attnx.core.score_mods.ScoreMod`, ``x0`` the chunk's first row) the tile is
+  α·mod(scale·q·k, bias) instead (:func:`modded_tile`)."""
+  z = _qk(qi, kj, qk_mult)
+  if cfg.score_mod:
+    bt = bias_tile_rows(bias, i, j, cfg).astype(z.dtype) if cfg.has_bias else None
+    return _modded(z, bt, mod, tile_positions(x0, i, j, cfg), mod_alpha(cfg))
   if cfg.has_bias:
-    bt = bias_tile_rows(bias, i, j, cfg).astype(cd)
+    bt = bias_tile_rows(bias, i, j, cfg).astype(z.dtype)
     z = z + (bt * bias_mult if bias_mult != 1.0 else bt)
   return z
+
+
+def _qk(qi: Array, kj: Array, qk_mult: Array | None) -> Array:
+  z = jnp.einsum("xqh,xsh->xqs", qi, kj, preferred_element_type=compute_dtype(qi.dtype))
+  return z if qk_mult is None else z * qk_mult
+
+
+def mod_alpha(cfg: TileConfig) -> float:
+  """α of z = α·s for online-max weightings, which a score modification's tiles apply after
+  the modification (without one, :func:`prescale` folds it into q)."""
+  return float(cfg.w.exp_alpha) if getattr(cfg.w, "online_max", False) else 1.0
+
+
+def modded_tile(qi: Array, kj: Array, bias: Array | None, i: Array, j: Array, cfg: TileConfig,
+                qk_mult: Array | None, mod: Any, x0: Any) -> tuple[Array, Any]:
+  """The tile z = α·mod(scale·q·k, bias) under a score modification and its VJP:
+  ``dz -> (d(scale·q·k), d(bias tile) or None, d(mod))`` — the score's cotangent for dQ and
+  dK, the bias's for dbias, and the modification's parameters' (summed over tiles)."""
+  zq = _qk(qi, kj, qk_mult)
+  bt = bias_tile_rows(bias, i, j, cfg).astype(zq.dtype) if cfg.has_bias else None
+  pos, alpha = tile_positions(x0, i, j, cfg), mod_alpha(cfg)
+  return jax.vjp(lambda zq, bt, mod: _modded(zq, bt, mod, pos, alpha), zq, bt, mod)
+
+
+def _modded(zq: Array, bt: Array | None, mod: Any, pos: tuple[Array, ...], alpha: float) -> Array:
+  z = mod.apply(zq, bt, *pos)
+  return z * alpha if alpha != 1.0 else z
 
 
 def k_range(i: Array, cfg: TileConfig) -> tuple[int, Any]:
@@ -271,7 +312,8 @@ def prescale(q: Array, scale: Array, cfg: TileConfig) -> tuple[Array, Array | No
   Returns (q', tile multiplier or None, bias multiplier, α) with z = α·s the exponent for
   online-max weightings (α = 1 otherwise).
   """
-  alpha = float(cfg.w.exp_alpha) if cfg.w.online_max else 1.0
+  # Under a score modification α multiplies the modified score (tile_scores), not q.
+  alpha = float(cfg.w.exp_alpha) if cfg.w.online_max and not cfg.score_mod else 1.0
   c = scale * alpha
   if jnp.dtype(q.dtype).itemsize >= 4:
     return q * c, None, alpha, alpha

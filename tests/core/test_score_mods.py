@@ -1,0 +1,228 @@
+"""Score modifications (attnx.core.score_mods): logits_soft_cap, score_mod with learned
+parameters, ALiBi and relative tables — against jax.nn.dot_product_attention with the
+equivalent dense bias, closed forms, and the errors of bad input. The float64 brute force of
+every F × implementation is the differential net's (tests/support/reference.score_mod64)."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from attnx import core
+from attnx.core import masks
+
+B, T, S, N, K, H = 2, 40, 52, 4, 2, 8
+IMPLS = ["dense", core.Blocked(block_q=16, block_k=16)]
+
+
+def _qkv(seed=0, t=T, s=S, dtype=jnp.float32):
+  kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
+  return (jax.random.normal(kq, (B, t, N, H), dtype), jax.random.normal(kk, (B, s, K, H), dtype),
+          jax.random.normal(kv, (B, s, K, H), dtype))
+
+
+def _distance(t, s):
+  return (np.arange(t)[:, None] - np.arange(s)[None, :]).astype(np.float32)
+
+
+def test_alibi_slopes_are_press_et_al_geometric_sequence():
+  np.testing.assert_allclose(core.alibi_slopes(8), [2.0 ** -(i + 1) for i in range(8)])
+  np.testing.assert_allclose(core.alibi_slopes(4), [2.0 ** (-2 * (i + 1)) for i in range(4)])
+  # Not a power of two: the 4 slopes of 4 heads, then every other one of 8 heads' (the
+  # reference implementation's get_slopes).
+  np.testing.assert_allclose(core.alibi_slopes(6), [2.0 ** -2, 2.0 ** -4, 2.0 ** -6,
+                                                    2.0 ** -8, 2.0 ** -1, 2.0 ** -3])
+  with pytest.raises(ValueError, match="num_heads"):
+    core.alibi_slopes(0)
+
+
+@pytest.mark.parametrize("impl", IMPLS, ids=["dense", "blocked"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_alibi_equals_jax_nn_with_the_alibi_bias(impl, causal):
+  """Softmax with core.alibi(slopes) equals jax.nn with the bias −m_h·(i − j) (causal) or
+  −m_h·|i − j|, values and gradients, the slopes' too."""
+  q, k, v = _qkv()
+  slopes = core.alibi_slopes(N) * 1.5
+  dist = _distance(T, S)
+  rel = dist if causal else np.abs(dist)
+
+  def ours(q, k, v, slopes):
+    return core.attention(q, k, v, is_causal=causal, implementation=impl,
+                          score_mod=core.alibi(slopes, symmetric=not causal))
+
+  def theirs(q, k, v, slopes):
+    bias = -slopes[None, :, None, None] * rel
+    return jax.nn.dot_product_attention(q, k, v, bias=bias, is_causal=causal)
+
+  np.testing.assert_allclose(ours(q, k, v, slopes), theirs(q, k, v, slopes), atol=2e-5)
+  loss = lambda f: lambda *a: jnp.sum(f(*a) ** 2)
+  got = jax.grad(loss(ours), argnums=(0, 1, 2, 3))(q, k, v, slopes)
+  want = jax.grad(loss(theirs), argnums=(0, 1, 2, 3))(q, k, v, slopes)
+  for g, w in zip(got, want, strict=True):
+    np.testing.assert_allclose(g, w, atol=5e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("impl", IMPLS, ids=["dense", "blocked"])
+def test_soft_cap_is_c_tanh_of_the_raw_score_before_the_bias(impl):
+  """logits_soft_cap=c: softmax(c·tanh(s/c) + bias) in float64 numpy, values; gradients of
+  the bias equal jax.nn's with the capped scores as its bias."""
+  q, k, v = _qkv(1)
+  q = q * 4.0  # scores large enough that the cap bends them
+  bias = jax.random.normal(jax.random.key(9), (1, N, T, S))
+  c = 2.0
+  out = core.attention(q, k, v, bias, logits_soft_cap=c, implementation=impl)
+  q64, k64, v64 = (np.asarray(x, np.float64) for x in (q, k, v))
+  kk, vv = np.repeat(k64, N // K, axis=2), np.repeat(v64, N // K, axis=2)
+  z = c * np.tanh(np.einsum("btnh,bsnh->bnts", q64, kk) / math.sqrt(H) / c)
+  z = z + np.asarray(bias, np.float64)
+  w = np.exp(z - z.max(-1, keepdims=True))
+  w /= w.sum(-1, keepdims=True)
+  np.testing.assert_allclose(out, np.einsum("bnts,bsnh->btnh", w, vv), atol=2e-5)
+  assert np.abs(z).max() < c + 4.0  # the cap bounded the raw part
+
+  def ours(bias):
+    return jnp.sum(core.attention(q, k, v, bias, logits_soft_cap=c, implementation=impl) ** 2)
+
+  def theirs(bias):
+    kr = jnp.repeat(k, N // K, axis=2)
+    capped = c * jnp.tanh(jnp.einsum("btnh,bsnh->bnts", q, kr) / math.sqrt(H) / c)
+    # A zero query: jax.nn's own q·k adds nothing to the capped scores given as its bias.
+    return jnp.sum(jax.nn.dot_product_attention(jnp.zeros_like(q), k, v, bias=capped + bias)
+                   ** 2)
+
+  np.testing.assert_allclose(jax.grad(ours)(bias), jax.grad(theirs)(bias), atol=2e-5)
+
+
+@pytest.mark.parametrize("impl", IMPLS, ids=["dense", "blocked"])
+@pytest.mark.parametrize("weighting", ["sigmoid", "stick_breaking", "entmax15"])
+def test_relative_table_learns_through_every_family(impl, weighting):
+  """A learned relative-position table of 2·max(T, S) − 1 entries per head: the table's
+  gradient equals that of the same attention with the table gathered into a dense bias."""
+  q, k, v = _qkv(2)
+  table = 0.3 * jax.random.normal(jax.random.key(3), (N, 2 * S - 1))
+  idx = np.clip(_distance(T, S).astype(np.int32), -(S - 1), S - 1) + S - 1
+
+  def ours(table):
+    out = core.attention(q, k, v, weighting=weighting, is_causal=True, implementation=impl,
+                         score_mod=core.relative_table(table))
+    return jnp.sum(out ** 2)
+
+  def dense_bias(table):
+    out = core.attention(q, k, v, table[:, idx][None], weighting=weighting, is_causal=True,
+                         implementation="dense")
+    return jnp.sum(out ** 2)
+
+  np.testing.assert_allclose(ours(table), dense_bias(table), rtol=1e-5)
+  np.testing.assert_allclose(jax.grad(ours)(table), jax.grad(dense_bias)(table), atol=2e-4,
+                             rtol=1e-3)
+
+
+def test_score_mod_function_sees_global_positions_heads_and_batches():
+  """A user's score_mod reads b, h and the global positions: with a window mask and tiles of
+  16 the blocked kernel's tiles agree with the dense grid, and params get gradients."""
+  q, k, v = _qkv(4)
+
+  def fn(score, b, h, q_idx, kv_idx, params):
+    return score + params["w"][h] * jnp.cos(0.1 * (q_idx - 2 * kv_idx)) + 0.5 * b
+
+  params = {"w": jnp.linspace(-1.0, 1.0, N)}
+
+  def run(impl, params):
+    out = core.attention(q, k, v, mask=masks.sliding_window(9, 3), implementation=impl,
+                         score_mod=fn, score_mod_params=params, weighting="relu")
+    return jnp.sum(out ** 2)
+
+  dense, blocked = (jax.value_and_grad(run, argnums=1)(impl, params) for impl in IMPLS)
+  np.testing.assert_allclose(blocked[0], dense[0], rtol=1e-5)
+  np.testing.assert_allclose(blocked[1]["w"], dense[1]["w"], rtol=1e-4, atol=1e-4)
+  assert np.all(np.abs(dense[1]["w"]) > 0)
+
+
+def test_jit_vmap_and_grad_trace_the_parameters():
+  q, k, v = _qkv(5)
+  slopes = core.alibi_slopes(N)
+  fn = jax.jit(lambda s: core.attention(q, k, v, is_causal=True, score_mod=core.alibi(s),
+                                        implementation="blocked"))
+  np.testing.assert_allclose(fn(slopes), core.attention(
+      q, k, v, is_causal=True, score_mod=core.alibi(slopes)), atol=2e-5)
+  batched = jax.vmap(fn)(jnp.stack([slopes, 2 * slopes]))
+  np.testing.assert_allclose(batched[1], fn(2 * slopes), atol=1e-6)
+  assert jnp.all(jnp.isfinite(jax.grad(lambda s: jnp.sum(fn(s)))(slopes)))
+
+
+def test_blocked_with_cap_and_alibi_never_forms_t_by_s():
+  t = 1024
+  q = k = v = jax.ShapeDtypeStruct((1, t, 2, 16), jnp.float32)
+  slopes = jax.ShapeDtypeStruct((2,), jnp.float32)
+
+  def loss(q, k, v, slopes):
+    return jnp.sum(core.attention(
+        q, k, v, is_causal=True, logits_soft_cap=30.0, score_mod=core.alibi(slopes),
+        mask=masks.sliding_window(128, 0), implementation=core.Blocked(block_q=64, block_k=64)))
+
+  compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).lower(q, k, v, slopes).compile()
+  text = compiled.as_text()
+  assert f"{t},{t}]" not in text
+  memory = compiled.memory_analysis()
+  if memory is not None:
+    assert memory.temp_size_in_bytes < t * t
+
+
+@pytest.mark.parametrize("cap", [0, -1.0, float("nan"), float("inf"), True, "2"])
+def test_a_cap_that_is_not_positive_is_refused(cap):
+  q, k, v = _qkv()
+  with pytest.raises(ValueError, match="logits_soft_cap"):
+    core.attention(q, k, v, logits_soft_cap=cap)
+
+
+@pytest.mark.parametrize("fn, match", [
+    (lambda s, b, h, qi, ki, p: s[..., :1], "shape and dtype"),  # a smaller tile
+    (lambda s, b, h, qi, ki, p: qi - ki, "shape and dtype"),  # ignores the score: int32
+    (lambda s, b, h, qi, ki, p: s.astype(jnp.bfloat16), "shape and dtype"),
+    (lambda s, b, h, qi, ki, p: s + p["missing"], "score_mod failed"),
+])
+def test_a_score_mod_that_changes_the_tile_is_refused(fn, match):
+  q, k, v = _qkv()
+  with pytest.raises(ValueError, match=match):
+    core.attention(q, k, v, score_mod=fn, score_mod_params={"w": jnp.ones(N)})
+
+
+def test_bad_score_mod_arguments_are_refused():
+  q, k, v = _qkv()
+  with pytest.raises(ValueError, match="without a score_mod"):
+    core.attention(q, k, v, score_mod_params={"w": jnp.ones(N)})
+  with pytest.raises(ValueError, match="carries its own parameters"):
+    core.attention(q, k, v, score_mod=core.alibi(core.alibi_slopes(N)),
+                   score_mod_params={"w": jnp.ones(N)})
+  with pytest.raises(ValueError, match="must be a function"):
+    core.attention(q, k, v, score_mod="alibi")
+  with pytest.raises(ValueError, match="float arrays"):
+    core.attention(q, k, v, score_mod=lambda s, b, h, qi, ki, p: s + p[h],
+                   score_mod_params=jnp.arange(N))
+  with pytest.raises(ValueError, match="slopes must be a float array"):
+    core.alibi(jnp.ones((2, 2)))
+  with pytest.raises(ValueError, match="L odd"):
+    core.relative_table(jnp.ones((N, 4)))
+
+
+def test_pallas_refuses_score_mods_and_the_automatic_choice_runs_blocked():
+  q, k, v = _qkv(t=512, s=512)
+  with pytest.raises(ValueError, match="score modifications"):
+    core.attention(q, k, v, logits_soft_cap=5.0, implementation=core.Pallas(interpret=True))
+  ex = core.explain(q, k, v, logits_soft_cap=5.0)
+  assert ex.chosen == "blocked" and "score modifications" in ex.reasons["pallas"]
+  assert ex.problem.has_score_mod
+
+
+def test_attention_weights_take_the_same_modification():
+  q, k, _ = _qkv(6)
+  slopes = core.alibi_slopes(N)
+  w = core.attention_weights(q, k, is_causal=True, logits_soft_cap=3.0,
+                             score_mod=core.alibi(slopes))
+  kk = jnp.repeat(k, N // K, axis=2)
+  z = 3.0 * jnp.tanh(jnp.einsum("btnh,bsnh->bnts", q, kk) / math.sqrt(H) / 3.0)
+  z = z - slopes[None, :, None, None] * _distance(T, S)
+  want = jax.nn.softmax(jnp.where(np.tril(np.ones((T, S), bool)), z, -jnp.inf), axis=-1)
+  np.testing.assert_allclose(w, want, atol=1e-6)

@@ -246,6 +246,28 @@ BRANCH_CASES = (
       structured="window", block_q=16, block_k=16, pallas="gpu"),
     C(seed=104, t=150, s=150, b=2, n=2, weighting="softpick", structured="prefix", causal=True,
       block_q=32, block_k=128),
+    # Score modifications (attnx.core.score_mods), dense and blocked: the pointwise kernel's
+    # causal call through the tiles of a causal mask with ALiBi's learned slopes and a window;
+    # a soft cap in bf16 with a bias (the cap before the bias); stick-breaking's stick and
+    # entmax's threshold passes over a learned table with GQA and T ≠ S; SSMax's scaled
+    # modified scores with the user fn (b, h and positions) and a bias; sigmoid's
+    # per-document n beside ALiBi; zero tiles of a band under a cap; chunks of heads.
+    C(seed=105, t=150, s=150, b=2, n=4, kh=2, causal=True, structured="window",
+      score_mod="alibi", block_q=16, block_k=32, **_NO_PALLAS),
+    C(seed=106, t=130, s=130, b=2, n=2, dtype="bfloat16", bias="1x1x", score_mod="cap",
+      block_q=16, block_k=16, magnitude=2.0, **_NO_PALLAS),
+    C(seed=107, t=140, s=120, b=2, n=4, kh=2, weighting="stick_breaking", causal=True,
+      score_mod="table", block_q=16, block_k=16, **_NO_PALLAS),
+    C(seed=108, t=120, s=150, n=4, kh=1, weighting="entmax15", score_mod="table",
+      structured="segments", block_q=16, block_k=32, **_NO_PALLAS),
+    C(seed=109, t=150, s=150, b=2, n=2, weighting="ssmax", bias="x1xx", score_mod="fn",
+      causal=True, block_q=16, block_k=16, **_NO_PALLAS),
+    C(seed=110, t=150, s=150, b=2, n=2, weighting="sigmoid", structured="segments",
+      score_mod="alibi", causal=True, block_q=32, block_k=16, **_NO_PALLAS),
+    C(seed=111, t=160, s=160, n=2, weighting="sparsemax", causal=True, structure="banded",
+      score_mod="cap", block_q=16, block_k=16, **_NO_PALLAS),
+    C(seed=112, t=600, s=600, b=3, n=4, kh=2, weighting="relu", score_mod="fn",
+      structured="combo", **_NO_PALLAS),
 )
 CI_RANDOM = 4
 INSTANCES = 5  # random inputs per configuration in the large run (compiling dominates a case)

@@ -219,7 +219,9 @@ def draw(seed: int, kind: str | None = None) -> Case:
     case = dataclasses.replace(case, structure="banded")
   if rng.random() < 0.3:  # a structured mask replaces the dense one
     case = dataclasses.replace(case, mask="none", structured=str(rng.choice(STRUCTURED)))
-  if rng.random() < 0.25:
+  # Score modifications run dense and blocked (not yet Pallas): drawn where no Pallas kernel
+  # runs, so that the Pallas cases keep their share.
+  if rng.random() < 0.35 and pallas == "none":
     case = dataclasses.replace(case, score_mod=str(rng.choice(ref_lib.SCORE_MODS[1:])))
   return case
 

@@ -5,7 +5,8 @@
 
 Rows, for softmax and sigmoid, all causal under a sliding window of ``--window`` keys: the
 call without a modification, with ``logits_soft_cap=30``, with ALiBi
-(``score_mod=core.alibi(slopes)``, learned: the slopes get gradients), and with both. Each
+(``score_mod=core.alibi(slopes)``, learned: the slopes get gradients), with learned
+``sinks``, and with all three. Each
 row: the best of five runs after compiling (the rows of a weighting timed in turn), and its
 time over the first row's (the issue's target: within 1.2×). With ``--memory``: the compiled
 programs' scratch (XLA's memory analysis, one head, H = 64) instead of times. Run it on a
@@ -24,17 +25,20 @@ from attnx import core
 from attnx.core import masks
 
 ROWS = (("no modification", {}), ("logits_soft_cap=30", dict(cap=30.0)),
-        ("ALiBi (learned slopes)", dict(alibi=True)),
-        ("soft cap + ALiBi", dict(cap=30.0, alibi=True)))
+        ("ALiBi (learned slopes)", dict(alibi=True)), ("sinks (learned)", dict(sinks=True)),
+        ("soft cap + ALiBi + sinks", dict(cap=30.0, alibi=True, sinks=True)))
 
 
-def _program(weighting: str, window: int, cap: float | None = None, alibi: bool = False):
+def _program(weighting: str, window: int, cap: float | None = None, alibi: bool = False,
+             sinks: bool = False):
   def loss(q, k, v, slopes):
     kw = {}
     if cap is not None:
       kw["logits_soft_cap"] = cap
     if alibi:
       kw["score_mod"] = core.alibi(slopes)
+    if sinks:  # the slopes' array serves as the sinks' too: both get gradients
+      kw["sinks"] = slopes
     out = core.attention(q, k, v, weighting=weighting, is_causal=True,
                          mask=masks.sliding_window(window - 1, 0), implementation="blocked",
                          **kw)

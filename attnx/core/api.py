@@ -48,7 +48,6 @@ import jax.numpy as jnp
 from attnx.core import implementations as impl_lib
 from attnx.core import masks as masks_lib
 from attnx.core import problem as problem_lib
-from attnx.core import weightings as weightings_lib
 from attnx.core.contract import nonfinite_inputs
 from attnx.core.implementations import (
   BLOCKED_MIN_SCORES,
@@ -64,6 +63,7 @@ from attnx.core.implementations.dense import (
   combined_mask,
   dense_scores,
   repeat_kv,
+  weights_with_sinks,
 )
 from attnx.core.problem import check_compatible, check_score_params
 
@@ -85,7 +85,8 @@ def attention_weights(query: Array, key: Array, bias: Array | None = None,
                       key_value_seq_lengths: Array | None = None,
                       local_window_size: int | tuple[int, int] | None = None,
                       segment_ids: Any = None, logits_soft_cap: float | None = None,
-                      score_mod: Any = None, score_mod_params: Any = None) -> Array:
+                      score_mod: Any = None, score_mod_params: Any = None,
+                      sinks: Array | None = None) -> Array:
   """The attention weights w [batch..., N, T, S] (float32) of :func:`attention`.
 
   Always dense: it materializes the T×S weights. Arguments as in :func:`attention` (``mask``
@@ -111,12 +112,13 @@ def attention_weights(query: Array, key: Array, bias: Array | None = None,
   (t, n), s = q.shape[-3:-1], k.shape[-3]
   mask = masks_lib.combine(mask, structured, q.shape[:-3], n, t, s)
   mod = problem_lib.score_modification(logits_soft_cap, score_mod, score_mod_params, q)
+  sinks = problem_lib.check_sinks(sinks, w, n, q.dtype)
   if q.size == 0 or s == 0:
     return jnp.zeros((*q.shape[:-3], n, t, s), jnp.float32)
   q, k, _, bias = nonfinite_inputs(q, k, None, bias)
   scores = dense_scores(q, repeat_kv(k, n), bias, sc, params, scale, mod)
   valid = combined_mask(mask, is_causal, t, s)
-  return weightings_lib.apply_weighting(scores, w, axis=-1, where=valid)
+  return weights_with_sinks(scores, w, valid, sinks)
 
 
 def _walk(problem: Problem, order: tuple[Implementation, ...]) -> tuple[Implementation,
@@ -251,8 +253,8 @@ def attention(query: Array, key: Array, value: Array, bias: Array | None = None,
               key_value_seq_lengths: Array | None = None,
               local_window_size: int | tuple[int, int] | None = None,
               segment_ids: Any = None, logits_soft_cap: float | None = None,
-              score_mod: Any = None,
-              score_mod_params: Any = None) -> Array | tuple[Array, Array]:
+              score_mod: Any = None, score_mod_params: Any = None,
+              sinks: Array | None = None) -> Array | tuple[Array, Array]:
   """Attention with a pluggable score s and weighting F, optional dropout on the weights.
 
   Args:
@@ -323,6 +325,13 @@ def attention(query: Array, key: Array, value: Array, bias: Array | None = None,
       T×S array); it must return scores of the shape and dtype it is given.
     score_mod_params: the pytree of float arrays ``score_mod`` reads (ALiBi slopes, a
       relative-position table); they get gradients.
+    sinks: attention sinks, a float array ``[N]`` (learnable: it gets a gradient): every query
+      of head h also attends a virtual key of score ``sinks[h]`` and zero value (gpt-oss), so
+      the row's weights share their sum with it (softmax: e^{sink} joins the denominator). F
+      sees it as a key of the row; the cap, the bias and ``score_mod`` do not apply to it,
+      and SSMax counts it. For the weightings that divide by a sum over the row's keys
+      (pointwise F with ``normalization="sum"``, SSMax, softpick, sparsemax, α-entmax); a
+      ValueError for the others.
 
   Dropout and ``return_weights`` need the weights themselves, so they run the dense
   implementation (``implementation=None`` picks it); ``implementation="blocked"``, which never
@@ -397,7 +406,7 @@ def attention(query: Array, key: Array, value: Array, bias: Array | None = None,
       weighting_params=weighting_params, query_seq_lengths=query_seq_lengths,
       key_value_seq_lengths=key_value_seq_lengths, local_window_size=local_window_size,
       segment_ids=segment_ids, logits_soft_cap=logits_soft_cap, score_mod=score_mod,
-      score_mod_params=score_mod_params)
+      score_mod_params=score_mod_params, sinks=sinks)
   impl = _select(problem, chosen)
   if problem.empty:  # no query, or no key: every row has no valid key
     p = problem

@@ -30,7 +30,7 @@ Array = jax.Array
 
 __all__ = ["check_compatible", "check_implementation", "check_inputs", "check_score_params",
            "check_weighting_params", "choose_implementation", "describe", "dropout_active",
-           "plan", "prepare", "resolve", "score_modification"]
+           "check_sinks", "plan", "prepare", "resolve", "score_modification", "sinks_reason"]
 
 
 def _fail(msg: str) -> None:
@@ -279,7 +279,8 @@ def dropout_active(dropout_rate: Any, deterministic: Any) -> bool:
 def describe(q: Array, k: Array, v: Array, bias: Array | None, mask: Array | None, w: Any,
              sc: scores_lib.Score, params: dict[str, Any], *, is_causal: bool,
              dropout_rate: float, broadcast_dropout: bool, return_weights: bool,
-             has_structured_mask: bool = False, has_score_mod: bool = False) -> Problem:
+             has_structured_mask: bool = False, has_score_mod: bool = False,
+             has_sinks: bool = False) -> Problem:
   """The static description of a checked call (shapes and dtypes only: works on tracers)."""
   stream_dtype = stream_head_dim = None
   if sc.to_dot is not None:  # what the streaming kernels will see, without computing it
@@ -292,7 +293,7 @@ def describe(q: Array, k: Array, v: Array, bias: Array | None, mask: Array | Non
       value_head_dim=v.shape[-1], dtype=q.dtype.name, stream_dtype=stream_dtype,
       stream_head_dim=stream_head_dim, is_causal=bool(is_causal), has_mask=mask is not None,
       has_bias=bias is not None, has_structured_mask=has_structured_mask,
-      has_score_mod=has_score_mod, dropout_rate=dropout_rate,
+      has_score_mod=has_score_mod, has_sinks=has_sinks, dropout_rate=dropout_rate,
       broadcast_dropout=bool(broadcast_dropout), return_weights=bool(return_weights),
       platform=jax.default_backend())
 
@@ -307,7 +308,8 @@ def plan(query: Array, key: Array, value: Array, bias: Array | None = None,
           query_seq_lengths: Array | None = None, key_value_seq_lengths: Array | None = None,
           local_window_size: int | tuple[int, int] | None = None,
           segment_ids: Any = None, logits_soft_cap: float | None = None,
-          score_mod: Any = None, score_mod_params: Any = None) -> tuple[Problem, Inputs]:
+          score_mod: Any = None, score_mod_params: Any = None,
+          sinks: Array | None = None) -> tuple[Problem, Inputs]:
   """Checks the arguments of :func:`attention` (which documents them) that describe the
   problem; the call's Problem and Inputs. The implementation and its settings are the
   dispatcher's (:mod:`attnx.core.api`)."""
@@ -321,14 +323,51 @@ def plan(query: Array, key: Array, value: Array, bias: Array | None = None,
            local_window_size=local_window_size, segment_ids=segment_ids))
   wparams = check_weighting_params(w, weighting_params, q.shape[-2])
   mod = score_modification(logits_soft_cap, score_mod, score_mod_params, q)
+  sinks = check_sinks(sinks, w, q.shape[-2], q.dtype)
   problem = describe(q, k, v, bias, mask, w, sc, params, is_causal=is_causal,
                      has_structured_mask=structured is not None, has_score_mod=mod is not None,
+                     has_sinks=sinks is not None,
                      dropout_rate=float(dropout_rate) if dropout else 0.0,
                      broadcast_dropout=broadcast_dropout, return_weights=return_weights)
   inputs = Inputs(query=q, key=k, value=v, bias=bias, mask=mask, scale=scale,
                   score_params=params, weighting_params=wparams, dropout_rng=dropout_rng,
-                  structured_mask=structured, score_mod=mod)
+                  structured_mask=structured, score_mod=mod, sinks=sinks)
   return problem, inputs
+
+
+def sinks_reason(w: Any) -> str | None:
+  """Why attention sinks mean nothing for the resolved weighting ``w`` (None where they do):
+  a sink is a virtual key of zero value, so it changes the output only through a sum of
+  weights that its score enters."""
+  if isinstance(w, weightings_lib.Pointwise):
+    if w.normalization == "sum":
+      return None
+    return (f"sinks change only the sum that normalizes the weights, and weighting {w.name!r} "
+            f"(normalization={w.normalization!r}) divides by no sum of weights: a key of zero "
+            f"value would change nothing. Use a weighting with normalization='sum'.")
+  stream = getattr(w, "stream", None)
+  if stream is not None and not stream.takes_sinks:
+    return (f"weighting {w.name!r} has no sum for a sink to enter: stick-breaking leaves the "
+            "stick its keys do not take unassigned, which already is its sink (Tan et al., "
+            "'Scaling Stick-Breaking Attention').")
+  return None
+
+
+def check_sinks(sinks: Any, w: Any, n: int, dtype: Any) -> Array | None:
+  """The checked ``sinks`` of a call: a float array ``[N]`` (one learned score per query
+  head), in float32 (float64 for float64 inputs), for a weighting it means something for
+  (:func:`sinks_reason`); None for None."""
+  if sinks is None:
+    return None
+  x = jnp.asarray(sinks)
+  if x.shape != (n,) or not jnp.issubdtype(x.dtype, jnp.floating):
+    raise ValueError(f"sinks must be a float array [N] = [{n}] (one score per query head), "
+                     f"got shape {x.shape} and dtype {x.dtype}.")
+  reason = sinks_reason(w)
+  if reason is not None:
+    raise ValueError(reason)
+  return x.astype(jnp.float64 if dtype == jnp.float64 else jnp.promote_types(x.dtype,
+                                                                                jnp.float32))
 
 
 def score_modification(logits_soft_cap: Any, score_mod: Any, score_mod_params: Any,

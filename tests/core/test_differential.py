@@ -268,6 +268,26 @@ BRANCH_CASES = (
       score_mod="cap", block_q=16, block_k=16, **_NO_PALLAS),
     C(seed=112, t=600, s=600, b=3, n=4, kh=2, weighting="relu", score_mod="fn",
       structured="combo", **_NO_PALLAS),
+    # Attention sinks (a key of zero value before each row's keys): the online max and the
+    # plain sum with a denominator offset, bf16, GQA, chunks of heads; SSMax counting the sink
+    # and scaling its score; softpick's max start; the entmax threshold passes and zero tiles
+    # with the sink in every pass; rows without a key (lengths 0) keep a zero output.
+    C(seed=113, t=150, s=150, b=2, n=4, kh=2, causal=True, structured="window", sinks=True,
+      block_q=16, block_k=32, **_NO_PALLAS),
+    C(seed=114, t=130, s=140, b=2, n=2, weighting="softmax_plus_one", dtype="bfloat16",
+      sinks=True, bias="xx11", block_q=16, block_k=16, **_NO_PALLAS),
+    C(seed=115, t=140, s=140, b=2, n=2, weighting="relu", structured="segments", sinks=True,
+      score_mod="alibi", block_q=16, block_k=16, **_NO_PALLAS),
+    C(seed=116, t=150, s=150, b=2, n=4, kh=2, weighting="ssmax", bias="x1xx", causal=True,
+      sinks=True, block_q=16, block_k=16, **_NO_PALLAS),
+    C(seed=117, t=120, s=150, n=2, weighting="softpick", causal=True, sinks=True,
+      score_mod="cap", block_q=16, block_k=32, **_NO_PALLAS),
+    C(seed=118, t=160, s=160, n=2, weighting="entmax15", causal=True, structure="banded",
+      sinks=True, block_q=16, block_k=16, **_NO_PALLAS),
+    C(seed=119, t=130, s=150, b=3, n=2, weighting="sparsemax", structured="lengths",
+      sinks=True, score_mod="fn", block_q=16, block_k=16, **_NO_PALLAS),
+    C(seed=120, t=600, s=600, b=3, n=4, kh=2, weighting="sigmoid", sinks=True,
+      structured="combo", **_NO_PALLAS),
 )
 CI_RANDOM = 4
 INSTANCES = 5  # random inputs per configuration in the large run (compiling dominates a case)

@@ -152,22 +152,27 @@ def test_jit_vmap_and_grad_trace_the_parameters():
   assert jnp.all(jnp.isfinite(jax.grad(lambda s: jnp.sum(fn(s)))(slopes)))
 
 
-def test_blocked_with_cap_and_alibi_never_forms_t_by_s():
+def test_blocked_with_cap_alibi_and_sinks_never_forms_t_by_s():
+  """The modifications and sinks add O(N) to the blocked program's scratch: equal to the same
+  masked call without them (which holds no [T, S] array: tests/core/test_masks.py)."""
   t = 1024
   q = k = v = jax.ShapeDtypeStruct((1, t, 2, 16), jnp.float32)
   slopes = jax.ShapeDtypeStruct((2,), jnp.float32)
 
-  def loss(q, k, v, slopes):
-    return jnp.sum(core.attention(
-        q, k, v, is_causal=True, logits_soft_cap=30.0, score_mod=core.alibi(slopes),
-        mask=masks.sliding_window(128, 0), implementation=core.Blocked(block_q=64, block_k=64)))
+  def compiled(modified):
+    def loss(q, k, v, slopes):
+      kw = (dict(logits_soft_cap=30.0, score_mod=core.alibi(slopes), sinks=slopes)
+            if modified else {})
+      return jnp.sum(core.attention(
+          q, k, v, is_causal=True, mask=masks.sliding_window(128, 0),
+          implementation=core.Blocked(block_q=64, block_k=64), **kw))
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).lower(q, k, v, slopes).compile()
 
-  compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).lower(q, k, v, slopes).compile()
-  text = compiled.as_text()
-  assert f"{t},{t}]" not in text
-  memory = compiled.memory_analysis()
+  with_them, without = compiled(True), compiled(False)
+  assert f"{t},{t}]" not in with_them.as_text()
+  memory, base = with_them.memory_analysis(), without.memory_analysis()
   if memory is not None:
-    assert memory.temp_size_in_bytes < t * t
+    assert memory.temp_size_in_bytes <= base.temp_size_in_bytes + 64 * 1024
 
 
 @pytest.mark.parametrize("cap", [0, -1.0, float("nan"), float("inf"), True, "2"])
@@ -226,3 +231,101 @@ def test_attention_weights_take_the_same_modification():
   z = z - slopes[None, :, None, None] * _distance(T, S)
   want = jax.nn.softmax(jnp.where(np.tril(np.ones((T, S), bool)), z, -jnp.inf), axis=-1)
   np.testing.assert_allclose(w, want, atol=1e-6)
+
+
+# --------------------------------------------------------------------------------------------
+# Attention sinks.
+# --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("impl", IMPLS, ids=["dense", "blocked"])
+def test_sinks_are_gpt_oss_extra_logit(impl):
+  """softmax with sinks: softmax over [scores, sinks[h]] with the sink's column dropped (the
+  gpt-oss reference), values in float64 numpy, gradients (the sinks' too) against the
+  formula differentiated by JAX."""
+  q, k, v = _qkv(7)
+  sinks = jnp.array([0.5, -1.0, 2.0, 0.1])
+  mask = np.tril(np.ones((T, S), bool))
+
+  def formula(q, k, v, sinks):
+    kr, vr = jnp.repeat(k, N // K, axis=2), jnp.repeat(v, N // K, axis=2)
+    z = jnp.einsum("btnh,bsnh->bnts", q, kr) / math.sqrt(H)
+    z = jnp.where(mask, z, -jnp.inf)
+    col = jnp.broadcast_to(sinks[None, :, None, None], z.shape[:-1] + (1,))
+    w = jax.nn.softmax(jnp.concatenate([z, col], axis=-1), axis=-1)[..., :S]
+    return jnp.einsum("bnts,bsnh->btnh", w, vr)
+
+  def ours(q, k, v, sinks):
+    return core.attention(q, k, v, is_causal=True, sinks=sinks, implementation=impl)
+
+  np.testing.assert_allclose(ours(q, k, v, sinks), formula(q, k, v, sinks), atol=2e-6)
+  loss = lambda f: lambda *a: jnp.sum(f(*a) ** 2)
+  got = jax.grad(loss(ours), argnums=(0, 1, 2, 3))(q, k, v, sinks)
+  want = jax.grad(loss(formula), argnums=(0, 1, 2, 3))(q, k, v, sinks)
+  for g, w in zip(got, want, strict=True):
+    np.testing.assert_allclose(g, w, atol=1e-4, rtol=1e-4)
+  # A sink only takes weight away: every row's weights on the keys sum to less than one.
+  weights = core.attention_weights(q, k, is_causal=True, sinks=sinks)
+  assert float(weights.sum(-1).max()) < 1.0
+
+
+@pytest.mark.parametrize("impl", IMPLS, ids=["dense", "blocked"])
+@pytest.mark.parametrize("weighting", ["sigmoid", "ssmax", "softpick", "entmax15"])
+def test_a_sink_is_one_more_key_of_zero_value(impl, weighting):
+  """For every family that takes them, sinks equal the same attention (dense) with one more
+  key of zero vector and zero value whose bias column holds sinks[h] — SSMax counts it,
+  entmax's threshold sees it."""
+  q, k, v = _qkv(8)
+  sinks = jnp.array([0.3, -0.7, 1.2, -2.0])
+  pad = lambda x: jnp.concatenate([x, jnp.zeros(x.shape[:1] + (1,) + x.shape[2:])], axis=1)
+  bias = jnp.concatenate([jnp.zeros((1, N, T, S)),
+                          jnp.broadcast_to(sinks[None, :, None, None], (1, N, T, 1))], -1)
+  window = masks.sliding_window(12, 0)
+  extra_key = np.ones((T, S + 1), bool)
+  extra_key[:, :S] = np.asarray(masks.materialize(window.bind((B,), N, T, S), (B,), N, T, S))[0, 0]
+
+  def ours(sinks):
+    return core.attention(q, k, v, weighting=weighting, mask=window, sinks=sinks,
+                          implementation=impl)
+
+  def one_more_key(sinks):
+    b = bias.at[..., S].set(jnp.broadcast_to(sinks[None, :, None], (1, N, T)))
+    return core.attention(q, pad(k), pad(v), b, mask=extra_key, weighting=weighting,
+                          implementation="dense")
+
+  np.testing.assert_allclose(ours(sinks), one_more_key(sinks), atol=2e-5)
+  g_ours = jax.grad(lambda s: jnp.sum(ours(s) ** 2))(sinks)
+  g_key = jax.grad(lambda s: jnp.sum(one_more_key(s) ** 2))(sinks)
+  np.testing.assert_allclose(g_ours, g_key, atol=2e-4, rtol=1e-3)
+
+
+def test_a_row_without_keys_and_a_sink_stays_zero():
+  q, k, v = _qkv(9)
+  lengths = jnp.array([0, S], jnp.int32)
+  sinks = jnp.ones(N)
+  for impl in IMPLS:
+    fn = lambda q, sinks, impl=impl: core.attention(
+        q, k, v, key_value_seq_lengths=lengths, sinks=sinks, implementation=impl)
+    out = fn(q, sinks)
+    assert float(jnp.abs(out[0]).max()) == 0.0
+    dq, ds = jax.grad(lambda q, s, fn=fn: jnp.sum(fn(q, s)), argnums=(0, 1))(q, sinks)
+    assert float(jnp.abs(dq[0]).max()) == 0.0 and bool(jnp.all(jnp.isfinite(ds)))
+
+
+@pytest.mark.parametrize("weighting, match", [
+    ("relu:normalization=length", "divides by no sum"),
+    ("sigmoid:normalization=none", "divides by no sum"),
+    ("stick_breaking", "unassigned"),
+])
+def test_sinks_where_they_mean_nothing_are_refused(weighting, match):
+  q, k, v = _qkv()
+  with pytest.raises(ValueError, match=match):
+    core.attention(q, k, v, weighting=weighting, sinks=jnp.zeros(N))
+
+
+def test_sinks_of_the_wrong_shape_or_dtype_are_refused():
+  q, k, v = _qkv()
+  for bad in (jnp.zeros(N + 1), jnp.zeros((1, N)), jnp.zeros(N, jnp.int32), 0.5):
+    with pytest.raises(ValueError, match=r"sinks must be a float array \[N\]"):
+      core.attention(q, k, v, sinks=bad)
+  with pytest.raises(ValueError, match="attention sinks"):
+    core.attention(q, k, v, sinks=jnp.zeros(N), implementation=core.Pallas(interpret=True))

@@ -95,6 +95,8 @@ class Case:
   # or "fn" (a score_mod function of both with score_mod_params, and a cap); the reference is
   # support.reference.score_mod64. Parameters' gradients are compared too.
   score_mod: str = "none"
+  # Attention sinks (one learned score per head), for the weightings they mean something for.
+  sinks: bool = False
 
   def implementations(self) -> list[str]:
     """The implementations this case runs; on a CPU the automatic choice replaces the
@@ -110,7 +112,8 @@ class Case:
       out.append("auto")
     small = max(self.t, self.s) <= PALLAS_MAX_LEN and self.b * self.n <= PALLAS_MAX_HEADS
     # Pallas runs every streaming weighting: pointwise F and the whole-row families.
-    if streaming and small and self.pallas != "none" and self.score_mod == "none":
+    if (streaming and small and self.pallas != "none" and self.score_mod == "none"
+        and not self.sinks):
       out.append("pallas")
       if self.score in ("dot", "scaled_dot") and self.pallas == "both" and not ON_GPU:
         out.append("pallas_tpu")
@@ -223,6 +226,9 @@ def draw(seed: int, kind: str | None = None) -> Case:
   # runs, so that the Pallas cases keep their share.
   if rng.random() < 0.35 and pallas == "none":
     case = dataclasses.replace(case, score_mod=str(rng.choice(ref_lib.SCORE_MODS[1:])))
+  w = wlib.get_weighting(weighting)
+  if rng.random() < 0.3 and pallas == "none" and problem.sinks_reason(w) is None:
+    case = dataclasses.replace(case, sinks=True)
   return case
 
 
@@ -245,6 +251,8 @@ def mod_params(case: Case, instance: int = 0) -> dict[str, np.ndarray]:
   if case.score_mod in ("table", "fn"):
     width = 2 * max(case.t, case.s, 1) - 1
     out["table"] = (0.5 * rng.standard_normal((case.n, width))).astype(np.float32)
+  if case.sinks:
+    out["sinks"] = rng.standard_normal(case.n).astype(np.float32)
   return out
 
 
@@ -257,7 +265,14 @@ def _net_score_mod(score, b, h, q_idx, kv_idx, params):
 
 
 def score_mod_keywords(case: Case, mp: dict[str, Any]) -> dict[str, Any]:
-  """attention's keywords for the case's score modification with parameters ``mp``."""
+  """attention's keywords for the case's score modification and sinks with parameters
+  ``mp``."""
+  kw = {"sinks": mp["sinks"]} if case.sinks else {}
+  mp = {name: x for name, x in mp.items() if name != "sinks"}
+  return kw | _mod_keywords(case, mp)
+
+
+def _mod_keywords(case: Case, mp: dict[str, Any]) -> dict[str, Any]:
   cap = soft_cap(case)
   if case.score_mod == "cap":
     return dict(logits_soft_cap=cap)
@@ -536,13 +551,16 @@ def _reference(case: Case, instance: int = 0):
       arrs["q"], arrs["k"], arrs["v"], weighting=case.weighting, score=case.score,
       score_params=arrs["score_params"], scale=case.scale, bias=arrs["bias"], mask=mask,
       is_causal=case.causal, cotangent=arrs["ct"], kink_rel=KINK_REL, row_keys=row_keys,
-      score_mod=case.score_mod, mod_params=arrs["mod_params"], cap=soft_cap(case))
+      score_mod=case.score_mod, cap=soft_cap(case), sinks=arrs["mod_params"].get("sinks"),
+      mod_params={k: x for k, x in arrs["mod_params"].items() if k != "sinks"})
   grads = dict(ref.grads)
   bounds = dict(ref.bounds)
   for name, g in grads.pop("mod", {}).items():  # one array per parameter
     grads[f"mod_{name}"] = g
   for name, bound in bounds.pop("mod", {}).items():
     bounds[f"mod_{name}"] = bound
+  if "sinks" in grads:
+    grads["mod_sinks"], bounds["mod_sinks"] = grads.pop("sinks"), bounds.pop("sinks")
   want = {"out": ref.out, **grads}
   if case.bias:  # full [B, N, T, S] gradient -> the bias' shape
     axes = tuple(a for a, c in enumerate(case.bias) if c == "1")
@@ -560,7 +578,7 @@ def _keeps(case: Case, ref: ref_lib.Reference) -> dict[str, np.ndarray | None]:
   """Which entries of each array are compared: those not touched by a kink of F."""
   slope, jump = ref.kink_slope, ref.kink_jump
   any_kink = slope | jump
-  mods = [f"mod_{name}" for name in ("slopes", "table")]
+  mods = [f"mod_{name}" for name in ("slopes", "table", "sinks")]
   if not any_kink.any():
     return dict.fromkeys(("out", "q", "k", "v", "bias", *mods))
   b, n, t, s = any_kink.shape

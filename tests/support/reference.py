@@ -250,7 +250,8 @@ def reference(q, k, v, *, weighting: str, score: str = "scaled_dot",
               score_params: dict[str, Any] | None = None, scale: float | None = None,
               bias=None, mask=None, is_causal: bool = False, cotangent=None,
               kink_rel: float | None = None, row_keys=None, score_mod: str = "none",
-              mod_params: dict[str, Any] | None = None, cap: float | None = None) -> Reference:
+              mod_params: dict[str, Any] | None = None, cap: float | None = None,
+              sinks=None) -> Reference:
   """The float64 brute force of ``attnx.core.attention`` with these arguments.
 
   Inputs are numpy arrays in their test dtype; they are cast to float64 exactly. ``cotangent``
@@ -260,8 +261,10 @@ def reference(q, k, v, *, weighting: str, score: str = "scaled_dot",
   (:func:`_kinks`). ``row_keys`` ([B, T] ints, :func:`sequence_keys64`): the keys of each
   query's sequence under a mask that splits rows into sequences, the n of an F that counts
   them. ``score_mod``, ``mod_params``, ``cap``: the score modification of
-  :func:`score_mod64` (its parameters' gradients come as ``grads["mod"]``, a dict). One
-  jitted float64 program per call.
+  :func:`score_mod64` (its parameters' gradients come as ``grads["mod"]``, a dict).
+  ``sinks`` [N]: attention sinks, a column of score sinks[h] and zero value appended to every
+  row before F and dropped after it (F's n stays S); their gradient is ``grads["sinks"]``.
+  One jitted float64 program per call.
   """
   b, t, n, h = q.shape
   s_len = k.shape[1]
@@ -279,15 +282,18 @@ def reference(q, k, v, *, weighting: str, score: str = "scaled_dot",
     mp = {key: as64(val) for key, val in (mod_params or {}).items()}
     out, grads, bounds, z, slope, jump = _program(
         as64(q), as64(k), as64(v), bias64, params, jnp.asarray(valid), ct,
-        None if row_keys is None else jnp.asarray(row_keys), mp, weighting=weighting,
+        None if row_keys is None else jnp.asarray(row_keys), mp, as64(sinks),
+        weighting=weighting,
         score=score, scale=float(scale), kink_rel=None if kink_rel is None else float(kink_rel),
         key_counts=counts, score_mod=score_mod, cap=cap, causal=bool(is_causal))
-    grads = dict(zip(("q", "k", "v", "bias", "mod"),
+    grads = dict(zip(("q", "k", "v", "bias", "mod", "sinks"),
                      jax.tree.map(np.asarray, grads), strict=True))
     if bias is None:
       del grads["bias"]
     if not mp:
       del grads["mod"]
+    if sinks is None:
+      del grads["sinks"]
     if cotangent is None:
       grads = {}
     ref = Reference(np.asarray(out), grads, np.asarray(z), valid,
@@ -298,8 +304,8 @@ def reference(q, k, v, *, weighting: str, score: str = "scaled_dot",
 
 @functools.partial(jax.jit, static_argnames=("weighting", "score", "scale", "kink_rel",
                                              "key_counts", "score_mod", "cap", "causal"))
-def _program(q, k, v, bias, params, valid, ct, row_keys, mod_params, *, weighting, score, scale,
-             kink_rel, key_counts, score_mod, cap, causal):
+def _program(q, k, v, bias, params, valid, ct, row_keys, mod_params, sinks, *, weighting, score,
+             scale, kink_rel, key_counts, score_mod, cap, causal):
   w = wlib.get_weighting(weighting)
   name, wparams = wlib.parse_weighting_name(weighting)
   b, t, n, _ = q.shape
@@ -316,20 +322,29 @@ def _program(q, k, v, bias, params, valid, ct, row_keys, mod_params, *, weightin
     raw = scores64(q, jnp.repeat(k, g, axis=2), score, params) * scale
     return score_mod64(score_mod, raw, bias, mp, cap, causal)
 
-  def weights_of(z):
+  def plain_weights(z, valid):
     if isinstance(w, wlib.Pointwise):
       return pointwise_weights64(z, valid, w, s_len, row_keys, key_counts)
     return row_weights64(z, valid, name, wparams)
+
+  def weights_of(z, sink_rows):  # sink_rows [B, N, T]: each row's sink score, or None
+    if sink_rows is None:
+      return plain_weights(z, valid)
+    z_all = jnp.concatenate([z, sink_rows[..., None]], axis=-1)
+    valid_all = jnp.concatenate([jnp.broadcast_to(valid, z.shape),
+                                 jnp.ones(z.shape[:-1] + (1,), bool)], axis=-1)
+    return plain_weights(z_all, valid_all)[..., :s_len]
 
   def per_kv_head(x):  # [B, S, N, H] summed over each kv head's G query heads
     return x.reshape(x.shape[:2] + (kh, g) + x.shape[3:]).sum(3)
 
   z, scores_vjp = jax.vjp(modified_scores, q, k, bias, mod_params)
-  p, weights_vjp = jax.vjp(weights_of, z)
+  sink_rows = None if sinks is None else jnp.broadcast_to(sinks[None, :, None], (b, n, t))
+  p, weights_vjp = jax.vjp(weights_of, z, sink_rows)
   vv = jnp.repeat(v, g, axis=2)
   out = jnp.einsum("bnts,bsnh->btnh", p, vv)
   dp = jnp.einsum("btnh,bsnh->bnts", ct, vv)
-  dz = weights_vjp(dp)[0]
+  dz, dsink_rows = weights_vjp(dp)
   dq, dk, dbias, dmod = scores_vjp(dz)
   dv = per_kv_head(jnp.einsum("bnts,btnh->bsnh", p, ct))
   # Bounds of the sums behind each result (sums of |terms|): the scale of its rounding error.
@@ -361,7 +376,11 @@ def _program(q, k, v, bias, params, valid, ct, row_keys, mod_params, *, weightin
   if kink_rel is not None:
     zmax = jnp.max(jnp.abs(jnp.where(valid, z, 0.0)), initial=0.0)
     slope, jump = _kinks(z, valid, w, s_len, kink_rel * (1.0 + zmax), name, wparams)
-  return out, (dq, dk, dv, dbias, dmod), bounds, z, slope, jump
+  dsinks = None
+  if sinks is not None:  # one term per row: their sum of |terms|
+    dsinks = dsink_rows.sum(axis=(0, 2))
+    bounds["sinks"] = jnp.abs(dsink_rows).sum(axis=(0, 2))
+  return out, (dq, dk, dv, dbias, dmod, dsinks), bounds, z, slope, jump
 
 
 def _transform_bounds(bq, bk, q, k, adz, score: str, params, scale: float, g: int):

@@ -55,6 +55,7 @@ class Problem:
       length/window keywords, ``segment_ids``) is given.
     has_score_mod: whether a score modification (:mod:`attnx.core.score_mods`:
       ``logits_soft_cap``, ``score_mod``) is given.
+    has_sinks: whether attention sinks (``sinks``, one learned score per head) are given.
     dropout_rate: the dropout rate on the weights when dropout applies, else 0.0.
     broadcast_dropout: one dropout mask shared by the batch and head dims.
     return_weights: whether the weights are returned too.
@@ -82,6 +83,7 @@ class Problem:
   has_bias: bool = False
   has_structured_mask: bool = False
   has_score_mod: bool = False
+  has_sinks: bool = False
   dropout_rate: float = 0.0
   broadcast_dropout: bool = True
   return_weights: bool = False
@@ -126,6 +128,7 @@ class Inputs:
       ``structured_mask`` and ``is_causal`` all allow it.
     score_mod: the :class:`~attnx.core.score_mods.ScoreMod` of the call (soft cap,
       ``score_mod`` and its parameters), or None.
+    sinks: the attention sinks ``[N]`` (float32, float64 for float64 inputs), or None.
   """
 
   query: Array
@@ -139,6 +142,7 @@ class Inputs:
   dropout_rng: Array | None = None
   structured_mask: Any = None
   score_mod: Any = None
+  sinks: Array | None = None
 
 
 def check_tile_size(name: str, value: Any) -> int | None:
@@ -333,6 +337,8 @@ def run_streaming(problem: Problem, inputs: Inputs, kernel: Callable[..., Array]
                              problem.s)
   if inputs.score_mod is not None:  # implementations without it refuse it in supports()
     extra["score_mod"] = inputs.score_mod
+  if inputs.sinks is not None:  # likewise
+    extra["sinks"] = inputs.sinks
   query, key, value, bias = nonfinite_inputs(inputs.query, inputs.key, inputs.value,
                                              inputs.bias)
   qd, kd = problem.score.to_dot(query, key, **inputs.score_params)

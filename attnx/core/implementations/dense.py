@@ -72,6 +72,29 @@ def dense_scores(q: Array, k: Array, bias: Array | None, sc: scores_lib.Score,
   return s + jax.lax.stop_gradient(rows + cols)  # + 0 where finite: s unchanged
 
 
+def weights_with_sinks(scores: Array, w: Any, valid: Array | None,
+                       sinks: Array | None) -> Array:
+  """The weights of [..., N, T, S] ``scores`` under ``valid``; with ``sinks`` [N] those of
+  each row's keys and a virtual key of score ``sinks[h]`` that every row may attend (an
+  attention sink: its value is zero, so only its share of the row's sum is seen), the
+  sink's own weight dropped. F sees the sink as any key of the row (a pointwise F's n stays
+  S)."""
+  if sinks is None:
+    return weightings_lib.apply_weighting(scores, w, axis=-1, where=valid)
+  s = scores.shape[-1]
+  col = jnp.broadcast_to(sinks.astype(scores.dtype)[:, None, None], scores.shape[:-1] + (1,))
+  z = jnp.concatenate([scores, col], axis=-1)
+  where = None
+  if valid is not None:
+    valid = jnp.broadcast_to(valid, scores.shape)
+    where = jnp.concatenate([valid, jnp.ones(col.shape, bool)], axis=-1)
+  if isinstance(w, weightings_lib.Pointwise):
+    probs = weightings_lib.pointwise_weights(z, w, axis=-1, where=where, num_keys=s)
+  else:
+    probs = weightings_lib.apply_weighting(z, w, axis=-1, where=where)
+  return probs[..., :s]
+
+
 def repeat_kv(x: Array, n: int) -> Array:
   """[..., S, K, H] -> [..., S, N, H]: each kv head repeated for its N // K query heads."""
   return jnp.repeat(x, n // x.shape[-2], axis=-2) if x.shape[-2] != n else x
@@ -113,7 +136,7 @@ class Dense(Implementation):
       rows = {name: x.reshape(x.shape + (1, 1)) if x.ndim else x
               for name, x in inputs.weighting_params.items()}
       w = dataclasses.replace(w, fn=w.bind(rows))
-    probs = weightings_lib.apply_weighting(scores, w, axis=-1, where=valid)
+    probs = weights_with_sinks(scores, w, valid, inputs.sinks)
     used = (drop_weights(probs, inputs.dropout_rng, p.dropout_rate, p.broadcast_dropout,
                          k.ndim) if p.dropout else probs)
     vv = repeat_kv(v, p.num_heads)

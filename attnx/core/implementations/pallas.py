@@ -90,10 +90,10 @@ class Pallas(Implementation):
               or static_dims_reason(self.name, problem))
     if reason is not None:
       return reason
-    if problem.has_score_mod:
+    if problem.has_score_mod or problem.has_sinks:
       return ("implementation='pallas' does not run score modifications (logits_soft_cap, "
-              "score_mod) yet: the blocked and dense implementations do. Use "
-              "implementation='blocked' (or None, which picks it).")
+              "score_mod) or attention sinks yet: the blocked and dense implementations do. "
+              "Use implementation='blocked' (or None, which picks it).")
     if not self.interpret and any(jax.export.is_symbolic_dim(d) for d in problem.batch):
       # JAX 0.10: Triton lowers no symbolic grid ("dynamic grid bounds not supported in the
       # Triton backend"), and Mosaic no scalar-prefetch operand of symbolic shape (the

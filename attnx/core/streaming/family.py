@@ -41,6 +41,9 @@ class Family:
     max_start: the running max of an empty :class:`MaxState`, or None (no running max).
     row_terms: the :class:`RowStream` parameters that belong to the whole row, added once by
       ``finalize`` after a merge (softpick's ε): a key block's stream holds them at 0.
+    takes_sinks: an attention sink (a virtual key of zero value) means something: the weights
+      share a sum over the row's keys that the sink's score enters. False for stick-breaking,
+      whose unassigned stick is already its own sink.
   """
 
   name: str
@@ -58,6 +61,7 @@ class Family:
   output_is_state: bool = False
   max_start: float | None = None
   row_terms: tuple[str, ...] = ()
+  takes_sinks: bool = True
 
 
 class GradCarry(NamedTuple):

@@ -97,6 +97,12 @@ class RowStream:
     return self.rules.output_is_state
 
   @property
+  def takes_sinks(self) -> bool:
+    """Whether an attention sink means something for the family (its weights share a sum
+    over the row's keys, which the sink's score enters): not stick-breaking's."""
+    return self.rules.takes_sinks
+
+  @property
   def max_start(self) -> float | None:
     """The running max m of a :class:`MaxState` that has seen no key: −∞ (SSMax), or 0 where
     m never drops below 0 (softpick: keeps e^{−m} ≤ 1); None for the other families."""

@@ -95,6 +95,6 @@ def tile_grad(rs: RowStream, z: Array, valid: Array, dp: Array, stats: tuple[Arr
 
 
 FAMILY = Family("stick_breaking", init, update, merge, finalize, tile_grad, reverse=True,
-                suffix_carries=True, output_is_state=True)
+                suffix_carries=True, output_is_state=True, takes_sinks=False)
 
 __all__ = ["FAMILY", "StickState", "finalize", "init", "merge", "tile_grad", "update"]

@@ -177,11 +177,12 @@ def _pv(p: Array, vj: Array) -> Array:
 # --------------------------------------------------------------------------------------------
 
 def _forward(q, k, v, bias, mask, scale, cfg: tl.TileConfig, smask: Any = None,
-             mod: Any = None):
+             mod: Any = None, sinks: Any = None):
   """Returns O [X, G, Tp, Hv] and the row statistic [X, G, Tp] (online max: lse as the pair
   [X, G, Tp, 2] of :func:`_stat_shape`) in the compute dtype, chunk by chunk. ``smask``: the
   bound structured mask (``cfg.structured``), evaluated per tile; ``mod``: the
-  :class:`~attnx.core.score_mods.ScoreMod` (``cfg.score_mod``), applied per tile."""
+  :class:`~attnx.core.score_mods.ScoreMod` (``cfg.score_mod``), applied per tile;
+  ``sinks``: the attention sinks [N] (``cfg.sinks``), a virtual key before each row's keys."""
   x, g, tp, _ = q.shape
   chunk_cfg = dataclasses.replace(cfg, head_dims=cfg.chunk_head_dims())
 
@@ -190,7 +191,7 @@ def _forward(q, k, v, bias, mask, scale, cfg: tl.TileConfig, smask: Any = None,
     o, st = _forward_chunk(tl.chunk_rows(q, c, cfg), tl.chunk_rows(k, c, cfg),
                            tl.chunk_rows(v, c, cfg), tl.chunk_bias(bias, c, cfg),
                            tl.chunk_bias(mask, c, cfg), scale, chunk_cfg, smask,
-                           c * cfg.heads_in_chunk, mod)
+                           c * cfg.heads_in_chunk, mod, sinks)
     return (lax.dynamic_update_slice_in_dim(out, o, c * cfg.heads_in_chunk, 0),
             lax.dynamic_update_slice_in_dim(stat, st, c * cfg.heads_in_chunk, 0))
 
@@ -198,8 +199,33 @@ def _forward(q, k, v, bias, mask, scale, cfg: tl.TileConfig, smask: Any = None,
   init = vary((jnp.zeros((x, g, tp, _out_cols(cfg, v.shape[-1])), cd),
                jnp.zeros(_stat_shape(cfg, (x, g, tp)), cd)), manual_axes(q, k, v, bias, mask))
   if cfg.heads_in_chunk == x:
-    return _forward_chunk(q, k, v, bias, mask, scale, chunk_cfg, smask, 0, mod)
+    return _forward_chunk(q, k, v, bias, mask, scale, chunk_cfg, smask, 0, mod, sinks)
   return lax.fori_loop(0, x // cfg.heads_in_chunk, chunk, init)
+
+
+def _sink_scores(sinks: Array, x0: Any, cfg: tl.TileConfig, cd: Any) -> Array:
+  """The sink's exponent z = α·sinks[h] (α = 1 unless online max) of the rows of one query
+  block of a chunk (first row ``x0``), [X, G·bq, 1]."""
+  alpha = float(cfg.w.exp_alpha) if cfg.w.online_max else 1.0
+  z = sinks.astype(cd)[tl.row_heads(x0, cfg)] * alpha  # [X, G]
+  return jnp.repeat(z, cfg.bq, axis=1)[..., None]
+
+
+def _sink_grad(sinks: Array, x0: Any, cfg: tl.TileConfig, grad_rows: Any, n: int) -> Array:
+  """d sinks [N] from the rows of a chunk (first row ``x0``): the sink is a key of zero
+  value, so dP = 0 there and its cotangent is −P_sink·δ per row (times α), summed over the
+  rows of each head. Padding rows have δ = 0 and add nothing."""
+  w = cfg.w
+  heads = tl.row_heads(x0, cfg)  # [X, G]
+  cd = sinks.dtype
+  alpha = float(w.exp_alpha) if w.online_max else 1.0
+  delta = grad_rows[2]
+  z = jnp.broadcast_to((sinks[heads] * alpha)[..., None, None],
+                       delta.shape + (1,) if delta is not None else ())
+  _, dz = streaming.pointwise_tile_grad(w, z, None, jnp.zeros_like(z), grad_rows, cfg.num_keys,
+                                        row=lambda a: a[..., None])
+  per_row = jnp.sum(dz[..., 0], axis=2) * alpha  # [X, G]
+  return jnp.zeros((n,), cd).at[heads.reshape(-1)].add(per_row.reshape(-1).astype(cd))
 
 
 def _stat_shape(cfg: tl.TileConfig, rows: tuple[int, ...]) -> tuple[int, ...]:
@@ -237,7 +263,7 @@ def _tile_loop(cfg: tl.TileConfig, kinds: Array | None, outer: Any, axis: int,
 
 
 def _forward_chunk(q, k, v, bias, mask, scale, cfg: tl.TileConfig, smask: Any = None,
-                   x0: Any = 0, mod: Any = None):
+                   x0: Any = 0, mod: Any = None, sinks: Any = None):
   """One chunk of :func:`_forward`: O [X', G, Tp, Hv] and the row statistic [X', G, Tp]
   (X' = ``cfg.heads_in_chunk``).
 
@@ -266,6 +292,9 @@ def _forward_chunk(q, k, v, bias, mask, scale, cfg: tl.TileConfig, smask: Any = 
     v_fwd = jnp.concatenate([v, jnp.ones(v.shape[:-1] + (1,), v.dtype)], axis=-1)
 
   kinds = tl.tile_kinds(smask, x0, cfg) if cfg.structured else None
+  if cfg.sinks:  # the sink as one more key of each row: score sinks[h], value 0 (Σ F: 1)
+    sink_z = _sink_scores(sinks, x0, cfg, cd)  # [X, G·bq, 1]
+    sink_v = jnp.zeros((x, 1, v_fwd.shape[-1]), cd).at[..., hv].set(1.0)
 
   def q_block(i, carry):
     out, stat = carry
@@ -287,6 +316,8 @@ def _forward_chunk(q, k, v, bias, mask, scale, cfg: tl.TileConfig, smask: Any = 
       m_start, off = streaming.online_max_start(w, with_offset=not cfg.raw)
       m0 = jnp.full(row_shape, m_start, cd)
       acc0 = jnp.zeros(row_shape + (hv + 1,), cd).at[..., hv].set(off)
+      if cfg.sinks:
+        acc0, m0 = streaming.online_max_update(acc0, m0, sink_z, None, sink_v)
       lo, hi, k_block = _tile_loop(cfg, kinds, i, 1, tl.k_range(i, cfg), k_step)
       acc, m = lax.fori_loop(lo, hi, k_block, vary((acc0, m0), axes))
       if cfg.raw:
@@ -301,6 +332,8 @@ def _forward_chunk(q, k, v, bias, mask, scale, cfg: tl.TileConfig, smask: Any = 
 
       l0 = jnp.zeros(row_shape, cd)
       acc0 = jnp.zeros(row_shape + (v_fwd.shape[-1],), cd)
+      if cfg.sinks:
+        acc0, l0 = streaming.pointwise_update(w, acc0, l0, sink_z, None, sink_v, cfg.num_keys)
       lo, hi, k_block = _tile_loop(cfg, kinds, i, 1, tl.k_range(i, cfg), k_step)
       acc, l = lax.fori_loop(lo, hi, k_block, vary((acc0, l0), axes))
       if cfg.raw:
@@ -325,14 +358,15 @@ def _forward_chunk(q, k, v, bias, mask, scale, cfg: tl.TileConfig, smask: Any = 
 
 
 def _backward(q, k, v, bias, mask, scale, out, stat, do, cfg: tl.TileConfig,
-              smask: Any = None, mod: Any = None):
+              smask: Any = None, mod: Any = None, sinks: Any = None):
   """(dq, dk, dv, dbias, dscale), chunk by chunk; chunks may share a broadcast bias slice.
-  With a score modification (``cfg.score_mod``) also the cotangent of ``mod`` (its
-  parameters' gradients, summed over every tile) as a sixth element."""
+  Then, with a score modification (``cfg.score_mod``), the cotangent of ``mod`` (its
+  parameters' gradients, summed over every tile), and with sinks (``cfg.sinks``) d sinks."""
   x = q.shape[0]
   chunk_cfg = dataclasses.replace(cfg, head_dims=cfg.chunk_head_dims())
   if cfg.heads_in_chunk == x:
-    return _backward_chunk(q, k, v, bias, mask, scale, out, stat, do, chunk_cfg, smask, 0, mod)
+    return _backward_chunk(q, k, v, bias, mask, scale, out, stat, do, chunk_cfg, smask, 0, mod,
+                           sinks)
   cd = compute_dtype(q.dtype)
 
   def chunk(c, carry):
@@ -340,7 +374,7 @@ def _backward(q, k, v, bias, mask, scale, out, stat, do, cfg: tl.TileConfig,
     rows = lambda a: tl.chunk_rows(a, c, cfg)
     dq_c, dk_c, dv_c, dbias_c, dscale_c, *dmod_c = _backward_chunk(
         rows(q), rows(k), rows(v), tl.chunk_bias(bias, c, cfg), tl.chunk_bias(mask, c, cfg), scale,
-        rows(out), rows(stat), rows(do), chunk_cfg, smask, c * cfg.heads_in_chunk, mod)
+        rows(out), rows(stat), rows(do), chunk_cfg, smask, c * cfg.heads_in_chunk, mod, sinks)
     put = lambda buf, a: lax.dynamic_update_slice_in_dim(buf, a, c * cfg.heads_in_chunk, 0)
     if cfg.has_bias:
       starts, sizes = tl.chunk_bias_window(bias, c, cfg)
@@ -353,12 +387,14 @@ def _backward(q, k, v, bias, mask, scale, out, stat, do, cfg: tl.TileConfig,
           jnp.zeros(bias.shape, cd) if cfg.has_bias else None, jnp.zeros((), cd))
   if cfg.score_mod:
     init += (jax.tree.map(jnp.zeros_like, mod),)
+  if cfg.sinks:
+    init += (jnp.zeros_like(sinks),)
   init = vary(init, manual_axes(q, k, v, bias, mask, out, do))
   return lax.fori_loop(0, x // cfg.heads_in_chunk, chunk, init)
 
 
 def _backward_chunk(q, k, v, bias, mask, scale, out, stat, do, cfg: tl.TileConfig,
-                    smask: Any = None, x0: Any = 0, mod: Any = None):
+                    smask: Any = None, x0: Any = 0, mod: Any = None, sinks: Any = None):
   """One chunk of :func:`_backward`."""
   w = cfg.w
   tl.check_tiling(q, k, cfg)
@@ -469,6 +505,8 @@ def _backward_chunk(q, k, v, bias, mask, scale, out, stat, do, cfg: tl.TileConfi
   dk = dk_z if qk_mult is None else dk_z * c
   dscale = alpha * jnp.sum(dq_z * finite(q_raw).astype(cd))
   dbias = dbias_z * bias_mult if cfg.has_bias else None
+  if cfg.sinks:
+    dmod.append(_sink_grad(sinks, x0, cfg, grad_rows, sinks.shape[0]))
   return (dq, dk, dv, dbias, dscale, *dmod)
 
 
@@ -779,7 +817,7 @@ def finite_residual(tree: Any) -> Any:
 def _make_kernel(cfg: tl.TileConfig):
   """A custom-VJP function of internal-layout arrays (q, k, v, bias, mask, scale) -> O; with
   ``cfg.structured`` it takes the bound structured mask as a seventh argument."""
-  if cfg.structured or cfg.score_mod:
+  if cfg.structured or cfg.score_mod or cfg.sinks:
     return _make_structured_kernel(cfg)
 
   causal_or_plain = _causal_forward if cfg.is_causal else _forward
@@ -818,30 +856,35 @@ def _cotangents(q, k, v, bias, scale, dq, dk, dv, dbias, dscale):
 
 def _make_structured_kernel(cfg: tl.TileConfig):
   """:func:`_make_kernel` with a structured mask (a pytree of index arrays: no cotangent) as a
-  seventh argument, and a score modification (a :class:`~attnx.core.score_mods.ScoreMod`,
-  whose parameters get gradients) as an eighth; None where the call has none."""
+  seventh argument, a score modification (a :class:`~attnx.core.score_mods.ScoreMod`, whose
+  parameters get gradients) as an eighth and attention sinks [N] as a ninth; None where the
+  call has none."""
 
   @jax.jit
-  def forward(q, k, v, bias, mask, scale, smask, mod):
-    out, stat = _forward(q, k, v, bias, mask, scale, cfg, smask, mod)
+  def forward(q, k, v, bias, mask, scale, smask, mod, sinks):
+    out, stat = _forward(q, k, v, bias, mask, scale, cfg, smask, mod, sinks)
     return out, finite_residual(stat)
 
   backward = jax.jit(functools.partial(_backward, cfg=cfg))
 
   @jax.custom_vjp
-  def kernel(q, k, v, bias, mask, scale, smask, mod):
-    return forward(q, k, v, bias, mask, scale, smask, mod)[0].astype(q.dtype)
+  def kernel(q, k, v, bias, mask, scale, smask, mod, sinks):
+    return forward(q, k, v, bias, mask, scale, smask, mod, sinks)[0].astype(q.dtype)
 
-  def fwd(q, k, v, bias, mask, scale, smask, mod):
-    out, stat = forward(q, k, v, bias, mask, scale, smask, mod)
-    return out.astype(q.dtype), (q, k, v, bias, mask, scale, out, stat, smask, mod)
+  def fwd(q, k, v, bias, mask, scale, smask, mod, sinks):
+    out, stat = forward(q, k, v, bias, mask, scale, smask, mod, sinks)
+    return out.astype(q.dtype), (q, k, v, bias, mask, scale, out, stat, smask, mod, sinks)
 
   def bwd(res, do):
-    q, k, v, bias, mask, scale, out, stat, smask, mod = res
-    dq, dk, dv, dbias, dscale, *dmod = backward(q, k, v, bias, mask, scale, out, stat, do,
-                                                smask=smask, mod=mod)
-    dmod = jax.tree.map(lambda d, p: d.astype(p.dtype), dmod[0], mod) if dmod else None
-    return (*_cotangents(q, k, v, bias, scale, dq, dk, dv, dbias, dscale), None, dmod)
+    q, k, v, bias, mask, scale, out, stat, smask, mod, sinks = res
+    dq, dk, dv, dbias, dscale, *extra = backward(q, k, v, bias, mask, scale, out, stat, do,
+                                                 smask=smask, mod=mod, sinks=sinks)
+    dmod = dsinks = None
+    if cfg.score_mod:
+      dmod = jax.tree.map(lambda d, p: d.astype(p.dtype), extra.pop(0), mod)
+    if cfg.sinks:
+      dsinks = extra.pop(0).astype(sinks.dtype)
+    return (*_cotangents(q, k, v, bias, scale, dq, dk, dv, dbias, dscale), None, dmod, dsinks)
 
   kernel.defvjp(fwd, bwd)
   return kernel
@@ -851,7 +894,7 @@ def blocked_attention(q: Array, k: Array, v: Array, *, weighting: Pointwise, sca
                       bias: Array | None = None, mask: Array | None = None,
                       is_causal: bool = False, block_q: int | None = None,
                       block_k: int | None = None, structured_mask: Any = None,
-                      score_mod: Any = None) -> Array:
+                      score_mod: Any = None, sinks: Array | None = None) -> Array:
   """Memory-efficient attention out_i = Σ_j w_ij v_j for a pointwise weighting F.
 
   Args:
@@ -873,6 +916,8 @@ def blocked_attention(q: Array, k: Array, v: Array, *, weighting: Pointwise, sca
     score_mod: a :class:`~attnx.core.score_mods.ScoreMod` (soft cap, ``score_mod`` function
       and its parameters), applied per tile between the score and F; its parameters get
       gradients. The causal triangle then runs as tiles under a causal structured mask.
+    sinks: attention sinks [N] (``normalization="sum"`` only): a virtual key of score
+      ``sinks[h]`` and zero value in every row of head h; gets a gradient.
 
   Returns:
     [B, T, N, Hv] in q's dtype; equal (up to float rounding) to
@@ -887,14 +932,14 @@ def blocked_attention(q: Array, k: Array, v: Array, *, weighting: Pointwise, sca
   if q.size == 0 or s == 0:  # no query, or no key (every row has no valid key)
     return jnp.zeros((b, t, n, v.shape[-1]), q.dtype)
   kw = dict(weighting=weighting, scale=scale, block_q=block_q, block_k=block_k, num_keys=s)
-  if structured_mask is not None or score_mod is not None:
+  if structured_mask is not None or score_mod is not None or sinks is not None:
     # The tiles of the mask, not the causal triangle's pieces (whose positions are not the
     # tile's: a score modification reads them).
     smask = structured_mask
     if is_causal:
       smask = masks.Causal() if smask is None else masks.Causal() & smask
     return _blocked(q, k, v, bias=bias, mask=mask, is_causal=False, structured=smask,
-                    score_mod=score_mod, **kw)
+                    score_mod=score_mod, sinks=sinks, **kw)
   if is_causal and s > t:  # keys j ≥ T are above the diagonal of every row: never touched
     return _blocked(q, k[:, :t], v[:, :t], bias=_part4(bias, 3, 0, t),
                     mask=_part4(mask, 3, 0, t), is_causal=True, **kw)
@@ -963,7 +1008,7 @@ def mask_tile_counts(structured_mask: Any, weighting: Pointwise, b: int, t: int,
 
 
 def _blocked(q, k, v, *, weighting, scale, bias, mask, is_causal, block_q, block_k, num_keys,
-             structured=None, score_mod=None):
+             structured=None, score_mod=None, sinks=None):
   """:func:`blocked_attention` on checked, non-empty inputs; causal ones have T = S."""
   b, t, n, h = q.shape
   _, s, kv_heads, _ = k.shape
@@ -985,14 +1030,15 @@ def _blocked(q, k, v, *, weighting, scale, bias, mask, is_causal, block_q, block
                         head_dims=(b, kv_heads, g), kv_heads=kv_heads,
                         heads_in_chunk=heads_per_chunk(b, kv_heads, g, bq, bk),
                         full_num_keys=num_keys, structured=structured is not None,
-                        score_mod=score_mod is not None)
+                        score_mod=score_mod is not None, sinks=sinks is not None)
     tp, sp = cfg.num_q_blocks * bq, cfg.num_k_blocks * bk
 
   # [B, T, N, H] -> [X, G, Tp, H] and [B, S, K, H] -> [X, Sp, H] (X = B·K), zero padded.
   q4, k3, v3, bias5, mask5 = tl.kernel_layout(q, k, v, bias, mask, tp, sp)
   scale_arr = jnp.asarray(scale, compute_dtype(q.dtype))
   args = (q4, k3, v3, bias5, mask5, scale_arr)
-  if cfg.structured or cfg.score_mod:
-    args += (structured, score_mod)
+  if cfg.structured or cfg.score_mod or cfg.sinks:
+    args += (structured, score_mod,
+             None if sinks is None else jnp.asarray(sinks, compute_dtype(q.dtype)))
   out = _make_kernel(cfg)(*args)
   return out[:, :, :t].reshape(b, n, t, -1).transpose(0, 2, 1, 3)

@@ -93,13 +93,17 @@ def _tiles(q, k, v, bias, mask, i, cfg: tl.TileConfig, qk_mult, bias_mult, smask
 
 
 def _fold(tile, lo, hi, fn, init, reverse: bool = False, zero: Array | None = None,
-          kinds: Array | None = None):
+          kinds: Array | None = None, sink: tuple[Array, Array, Array] | None = None):
   """Folds fn(carry, z, valid, v) over key tiles [lo, hi), last tile first if reverse.
 
   ``zero`` ([num_k_blocks] bool) marks tiles to leave out: their scores are never computed
   (``lax.cond`` runs only the taken branch). ``kinds`` ([num_k_blocks] int32): the query
   block's row of a structured mask's tile kinds (:func:`attnx.core.kernels.xla.tiling.kind_switch`).
+  ``sink``: the (z, valid, v) of the attention sink (:func:`_sink_tile`), folded in first, a
+  key before the row's keys (never with ``reverse``: stick-breaking takes no sink).
   """
+  if sink is not None:
+    init = fn(init, *sink)
   def body(r, c):
     j = hi - 1 - r if reverse else lo + r
     visit = lambda c: tl.kind_switch(None if kinds is None else kinds[j], lambda c: c,
@@ -118,7 +122,8 @@ def _k_bounds(i, cfg: tl.TileConfig, span) -> tuple[Any, Any]:
 
 
 def _entmax_threshold_skipping(tile, i, lo, hi, rows: tuple[int, ...], cfg: tl.TileConfig,
-                               dtype: Any = F32, kinds: Array | None = None
+                               dtype: Any = F32, kinds: Array | None = None,
+                               sink: tuple[Array, Array, Array] | None = None
                                ) -> tuple[st.Threshold, Array]:
   """τ of a query block (:func:`attnx.core.streaming.entmax_threshold`) with zero tiles left
   out of the passes, and which tiles are zero at the final τ ([num_k_blocks] bool).
@@ -152,6 +157,8 @@ def _entmax_threshold_skipping(tile, i, lo, hi, rows: tuple[int, ...], cfg: tl.T
 
   init = (jnp.full(rows, -jnp.inf, dtype), jnp.zeros(rows, dtype),
           jnp.full((num_k_blocks,) + rows, -jnp.inf, dtype))
+  if sink is not None:  # the sink is a key of every row (never a zero tile)
+    init = (st.entmax_tile_max(sink[0], sink[1], rs), jnp.ones(rows, dtype), init[2])
   m, n, table = lax.fori_loop(0, hi - lo, max_body, init)
   if cfg.num_q_blocks * cfg.bq != cfg.t:
     real = i * cfg.bq + jnp.arange(rows[-1]) % cfg.bq < cfg.t  # [G·bq]: not a padding row
@@ -160,18 +167,26 @@ def _entmax_threshold_skipping(tile, i, lo, hi, rows: tuple[int, ...], cfg: tl.T
 
   def sums_pass(fn, init, m_row, tau):
     return _fold(tile, lo, hi, lambda c, z, ok, _: fn(c, z, ok), init,
-                 zero=st.entmax_zero_tiles(table, m_row, tau), kinds=kinds)
+                 zero=st.entmax_zero_tiles(table, m_row, tau), kinds=kinds, sink=sink)
 
   def tile_pass(fn, init):  # unused: both passes entmax_threshold makes are the hooks above
-    return _fold(tile, lo, hi, lambda c, z, ok, _: fn(c, z, ok), init, kinds=kinds)
+    return _fold(tile, lo, hi, lambda c, z, ok, _: fn(c, z, ok), init, kinds=kinds, sink=sink)
 
   th = st.entmax_threshold(tile_pass, rows, rs, row_max=(m, n), sums_pass=sums_pass,
                            dtype=dtype)
   return th, st.entmax_zero_tiles(table, th.m, th.tau)
 
 
+def _sink_tile(sinks: Array, x0: Any, cfg: tl.TileConfig, cd: Any,
+               hv: int) -> tuple[Array, Array, Array]:
+  """The attention sink as a tile of one key for the rows of a query block of a chunk (first
+  row ``x0``): its scores sinks[h] [X, G·bq, 1], always valid, and a zero value [X, 1, Hv]."""
+  z = jnp.repeat(sinks.astype(cd)[tl.row_heads(x0, cfg)], cfg.bq, axis=1)[..., None]
+  return z, jnp.ones(z.shape, bool), jnp.zeros((z.shape[0], 1, hv), cd)
+
+
 def _forward_chunk(q, k, v, bias, mask, row_scales, scale, cfg: tl.TileConfig, skip: bool,
-                   smask: Any = None, x0: Any = 0, mod: Any = None):
+                   smask: Any = None, x0: Any = 0, mod: Any = None, sinks: Any = None):
   """(O [x, G, Tp, Hv], row statistics, Σu·v/Σu or None, max threshold passes, zero tiles) of
   a chunk (whose first row is ``x0``; ``smask``: the bound structured mask of
   ``cfg.structured``, evaluated per tile, its empty tiles skipped).
@@ -191,6 +206,7 @@ def _forward_chunk(q, k, v, bias, mask, row_scales, scale, cfg: tl.TileConfig, s
   skip = skip and rs.needs_threshold
   kinds = tl.tile_kinds(smask, x0, cfg) if cfg.structured else None
   span = None if kinds is None else tl.tile_span(kinds, 1)
+  sink = _sink_tile(sinks, x0, cfg, cd, hv) if cfg.sinks else None
 
   def q_block(i, carry):
     out, stats, support_mean, passes, zero_table = carry
@@ -200,16 +216,16 @@ def _forward_chunk(q, k, v, bias, mask, row_scales, scale, cfg: tl.TileConfig, s
     ctx = tl.row_block(row_scales, i, cfg) if rs.needs_row_scale else None
     zero = None
     if skip:
-      ctx, zero = _entmax_threshold_skipping(tile, i, lo, hi, rows, cfg, cd, row_kinds)
+      ctx, zero = _entmax_threshold_skipping(tile, i, lo, hi, rows, cfg, cd, row_kinds, sink)
       passes = jnp.maximum(passes, ctx.passes)
       zero_table = lax.dynamic_update_index_in_dim(zero_table, zero, i, 0)
     elif rs.needs_threshold:
       ctx = st.entmax_threshold(
           lambda fn, init: _fold(tile, lo, hi, lambda c, z, ok, _: fn(c, z, ok), init,
-                                 kinds=row_kinds), rows, rs, dtype=cd)
+                                 kinds=row_kinds, sink=sink), rows, rs, dtype=cd)
       passes = jnp.maximum(passes, ctx.passes)
     state = _fold(tile, lo, hi, lambda c, z, ok, vj: st.update(rs, c, z, ok, vj, ctx),
-                  st.init(rs, rows, hv, cd), rs.reverse, zero, row_kinds)
+                  st.init(rs, rows, hv, cd), rs.reverse, zero, row_kinds, sink)
     o, row_stats, sm = st.finalize(rs, state, ctx)
     put = lambda buf, a: tl.put_row_block(buf, a, i, cfg)
     stats = tuple(put(buf, a) for buf, a in zip(stats, row_stats, strict=True))
@@ -226,7 +242,7 @@ def _forward_chunk(q, k, v, bias, mask, row_scales, scale, cfg: tl.TileConfig, s
 def _backward_chunk(q, k, v, bias, mask, row_scales, scale, out, stats, support_mean, do,
                     zero, cfg: tl.TileConfig, carry0: tuple[Array, Array] | None = None,
                     both_carries: bool = False, smask: Any = None, x0: Any = 0,
-                    mod: Any = None):
+                    mod: Any = None, sinks: Any = None):
   """(dq, dk, dv, dbias, drow_scales, dscale) of a chunk (first row ``x0``; ``smask`` as in
   :func:`_forward_chunk`: its skipped tiles add nothing to any gradient or grad carry).
 
@@ -355,6 +371,25 @@ def _backward_chunk(q, k, v, bias, mask, row_scales, scale, out, stats, support_
   init = bl.vary(init + tuple(mod_zeros), axes)
   dq_z, dk_z, dv, dbias_z, carry_a, carry_b, *dmod = lax.fori_loop(0, cfg.num_k_blocks, k_block,
                                                                    init)
+  if cfg.sinks:  # the sink, a key of zero value (dP = 0) in every row: d sinks and the carries
+    z_s, valid_s, _ = _sink_tile(sinks, x0, cfg, cd, v.shape[-1])
+    heads = tl.row_heads(x0, cfg)
+
+    def sink_block(i, c):
+      carry_a, carry_b, dsinks = c
+      ctx = block_rows(row_scales, i) if rs.needs_row_scale else None
+      _, dz, gc = st.tile_grad(rs, z_s, valid_s, jnp.zeros(z_s.shape, cd),
+                               tuple(block_rows(a, i) for a in stats), block_rows(delta, i),
+                               st.GradCarry(block_rows(carry_a, i), block_rows(carry_b, i)),
+                               ctx, weights_dtype=v.dtype)
+      per_head = jnp.sum(dz.reshape(heads.shape + (cfg.bq,)), axis=-1)  # [X, G]
+      dsinks = dsinks.at[heads.reshape(-1)].add(per_head.reshape(-1).astype(dsinks.dtype))
+      return (tl.put_row_block(carry_a, gc.a, i, cfg), tl.put_row_block(carry_b, gc.b, i, cfg),
+              dsinks)
+
+    carry_a, carry_b, dsinks = lax.fori_loop(
+        0, cfg.num_q_blocks, sink_block, (carry_a, carry_b, jnp.zeros(sinks.shape, cd)))
+    dmod.append(dsinks)
   c = scale * alpha
   dq = dq_z * c
   dk = dk_z if qk_mult is None else dk_z * c
@@ -368,21 +403,21 @@ def _backward_chunk(q, k, v, bias, mask, row_scales, scale, out, stats, support_
 # --------------------------------------------------------------------------------------------
 
 def _forward(q, k, v, bias, mask, row_scales, scale, cfg: tl.TileConfig, skip: bool,
-             smask: Any = None, mod: Any = None):
+             smask: Any = None, mod: Any = None, sinks: Any = None):
   """:func:`_forward_chunk` over the chunks of heads; the zero-tile table gains a leading
   chunk axis, [num_chunks, num_q_blocks, num_k_blocks] (or is None)."""
   x = q.shape[0]
   chunk_cfg = dataclasses.replace(cfg, head_dims=cfg.chunk_head_dims())
   if cfg.heads_in_chunk == x:
     *res, zero = _forward_chunk(q, k, v, bias, mask, row_scales, scale, chunk_cfg, skip,
-                                smask, 0, mod)
+                                smask, 0, mod, sinks)
     return (*res, None if zero is None else zero[None])
   rows = lambda a, c: None if a is None else tl.chunk_rows(a, c, cfg)
 
   def chunk(c, carry):
     res = _forward_chunk(rows(q, c), rows(k, c), rows(v, c), tl.chunk_bias(bias, c, cfg),
                          tl.chunk_bias(mask, c, cfg), rows(row_scales, c), scale, chunk_cfg,
-                         skip, smask, c * cfg.heads_in_chunk, mod)
+                         skip, smask, c * cfg.heads_in_chunk, mod, sinks)
     put = lambda buf, a: lax.dynamic_update_slice_in_dim(buf, a, c * cfg.heads_in_chunk, 0)
     out, stats, support_mean, passes, zero = carry
     return (put(out, res[0]), tuple(put(b, a) for b, a in zip(stats, res[1], strict=True)),
@@ -406,13 +441,14 @@ def _forward(q, k, v, bias, mask, row_scales, scale, cfg: tl.TileConfig, skip: b
 
 
 def _backward(q, k, v, bias, mask, row_scales, scale, out, stats, support_mean, do, zero,
-              cfg: tl.TileConfig, smask: Any = None, mod: Any = None):
+              cfg: tl.TileConfig, smask: Any = None, mod: Any = None, sinks: Any = None):
   x = q.shape[0]
   cd = compute_dtype(q.dtype)
   chunk_cfg = dataclasses.replace(cfg, head_dims=cfg.chunk_head_dims())
   if cfg.heads_in_chunk == x:
     return _backward_chunk(q, k, v, bias, mask, row_scales, scale, out, stats, support_mean, do,
-                           None if zero is None else zero[0], chunk_cfg, smask=smask, mod=mod)
+                           None if zero is None else zero[0], chunk_cfg, smask=smask, mod=mod,
+                           sinks=sinks)
   rows = lambda a, c: None if a is None else tl.chunk_rows(a, c, cfg)
 
   def chunk(c, carry):
@@ -422,7 +458,7 @@ def _backward(q, k, v, bias, mask, row_scales, scale, out, stats, support_mean, 
         tl.chunk_bias(mask, c, cfg), rows(row_scales, c), scale, rows(out, c),
         tuple(rows(a, c) for a in stats), rows(support_mean, c), rows(do, c),
         None if zero is None else zero[c], chunk_cfg, smask=smask, x0=c * cfg.heads_in_chunk,
-        mod=mod)
+        mod=mod, sinks=sinks)
     put = lambda buf, a: lax.dynamic_update_slice_in_dim(buf, a, c * cfg.heads_in_chunk, 0)
     if cfg.has_bias:
       starts, sizes = tl.chunk_bias_window(bias, c, cfg)
@@ -436,6 +472,8 @@ def _backward(q, k, v, bias, mask, row_scales, scale, out, stats, support_mean, 
           jnp.zeros((), cd))
   if cfg.score_mod:
     init += (jax.tree.map(jnp.zeros_like, mod),)
+  if cfg.sinks:
+    init += (jnp.zeros_like(sinks),)
   return lax.fori_loop(0, x // cfg.heads_in_chunk, chunk, init)
 
 
@@ -497,37 +535,45 @@ def block_grads(q: Array, k: Array, v: Array, bias: Array | None, mask: Array | 
 
 def _make_kernel(cfg: tl.TileConfig, skip: bool):
   """A custom-VJP function of internal-layout (q, k, v, bias, mask, row_scales, scale, smask,
-  mod) -> O; ``skip``: leave out all-zero key tiles (entmax family); ``smask``: the bound
-  structured mask of ``cfg.structured`` (a pytree of index arrays: no cotangent), else None;
-  ``mod``: the :class:`~attnx.core.score_mods.ScoreMod` of ``cfg.score_mod`` (its parameters
-  get gradients), else None."""
+  mod, sinks) -> O; ``skip``: leave out all-zero key tiles (entmax family); ``smask``: the
+  bound structured mask of ``cfg.structured`` (a pytree of index arrays: no cotangent), else
+  None; ``mod``: the :class:`~attnx.core.score_mods.ScoreMod` of ``cfg.score_mod`` (its
+  parameters get gradients), else None; ``sinks``: the attention sinks [N] of ``cfg.sinks``
+  (with a gradient), else None."""
 
   @jax.jit  # as the pointwise kernel's: only finite arrays leave (bl.finite_residual)
-  def forward(q, k, v, bias, mask, row_scales, scale, smask, mod):
+  def forward(q, k, v, bias, mask, row_scales, scale, smask, mod, sinks):
     out, stats, support_mean, _, zero = _forward(q, k, v, bias, mask, row_scales, scale, cfg,
-                                                 skip, smask, mod)
+                                                 skip, smask, mod, sinks)
     return out, bl.finite_residual(stats), support_mean, zero
 
   backward = jax.jit(functools.partial(_backward, cfg=cfg))
 
   @jax.custom_vjp
-  def kernel(q, k, v, bias, mask, row_scales, scale, smask, mod):
-    return forward(q, k, v, bias, mask, row_scales, scale, smask, mod)[0].astype(q.dtype)
+  def kernel(q, k, v, bias, mask, row_scales, scale, smask, mod, sinks):
+    return forward(q, k, v, bias, mask, row_scales, scale, smask, mod, sinks)[0].astype(q.dtype)
 
-  def fwd(q, k, v, bias, mask, row_scales, scale, smask, mod):
-    out, stats, support_mean, zero = forward(q, k, v, bias, mask, row_scales, scale, smask, mod)
+  def fwd(q, k, v, bias, mask, row_scales, scale, smask, mod, sinks):
+    out, stats, support_mean, zero = forward(q, k, v, bias, mask, row_scales, scale, smask, mod,
+                                             sinks)
     return out.astype(q.dtype), (q, k, v, bias, mask, row_scales, scale, out, stats,
-                                 support_mean, zero, smask, mod)
+                                 support_mean, zero, smask, mod, sinks)
 
   def bwd(res, do):
-    q, k, v, bias, mask, row_scales, scale, out, stats, support_mean, zero, smask, mod = res
-    dq, dk, dv, dbias, drow_scales, dscale, *dmod = backward(
+    (q, k, v, bias, mask, row_scales, scale, out, stats, support_mean, zero, smask, mod,
+     sinks) = res
+    dq, dk, dv, dbias, drow_scales, dscale, *extra = backward(
         q, k, v, bias, mask, row_scales, scale, out, stats, support_mean, do, zero,
-        smask=smask, mod=mod)
-    dmod = jax.tree.map(lambda d, p: d.astype(p.dtype), dmod[0], mod) if dmod else None
+        smask=smask, mod=mod, sinks=sinks)
+    dmod = dsinks = None
+    if cfg.score_mod:
+      dmod = jax.tree.map(lambda d, p: d.astype(p.dtype), extra.pop(0), mod)
+    if cfg.sinks:
+      dsinks = extra.pop(0).astype(sinks.dtype)
     return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype),
             None if bias is None else dbias.astype(bias.dtype), None,
-            None if row_scales is None else drow_scales, dscale.astype(scale.dtype), None, dmod)
+            None if row_scales is None else drow_scales, dscale.astype(scale.dtype), None, dmod,
+            dsinks)
 
   kernel.defvjp(fwd, bwd)
   return kernel
@@ -589,10 +635,11 @@ def structured_counts(structured_mask: Any, bias: Array | None, mask: Array | No
 
 
 def _ssmax_row_scales(q, k, bias, mask, rs: st.RowStream, is_causal: bool, ssmax_s,
-                      structured: Any = None, tiles: tuple[int, int] | None = None) -> Array:
+                      structured: Any = None, tiles: tuple[int, int] | None = None,
+                      extra_keys: int = 0) -> Array:
   """SSMax's c_i = s·log n_i, [B, N, T] in the compute dtype (s: the weighting's, or
   ``ssmax_s``); under a ``structured`` mask n_i counted on ``tiles``
-  (:func:`structured_counts`)."""
+  (:func:`structured_counts`); ``extra_keys`` more keys in every row (an attention sink)."""
   b, t, n, _ = q.shape
   s = k.shape[1]
   bias4 = None if bias is None else bias.reshape((1,) * (4 - bias.ndim) + bias.shape)
@@ -605,7 +652,7 @@ def _ssmax_row_scales(q, k, bias, mask, rs: st.RowStream, is_causal: bool, ssmax
     counts = _valid_counts(b, n, t, s, bias4, mask4, is_causal)
   else:
     counts = structured_counts(structured, bias4, mask4, b, n, k.shape[2], t, s, *tiles)
-  return st.row_scale(rs, counts, sv, cd)
+  return st.row_scale(rs, counts + extra_keys if extra_keys else counts, sv, cd)
 
 
 def _ssmax_as_softmax(q, k, v, mask, weighting, scale, block_q, block_k, ssmax_s,
@@ -695,37 +742,39 @@ def _problem(family: str, t: int, s: int, g: int, b: int, kv_heads: int, is_caus
 
 
 def _cfg(weighting, t, s, b, kv_heads, g, is_causal, block_q, block_k, has_mask, has_bias,
-         structured: bool = False, score_mod: bool = False):
+         structured: bool = False, score_mod: bool = False, sinks: bool = False):
   bq, bk, heads_in_chunk = _problem(weighting.stream.family, t, s, g, b, kv_heads, is_causal,
                                     block_q, block_k, structured)
   return tl.TileConfig(w=weighting, t=t, s=s, bq=bq, bk=bk, is_causal=is_causal, has_mask=has_mask,
                        has_bias=has_bias, head_dims=(b, kv_heads, g), kv_heads=kv_heads,
                        heads_in_chunk=heads_in_chunk, structured=structured,
-                       score_mod=score_mod)
+                       score_mod=score_mod, sinks=sinks)
 
 
 def _inputs(q, k, v, bias, mask, scale, weighting, is_causal, block_q, block_k, ssmax_s,
-            structured: Any = None, score_mod: Any = None):
+            structured: Any = None, score_mod: Any = None, sinks: Any = None):
   """Checked, non-empty inputs in the kernel layout (the scale in the compute dtype, then the
   structured mask: ``structured``, with the causal condition already joined, or None, then
-  the score modification or None), and the problem's cfg."""
+  the score modification or None, then the sinks or None), and the problem's cfg."""
   _check_only(q, k, v, mask, weighting, block_q, block_k)
   b, t, n, h = q.shape
   _, s, kv_heads, _ = k.shape
   g = n // kv_heads
   cfg = _cfg(weighting, t, s, b, kv_heads, g, is_causal, block_q, block_k, mask is not None,
-             bias is not None, structured is not None, score_mod is not None)
+             bias is not None, structured is not None, score_mod is not None, sinks is not None)
   tp, sp = cfg.num_q_blocks * cfg.bq, cfg.num_k_blocks * cfg.bk
   rs = weighting.stream
   row_scales = None
   if rs.needs_row_scale:
     c = _ssmax_row_scales(q, k, bias, mask, rs, is_causal, ssmax_s, structured,
-                          (cfg.bq, cfg.bk))
+                          (cfg.bq, cfg.bk), extra_keys=int(sinks is not None))
     row_scales = common.pad_axis(c.reshape(b * kv_heads, g, t), 2, tp)
   q, k, v, bias = nonfinite_inputs(q, k, v, bias)
   q4, k3, v3, bias5, mask5 = tl.kernel_layout(q, k, v, bias, mask, tp, sp)
-  scale = jnp.asarray(scale, compute_dtype(q4.dtype))
-  return (q4, k3, v3, bias5, mask5, row_scales, scale, structured, score_mod), cfg
+  cd = compute_dtype(q4.dtype)
+  sinks = None if sinks is None else jnp.asarray(sinks, cd)
+  return (q4, k3, v3, bias5, mask5, row_scales, jnp.asarray(scale, cd), structured, score_mod,
+          sinks), cfg
 
 
 def blocked_row_attention(q: Array, k: Array, v: Array, *, weighting: RowNormalizer,
@@ -734,7 +783,7 @@ def blocked_row_attention(q: Array, k: Array, v: Array, *, weighting: RowNormali
                           block_q: int | None = None, block_k: int | None = None,
                           ssmax_s: Array | float | None = None,
                           skip_zero_tiles: bool = True, structured_mask: Any = None,
-                          score_mod: Any = None) -> Array:
+                          score_mod: Any = None, sinks: Array | None = None) -> Array:
   """Memory-efficient attention for a whole-row weighting (its ``stream`` family).
 
   Args:
@@ -765,6 +814,9 @@ def blocked_row_attention(q: Array, k: Array, v: Array, *, weighting: RowNormali
     score_mod: a :class:`~attnx.core.score_mods.ScoreMod` (soft cap, ``score_mod`` function
       and its parameters), applied per tile between the score and the weighting in every pass
       (SSMax scales the modified score); its parameters get gradients.
+    sinks: attention sinks [N] (not stick-breaking): a virtual key of score ``sinks[h]`` and
+      zero value in every row of head h, in every pass (SSMax scales its score and counts
+      it, entmax's threshold sees it); gets a gradient.
 
   Returns:
     [B, T, N, Hv] in q's dtype, equal up to float rounding to the dense weights' product with
@@ -779,11 +831,12 @@ def blocked_row_attention(q: Array, k: Array, v: Array, *, weighting: RowNormali
   if structured_mask is not None:  # the tiles of the mask, not the causal ones
     structured_mask = masks.Causal() & structured_mask if is_causal else structured_mask
     is_causal = False
-  if score_mod is None and _runs_as_softmax(weighting, bias is not None, q.dtype, is_causal):
+  if (score_mod is None and sinks is None
+      and _runs_as_softmax(weighting, bias is not None, q.dtype, is_causal)):
     return _ssmax_as_softmax(q, k, v, mask, weighting, scale, block_q, block_k, ssmax_s,
                              structured_mask)
   arrays, cfg = _inputs(q, k, v, bias, mask, scale, weighting, is_causal, block_q, block_k,
-                        ssmax_s, structured_mask, score_mod)
+                        ssmax_s, structured_mask, score_mod, sinks)
   out = _make_kernel(cfg, skip_zero_tiles)(*arrays)
   return out[:, :, :t].reshape(b, n, t, -1).transpose(0, 2, 1, 3)
 
@@ -803,7 +856,7 @@ def threshold_passes(q: Array, k: Array, v: Array, *, weighting: RowNormalizer,
   benchmark's report. 0 for the other families."""
   arrays, cfg = _inputs(q, k, v, bias, mask, scale, weighting, is_causal, block_q, block_k,
                         None)
-  return _forward(*arrays[:-2], cfg, True)[3]
+  return _forward(*arrays[:-3], cfg, True)[3]
 
 
 def zero_tiles(q: Array, k: Array, v: Array, *, weighting: RowNormalizer, scale: float | Array,
@@ -828,7 +881,7 @@ def zero_tiles(q: Array, k: Array, v: Array, *, weighting: RowNormalizer, scale:
     raise ValueError(f"zero_tiles needs queries and keys, got q {q.shape}, k {k.shape}")
   arrays, cfg = _inputs(q, k, v, bias, mask, scale, weighting, is_causal, block_q, block_k,
                         None)
-  zero = _forward(*arrays[:-2], cfg, True)[4]
+  zero = _forward(*arrays[:-3], cfg, True)[4]
   hi = jnp.stack([jnp.asarray(tl.k_range(i, cfg)[1]) for i in range(cfg.num_q_blocks)])
   visited = jnp.arange(cfg.num_k_blocks)[None, :] < hi[:, None]
   visited = jnp.broadcast_to(visited, zero.shape)

@@ -30,7 +30,7 @@ ALIGN = 8  # tiles are multiples of 8 rows (SIMD-friendly)
 __all__ = ["ALIGN", "TileConfig", "add_bias_grad_tile", "bias_mask_layout", "bias_tile",
            "bias_tile_rows", "check_tiling", "chunk_bias", "chunk_bias_window", "chunk_rows",
            "k_range", "kernel_layout", "kind_switch", "mod_alpha", "modded_tile", "prescale",
-           "put_row_block", "q_range",
+           "put_row_block", "q_range", "row_heads",
            "row_block", "slice_along", "structured_tile", "tile_counts", "tile_kinds",
            "tile_positions", "tile_scores", "tile_span", "tile_valid", "valid_tile"]
 
@@ -63,6 +63,9 @@ class TileConfig:
   # A score modification (attnx.core.score_mods: soft cap, score_mod) is applied per tile; the
   # kernels then take its ScoreMod (whose parameters get gradients) as an argument.
   score_mod: bool = False
+  # Attention sinks: a virtual key of score sinks[h] and zero value in every row, folded into
+  # each row's state before its keys; the kernels take sinks [N] (with a gradient).
+  sinks: bool = False
 
   @property
   def num_keys(self) -> int:
@@ -184,6 +187,14 @@ def tile_positions(x0: Array, i: Array, j: Array, cfg: TileConfig) -> tuple[Arra
   b, h = xs // cfg.kv_heads, (xs % cfg.kv_heads) * g + r // cfg.bq
   cols = j * cfg.bk + lax.broadcasted_iota(jnp.int32, (1, 1, cfg.bk), 2)
   return b, h, i * cfg.bq + r % cfg.bq, cols
+
+
+def row_heads(x0: Any, cfg: TileConfig) -> Array:
+  """The query head of each (batch, kv head) row and query head of a chunk whose first row
+  is ``x0``: int32 [X, G] (its [N] parameters, such as sinks, are gathered with it)."""
+  x_rows, g = cfg.head_dims[0] * cfg.head_dims[1], cfg.head_dims[2]
+  xs = x0 + lax.broadcasted_iota(jnp.int32, (x_rows, 1), 0)
+  return (xs % cfg.kv_heads) * g + lax.broadcasted_iota(jnp.int32, (1, g), 1)
 
 
 def structured_tile(smask: Any, x0: Array, i: Array, j: Array, cfg: TileConfig) -> Array:

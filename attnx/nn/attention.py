@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from attnx import core
+from attnx.core import problem as problem_lib
 from attnx.core.parallel import ring as ring_lib
 from attnx.nn import _util
 from attnx.nn import rotary as rotary_lib
@@ -93,6 +94,18 @@ class MultiHeadAttention(nn.Module, kw_only=True):
       steps' kernel there: None (automatic), ``"blocked"`` or ``"pallas"``.
     sequence_layout: how the sequence is cut over ``sequence_axis``: ``"contiguous"`` or
       ``"zigzag"`` (causal load balance; see :func:`attnx.core.zigzag_permute`).
+    sliding_window: a local window, ``jax.nn``'s ``local_window_size``: an int w (query i
+      attends keys i − w … i + w; with ``is_causal`` the w keys before it and itself) or a
+      pair ``(left, right)``; None attends every key. Evaluated per tile by the streaming
+      kernels (:func:`attnx.core.masks.sliding_window`); the KV cache honours it.
+    logits_soft_cap: c > 0: scores become c·tanh(s/c) before F (Gemma 2).
+    sinks: a learned attention sink per head (param ``sinks`` [N], initialized at 0): a
+      virtual key of zero value every query attends (gpt-oss); for the weightings with a sum
+      for it to enter (:func:`attnx.core.attention`'s ``sinks``).
+    alibi: ALiBi (Press et al.): −m_h·(i − j) added to every score (−m_h·abs(i − j) when not
+      causal), m the standard slopes (:func:`attnx.core.alibi_slopes`).
+    learn_alibi: ``alibi`` with the slopes learned (param ``alibi_slopes`` [N], initialized
+      at the standard ones).
     dtype, param_dtype, kernel_init, bias_init: as in flax.
 
   Example:
@@ -131,6 +144,11 @@ class MultiHeadAttention(nn.Module, kw_only=True):
   rotary_base: float = rotary_lib.DEFAULT_BASE
   sequence_axis: str | None = None
   sequence_layout: str = "contiguous"
+  sliding_window: int | tuple[int, int] | None = None
+  logits_soft_cap: float | None = None
+  sinks: bool = False
+  alibi: bool = False
+  learn_alibi: bool = False
   dtype: Any = None
   param_dtype: Any = jnp.float32
   kernel_init: Any = nn.linear.default_kernel_init
@@ -138,6 +156,7 @@ class MultiHeadAttention(nn.Module, kw_only=True):
 
   def __post_init__(self):
     where = type(self).__name__
+    _check_modifications(self, where)
     if self.rotary and not self.rotary_base > 0:
       raise ValueError(f"{where}: rotary_base must be positive, got {self.rotary_base}.")
     _util.validate_attention_config(self.weighting, self.score, self.implementation, where)
@@ -201,7 +220,8 @@ class MultiHeadAttention(nn.Module, kw_only=True):
   def __call__(self, inputs_q: Array, inputs_kv: Array | None = None, *,
                mask: Array | None = None, bias: Array | None = None,
                deterministic: bool = True, decode: bool = False,
-               return_weights: bool = False) -> Array | tuple[Array, Array]:
+               return_weights: bool = False, segment_ids: Any = None,
+               positions: Array | None = None) -> Array | tuple[Array, Array]:
     """Self attention (``inputs_kv=None``) or cross attention.
 
     Args:
@@ -218,6 +238,12 @@ class MultiHeadAttention(nn.Module, kw_only=True):
         it is and their outputs (and weights) are NaN, so an overflow shows up in any
         finiteness check instead of silently overwriting the last position.
       return_weights: also return the weights ``[B..., N, T, S]`` (before dropout; dense path).
+      segment_ids: packed documents, ``[B..., T]`` int (self attention) or a pair
+        ``(q_ids, kv_ids)``: a query attends only keys of its own document (negative ids:
+        padding); :func:`attnx.core.attention`'s ``segment_ids``, never a T×S array.
+      positions: ``[B..., T]`` int positions of the tokens for ``rotary`` (default 0 … T − 1),
+        e.g. restarting at every packed document (grain's packing emits them). RoPE scores
+        depend only on offsets, so within a document they change nothing but the rounding.
 
     Returns:
       ``[B..., T, out_features]``, and the weights if ``return_weights``.
@@ -252,11 +278,16 @@ class MultiHeadAttention(nn.Module, kw_only=True):
       score, score_params, scale = self.score, self._score_params(head_dim), self.scale
     value = dense(features=(kv_heads, head_dim), name="value")(inputs_kv)
     if self.rotary:
-      query, key = self._rotate(query, key, decode)
+      query, key = self._rotate(query, key, decode, positions)
+    elif positions is not None:
+      raise ValueError(f"{where}: positions are read by rotary=True only (ALiBi and the masks "
+                       "use offsets, the same in every document).")
 
     mask = _util.as_bool_mask(mask)
     is_causal = self.is_causal
     in_range = None
+    step_position = (self.get_variable("cache", "cache_index") if self._decoding(decode)
+                     else None)
     if decode:
       key, value, mask, is_causal, in_range = self._update_cache(query, key, value, mask,
                                                                  is_causal)
@@ -267,7 +298,11 @@ class MultiHeadAttention(nn.Module, kw_only=True):
       s = self.param("ssmax_s", nn.initializers.constant(_ssmax_init(self.weighting)),
                      (self.num_heads,), self.param_dtype)
       weighting_params = {"s": s}
+    modifications = self._modifications(step_position)
     if sequence_shards(self.sequence_axis) is not None:
+      if segment_ids is not None:
+        raise ValueError(f"{where}: segment_ids with sequence_axis (ring attention): pass "
+                         "them as a mask of attnx.core.masks to attnx.core.ring_attention.")
       if inputs_kv is not inputs_q or decode or return_weights:
         raise ValueError(f"{where}: with sequence_axis={self.sequence_axis!r} bound (sequence "
                          "sharded over devices) only self attention runs, without decode or "
@@ -287,7 +322,7 @@ class MultiHeadAttention(nn.Module, kw_only=True):
         implementation=self.implementation, dropout_rate=self.dropout_rate,
         dropout_rng=self.make_rng("dropout") if dropout else None,
         deterministic=deterministic, broadcast_dropout=self.broadcast_dropout,
-        return_weights=need_weights)
+        return_weights=need_weights, segment_ids=segment_ids, **modifications)
     x, w = x if need_weights else (x, None)
     if self.sow_weights:
       self.sow("intermediates", "attention_weights", w)
@@ -296,6 +331,35 @@ class MultiHeadAttention(nn.Module, kw_only=True):
       out = jnp.where(in_range, out, jnp.nan)
       w = None if w is None else jnp.where(in_range, w, jnp.nan)
     return (out, w) if return_weights else out
+
+  def _modifications(self, step_position: Array | None) -> dict[str, Any]:
+    """``core.attention``'s keywords for the window, the cap, ALiBi and the sinks (their
+    parameters created here). A cached decoding step (``step_position``: the query's
+    position) masks the window in the cache step instead, and ALiBi counts from there."""
+    kw: dict[str, Any] = {}
+    if self.sliding_window is not None and step_position is None:
+      kw["local_window_size"] = self.sliding_window
+    if self.logits_soft_cap is not None:
+      kw["logits_soft_cap"] = self.logits_soft_cap
+    if self.alibi or self.learn_alibi:
+      slopes = core.alibi_slopes(self.num_heads)
+      if self.learn_alibi:
+        slopes = self.param("alibi_slopes", lambda *_: slopes, (self.num_heads,),
+                            self.param_dtype)
+      symmetric = not self.is_causal
+      if step_position is None:
+        kw["score_mod"] = core.alibi(slopes, symmetric=symmetric)
+      else:  # the one query sits at the cache position, not at 0
+        kw["score_mod"] = core.ScoreMod(fn=_alibi_from(step_position, symmetric),
+                                        params=slopes)
+    if self.sinks:
+      kw["sinks"] = self.param("sinks", nn.initializers.zeros_init(), (self.num_heads,),
+                               self.param_dtype)
+    return kw
+
+  def _decoding(self, decode: bool) -> bool:
+    """Whether this call is a cached decoding step (not the call that sets the cache up)."""
+    return decode and self.has_variable("cache", "cached_key")
 
   def _project_out(self, x: Array, features: int) -> Array:
     return nn.DenseGeneral(features=features, axis=(-2, -1), kernel_init=self.kernel_init,
@@ -329,13 +393,23 @@ class MultiHeadAttention(nn.Module, kw_only=True):
     root = jnp.exp(0.5 * log_tau)[:, None].astype(zq.dtype)
     return zq * root, zk * root
 
-  def _rotate(self, query: Array, key: Array, decode: bool) -> tuple[Array, Array]:
-    """RoPE on queries and keys; positions start at the cache index when decoding."""
+  def _rotate(self, query: Array, key: Array, decode: bool,
+              positions: Array | None = None) -> tuple[Array, Array]:
+    """RoPE on queries and keys; positions start at the cache index when decoding, or are
+    the ``positions`` given ([B..., T], self attention)."""
     start = 0
     if decode and self.has_variable("cache", "cache_index"):
       start = self.get_variable("cache", "cache_index")
     q_pos = start + jnp.arange(query.shape[-3])
     k_pos = start + jnp.arange(key.shape[-3])
+    if positions is not None:
+      positions = jnp.asarray(positions)
+      if (positions.shape != query.shape[:-2] or query.shape[-3] != key.shape[-3]
+          or not jnp.issubdtype(positions.dtype, jnp.integer)):
+        raise ValueError(f"{type(self).__name__}: positions must be int [B..., T] = "
+                         f"{query.shape[:-2]} of self attention, got {positions.shape} "
+                         f"{positions.dtype}.")
+      q_pos = k_pos = positions
     if sequence_shards(self.sequence_axis) is not None:  # global positions here
       q_pos = k_pos = shard_positions(query.shape[-3], self.sequence_axis,
                                       self.sequence_layout)
@@ -371,10 +445,53 @@ class MultiHeadAttention(nn.Module, kw_only=True):
       cache.value = jax.lax.dynamic_update_slice(cache.value, jnp.where(in_range, x, old), idx)
       new.append(cache.value)
     cache_index.value = i + 1
-    # The single query at position i sees cached positions ≤ i (this replaces is_causal).
-    step = jnp.broadcast_to(jnp.arange(max_length) <= i, (*batch, 1, 1, max_length))
+    # The single query at position i sees cached positions ≤ i (this replaces is_causal), and
+    # under a sliding window only the last `left` before it.
+    seen = jnp.arange(max_length) <= i
+    if self.sliding_window is not None:
+      left = (self.sliding_window if isinstance(self.sliding_window, int)
+              else self.sliding_window[0])
+      seen = seen & (jnp.arange(max_length) >= i - left)
+    step = jnp.broadcast_to(seen, (*batch, 1, 1, max_length))
     mask = step if mask is None else jnp.logical_and(mask, step)
     return *new, mask, False, in_range
+
+
+def _alibi_from(offset: Array, symmetric: bool):
+  """ALiBi's score_mod for queries whose positions start at ``offset`` (a decoding step)."""
+  def fn(score, b, h, q_idx, kv_idx, slopes):
+    del b
+    d = (q_idx + offset - kv_idx).astype(score.dtype)
+    return score - slopes[h].astype(score.dtype) * (jnp.abs(d) if symmetric else d)
+  return fn
+
+
+def _check_modifications(module: Any, where: str) -> None:
+  """The window, cap, ALiBi and sinks fields of an attention module, checked when it is made."""
+  w = module.sliding_window
+  if w is not None:
+    pair = (w, w) if isinstance(w, int) else tuple(w) if isinstance(w, tuple | list) else None
+    if (pair is None or len(pair) != 2
+        or any(isinstance(x, bool) or not isinstance(x, int) or x < 0 for x in pair)):
+      raise ValueError(f"{where}: sliding_window must be an int >= 0 or a pair (left, right) "
+                       f"of them, got {w!r}.")
+    object.__setattr__(module, "sliding_window", w if isinstance(w, int) else pair)
+  if module.logits_soft_cap is not None:
+    core.soft_cap(module.logits_soft_cap)  # the ValueError of a cap that is not positive
+  if module.sinks:
+    reason = problem_lib.sinks_reason(core.get_weighting(module.weighting))
+    if reason is not None:
+      raise ValueError(f"{where}: sinks=True: {reason}")
+  if module.alibi and module.learn_alibi:
+    raise ValueError(f"{where}: set alibi=True (fixed slopes) or learn_alibi=True (learned), "
+                     "not both.")
+  used = [name for name in ("sliding_window", "logits_soft_cap") if getattr(module, name)
+          is not None] + [name for name in ("sinks", "alibi", "learn_alibi")
+                          if getattr(module, name)]
+  if used and module.sequence_axis is not None:
+    raise ValueError(f"{where}: {', '.join(used)} with sequence_axis (ring attention): "
+                     "attnx.core.ring_attention takes no score modifications, sinks or "
+                     "windows as module fields yet; use sequence_axis=None.")
 
 
 def sequence_shards(axis_name: str | None) -> int | None:

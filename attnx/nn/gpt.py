@@ -18,6 +18,15 @@ Positions:
   works (``max_len`` is then only the training context, recorded for reference). Needs query
   and key projections: attention types ``"dot"`` and ``"metric"``; ``"linear"`` and
   ``"additive"`` raise.
+* ``"alibi"``: ALiBi (Press et al., "Train Short, Test Long") in every attention layer
+  (``MultiHeadAttention(alibi=True)``: −m_h·(i − j) added to the scores, for every F); any
+  length works. Attention types ``"dot"`` and ``"metric"``.
+* ``"none"``: no position information but the causal mask (the stick-breaking paper's
+  setting: its weights already depend on order).
+
+Packed documents: ``GPT(...)(tokens, segment_ids=ids, positions=pos)`` attends within each
+document only (``segment_ids [B, T]``, negative ids padding) and restarts the positions
+(learned or rotary) at each document; grain's packing emits both.
 
 Generation (:func:`generate`): with attention types ``"dot"`` and ``"metric"``
 (:class:`~attnx.nn.MultiHeadAttention`, every weighting and score and implementation) a KV
@@ -48,6 +57,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax.core import FrozenDict
 
+from attnx import core
+from attnx.core import problem as problem_lib
 from attnx.nn.attention import check_ring_attention, sequence_shards, shard_positions
 from attnx.nn.rotary import DEFAULT_BASE, apply_rotary, rotary_angles
 from attnx.nn.spec import freeze_attention_fields, resolve_attention
@@ -55,7 +66,7 @@ from attnx.nn.transformer import EncoderBlock
 
 Array = jax.Array
 
-POSITIONS = ("learned", "rotary")
+POSITIONS = ("learned", "rotary", "alibi", "none")
 # Attention types with query/key projections (rotary) and a KV cache (decode=True).
 _ROTARY_TYPES = _CACHE_TYPES = ("dot", "metric")
 
@@ -76,8 +87,13 @@ class GPT(nn.Module, kw_only=True):
       ...; see :func:`attnx.nn.attention_spec`). None = softmax.
     tie_embeddings: logits from the transposed token embedding (one shared parameter
       ``embed/embedding``); else a separate ``lm_head`` Dense without bias.
-    positions: ``"learned"`` | ``"rotary"`` (module docstring).
+    positions: ``"learned"`` | ``"rotary"`` | ``"alibi"`` | ``"none"`` (module docstring).
     rotary_base: RoPE frequency base.
+    sliding_window: local attention: an int w (each token attends itself and the w before
+      it), the same for every layer, or a sequence of ``num_layers`` entries, each an int or
+      None (a global layer) — Gemma's local/global layers. Types ``"dot"``/``"metric"``.
+    logits_soft_cap: c > 0: every attention score becomes c·tanh(s/c) (Gemma 2).
+    sinks: a learned attention sink per head in every layer (gpt-oss).
     dropout_rate: dropout on the embeddings and the residual branches.
     attention_dropout_rate: dropout on the attention weights (dense implementation only).
     implementation: the attention implementation (``None``, ``"dense"``, ``"blocked"``,
@@ -113,6 +129,9 @@ class GPT(nn.Module, kw_only=True):
   tie_embeddings: bool = True
   positions: str = "learned"
   rotary_base: float = DEFAULT_BASE
+  sliding_window: int | Sequence[int | None] | None = None
+  logits_soft_cap: float | None = None
+  sinks: bool = False
   dropout_rate: float = 0.0
   attention_dropout_rate: float = 0.0
   implementation: str | None = None
@@ -132,6 +151,23 @@ class GPT(nn.Module, kw_only=True):
                        f"{self.positions!r}.")
     freeze_attention_fields(self, "attention")
     kind = resolve_attention(self.attention)["type"]
+    if isinstance(self.sliding_window, list):  # hashable, as a linen field must be
+      object.__setattr__(self, "sliding_window", tuple(self.sliding_window))
+    windows = self.layer_windows()  # checks the per-layer list
+    uses = ([f"positions={self.positions!r}"] if self.positions == "alibi" else []) + [
+        name for name, on in (("sliding_window", any(w is not None for w in windows)),
+                              ("logits_soft_cap", self.logits_soft_cap is not None),
+                              ("sinks", self.sinks)) if on]
+    if uses and kind not in _ROTARY_TYPES:
+      raise ValueError(f"{where}: {', '.join(uses)} apply to attention types 'dot' and "
+                       f"'metric' (MultiHeadAttention), not to {kind!r} ({self.attention!r}).")
+    if self.sinks:
+      reason = problem_lib.sinks_reason(core.get_weighting(
+          resolve_attention(self.attention).get("weighting", "softmax")))
+      if reason is not None:
+        raise ValueError(f"{where}: sinks=True: {reason}")
+    if self.logits_soft_cap is not None:
+      core.soft_cap(self.logits_soft_cap)  # the ValueError of a cap that is not positive
     if self.positions == "rotary":
       if kind not in _ROTARY_TYPES:
         raise ValueError(f"{where}: positions='rotary' rotates the query and key projections, "
@@ -151,15 +187,37 @@ class GPT(nn.Module, kw_only=True):
     if self.implementation is not None and kind not in _ROTARY_TYPES:
       raise ValueError(f"{where}: implementation={self.implementation!r} applies to attention "
                        f"types 'dot' and 'metric', not to {kind!r} ({self.attention!r}).")
-    # Validates the full block spec (implementation + weighting) at construction.
-    resolve_attention(self.block_attention())
+    # Validates the full block specs (implementation + weighting) at construction.
+    for layer in range(self.num_layers):
+      resolve_attention(self.block_attention(layer))
     super().__post_init__()
 
-  def block_attention(self) -> dict[str, Any]:
-    """The attention spec each block gets: ``attention`` + ``rotary`` + ``implementation``."""
+  def layer_windows(self) -> tuple[int | None, ...]:
+    """The sliding window of each layer (None: global attention)."""
+    w = self.sliding_window
+    windows = (w,) * self.num_layers if w is None or isinstance(w, int) else tuple(w)
+    if len(windows) != self.num_layers or any(
+        x is not None and (isinstance(x, bool) or not isinstance(x, int) or x < 0)
+        for x in windows):
+      raise ValueError(f"{type(self).__name__}: sliding_window must be an int >= 0, None, or "
+                       f"one int-or-None per layer ({self.num_layers}), got {w!r}.")
+    return windows
+
+  def block_attention(self, layer: int = 0) -> dict[str, Any]:
+    """The attention spec block ``layer`` gets: ``attention`` + positions + window, cap,
+    sinks + ``implementation``."""
     spec = resolve_attention(self.attention)
     if self.positions == "rotary":
       spec.update(rotary=True, rotary_base=float(self.rotary_base))
+    if self.positions == "alibi":
+      spec["alibi"] = True
+    window = self.layer_windows()[layer]
+    if window is not None:
+      spec["sliding_window"] = window
+    if self.logits_soft_cap is not None:
+      spec["logits_soft_cap"] = float(self.logits_soft_cap)
+    if self.sinks:
+      spec["sinks"] = True
     if self.implementation is not None:
       spec["implementation"] = self.implementation
     if self.sequence_axis is not None:
@@ -173,7 +231,8 @@ class GPT(nn.Module, kw_only=True):
 
   @nn.compact
   def __call__(self, tokens: Array, *, deterministic: bool = True,
-               decode: bool = False) -> Array:
+               decode: bool = False, segment_ids: Array | None = None,
+               positions: Array | None = None) -> Array:
     """Logits ``[B, T, vocab_size]`` of the next token at every position.
 
     Args:
@@ -182,8 +241,20 @@ class GPT(nn.Module, kw_only=True):
       decode: KV-cache decoding (see :func:`generate`): initialize the ``"cache"`` collection
         with a call on the full-length input, then feed ``[B, 1]`` tokens with
         ``mutable=["cache"]``.
+      segment_ids: ``[B, T]`` int: packed documents, each token attends only the tokens of
+        its own document (negative ids: padding, attending nothing).
+      positions: ``[B, T]`` int positions (restarting per document) for learned and rotary
+        positions; default 0 … T − 1.
     """
     chex.assert_rank(tokens, 2)
+    if (segment_ids is not None or positions is not None) and decode:
+      raise ValueError("GPT: segment_ids and positions are for training and evaluation on "
+                       "packed rows, not for decode=True.")
+    if positions is not None:
+      positions = jnp.asarray(positions)
+      if positions.shape != tokens.shape or not jnp.issubdtype(positions.dtype, jnp.integer):
+        raise ValueError(f"GPT: positions must be int [B, T] = {tokens.shape}, got "
+                         f"{positions.shape} {positions.dtype}.")
     length = tokens.shape[1]
     shards = sequence_shards(self.sequence_axis)
     length_all = length * (shards or 1)
@@ -206,19 +277,23 @@ class GPT(nn.Module, kw_only=True):
                          (self.max_len, self.hidden_dim), self.param_dtype)
       if decode:
         pos = jax.lax.dynamic_slice_in_dim(table, start, length)
+      elif positions is not None:
+        pos = table[positions]
       elif shards is not None:
         pos = table[shard_positions(length, self.sequence_axis, self.sequence_layout)]
       else:
         pos = table[:length]
-      x = x + pos.astype(x.dtype)[None]
+      x = x + (pos.astype(x.dtype) if pos.ndim == 3 else pos.astype(x.dtype)[None])
     x = nn.Dropout(self.dropout_rate)(x, deterministic=deterministic)
-    spec = self.block_attention()
     for i in range(self.num_layers):
       x = EncoderBlock(num_heads=self.num_heads, mlp_dim=self.mlp_dim,
                        dropout_rate=self.dropout_rate,
-                       attention_dropout_rate=self.attention_dropout_rate, attention=spec,
-                       is_causal=True, dtype=self.dtype, param_dtype=self.param_dtype,
-                       name=f"block_{i}")(x, deterministic=deterministic, decode=decode)
+                       attention_dropout_rate=self.attention_dropout_rate,
+                       attention=self.block_attention(i), is_causal=True, dtype=self.dtype,
+                       param_dtype=self.param_dtype, name=f"block_{i}")(
+                           x, deterministic=deterministic, decode=decode,
+                           segment_ids=segment_ids,
+                           positions=positions if self.positions == "rotary" else None)
     x = nn.LayerNorm(dtype=self.dtype, param_dtype=self.param_dtype, name="ln_final")(x)
     if self.tie_embeddings:
       return embed.attend(x)
@@ -394,8 +469,9 @@ def model_kwargs(model: GPT) -> dict[str, Any]:
   """The JSON-able constructor kwargs of ``model`` (dtypes as names)."""
   out = {}
   for name in ("vocab_size", "num_layers", "num_heads", "hidden_dim", "mlp_dim", "max_len",
-               "attention", "tie_embeddings", "positions", "rotary_base", "dropout_rate",
-               "attention_dropout_rate", "implementation", "dtype", "param_dtype"):
+               "attention", "tie_embeddings", "positions", "rotary_base", "sliding_window",
+               "logits_soft_cap", "sinks", "dropout_rate", "attention_dropout_rate",
+               "implementation", "dtype", "param_dtype"):
     value = getattr(model, name)
     if name in ("dtype", "param_dtype") and value is not None:
       value = jnp.dtype(value).name

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from attnx.nn.attention import MultiHeadAttention
 from attnx.nn.spec import freeze_attention_fields, make_attention
 
 Array = jax.Array
@@ -32,15 +33,23 @@ def combine_masks(mask: Array | None, key_mask: Array | None) -> Array | None:
 
 
 def call_attention(attn: nn.Module, x: Array, kv: Array | None, *, mask: Array | None,
-                   key_mask: Array | None, deterministic: bool, decode: bool = False) -> Array:
+                   key_mask: Array | None, deterministic: bool, decode: bool = False,
+                   segment_ids: Any = None, positions: Array | None = None) -> Array:
   """Calls any attention module built by ``make_attention``: one call, one mask convention.
 
   Every ``attnx.nn`` attention module takes ``(inputs_q, inputs_kv, *, mask, deterministic,
   decode)`` with ``mask`` broadcastable to ``[B, N, T, S]``; a module raises for what it cannot
-  do (a general mask in linear attention, ``decode`` without a KV cache).
+  do (a general mask in linear attention, ``decode`` without a KV cache). Packed documents
+  (``segment_ids``) and their ``positions`` go to the modules with query/key projections
+  (:class:`~attnx.nn.MultiHeadAttention` and its metric form); a ValueError for the others.
   """
+  extra = {name: x for name, x in (("segment_ids", segment_ids), ("positions", positions))
+           if x is not None}
+  if extra and not isinstance(attn, MultiHeadAttention):
+    raise ValueError(f"{', '.join(extra)} need an attention of type 'dot' or 'metric' "
+                     f"(MultiHeadAttention), not {type(attn).__name__}.")
   return attn(x, kv, mask=combine_masks(mask, key_mask), deterministic=deterministic,
-              decode=decode)
+              decode=decode, **extra)
 
 
 class MlpBlock(nn.Module, kw_only=True):
@@ -144,7 +153,8 @@ class EncoderBlock(nn.Module, kw_only=True):
 
   @nn.compact
   def __call__(self, x: Array, *, mask: Array | None = None, key_mask: Array | None = None,
-               deterministic: bool = True, decode: bool = False) -> Array:
+               deterministic: bool = True, decode: bool = False, segment_ids: Any = None,
+               positions: Array | None = None) -> Array:
     """Self-attention and MLP over ``x [B, L, D]`` -> ``[B, L, D]``.
 
     Args:
@@ -153,6 +163,10 @@ class EncoderBlock(nn.Module, kw_only=True):
       key_mask: optional ``[B, L]`` key padding mask (True = real token).
       deterministic: disables dropout (the ``"dropout"`` RNG is needed otherwise).
       decode: KV-cache decoding, for attention types that have a cache.
+      segment_ids: ``[B, L]`` packed documents (attention stays within a document; negative
+        ids are padding), for attention types ``"dot"``/``"metric"``.
+      positions: ``[B, L]`` token positions for rotary embeddings (e.g. restarting per
+        document).
     """
     chex.assert_rank(x, 3)
     ln = lambda name: nn.LayerNorm(dtype=self.dtype, param_dtype=self.param_dtype, name=name)
@@ -160,7 +174,8 @@ class EncoderBlock(nn.Module, kw_only=True):
                           dropout_rate=self.attention_dropout_rate, dtype=self.dtype,
                           param_dtype=self.param_dtype, name="attention")
     y = call_attention(attn, ln("ln_attention")(x), None, mask=mask, key_mask=key_mask,
-                       deterministic=deterministic, decode=decode)
+                       deterministic=deterministic, decode=decode, segment_ids=segment_ids,
+                       positions=positions)
     x = x + nn.Dropout(self.dropout_rate)(y, deterministic=deterministic)
     y = MlpBlock(mlp_dim=self.mlp_dim, dropout_rate=self.dropout_rate, dtype=self.dtype,
                  param_dtype=self.param_dtype, name="mlp")(ln("ln_mlp")(x),

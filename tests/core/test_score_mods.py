@@ -329,3 +329,29 @@ def test_sinks_of_the_wrong_shape_or_dtype_are_refused():
       core.attention(q, k, v, sinks=bad)
   with pytest.raises(ValueError, match="attention sinks"):
     core.attention(q, k, v, sinks=jnp.zeros(N), implementation=core.Pallas(interpret=True))
+
+
+@pytest.mark.parametrize("impl", IMPLS, ids=["dense", "blocked"])
+@pytest.mark.parametrize("weighting", ["softmax", "entmax15"])
+def test_a_masked_nan_key_touches_nothing_under_a_cap_alibi_and_sinks(impl, weighting):
+  """The contract (attnx.core.contract): a NaN in a key that every row masks changes no output
+  and no gradient but its own, with a soft cap and ALiBi (whose derivatives are taken at the
+  finite scores) and sinks."""
+  q, k, v = _qkv(10)
+  lengths = jnp.array([S - 3, S], jnp.int32)  # batch 0 masks its last 3 keys
+  bad = k.at[0, S - 1].set(jnp.nan)
+  kw = dict(key_value_seq_lengths=lengths, logits_soft_cap=2.0, is_causal=False,
+            score_mod=core.alibi(core.alibi_slopes(N), symmetric=True), sinks=jnp.ones(N),
+            weighting=weighting, implementation=impl)
+
+  def run(k):
+    return jax.value_and_grad(lambda q, k, v: jnp.sum(core.attention(q, k, v, **kw) ** 2),
+                              argnums=(0, 1, 2))(q, k, v)
+
+  (clean_val, clean), (nan_val, grads) = run(k), run(bad)
+  np.testing.assert_allclose(nan_val, clean_val, rtol=1e-6)
+  np.testing.assert_allclose(grads[0], clean[0], atol=1e-6)  # dq: every row unaffected
+  np.testing.assert_allclose(grads[2], clean[2], atol=1e-6)
+  keep = np.ones(k.shape, bool)
+  keep[0, S - 1] = False  # the NaN key's own gradient
+  np.testing.assert_allclose(np.asarray(grads[1])[keep], np.asarray(clean[1])[keep], atol=1e-6)

@@ -295,7 +295,12 @@ def modded_tile(qi: Array, kj: Array, bias: Array | None, i: Array, j: Array, cf
   zq = _qk(qi, kj, qk_mult)
   bt = bias_tile_rows(bias, i, j, cfg).astype(zq.dtype) if cfg.has_bias else None
   pos, alpha = tile_positions(x0, i, j, cfg), mod_alpha(cfg)
-  return jax.vjp(lambda zq, bt, mod: _modded(zq, bt, mod, pos, alpha), zq, bt, mod)
+  # The VJP is taken where the raw score is finite: a NaN query or key (attnx.core.contract)
+  # makes the tile NaN at its pairs, but the cap's or score_mod's derivative there would put
+  # 0·NaN into the dQ and dK of the rows and keys that mask it. The tile keeps its NaN.
+  zq_lin = jnp.where(jnp.isnan(zq), 0.0, zq)
+  z, vjp = jax.vjp(lambda zq, bt, mod: _modded(zq, bt, mod, pos, alpha), zq_lin, bt, mod)
+  return z + (zq - zq_lin), vjp
 
 
 def _modded(zq: Array, bt: Array | None, mod: Any, pos: tuple[Array, ...], alpha: float) -> Array:

@@ -879,11 +879,7 @@ def _make_structured_kernel(cfg: tl.TileConfig):
     q, k, v, bias, mask, scale, out, stat, smask, mod, sinks = res
     dq, dk, dv, dbias, dscale, *extra = backward(q, k, v, bias, mask, scale, out, stat, do,
                                                  smask=smask, mod=mod, sinks=sinks)
-    dmod = dsinks = None
-    if cfg.score_mod:
-      dmod = jax.tree.map(lambda d, p: d.astype(p.dtype), extra.pop(0), mod)
-    if cfg.sinks:
-      dsinks = extra.pop(0).astype(sinks.dtype)
+    dmod, dsinks = tl.extra_cotangents(cfg, extra, mod, sinks)
     return (*_cotangents(q, k, v, bias, scale, dq, dk, dv, dbias, dscale), None, dmod, dsinks)
 
   kernel.defvjp(fwd, bwd)

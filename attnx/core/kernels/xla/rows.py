@@ -565,11 +565,7 @@ def _make_kernel(cfg: tl.TileConfig, skip: bool):
     dq, dk, dv, dbias, drow_scales, dscale, *extra = backward(
         q, k, v, bias, mask, row_scales, scale, out, stats, support_mean, do, zero,
         smask=smask, mod=mod, sinks=sinks)
-    dmod = dsinks = None
-    if cfg.score_mod:
-      dmod = jax.tree.map(lambda d, p: d.astype(p.dtype), extra.pop(0), mod)
-    if cfg.sinks:
-      dsinks = extra.pop(0).astype(sinks.dtype)
+    dmod, dsinks = tl.extra_cotangents(cfg, extra, mod, sinks)
     return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype),
             None if bias is None else dbias.astype(bias.dtype), None,
             None if row_scales is None else drow_scales, dscale.astype(scale.dtype), None, dmod,

@@ -29,6 +29,7 @@ ALIGN = 8  # tiles are multiples of 8 rows (SIMD-friendly)
 
 __all__ = ["ALIGN", "TileConfig", "add_bias_grad_tile", "bias_mask_layout", "bias_tile",
            "bias_tile_rows", "check_tiling", "chunk_bias", "chunk_bias_window", "chunk_rows",
+           "extra_cotangents",
            "k_range", "kernel_layout", "kind_switch", "mod_alpha", "modded_tile", "prescale",
            "put_row_block", "q_range", "row_heads",
            "row_block", "slice_along", "structured_tile", "tile_counts", "tile_kinds",
@@ -301,6 +302,18 @@ def modded_tile(qi: Array, kj: Array, bias: Array | None, i: Array, j: Array, cf
   zq_lin = jnp.where(jnp.isnan(zq), 0.0, zq)
   z, vjp = jax.vjp(lambda zq, bt, mod: _modded(zq, bt, mod, pos, alpha), zq_lin, bt, mod)
   return z + (zq - zq_lin), vjp
+
+
+def extra_cotangents(cfg: TileConfig, extra: list, mod: Any, sinks: Any) -> tuple[Any, Any]:
+  """(d mod, d sinks) in their inputs' dtypes from the gradients a kernel's backward appends
+  after its own (the modification's when ``cfg.score_mod``, then the sinks' when
+  ``cfg.sinks``); None for either the call does not have."""
+  dmod = dsinks = None
+  if cfg.score_mod:
+    dmod = jax.tree.map(lambda d, p: d.astype(p.dtype), extra.pop(0), mod)
+  if cfg.sinks:
+    dsinks = extra.pop(0).astype(sinks.dtype)
+  return dmod, dsinks
 
 
 def _modded(zq: Array, bt: Array | None, mod: Any, pos: tuple[Array, ...], alpha: float) -> Array:

@@ -9,10 +9,10 @@
 #      T >= 4k; and softmax / stick-breaking under a causal window and packed documents, per
 #      attended pair vs plain causal; BENCHMARK=0 skips it), then tools/gpu_tile_sweep.py (the forward, dQ and dK/dV
 #      tiles timed; SWEEP=0 skips it, SWEEP_BUDGET seconds, default 150);
-#   2. side by side on the GPU: the Pallas tests with compiled kernels, no interpreter
+#   2. then: the Pallas tests with compiled kernels, no interpreter
 #      (tests/core/test_pallas_device.py: every streaming weighting vs a float64 brute force;
 #      tests/core/test_platforms.py), in DEVICE_TEST_WORKERS pytest-xdist workers (default 6),
-#      and a short training run with implementation="pallas" (compare_weightings:quick, digits).
+#      and after them a short training run with implementation="pallas" (compare_weightings:quick, digits).
 # Beside both, on the other cores (pinned, niced): the CPU test suite (JAX_PLATFORMS=cpu) under
 # the machine's own JAX and, if .whl-newest/ holds it, under the newest JAX release, to learn
 # whether a newer JAX than pyproject.toml admits passes it (CPU_SUITE=0 skips them;
@@ -158,13 +158,13 @@ if [ "${SWEEP:-1}" != 0 ]; then
     --weightings="${SWEEP_WEIGHTINGS:-softmax,sigmoid,relu,power,ssmax,sparsemax}" \
     --budget="${SWEEP_BUDGET:-150}"
 fi
-# Phase 2, side by side on the GPU (each process allocating as it goes instead of taking 75 %
-# of its memory up front): the device tests in parallel workers (each compiles its kernels,
-# ≈ 11 s a test), and a short training run with the Pallas kernels (digits, offline).
+# Phase 2 (each process allocating as it goes instead of taking 75 % of its memory up front):
+# the device tests in parallel workers (each compiles its kernels: 11-90 s a test), alone on the
+# GPU's cores, since beside the training run they finished none in 200 s (2026-11-27); then a
+# short training run with the Pallas kernels (digits, offline).
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
 step pallas_tests $pin_gpu "$py" -m pytest -q -p no:cacheprovider -n "${DEVICE_TEST_WORKERS:-6}" \
-  tests/core/test_pallas_device.py tests/core/test_platforms.py &
-pids+=($!)
+  tests/core/test_pallas_device.py tests/core/test_platforms.py || status=1
 step training $pin_gpu "$py" launch.py --config=experiments/compare_weightings.py:quick \
   --config.weightings=softmax,relu,sparsemax,stick_breaking --config.implementation=pallas \
   --workdir="$out/training" || status=1

@@ -17,6 +17,7 @@ Presets (each the default changed by one small function, see PRESET_FNS), then s
   python launch.py --config=experiments/language_model.py:ablations --workdir=runs/lm_ablations
   python launch.py --config=experiments/language_model.py:survey --workdir=runs/lm_all
   python launch.py --config=experiments/language_model.py:tiny --workdir=/tmp/lm_tiny
+  python launch.py --config=experiments/language_model.py:packed --workdir=runs/lm_packed
   python launch.py --config=experiments/language_model.py:sequence_parallel
   python sample.py --workdir=runs/lm --list; python sample.py --workdir=runs/lm --run=softmax
 """
@@ -35,12 +36,14 @@ import ml_collections
 import numpy as np
 
 from attnx import analysis, core, nn, train
+from attnx.data import packing
 from attnx.train import config as train_config
 from attnx.train import evaluators as evaluators_lib
 from attnx.train.experiment import Task, TaskResult, Variant, run_comparison, run_name
+from attnx.train.step import PACKED_KEYS
 from experiments import _common
 
-PRESETS = ("default", "ablations", "survey", "claims", "tiny", "sequence_parallel")
+PRESETS = ("default", "ablations", "survey", "claims", "tiny", "sequence_parallel", "packed")
 WEIGHTINGS = ("softmax", "relu:normalization=length", "sigmoid:normalization=none",
               "softpick", "ssmax_learned", "stick_breaking", "entmax15", "linear_elu")
 SURVEY_EXTRA = ("linear_elu", "linear_favor", "metric")
@@ -58,7 +61,13 @@ def _default() -> ml_collections.ConfigDict:
   c = train.base_config()
   c.update(dict(
       experiment="language_model", seed=0, num_seeds=3, weightings=",".join(WEIGHTINGS),
-      text_file="",  # a UTF-8 file (e.g. nanoGPT's input.txt) instead of Gutenberg Shakespeare
+      # A UTF-8 file (e.g. nanoGPT's input.txt), a directory of them or a comma-separated list
+      # (each file a document) instead of Gutenberg Shakespeare.
+      text_file="",
+      # "first_fit" | "best_fit": train on each work (the text file's part) as a document,
+      # packed into rows by grain with segment ids and positions restarting per document
+      # (attnx.data.packing), instead of windows cut across works ("").
+      packing="",
       # The kernel of the dot/metric models ("": automatic); statistics read the dense one.
       implementation="", num_steps=2000, batch_size=12, eval_every=250, log_every=50,
       checkpoint_every=1000, keep_checkpoints=1,  # sample.py reads the last checkpoint
@@ -117,7 +126,9 @@ def _sequence_parallel(c: ml_collections.ConfigDict) -> None:
 
 PRESET_FNS = {"default": lambda c: None, "ablations": _ablations, "survey": _survey,
               "claims": lambda c: c.update(weightings="softmax,stick_breaking,ssmax_learned"),
-              "tiny": _tiny, "sequence_parallel": _sequence_parallel}
+              "tiny": _tiny, "sequence_parallel": _sequence_parallel,
+              "packed": lambda c: c.update(packing="first_fit", weightings=",".join(
+                  w for w in WEIGHTINGS if w != "linear_elu"))}
 assert tuple(PRESET_FNS) == PRESETS
 
 
@@ -128,7 +139,9 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
 
 def data_kwargs(config: ml_collections.ConfigDict) -> dict[str, Any]:
   """The ``shakespeare`` dataset config of an experiment config (text_file only when set)."""
-  path = os.path.abspath(os.path.expanduser(config.text_file)) if config.text_file else None
+  from attnx.data import shakespeare
+
+  path = shakespeare.absolute_text_file(config.text_file) if config.text_file else None
   return {"seq_len": int(config.model.context), **({"text_file": path} if path else {})}
 
 
@@ -150,7 +163,8 @@ def vocabulary(text_file: str | None = None) -> str:
 
 def task_name(text_file: str | None) -> str:
   """The task (report, figure and checkpoint names): ``<file stem>_char`` for a text file."""
-  stem = os.path.splitext(os.path.basename(text_file or ""))[0]
+  first = (text_file or "").split(",")[0].rstrip(os.sep)
+  stem = os.path.splitext(os.path.basename(first))[0]
   return _common.safe_name(f"{stem}_char") if text_file else TASK
 
 
@@ -177,8 +191,25 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   if config.model.positions not in nn.gpt.POSITIONS:
     raise ValueError(f"config.model.positions={config.model.positions!r} is invalid; valid "
                      f"choices: {', '.join(nn.gpt.POSITIONS)}.")
-  if config.text_file and not os.path.isfile(os.path.expanduser(config.text_file)):
-    raise ValueError(f"config.text_file={config.text_file!r} does not exist.")
+  if config.text_file:
+    from attnx.data import catalog, shakespeare
+
+    try:
+      shakespeare.text_files(data_kwargs(config)["text_file"])
+    except catalog.DatasetNotFoundError as e:
+      raise ValueError(f"config.text_file={config.text_file!r}: {e}") from None
+  try:
+    packing.check_packing(config.packing, allow_none=True)
+  except ValueError as e:
+    raise ValueError(f"config.{e}") from None
+  if config.packing and (unpackable := [w for w in names if not packable(w)]):
+    raise ValueError(f"config.packing={config.packing!r} trains on segment ids, which "
+                     f"{', '.join(unpackable)} cannot take (linear attention has no segment "
+                     "mask in attnx); leave them out of config.weightings.")
+  if config.packing and int(config.sequence_parallel) > 1:
+    raise ValueError("config.packing with config.sequence_parallel > 1: ring attention takes no "
+                     "segment ids in attnx.nn yet; train packed rows on one device per "
+                     "sequence.")
   L, text_file = int(config.model.context), data_kwargs(config).get("text_file")
   evaluators_lib.check_length_options(  # learned positions evaluate 1× only: any text does
       config.context_multipliers, config.length_verdicts, config.length_windows, L,
@@ -199,8 +230,29 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
                      f"{config.model.num_layers}.")
   from attnx import data
 
-  train.check_batch_size(config, "batch_size", data.get_info(
-      "shakespeare", **data_kwargs(config)).splits["train"], f"{L}-character windows")
+  train.check_batch_size(config, "batch_size", len(packed_rows(config)["inputs"])
+                         if config.packing else data.get_info(
+      "shakespeare", **data_kwargs(config)).splits["train"],
+      f"{L}-character {'packed rows' if config.packing else 'windows'}")
+
+
+def packed_rows(config: ml_collections.ConfigDict) -> dict[str, np.ndarray]:
+  """The training split's documents packed into rows of ``model.context`` (config.packing)."""
+  return _packed_rows(data_kwargs(config).get("text_file"), int(config.model.context),
+                      config.packing)
+
+
+@functools.lru_cache(maxsize=4)
+def _packed_rows(text_file: str | None, context: int, method: str) -> dict[str, np.ndarray]:
+  from attnx.data import shakespeare
+
+  docs = shakespeare.documents("train", **({"text_file": text_file} if text_file else {}))
+  return packing.pack_documents(docs, context, method=method)
+
+
+def packable(weighting: str) -> bool:
+  """Whether a weighting's attention takes packed documents (segment ids): dot and metric."""
+  return nn.spec.resolve_attention(nn.attention_spec(weighting))["type"] in ("dot", "metric")
 
 
 def positions_for(spec: Mapping[str, Any], positions: str) -> str:
@@ -238,6 +290,8 @@ def _task(config: ml_collections.ConfigDict, vocab_size: int) -> Task:
   source = (f"the text file {text_file} (contiguous 90/10 split)" if text_file
             else "Gutenberg Shakespeare (attnx.data 'shakespeare', split by work)")
   streams = {} if text_file else {"test": functools.partial(token_stream, "test")}
+  packed = dict(keys=("inputs", "targets", *PACKED_KEYS),
+                train_arrays=functools.partial(packed_rows, config)) if config.packing else {}
   return Task(
       name=task_name(text_file), dataset="shakespeare", data_kwargs=data_kwargs(config),
       build_model=build_model(config, vocab_size), metric="loss", higher_is_better=False,
@@ -254,7 +308,7 @@ def _task(config: ml_collections.ConfigDict, vocab_size: int) -> Task:
                         length_windows=int(config.length_windows),
                         stats_examples=int(config.stats_windows),
                         sink_threshold=float(config.sink_threshold),
-                        small_weight=float(config.small_weight)))
+                        small_weight=float(config.small_weight)), **packed)
 
 
 def save_models(config: ml_collections.ConfigDict, workdir: str, result: TaskResult,
@@ -384,7 +438,12 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
             + (f"a small character-level GPT trained on {corpus}." if corpus else
                "nanoGPT's small character-level Shakespeare model."),
       intro=f"Data: {text_file or 'attnx.data shakespeare (Gutenberg, split by work)'}, "
-            f"vocabulary {len(vocab)} characters, context {m.context}. Model: GPT (Karpathy's "
+            f"vocabulary {len(vocab)} characters, context {m.context}"
+            + (f"; training rows pack each {'document' if text_file else 'work'} apart "
+               f"(grain's {config.packing.replace('_', '-')} packing, segment ids, positions "
+               "restarting per document; a document longer than the context is cut into "
+               "pieces, each its own segment), validation on windows as without packing"
+               if config.packing else "") + ". Model: GPT (Karpathy's "
             f"nanoGPT configuration for CPU) with {m.num_layers} layer(s), {m.num_heads} heads, "
             f"width {m.hidden_dim}, MLP {m.mlp_dim}, tied embeddings, dropout "
             f"{m.dropout_rate:g}, {m.positions} positions{linear}. {config.num_steps} steps of "

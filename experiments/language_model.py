@@ -18,12 +18,14 @@ Presets (each the default changed by one small function, see PRESET_FNS), then s
   python launch.py --config=experiments/language_model.py:survey --workdir=runs/lm_all
   python launch.py --config=experiments/language_model.py:tiny --workdir=/tmp/lm_tiny
   python launch.py --config=experiments/language_model.py:packed --workdir=runs/lm_packed
+  python launch.py --config=experiments/language_model.py:positions --workdir=runs/lm_positions
   python launch.py --config=experiments/language_model.py:sequence_parallel
   python sample.py --workdir=runs/lm --list; python sample.py --workdir=runs/lm --run=softmax
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import os
@@ -43,7 +45,13 @@ from attnx.train.experiment import Task, TaskResult, Variant, run_comparison, ru
 from attnx.train.step import PACKED_KEYS
 from experiments import _common
 
-PRESETS = ("default", "ablations", "survey", "claims", "tiny", "sequence_parallel", "packed")
+PRESETS = ("default", "ablations", "survey", "claims", "tiny", "sequence_parallel", "packed",
+           "positions")
+# The positions study: stick-breaking's claim that it needs no position encoding (Tan et al.
+# 2024) and sigmoid attention's ALiBi configurations (Ramapuram et al. 2024), side by side.
+POSITION_WEIGHTINGS = ("softmax", "sigmoid:normalization=none", "stick_breaking",
+                       "ssmax_learned")
+POSITION_KINDS = ("rotary", "alibi", "none")
 WEIGHTINGS = ("softmax", "relu:normalization=length", "sigmoid:normalization=none",
               "softpick", "ssmax_learned", "stick_breaking", "entmax15", "linear_elu")
 SURVEY_EXTRA = ("linear_elu", "linear_favor", "metric")
@@ -68,6 +76,10 @@ def _default() -> ml_collections.ConfigDict:
       # packed into rows by grain with segment ids and positions restarting per document
       # (attnx.data.packing), instead of windows cut across works ("").
       packing="",
+      # "rotary,alibi,none": the positions study — every weighting trained with each of these
+      # positions (variants "F@positions"; reference softmax with the first); "": every
+      # weighting with model.positions.
+      position_study="",
       # The kernel of the dot/metric models ("": automatic); statistics read the dense one.
       implementation="", num_steps=2000, batch_size=12, eval_every=250, log_every=50,
       checkpoint_every=1000, keep_checkpoints=1,  # sample.py reads the last checkpoint
@@ -128,7 +140,9 @@ PRESET_FNS = {"default": lambda c: None, "ablations": _ablations, "survey": _sur
               "claims": lambda c: c.update(weightings="softmax,stick_breaking,ssmax_learned"),
               "tiny": _tiny, "sequence_parallel": _sequence_parallel,
               "packed": lambda c: c.update(packing="first_fit", weightings=",".join(
-                  w for w in WEIGHTINGS if w != "linear_elu"))}
+                  w for w in WEIGHTINGS if w != "linear_elu")),
+              "positions": lambda c: c.update(weightings=",".join(POSITION_WEIGHTINGS),
+                                              position_study=",".join(POSITION_KINDS))}
 assert tuple(PRESET_FNS) == PRESETS
 
 
@@ -180,17 +194,62 @@ def sample_prompt(config: ml_collections.ConfigDict) -> str:
   return next((line for line in lines[1:] + lines[:1] if line.strip()), text)[:20]
 
 
+@dataclasses.dataclass(frozen=True)
+class Positioned:
+  """A variant of the positions study: an attention spec trained with its own positions."""
+
+  attention: Any
+  positions: str
+
+
+def study_positions(config: ml_collections.ConfigDict) -> list[str]:
+  """The positions the study crosses with the weightings (empty: no study)."""
+  from attnx.train.config import split_list
+
+  return list(split_list(config.position_study)) if config.position_study else []
+
+
+def variant_specs(config: ml_collections.ConfigDict) -> dict[str, Any]:
+  """{variant: spec}: the weightings, or with ``position_study`` every weighting × positions
+  as ``"F@positions"`` (:class:`Positioned`)."""
+  names = _common.variant_list(config.weightings)
+  kinds = study_positions(config)
+  if not kinds:
+    return {w: nn.attention_spec(w) for w in names}
+  return {f"{w}@{p}": Positioned(nn.attention_spec(w), p) for w in names for p in kinds}
+
+
+def reference_name(config: ml_collections.ConfigDict) -> str:
+  """The reference variant: softmax (with the study's first positions)."""
+  kinds = study_positions(config)
+  return f"softmax@{kinds[0]}" if kinds else "softmax"
+
+
+def _attention_of(spec: Any) -> Any:
+  return spec.attention if isinstance(spec, Positioned) else spec
+
+
 def validate_config(config: ml_collections.ConfigDict) -> None:
   """Raises ValueError naming bad keys and the valid choices."""
   names = _common.attention_variants(config, "weightings", reference="softmax")
   if (impl := config.get("implementation", "")) and impl not in core.IMPLEMENTATIONS:
     raise ValueError(f"config.implementation={impl!r}; valid: '' (automatic), "
                      f"{', '.join(core.IMPLEMENTATIONS)}.")
-  for w in names:  # every name builds a GPT (raises a ValueError naming the problem)
-    build_model(config, vocab_size=2)(nn.attention_spec(w))
   if config.model.positions not in nn.gpt.POSITIONS:
     raise ValueError(f"config.model.positions={config.model.positions!r} is invalid; valid "
                      f"choices: {', '.join(nn.gpt.POSITIONS)}.")
+  kinds = study_positions(config)
+  if bad := [p for p in kinds if p not in nn.gpt.POSITIONS]:
+    raise ValueError(f"config.position_study names {', '.join(map(repr, bad))}; valid "
+                     f"positions: {', '.join(nn.gpt.POSITIONS)}.")
+  if len(set(kinds)) != len(kinds):
+    raise ValueError(f"config.position_study={config.position_study!r} names a position twice.")
+  if kinds and (fixed := [w for w in names if positions_for(nn.attention_spec(w), "rotary")
+                          != "rotary"]):
+    raise ValueError(f"config.position_study: {', '.join(fixed)} cannot take other positions "
+                     "than learned ones (linear attention); leave them out of config.weightings.")
+  for spec in variant_specs(config).values():  # every variant builds a GPT (or raises)
+    build_model(config, vocab_size=2)(spec)
   if config.text_file:
     from attnx.data import catalog, shakespeare
 
@@ -211,10 +270,11 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
                      "segment ids in attnx.nn yet; train packed rows on one device per "
                      "sequence.")
   L, text_file = int(config.model.context), data_kwargs(config).get("text_file")
+  extrapolates = any(p != "learned" for p in kinds or [config.model.positions])
   evaluators_lib.check_length_options(  # learned positions evaluate 1× only: any text does
       config.context_multipliers, config.length_verdicts, config.length_windows, L,
-      len(token_stream("validation", text_file)) - 1 if config.model.positions == "rotary"
-      else None, int(config.eval_windows) * L)
+      len(token_stream("validation", text_file)) - 1 if extrapolates else None,
+      int(config.eval_windows) * L)
   sp, layout = int(config.sequence_parallel), config.sequence_layout
   cut = sp * (2 if layout == "zigzag" else 1)
   if sp > 1 and config.model.context % cut:
@@ -267,10 +327,14 @@ def build_model(config: ml_collections.ConfigDict, vocab_size: int):
   sharded = int(config.get("sequence_parallel", 1)) > 1
 
   def build(spec: Any) -> nn.GPT:
+    """``spec``: an attention spec (trained with ``model.positions``) or a
+    :class:`Positioned` one (with its own)."""
+    positions = spec.positions if isinstance(spec, Positioned) else m.positions
+    spec = _attention_of(spec)
     kind = nn.spec.resolve_attention(spec)["type"]
     return nn.GPT(vocab_size=int(vocab_size), num_layers=m.num_layers, num_heads=m.num_heads,
                   hidden_dim=m.hidden_dim, mlp_dim=m.mlp_dim, max_len=m.context,
-                  attention=spec, positions=positions_for(spec, m.positions),
+                  attention=spec, positions=positions_for(spec, positions),
                   tie_embeddings=m.tie_embeddings, dropout_rate=m.dropout_rate,
                   implementation=impl if kind in ("dot", "metric") else None,
                   sequence_axis=train.SEQUENCE_AXIS if sharded else None,
@@ -344,6 +408,14 @@ def _finish(config: ml_collections.ConfigDict, specs: Mapping[str, Any], vocab: 
             prompt: str):
   mults, L = [int(k) for k in config.context_multipliers], int(config.model.context)
   text_file = data_kwargs(config).get("text_file")
+  reference, kinds = reference_name(config), study_positions(config)
+  positions_note = (f"Positions per variant (F@positions: {', '.join(kinds)}; "
+                    "ALiBi and none extrapolate with no table, RoPE rotates further)."
+                    if kinds else f"Positions: {config.model.positions} "
+        + ("(RoPE; nanoGPT uses learned positions, which cannot evaluate beyond L). Linear "
+           "attention has no rotary variant in attnx and keeps learned positions: n/a beyond "
+           "1×." if config.model.positions == "rotary" else
+           "(learned, as nanoGPT): a table of L positions, so only 1× is evaluated."))
 
   def finish(rep: train.Report, results: dict[str, TaskResult]) -> dict[str, Any]:
     result = results[task_name(text_file)]
@@ -359,7 +431,8 @@ def _finish(config: ml_collections.ConfigDict, specs: Mapping[str, Any], vocab: 
                 "differs, so its numbers are not directly comparable; pass "
                 "`--config.text_file=/path/to/input.txt` to train and validate on nanoGPT's "
                 "text and split.") + " Bits per character = nats / ln 2.")
-    rep.table(analysis.loss_rows(result, int(config.batch_size) * L, label="weighting"),
+    rep.table(analysis.loss_rows(result, int(config.batch_size) * L, label="weighting",
+                                 reference=reference),
               caption=f"Final metrics after {config.num_steps} steps, mean ± std over "
                       f"{config.num_seeds} seeds. tokens/s per model = batch × context / seconds "
                       "per step (the seeds train together, vmapped, so the machine processes "
@@ -370,11 +443,7 @@ def _finish(config: ml_collections.ConfigDict, specs: Mapping[str, Any], vocab: 
         rep, fits, build, token_stream("validation", text_file), context=L, multipliers=mults,
         judged=config.length_verdicts, margin=config.margin, num_seeds=config.num_seeds,
         length_windows=config.length_windows, limit_tokens=int(config.eval_windows) * L,
-        label="weighting", unit="characters", note=f"Positions: {config.model.positions} "
-        + ("(RoPE; nanoGPT uses learned positions, which cannot evaluate beyond L). Linear "
-           "attention has no rotary variant in attnx and keeps learned positions: n/a beyond "
-           "1×." if config.model.positions == "rotary" else
-           "(learned, as nanoGPT): a table of L positions, so only 1× is evaluated."))
+        label="weighting", unit="characters", note=positions_note, reference=reference)
 
     attention = analysis.report_attention(
         rep, fits, build, result.arrays["eval"]["inputs"],
@@ -395,8 +464,8 @@ def _finish(config: ml_collections.ConfigDict, specs: Mapping[str, Any], vocab: 
     for name, text in texts.items():
       rep.text(f"**{name}**\n\n```text\n{text}\n```")
 
-    rep.section("Verdicts: each F vs softmax on validation loss")
-    train.experiment.report_verdicts(rep, result, config.num_seeds, "softmax", "weighting",
+    rep.section(f"Verdicts: each variant vs {reference} on validation loss")
+    train.experiment.report_verdicts(rep, result, config.num_seeds, reference, "weighting",
                                      "validation loss (nats; lower is better)")
 
     metric = lambda key: {w: np.asarray(r.final_metrics[key]).tolist() for w, r in fits.items()
@@ -423,20 +492,27 @@ def _finish(config: ml_collections.ConfigDict, specs: Mapping[str, Any], vocab: 
 def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   """Trains every weighting, writes the report and the sample.py files, returns the numbers."""
   validate_config(config)
-  names = _common.variant_list(config.weightings)
-  specs = {w: nn.attention_spec(w) for w in names}
+  specs = variant_specs(config)
+  names, kinds, reference = list(specs), study_positions(config), reference_name(config)
   text_file = data_kwargs(config).get("text_file")
   vocab, corpus = vocabulary(text_file), os.path.basename(text_file or "")
   m, opt = config.model, config.optimizer
-  linear = ", ".join(w for w in names if positions_for(specs[w], m.positions) != m.positions)
+  linear = ", ".join(w for w in names
+                     if positions_for(_attention_of(specs[w]), m.positions) != m.positions)
   linear = f" (learned for {linear}: no rotary linear attention in attnx)" if linear else ""
+  where = (f"a small character-level GPT trained on {corpus}." if corpus else
+           "nanoGPT's small character-level Shakespeare model.")
+  positions = (f"positions per variant ({', '.join(kinds)})" if kinds
+               else f"{m.positions} positions{linear}")
   return run_comparison(
-      config, workdir, title="Character-level language model per weighting ("
+      config, workdir, title="Character-level language model per weighting"
+                             + (" and positions" if kinds else "") + " ("
                              + (corpus or "nanoGPT shakespeare_char") + ")",
-      claim=f"Each alternative weighting F reaches softmax's validation loss (not worse by the "
-            f"shared rule, margin {config.margin:g} nats) when it replaces softmax in "
-            + (f"a small character-level GPT trained on {corpus}." if corpus else
-               "nanoGPT's small character-level Shakespeare model."),
+      claim=(f"Each weighting F with each position encoding ({', '.join(kinds)}) reaches the "
+             f"validation loss of {reference} (not worse by the shared rule, margin "
+             f"{config.margin:g} nats) in " + where if kinds else
+             f"Each alternative weighting F reaches softmax's validation loss (not worse by the "
+             f"shared rule, margin {config.margin:g} nats) when it replaces softmax in " + where),
       intro=f"Data: {text_file or 'attnx.data shakespeare (Gutenberg, split by work)'}, "
             f"vocabulary {len(vocab)} characters, context {m.context}"
             + (f"; training rows pack each {'document' if text_file else 'work'} apart "
@@ -446,7 +522,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
                if config.packing else "") + ". Model: GPT (Karpathy's "
             f"nanoGPT configuration for CPU) with {m.num_layers} layer(s), {m.num_heads} heads, "
             f"width {m.hidden_dim}, MLP {m.mlp_dim}, tied embeddings, dropout "
-            f"{m.dropout_rate:g}, {m.positions} positions{linear}. {config.num_steps} steps of "
+            f"{m.dropout_rate:g}, {positions}. {config.num_steps} steps of "
             f"batch {config.batch_size}, AdamW lr "
             f"{opt.learning_rate:g} (warmup {opt.warmup_steps}, cosine to "
             f"{opt.learning_rate * opt.end_learning_rate_ratio:g}), β₂ {opt.b2:g}, weight "
@@ -456,5 +532,5 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
             "final metrics on every validation window. The deviations from nanoGPT: "
             "docs/results/language_model.md.",
       tasks=[_task(config, len(vocab))], variants=[Variant(w, specs[w]) for w in names],
-      reference="softmax", label="weighting",
+      reference=reference, label="weighting",
       finish=_finish(config, specs, vocab, sample_prompt(config)))

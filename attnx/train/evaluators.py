@@ -497,7 +497,8 @@ def _loss_by_length(model: Any, arrays: Mapping[str, np.ndarray], task: Any) -> 
   """Validation ``loss`` and ``accuracy`` [seeds] on every training-length window of the
   stream, and the length generalization on the first ``length_windows`` of them (their text
   cut into windows of k × the training context): ``loss_by_context`` [seeds, K] for k in
-  ``context_multipliers`` (NaN where learned positions cannot reach k·L) and
+  ``context_multipliers`` (NaN where learned positions cannot reach k·L; rotary, ALiBi and no
+  positions run at every k) and
   ``loss_by_position`` [seeds, k_max·L] at the largest k that runs; ``eval_seconds_by_context``
   [seeds, K]: the wall time of each length's pass (compile included; the 1× pass reads the
   whole stream, up to ``limit_tokens``), the same in every seed's row.
@@ -515,8 +516,10 @@ def _loss_by_length(model: Any, arrays: Mapping[str, np.ndarray], task: Any) -> 
   full = context_windows(stream, context, (1,), opts.get("limit_tokens"))[1]
   wins = context_windows(stream, context, mults, shared_tokens(
       opts.get("length_windows"), context, opts.get("limit_tokens")))
-  rotary, max_len = getattr(model, "positions", None) == "rotary", getattr(model, "max_len", None)
-  runs = [k for k in mults if rotary or max_len is None or k * context <= max_len]
+  # A table of max_len learned positions stops there; rotary, ALiBi and no positions do not.
+  table = getattr(model, "positions", "learned") == "learned"
+  max_len = getattr(model, "max_len", None)
+  runs = [k for k in mults if not table or max_len is None or k * context <= max_len]
 
   def eval_fn(params_stacked, extra_variables=None) -> dict[str, np.ndarray]:
     passes, seconds = {}, {}

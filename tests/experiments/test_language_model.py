@@ -502,3 +502,36 @@ def test_a_corpus_directory_trains_packed_each_file_a_document(tmp_path, monkeyp
   c.packing = "best_fit"
   with pytest.raises(ValueError, match="config.packing with config.sequence_parallel > 1"):
     exp.validate_config(c)
+
+
+def test_the_positions_study_crosses_weightings_with_positions(tmp_path, monkeypatch):
+  monkeypatch.setenv("ATTNX_DATA_DIR", str(tmp_path / "data"))
+  c = exp.get_config("positions")
+  specs = exp.variant_specs(c)
+  assert list(specs) == [f"{w}@{p}" for w in exp.POSITION_WEIGHTINGS for p in exp.POSITION_KINDS]
+  assert exp.reference_name(c) == "softmax@rotary" and c.num_seeds == 3
+  for name, spec in specs.items():  # each variant's GPT has its own positions
+    assert exp.build_model(c, 5)(spec).positions == name.split("@")[1]
+  # The study end to end at the tiny size: 2 weightings x 2 positions, judged vs softmax@rotary.
+  t = exp.get_config("tiny")
+  t.update(dict(weightings="softmax,stick_breaking", position_study="rotary,none", num_seeds=1,
+                num_steps=4, eval_every=4, checkpoint_every=4, context_multipliers=(1, 2),
+                length_verdicts=(2,), progress=False))
+  t.sample.num_tokens = 4
+  fin = exp.run(t, str(tmp_path / "wd"))["finish"]
+  variants = {"softmax@rotary", "softmax@none", "stick_breaking@rotary", "stick_breaking@none"}
+  assert set(fin["val_loss"]) == variants and set(fin["outcomes"]) == variants - {
+      "softmax@rotary"}
+  assert set(fin["length_outcomes"][2]) == variants - {"softmax@rotary"}
+  report = open(os.path.join(str(tmp_path / "wd"), "report.md")).read()
+  assert "Verdicts: each variant vs softmax@rotary on validation loss" in report
+  assert "Positions per variant (F@positions: rotary, none" in report
+  # Bad studies are named.
+  for study, match in (("rotary,rope", "position_study names 'rope'"),
+                       ("none,none", "names a position twice")):
+    t.position_study = study
+    with pytest.raises(ValueError, match=match):
+      exp.validate_config(t)
+  t.update(position_study="alibi", weightings="softmax,linear_elu")
+  with pytest.raises(ValueError, match="linear_elu cannot take other positions"):
+    exp.validate_config(t)

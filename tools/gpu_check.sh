@@ -7,7 +7,8 @@
 #   1. the GPU alone: the Pallas benchmark's quick preset at one shape (TFLOP/s per F vs cuDNN
 #      softmax and JAX's Pallas flash; target: every pointwise F >= 60 % of cuDNN softmax at
 #      T >= 4k; and softmax / stick-breaking under a causal window and packed documents, per
-#      attended pair vs plain causal; BENCHMARK=0 skips it), then tools/gpu_tile_sweep.py (the forward, dQ and dK/dV
+#      attended pair vs plain causal; and those masked rows again at T = 16 384, the Masks
+#      guide's 1.3x rule; BENCHMARK=0 skips both), then tools/gpu_tile_sweep.py (the forward, dQ and dK/dV
 #      tiles timed; SWEEP=0 skips it, SWEEP_BUDGET seconds, default 150);
 #   2. then: the Pallas tests with compiled kernels, no interpreter
 #      (tests/core/test_pallas_device.py: every streaming weighting vs a float64 brute force;
@@ -153,6 +154,11 @@ if [ "${BENCHMARK:-1}" != 0 ]; then
     --config.shapes=4x4096x16x128 --config.weightings=softmax,relu,sigmoid,power \
     --workdir="$out/pallas_benchmark"
 fi
+if [ "${BENCHMARK:-1}" != 0 ]; then  # the Masks guide's 1.3x rule at its own T = 16 384
+  step mask_benchmark $pin_gpu "$py" launch.py --config=experiments/pallas_benchmark.py:quick \
+    --config.shapes=1x16384x16x128 --config.weightings=softmax --config.row_weightings= \
+    --config.baselines=cudnn --config.modes=fwd+bwd --workdir="$out/mask_benchmark"
+fi
 if [ "${SWEEP:-1}" != 0 ]; then
   step tile_sweep $pin_gpu "$py" tools/gpu_tile_sweep.py --out="$out/tile_sweep" \
     --weightings="${SWEEP_WEIGHTINGS:-softmax,sigmoid,relu,power,ssmax,sparsemax}" \
@@ -173,6 +179,13 @@ for pid in "${pids[@]}"; do wait "$pid" || status=1; done
 if [ -f "$out/pallas_benchmark/report.md" ]; then
   { echo; echo "## Pallas benchmark (quick)"; echo;
     sed -n '/^## Targets/,/^## Results/p' "$out/pallas_benchmark/report.md" | sed '$d'; } \
+    >> "$summary"
+fi
+if [ -f "$out/mask_benchmark/report.md" ]; then
+  { echo; echo "## Masked rows at T = 16 384 (fwd+bwd)"; echo;
+    grep -E '^\| shape \| impl' "$out/mask_benchmark/report.md" | head -1
+    echo "|---|---|---|---|---|---|---|---|---|---|---|---|"
+    grep -E '^\| 1x16384.*\| (causal|window|documents) \|' "$out/mask_benchmark/report.md"; } \
     >> "$summary"
 fi
 if [ -f "$out/tile_sweep/tile_sweep.md" ]; then

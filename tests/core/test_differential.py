@@ -288,6 +288,30 @@ BRANCH_CASES = (
       sinks=True, score_mod="fn", block_q=16, block_k=16, **_NO_PALLAS),
     C(seed=120, t=600, s=600, b=3, n=4, kh=2, weighting="sigmoid", sinks=True,
       structured="combo", **_NO_PALLAS),
+    # A soft cap and sinks in the pointwise Pallas kernels (kernels/pallas/common.py: the cap
+    # in tile_scores, 1 − tanh² in the dQ and dK/dV kernels; the sink in each row's starting
+    # state, d sinks from the row statistic outside the kernels), Triton and Mosaic where
+    # the tiles fit both ((16|32, 128); T and S not multiples of them), Triton alone with
+    # (16|32, 16|32) tiles: the online max with GQA, causal and T ≠ S; sigmoid's sum with
+    # rows whose keys are all padding (the sink their only weight, O = 0); cap and sinks
+    # under a structured window's skipped tiles; relu's sum with the bias after the cap (its
+    # gradient is dS, without the cap's derivative); bf16 with a denominator offset; rows
+    # past the query length; α ≠ 1 with rows a dense mask empties.
+    C(seed=121, t=100, s=150, b=2, n=4, kh=2, causal=True, score_mod="cap", magnitude=2.0,
+      block_q=16, block_k=128),
+    C(seed=122, t=90, s=140, b=2, n=2, weighting="sigmoid", sinks=True, mask="padding",
+      block_q=32, block_k=128),
+    C(seed=123, t=130, s=120, n=2, score_mod="cap", sinks=True, structured="window",
+      causal=True, block_q=16, block_k=16),
+    C(seed=124, t=70, s=100, b=2, n=2, weighting="relu", score_mod="cap", bias="xxxx",
+      mask="random", magnitude=2.0, block_q=16, block_k=128),
+    C(seed=125, t=120, s=120, b=2, n=4, kh=2, dtype="bfloat16", weighting="softmax_plus_one",
+      score_mod="cap", sinks=True, causal=True, bias="1x1x", magnitude=2.0, block_q=16,
+      block_k=128),
+    C(seed=126, t=100, s=90, b=3, n=2, weighting="sigmoid", score_mod="cap", sinks=True,
+      structured="lengths", magnitude=2.0, block_q=16, block_k=128),
+    C(seed=127, t=50, s=70, n=2, weighting="softmax:alpha=2", score_mod="cap", sinks=True,
+      mask="rows", bias="11xx", block_q=32, block_k=32),
 )
 CI_RANDOM = 4
 INSTANCES = 5  # random inputs per configuration in the large run (compiling dominates a case)

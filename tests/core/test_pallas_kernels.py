@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import pytest
 from support import lowering
 
+from attnx import core
 from attnx.core import weightings as wlib
 from attnx.core.kernels import pallas as pa
 from attnx.core.kernels.pallas import common, triton, wrapper
@@ -168,3 +169,26 @@ def test_the_tile_rules_are_the_lowerings_rules():
     _raw_forward("tpu", 8, 64)
   with pytest.raises(Exception, match="divisible by 8 and 128"):
     _raw_forward("tpu", 12, 128, t=96)
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+@pytest.mark.parametrize("weighting", ["softmax", "sigmoid"])
+def test_a_soft_cap_and_sinks_lower_fwd_and_bwd(weighting, platform):
+  """core.attention with logits_soft_cap and sinks through core.Pallas lowers for each chip:
+  the cap's tanh in the forward, dQ and dK/dV kernels, the sinks as a forward operand (a
+  [1] block per program on the GPU, a lane-replicated (1, 128) block on the TPU), GQA, a
+  ragged T, causal, a differentiated bias; the sinks' gradient is XLA outside the kernels."""
+  _, target = PLATFORMS[platform]
+  sds = jax.ShapeDtypeStruct
+  args = (sds((2, 200, 4, 64), jnp.bfloat16), sds((2, 256, 2, 64), jnp.bfloat16),
+          sds((2, 256, 2, 64), jnp.bfloat16), sds((1, 4, 200, 256), jnp.float32),
+          sds((4,), jnp.float32))
+
+  def loss(q, k, v, bias, sinks):
+    out = core.attention(q, k, v, bias, weighting=weighting, is_causal=True,
+                         logits_soft_cap=30.0, sinks=sinks, implementation=core.Pallas())
+    return jnp.sum(jnp.square(out.astype(jnp.float32)))
+
+  grad = jax.grad(loss, argnums=(0, 1, 2, 3, 4))
+  text = jax.jit(grad).trace(*args).lower(lowering_platforms=(platform,)).as_text()
+  lowering.custom_calls(text, target, lowering.expected_kernels(platform, "bfloat16", 64, 64))

@@ -3,6 +3,7 @@ parameters, ALiBi and relative tables — against jax.nn.dot_product_attention w
 equivalent dense bias, closed forms, and the errors of bad input. The float64 brute force of
 every F × implementation is the differential net's (tests/support/reference.score_mod64)."""
 
+import dataclasses
 import math
 
 import jax
@@ -12,9 +13,14 @@ import pytest
 
 from attnx import core
 from attnx.core import masks
+from attnx.core.kernels import pallas as pallas_lib
 
 B, T, S, N, K, H = 2, 40, 52, 4, 2, 8
 IMPLS = ["dense", core.Blocked(block_q=16, block_k=16)]
+# The Pallas kernels run a soft cap alone and sinks, for a pointwise F (Triton's kernels in
+# the interpreter here; both lowerings in the differential net's cases 121-127).
+PALLAS = core.Pallas(block_q=16, block_k=16, interpret=True)
+WITH_PALLAS = [*IMPLS, PALLAS]
 
 
 def _qkv(seed=0, t=T, s=S, dtype=jnp.float32):
@@ -64,7 +70,7 @@ def test_alibi_equals_jax_nn_with_the_alibi_bias(impl, causal):
     np.testing.assert_allclose(g, w, atol=5e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("impl", IMPLS, ids=["dense", "blocked"])
+@pytest.mark.parametrize("impl", WITH_PALLAS, ids=["dense", "blocked", "pallas"])
 def test_soft_cap_is_c_tanh_of_the_raw_score_before_the_bias(impl):
   """logits_soft_cap=c: softmax(c·tanh(s/c) + bias) in float64 numpy, values; gradients of
   the bias equal jax.nn's with the capped scores as its bias."""
@@ -93,6 +99,14 @@ def test_soft_cap_is_c_tanh_of_the_raw_score_before_the_bias(impl):
                    ** 2)
 
   np.testing.assert_allclose(jax.grad(ours)(bias), jax.grad(theirs)(bias), atol=2e-5)
+  # dq and dk through the cap's derivative 1 − tanh², against JAX's derivative of the formula.
+  loss_qk = lambda f: lambda q, k: jnp.sum(f(q, k) ** 2)
+  got = jax.grad(loss_qk(lambda q, k: core.attention(q, k, v, bias, logits_soft_cap=c,
+                                                     implementation=impl)), (0, 1))(q, k)
+  want = jax.grad(loss_qk(lambda q, k: core.attention(q, k, v, bias, logits_soft_cap=c,
+                                                      implementation="dense")), (0, 1))(q, k)
+  for g, w in zip(got, want, strict=True):
+    np.testing.assert_allclose(g, w, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("impl", IMPLS, ids=["dense", "blocked"])
@@ -212,13 +226,31 @@ def test_bad_score_mod_arguments_are_refused():
     core.relative_table(jnp.ones((N, 4)))
 
 
-def test_pallas_refuses_score_mods_and_the_automatic_choice_runs_blocked():
+def test_pallas_refuses_score_mod_functions_and_row_families_and_the_choice_runs_blocked():
+  """Pallas runs a cap alone with a pointwise F; a score_mod function (ALiBi, a table, a
+  user's) or a whole-row family is refused with the reason, and the automatic choice runs
+  the blocked kernel (on a CPU it never takes Pallas; explain says why for each)."""
   q, k, v = _qkv(t=512, s=512)
-  with pytest.raises(ValueError, match="score modifications"):
-    core.attention(q, k, v, logits_soft_cap=5.0, implementation=core.Pallas(interpret=True))
+  alibi = core.alibi(core.alibi_slopes(N))
+  with pytest.raises(ValueError, match="not a score_mod function"):
+    core.attention(q, k, v, score_mod=alibi, implementation=core.Pallas(interpret=True))
+  with pytest.raises(ValueError, match="not a score_mod function"):
+    core.attention(q, k, v, logits_soft_cap=5.0, score_mod=lambda s, *_: s,
+                   implementation=core.Pallas(interpret=True))
+  with pytest.raises(ValueError, match="a logits_soft_cap with a pointwise weighting only"):
+    core.attention(q, k, v, weighting="entmax15", logits_soft_cap=5.0,
+                   implementation=core.Pallas(interpret=True))
+  ex = core.explain(q, k, v, score_mod=alibi)
+  assert ex.chosen == "blocked" and "not a score_mod function" in ex.reasons["pallas"]
+  assert ex.problem.has_score_mod and ex.problem.has_score_mod_fn
   ex = core.explain(q, k, v, logits_soft_cap=5.0)
-  assert ex.chosen == "blocked" and "score modifications" in ex.reasons["pallas"]
-  assert ex.problem.has_score_mod
+  assert ex.chosen == "blocked" and ex.problem.has_score_mod
+  assert not ex.problem.has_score_mod_fn
+  assert ex.reasons["pallas"] is None and "GPU or TPU" in ex.declined["pallas"]
+  # On a GPU the automatic choice passes over it too: its one-time self-check of a
+  # combination compares kernels without a cap or sinks.
+  on_gpu = dataclasses.replace(ex.problem, platform="gpu")
+  assert "covers no logits_soft_cap" in core.Pallas().declines(on_gpu)
 
 
 def test_attention_weights_take_the_same_modification():
@@ -237,7 +269,7 @@ def test_attention_weights_take_the_same_modification():
 # Attention sinks.
 # --------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("impl", IMPLS, ids=["dense", "blocked"])
+@pytest.mark.parametrize("impl", WITH_PALLAS, ids=["dense", "blocked", "pallas"])
 def test_sinks_are_gpt_oss_extra_logit(impl):
   """softmax with sinks: softmax over [scores, sinks[h]] with the sink's column dropped (the
   gpt-oss reference), values in float64 numpy, gradients (the sinks' too) against the
@@ -268,8 +300,14 @@ def test_sinks_are_gpt_oss_extra_logit(impl):
   assert float(weights.sum(-1).max()) < 1.0
 
 
-@pytest.mark.parametrize("impl", IMPLS, ids=["dense", "blocked"])
-@pytest.mark.parametrize("weighting", ["sigmoid", "ssmax", "softpick", "entmax15"])
+@pytest.mark.parametrize("impl, weighting", [
+    *[pytest.param(impl, w, id=f"{name}-{w}")
+      for impl, name in zip(IMPLS, ("dense", "blocked"), strict=True)
+      for w in ("sigmoid", "ssmax", "softpick", "entmax15")],
+    # The Pallas kernels' sinks: a pointwise F's sum (sigmoid, relu) and online max with a
+    # denominator offset (softmax_plus_one: the offset's key and the sink both start the row).
+    *[pytest.param(PALLAS, w, id=f"pallas-{w}") for w in ("sigmoid", "relu",
+                                                           "softmax_plus_one")]])
 def test_a_sink_is_one_more_key_of_zero_value(impl, weighting):
   """For every family that takes them, sinks equal the same attention (dense) with one more
   key of zero vector and zero value whose bias column holds sinks[h] — SSMax counts it,
@@ -302,7 +340,7 @@ def test_a_row_without_keys_and_a_sink_stays_zero():
   q, k, v = _qkv(9)
   lengths = jnp.array([0, S], jnp.int32)
   sinks = jnp.ones(N)
-  for impl in IMPLS:
+  for impl in WITH_PALLAS:
     fn = lambda q, sinks, impl=impl: core.attention(
         q, k, v, key_value_seq_lengths=lengths, sinks=sinks, implementation=impl)
     out = fn(q, sinks)
@@ -327,8 +365,9 @@ def test_sinks_of_the_wrong_shape_or_dtype_are_refused():
   for bad in (jnp.zeros(N + 1), jnp.zeros((1, N)), jnp.zeros(N, jnp.int32), 0.5):
     with pytest.raises(ValueError, match=r"sinks must be a float array \[N\]"):
       core.attention(q, k, v, sinks=bad)
-  with pytest.raises(ValueError, match="attention sinks"):
-    core.attention(q, k, v, sinks=jnp.zeros(N), implementation=core.Pallas(interpret=True))
+  with pytest.raises(ValueError, match="attention sinks with a pointwise weighting only"):
+    core.attention(q, k, v, weighting="ssmax", sinks=jnp.zeros(N),
+                   implementation=core.Pallas(interpret=True))
 
 
 @pytest.mark.parametrize("impl", IMPLS, ids=["dense", "blocked"])
@@ -352,6 +391,35 @@ def test_a_masked_nan_key_touches_nothing_under_a_cap_alibi_and_sinks(impl, weig
   np.testing.assert_allclose(nan_val, clean_val, rtol=1e-6)
   np.testing.assert_allclose(grads[0], clean[0], atol=1e-6)  # dq: every row unaffected
   np.testing.assert_allclose(grads[2], clean[2], atol=1e-6)
+  keep = np.ones(k.shape, bool)
+  keep[0, S - 1] = False  # the NaN key's own gradient
+  np.testing.assert_allclose(np.asarray(grads[1])[keep], np.asarray(clean[1])[keep], atol=1e-6)
+
+
+@pytest.mark.parametrize("weighting", ["softmax", "sigmoid"])
+@pytest.mark.parametrize("backend", ["gpu", "tpu"])
+def test_pallas_a_masked_nan_key_touches_nothing_under_a_cap_and_sinks(backend, weighting):
+  """The NaN contract in the Pallas kernels (Triton and Mosaic, interpreted): a NaN key that
+  every row masks changes no output and no gradient but its own under a soft cap and sinks —
+  the cap's derivative 1 − tanh² is taken at the finite raw scores, as in the blocked kernel,
+  so the masked pair's zero cotangent does not become 0·NaN in dQ."""
+  q, k, v = _qkv(10)
+  bad = k.at[0, S - 1].set(jnp.nan)
+  lengths = jnp.array([S - 3, S], jnp.int32)  # batch 0 masks its last 3 keys
+  w = core.get_weighting(weighting)
+
+  def run(k):
+    def loss(q, k, v, sinks):
+      return jnp.sum(pallas_lib.pallas_attention(
+          q, k, v, weighting=w, scale=1 / math.sqrt(H), kv_lengths=lengths, block_q=16,
+          block_k=128, backend=backend, interpret=True, score_mod=core.soft_cap(2.0),
+          sinks=sinks) ** 2)
+    return jax.value_and_grad(loss, argnums=(0, 1, 2, 3))(q, k, v, jnp.ones(N))
+
+  (clean_val, clean), (nan_val, grads) = run(k), run(bad)
+  np.testing.assert_allclose(nan_val, clean_val, rtol=1e-6)
+  for i in (0, 2, 3):  # dq, dv, d sinks
+    np.testing.assert_allclose(grads[i], clean[i], atol=1e-6)
   keep = np.ones(k.shape, bool)
   keep[0, S - 1] = False  # the NaN key's own gradient
   np.testing.assert_allclose(np.asarray(grads[1])[keep], np.asarray(clean[1])[keep], atol=1e-6)

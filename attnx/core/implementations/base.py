@@ -55,6 +55,9 @@ class Problem:
       length/window keywords, ``segment_ids``) is given.
     has_score_mod: whether a score modification (:mod:`attnx.core.score_mods`:
       ``logits_soft_cap``, ``score_mod``) is given.
+    has_score_mod_fn: whether that modification has a function (``score_mod``: ALiBi, a
+      relative table, a user's fn), not only a soft cap: kernels that apply a cap alone
+      (Pallas) tell them apart.
     has_sinks: whether attention sinks (``sinks``, one learned score per head) are given.
     dropout_rate: the dropout rate on the weights when dropout applies, else 0.0.
     broadcast_dropout: one dropout mask shared by the batch and head dims.
@@ -83,6 +86,7 @@ class Problem:
   has_bias: bool = False
   has_structured_mask: bool = False
   has_score_mod: bool = False
+  has_score_mod_fn: bool = False
   has_sinks: bool = False
   dropout_rate: float = 0.0
   broadcast_dropout: bool = True

@@ -5,17 +5,21 @@ weightings with a streaming family), on the score's dot-product form like the bl
 It supports a problem when the weighting streams, the score has a dot-product form, no
 weights are needed (dropout, ``return_weights``), the tiles fit the backend's rules, and the
 dtype and head sizes fit the kernels (:func:`attnx.core.kernels.pallas.tiles.supported`): the
-host's GPU or TPU kernels, or on a CPU host either kind. The kernels are chosen per lowering
-platform (:func:`attnx.core.kernels.pallas.platforms.by_platform`): Triton where the program
-is lowered for a GPU, Mosaic for a TPU, so a CPU host can lower, export or AOT-compile a model
-for either; run or lowered for the CPU it raises ValueError (``core.Pallas(interpret=True)``
-runs the kernels in Pallas' interpreter on any machine).
+host's GPU or TPU kernels, or on a CPU host either kind. Of the score modifications it runs a
+soft cap alone and attention sinks, with a pointwise F; a ``score_mod`` function (ALiBi, a
+relative table, a user's) and a cap or sinks with a whole-row F are refused with that reason.
+The kernels are chosen per lowering platform
+(:func:`attnx.core.kernels.pallas.platforms.by_platform`): Triton where the program is lowered
+for a GPU, Mosaic for a TPU, so a CPU host can lower, export or AOT-compile a model for
+either; run or lowered for the CPU it raises ValueError (``core.Pallas(interpret=True)`` runs
+the kernels in Pallas' interpreter on any machine).
 
 The automatic choice takes it first in its list, but declines it unless a GPU/TPU runs the
-call, the problem is large enough to stream at all (the blocked kernel's thresholds), and the
-combination is verified (:func:`attnx.core.kernels.pallas.verify.verify_pallas`, run once per
-combination, eagerly, outside the caller's trace); a failing verification logs one warning
-and the walk goes on to the blocked kernel. An explicit ``implementation="pallas"`` is never
+call, the problem is large enough to stream at all (the blocked kernel's thresholds), it has
+no soft cap or sinks (which the verification does not cover), and the combination is verified
+(:func:`attnx.core.kernels.pallas.verify.verify_pallas`, run once per combination, eagerly,
+outside the caller's trace); a failing verification logs one warning and the walk goes on to
+the blocked kernel. An explicit ``implementation="pallas"`` is never
 verified and never falls back: its errors are the kernels' own.
 """
 
@@ -46,6 +50,27 @@ from attnx.core.kernels.pallas import block as pallas_block
 from attnx.core.kernels.pallas import masking as pallas_masking
 
 Array = jax.Array
+
+
+def _modification_reason(problem: Problem) -> str | None:
+  """Why the kernels cannot run the problem's score modification or sinks (None when they
+  can): they apply a soft cap alone and fold sinks into the rows' state, for a pointwise F
+  only (sinks mean nothing without a sum of weights, which the call's checks refuse first);
+  a score_mod function is user code per tile, and the whole-row kernels take neither."""
+  if not (problem.has_score_mod or problem.has_sinks):
+    return None
+  if problem.has_score_mod_fn:
+    return ("implementation='pallas' runs a logits_soft_cap alone, not a score_mod function "
+            "(ALiBi, a relative-position table, a user's fn): the blocked and dense "
+            "implementations do. Use implementation='blocked' (or None, which picks it).")
+  if not problem.pointwise:
+    what = " and ".join(x for x, on in (("a logits_soft_cap", problem.has_score_mod),
+                                         ("attention sinks", problem.has_sinks)) if on)
+    return (f"implementation='pallas' runs {what} with a pointwise weighting only; its "
+            f"whole-row kernels ({problem.weighting.name!r}) do not yet: the blocked and "
+            f"dense implementations do. Use implementation='blocked' (or None, which picks "
+            f"it).")
+  return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,10 +115,9 @@ class Pallas(Implementation):
               or static_dims_reason(self.name, problem))
     if reason is not None:
       return reason
-    if problem.has_score_mod or problem.has_sinks:
-      return ("implementation='pallas' does not run score modifications (logits_soft_cap, "
-              "score_mod) or attention sinks yet: the blocked and dense implementations do. "
-              "Use implementation='blocked' (or None, which picks it).")
+    reason = _modification_reason(problem)
+    if reason is not None:
+      return reason
     if not self.interpret and any(jax.export.is_symbolic_dim(d) for d in problem.batch):
       # JAX 0.10: Triton lowers no symbolic grid ("dynamic grid bounds not supported in the
       # Triton backend"), and Mosaic no scalar-prefetch operand of symbolic shape (the
@@ -127,6 +151,12 @@ class Pallas(Implementation):
     except ValueError:
       return (f"the automatic choice uses Pallas on a GPU or TPU only; this call runs on "
               f"{problem.platform!r}")
+    if problem.has_score_mod or problem.has_sinks:
+      # verify_pallas checks each combination without them: a capped or sink kernel has not
+      # been compared with the blocked kernel on this device.
+      return ("the automatic choice's self-check of the Pallas kernels covers no "
+              "logits_soft_cap or attention sinks; implementation='pallas' runs them on "
+              "request")
     # Cheap before costly: the size rule, then the policy and the (one-time) verification.
     return small_problem_reason(problem) or pallas_lib.decline_reason(
         be, problem.weighting, problem.stream_dtype, problem.stream_head_dim,

@@ -36,9 +36,13 @@ LOG2E = math.log2(math.e)
 LANES = 128  # TPU vector lanes: row statistics are stored replicated over 128 lanes
 NT = (((1,), (1,)), ((), ()))  # dot_general dimensions of a @ b.T
 
-__all__ = ["LANES", "LOG2E", "NT", "KernelConfig", "accumulate_dkv", "bcast_index", "bnth",
-           "bwd_tile", "dot_chunks", "grad_rows", "in_span", "kv_hi", "kv_span", "q_range",
-           "q_span", "ref_cols", "tile_scores", "tile_valid", "uncounted"]
+__all__ = ["LANES", "LOG2E", "NT", "ROW_OPS", "KernelConfig", "accumulate_dkv", "bcast_index",
+           "bnth", "bwd_tile", "capped_grad", "dot_chunks", "grad_rows", "in_span", "kv_hi",
+           "kv_span", "q_range", "q_span", "ref_cols", "sink_grad", "sink_start",
+           "tile_scores", "tile_scores_grad", "tile_valid", "uncounted"]
+# The units of the row statistic the kernels save (a log2-sum-exp for the online max), as
+# the custom VJPs read it outside the kernels (:func:`sink_grad`).
+ROW_OPS = streaming.Ops(exp2=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +81,12 @@ class KernelConfig:
   skip_zero_tiles: bool = True
   # A structured mask's static plan (:class:`.masking.MaskPlan`), or None.
   smask: Any = None
+  # logits_soft_cap c (s = c·tanh(scale·q·k / c) before the bias, :func:`tile_scores`), or
+  # None: the tiles are those of the plain kernels, op for op.
+  cap: float | None = None
+  # Attention sinks: the forward kernels take sinks [N] and start each row's state from its
+  # head's sink (:func:`sink_start`); the backward kernels read the statistic that counts it.
+  sinks: bool = False
 
   @property
   def alpha(self) -> float:
@@ -181,7 +191,11 @@ def tile_scores(cfg: KernelConfig, qs, ks, bias_tile):
   """The tile score z [bq, bk] float32 (base-2 exponent for online-max weightings).
 
   ``qs``/``ks``: the [bq, c] / [bk, c] chunks of the head dim (one chunk but on the GPU).
+  With a soft cap (``cfg.cap``) z = α·(c·tanh(scale·q·k / c) + bias) (times log₂e for the
+  online max): :func:`tile_scores_grad`.
   """
+  if cfg.cap is not None:
+    return tile_scores_grad(cfg, qs, ks, bias_tile)[0]
   zq, zb = cfg.z_mult
   z = None
   for q, k in zip(qs, ks, strict=True):
@@ -193,6 +207,74 @@ def tile_scores(cfg: KernelConfig, qs, ks, bias_tile):
     b = bias_tile.astype(jnp.float32)
     z = z + (b * zb if zb != 1.0 else b)
   return z
+
+
+def tile_scores_grad(cfg: KernelConfig, qs, ks, bias_tile):
+  """(z, d) of a tile: :func:`tile_scores`'s z, and under a soft cap the derivative
+  d = 1 − tanh²(scale·q·k / c) of the capped score by the raw one (None without a cap), by
+  which the backward kernels multiply the cotangent of z before it reaches q·k (dQ, dK): the
+  bias's cotangent (dS) is the cotangent of z itself, since the bias is added after the cap.
+
+  The cap works in natural units, as the blocked kernel's (:mod:`attnx.core.score_mods`): the
+  raw score scale·q·k is capped, the bias added, and only then multiplied by α (by α·log₂e for
+  the online max's exp2). A raw score that is NaN (a NaN query or key, :mod:`attnx.core.contract`)
+  keeps z NaN but gets d = 1, as the blocked kernel takes the cap's derivative at the finite
+  raw scores: a pair a mask hides has a zero cotangent, and 0·NaN would reach dQ and dK.
+  """
+  if cfg.cap is None:
+    return tile_scores(cfg, qs, ks, bias_tile), None
+  raw = dot_chunks(qs, ks)
+  if cfg.scale != 1.0:
+    raw = raw * cfg.scale
+  th = jnp.tanh(raw / cfg.cap)
+  z = th * cfg.cap
+  if bias_tile is not None:
+    z = z + bias_tile.astype(jnp.float32)
+  _, zb = cfg.z_mult  # α·log₂e for the online max, 1 otherwise
+  if zb != 1.0:
+    z = z * zb
+  th = jnp.where(jnp.isnan(raw), 0.0, th)
+  return z, 1.0 - th * th
+
+
+def capped_grad(dz, d):
+  """The cotangent of the raw score scale·q·k from that of z: dz·d under a soft cap (``d``
+  from :func:`tile_scores_grad`), dz itself without one (``d`` None)."""
+  return dz if d is None else dz * d
+
+
+def sink_start(cfg: KernelConfig, m, l, sink, ops: streaming.Ops):
+  """(m, l): a row's starting state (m, l of :func:`attnx.core.streaming.online_max_start`;
+  for ``"sum"`` m is None and l = 0) with its head's sink folded in, as one more key of score
+  ``sink`` (broadcast against l) and zero value: the blocked kernel's rule, so that the sink
+  enters the normalizer exactly once and a row whose keys are all masked keeps O = 0.
+
+  Online max (base-2 units): m' = max(m, z), l' = l·2^(m − m') + 2^(z − m'), z = α·log₂e·sink
+  (:func:`attnx.core.streaming.online_max_update` on a one-key tile); ``"sum"``: l' = l + F(sink).
+  """
+  w = cfg.w
+  if not w.online_max:
+    return m, l + w.fn(sink, cfg.s)
+  z = sink * (cfg.alpha * LOG2E)
+  m_new = jnp.maximum(m, z)
+  m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+  return m_new, l * ops.exp(m - m_use) + ops.exp(z - m_use)
+
+
+def sink_grad(cfg: KernelConfig, sinks: Array, rows: list[Array]) -> Array:
+  """d sinks [N] from the backward's row values (r0, r1, δ) [B, N, Tp] of :func:`grad_rows`,
+  outside the kernels: a sink is a key of zero value, so dP = 0 there and its score's
+  cotangent is the tile rule's on that key (:func:`attnx.core.streaming.pointwise_tile_grad`),
+  summed over the batch and the rows of each head: −α·P_sink·δ_i with
+  P_sink = 2^(α·log₂e·sink − lse) (online max), F'(sink)·(0 − δ_i)/l (``"sum"``). Padding rows
+  and rows past their length have O = 0, hence δ = 0, and add nothing."""
+  w = cfg.w
+  z = jnp.broadcast_to(sinks.astype(jnp.float32)[None, :, None], rows[2].shape)
+  if w.online_max:
+    z = z * (cfg.alpha * LOG2E)
+  _, dz = streaming.pointwise_tile_grad(w, z, None, jnp.zeros_like(z), tuple(rows), cfg.s,
+                                        ops=ROW_OPS)
+  return (jnp.sum(dz, axis=(0, 2)) * cfg.alpha).astype(sinks.dtype)
 
 
 def bwd_tile(cfg: KernelConfig, z, valid, dp, rows, ops: streaming.Ops):

@@ -33,12 +33,15 @@ from attnx.core.kernels.pallas.common import (
     bcast_index,
     bnth,
     bwd_tile,
+    capped_grad,
     in_span,
     kv_hi,
     kv_span,
     q_range,
     q_span,
+    sink_start,
     tile_scores,
+    tile_scores_grad,
     tile_valid,
     uncounted,
 )
@@ -126,6 +129,7 @@ def _fwd_kernel(*refs, cfg: KernelConfig, has_bias: bool, has_mask: bool):
   q_ref, k_ref, v_ref = next(it), next(it), next(it)
   bias_ref = next(it) if has_bias else None
   mask_ref = next(it) if has_mask else None
+  sink_ref = next(it) if cfg.sinks else None  # [1, 128]: this query head's sink, lanes
   sm_ids = [next(it) for _ in range(n_ids)]
   o_ref, stat_ref = next(it), next(it)
   w, bq, bk, ops = cfg.w, cfg.bq, cfg.bk, OPS
@@ -147,10 +151,18 @@ def _fwd_kernel(*refs, cfg: KernelConfig, has_bias: bool, has_mask: bool):
     acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
     if w.online_max:
       m0, l0 = streaming.online_max_start(w)  # from the offset's virtual key, if any
-      m_sc[...] = jnp.full(m_sc.shape, m0, jnp.float32)
-      l_sc[...] = jnp.full(l_sc.shape, l0, jnp.float32)
-    else:
+      if sink_ref is None:
+        m_sc[...] = jnp.full(m_sc.shape, m0, jnp.float32)
+        l_sc[...] = jnp.full(l_sc.shape, l0, jnp.float32)
+      else:
+        m_sc[...], l_sc[...] = sink_start(
+            cfg, jnp.full(m_sc.shape, m0, jnp.float32), jnp.full(l_sc.shape, l0, jnp.float32),
+            jnp.broadcast_to(sink_ref[...], l_sc.shape), ops)
+    elif sink_ref is None:
       l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
+    else:
+      _, l_sc[...] = sink_start(cfg, None, jnp.zeros(l_sc.shape, jnp.float32),
+                                jnp.broadcast_to(sink_ref[...], l_sc.shape), ops)
 
   @pl.when(in_span(j, kv_span(cfg, i, bq, bk, q_len, kv_len, sm)))
   def _run():
@@ -209,7 +221,8 @@ def _kv_maps(cfg: KernelConfig, bq: int, bk: int) -> tuple[Callable, Callable, C
   return clamp, kv_map, bias_map
 
 
-def _forward(cfg: KernelConfig, q, k, v, bias, mask, q_len, kv_len, out_dtype, smask=None):
+def _forward(cfg: KernelConfig, q, k, v, bias, mask, q_len, kv_len, out_dtype, smask=None,
+             sinks=None):
   b, n, tp, h = q.shape
   hv = v.shape[-1]
   bq, bk = cfg.bq, cfg.bk
@@ -220,6 +233,10 @@ def _forward(cfg: KernelConfig, q, k, v, bias, mask, q_len, kv_len, out_dtype, s
               pl.BlockSpec((None, None, bk, hv), kv_map)]
   for x in (bias, mask):
     in_specs += _bias_spec(x, bq, bk, bias_map)
+  sink_args = []
+  if cfg.sinks:  # [N, 1, 128]: a (1, 128) block per query head, lane-replicated as m and l
+    in_specs.append(pl.BlockSpec((None, 1, LANES), lambda bb, hh, i, j, *_: (hh, 0, 0)))
+    sink_args = [jnp.broadcast_to(sinks.astype(jnp.float32)[:, None, None], (n, 1, LANES))]
   sm_ids, sm_specs = smask_ids(cfg, smask, (bq, LANES), (masking.SUBLANES, bk),
                                lambda bb, hh, i, j, *_: i,
                                lambda bb, hh, i, j, *lens: clamp(bb, i, j, *lens))
@@ -242,7 +259,8 @@ def _forward(cfg: KernelConfig, q, k, v, bias, mask, q_len, kv_len, out_dtype, s
                  jax.ShapeDtypeStruct((b, n, tp, LANES), jnp.float32)],
       compiler_params=_params(n_parallel=3, n_arbitrary=1), interpret=cfg.interpret,
       name="attnx_pallas_fwd",
-  )(q_len, kv_len, *sm_pre, *[x for x in (q, k, v, bias, mask) if x is not None], *sm_ids)
+  )(q_len, kv_len, *sm_pre, *[x for x in (q, k, v, bias, mask) if x is not None], *sink_args,
+    *sm_ids)
   return o, st[..., 0]
 
 
@@ -278,7 +296,7 @@ def _dq_kernel(*refs, cfg: KernelConfig, has_bias: bool, has_mask: bool, want_ds
   @pl.when(run)
   def _run():
     q, k, v, do = q_ref[...], k_ref[...], v_ref[...], do_ref[...]
-    z = tile_scores(cfg, [q], [k], _tile(bias_ref))
+    z, dcap = tile_scores_grad(cfg, [q], [k], _tile(bias_ref))
     valid = tile_valid(cfg, (bq, bk), i * bq, j * bk, _tile(mask_ref), q_len, kv_len, sm,
                        head)
     dp = lax.dot_general(do, v, NT, preferred_element_type=jnp.float32)
@@ -286,6 +304,7 @@ def _dq_kernel(*refs, cfg: KernelConfig, has_bias: bool, has_mask: bool, want_ds
     _, dz = bwd_tile(cfg, z, valid, dp, rows, OPS)
     if ds_ref is not None:
       ds_ref[...] = dz * gb if gb != 1.0 else dz
+    dz = capped_grad(dz, dcap)  # the cotangent of scale·q·k
     dq_sc[...] += jnp.dot(dz.astype(k.dtype), finite(k), preferred_element_type=jnp.float32)
 
   if ds_ref is not None:
@@ -324,12 +343,13 @@ def _dkv_kernel(*refs, cfg: KernelConfig, has_bias: bool, has_mask: bool):
   @pl.when((i >= lo) & (i < hi))
   def _run():
     q, k, v, do = q_ref[...], k_ref[...], v_ref[...], do_ref[...]
-    z = tile_scores(cfg, [q], [k], _tile(bias_ref))
+    z, dcap = tile_scores_grad(cfg, [q], [k], _tile(bias_ref))
     valid = tile_valid(cfg, (bq, bk), i * bq, j * bk, _tile(mask_ref), q_len, kv_len, sm,
                        head)
     dp = lax.dot_general(do, v, NT, preferred_element_type=jnp.float32)
     rows = tuple(OPS.spread(r[...], bk) for r in (r0_ref, r1_ref, dl_ref))
     p, dz = bwd_tile(cfg, z, valid, dp, rows, OPS)
+    dz = capped_grad(dz, dcap)  # the cotangent of scale·q·k
     # Transposed in float32, then cast (as JAX's TPU flash kernel).
     dv_sc[...] += jnp.dot(p.T.astype(do.dtype), do, preferred_element_type=jnp.float32)
     dk_sc[...] += jnp.dot(dz.T.astype(q.dtype), finite(q), preferred_element_type=jnp.float32)
@@ -431,10 +451,11 @@ def to_lanes_all(r: Array) -> Array:
 
 
 def forward(cfg: KernelConfig, q, k, v, bias, mask, q_len, kv_len,
-            out_dtype: Any, smask: Any = None) -> tuple[Array, Array]:
+            out_dtype: Any, smask: Any = None, sinks: Any = None) -> tuple[Array, Array]:
   """O [B, Tp, N, Hv] and the row statistic [B, N, Tp] of [B, Tp, N, H] arrays (the kernels
-  run on their [B, N, Tp, H] transposes)."""
-  o, st = _forward(cfg, bnth(q), bnth(k), bnth(v), bias, mask, q_len, kv_len, out_dtype, smask)
+  run on their [B, N, Tp, H] transposes); ``sinks`` [N] when ``cfg.sinks``."""
+  o, st = _forward(cfg, bnth(q), bnth(k), bnth(v), bias, mask, q_len, kv_len, out_dtype, smask,
+                   sinks)
   return bnth(o), st
 
 

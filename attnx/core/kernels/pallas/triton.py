@@ -39,11 +39,14 @@ from attnx.core.kernels.pallas.common import (
     accumulate_dkv,
     bcast_index,
     bwd_tile,
+    capped_grad,
     dot_chunks,
     kv_span,
     q_span,
     ref_cols,
+    sink_start,
     tile_scores,
+    tile_scores_grad,
     tile_valid,
     uncounted,
 )
@@ -93,6 +96,7 @@ def _fwd_kernel(*refs, cfg: KernelConfig, has_bias: bool, has_mask: bool):
   bias_ref = next(it) if has_bias else None
   mask_ref = next(it) if has_mask else None
   qlen_ref, kvlen_ref = next(it), next(it)
+  sink_ref = next(it) if cfg.sinks else None  # [1]: this query head's sink
   sm_refs = [next(it) for _ in range(cfg.num_smask_refs)]
   o_ref, stat_ref = next(it), next(it)
   w, bq, bk, ops = cfg.w, cfg.bq, cfg.bk, OPS
@@ -121,15 +125,20 @@ def _fwd_kernel(*refs, cfg: KernelConfig, has_bias: bool, has_mask: bool):
       return streaming.online_max_update(acc, m, z, valid, vs, l, ops=ops)
 
     m0, l0 = streaming.online_max_start(w)  # from the offset's virtual key, if any
-    acc, m, l = lax.fori_loop(lo, hi, body, (acc0, jnp.full((bq,), m0, jnp.float32),
-                                            jnp.full((bq,), l0, jnp.float32)))
+    m0, l0 = jnp.full((bq,), m0, jnp.float32), jnp.full((bq,), l0, jnp.float32)
+    if sink_ref is not None:
+      m0, l0 = sink_start(cfg, m0, l0, jnp.full((bq,), sink_ref[0], jnp.float32), ops)
+    acc, m, l = lax.fori_loop(lo, hi, body, (acc0, m0, l0))
     os_, st = streaming.pointwise_finalize(w, acc, m, l, add_offset=False, ops=ops)
   else:
     def body(j, carry):
       z, vs, valid = tile(j)
       return streaming.pointwise_update(w, *carry, z, valid, vs, cfg.s, ops=ops)
 
-    acc, l = lax.fori_loop(lo, hi, body, (acc0, jnp.zeros((bq,), jnp.float32)))
+    l0 = jnp.zeros((bq,), jnp.float32)
+    if sink_ref is not None:
+      _, l0 = sink_start(cfg, None, l0, jnp.full((bq,), sink_ref[0], jnp.float32), ops)
+    acc, l = lax.fori_loop(lo, hi, body, (acc0, l0))
     os_, st = streaming.pointwise_finalize(w, acc, l, num_keys=uncounted(cfg, has_mask),
                                            ops=ops)
   store_chunks(o_ref, os_, vc)
@@ -159,7 +168,10 @@ def bias_specs(x: Array | None, block: tuple[int, ...], index: Callable) -> list
   return [pl.BlockSpec(blk, lambda *ids: bcast_index(shape, index(*ids)))]
 
 
-def forward(cfg: KernelConfig, q, k, v, bias, mask, q_len, kv_len, out_dtype, smask=None):
+def forward(cfg: KernelConfig, q, k, v, bias, mask, q_len, kv_len, out_dtype, smask=None,
+            sinks=None):
+  """O and the row statistic (:func:`attnx.core.kernels.pallas.wrapper.forward`); ``sinks``
+  [N] float32 when ``cfg.sinks`` (each program reads its query head's)."""
   b, tp, n, hp = q.shape
   hvp = v.shape[-1]
   bq, g = cfg.bq, cfg.g
@@ -171,11 +183,16 @@ def forward(cfg: KernelConfig, q, k, v, bias, mask, q_len, kv_len, out_dtype, sm
   for x in (bias, mask):
     in_specs += bias_specs(x, (1, 1, bq, cfg.sp), lambda i, bb, h: (bb, h, i, 0))
   in_specs += [pl.BlockSpec((1,), lambda i, bb, h: (bb,))] * 2
+  sink_args = []
+  if cfg.sinks:
+    in_specs.append(pl.BlockSpec((1,), lambda i, bb, h: (h,)))
+    sink_args = [sinks.astype(jnp.float32)]
   sm_args, sm_specs = smask_operands(cfg, smask, "fwd", bq, cfg.bk)
   in_specs += sm_specs
   kernel = functools.partial(_fwd_kernel, cfg=cfg, has_bias=bias is not None,
                              has_mask=mask is not None)
-  args = [x for x in (q, k, v, bias, mask) if x is not None] + [q_len, kv_len] + sm_args
+  args = ([x for x in (q, k, v, bias, mask) if x is not None] + [q_len, kv_len] + sink_args
+          + sm_args)
   return pl.pallas_call(
       kernel, grid=(tp // bq, b, n), in_specs=in_specs,
       out_specs=[pl.BlockSpec((None, bq, None, hvp), lambda i, bb, h: (bb, i, h, 0)),
@@ -213,12 +230,14 @@ def _dq_kernel(*refs, cfg: KernelConfig, has_bias: bool, has_mask: bool, want_ds
     c0 = j * bk
     rows = pl.ds(c0, bk)
     ks, vs = load_chunks(k_ref, rows, hc), load_chunks(v_ref, rows, vc)
-    z = tile_scores(cfg, qs, ks, None if bias_ref is None else ref_cols(bias_ref, c0, bk))
+    z, dcap = tile_scores_grad(cfg, qs, ks,
+                               None if bias_ref is None else ref_cols(bias_ref, c0, bk))
     mask_t = None if mask_ref is None else ref_cols(mask_ref, c0, bk)
     valid = tile_valid(cfg, (bq, bk), i * bq, c0, mask_t, q_len, kv_len, sm, head)
     _, dz = bwd_tile(cfg, z, valid, dot_chunks(dos, vs), (r0, r1, delta), OPS)
     if ds_ref is not None:
       ds_ref[:, rows] = dz * gb if gb != 1.0 else dz
+    dz = capped_grad(dz, dcap)  # the cotangent of scale·q·k
     return tuple(a + jnp.dot(dz.astype(k.dtype), finite(k), preferred_element_type=jnp.float32)
                  for a, k in zip(dq, ks, strict=True))
 
@@ -276,12 +295,12 @@ def _dkv_kernel(*refs, cfg: KernelConfig, has_bias: bool, has_mask: bool,
       if mask_ref is not None:
         mask_t = mask_ref[h if mask_ref.shape[0] > 1 else 0,
                           r if mask_ref.shape[1] > 1 else pl.ds(0, 1), :]
-      z = tile_scores(cfg, qs, ks, bias_t)
+      z, dcap = tile_scores_grad(cfg, qs, ks, bias_t)
       valid = tile_valid(cfg, (bq, bk), i * bq, c0, mask_t, q_len, kv_len, sm,
                          None if sm is None else head0 + h)
       dp = dot_chunks(dos, vs) if want_dk else jnp.zeros((bq, bk), jnp.float32)
       p, dz = bwd_tile(cfg, z, valid, dp, (r0, r1, delta), OPS)
-      return accumulate_dkv((dk, dv), p, dz, qs, dos)
+      return accumulate_dkv((dk, dv), p, capped_grad(dz, dcap), qs, dos)
     return lax.fori_loop(lo, hi, q_block, carry)
 
   init = (tuple(jnp.zeros((bk, c), jnp.float32) for _, c in hc) if want_dk else (),

@@ -45,6 +45,7 @@ import jax
 import jax.numpy as jnp
 
 from attnx.core import masks as masks_lib
+from attnx.core import score_mods
 from attnx.core.contract import finite, nonfinite_inputs
 from attnx.core.kernels.common import round_up, sum_to
 from attnx.core.kernels.pallas import (
@@ -56,7 +57,7 @@ from attnx.core.kernels.pallas import (
     triton,
     triton_rows,
 )
-from attnx.core.kernels.pallas.common import KernelConfig, grad_rows
+from attnx.core.kernels.pallas.common import KernelConfig, grad_rows, sink_grad
 from attnx.core.kernels.pallas.rows import row_scale, streams
 from attnx.core.weightings import Pointwise
 
@@ -72,16 +73,20 @@ __all__ = ["backward", "forward", "kernel_inputs", "pad_to", "pallas_attention",
 # --------------------------------------------------------------------------------------------
 
 def forward(cfg: KernelConfig, q, k, v, bias, mask, q_len, kv_len,
-            out_dtype: Any = None, smask: Any = None) -> tuple[Array, Array]:
+            out_dtype: Any = None, smask: Any = None,
+            sinks: Array | None = None) -> tuple[Array, Array]:
   """O [B, Tp, N, Hv] (``out_dtype``, default q's) and the row statistic [B, N, Tp] (float32)
   of a pointwise F.
 
   ``bias``/``mask``: [Bb, Nb, Tb, Sb] with every dim 1 or full (mask as int8/int32).
   ``out_dtype`` float32 keeps O as accumulated (ring attention merges the O of key blocks).
   ``smask``: a structured mask's operands (:func:`.masking.prepare`) when ``cfg.smask``.
+  ``sinks``: the attention sinks [N] when ``cfg.sinks``; the statistic then counts them.
   """
   out_dtype = q.dtype if out_dtype is None else out_dtype
   kernels = triton if cfg.backend == "gpu" else mosaic
+  if cfg.sinks:
+    return kernels.forward(cfg, q, k, v, bias, mask, q_len, kv_len, out_dtype, smask, sinks)
   return kernels.forward(cfg, q, k, v, bias, mask, q_len, kv_len, out_dtype, smask)
 
 
@@ -126,32 +131,36 @@ def _values(tree: Any) -> Any:
 
 @functools.lru_cache(maxsize=512)
 def _make_kernel(cfg: KernelConfig) -> Callable[..., Array]:
-  """A custom-VJP function (q, k, v, bias, mask, q_len, kv_len, smask) -> O of padded arrays
-  (``smask``: a structured mask's operands, or None)."""
+  """A custom-VJP function (q, k, v, bias, mask, q_len, kv_len, smask, sinks) -> O of padded
+  arrays (``smask``: a structured mask's operands, or None; ``sinks``: [N] when
+  ``cfg.sinks``, else None). d sinks is computed here, outside the kernels, from the saved
+  row statistic and δ (:func:`.common.sink_grad`)."""
 
   @jax.custom_vjp
-  def attn(q, k, v, bias, mask, q_len, kv_len, smask):
-    return forward(cfg, q, k, v, bias, mask, q_len, kv_len, smask=smask)[0]
+  def attn(q, k, v, bias, mask, q_len, kv_len, smask, sinks):
+    return forward(cfg, q, k, v, bias, mask, q_len, kv_len, smask=smask, sinks=sinks)[0]
 
-  def fwd(q, k, v, bias, mask, q_len, kv_len, smask):
+  def fwd(q, k, v, bias, mask, q_len, kv_len, smask, sinks):
     # symbolic_zeros: each array arrives as CustomVJPPrimal(value, perturbed); dS is only
     # materialized when the bias is differentiated.
     want_ds = bias is not None and bias.perturbed
     vals = [None if x is None else x.value for x in (q, k, v, bias, mask, q_len, kv_len)]
     smask = _values(smask)
-    o, stat = forward(cfg, *vals, smask=smask)
+    sinks = None if sinks is None else sinks.value
+    o, stat = forward(cfg, *vals, smask=smask, sinks=sinks)
     marker = jnp.zeros((), jnp.float32) if want_ds else None
-    return o, (*vals, smask, o, stat, marker)
+    return o, (*vals, smask, sinks, o, stat, marker)
 
   def bwd(res, do):
-    q, k, v, bias, mask, q_len, kv_len, smask, o, stat, marker = res
+    q, k, v, bias, mask, q_len, kv_len, smask, sinks, o, stat, marker = res
     if isinstance(do, jax.custom_derivatives.SymbolicZero):
-      return (None,) * 8
+      return (None,) * 9
     rows = grad_rows(cfg, stat, o, do)
     dq, dk, dv, ds = backward(cfg, q, k, v, bias, mask, q_len, kv_len, do, rows,
                               want_ds=marker is not None, smask=smask)
     dbias = None if ds is None else sum_to(ds, bias.shape).astype(bias.dtype)
-    return dq, dk, dv, dbias, None, None, None, None
+    dsinks = sink_grad(cfg, sinks, rows) if cfg.sinks else None
+    return dq, dk, dv, dbias, None, None, None, None, dsinks
 
   attn.defvjp(fwd, bwd, symbolic_zeros=True)
   return attn
@@ -243,7 +252,8 @@ def pallas_attention(q: Array, k: Array, v: Array, *, weighting: Any,
                      kv_lengths: Array | None = None, block_q: int | None = None,
                      block_k: int | None = None, backend: str | None = None,
                      interpret: bool = False, ssmax_s: Array | float | None = None,
-                     skip_zero_tiles: bool = True, structured_mask: Any = None) -> Array:
+                     skip_zero_tiles: bool = True, structured_mask: Any = None,
+                     score_mod: Any = None, sinks: Array | None = None) -> Array:
   """Fused attention out_i = Σ_j w_ij v_j for a pointwise weighting F, or a whole-row weighting
   with a streaming family (SSMax, softpick, stick-breaking, sparsemax, entmax: the kernels of
   :mod:`attnx.core.kernels.pallas.rows`), as Pallas kernels.
@@ -282,6 +292,13 @@ def pallas_attention(q: Array, k: Array, v: Array, *, weighting: Any,
       kernel loops only over the tiles some pair of it may attend and evaluates it per tile
       from its arrays (:mod:`.masking`), never as a T×S array. A ``from_fn`` mask whose
       ``mask_mod`` closes over arrays is materialized into ``mask`` instead.
+    score_mod: a :class:`~attnx.core.score_mods.ScoreMod` that is a soft cap alone (pointwise
+      F only): each tile's raw score scale·q·k becomes c·tanh(scale·q·k / c) before the bias
+      (:func:`.common.tile_scores`). A ``score_mod`` function (ALiBi, a relative table, a
+      user's) is a ValueError: the kernels evaluate no user code per tile yet.
+    sinks: attention sinks [N] (pointwise F with a sum of weights only): each row of query
+      head h also sees a virtual key of score ``sinks[h]`` and zero value, folded into the
+      row's starting state; gets a gradient (computed outside the kernels).
 
   Returns:
     [B, T, N, Hv] in q's dtype, equal up to float rounding to
@@ -291,11 +308,13 @@ def pallas_attention(q: Array, k: Array, v: Array, *, weighting: Any,
     ValueError: for an unsupported combination (see :func:`tiles.supported`; the message names the
       alternative implementation), bad shapes or tile sizes.
   """
+  cap = _soft_cap(weighting, score_mod, sinks)
   if backend is None and not interpret:
     return _per_platform(
         q, k, v, weighting=weighting, scale=scale, bias=bias, mask=mask, is_causal=is_causal,
         q_lengths=q_lengths, kv_lengths=kv_lengths, block_q=block_q, block_k=block_k,
-        ssmax_s=ssmax_s, skip_zero_tiles=skip_zero_tiles, structured_mask=structured_mask)
+        ssmax_s=ssmax_s, skip_zero_tiles=skip_zero_tiles, structured_mask=structured_mask,
+        score_mod=score_mod, sinks=sinks)
   rows = not isinstance(weighting, Pointwise)
   if not isinstance(skip_zero_tiles, bool):
     raise ValueError(f"skip_zero_tiles must be a bool, got {skip_zero_tiles!r}")
@@ -330,6 +349,11 @@ def pallas_attention(q: Array, k: Array, v: Array, *, weighting: Any,
   blocks, launch = tiles.kernel_tiles(be, weighting, t, s, h, hv, q.dtype, block_q, block_k)
   q_len = _lengths(q_lengths, b, t, "q_lengths")
   kv_len = _lengths(kv_lengths, b, s, "kv_lengths")
+  if sinks is not None:
+    sinks = jnp.asarray(sinks)
+    if sinks.shape != (n,) or not jnp.issubdtype(sinks.dtype, jnp.floating):
+      raise ValueError(f"sinks must be a float array [N] = [{n}], got shape {sinks.shape} "
+                       f"and dtype {sinks.dtype}")
   if q.size == 0 or s == 0:  # no query, or no key (every row has no valid key)
     return jnp.zeros((b, t, n, hv), q.dtype)
 
@@ -343,6 +367,8 @@ def pallas_attention(q: Array, k: Array, v: Array, *, weighting: Any,
       q, k, v, bias4, mask4, weighting=weighting, scale=scale, backend=be, interpret=interpret,
       blocks=blocks, launch=launch, is_causal=is_causal, q_bound=q_lengths is not None,
       kv_bound=kv_lengths is not None, skip_zero_tiles=skip_zero_tiles)
+  if cap is not None or sinks is not None:  # tiles of the plain kernels otherwise, op for op
+    cfg = dataclasses.replace(cfg, cap=cap, sinks=sinks is not None)
   smask = None
   if structured_mask is not None:
     plan, smask = masking.prepare(
@@ -356,8 +382,33 @@ def pallas_attention(q: Array, k: Array, v: Array, *, weighting: Any,
       rowc = pad_to(rowc, {2: cfg.tp})
     out = _make_row_kernel(cfg)(q, k, v, bias4, mask4, q_len, kv_len, rowc, smask)
   else:
-    out = _make_kernel(cfg)(q, k, v, bias4, mask4, q_len, kv_len, smask)
+    out = _make_kernel(cfg)(q, k, v, bias4, mask4, q_len, kv_len, smask, sinks)
   return out[:, :t, :, :hv]
+
+
+def _soft_cap(weighting: Any, score_mod: Any, sinks: Any) -> float | None:
+  """The soft cap c of ``score_mod`` (None without one), after the checks of what the kernels
+  run: a ScoreMod that is a cap alone, and a cap or sinks only for a pointwise F (sinks for
+  one with a sum of weights). ValueError otherwise, naming what is not supported."""
+  if score_mod is None and sinks is None:
+    return None
+  if not isinstance(weighting, Pointwise):
+    raise ValueError(f"implementation='pallas' cannot run this: its whole-row kernels "
+                     f"({weighting.name!r}) take no logits_soft_cap and no attention sinks; "
+                     f"use implementation='blocked'.")
+  if sinks is not None and not weighting.divides_by_sum:
+    raise ValueError(f"implementation='pallas': sinks need a weighting with a sum of weights "
+                     f"to enter, and {weighting.name!r} divides by none.")
+  if score_mod is None:
+    return None
+  if not isinstance(score_mod, score_mods.ScoreMod):
+    raise ValueError(f"score_mod must be an attnx.core.score_mods.ScoreMod, got "
+                     f"{type(score_mod).__name__}")
+  if score_mod.fn is not None:
+    raise ValueError("implementation='pallas' cannot run this: its kernels apply a "
+                     "logits_soft_cap but no score_mod function (ALiBi, a relative-position "
+                     "table, a user's fn); use implementation='blocked'.")
+  return score_mod.cap
 
 
 def kernel_inputs(q: Array, k: Array, v: Array, bias4: Array | None, mask4: Array | None, *,
@@ -446,7 +497,7 @@ def _per_platform(q: Array, k: Array, v: Array, **kwargs: Any) -> Array:
   if q.ndim != 4 or v.ndim != 4:
     raise ValueError(f"expected 4-D [B, T, N, H] inputs, got {q.shape}, {k.shape}, {v.shape}")
   arrays = {n: kwargs[n] for n in ("scale", "bias", "mask", "q_lengths", "kv_lengths", "ssmax_s",
-                                   "structured_mask")
+                                   "structured_mask", "sinks")
             if kwargs[n] is not None and not isinstance(kwargs[n], numbers.Number)}
   static = {n: x for n, x in kwargs.items() if n not in arrays}
 

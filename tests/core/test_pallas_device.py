@@ -14,7 +14,9 @@ automatic choice (Pallas after its self-check) at lengths up to 4096:
 * long causal rows at T = S = 4096 for one weighting of each family;
 * structured masks (:mod:`attnx.core.masks`, read per tile by the kernels): packed documents
   with a window, sinks with a window, lengths, prefix-LM and a mask_mod at T = 2048 with GQA,
-  one weighting of each family.
+  one weighting of each family;
+* a soft cap and attention sinks (:mod:`attnx.core.score_mods`) with pointwise F, causal GQA
+  at T = S = 1000 with padding.
 
 Run on a GPU machine with ``pytest tests/core/test_pallas_device.py``; the large random run of
 the net (``-m differential``) also runs the compiled kernels there.
@@ -83,3 +85,12 @@ def test_full_mask_bias_bf16_tiles(weighting):
   _check(diff.Case(seed=102, b=2, t=333, s=777, n=2, kh=1, h=32, hv=48, mask="random",
                    bias="x11x", block_q=32, block_k=64, dtype="bfloat16", weighting=weighting,
                    score=score, magnitude=_magnitude(score), only=("pallas",)))
+
+
+@pytest.mark.parametrize("weighting,score_mod,sinks", [
+    ("softmax", "cap", True), ("sigmoid", "none", True), ("relu", "cap", False),
+    ("softmax_plus_one", "cap", True)])
+def test_soft_cap_and_sinks(weighting, score_mod, sinks):
+  _check(diff.Case(seed=105, b=2, t=1000, s=1000, n=4, kh=2, h=64, hv=64, causal=True,
+                   mask="padding", weighting=weighting, score_mod=score_mod, sinks=sinks,
+                   only=("pallas",)))

@@ -268,7 +268,11 @@ def mod_params(case: Case, instance: int = 0) -> dict[str, np.ndarray]:
     width = 2 * max(case.t, case.s, 1) - 1
     out["table"] = (0.5 * rng.standard_normal((case.n, width))).astype(np.float32)
   if case.sinks:
-    out["sinks"] = rng.standard_normal(case.n).astype(np.float32)
+    # Centred at log S: a sink of score ≈ log S weighs about as much as all S keys together
+    # (e^{log S} = S·e⁰), so a wrong sink moves the output and every gradient well past the
+    # tolerance; around 0 it would be one key among S, lost in the rounding at S in the
+    # hundreds.
+    out["sinks"] = (rng.standard_normal(case.n) + np.log(max(case.s, 1))).astype(np.float32)
   return out
 
 

@@ -306,34 +306,36 @@ def windows(tokens: np.ndarray, seq_len: int) -> dict[str, np.ndarray]:
   return {"inputs": tokens[rows], "targets": tokens[rows + 1]}
 
 
-def token_stream(split: str, *, data_dir: str | os.PathLike | None = None,
-                 **config_kwargs: Any) -> np.ndarray:
-  """The whole split as one 1-D int32 token array (e.g. to evaluate at longer contexts).
-
-  Takes the config kwargs of ``load`` (``text_file=``...); ``seq_len`` does not matter.
-  """
-  config = Shakespeare.resolve_config(**config_kwargs)
-  texts = split_texts(config, data_dir)
-  if split not in texts:
-    raise ValueError(f"Unknown split {split!r} for dataset 'shakespeare'; valid splits: "
-                     f"{list(texts)}.")
-  return encode(texts[split], vocabulary(config))
-
-
-def documents(split: str, *, data_dir: str | os.PathLike | None = None,
-              **config_kwargs: Any) -> list[np.ndarray]:
-  """A split's documents as 1-D int32 token arrays: one per work (Gutenberg Shakespeare), or
-  the text file's part of the split — what :func:`attnx.data.packing.pack_documents` packs.
-
-  Takes the config kwargs of ``load`` (``text_file=``...); ``seq_len`` does not matter.
-  """
+def _split_of(split: str, data_dir: Any, config_kwargs: dict[str, Any]) -> tuple[list[str], str]:
+  """(the split's document texts, the vocabulary) of the config the kwargs name."""
   config = Shakespeare.resolve_config(**config_kwargs)
   docs = split_documents(config, data_dir)
   if split not in docs:
     raise ValueError(f"Unknown split {split!r} for dataset 'shakespeare'; valid splits: "
                      f"{list(docs)}.")
-  vocab = vocabulary(config)
-  return [encode(d, vocab) for d in docs[split]]
+  return docs[split], vocabulary(config)
+
+
+def token_stream(split: str, *, data_dir: str | os.PathLike | None = None,
+                 **config_kwargs: Any) -> np.ndarray:
+  """The whole split as one 1-D int32 token array (e.g. to evaluate at longer contexts): its
+  documents joined by ``WORK_SEPARATOR``.
+
+  Takes the config kwargs of ``load`` (``text_file=``...); ``seq_len`` does not matter.
+  """
+  docs, vocab = _split_of(split, data_dir, config_kwargs)
+  return encode(WORK_SEPARATOR.join(docs), vocab)
+
+
+def documents(split: str, *, data_dir: str | os.PathLike | None = None,
+              **config_kwargs: Any) -> list[np.ndarray]:
+  """A split's documents as 1-D int32 token arrays: one per work (Gutenberg Shakespeare), or
+  per file of a ``text_file`` corpus — what :func:`attnx.data.packing.pack_documents` packs.
+
+  Takes the config kwargs of ``load`` (``text_file=``...); ``seq_len`` does not matter.
+  """
+  docs, vocab = _split_of(split, data_dir, config_kwargs)
+  return [encode(d, vocab) for d in docs]
 
 
 @dataclasses.dataclass(eq=False)

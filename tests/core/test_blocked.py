@@ -18,13 +18,9 @@ from support import differential as diff
 
 from attnx.core import weightings as wlib
 from attnx.core.kernels.xla import pointwise as blocked_lib
-from attnx.core.kernels.xla import tiling
-from attnx.core.kernels.xla.pointwise import (
-  blocked_attention,
-  causal_leaves,
-  default_block_sizes,
-  heads_per_chunk,
-)
+from attnx.core.kernels.xla import sizes, sweep, tiling
+from attnx.core.kernels.xla.pointwise import blocked_attention
+from attnx.core.kernels.xla.sizes import causal_leaves, default_block_sizes, heads_per_chunk
 
 POINTWISE = [n for n in wlib.list_weightings() if isinstance(wlib.get_weighting(n), wlib.Pointwise)]
 VARIANTS = ["relu:normalization=length", "sigmoid:normalization=none",
@@ -306,7 +302,7 @@ def test_chunks_of_heads_match_dense(chunk, bias_shape, mask_shape, monkeypatch)
   bias = jnp.asarray(rng.standard_normal(bias_shape, np.float32))
   mask = jnp.asarray(rng.random(mask_shape) < 0.8)
   # G = 2 query heads per kv head: a tile of one X row holds 2 · 16 · 16 scores.
-  monkeypatch.setattr(blocked_lib, "TILE_BUDGET", chunk * 2 * BLOCK * BLOCK)
+  monkeypatch.setattr(sizes, "TILE_BUDGET", chunk * 2 * BLOCK * BLOCK)
   assert heads_per_chunk(2, 2, 2, BLOCK, BLOCK) == chunk
   w = wlib.get_weighting("softmax_plus_one")
   kw = dict(w=w, scale=SCALE, mask=mask, is_causal=True)
@@ -491,7 +487,7 @@ class ApiTest(parameterized.TestCase):
     self.assertEqual(default_block_sizes(t, s, group, causal), (bq, bk))
 
   def test_heads_per_chunk_fills_the_budget_with_whole_rectangles(self):
-    budget = blocked_lib.TILE_BUDGET
+    budget = sizes.TILE_BUDGET
     self.assertEqual(heads_per_chunk(1, 4, 1, 4096, 256), 1)  # one 4096×256 tile = budget
     self.assertEqual(heads_per_chunk(8, 8, 1, 256, 256), 16)  # 2 batch rows of 8 kv heads
     self.assertEqual(heads_per_chunk(2, 8, 1, 1024, 256), 4)  # divides K
@@ -571,7 +567,7 @@ def test_causal_t_not_s_with_mask_and_bias(t, s):
 def test_squares_get_tiles_that_divide_them():
   for side in (8, 72, 96, 136, 144, 288, 576, 1088):
     for cap in (1, 7, 8, 24, 32, 256, 4096):
-      tile = blocked_lib._dividing_tile(side, cap)
+      tile = sizes.dividing_tile(side, cap)
       assert side % tile == 0 and tile <= max(cap, 1)
       if cap >= 8:
         assert tile % 8 == 0
@@ -584,7 +580,7 @@ def test_tiles_that_do_not_cover_the_padded_length_fail_at_trace_time():
   q4 = jnp.zeros((1, 1, 40, 8))  # 40 rows are not whole 16-row tiles (48 would be)
   k3 = jnp.zeros((1, 40, 8))
   with pytest.raises(AssertionError, match="not whole tiles"):
-    blocked_lib._forward(q4, k3, k3, None, None, jnp.float32(1.0), cfg)
+    sweep.forward(q4, k3, k3, None, None, jnp.float32(1.0), cfg)
 
 
 @pytest.mark.parametrize("name", ["softmax_plus_one", "relu:normalization=length",

@@ -27,6 +27,7 @@ from attnx.core import streaming
 from attnx.core import weightings as wlib
 from attnx.core.kernels import common
 from attnx.core.kernels.xla import pointwise as blocked_lib
+from attnx.core.kernels.xla import sizes
 from attnx.core.kernels.xla.rows import (
   blocked_row_attention,
   causal_block_sizes,
@@ -366,8 +367,8 @@ def _ssmax_learned(case, causal, with_bias=True):
 def test_ssmax_learned_s_gradient(case, causal, chunk, monkeypatch):
   if chunk is not None:  # a small tile budget: one (batch, kv head) row per chunk of heads
     b, _, _, n, kh = CASES[case][:5]
-    monkeypatch.setattr(blocked_lib, "TILE_BUDGET", chunk * (n // kh) * BQ * BK)
-    assert blocked_lib.heads_per_chunk(b, kh, n // kh, BQ, BK) == chunk < b * kh
+    monkeypatch.setattr(sizes, "TILE_BUDGET", chunk * (n // kh) * BQ * BK)
+    assert sizes.heads_per_chunk(b, kh, n // kh, BQ, BK) == chunk < b * kh
   (ob, gb), (od, gd) = _ssmax_learned(case, causal)
   _check_values(ob, od, VALUE_TOL, "out")
   for label, g, w in zip(("q", "k", "v", "bias", "s"), gb, gd, strict=True):
@@ -417,8 +418,8 @@ def test_ssmax_nan_query_of_an_empty_row_does_not_reach_a_learned_s():
 @pytest.mark.parametrize("name", ["entmax:alpha=1.3"])
 def test_chunks_of_heads_match_dense(name, monkeypatch):
   b, _, _, n, kh = CASES["full"][:5]
-  monkeypatch.setattr(blocked_lib, "TILE_BUDGET", (n // kh) * BQ * BK)
-  assert blocked_lib.heads_per_chunk(b, kh, n // kh, BQ, BK) == 1
+  monkeypatch.setattr(sizes, "TILE_BUDGET", (n // kh) * BQ * BK)
+  assert sizes.heads_per_chunk(b, kh, n // kh, BQ, BK) == 1
   q, k, v, bias, mask, ct = _inputs("full")
   bias = bias[:, :1]  # [1, 1, T, S]: broadcast over batch and heads
   run = lambda impl: jax.jit(lambda *a: _out_and_grads(
@@ -579,8 +580,8 @@ def _skip_case(case, name):
   with pytest.MonkeyPatch.context() as mp:
     if chunk is not None:
       b, _, _, n, kh = SKIP_CASES[case][:5]
-      mp.setattr(blocked_lib, "TILE_BUDGET", chunk * (n // kh) * BQ * BK)
-      assert blocked_lib.heads_per_chunk(b, kh, n // kh, BQ, BK) == chunk < b * kh
+      mp.setattr(sizes, "TILE_BUDGET", chunk * (n // kh) * BQ * BK)
+      assert sizes.heads_per_chunk(b, kh, n // kh, BQ, BK) == chunk < b * kh
 
     @jax.jit
     def run(q, k, v, bias, ct, scale):
@@ -702,7 +703,7 @@ def test_causal_block_sizes_fit_lengths_and_budget(family, t, s, group):
   bq, bk = causal_block_sizes(family, t, s, group)
   assert bq % 8 == 0 and bk % 8 == 0 and bq >= 8 and bk >= 8
   assert bq <= max(8, -(-t // 8) * 8) and bk <= max(8, -(-s // 8) * 8)
-  assert group * bq * bk <= max(blocked_lib.TILE_BUDGET, group * 8 * bk)
+  assert group * bq * bk <= max(sizes.TILE_BUDGET, group * 8 * bk)
 
 
 def test_default_causal_tiles_are_causal_block_sizes():

@@ -80,7 +80,7 @@ from attnx.core import scores as scores_lib
 from attnx.core.contract import compute_dtype, nonfinite_inputs
 from attnx.core.implementations import Implementation, RingProblem
 from attnx.core.kernels import common
-from attnx.core.kernels.xla import pointwise as bl
+from attnx.core.kernels.xla import sweep
 from attnx.core.parallel import layout as ring_layout
 from attnx.core.parallel import steps, stick_zigzag
 from attnx.core.parallel.layout import LAYOUTS, ring_work, zigzag_permute, zigzag_unpermute
@@ -325,7 +325,7 @@ def _make_ring(rc: steps.RingConfig, passes: int):
                                 scale)
       return _put_heads(out, bthd(o), c * hq, 2), (stats, extra, o if keep_f32 else None)
 
-    out = bl.vary(jnp.zeros(qd.shape[:3] + vd.shape[3:], qd.dtype), rc.vma)
+    out = sweep.vary(jnp.zeros(qd.shape[:3] + vd.shape[3:], qd.dtype), rc.vma)
     if passes == 1:
       out, saved = one(out, 0)
       return out, jax.tree.map(lambda x: x[None], saved)
@@ -377,7 +377,7 @@ def _make_ring(rc: steps.RingConfig, passes: int):
     def like(ct, x):
       """The cotangent of an input that does not vary over the ring's axis (a replicated
       scale or bias, with check_vma=True) is the sum of every device's."""
-      missing = tuple(a for a in bl.manual_axes(ct) if a not in bl.manual_axes(x))
+      missing = tuple(a for a in sweep.manual_axes(ct) if a not in sweep.manual_axes(x))
       return (lax.psum(ct, missing) if missing else ct).astype(x.dtype)
 
     return (like(dq, qd), like(dk, kd), like(dv, vd),
@@ -641,7 +641,7 @@ def ring_attention(q: Array, k: Array, v: Array, bias: Array | None = None,
                         bias_kind=steps.kind_of(bias4, t, s, p, "bias"),
                         mask_kind=("structured" if structured is not None
                                    else steps.kind_of(mask4, t, s, p, "mask")),
-                        vma=bl.manual_axes(q, k, v, bias4,
+                        vma=sweep.manual_axes(q, k, v, bias4,
                                            None if structured is not None else mask4,
                                            lax.axis_index(axis_name)),
                         skip_empty_steps=structured is not None)

@@ -17,6 +17,7 @@ from attnx.core import streaming
 from attnx.core.kernels import common
 from attnx.core.kernels.xla import block as xla_block
 from attnx.core.kernels.xla import pointwise as bl
+from attnx.core.kernels.xla import sweep
 from attnx.core.kernels.xla import tiling as tl
 from attnx.core.parallel import layout as ring_layout
 from attnx.core.weightings import Pointwise
@@ -73,7 +74,7 @@ class RingConfig:
   mask_kind: str  # the same, or "structured" (a MaskRows: each step's block evaluated then)
   block_q: int | None = None  # caps on the step kernel's tiles
   block_k: int | None = None
-  vma: tuple[str, ...] = ()  # axes the inputs vary over (check_vma=True): see blocked.vary
+  vma: tuple[str, ...] = ()  # axes the inputs vary over (check_vma=True): see sweep.vary
   kernel: BlockKernel = xla_block.XLA_BLOCK_KERNEL  # the kernels of every step
   dtype: Any = F32  # the compute dtype (contract.compute_dtype): float32, or float64
   # A structured mask: a step whose block allows no pair is skipped.
@@ -297,14 +298,14 @@ def select(pred: Array, a: Any, b: Any) -> Any:
 def zeros(rc: RingConfig, shape: tuple[int, ...]) -> Array:
   """Zeros of the compute dtype typed like the ring's inputs (loop starts and branch
   results)."""
-  return bl.vary(jnp.zeros(shape, rc.dtype), rc.vma)
+  return sweep.vary(jnp.zeros(shape, rc.dtype), rc.vma)
 
 
 def empty(rc: RingConfig, rows: tuple[int, ...], hv: int) -> Any:
   """The state of rows that have seen no key."""
   if rc.pointwise:
-    return bl.vary(streaming.pointwise_empty(rc.w, rows, hv, rc.dtype), rc.vma)
-  return bl.vary(streaming.init(rc.w.stream, rows, hv, rc.dtype), rc.vma)
+    return sweep.vary(streaming.pointwise_empty(rc.w, rows, hv, rc.dtype), rc.vma)
+  return sweep.vary(streaming.init(rc.w.stream, rows, hv, rc.dtype), rc.vma)
 
 
 def merge(rc: RingConfig, a: Any, b: Any) -> Any:
@@ -344,7 +345,7 @@ def kind_state(rc: RingConfig, pieces, q, kv, bias, mask, rsc, scale, hv: int) -
       state = part
     else:
       state = put_tree_rows(state, merge(rc, tree_rows(state, lo, hi - lo), part), lo)
-  return bl.vary(state, rc.vma)  # every kind of step: the same type
+  return sweep.vary(state, rc.vma)  # every kind of step: the same type
 
 
 def kind_grads(rc: RingConfig, pieces, q, kv, bias, mask, rsc, scale, out, stats, do, carries):
@@ -379,7 +380,7 @@ def kind_grads(rc: RingConfig, pieces, q, kv, bias, mask, rsc, scale, out, stats
     if db is not None:
       db = add_rows_keys(db, gb, lo, klo)
     dscale = dscale + gs
-  return bl.vary((dq, (dk, dv), db, carries, dscale), rc.vma)  # every kind: the same type
+  return sweep.vary((dq, (dk, dv), db, carries, dscale), rc.vma)  # every kind: the same type
 
 
 # --------------------------------------------------------------------------------------------

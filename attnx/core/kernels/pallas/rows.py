@@ -82,7 +82,7 @@ def row_scale(rs: st.RowStream, b: int, n: int, t: int, s: int, bias4: Array | N
               s_param: Array | float | None, structured: Any = None, kv_heads: int = 1,
               tiles: tuple[int, int] = (128, 128)) -> Array:
   """[B, N, T] float32 c_i = s·log max(n_i, 1), n_i the keys row i attends (mask, bias ≠ −∞,
-  causal, key lengths), as :func:`attnx.core.kernels.xla.rows._valid_counts`; ``s_param`` a scalar
+  causal, key lengths), counted as the XLA whole-row kernel counts them; ``s_param`` a scalar
   or one value per query head [N] (default the weighting's s). Under a bound ``structured``
   mask n_i is counted tile by tile (``tiles``; :func:`attnx.core.kernels.xla.rows.
   structured_counts`), without a T×S array."""

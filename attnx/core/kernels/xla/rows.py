@@ -39,6 +39,7 @@ from attnx.core import streaming as st
 from attnx.core.contract import compute_dtype, finite, nonfinite_inputs
 from attnx.core.kernels import common
 from attnx.core.kernels.xla import pointwise as bl
+from attnx.core.kernels.xla import sizes, sweep
 from attnx.core.kernels.xla import tiling as tl
 from attnx.core.weightings import RowNormalizer, get_weighting
 
@@ -263,7 +264,7 @@ def _backward_chunk(q, k, v, bias, mask, row_scales, scale, out, stats, support_
   q_f, k_f = finite(q), finite(k)
   delta = jnp.sum(do.astype(cd) * (support_mean if rs.saves_support_mean else out), axis=-1)
   bias_shape = bias.shape if cfg.has_bias else None
-  axes = bl.manual_axes(q, k, v, bias, mask, row_scales, out, do)
+  axes = sweep.manual_axes(q, k, v, bias, mask, row_scales, out, do)
   block_rows = lambda a, i: tl.row_block(a, i, cfg)
   if zero is not None:
     do_blocks = do.reshape(do.shape[:2] + (cfg.num_q_blocks, cfg.bq) + do.shape[3:])
@@ -359,7 +360,7 @@ def _backward_chunk(q, k, v, bias, mask, row_scales, scale, out, stats, support_
     dv0 = jnp.zeros((v.shape[0], cfg.bk, v.shape[-1]), cd)
     lo, hi = tl.q_range(j, cfg) if span is None else (span[0][j], span[1][j])
     dq, dk_j, dv_j, dbias, carry_a, carry_b, *dmod = lax.fori_loop(
-        lo, hi, body, (dq, *bl.vary((dk0, dv0), axes), dbias, carry_a, carry_b, *dmod))
+        lo, hi, body, (dq, *sweep.vary((dk0, dv0), axes), dbias, carry_a, carry_b, *dmod))
     dk_all = lax.dynamic_update_slice_in_dim(dk_all, dk_j, j * cfg.bk, axis=1)
     dv_all = lax.dynamic_update_slice_in_dim(dv_all, dv_j, j * cfg.bk, axis=1)
     return dq, dk_all, dv_all, dbias, carry_a, carry_b, *dmod
@@ -368,7 +369,7 @@ def _backward_chunk(q, k, v, bias, mask, row_scales, scale, out, stats, support_
   carry_a0, carry_b0 = (rows0, rows0) if carry0 is None else carry0
   init = (jnp.zeros(q.shape, cd), jnp.zeros(k.shape, cd), jnp.zeros(v.shape, cd),
           jnp.zeros(bias_shape, cd) if cfg.has_bias else jnp.zeros((), cd), carry_a0, carry_b0)
-  init = bl.vary(init + tuple(mod_zeros), axes)
+  init = sweep.vary(init + tuple(mod_zeros), axes)
   dq_z, dk_z, dv, dbias_z, carry_a, carry_b, *dmod = lax.fori_loop(0, cfg.num_k_blocks, k_block,
                                                                    init)
   if cfg.sinks:  # the sink, a key of zero value (dP = 0) in every row: d sinks and the carries
@@ -503,7 +504,7 @@ def raw_block_state(q: Array, k: Array, v: Array, bias: Array | None, mask: Arra
   hv = v.shape[-1]
   rows = (x, g * cfg.bq)
   cd = compute_dtype(q.dtype)
-  axes = bl.manual_axes(q, k, v, bias, mask, row_scales)
+  axes = sweep.manual_axes(q, k, v, bias, mask, row_scales)
   q, qk_mult, bias_mult, _ = tl.prescale(q, scale, cfg)
 
   def q_block(i, buf):
@@ -511,11 +512,11 @@ def raw_block_state(q: Array, k: Array, v: Array, bias: Array | None, mask: Arra
     lo, hi = tl.k_range(i, cfg)
     ctx = tl.row_block(row_scales, i, cfg) if rs.needs_row_scale else None
     state = _fold(tile, lo, hi, lambda c, z, ok, vj: st.update(rs, c, z, ok, vj, ctx),
-                  bl.vary(st.init(rs, rows, hv, cd), axes), rs.reverse)
+                  sweep.vary(st.init(rs, rows, hv, cd), axes), rs.reverse)
     return jax.tree.map(lambda b, a: tl.put_row_block(b, a, i, cfg), buf, state)
 
   return lax.fori_loop(0, cfg.num_q_blocks, q_block,
-                       bl.vary(st.init(rs, (x, g, tp), hv, cd), axes))
+                       sweep.vary(st.init(rs, (x, g, tp), hv, cd), axes))
 
 
 def block_grads(q: Array, k: Array, v: Array, bias: Array | None, mask: Array | None,
@@ -714,12 +715,12 @@ def _block_k(family: str, s: int) -> int:
 def causal_block_sizes(family: str, t: int, s: int, group: int = 1) -> tuple[int, int]:
   """Default causal (block_q, block_k) of a streaming family for T queries, S keys and
   ``group`` query heads per kv head (see :data:`CAUSAL_BLOCK_Q`): capped at the (8-aligned)
-  lengths and, like the pointwise kernel's, at :data:`attnx.core.kernels.xla.pointwise.TILE_BUDGET`
+  lengths and, like the pointwise kernel's, at :data:`attnx.core.kernels.xla.sizes.TILE_BUDGET`
   scores per tile."""
   bk = _block_k(family, s)
   short_bq, short_t = FAMILY_SHORT_BLOCK_Q.get(family, (CAUSAL_BLOCK_Q, 0))
   bq = short_bq if t < short_t else CAUSAL_BLOCK_Q
-  budget = max(tl.ALIGN, (bl.TILE_BUDGET // (bk * max(group, 1))) // tl.ALIGN * tl.ALIGN)
+  budget = max(tl.ALIGN, (sizes.TILE_BUDGET // (bk * max(group, 1))) // tl.ALIGN * tl.ALIGN)
   return min(bq, budget, common.round_up(max(t, 1), tl.ALIGN)), bk
 
 
@@ -727,14 +728,14 @@ def _problem(family: str, t: int, s: int, g: int, b: int, kv_heads: int, is_caus
              block_q, block_k, structured: bool = False):
   if structured:  # the causal tiles, at most the pointwise kernel's under a structured mask
     bq, bk = causal_block_sizes(family, t, s, g)
-    bq, bk = min(bq, bl.STRUCTURED_BLOCK_Q), min(bk, bl.STRUCTURED_BLOCK_K)
+    bq, bk = min(bq, sizes.STRUCTURED_BLOCK_Q), min(bk, sizes.STRUCTURED_BLOCK_K)
   elif is_causal:
     bq, bk = causal_block_sizes(family, t, s, g)
   else:  # the pointwise kernel's query blocks
-    bq, bk = bl.default_block_sizes(t, s, g)[0], _block_k(family, s)
+    bq, bk = sizes.default_block_sizes(t, s, g)[0], _block_k(family, s)
   bq = min(block_q, common.round_up(t, tl.ALIGN)) if block_q else bq
   bk = min(block_k, common.round_up(s, tl.ALIGN)) if block_k else bk
-  return bq, bk, bl.heads_per_chunk(b, kv_heads, g, bq, bk)
+  return bq, bk, sizes.heads_per_chunk(b, kv_heads, g, bq, bk)
 
 
 def _cfg(weighting, t, s, b, kv_heads, g, is_causal, block_q, block_k, has_mask, has_bias,

@@ -54,7 +54,7 @@ class TileConfig:
   heads_in_chunk: int = 1  # X rows (batch, kv head pairs) per chunk
   user_bq: int = 0  # tile sizes asked for (0 = default): caps on the causal path's tiles
   user_bk: int = 0
-  raw: bool = False  # forward returns the unnormalized state (see _forward_chunk), no offset
+  raw: bool = False  # forward returns the unnormalized state (see sweep.forward), no offset
   # Causal (whole problem): P diagonal tiles of bq = bk = d rows, T = S ≤ P·d.
   num_diag_tiles: int = 0
   # The key count S that F sees (F(z, S)); 0 = s. Causal sub-blocks keep the problem's S.

@@ -11,6 +11,7 @@ dropout. :func:`plan` turns a checked call into the :class:`~attnx.core.implemen
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -280,7 +281,8 @@ def describe(q: Array, k: Array, v: Array, bias: Array | None, mask: Array | Non
              sc: scores_lib.Score, params: dict[str, Any], *, is_causal: bool,
              dropout_rate: float, broadcast_dropout: bool, return_weights: bool,
              has_structured_mask: bool = False, has_score_mod: bool = False,
-             has_score_mod_fn: bool = False, has_sinks: bool = False) -> Problem:
+             has_score_mod_fn: bool = False, has_sinks: bool = False,
+             score_mod_kind: str | None = None) -> Problem:
   """The static description of a checked call (shapes and dtypes only: works on tracers)."""
   stream_dtype = stream_head_dim = None
   if sc.to_dot is not None:  # what the streaming kernels will see, without computing it
@@ -294,6 +296,7 @@ def describe(q: Array, k: Array, v: Array, bias: Array | None, mask: Array | Non
       stream_head_dim=stream_head_dim, is_causal=bool(is_causal), has_mask=mask is not None,
       has_bias=bias is not None, has_structured_mask=has_structured_mask,
       has_score_mod=has_score_mod, has_score_mod_fn=has_score_mod_fn, has_sinks=has_sinks,
+      score_mod_kind=score_mod_kind,
       dropout_rate=dropout_rate,
       broadcast_dropout=bool(broadcast_dropout), return_weights=bool(return_weights),
       platform=jax.default_backend())
@@ -328,6 +331,7 @@ def plan(query: Array, key: Array, value: Array, bias: Array | None = None,
   problem = describe(q, k, v, bias, mask, w, sc, params, is_causal=is_causal,
                      has_structured_mask=structured is not None, has_score_mod=mod is not None,
                      has_score_mod_fn=mod is not None and mod.fn is not None,
+                     score_mod_kind=score_mods_lib.kind(mod),
                      has_sinks=sinks is not None,
                      dropout_rate=float(dropout_rate) if dropout else 0.0,
                      broadcast_dropout=broadcast_dropout, return_weights=return_weights)
@@ -386,7 +390,7 @@ def score_modification(logits_soft_cap: Any, score_mod: Any, score_mod_params: A
       raise ValueError(f"score_mod_params must be float arrays (they get gradients), got one "
                        f"of dtype {leaf.dtype}; close over integer data in the score_mod "
                        "function instead.")
-  mod = score_mods_lib.ScoreMod(cap=mod.cap, fn=mod.fn, params=params)
+  mod = dataclasses.replace(mod, params=params)
   score_mods_lib.check(mod, jnp.float64 if q.dtype == jnp.float64 else jnp.float32)
   return mod
 

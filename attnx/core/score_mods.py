@@ -37,7 +37,8 @@ import numpy as np
 
 Array = jax.Array
 
-__all__ = ["ScoreMod", "alibi", "alibi_slopes", "check", "make", "relative_table", "soft_cap"]
+__all__ = ["ScoreMod", "alibi", "alibi_slopes", "check", "kind", "make", "relative_table",
+           "soft_cap"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,11 +50,23 @@ class ScoreMod:
     cap: ``logits_soft_cap`` c > 0 (s ← c·tanh(s/c) before the bias), or None.
     fn: ``fn(score, b, h, q_idx, kv_idx, params) -> score`` after the bias, or None.
     params: the pytree of arrays ``fn`` reads (its gradients flow back through attention).
+    linear_bias: ``"causal"`` or ``"symmetric"`` when ``fn`` is ALiBi's linear bias
+      s − m_h·(i − j) or s − m_h·abs(i − j) with ``params`` the slopes m ``[N]``
+      (:func:`alibi` sets it), None otherwise: a declaration that kernels which do not call
+      ``fn`` (the Pallas kernels) read instead of it, so they never compare functions.
   """
 
   cap: float | None = None
   fn: Callable[..., Array] | None = None
   params: Any = None
+  linear_bias: str | None = None
+
+  def __post_init__(self):
+    if self.linear_bias not in (None, "causal", "symmetric"):
+      raise ValueError(f"ScoreMod.linear_bias must be None, 'causal' or 'symmetric', got "
+                       f"{self.linear_bias!r}.")
+    if self.linear_bias is not None and self.fn is None:
+      raise ValueError("ScoreMod.linear_bias declares fn to be ALiBi's bias: give fn too.")
 
   def capped(self, z: Array) -> Array:
     """The soft cap on raw scores ``z`` (``z`` itself without one)."""
@@ -84,7 +97,8 @@ class ScoreMod:
     return self.apply(z, bias, b, h, q_idx, kv_idx)
 
 
-jax.tree_util.register_dataclass(ScoreMod, data_fields=["params"], meta_fields=["cap", "fn"])
+jax.tree_util.register_dataclass(ScoreMod, data_fields=["params"],
+                                 meta_fields=["cap", "fn", "linear_bias"])
 
 
 def _check_cap(cap: Any) -> float:
@@ -142,7 +156,8 @@ def alibi(slopes: Array, *, symmetric: bool = False) -> ScoreMod:
   if slopes.ndim != 1 or not jnp.issubdtype(slopes.dtype, jnp.floating):
     raise ValueError(f"alibi: slopes must be a float array [N] (one per query head), got "
                      f"shape {slopes.shape} and dtype {slopes.dtype}.")
-  return ScoreMod(fn=_alibi_symmetric if symmetric else _alibi_causal, params=slopes)
+  return ScoreMod(fn=_alibi_symmetric if symmetric else _alibi_causal, params=slopes,
+                  linear_bias="symmetric" if symmetric else "causal")
 
 
 def _relative(score, b, h, q_idx, kv_idx, params):
@@ -164,6 +179,15 @@ def relative_table(table: Array) -> ScoreMod:
                      f"(distances −(L−1)/2 … (L−1)/2), got shape {table.shape} and dtype "
                      f"{table.dtype}.")
   return ScoreMod(fn=_relative, params=table)
+
+
+def kind(mod: ScoreMod | None) -> str | None:
+  """What a modification's function is, for implementations that run some kinds only: None
+  (no modification, or a soft cap alone), ``"alibi"`` (a :attr:`ScoreMod.linear_bias`, ALiBi's
+  slopes as ``params``) or ``"fn"`` (any other function: a relative table, a user's)."""
+  if mod is None or mod.fn is None:
+    return None
+  return "alibi" if mod.linear_bias is not None else "fn"
 
 
 def make(logits_soft_cap: Any = None, score_mod: Any = None,

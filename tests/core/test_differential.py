@@ -312,6 +312,23 @@ BRANCH_CASES = (
       structured="lengths", magnitude=2.0, block_q=16, block_k=128),
     C(seed=127, t=50, s=70, n=2, weighting="softmax:alpha=2", score_mod="cap", sinks=True,
       mask="rows", bias="11xx", block_q=32, block_k=32),
+    # ALiBi in the pointwise Pallas kernels (kernels/pallas/common.py: alibi_tile after the cap
+    # and the bias at global positions, in the forward, dQ and dK/dV kernels; d slopes from
+    # the dQ kernel's per-row sums), Triton and Mosaic where the tiles fit both: the online
+    # max, causal, GQA (each query head its own slope), T ≠ S not multiples of the tiles;
+    # sigmoid's sum, symmetric (not causal), padding keys and sinks; relu with a
+    # differentiated full bias (dS, the same cotangent the slopes read) under query/key
+    # lengths, G = 4; bf16 with a denominator offset and sinks. (The cap with ALiBi:
+    # tests/core/test_score_mods.py.)
+    C(seed=128, t=100, s=150, b=2, n=4, kh=2, causal=True, score_mod="alibi", magnitude=2.0,
+      block_q=16, block_k=128),
+    C(seed=129, t=90, s=140, b=2, n=2, weighting="sigmoid", score_mod="alibi", sinks=True,
+      mask="padding", block_q=32, block_k=128),
+    C(seed=130, t=70, s=60, b=2, n=4, kh=1, weighting="relu", score_mod="alibi", bias="xxxx",
+      structured="lengths", block_q=16, block_k=16),
+    C(seed=131, t=120, s=120, b=2, n=4, kh=2, dtype="bfloat16", weighting="softmax_plus_one",
+      score_mod="alibi", sinks=True, causal=True, bias="1x1x", magnitude=2.0, block_q=16,
+      block_k=128),
 )
 CI_RANDOM = 4
 INSTANCES = 5  # random inputs per configuration in the large run (compiling dominates a case)

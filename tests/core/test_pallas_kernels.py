@@ -192,3 +192,29 @@ def test_a_soft_cap_and_sinks_lower_fwd_and_bwd(weighting, platform):
   grad = jax.grad(loss, argnums=(0, 1, 2, 3, 4))
   text = jax.jit(grad).trace(*args).lower(lowering_platforms=(platform,)).as_text()
   lowering.custom_calls(text, target, lowering.expected_kernels(platform, "bfloat16", 64, 64))
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "symmetric"])
+def test_alibi_with_a_cap_and_sinks_lowers_fwd_and_bwd(causal, platform):
+  """core.attention with core.alibi (learned slopes), a cap and sinks through core.Pallas
+  lowers for each chip: the slopes as an operand of the forward, dQ and dK/dV kernels (GPU:
+  a [1] block per program, a [Gp] row per kv head in dK/dV; TPU: the whole [N] in SMEM), the
+  dQ kernel's per-row d slope sums as one more output, G = 3 (not a power of 2), a ragged T,
+  a differentiated bias."""
+  _, target = PLATFORMS[platform]
+  sds = jax.ShapeDtypeStruct
+  args = (sds((2, 200, 6, 64), jnp.bfloat16), sds((2, 256, 2, 64), jnp.bfloat16),
+          sds((2, 256, 2, 64), jnp.bfloat16), sds((1, 6, 200, 256), jnp.float32),
+          sds((6,), jnp.float32), sds((6,), jnp.float32))
+
+  def loss(q, k, v, bias, sinks, slopes):
+    out = core.attention(q, k, v, bias, weighting="softmax", is_causal=causal,
+                         logits_soft_cap=30.0, sinks=sinks,
+                         score_mod=core.alibi(slopes, symmetric=not causal),
+                         implementation=core.Pallas())
+    return jnp.sum(jnp.square(out.astype(jnp.float32)))
+
+  grad = jax.grad(loss, argnums=(0, 1, 2, 3, 4, 5))
+  text = jax.jit(grad).trace(*args).lower(lowering_platforms=(platform,)).as_text()
+  lowering.custom_calls(text, target, lowering.expected_kernels(platform, "bfloat16", 64, 64))

@@ -17,8 +17,9 @@ from attnx.core.kernels import pallas as pallas_lib
 
 B, T, S, N, K, H = 2, 40, 52, 4, 2, 8
 IMPLS = ["dense", core.Blocked(block_q=16, block_k=16)]
-# The Pallas kernels run a soft cap alone and sinks, for a pointwise F (Triton's kernels in
-# the interpreter here; both lowerings in the differential net's cases 121-127).
+# The Pallas kernels run a soft cap, ALiBi and sinks, for a pointwise F (Triton's kernels in
+# the interpreter here, both lowerings in test_pallas_alibi_*; the differential net's cases
+# 121-131).
 PALLAS = core.Pallas(block_q=16, block_k=16, interpret=True)
 WITH_PALLAS = [*IMPLS, PALLAS]
 
@@ -44,7 +45,7 @@ def test_alibi_slopes_are_press_et_al_geometric_sequence():
     core.alibi_slopes(0)
 
 
-@pytest.mark.parametrize("impl", IMPLS, ids=["dense", "blocked"])
+@pytest.mark.parametrize("impl", WITH_PALLAS, ids=["dense", "blocked", "pallas"])
 @pytest.mark.parametrize("causal", [False, True])
 def test_alibi_equals_jax_nn_with_the_alibi_bias(impl, causal):
   """Softmax with core.alibi(slopes) equals jax.nn with the bias −m_h·(i − j) (causal) or
@@ -227,22 +228,37 @@ def test_bad_score_mod_arguments_are_refused():
 
 
 def test_pallas_refuses_score_mod_functions_and_row_families_and_the_choice_runs_blocked():
-  """Pallas runs a cap alone with a pointwise F; a score_mod function (ALiBi, a table, a
-  user's) or a whole-row family is refused with the reason, and the automatic choice runs
-  the blocked kernel (on a CPU it never takes Pallas; explain says why for each)."""
+  """Pallas runs a cap and ALiBi with a pointwise F; any other score_mod function (a table, a
+  user's — even one that computes ALiBi without declaring it) or a whole-row family is
+  refused with the reason, and the automatic choice runs the blocked kernel (on a CPU it never
+  takes Pallas; explain says why for each)."""
   q, k, v = _qkv(t=512, s=512)
-  alibi = core.alibi(core.alibi_slopes(N))
-  with pytest.raises(ValueError, match="not a score_mod function"):
-    core.attention(q, k, v, score_mod=alibi, implementation=core.Pallas(interpret=True))
-  with pytest.raises(ValueError, match="not a score_mod function"):
+  slopes = core.alibi_slopes(N)
+  alibi = core.alibi(slopes)
+  table = core.relative_table(jnp.zeros((N, 3)))
+  undeclared = dataclasses.replace(alibi, linear_bias=None)  # ALiBi's fn, no declaration
+  for mod in (table, undeclared):
+    with pytest.raises(ValueError, match="not another score_mod function"):
+      core.attention(q, k, v, score_mod=mod, implementation=core.Pallas(interpret=True))
+  with pytest.raises(ValueError, match="not another score_mod function"):
     core.attention(q, k, v, logits_soft_cap=5.0, score_mod=lambda s, *_: s,
                    implementation=core.Pallas(interpret=True))
   with pytest.raises(ValueError, match="a logits_soft_cap with a pointwise weighting only"):
     core.attention(q, k, v, weighting="entmax15", logits_soft_cap=5.0,
                    implementation=core.Pallas(interpret=True))
-  ex = core.explain(q, k, v, score_mod=alibi)
-  assert ex.chosen == "blocked" and "not a score_mod function" in ex.reasons["pallas"]
+  with pytest.raises(ValueError, match="ALiBi with a pointwise weighting only"):
+    core.attention(q, k, v, weighting="entmax15", score_mod=alibi,
+                   implementation=core.Pallas(interpret=True))
+  ex = core.explain(q, k, v, score_mod=table)
+  assert ex.chosen == "blocked" and "not another score_mod function" in ex.reasons["pallas"]
   assert ex.problem.has_score_mod and ex.problem.has_score_mod_fn
+  assert ex.problem.score_mod_kind == "fn"
+  # ALiBi: supported, and the automatic choice still passes over Pallas (on a GPU too).
+  ex = core.explain(q, k, v, score_mod=alibi)
+  assert ex.problem.score_mod_kind == "alibi" and ex.reasons["pallas"] is None
+  assert ex.chosen == "blocked"
+  on_gpu = dataclasses.replace(ex.problem, platform="gpu")
+  assert "covers no logits_soft_cap, ALiBi" in core.Pallas().declines(on_gpu)
   ex = core.explain(q, k, v, logits_soft_cap=5.0)
   assert ex.chosen == "blocked" and ex.problem.has_score_mod
   assert not ex.problem.has_score_mod_fn
@@ -423,3 +439,147 @@ def test_pallas_a_masked_nan_key_touches_nothing_under_a_cap_and_sinks(backend, 
   keep = np.ones(k.shape, bool)
   keep[0, S - 1] = False  # the NaN key's own gradient
   np.testing.assert_allclose(np.asarray(grads[1])[keep], np.asarray(clean[1])[keep], atol=1e-6)
+
+
+# --------------------------------------------------------------------------------------------
+# ALiBi in the Pallas kernels (kernels/pallas/common.py alibi_tile; Triton and Mosaic).
+# --------------------------------------------------------------------------------------------
+
+_PT, _PS = 20, 27  # not multiples of the tiles (16 | 128)
+
+
+def _pallas_alibi(backend, weighting, causal, *, cap=None, sinks=None, q_lengths=None,
+                  kv_lengths=None):
+  """fn(q, k, v, slopes) of the Pallas kernels (``backend``'s lowering, interpreted) and of
+  the dense implementation, with ALiBi (causal or symmetric), an optional cap, sinks and
+  lengths: the keywords core.attention passes them with."""
+  w = core.get_weighting(weighting)
+  symmetric = not causal
+
+  def pallas(q, k, v, slopes):
+    mod = core.score_mods.make(cap, core.alibi(slopes, symmetric=symmetric))
+    return pallas_lib.pallas_attention(
+        q, k, v, weighting=w, scale=1 / math.sqrt(H), is_causal=causal, q_lengths=q_lengths,
+        kv_lengths=kv_lengths, block_q=16, block_k=16 if backend == "gpu" else 128,
+        backend=backend, interpret=True, score_mod=mod, sinks=sinks)
+
+  def dense(q, k, v, slopes):
+    return core.attention(
+        q, k, v, weighting=weighting, is_causal=causal, logits_soft_cap=cap,
+        score_mod=core.alibi(slopes, symmetric=symmetric),
+        sinks=None if sinks is None else jnp.asarray(sinks, q.dtype),
+        query_seq_lengths=q_lengths, key_value_seq_lengths=kv_lengths,
+        implementation="dense")
+
+  return pallas, dense
+
+
+def _against_float64(pallas, dense, args, atol, grad_tol):
+  """Values and gradients (q, k, v, slopes) of ``pallas`` against ``dense`` in float64 on the
+  same (rounded) inputs; gradients to ``grad_tol`` of each one's largest entry."""
+  loss = lambda f: lambda *a: jnp.sum(f(*a).astype(jnp.float32 if f is pallas else None) ** 2)
+  out = pallas(*args)
+  grads = jax.grad(loss(pallas), argnums=(0, 1, 2, 3))(*args)
+  with jax.enable_x64(True):
+    a64 = [np.asarray(x, np.float64) for x in args]
+    want = dense(*a64)
+    want_g = jax.grad(loss(dense), argnums=(0, 1, 2, 3))(*a64)
+  np.testing.assert_allclose(np.asarray(out, np.float64), want, atol=atol)
+  for name, g, w in zip(("dq", "dk", "dv", "dslopes"), grads, want_g, strict=True):
+    w = np.asarray(w)
+    err = np.abs(np.asarray(g, np.float64) - w).max() / max(np.abs(w).max(), 1e-6)
+    assert err < grad_tol, f"{name}: relative error {err:.2e}"
+  assert np.all(np.abs(np.asarray(want_g[3])) > 0)  # every head's slope reached the loss
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "symmetric"])
+@pytest.mark.parametrize("weighting", ["softmax", "sigmoid", "relu", "softmax_plus_one"])
+@pytest.mark.parametrize("backend", ["gpu", "tpu"])
+def test_pallas_alibi_equals_float64_dense(backend, weighting, causal):
+  """ALiBi in the Pallas kernels (Triton and Mosaic, interpreted): GQA (each query head its
+  own slope, G = 2), T and S not multiples of the tiles, key lengths (and query lengths when
+  causal), with a soft cap (softmax, relu) and sinks (the sums): values and the gradients of
+  q, k, v and the slopes equal the float64 dense implementation's."""
+  q, k, v = _qkv(11, t=_PT, s=_PS)
+  q = 2.0 * q  # scores the cap bends
+  slopes = core.alibi_slopes(N) * jnp.array([1.0, 3.0, 0.5, 2.0])
+  cap = 2.0 if weighting in ("softmax", "relu") else None
+  sinks = None if weighting == "softmax" else np.array([0.5, -1.0, 1.5, 0.0], np.float32)
+  pallas, dense = _pallas_alibi(
+      backend, weighting, causal, cap=cap, sinks=sinks,
+      q_lengths=jnp.array([_PT - 3, _PT], jnp.int32) if causal else None,
+      kv_lengths=jnp.array([_PS, _PS - 6], jnp.int32))
+  _against_float64(pallas, dense, (q, k, v, slopes), atol=3e-6, grad_tol=2e-5)
+
+
+def test_pallas_alibi_bfloat16():
+  """bf16 inputs (Triton, causal softmax with a cap and GQA): the float64 dense result of the
+  same rounded inputs, to bf16's precision."""
+  q, k, v = _qkv(12, t=_PT, s=_PS, dtype=jnp.bfloat16)
+  slopes = core.alibi_slopes(N) * 2.0
+  pallas, dense = _pallas_alibi("gpu", "softmax", True, cap=3.0)
+  _against_float64(pallas, dense, (q, k, v, slopes), atol=2e-2, grad_tol=3e-2)
+
+
+def test_pallas_alibi_through_attention_takes_learned_slopes_under_jit():
+  """implementation=core.Pallas runs core.alibi: under jit, with learned slopes (their
+  gradient equals the blocked kernel's), a cap and sinks."""
+  q, k, v = _qkv(13, t=_PT, s=_PS)
+  sinks = jnp.array([0.2, -0.3, 1.0, 0.0])
+
+  def run(impl):
+    @jax.jit
+    def loss(slopes):
+      out = core.attention(q, k, v, weighting="sigmoid", is_causal=True, logits_soft_cap=5.0,
+                           score_mod=core.alibi(slopes), sinks=sinks, implementation=impl)
+      return jnp.sum(out ** 2)
+    return jax.value_and_grad(loss)(core.alibi_slopes(N))
+
+  (val, g), (want, want_g) = run(PALLAS), run(IMPLS[1])
+  np.testing.assert_allclose(val, want, rtol=1e-5)
+  np.testing.assert_allclose(g, want_g, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["gpu", "tpu"])
+def test_pallas_alibi_a_masked_nan_key_touches_nothing(backend):
+  """The NaN contract with ALiBi (and a cap) in the Pallas kernels: a NaN key that every row
+  masks changes no output and no gradient but its own — the slopes' included (their
+  gradient is the sum of dS·distance, and dS is zero at masked pairs)."""
+  q, k, v = _qkv(10)
+  bad = k.at[0, S - 1].set(jnp.nan)
+  lengths = jnp.array([S - 3, S], jnp.int32)  # batch 0 masks its last 3 keys
+
+  def run(k):
+    def loss(q, k, v, slopes):
+      mod = core.score_mods.make(2.0, core.alibi(slopes, symmetric=True))
+      return jnp.sum(pallas_lib.pallas_attention(
+          q, k, v, weighting=core.get_weighting("softmax"), scale=1 / math.sqrt(H),
+          kv_lengths=lengths, block_q=16, block_k=128, backend=backend, interpret=True,
+          score_mod=mod) ** 2)
+    return jax.value_and_grad(loss, argnums=(0, 1, 2, 3))(q, k, v, core.alibi_slopes(N))
+
+  (clean_val, clean), (nan_val, grads) = run(k), run(bad)
+  np.testing.assert_allclose(nan_val, clean_val, rtol=1e-6)
+  for i in (0, 2, 3):  # dq, dv, d slopes
+    np.testing.assert_allclose(grads[i], clean[i], atol=1e-5, rtol=1e-6)
+  keep = np.ones(k.shape, bool)
+  keep[0, S - 1] = False  # the NaN key's own gradient
+  np.testing.assert_allclose(np.asarray(grads[1])[keep], np.asarray(clean[1])[keep], atol=1e-6)
+
+
+def test_a_score_mod_declares_alibi_by_a_static_field():
+  """core.alibi declares its linear bias on the ScoreMod (static: jit retraces on a change, the
+  slopes are the only leaf), make() and dataclasses.replace keep it, and a wrong one is
+  refused."""
+  mod = core.alibi(core.alibi_slopes(N), symmetric=True)
+  assert mod.linear_bias == "symmetric" and core.alibi(jnp.ones(N)).linear_bias == "causal"
+  assert len(jax.tree.leaves(mod)) == 1
+  assert jax.tree.map(lambda x: x, mod).linear_bias == "symmetric"
+  assert core.score_mods.make(3.0, mod).linear_bias == "symmetric"
+  assert core.score_mods.kind(mod) == "alibi"
+  assert core.score_mods.kind(core.relative_table(jnp.zeros((N, 3)))) == "fn"
+  assert core.score_mods.kind(core.soft_cap(2.0)) is None
+  with pytest.raises(ValueError, match="linear_bias"):
+    core.ScoreMod(fn=lambda s, *_: s, linear_bias="both")
+  with pytest.raises(ValueError, match="give fn too"):
+    core.ScoreMod(linear_bias="causal")

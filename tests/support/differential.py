@@ -112,7 +112,7 @@ class Case:
       out.append("auto")
     small = max(self.t, self.s) <= PALLAS_MAX_LEN and self.b * self.n <= PALLAS_MAX_HEADS
     # Pallas runs every streaming weighting: pointwise F and the whole-row families; a soft
-    # cap and sinks with a pointwise F only (no score_mod function).
+    # cap, ALiBi and sinks with a pointwise F only (no other score_mod function).
     if streaming and small and self.pallas != "none" and pallas_runs_modification(self):
       out.append("pallas")
       if self.score in ("dot", "scaled_dot") and self.pallas == "both" and not ON_GPU:
@@ -127,12 +127,12 @@ class Case:
 
 def pallas_runs_modification(case: Case) -> bool:
   """Whether the Pallas kernels run the case's score modification and sinks: none at all, or
-  a soft cap alone and/or sinks with a pointwise F (its whole-row kernels take neither, and no
-  kernel runs a score_mod function)."""
+  a soft cap or ALiBi and/or sinks with a pointwise F (its whole-row kernels take none, and no
+  kernel runs another score_mod function)."""
   if case.score_mod == "none" and not case.sinks:
     return True
   pointwise = isinstance(wlib.get_weighting(case.weighting), wlib.Pointwise)
-  return pointwise and case.score_mod in ("none", "cap")
+  return pointwise and case.score_mod in ("none", "cap", "alibi")
 
 
 # --------------------------------------------------------------------------------------------
@@ -233,15 +233,16 @@ def draw(seed: int, kind: str | None = None) -> Case:
   if rng.random() < 0.3:  # a structured mask replaces the dense one
     case = dataclasses.replace(case, mask="none", structured=str(rng.choice(STRUCTURED)))
   # Score modifications: every kind where no Pallas kernel runs; where one does, a pointwise
-  # F gets the soft cap (the one modification the Pallas kernels run) in a smaller share, so
-  # that the unmodified Pallas cases keep theirs. Sinks likewise, for pointwise F only there.
+  # F gets the soft cap or ALiBi (the modifications the Pallas kernels run) in a smaller
+  # share, so that the unmodified Pallas cases keep theirs. Sinks likewise, for pointwise F
+  # only there.
   w = wlib.get_weighting(weighting)
   pointwise = isinstance(w, wlib.Pointwise)
   u = rng.random()
   if u < 0.35 and pallas == "none":
     case = dataclasses.replace(case, score_mod=str(rng.choice(ref_lib.SCORE_MODS[1:])))
   elif u < 0.2 and pointwise:
-    case = dataclasses.replace(case, score_mod="cap")
+    case = dataclasses.replace(case, score_mod="cap" if u < 0.12 else "alibi")
   if (rng.random() < 0.3 and (pallas == "none" or pointwise)
       and problem.sinks_reason(w) is None):
     case = dataclasses.replace(case, sinks=True)
@@ -465,8 +466,11 @@ def _call(case: Case, impl: str, scalar_params: tuple):
       scale = 1.0 / math.sqrt(case.h) if case.score == "scaled_dot" else 1.0
 
     def tpu(q, k, v, bias, mask, params, mp):
-      # A soft cap and sinks at most (Case.implementations), as attention passes them.
-      cap = soft_cap(case)
+      # A soft cap or ALiBi and sinks at most (Case.implementations), as attention passes
+      # them.
+      mod = problem.score_modification(**(dict(logits_soft_cap=None, score_mod=None,
+                                               score_mod_params=None)
+                                          | _mod_keywords(case, mp)), q=q)
       structured = None
       if isinstance(mask, core.masks.Mask):  # bound as attention binds it, sigmoid's n too
         structured = mask.bind(q.shape[:1], q.shape[2], q.shape[1], k.shape[1])
@@ -475,8 +479,7 @@ def _call(case: Case, impl: str, scalar_params: tuple):
       return pallas_lib.pallas_attention(
           q, k, v, weighting=w, scale=scale, bias=bias, mask=mask, is_causal=case.causal,
           block_q=case.block_q, block_k=case.block_k, backend="tpu", interpret=True,
-          structured_mask=structured,
-          score_mod=None if cap is None else core.score_mods.soft_cap(cap),
+          structured_mask=structured, score_mod=mod,
           sinks=mp["sinks"] if case.sinks else None)
     return tpu
   warns = contextlib.nullcontext

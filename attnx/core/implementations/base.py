@@ -58,6 +58,9 @@ class Problem:
     has_score_mod_fn: whether that modification has a function (``score_mod``: ALiBi, a
       relative table, a user's fn), not only a soft cap: kernels that apply a cap alone
       (Pallas) tell them apart.
+    score_mod_kind: what that function is (:func:`attnx.core.score_mods.kind`): None (none,
+      or a soft cap alone), ``"alibi"`` (a ScoreMod declaring ALiBi's linear bias, which the
+      Pallas kernels run) or ``"fn"`` (any other function).
     has_sinks: whether attention sinks (``sinks``, one learned score per head) are given.
     dropout_rate: the dropout rate on the weights when dropout applies, else 0.0.
     broadcast_dropout: one dropout mask shared by the batch and head dims.
@@ -88,6 +91,7 @@ class Problem:
   has_score_mod: bool = False
   has_score_mod_fn: bool = False
   has_sinks: bool = False
+  score_mod_kind: str | None = None
   dropout_rate: float = 0.0
   broadcast_dropout: bool = True
   return_weights: bool = False

@@ -6,8 +6,9 @@ It supports a problem when the weighting streams, the score has a dot-product fo
 weights are needed (dropout, ``return_weights``), the tiles fit the backend's rules, and the
 dtype and head sizes fit the kernels (:func:`attnx.core.kernels.pallas.tiles.supported`): the
 host's GPU or TPU kernels, or on a CPU host either kind. Of the score modifications it runs a
-soft cap alone and attention sinks, with a pointwise F; a ``score_mod`` function (ALiBi, a
-relative table, a user's) and a cap or sinks with a whole-row F are refused with that reason.
+soft cap, ALiBi (:func:`attnx.core.score_mods.alibi`, learned slopes included) and attention
+sinks, with a pointwise F; any other ``score_mod`` function (a relative table, a user's) and
+a modification or sinks with a whole-row F are refused with that reason.
 The kernels are chosen per lowering platform
 (:func:`attnx.core.kernels.pallas.platforms.by_platform`): Triton where the program is lowered
 for a GPU, Mosaic for a TPU, so a CPU host can lower, export or AOT-compile a model for
@@ -16,7 +17,7 @@ the kernels in Pallas' interpreter on any machine).
 
 The automatic choice takes it first in its list, but declines it unless a GPU/TPU runs the
 call, the problem is large enough to stream at all (the blocked kernel's thresholds), it has
-no soft cap or sinks (which the verification does not cover), and the combination is verified
+no soft cap, ALiBi or sinks (which the verification does not cover), and the combination is verified
 (:func:`attnx.core.kernels.pallas.verify.verify_pallas`, run once per combination, eagerly,
 outside the caller's trace); a failing verification logs one warning and the walk goes on to
 the blocked kernel. An explicit ``implementation="pallas"`` is never
@@ -54,18 +55,21 @@ Array = jax.Array
 
 def _modification_reason(problem: Problem) -> str | None:
   """Why the kernels cannot run the problem's score modification or sinks (None when they
-  can): they apply a soft cap alone and fold sinks into the rows' state, for a pointwise F
+  can): they apply a soft cap, ALiBi's linear bias (a ScoreMod declaring it,
+  :func:`attnx.core.score_mods.alibi`) and fold sinks into the rows' state, for a pointwise F
   only (sinks mean nothing without a sum of weights, which the call's checks refuse first);
-  a score_mod function is user code per tile, and the whole-row kernels take neither."""
+  any other score_mod function is user code per tile, and the whole-row kernels take none."""
   if not (problem.has_score_mod or problem.has_sinks):
     return None
-  if problem.has_score_mod_fn:
-    return ("implementation='pallas' runs a logits_soft_cap alone, not a score_mod function "
-            "(ALiBi, a relative-position table, a user's fn): the blocked and dense "
-            "implementations do. Use implementation='blocked' (or None, which picks it).")
+  if problem.has_score_mod_fn and problem.score_mod_kind != "alibi":
+    return ("implementation='pallas' runs a logits_soft_cap and ALiBi (core.alibi), not "
+            "another score_mod function (a relative-position table, a user's fn): the "
+            "blocked and dense implementations do. Use implementation='blocked' (or None, "
+            "which picks it).")
   if not problem.pointwise:
-    what = " and ".join(x for x, on in (("a logits_soft_cap", problem.has_score_mod),
-                                         ("attention sinks", problem.has_sinks)) if on)
+    what = " and ".join(x for x, on in (
+        ("a logits_soft_cap", problem.has_score_mod and not problem.has_score_mod_fn),
+        ("ALiBi", problem.has_score_mod_fn), ("attention sinks", problem.has_sinks)) if on)
     return (f"implementation='pallas' runs {what} with a pointwise weighting only; its "
             f"whole-row kernels ({problem.weighting.name!r}) do not yet: the blocked and "
             f"dense implementations do. Use implementation='blocked' (or None, which picks "
@@ -152,10 +156,10 @@ class Pallas(Implementation):
       return (f"the automatic choice uses Pallas on a GPU or TPU only; this call runs on "
               f"{problem.platform!r}")
     if problem.has_score_mod or problem.has_sinks:
-      # verify_pallas checks each combination without them: a capped or sink kernel has not
-      # been compared with the blocked kernel on this device.
+      # verify_pallas checks each combination without them: a capped, ALiBi or sink kernel
+      # has not been compared with the blocked kernel on this device.
       return ("the automatic choice's self-check of the Pallas kernels covers no "
-              "logits_soft_cap or attention sinks; implementation='pallas' runs them on "
+              "logits_soft_cap, ALiBi or attention sinks; implementation='pallas' runs them on "
               "request")
     # Cheap before costly: the size rule, then the policy and the (one-time) verification.
     return small_problem_reason(problem) or pallas_lib.decline_reason(

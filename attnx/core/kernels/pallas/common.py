@@ -36,9 +36,10 @@ LOG2E = math.log2(math.e)
 LANES = 128  # TPU vector lanes: row statistics are stored replicated over 128 lanes
 NT = (((1,), (1,)), ((), ()))  # dot_general dimensions of a @ b.T
 
-__all__ = ["LANES", "LOG2E", "NT", "ROW_OPS", "KernelConfig", "accumulate_dkv", "bcast_index",
-           "bnth", "bwd_tile", "capped_grad", "dot_chunks", "grad_rows", "in_span", "kv_hi",
-           "kv_span", "q_range", "q_span", "ref_cols", "sink_grad", "sink_start",
+__all__ = ["LANES", "LOG2E", "NT", "ROW_OPS", "KernelConfig", "accumulate_dkv", "alibi_dist",
+           "alibi_tile", "bcast_index", "bnth", "bwd_tile", "capped_grad", "dot_chunks",
+           "grad_rows", "in_span", "kv_hi", "kv_span", "q_range", "q_span", "ref_cols",
+           "sink_grad", "sink_start",
            "tile_scores", "tile_scores_grad", "tile_valid", "uncounted"]
 # The units of the row statistic the kernels save (a log2-sum-exp for the online max), as
 # the custom VJPs read it outside the kernels (:func:`sink_grad`).
@@ -87,6 +88,10 @@ class KernelConfig:
   # Attention sinks: the forward kernels take sinks [N] and start each row's state from its
   # head's sink (:func:`sink_start`); the backward kernels read the statistic that counts it.
   sinks: bool = False
+  # ALiBi ("causal": s − m_h·(i − j); "symmetric": s − m_h·abs(i − j)) after the cap and the
+  # bias (:func:`alibi_tile`): the kernels take the slopes m [N] as one more operand and the dQ
+  # kernel writes per-row partial sums of d m; None: no operand, no op.
+  alibi: str | None = None
 
   @property
   def alpha(self) -> float:
@@ -187,15 +192,38 @@ def tile_valid(cfg: KernelConfig, shape: tuple[int, int], r0, c0, mask_tile, q_l
   return valid
 
 
-def tile_scores(cfg: KernelConfig, qs, ks, bias_tile):
+def alibi_dist(cfg: KernelConfig, shape: tuple[int, int], r0, c0):
+  """−(i − j) (``cfg.alibi == "causal"``) or −abs(i − j) (``"symmetric"``) on a [bq, bk] tile
+  whose first row is query ``r0`` and first column key ``c0`` (global positions, as the
+  dense grid's ``q_idx``/``kv_idx``), float32: ALiBi's bias is slope·this, and the slope's
+  gradient Σ dS·this."""
+  rows = r0 + lax.broadcasted_iota(jnp.int32, shape, 0)
+  cols = c0 + lax.broadcasted_iota(jnp.int32, shape, 1)
+  d = rows - cols
+  if cfg.alibi == "symmetric":
+    d = jnp.abs(d)
+  return -d.astype(jnp.float32)
+
+
+def alibi_tile(cfg: KernelConfig, slope, shape: tuple[int, int], r0, c0):
+  """(ALiBi's bias slope·dist of a tile, dist) of :func:`alibi_dist`, or (None, None) without
+  ALiBi (``slope`` None)."""
+  if cfg.alibi is None:
+    return None, None
+  dist = alibi_dist(cfg, shape, r0, c0)
+  return dist * slope, dist
+
+
+def tile_scores(cfg: KernelConfig, qs, ks, bias_tile, lin=None):
   """The tile score z [bq, bk] float32 (base-2 exponent for online-max weightings).
 
   ``qs``/``ks``: the [bq, c] / [bk, c] chunks of the head dim (one chunk but on the GPU).
   With a soft cap (``cfg.cap``) z = α·(c·tanh(scale·q·k / c) + bias) (times log₂e for the
-  online max): :func:`tile_scores_grad`.
+  online max): :func:`tile_scores_grad`. ``lin``: ALiBi's bias tile (:func:`alibi_tile`) in
+  natural units, added after the cap and the bias, or None.
   """
   if cfg.cap is not None:
-    return tile_scores_grad(cfg, qs, ks, bias_tile)[0]
+    return tile_scores_grad(cfg, qs, ks, bias_tile, lin)[0]
   zq, zb = cfg.z_mult
   z = None
   for q, k in zip(qs, ks, strict=True):
@@ -206,10 +234,12 @@ def tile_scores(cfg: KernelConfig, qs, ks, bias_tile):
   if bias_tile is not None:
     b = bias_tile.astype(jnp.float32)
     z = z + (b * zb if zb != 1.0 else b)
+  if lin is not None:
+    z = z + (lin * zb if zb != 1.0 else lin)
   return z
 
 
-def tile_scores_grad(cfg: KernelConfig, qs, ks, bias_tile):
+def tile_scores_grad(cfg: KernelConfig, qs, ks, bias_tile, lin=None):
   """(z, d) of a tile: :func:`tile_scores`'s z, and under a soft cap the derivative
   d = 1 − tanh²(scale·q·k / c) of the capped score by the raw one (None without a cap), by
   which the backward kernels multiply the cotangent of z before it reaches q·k (dQ, dK): the
@@ -222,7 +252,7 @@ def tile_scores_grad(cfg: KernelConfig, qs, ks, bias_tile):
   raw scores: a pair a mask hides has a zero cotangent, and 0·NaN would reach dQ and dK.
   """
   if cfg.cap is None:
-    return tile_scores(cfg, qs, ks, bias_tile), None
+    return tile_scores(cfg, qs, ks, bias_tile, lin), None
   raw = dot_chunks(qs, ks)
   if cfg.scale != 1.0:
     raw = raw * cfg.scale
@@ -230,6 +260,8 @@ def tile_scores_grad(cfg: KernelConfig, qs, ks, bias_tile):
   z = th * cfg.cap
   if bias_tile is not None:
     z = z + bias_tile.astype(jnp.float32)
+  if lin is not None:
+    z = z + lin
   _, zb = cfg.z_mult  # α·log₂e for the online max, 1 otherwise
   if zb != 1.0:
     z = z * zb

@@ -30,6 +30,7 @@ from attnx.core.kernels.pallas.common import (
     LANES,
     NT,
     KernelConfig,
+    alibi_tile,
     bcast_index,
     bnth,
     bwd_tile,
@@ -130,6 +131,7 @@ def _fwd_kernel(*refs, cfg: KernelConfig, has_bias: bool, has_mask: bool):
   bias_ref = next(it) if has_bias else None
   mask_ref = next(it) if has_mask else None
   sink_ref = next(it) if cfg.sinks else None  # [1, 128]: this query head's sink, lanes
+  slope_ref = next(it) if cfg.alibi else None  # [N] in SMEM: the ALiBi slopes
   sm_ids = [next(it) for _ in range(n_ids)]
   o_ref, stat_ref = next(it), next(it)
   w, bq, bk, ops = cfg.w, cfg.bq, cfg.bk, OPS
@@ -138,6 +140,8 @@ def _fwd_kernel(*refs, cfg: KernelConfig, has_bias: bool, has_mask: bool):
   q_len, kv_len = qlen_ref[b], kvlen_ref[b]
   sm = smask_view(cfg, sm_pre, sm_ids, b, i, cfg.tp // bq, bq, bk)
   head = None if sm is None else pl.program_id(1)
+  # The query head's ALiBi slope (read outside pl.when: no program_id in its body).
+  slope = None if slope_ref is None else slope_ref[pl.program_id(1)]
 
   # The state lives in VMEM scratch across the key tiles (the last grid axis): m and l as
   # lane-replicated [bq, 128] (ops.lanes), acc as [bq, Hv].
@@ -166,7 +170,11 @@ def _fwd_kernel(*refs, cfg: KernelConfig, has_bias: bool, has_mask: bool):
 
   @pl.when(in_span(j, kv_span(cfg, i, bq, bk, q_len, kv_len, sm)))
   def _run():
-    z = tile_scores(cfg, [q_ref[...]], [k_ref[...]], _tile(bias_ref))
+    if slope is None:
+      z = tile_scores(cfg, [q_ref[...]], [k_ref[...]], _tile(bias_ref))
+    else:
+      lin, _ = alibi_tile(cfg, slope, (bq, bk), i * bq, j * bk)
+      z = tile_scores(cfg, [q_ref[...]], [k_ref[...]], _tile(bias_ref), lin)
     valid = tile_valid(cfg, (bq, bk), i * bq, j * bk, _tile(mask_ref), q_len, kv_len, sm,
                        head)
     v = v_ref[...]
@@ -221,8 +229,13 @@ def _kv_maps(cfg: KernelConfig, bq: int, bk: int) -> tuple[Callable, Callable, C
   return clamp, kv_map, bias_map
 
 
+def _slope_spec() -> pl.BlockSpec:
+  """The ALiBi slopes [N] float32, whole, in SMEM (each program reads its query head's)."""
+  return pl.BlockSpec(memory_space=pltpu.SMEM)
+
+
 def _forward(cfg: KernelConfig, q, k, v, bias, mask, q_len, kv_len, out_dtype, smask=None,
-             sinks=None):
+             sinks=None, slopes=None):
   b, n, tp, h = q.shape
   hv = v.shape[-1]
   bq, bk = cfg.bq, cfg.bk
@@ -237,6 +250,9 @@ def _forward(cfg: KernelConfig, q, k, v, bias, mask, q_len, kv_len, out_dtype, s
   if cfg.sinks:  # [N, 1, 128]: a (1, 128) block per query head, lane-replicated as m and l
     in_specs.append(pl.BlockSpec((None, 1, LANES), lambda bb, hh, i, j, *_: (hh, 0, 0)))
     sink_args = [jnp.broadcast_to(sinks.astype(jnp.float32)[:, None, None], (n, 1, LANES))]
+  if cfg.alibi:
+    in_specs.append(_slope_spec())
+    sink_args.append(slopes.astype(jnp.float32))
   sm_ids, sm_specs = smask_ids(cfg, smask, (bq, LANES), (masking.SUBLANES, bk),
                                lambda bb, hh, i, j, *_: i,
                                lambda bb, hh, i, j, *lens: clamp(bb, i, j, *lens))
@@ -276,9 +292,11 @@ def _dq_kernel(*refs, cfg: KernelConfig, has_bias: bool, has_mask: bool, want_ds
   q_ref, k_ref, v_ref, do_ref, r0_ref, r1_ref, dl_ref = (next(it) for _ in range(7))
   bias_ref = next(it) if has_bias else None
   mask_ref = next(it) if has_mask else None
+  slope_ref = next(it) if cfg.alibi else None  # [N] in SMEM: the ALiBi slopes
   sm_ids = [next(it) for _ in range(n_ids)]
   dq_ref = next(it)
   ds_ref = next(it) if want_ds else None
+  dm_ref = next(it) if cfg.alibi else None  # [bq, 128]: the rows' d slope sums, lanes
   dq_sc = next(it)
   bq, bk = cfg.bq_dq, cfg.bk_dq
   b, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
@@ -286,17 +304,24 @@ def _dq_kernel(*refs, cfg: KernelConfig, has_bias: bool, has_mask: bool, want_ds
   sm = smask_view(cfg, sm_pre, sm_ids, b, i, cfg.tp // bq, bq, bk)
   head = None if sm is None else pl.program_id(1)
   gq, gb = cfg.grad_mult
+  slope = None if slope_ref is None else slope_ref[pl.program_id(1)]
 
   @pl.when(j == 0)
   def _init():
     dq_sc[...] = jnp.zeros(dq_sc.shape, jnp.float32)
+    if dm_ref is not None:
+      dm_ref[...] = jnp.zeros(dm_ref.shape, jnp.float32)
 
   run = in_span(j, kv_span(cfg, i, bq, bk, q_len, kv_len, sm))
 
   @pl.when(run)
   def _run():
     q, k, v, do = q_ref[...], k_ref[...], v_ref[...], do_ref[...]
-    z, dcap = tile_scores_grad(cfg, [q], [k], _tile(bias_ref))
+    if slope is None:
+      z, dcap = tile_scores_grad(cfg, [q], [k], _tile(bias_ref))
+    else:
+      lin, dist = alibi_tile(cfg, slope, (bq, bk), i * bq, j * bk)
+      z, dcap = tile_scores_grad(cfg, [q], [k], _tile(bias_ref), lin)
     valid = tile_valid(cfg, (bq, bk), i * bq, j * bk, _tile(mask_ref), q_len, kv_len, sm,
                        head)
     dp = lax.dot_general(do, v, NT, preferred_element_type=jnp.float32)
@@ -304,6 +329,9 @@ def _dq_kernel(*refs, cfg: KernelConfig, has_bias: bool, has_mask: bool, want_ds
     _, dz = bwd_tile(cfg, z, valid, dp, rows, OPS)
     if ds_ref is not None:
       ds_ref[...] = dz * gb if gb != 1.0 else dz
+    if dm_ref is not None:  # d slope = Σ dS·dist (dS = gb·dz)
+      dm = jnp.sum(dz * dist, axis=1, keepdims=True)
+      dm_ref[...] += jnp.broadcast_to(dm * gb if gb != 1.0 else dm, dm_ref.shape)
     dz = capped_grad(dz, dcap)  # the cotangent of scale·q·k
     dq_sc[...] += jnp.dot(dz.astype(k.dtype), finite(k), preferred_element_type=jnp.float32)
 
@@ -325,6 +353,7 @@ def _dkv_kernel(*refs, cfg: KernelConfig, has_bias: bool, has_mask: bool):
   q_ref, k_ref, v_ref, do_ref, r0_ref, r1_ref, dl_ref = (next(it) for _ in range(7))
   bias_ref = next(it) if has_bias else None
   mask_ref = next(it) if has_mask else None
+  slope_ref = next(it) if cfg.alibi else None  # [N] in SMEM: the ALiBi slopes
   sm_ids = [next(it) for _ in range(n_ids)]
   dk_ref, dv_ref, dk_sc, dv_sc = next(it), next(it), next(it), next(it)
   bq, bk = cfg.bq_dkv, cfg.bk_dkv
@@ -333,6 +362,8 @@ def _dkv_kernel(*refs, cfg: KernelConfig, has_bias: bool, has_mask: bool):
   sm = smask_view(cfg, sm_pre, sm_ids, b, j, cfg.sp // bk, bq, bk)
   head = None if sm is None else pl.program_id(1) * cfg.g + h
   gq, _ = cfg.grad_mult
+  # The query head's (kv head·G + h) ALiBi slope.
+  slope = None if slope_ref is None else slope_ref[pl.program_id(1) * cfg.g + h]
   lo, hi = q_span(cfg, j, bq, bk, q_len, kv_len, sm)
 
   @pl.when((h == 0) & (i == 0))
@@ -343,7 +374,11 @@ def _dkv_kernel(*refs, cfg: KernelConfig, has_bias: bool, has_mask: bool):
   @pl.when((i >= lo) & (i < hi))
   def _run():
     q, k, v, do = q_ref[...], k_ref[...], v_ref[...], do_ref[...]
-    z, dcap = tile_scores_grad(cfg, [q], [k], _tile(bias_ref))
+    if slope is None:
+      z, dcap = tile_scores_grad(cfg, [q], [k], _tile(bias_ref))
+    else:
+      z, dcap = tile_scores_grad(cfg, [q], [k], _tile(bias_ref),
+                                 alibi_tile(cfg, slope, (bq, bk), i * bq, j * bk)[0])
     valid = tile_valid(cfg, (bq, bk), i * bq, j * bk, _tile(mask_ref), q_len, kv_len, sm,
                        head)
     dp = lax.dot_general(do, v, NT, preferred_element_type=jnp.float32)
@@ -361,7 +396,7 @@ def _dkv_kernel(*refs, cfg: KernelConfig, has_bias: bool, has_mask: bool):
 
 
 def _backward(cfg: KernelConfig, q, k, v, bias, mask, q_len, kv_len, do, rows, want_ds,
-              smask=None):
+              smask=None, slopes=None):
   b, n, tp, h = q.shape
   _, kh, sp, _ = k.shape
   hv = v.shape[-1]
@@ -369,6 +404,9 @@ def _backward(cfg: KernelConfig, q, k, v, bias, mask, q_len, kv_len, do, rows, w
   has = dict(has_bias=bias is not None, has_mask=mask is not None)
   rows = [to_lanes_all(r) for r in rows]
   args = [q, k, v, do, *rows] + [x for x in (bias, mask) if x is not None]
+  slope_specs = [_slope_spec()] if cfg.alibi else []
+  if cfg.alibi:
+    args.append(slopes.astype(jnp.float32))
 
   # dQ (and dS): grid (B, N, query tiles, key tiles).
   bq, bk = cfg.bq_dq, cfg.bk_dq
@@ -381,6 +419,7 @@ def _backward(cfg: KernelConfig, q, k, v, bias, mask, q_len, kv_len, do, rows, w
   in_specs += [pl.BlockSpec((None, None, bq, LANES), row_map)] * 3
   for x in (bias, mask):
     in_specs += _bias_spec(x, bq, bk, bias_map)
+  in_specs += slope_specs
   sm_ids, sm_specs = smask_ids(cfg, smask, (bq, LANES), (masking.SUBLANES, bk),
                                lambda bb, hh, i, j, *_: i,
                                lambda bb, hh, i, j, *lens: clamp(bb, i, j, *lens))
@@ -390,6 +429,9 @@ def _backward(cfg: KernelConfig, q, k, v, bias, mask, q_len, kv_len, do, rows, w
   if want_ds:
     out_specs.append(pl.BlockSpec((None, None, bq, bk), lambda bb, hh, i, j, *_: (bb, hh, i, j)))
     out_shape.append(jax.ShapeDtypeStruct((b, n, tp, sp), jnp.float32))
+  if cfg.alibi:  # the rows' d slope sums, lane-replicated, accumulated over the key tiles
+    out_specs.append(pl.BlockSpec((None, None, bq, LANES), row_map))
+    out_shape.append(jax.ShapeDtypeStruct((b, n, tp, LANES), jnp.float32))
   res = pl.pallas_call(
       functools.partial(_dq_kernel, cfg=cfg, want_ds=want_ds, **has),
       grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -400,6 +442,7 @@ def _backward(cfg: KernelConfig, q, k, v, bias, mask, q_len, kv_len, do, rows, w
       interpret=cfg.interpret,
       name="attnx_pallas_dq")(q_len, kv_len, *sm_pre, *args, *sm_ids)
   dq, ds = res[0], (res[1] if want_ds else None)
+  dslopes = jnp.sum(res[-1][..., 0], axis=(0, 2)) if cfg.alibi else None
 
   # dK, dV: grid (B, K, key tiles, G, query tiles); the last two accumulate in VMEM.
   bq, bk = cfg.bq_dkv, cfg.bk_dkv
@@ -421,6 +464,7 @@ def _backward(cfg: KernelConfig, q, k, v, bias, mask, q_len, kv_len, do, rows, w
   in_specs += [pl.BlockSpec((None, None, bq, LANES), qrow_map)] * 3
   for x in (bias, mask):
     in_specs += _bias_spec(x, bq, bk, bias_map_kv)
+  in_specs += slope_specs
   sm_ids, sm_specs = smask_ids(cfg, smask, (bq, LANES), (masking.SUBLANES, bk),
                                lambda bb, hh, j, gg, i, *lens: q_clamp(bb, j, i, *lens),
                                lambda bb, hh, j, *_: j)
@@ -437,6 +481,8 @@ def _backward(cfg: KernelConfig, q, k, v, bias, mask, q_len, kv_len, do, rows, w
       compiler_params=_params(n_parallel=3, n_arbitrary=2), interpret=cfg.interpret,
       name="attnx_pallas_dkv",
   )(q_len, kv_len, *sm_pre, *args, *sm_ids)
+  if cfg.alibi:
+    return dq, dk, dv, ds, dslopes
   return dq, dk, dv, ds
 
 
@@ -451,17 +497,21 @@ def to_lanes_all(r: Array) -> Array:
 
 
 def forward(cfg: KernelConfig, q, k, v, bias, mask, q_len, kv_len,
-            out_dtype: Any, smask: Any = None, sinks: Any = None) -> tuple[Array, Array]:
+            out_dtype: Any, smask: Any = None, sinks: Any = None,
+            slopes: Any = None) -> tuple[Array, Array]:
   """O [B, Tp, N, Hv] and the row statistic [B, N, Tp] of [B, Tp, N, H] arrays (the kernels
-  run on their [B, N, Tp, H] transposes); ``sinks`` [N] when ``cfg.sinks``."""
+  run on their [B, N, Tp, H] transposes); ``sinks`` [N] when ``cfg.sinks``, ``slopes`` [N]
+  when ``cfg.alibi``."""
   o, st = _forward(cfg, bnth(q), bnth(k), bnth(v), bias, mask, q_len, kv_len, out_dtype, smask,
-                   sinks)
+                   sinks, slopes)
   return bnth(o), st
 
 
 def backward(cfg: KernelConfig, q, k, v, bias, mask, q_len, kv_len, do, rows,
-             want_ds: bool, smask: Any = None) -> tuple[Array, Array, Array, Array | None]:
-  """dq, dk, dv [B, Tp|Sp, N|K, H] and dS [B, N, Tp, Sp] or None, as :func:`forward`."""
-  dq, dk, dv, ds = _backward(cfg, bnth(q), bnth(k), bnth(v), bias, mask, q_len, kv_len,
-                             bnth(do), rows, want_ds, smask)
-  return bnth(dq), bnth(dk), bnth(dv), ds
+             want_ds: bool, smask: Any = None, slopes: Any = None) -> tuple:
+  """dq, dk, dv [B, Tp|Sp, N|K, H] and dS [B, N, Tp, Sp] or None, as :func:`forward`; with
+  ``cfg.alibi`` (``slopes`` [N]) also d slopes [N] float32."""
+  res = _backward(cfg, bnth(q), bnth(k), bnth(v), bias, mask, q_len, kv_len, bnth(do), rows,
+                  want_ds, smask, slopes)
+  dq, dk, dv, ds = res[:4]
+  return (bnth(dq), bnth(dk), bnth(dv), ds) + tuple(res[4:])

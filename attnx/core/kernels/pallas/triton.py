@@ -37,6 +37,7 @@ from attnx.core.kernels.pallas import masking
 from attnx.core.kernels.pallas.common import (
     KernelConfig,
     accumulate_dkv,
+    alibi_tile,
     bcast_index,
     bwd_tile,
     capped_grad,
@@ -97,6 +98,7 @@ def _fwd_kernel(*refs, cfg: KernelConfig, has_bias: bool, has_mask: bool):
   mask_ref = next(it) if has_mask else None
   qlen_ref, kvlen_ref = next(it), next(it)
   sink_ref = next(it) if cfg.sinks else None  # [1]: this query head's sink
+  slope_ref = next(it) if cfg.alibi else None  # [1]: this query head's ALiBi slope
   sm_refs = [next(it) for _ in range(cfg.num_smask_refs)]
   o_ref, stat_ref = next(it), next(it)
   w, bq, bk, ops = cfg.w, cfg.bq, cfg.bk, OPS
@@ -106,12 +108,17 @@ def _fwd_kernel(*refs, cfg: KernelConfig, has_bias: bool, has_mask: bool):
   sm = smask_view(cfg, sm_refs, "fwd", bq, bk)
   head = None if sm is None else pl.program_id(2)
   qs = load_chunks(q_ref, slice(None), hc)
+  slope = None if slope_ref is None else slope_ref[0]
 
   def tile(j):
     c0 = j * bk
     rows = pl.ds(c0, bk)
     ks, vs = load_chunks(k_ref, rows, hc), tuple(load_chunks(v_ref, rows, vc))
-    z = tile_scores(cfg, qs, ks, None if bias_ref is None else ref_cols(bias_ref, c0, bk))
+    bias_t = None if bias_ref is None else ref_cols(bias_ref, c0, bk)
+    if slope is None:
+      z = tile_scores(cfg, qs, ks, bias_t)
+    else:
+      z = tile_scores(cfg, qs, ks, bias_t, alibi_tile(cfg, slope, (bq, bk), i * bq, c0)[0])
     mask_t = None if mask_ref is None else ref_cols(mask_ref, c0, bk)
     return z, vs, tile_valid(cfg, (bq, bk), i * bq, c0, mask_t, q_len, kv_len, sm, head)
 
@@ -169,9 +176,10 @@ def bias_specs(x: Array | None, block: tuple[int, ...], index: Callable) -> list
 
 
 def forward(cfg: KernelConfig, q, k, v, bias, mask, q_len, kv_len, out_dtype, smask=None,
-            sinks=None):
+            sinks=None, slopes=None):
   """O and the row statistic (:func:`attnx.core.kernels.pallas.wrapper.forward`); ``sinks``
-  [N] float32 when ``cfg.sinks`` (each program reads its query head's)."""
+  [N] float32 when ``cfg.sinks``, ``slopes`` [N] when ``cfg.alibi`` (each program reads its
+  query head's)."""
   b, tp, n, hp = q.shape
   hvp = v.shape[-1]
   bq, g = cfg.bq, cfg.g
@@ -187,6 +195,9 @@ def forward(cfg: KernelConfig, q, k, v, bias, mask, q_len, kv_len, out_dtype, sm
   if cfg.sinks:
     in_specs.append(pl.BlockSpec((1,), lambda i, bb, h: (h,)))
     sink_args = [sinks.astype(jnp.float32)]
+  if cfg.alibi:
+    in_specs.append(pl.BlockSpec((1,), lambda i, bb, h: (h,)))
+    sink_args.append(slopes.astype(jnp.float32))
   sm_args, sm_specs = smask_operands(cfg, smask, "fwd", bq, cfg.bk)
   in_specs += sm_specs
   kernel = functools.partial(_fwd_kernel, cfg=cfg, has_bias=bias is not None,
@@ -213,9 +224,11 @@ def _dq_kernel(*refs, cfg: KernelConfig, has_bias: bool, has_mask: bool, want_ds
   bias_ref = next(it) if has_bias else None
   mask_ref = next(it) if has_mask else None
   qlen_ref, kvlen_ref = next(it), next(it)
+  slope_ref = next(it) if cfg.alibi else None  # [1]: this query head's ALiBi slope
   sm_refs = [next(it) for _ in range(cfg.num_smask_refs)]
   dq_ref = next(it)
   ds_ref = next(it) if want_ds else None
+  dm_ref = next(it) if cfg.alibi else None  # [bq]: the rows' partial sums of d slope
   bq, bk = cfg.bq_dq, cfg.bk_dq
   hc, vc = head_chunks(q_ref.shape[-1]), head_chunks(v_ref.shape[-1])
   i = pl.program_id(0)
@@ -225,24 +238,38 @@ def _dq_kernel(*refs, cfg: KernelConfig, has_bias: bool, has_mask: bool, want_ds
   qs, dos = load_chunks(q_ref, slice(None), hc), load_chunks(do_ref, slice(None), vc)
   r0, r1, delta = r0_ref[...][:, None], r1_ref[...][:, None], dl_ref[...][:, None]
   gq, gb = cfg.grad_mult
+  slope = None if slope_ref is None else slope_ref[0]
 
-  def body(j, dq):
+  def body(j, carry):
+    dq, dm = carry if slope is not None else (carry, None)
     c0 = j * bk
     rows = pl.ds(c0, bk)
     ks, vs = load_chunks(k_ref, rows, hc), load_chunks(v_ref, rows, vc)
-    z, dcap = tile_scores_grad(cfg, qs, ks,
-                               None if bias_ref is None else ref_cols(bias_ref, c0, bk))
+    bias_t = None if bias_ref is None else ref_cols(bias_ref, c0, bk)
+    if slope is None:
+      z, dcap = tile_scores_grad(cfg, qs, ks, bias_t)
+    else:
+      lin, dist = alibi_tile(cfg, slope, (bq, bk), i * bq, c0)
+      z, dcap = tile_scores_grad(cfg, qs, ks, bias_t, lin)
     mask_t = None if mask_ref is None else ref_cols(mask_ref, c0, bk)
     valid = tile_valid(cfg, (bq, bk), i * bq, c0, mask_t, q_len, kv_len, sm, head)
     _, dz = bwd_tile(cfg, z, valid, dot_chunks(dos, vs), (r0, r1, delta), OPS)
     if ds_ref is not None:
       ds_ref[:, rows] = dz * gb if gb != 1.0 else dz
+    if slope is not None:  # d slope = Σ dS·dist (dS = gb·dz: scaled once, outside)
+      dm = dm + jnp.sum(dz * dist, axis=1)
     dz = capped_grad(dz, dcap)  # the cotangent of scale·q·k
-    return tuple(a + jnp.dot(dz.astype(k.dtype), finite(k), preferred_element_type=jnp.float32)
-                 for a, k in zip(dq, ks, strict=True))
+    dq = tuple(a + jnp.dot(dz.astype(k.dtype), finite(k), preferred_element_type=jnp.float32)
+               for a, k in zip(dq, ks, strict=True))
+    return dq if slope is None else (dq, dm)
 
   lo, hi = kv_span(cfg, i, bq, bk, q_len, kv_len, sm)
-  dq = lax.fori_loop(lo, hi, body, tuple(jnp.zeros((bq, c), jnp.float32) for _, c in hc))
+  dq0 = tuple(jnp.zeros((bq, c), jnp.float32) for _, c in hc)
+  if slope is None:
+    dq = lax.fori_loop(lo, hi, body, dq0)
+  else:
+    dq, dm = lax.fori_loop(lo, hi, body, (dq0, jnp.zeros((bq,), jnp.float32)))
+    dm_ref[...] = dm * gb if gb != 1.0 else dm
   store_chunks(dq_ref, dq, hc, gq)
   if ds_ref is not None:  # tiles the loop skipped get a zero score cotangent
     zero_tiles(ds_ref, lo, hi, bq, bk, cfg.sp // bk)
@@ -266,6 +293,7 @@ def _dkv_kernel(*refs, cfg: KernelConfig, has_bias: bool, has_mask: bool,
   bias_ref = next(it) if has_bias else None
   mask_ref = next(it) if has_mask else None
   qlen_ref, kvlen_ref = next(it), next(it)
+  slope_ref = next(it) if cfg.alibi else None  # [Gp]: the slopes of the kv head's query heads
   sm_refs = [next(it) for _ in range(cfg.num_smask_refs)]
   dk_ref = next(it) if want_dk else None
   dv_ref = next(it) if want_dv else None
@@ -283,6 +311,8 @@ def _dkv_kernel(*refs, cfg: KernelConfig, has_bias: bool, has_mask: bool,
   gq, _ = cfg.grad_mult
 
   def head(h, carry):
+    slope = None if slope_ref is None else slope_ref[h]
+
     def q_block(i, carry):
       dk, dv = carry
       r = pl.ds(i * bq, bq)
@@ -295,7 +325,11 @@ def _dkv_kernel(*refs, cfg: KernelConfig, has_bias: bool, has_mask: bool,
       if mask_ref is not None:
         mask_t = mask_ref[h if mask_ref.shape[0] > 1 else 0,
                           r if mask_ref.shape[1] > 1 else pl.ds(0, 1), :]
-      z, dcap = tile_scores_grad(cfg, qs, ks, bias_t)
+      if slope is None:
+        z, dcap = tile_scores_grad(cfg, qs, ks, bias_t)
+      else:
+        z, dcap = tile_scores_grad(cfg, qs, ks, bias_t,
+                                   alibi_tile(cfg, slope, (bq, bk), i * bq, c0)[0])
       valid = tile_valid(cfg, (bq, bk), i * bq, c0, mask_t, q_len, kv_len, sm,
                          None if sm is None else head0 + h)
       dp = dot_chunks(dos, vs) if want_dk else jnp.zeros((bq, bk), jnp.float32)
@@ -339,7 +373,9 @@ def dkv_passes(kernel: Callable, cfg: KernelConfig, args: list, in_specs: list, 
 
 
 def backward(cfg: KernelConfig, q, k, v, bias, mask, q_len, kv_len, do, rows, want_ds,
-             smask=None):
+             smask=None, slopes=None):
+  """dq, dk, dv, dS or None and, when ``cfg.alibi`` (``slopes`` [N]), d slopes [N] float32
+  (the dQ kernel's per-row partial sums, summed here)."""
   b, tp, n, hp = q.shape
   _, sp, kh, _ = k.shape
   hvp = v.shape[-1]
@@ -349,6 +385,8 @@ def backward(cfg: KernelConfig, q, k, v, bias, mask, q_len, kv_len, do, rows, wa
   params = plgpu.CompilerParams(num_warps=cfg.num_warps_bwd, num_stages=cfg.num_stages_bwd)
   dq_params = plgpu.CompilerParams(num_warps=cfg.num_warps_dq, num_stages=cfg.num_stages_bwd)
   args = [q, k, v, do, *rows] + [x for x in (bias, mask) if x is not None] + [q_len, kv_len]
+  if cfg.alibi:
+    slopes = slopes.astype(jnp.float32)
 
   # dQ (and dS): grid over query tiles of every query head.
   bq, kv = cfg.bq_dq, lambda i, bb, h: (bb, 0, lax.div(h, g), 0)
@@ -363,13 +401,19 @@ def backward(cfg: KernelConfig, q, k, v, bias, mask, q_len, kv_len, do, rows, wa
   if want_ds:
     out_specs.append(pl.BlockSpec((None, None, bq, sp), lambda i, bb, h: (bb, h, i, 0)))
     out_shape.append(jax.ShapeDtypeStruct((b, n, tp, sp), jnp.float32))
+  slope_specs, slope_args = [], []
+  if cfg.alibi:  # a [1] block at the query head in; the rows' d slope sums [B, N, Tp] out
+    slope_specs, slope_args = [pl.BlockSpec((1,), lambda i, bb, h: (h,))], [slopes]
+    out_specs.append(pl.BlockSpec((None, None, bq), lambda i, bb, h: (bb, h, i)))
+    out_shape.append(jax.ShapeDtypeStruct((b, n, tp), jnp.float32))
   sm_args, sm_specs = smask_operands(cfg, smask, "dq", bq, cfg.bk_dq)
   res = pl.pallas_call(
       functools.partial(_dq_kernel, cfg=cfg, want_ds=want_ds, **has),
-      grid=(tp // bq, b, n), in_specs=in_specs + lens + sm_specs, out_specs=out_specs,
-      out_shape=out_shape, compiler_params=dq_params, interpret=cfg.interpret,
-      name="attnx_pallas_dq")(*args, *sm_args)
+      grid=(tp // bq, b, n), in_specs=in_specs + lens + slope_specs + sm_specs,
+      out_specs=out_specs, out_shape=out_shape, compiler_params=dq_params,
+      interpret=cfg.interpret, name="attnx_pallas_dq")(*args, *slope_args, *sm_args)
   dq, ds = res[0], (res[1] if want_ds else None)
+  dslopes = jnp.sum(res[-1], axis=(0, 2)) if cfg.alibi else None
 
   # dK, dV: grid over key tiles of every kv head; the G query heads of a kv head in-kernel.
   bk = cfg.bk_dkv
@@ -385,7 +429,14 @@ def backward(cfg: KernelConfig, q, k, v, bias, mask, q_len, kv_len, do, rows, wa
     blk = (None, 1 if shape[1] == 1 else g, 1 if shape[2] == 1 else tp, 1 if shape[3] == 1 else bk)
     in_specs.append(pl.BlockSpec(
         blk, lambda j, bb, h, shape=shape: bcast_index(shape, (bb, h, 0, j))))
+  if cfg.alibi:  # [K, Gp] (a power of 2 for Triton): the G slopes of each kv head
+    gp = pl.next_power_of_2(g)
+    slope_specs = [pl.BlockSpec((None, gp), lambda j, bb, h: (h, 0))]
+    slope_args = [jnp.pad(slopes.reshape(kh, g), ((0, 0), (0, gp - g)))]
   sm_args, sm_specs = smask_operands(cfg, smask, "dkv", cfg.bq_dkv, bk)
-  dk, dv = dkv_passes(_dkv_kernel, cfg, args + sm_args, in_specs + lens + sm_specs, k, v,
-                      params=params, name="attnx_pallas", has=has)
+  dk, dv = dkv_passes(_dkv_kernel, cfg, args + slope_args + sm_args,
+                      in_specs + lens + slope_specs + sm_specs, k, v, params=params,
+                      name="attnx_pallas", has=has)
+  if cfg.alibi:
+    return dq, dk, dv, ds, dslopes
   return dq, dk, dv, ds

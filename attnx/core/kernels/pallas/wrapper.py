@@ -74,7 +74,7 @@ __all__ = ["backward", "forward", "kernel_inputs", "pad_to", "pallas_attention",
 
 def forward(cfg: KernelConfig, q, k, v, bias, mask, q_len, kv_len,
             out_dtype: Any = None, smask: Any = None,
-            sinks: Array | None = None) -> tuple[Array, Array]:
+            sinks: Array | None = None, slopes: Array | None = None) -> tuple[Array, Array]:
   """O [B, Tp, N, Hv] (``out_dtype``, default q's) and the row statistic [B, N, Tp] (float32)
   of a pointwise F.
 
@@ -82,22 +82,30 @@ def forward(cfg: KernelConfig, q, k, v, bias, mask, q_len, kv_len,
   ``out_dtype`` float32 keeps O as accumulated (ring attention merges the O of key blocks).
   ``smask``: a structured mask's operands (:func:`.masking.prepare`) when ``cfg.smask``.
   ``sinks``: the attention sinks [N] when ``cfg.sinks``; the statistic then counts them.
+  ``slopes``: ALiBi's slopes [N] when ``cfg.alibi``.
   """
   out_dtype = q.dtype if out_dtype is None else out_dtype
   kernels = triton if cfg.backend == "gpu" else mosaic
+  if cfg.alibi:
+    return kernels.forward(cfg, q, k, v, bias, mask, q_len, kv_len, out_dtype, smask, sinks,
+                           slopes)
   if cfg.sinks:
     return kernels.forward(cfg, q, k, v, bias, mask, q_len, kv_len, out_dtype, smask, sinks)
   return kernels.forward(cfg, q, k, v, bias, mask, q_len, kv_len, out_dtype, smask)
 
 
 def backward(cfg: KernelConfig, q, k, v, bias, mask, q_len, kv_len, do, rows,
-             want_ds: bool, smask: Any = None) -> tuple[Array, Array, Array, Array | None]:
-  """dq, dk, dv (input dtypes) and, when ``want_ds``, dS [B, N, Tp, Sp] float32.
+             want_ds: bool, smask: Any = None, slopes: Array | None = None) -> tuple:
+  """dq, dk, dv (input dtypes) and, when ``want_ds``, dS [B, N, Tp, Sp] float32; with
+  ``cfg.alibi`` (``slopes`` [N]) a fifth value, d slopes [N] float32.
 
   ``rows``: the three per-row values (r0, r1, δ), each [B, N, Tp] float32, of
   :func:`.common.grad_rows`.
   """
   kernels = triton if cfg.backend == "gpu" else mosaic
+  if cfg.alibi:
+    return kernels.backward(cfg, q, k, v, bias, mask, q_len, kv_len, do, rows, want_ds, smask,
+                            slopes)
   return kernels.backward(cfg, q, k, v, bias, mask, q_len, kv_len, do, rows, want_ds, smask)
 
 
@@ -131,10 +139,13 @@ def _values(tree: Any) -> Any:
 
 @functools.lru_cache(maxsize=512)
 def _make_kernel(cfg: KernelConfig) -> Callable[..., Array]:
-  """A custom-VJP function (q, k, v, bias, mask, q_len, kv_len, smask, sinks) -> O of padded
-  arrays (``smask``: a structured mask's operands, or None; ``sinks``: [N] when
-  ``cfg.sinks``, else None). d sinks is computed here, outside the kernels, from the saved
-  row statistic and δ (:func:`.common.sink_grad`)."""
+  """A custom-VJP function (q, k, v, bias, mask, q_len, kv_len, smask, sinks[, slopes]) -> O
+  of padded arrays (``smask``: a structured mask's operands, or None; ``sinks``: [N] when
+  ``cfg.sinks``, else None; ``slopes``: ALiBi's [N] when ``cfg.alibi``). d sinks is computed
+  here, outside the kernels, from the saved row statistic and δ (:func:`.common.sink_grad`);
+  d slopes from the dQ kernel's per-row sums."""
+  if cfg.alibi:
+    return _make_alibi_kernel(cfg)
 
   @jax.custom_vjp
   def attn(q, k, v, bias, mask, q_len, kv_len, smask, sinks):
@@ -161,6 +172,41 @@ def _make_kernel(cfg: KernelConfig) -> Callable[..., Array]:
     dbias = None if ds is None else sum_to(ds, bias.shape).astype(bias.dtype)
     dsinks = sink_grad(cfg, sinks, rows) if cfg.sinks else None
     return dq, dk, dv, dbias, None, None, None, None, dsinks
+
+  attn.defvjp(fwd, bwd, symbolic_zeros=True)
+  return attn
+
+
+def _make_alibi_kernel(cfg: KernelConfig) -> Callable[..., Array]:
+  """:func:`_make_kernel`'s function with ALiBi's slopes [N] as its last argument (a separate
+  custom VJP, so that the programs without ALiBi keep theirs op for op)."""
+
+  @jax.custom_vjp
+  def attn(q, k, v, bias, mask, q_len, kv_len, smask, sinks, slopes):
+    return forward(cfg, q, k, v, bias, mask, q_len, kv_len, smask=smask, sinks=sinks,
+                   slopes=slopes)[0]
+
+  def fwd(q, k, v, bias, mask, q_len, kv_len, smask, sinks, slopes):
+    want_ds = bias is not None and bias.perturbed
+    vals = [None if x is None else x.value for x in (q, k, v, bias, mask, q_len, kv_len)]
+    smask = _values(smask)
+    sinks = None if sinks is None else sinks.value
+    slopes = slopes.value
+    o, stat = forward(cfg, *vals, smask=smask, sinks=sinks, slopes=slopes)
+    marker = jnp.zeros((), jnp.float32) if want_ds else None
+    return o, (*vals, smask, sinks, slopes, o, stat, marker)
+
+  def bwd(res, do):
+    q, k, v, bias, mask, q_len, kv_len, smask, sinks, slopes, o, stat, marker = res
+    if isinstance(do, jax.custom_derivatives.SymbolicZero):
+      return (None,) * 10
+    rows = grad_rows(cfg, stat, o, do)
+    dq, dk, dv, ds, dslopes = backward(cfg, q, k, v, bias, mask, q_len, kv_len, do, rows,
+                                       want_ds=marker is not None, smask=smask, slopes=slopes)
+    dbias = None if ds is None else sum_to(ds, bias.shape).astype(bias.dtype)
+    dsinks = sink_grad(cfg, sinks, rows) if cfg.sinks else None
+    return (dq, dk, dv, dbias, None, None, None, None, dsinks,
+            dslopes.astype(slopes.dtype))
 
   attn.defvjp(fwd, bwd, symbolic_zeros=True)
   return attn
@@ -292,10 +338,13 @@ def pallas_attention(q: Array, k: Array, v: Array, *, weighting: Any,
       kernel loops only over the tiles some pair of it may attend and evaluates it per tile
       from its arrays (:mod:`.masking`), never as a T×S array. A ``from_fn`` mask whose
       ``mask_mod`` closes over arrays is materialized into ``mask`` instead.
-    score_mod: a :class:`~attnx.core.score_mods.ScoreMod` that is a soft cap alone (pointwise
-      F only): each tile's raw score scale·q·k becomes c·tanh(scale·q·k / c) before the bias
-      (:func:`.common.tile_scores`). A ``score_mod`` function (ALiBi, a relative table, a
-      user's) is a ValueError: the kernels evaluate no user code per tile yet.
+    score_mod: a :class:`~attnx.core.score_mods.ScoreMod` (pointwise F only) with a soft cap
+      (each tile's raw score scale·q·k becomes c·tanh(scale·q·k / c) before the bias,
+      :func:`.common.tile_scores`) and/or ALiBi (:func:`attnx.core.score_mods.alibi`: its
+      ``linear_bias`` declaration, slopes [N] as ``params``; s − m_h·(i − j) or
+      − m_h·abs(i − j) after the bias, global positions; the slopes get a gradient). Any other
+      ``score_mod`` function (a relative table, a user's) is a ValueError: the kernels
+      evaluate no user code per tile.
     sinks: attention sinks [N] (pointwise F with a sum of weights only): each row of query
       head h also sees a virtual key of score ``sinks[h]`` and zero value, folded into the
       row's starting state; gets a gradient (computed outside the kernels).
@@ -309,6 +358,7 @@ def pallas_attention(q: Array, k: Array, v: Array, *, weighting: Any,
       alternative implementation), bad shapes or tile sizes.
   """
   cap = _soft_cap(weighting, score_mod, sinks)
+  alibi = None if score_mod is None else score_mod.linear_bias
   if backend is None and not interpret:
     return _per_platform(
         q, k, v, weighting=weighting, scale=scale, bias=bias, mask=mask, is_causal=is_causal,
@@ -354,6 +404,12 @@ def pallas_attention(q: Array, k: Array, v: Array, *, weighting: Any,
     if sinks.shape != (n,) or not jnp.issubdtype(sinks.dtype, jnp.floating):
       raise ValueError(f"sinks must be a float array [N] = [{n}], got shape {sinks.shape} "
                        f"and dtype {sinks.dtype}")
+  slopes = None
+  if alibi is not None:
+    slopes = jnp.asarray(score_mod.params)
+    if slopes.shape != (n,) or not jnp.issubdtype(slopes.dtype, jnp.floating):
+      raise ValueError(f"ALiBi's slopes must be a float array [N] = [{n}], got shape "
+                       f"{slopes.shape} and dtype {slopes.dtype}")
   if q.size == 0 or s == 0:  # no query, or no key (every row has no valid key)
     return jnp.zeros((b, t, n, hv), q.dtype)
 
@@ -367,8 +423,9 @@ def pallas_attention(q: Array, k: Array, v: Array, *, weighting: Any,
       q, k, v, bias4, mask4, weighting=weighting, scale=scale, backend=be, interpret=interpret,
       blocks=blocks, launch=launch, is_causal=is_causal, q_bound=q_lengths is not None,
       kv_bound=kv_lengths is not None, skip_zero_tiles=skip_zero_tiles)
-  if cap is not None or sinks is not None:  # tiles of the plain kernels otherwise, op for op
-    cfg = dataclasses.replace(cfg, cap=cap, sinks=sinks is not None)
+  if cap is not None or sinks is not None or alibi is not None:
+    # tiles of the plain kernels otherwise, op for op
+    cfg = dataclasses.replace(cfg, cap=cap, sinks=sinks is not None, alibi=alibi)
   smask = None
   if structured_mask is not None:
     plan, smask = masking.prepare(
@@ -382,14 +439,16 @@ def pallas_attention(q: Array, k: Array, v: Array, *, weighting: Any,
       rowc = pad_to(rowc, {2: cfg.tp})
     out = _make_row_kernel(cfg)(q, k, v, bias4, mask4, q_len, kv_len, rowc, smask)
   else:
-    out = _make_kernel(cfg)(q, k, v, bias4, mask4, q_len, kv_len, smask, sinks)
+    extra = () if alibi is None else (slopes,)
+    out = _make_kernel(cfg)(q, k, v, bias4, mask4, q_len, kv_len, smask, sinks, *extra)
   return out[:, :t, :, :hv]
 
 
 def _soft_cap(weighting: Any, score_mod: Any, sinks: Any) -> float | None:
   """The soft cap c of ``score_mod`` (None without one), after the checks of what the kernels
-  run: a ScoreMod that is a cap alone, and a cap or sinks only for a pointwise F (sinks for
-  one with a sum of weights). ValueError otherwise, naming what is not supported."""
+  run: a ScoreMod with a cap and/or ALiBi's declared linear bias, and those or sinks only for
+  a pointwise F (sinks for one with a sum of weights). ValueError otherwise, naming what is
+  not supported."""
   if score_mod is None and sinks is None:
     return None
   if not isinstance(weighting, Pointwise):
@@ -404,10 +463,11 @@ def _soft_cap(weighting: Any, score_mod: Any, sinks: Any) -> float | None:
   if not isinstance(score_mod, score_mods.ScoreMod):
     raise ValueError(f"score_mod must be an attnx.core.score_mods.ScoreMod, got "
                      f"{type(score_mod).__name__}")
-  if score_mod.fn is not None:
+  if score_mod.fn is not None and score_mod.linear_bias is None:
     raise ValueError("implementation='pallas' cannot run this: its kernels apply a "
-                     "logits_soft_cap but no score_mod function (ALiBi, a relative-position "
-                     "table, a user's fn); use implementation='blocked'.")
+                     "logits_soft_cap and ALiBi (core.alibi) but no other score_mod function "
+                     "(a relative-position table, a user's fn); use "
+                     "implementation='blocked'.")
   return score_mod.cap
 
 
@@ -499,6 +559,9 @@ def _per_platform(q: Array, k: Array, v: Array, **kwargs: Any) -> Array:
   arrays = {n: kwargs[n] for n in ("scale", "bias", "mask", "q_lengths", "kv_lengths", "ssmax_s",
                                    "structured_mask", "sinks")
             if kwargs[n] is not None and not isinstance(kwargs[n], numbers.Number)}
+  mod = kwargs.get("score_mod")
+  if mod is not None and mod.params is not None:  # ALiBi's slopes travel as operands too
+    arrays["score_mod"] = mod
   static = {n: x for n, x in kwargs.items() if n not in arrays}
 
   def kernel(backend: str) -> Callable[..., Array]:

@@ -512,6 +512,17 @@ def test_pallas_alibi_equals_float64_dense(backend, weighting, causal):
   _against_float64(pallas, dense, (q, k, v, slopes), atol=3e-6, grad_tol=2e-5)
 
 
+@pytest.mark.parametrize("backend", ["gpu", "tpu"])
+def test_pallas_alibi_with_alpha_not_one(backend):
+  """softmax with α = 2 (z = α·s in the kernels' units): ALiBi's bias is scaled with the
+  score, and d slopes carries α (dS = α·dz), against float64 dense."""
+  q, k, v = _qkv(14, t=_PT, s=_PS)
+  slopes = core.alibi_slopes(N) * 2.0
+  pallas, dense = _pallas_alibi(backend, "softmax:alpha=2", True, cap=3.0,
+                                kv_lengths=jnp.array([_PS - 4, _PS], jnp.int32))
+  _against_float64(pallas, dense, (q, k, v, slopes), atol=3e-6, grad_tol=2e-5)
+
+
 def test_pallas_alibi_bfloat16():
   """bf16 inputs (Triton, causal softmax with a cap and GQA): the float64 dense result of the
   same rounded inputs, to bf16's precision."""

@@ -14,7 +14,9 @@ Variants: ``causal_gqa`` (T = S = 2048, N = 8 query heads on K = 2 kv heads, cau
 ``ragged`` (T = 1000 queries on S = 3000 keys, no power of two, not causal), ``documents``
 (the causal GQA shape on packed documents with a 512-key sliding window: a structured mask of
 segment ids, a traced argument, that the kernels read per tile and whose empty tiles they
-skip).
+skip), ``modded`` (the causal GQA shape with Gemma 2's soft cap c = 30, ALiBi with learned
+slopes and learned attention sinks, the slopes and sinks differentiated; not in the default
+matrix: the Pallas kernels run these for pointwise F only, a whole-row F is n/a).
 
 A program passes when it compiles (a kernel over the shared memory a block may have, or over
 its scoped VMEM, fails to), no kernel of it spills registers (GPU) — except a kernel whose GPU
@@ -55,7 +57,9 @@ from attnx.core.kernels.common import round_up  # noqa: E402
 from attnx.core.kernels.pallas import tiles as pallas_tiles  # noqa: E402
 from attnx.train import config as train_config  # noqa: E402
 
-VARIANTS = ("causal_gqa", "mask_bias", "ragged", "documents")
+VARIANTS = ("causal_gqa", "mask_bias", "ragged", "documents", "modded")
+# The default matrix: the variants every kernel runs.
+DEFAULT_VARIANTS = ("causal_gqa", "mask_bias", "ragged", "documents")
 ROW_WEIGHTINGS = ("ssmax", "softpick", "stick_breaking", "sparsemax", "entmax15",
                   "entmax:alpha=1.3")
 COLUMNS = ["target", "weighting", "dtype", "H", "variant", "kernel", "grid", "warps", "regs",
@@ -69,7 +73,7 @@ def _default() -> ml_collections.ConfigDict:
   c.weightings = ""  # empty = every pointwise weighting and every streaming whole-row one
   c.dtypes = "bfloat16,float32"
   c.head_dims = "64,128,256"
-  c.variants = ",".join(VARIANTS)
+  c.variants = ",".join(DEFAULT_VARIANTS)
   c.batch = 1
   c.length = 2048  # T = S of causal_gqa and mask_bias
   c.num_heads = 8
@@ -139,12 +143,16 @@ def program(weighting: str, dtype: str, head_dim: int, variant: str, config):
   if variant == "mask_bias":
     args.append(jax.ShapeDtypeStruct((1, n, t, s), jnp.float32))
     extra["mask"] = jnp.arange(s)[None, None, None, :] < s - 17  # key padding
+  if variant == "modded":
+    args.append(jax.ShapeDtypeStruct((n,), jnp.float32))  # ALiBi slopes, learned
+    if getattr(wlib.get_weighting(name), "normalization", None) == "sum":
+      args.append(jax.ShapeDtypeStruct((n,), jnp.float32))  # sinks, learned
   differentiated = tuple(range(len(args)))
   if variant == "documents":
     args.append(jax.ShapeDtypeStruct((b, t), jnp.int32))  # segment ids, not differentiated
   attend = functools.partial(
       core.attention, weighting=name, score=score,
-      is_causal=variant in ("causal_gqa", "documents"),
+      is_causal=variant in ("causal_gqa", "documents", "modded"),
       scale=1.0 if score == "neg_sq_dist" else 1.0 / math.sqrt(head_dim),
       implementation="pallas")
 
@@ -152,6 +160,9 @@ def program(weighting: str, dtype: str, head_dim: int, variant: str, config):
     if variant == "documents":
       mask = core.masks.segment_ids(rest[0]) & core.masks.sliding_window(512, 0)
       out = attend(q, k, v, mask=mask)
+    elif variant == "modded":
+      out = attend(q, k, v, logits_soft_cap=30.0, score_mod=core.alibi(rest[0]),
+                   sinks=rest[1] if len(rest) > 1 else None)
     else:
       out = attend(q, k, v, *rest, **extra)
     return jnp.sum(jnp.square(out.astype(jnp.float32)))

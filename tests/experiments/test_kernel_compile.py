@@ -15,6 +15,7 @@ import functools
 import os
 from unittest import mock
 
+import jax.numpy as jnp
 import pytest
 
 from attnx import aot
@@ -80,6 +81,35 @@ _MASKED = [dict(c, variant="documents") for c in _SAMPLE
 @pytest.mark.parametrize("case", _MASKED, ids=_id)
 def test_masked_sample_compiles_without_spills(case):
   _check(case)
+
+
+# A soft cap, ALiBi with learned slopes and learned sinks (issue: score modifications) in the
+# pointwise kernels of both lowerings, in CI.
+_MODDED = [dict(c, variant="modded") for c in _SAMPLE if c["weighting"] in ("softmax", "relu")]
+
+
+@pytest.mark.parametrize("case", _MODDED, ids=_id)
+def test_modded_sample_compiles_without_spills(case):
+  _check(case)
+
+
+def test_modded_program_differentiates_slopes_and_sinks():
+  config = kc.get_config("tiny")
+  config.length = 64
+  fn, args = kc.program("softmax", "float32", 16, "modded", config)
+  assert [a.shape for a in args[3:]] == [(8,), (8,)]  # slopes, sinks
+  concrete = [jnp.full(a.shape, 0.1, a.dtype) for a in args]
+  real = kc.core.attention
+
+  def interpreted(*a, implementation, **kw):  # the program's "pallas", in the interpreter here
+    assert implementation == "pallas"
+    return real(*a, implementation=kc.core.Pallas(interpret=True), **kw)
+
+  with mock.patch.object(kc.core, "attention", interpreted):
+    fn, args = kc.program("softmax", "float32", 16, "modded", config)
+    grads = fn(*concrete)
+  assert len(grads) == 5 and all(bool(jnp.all(jnp.isfinite(g))) for g in grads)
+  assert float(jnp.max(jnp.abs(grads[3]))) > 0 and float(jnp.max(jnp.abs(grads[4]))) > 0
 
 
 

@@ -41,7 +41,10 @@ class BlockKernel(Protocol):
   :class:`attnx.core.kernels.pallas.block.PallasBlockKernel`.
 
   Layouts: q ``[X, G, t, H]``, k/v ``[X, s, H]``, bias/mask ``[Bb, Kb, Gb, t|1, s|1]``
-  (X = B·K), row scales ``[X, G, t]``; ``cfg`` from :meth:`RingConfig.cfg`.
+  (X = B·K), row scales ``[X, G, t]``; ``cfg`` from :meth:`RingConfig.cfg`. With a score
+  modification (``cfg.score_mod``) each method also takes ``mod=`` the block's
+  :class:`~attnx.core.score_mods.ScoreMod` (:meth:`StepMod.piece`), and the gradients end
+  with its cotangent.
   """
 
   def state(self, q, k, v, bias, mask, scale, cfg) -> Any:

@@ -90,8 +90,11 @@ class MultiHeadAttention(nn.Module, kw_only=True):
       the local tokens; where the axis is not bound (evaluation on one device) the same module
       attends over the whole sequence it is given, with the same parameters. Self attention
       only, without ``decode``, weights or attention dropout; every weighting
-      ``ring_attention`` streams (not sparsemax / entmax). ``implementation`` is the ring
-      steps' kernel there: None (automatic), ``"blocked"`` or ``"pallas"``.
+      ``ring_attention`` streams (not sparsemax / entmax), with ``logits_soft_cap``,
+      ``alibi`` / ``learn_alibi`` (at global positions) and ``sinks`` (not
+      ``sliding_window``: a ValueError when the module is made). ``implementation`` is the
+      ring steps' kernel there: None (automatic), ``"blocked"`` or ``"pallas"`` (not with a
+      cap, ALiBi or sinks).
     sequence_layout: how the sequence is cut over ``sequence_axis``: ``"contiguous"`` or
       ``"zigzag"`` (causal load balance; see :func:`attnx.core.zigzag_permute`).
     sliding_window: a local window, ``jax.nn``'s ``local_window_size``: an int w (query i
@@ -313,7 +316,8 @@ class MultiHeadAttention(nn.Module, kw_only=True):
           is_causal=is_causal, scale=scale, score_params=score_params,
           layout=self.sequence_layout,
           implementation=(None if _util.implementation_name(self.implementation) in (None, "dense")
-                          else self.implementation))
+                          else self.implementation),
+          **modifications)  # the cap, ALiBi and the sinks (a window is refused when made)
       return self._project_out(x, features)
     x = core.attention(
         query, key, value, bias, mask, weighting=self.weighting, score=score,
@@ -485,13 +489,11 @@ def _check_modifications(module: Any, where: str) -> None:
   if module.alibi and module.learn_alibi:
     raise ValueError(f"{where}: set alibi=True (fixed slopes) or learn_alibi=True (learned), "
                      "not both.")
-  used = [name for name in ("sliding_window", "logits_soft_cap") if getattr(module, name)
-          is not None] + [name for name in ("sinks", "alibi", "learn_alibi")
-                          if getattr(module, name)]
-  if used and module.sequence_axis is not None:
-    raise ValueError(f"{where}: {', '.join(used)} with sequence_axis (ring attention): "
-                     "attnx.core.ring_attention takes no score modifications, sinks or "
-                     "windows as module fields yet; use sequence_axis=None.")
+  if module.sliding_window is not None and module.sequence_axis is not None:
+    raise ValueError(f"{where}: sliding_window with sequence_axis (ring attention): "
+                     "attnx.core.ring_attention takes a window as a structured mask "
+                     "(attnx.core.masks.sliding_window), not as a module field yet; use "
+                     "sequence_axis=None.")
 
 
 def sequence_shards(axis_name: str | None) -> int | None:

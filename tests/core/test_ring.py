@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
-from support import lowering, ring_cases, ring_draws
+from support import differential, lowering, ring_cases, ring_draws
 from support.scripts import script_result
 
 from attnx import core
@@ -69,6 +69,8 @@ def test_ring_equals_float64_reference_on_8_devices(name):
     assert kept >= floor.get(key, 0.3), (key, res["kept"])
   case = ring_cases.CASES[name.removesuffix(VMA).removesuffix(PALLAS)][0]
   expected = {"out", "q", "k", "v"} | ({"bias"} if case.bias else set())
+  # A score modification's parameters and the sinks (replicated): their gradients too.
+  expected |= {f"mod_{p}" for p in differential.mod_params(case)}
   assert set(errs) == expected, errs
   assert errs["out"] <= OUT_TOL, (name, errs)
   for key in expected - {"out"}:
@@ -90,6 +92,31 @@ def test_learned_ssmax_s_scale_and_score_parameter_gradients(name):
   assert res["s"] <= GRAD_TOL, res
   assert res["scale"] <= GRAD_TOL, res  # against the float64 reference's central difference
   assert res["bilinear_W"] <= GRAD_TOL, res  # against the float32 dense implementation
+
+
+def test_score_mods_at_global_positions():
+  # The ALiBi case is not vacuous: with the positions local to each step's block (the
+  # kernels' own) its output is far from the reference.
+  res = _ring_results()["softmax_alibi_sinks_zigzag_gqa"]
+  assert res["errors"]["out"] <= OUT_TOL
+  assert res["local_positions_error"] > 1e-2, res
+
+
+def test_case_table_covers_every_score_mod_and_sinks():
+  cases = [ring_cases.CASES[n] for n in ring_cases.MOD_CASES]
+  assert {c.score_mod for c, _ in cases} >= {"cap", "alibi", "table", "fn"}
+  families = {steps.family_of(core.get_weighting(c.weighting)) for c, _ in cases}
+  assert families == {"pointwise", "ssmax", "softpick", "stick_breaking"}, families
+  assert {c.weighting.partition(":")[0] for c, _ in cases if c.sinks} >= {
+      "softmax", "sigmoid", "ssmax", "softpick"}
+  assert {"sigmoid:normalization=none"} <= {c.weighting for c, _ in cases}
+  assert {(c.causal, lay) for c, lay in cases} >= {
+      (False, "contiguous"), (True, "contiguous"), (True, "zigzag")}
+  # GQA in passes over the heads (the global head of a pass), and check_vma=True (the
+  # parameters' gradients summed over the devices by the ring).
+  assert any(n in ring_cases.PASSES and ring_cases.CASES[n][0].kh < ring_cases.CASES[n][0].n
+             for n in ring_cases.MOD_CASES)
+  assert any(n in ring_cases.VMA_CASES for n in ring_cases.MOD_CASES)
 
 
 def test_case_table_covers_every_streamable_weighting():
@@ -436,6 +463,27 @@ def test_entmax_family_refused_with_the_alternative(weighting):
     (dict(block_q=0), "block_q must be a positive int"),  # deprecated: refused before it warns
     (dict(kv_head_block=3), "kv_head_block must be a positive int dividing the 2 kv heads"),
     (dict(weighting="nope"), "Unknown weighting 'nope'"),
+    # Score modifications and sinks: attention()'s checks.
+    (dict(sinks=np.zeros(3, np.float32)), re.escape("sinks must be a float array [N] = [4]")),
+    (dict(sinks=np.zeros((1, 4), np.float32)), re.escape("sinks must be a float array [N]")),
+    (dict(sinks=np.zeros(4, np.int32)), "sinks must be a float array"),
+    (dict(logits_soft_cap=0.0), "logits_soft_cap must be a positive finite number"),
+    (dict(logits_soft_cap=-1.0), "logits_soft_cap must be a positive finite number"),
+    (dict(score_mod_params={"a": np.ones(2, np.float32)}),
+     "score_mod_params were given without a score_mod"),
+    (dict(score_mod=lambda s, b, h, i, j, p: s[..., :1], score_mod_params={}),
+     "score_mod must return scores of the shape"),
+    (dict(weighting="stick_breaking", sinks=np.zeros(4, np.float32)),
+     "stick-breaking leaves the stick"),
+    (dict(weighting="relu:normalization=length", sinks=np.zeros(4, np.float32)),
+     "divides by no sum of weights"),
+    # The ring's Pallas steps take neither: a ValueError naming the argument.
+    (dict(implementation=core.Pallas(interpret=True), sinks=np.zeros(4, np.float32)),
+     "Pallas steps do not take sinks yet; use the XLA steps"),
+    (dict(implementation=core.Pallas(interpret=True), logits_soft_cap=1.0),
+     "Pallas steps do not take logits_soft_cap yet"),
+    (dict(implementation="pallas", interpret=True, score_mod=core.alibi(np.ones(4, np.float32))),
+     "Pallas steps do not take score_mod yet"),
 ])
 def test_bad_arguments_raise(kwargs, match):
   q, k, v = _qkv(n=4, kh=2)
@@ -444,6 +492,46 @@ def test_bad_arguments_raise(kwargs, match):
   with pytest.raises(ValueError, match=match):
     _one_device(lambda q, k, v: ring.ring_attention(q, k, v, axis_name="sp", **kwargs),
                 q, k, v)
+
+
+def test_pallas_steps_declined_for_score_mods_and_sinks():
+  # The automatic choice takes the XLA steps for a call with a cap, a score_mod or sinks,
+  # also where it would take Pallas otherwise (a GPU's kernels).
+  from attnx.core.implementations import RingProblem
+  w = core.get_weighting("softmax")
+  for mods in (("logits_soft_cap",), ("score_mod",), ("sinks",)):
+    why = core.Pallas().ring_declines(RingProblem(w, jnp.float32, 64, 64, backend="gpu",
+                                                  modifications=mods))
+    assert why is not None and mods[0] in why
+  assert core.Blocked().ring_reason(RingProblem(w, jnp.float32, 64, 64,
+                                                modifications=("sinks",))) is None
+
+
+def test_ring_of_one_with_score_mods_and_sinks():
+  # One device (every step the diagonal): the cap, ALiBi and the sinks as attention applies
+  # them, and their gradients (the 8-device cases above cover every family and layout).
+  weighting, layout = "softmax", "zigzag"
+  q, k, v = _qkv(n=4, kh=2)
+  slopes = core.alibi_slopes(4)
+  sinks = jnp.asarray([0.5, 1.0, 2.0, 3.0])
+
+  def loss(fn, q, k, v, slopes, sinks):
+    return jnp.sum(fn(q, k, v, slopes, sinks) ** 2)
+
+  ring_fn = lambda q, k, v, slopes, sinks: _one_device(
+      lambda q, k, v, slopes, sinks: ring.ring_attention(
+          q, k, v, axis_name="sp", weighting=weighting, is_causal=True, layout=layout,
+          logits_soft_cap=2.0, score_mod=core.alibi(slopes), sinks=sinks),
+      q, k, v, slopes, sinks)
+  dense_fn = lambda q, k, v, slopes, sinks: core.attention(
+      q, k, v, weighting=weighting, is_causal=True, implementation="dense",
+      logits_soft_cap=2.0, score_mod=core.alibi(slopes), sinks=sinks)
+  got = jax.grad(functools.partial(loss, ring_fn), (0, 1, 2, 3, 4))(q, k, v, slopes, sinks)
+  want = jax.grad(functools.partial(loss, dense_fn), (0, 1, 2, 3, 4))(q, k, v, slopes, sinks)
+  np.testing.assert_allclose(ring_fn(q, k, v, slopes, sinks), dense_fn(q, k, v, slopes, sinks),
+                             atol=2e-6)
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    np.testing.assert_allclose(g, w, atol=2e-5, rtol=1e-5)
 
 
 def test_shapes_that_do_not_split_raise():

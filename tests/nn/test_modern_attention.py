@@ -142,7 +142,7 @@ def test_module_errors():
   with pytest.raises(ValueError, match="not both"):
     nn.MultiHeadAttention(num_heads=N, alibi=True, learn_alibi=True)
   with pytest.raises(ValueError, match="ring attention"):
-    nn.MultiHeadAttention(num_heads=N, sinks=True, sequence_axis="seq")
+    nn.MultiHeadAttention(num_heads=N, sliding_window=4, sequence_axis="seq")
   mha = nn.MultiHeadAttention(num_heads=N)
   x = _x()
   params = mha.init(jax.random.key(0), x)

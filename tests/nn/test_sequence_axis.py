@@ -56,6 +56,24 @@ def test_what_cannot_run_ring_parallel_fails_at_construction(kwargs, match):
     nn.MultiHeadAttention(num_heads=2, sequence_axis="seq", **kwargs)
 
 
+def test_cap_alibi_and_sinks_reach_the_ring():
+  # The module's cap, learned ALiBi slopes and sinks run in the ring (one device: the axis is
+  # bound, every step the diagonal), with the same parameters and result as unsharded.
+  mha = nn.MultiHeadAttention(num_heads=2, is_causal=True, logits_soft_cap=5.0,
+                              learn_alibi=True, sinks=True)
+  x = jax.random.normal(jax.random.PRNGKey(1), (1, 16, 8))
+  params = mha.init(jax.random.PRNGKey(0), x)
+  params = jax.tree.map(lambda p: p + 0.5 if p.ndim == 1 and p.shape == (2,) else p, params)
+  ring_mha = mha.clone(sequence_axis="seq")
+  mesh = jax.make_mesh((1,), ("seq",), axis_types=(jax.sharding.AxisType.Auto,))
+  run = jax.shard_map(lambda x: ring_mha.apply(params, x), mesh=mesh, in_specs=P(None, "seq"),
+                      out_specs=P(None, "seq"), check_vma=False)
+  want = mha.apply(params, x)
+  assert jnp.allclose(run(x), want, atol=1e-5)
+  assert not jnp.allclose(want, mha.clone(sinks=False).apply(
+      {"params": {k: v for k, v in params["params"].items() if k != "sinks"}}, x), atol=1e-3)
+
+
 def test_pallas_implementation_reaches_every_ring_step():
   # implementation="pallas" with the axis bound: the ring runs the Pallas kernels at every
   # step; on this CPU host (no interpret) the kernels' own error says so.

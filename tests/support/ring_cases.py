@@ -98,12 +98,39 @@ CASES = {
                                  structured="segments"), Z),
     "softmax_mask_mod_passes_gqa": (C(seed=73, t=T, s=T, b=2, n=4, kh=2, structured="mask_mod"),
                                     K),
+    # Score modifications and sinks (attnx.core.score_mods; support.differential's "cap",
+    # "alibi" with learned slopes, "table" of 2T − 1 learned entries, "fn": a score_mod of
+    # both with a cap and the flat batch index): at the global positions of the whole
+    # sequence and the global query heads (GQA in passes of one kv head); the sinks counted
+    # once per row. Their parameters' gradients are compared too.
+    "softmax_alibi_sinks_zigzag_gqa": (C(seed=80, t=T, s=T, n=4, kh=2, causal=True,
+                                         score_mod="alibi", sinks=True), Z),
+    "sigmoid_fn_sinks_full": (C(seed=81, t=T, s=T, b=2, weighting="sigmoid", score_mod="fn",
+                                sinks=True, mask="padding"), K),
+    "sigmoid_none_table_causal": (C(seed=82, t=T, s=T, weighting="sigmoid:normalization=none",
+                                    causal=True, score_mod="table"), K),
+    "ssmax_cap_sinks_causal_gqa": (C(seed=90, t=T, s=T, n=4, kh=2, weighting="ssmax:s=0.5",
+                                     causal=True, score_mod="cap", sinks=True,
+                                     mask="padding"), K),
+    # (Shorter: softpick's kink at 0 leaves a parameter's gradient uncompared as soon as one
+    # score of the problem sits near it.)
+    "softpick_table_sinks_zigzag": (C(seed=85, t=64, s=64, weighting="softpick", causal=True,
+                                      score_mod="table", sinks=True, magnitude=2.0), Z),
+    "stick_alibi_zigzag": (C(seed=85, t=T, s=T, weighting="stick_breaking", causal=True,
+                             score_mod="alibi"), Z),
+    "stick_fn_full_gqa": (C(seed=86, t=T, s=T, n=4, kh=2, weighting="stick_breaking",
+                            score_mod="fn"), K),
 }
+# The cases with a score modification or sinks.
+MOD_CASES = tuple(name for name, (case, _) in CASES.items()
+                  if case.score_mod != "none" or case.sinks)
 # Cases that run their kv heads in passes of one (kv_head_block=1: two rings one after the
 # other, each over half the heads): a per-head bias and one broadcast over the heads, SSMax's
 # row scales, stick-breaking's zigzag carries, under check_vma too (softmax_zigzag_gqa).
 PASSES = {"softmax_full_gqa": 1, "softmax_zigzag_gqa": 1, "ssmax_full_gqa": 1,
-          "softpick_causal_gqa": 1, "stick_zigzag_full_gqa": 1, "softmax_mask_mod_passes_gqa": 1}
+          "softpick_causal_gqa": 1, "stick_zigzag_full_gqa": 1, "softmax_mask_mod_passes_gqa": 1,
+          "softmax_alibi_sinks_zigzag_gqa": 1, "ssmax_cap_sinks_causal_gqa": 1,
+          "stick_fn_full_gqa": 1}
 # Also run with the Pallas kernels at every step (implementation=core.Pallas(interpret=True),
 # in Pallas' interpreter; name + PALLAS): each family, both layouts, causal and not, GQA in
 # passes, the three bias shardings and the global-length rules (sigmoid's b, ReLU's count,
@@ -117,4 +144,5 @@ PALLAS_CASES = ("softmax_full_gqa", "softmax_zigzag_gqa", "sigmoid_none_causal",
 VMA = "@check_vma"
 # (A pointwise F with GQA and a travelling bias; a replicated bias, whose gradient the ring
 # sums; stick-breaking's two directions; and learned_params' replicated parameters.)
-VMA_CASES = ("softmax_zigzag_gqa", "elu_plus_one_full", "stick_zigzag_causal")
+VMA_CASES = ("softmax_zigzag_gqa", "elu_plus_one_full", "stick_zigzag_causal",
+             "softmax_alibi_sinks_zigzag_gqa")

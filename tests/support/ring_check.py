@@ -38,7 +38,8 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from attnx import core  # noqa: E402
-from attnx.core.parallel import ring  # noqa: E402
+from attnx.core import score_mods  # noqa: E402
+from attnx.core.parallel import ring, steps  # noqa: E402
 from support import differential as diff  # noqa: E402
 from support import reference as ref_lib  # noqa: E402
 from support import ring_draws  # noqa: E402
@@ -100,21 +101,34 @@ def run_ring(case: diff.Case, layout: str, arrs: dict, check_vma: bool = False, 
                                   None if mask is None else _spec4(mask))
 
   structured = arrs["structured"]  # a mask object of the global sequence (replicated)
+  # The case's score modification and sinks: replicated parameters (their gradients summed
+  # over the devices: by shard_map's transpose, or with check_vma=True by the ring).
+  mp = {name: jnp.asarray(x) for name, x in arrs["mod_params"].items()}
 
-  def local(q, k, v, bias, mask):
+  def local(q, k, v, bias, mask, *mods):
     return ring.ring_attention(q, k, v, bias, mask if structured is None else structured,
                                axis_name=AXIS, weighting=case.weighting,
                                score=case.score, score_params=arrs["score_params"] or None,
-                               scale=case.scale, is_causal=case.causal, layout=layout, **extra)
+                               scale=case.scale, is_causal=case.causal, layout=layout, **extra,
+                               **(diff.score_mod_keywords(case, mods[0]) if mods else {}))
 
+  if mp:
+    specs += (P(),)
   sm = jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=P(None, AXIS),
                      check_vma=check_vma)
-  loss = lambda q, k, v, b: jnp.sum(sm(q, k, v, b, mask_d).astype(jnp.float32) * ct)
+  mods = (mp,) if mp else ()
+  loss = lambda q, k, v, b, *m: jnp.sum(sm(q, k, v, b, mask_d, *m).astype(jnp.float32) * ct)
   argnums = (0, 1, 2) if bias is None else (0, 1, 2, 3)
-  out, vjp = jax.jit(lambda *a: (sm(*a, mask_d), jax.grad(loss, argnums)(*a)))(q, k, v, bias_d)
+  if mp:
+    argnums += (4,)
+  out, vjp = jax.jit(lambda q, k, v, b, *m: (sm(q, k, v, b, mask_d, *m),
+                                             jax.grad(loss, argnums)(q, k, v, b, *m)))(
+      q, k, v, bias_d, *mods)
   grads = dict(zip(("q", "k", "v"), (back(g, 1) for g in vjp[:3]), strict=True))
   if bias is not None:
     grads["bias"] = _on_axes4(back, np.asarray(vjp[3]))
+  if mp:
+    grads.update({f"mod_{name}": np.asarray(g, np.float64) for name, g in vjp[-1].items()})
   return back(out, 1), grads
 
 
@@ -136,7 +150,31 @@ def check_case(name: str, check_vma: bool = False, pallas: bool = False) -> dict
          "nonzero_out": float(np.max(np.abs(want["out"])))}
   if name == "sigmoid_none_causal":
     res["shard_length_error"] = _shard_length_error(case, arrs, out, scales["out"])
+  if name == "softmax_alibi_sinks_zigzag_gqa" and not check_vma:
+    res["local_positions_error"] = _local_positions_error(case, layout, arrs, want["out"],
+                                                          scales["out"], PASSES.get(name))
   return res
+
+
+def _local_positions_error(case: diff.Case, layout: str, arrs: dict, want: np.ndarray,
+                           scale: float, kv_head_block: int | None) -> float:
+  """How far the ring's output is from the reference when its score_mod sees the positions
+  local to each step's block (the kernels' own) instead of the global ones: what the ALiBi
+  case would measure if the ring forgot them."""
+  global_piece = steps.StepMod.piece
+
+  def local_piece(self, r0, r1, k0, k1):
+    mod, head0 = self.mod, self.head0
+    return score_mods.ScoreMod(
+        cap=mod.cap, params=mod.params,
+        fn=lambda z, b, h, qi, ki, params: mod.fn(z, b, h + head0, qi, ki, params))
+
+  steps.StepMod.piece = local_piece
+  try:
+    out, _ = run_ring(case, layout, arrs, kv_head_block=kv_head_block)
+  finally:
+    steps.StepMod.piece = global_piece
+  return diff._error(out, want, None, scale)
 
 
 def _shard_length_error(case: diff.Case, arrs: dict, out: np.ndarray, scale: float) -> float:

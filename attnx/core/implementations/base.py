@@ -174,6 +174,8 @@ class RingProblem:
     head_dim, value_head_dim: H and Hv.
     typed_vma: the inputs are typed by ``shard_map(check_vma=True)``.
     backend: the Pallas kernels asked for (``"gpu"``/``"tpu"``), or None: the host's.
+    modifications: the names of the call's score modifications and sinks
+      (``"logits_soft_cap"``, ``"score_mod"``, ``"sinks"``) the steps must apply.
   """
 
   weighting: Any
@@ -182,6 +184,7 @@ class RingProblem:
   value_head_dim: int
   typed_vma: bool = False
   backend: str | None = None
+  modifications: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -193,9 +193,10 @@ class Pallas(Implementation):
 
   def ring_reason(self, ring: RingProblem) -> str | None:
     be = pallas_lib.resolve_backend(ring.backend, self.interpret)
-    why = pallas_block.supported(ring.weighting, be) or pallas_lib.supported(
-        ring.weighting, backend=be, dtype=ring.dtype, head_dim=ring.head_dim,
-        value_head_dim=ring.value_head_dim, interpret=self.interpret)
+    why = (_ring_modifications(ring) or pallas_block.supported(ring.weighting, be)
+           or pallas_lib.supported(ring.weighting, backend=be, dtype=ring.dtype,
+                                   head_dim=ring.head_dim, value_head_dim=ring.value_head_dim,
+                                   interpret=self.interpret))
     if why is None and ring.typed_vma:
       why = ("its inputs are typed by shard_map(check_vma=True), and the Pallas kernels' "
              "outputs carry no varying mesh axes yet: use check_vma=False")
@@ -203,6 +204,8 @@ class Pallas(Implementation):
 
   def ring_declines(self, ring: RingProblem) -> str | None:
     # Where attention's automatic choice would take Pallas: a GPU/TPU, a verified combination.
+    if ring.modifications:
+      return _ring_modifications(ring)
     if ring.typed_vma:
       return "the inputs are typed by shard_map(check_vma=True)"
     return pallas_block.supported(ring.weighting, "gpu") or pallas_lib.decline_reason(
@@ -212,3 +215,12 @@ class Pallas(Implementation):
   def ring_kernel(self, ring: RingProblem) -> pallas_block.PallasBlockKernel:
     return pallas_block.PallasBlockKernel(
         pallas_lib.resolve_backend(ring.backend, self.interpret), self.interpret)
+
+
+def _ring_modifications(ring: RingProblem) -> str | None:
+  """Why the ring's Pallas steps (:mod:`attnx.core.kernels.pallas.block`) cannot run ``ring``'s
+  score modifications and sinks, or None without any."""
+  if not ring.modifications:
+    return None
+  return (f"the ring's Pallas steps do not take {', '.join(ring.modifications)} yet; use the "
+          f"XLA steps (implementation='blocked', or None, which picks them)")

@@ -58,6 +58,13 @@ Masks and biases follow :func:`attnx.core.attention` ([batch..., N, T, S]-broadc
   i.e. :func:`zigzag_permute` of the natural order for zigzag), with the T axis sharded: each
   step slices the visiting shard's columns.
 
+Score modifications (``logits_soft_cap``, ``score_mod``: :mod:`attnx.core.score_mods`) run in
+every step's kernel, per tile, with the global positions of the local rows and of the visiting
+keys and the global query head (:class:`~attnx.core.parallel.steps.StepMod`); attention sinks
+are folded once into each device's first row state (:func:`~attnx.core.parallel.steps.
+sink_state`) and their gradient comes from the saved row statistics
+(:func:`~attnx.core.parallel.steps.sink_grads`). Both run on the XLA steps only.
+
 Sparsemax and α-entmax cannot run here: their threshold τ_i needs every key of the row before
 the first weight (several passes over all keys; each would be a ring of its own).
 """
@@ -98,9 +105,10 @@ __all__ = ["LAYOUTS", "PASS_BUDGET", "ring_attention", "ring_work", "zigzag_perm
 # The ring: forward, backward, custom VJP.
 # --------------------------------------------------------------------------------------------
 
-def _forward(rc: steps.RingConfig, q, k, v, bias, mask, rsc, scale):
+def _forward(rc: steps.RingConfig, q, k, v, bias, mask, rsc, scale, mod=None, sinks=None):
   """(out [X, G, T, Hv] in the compute dtype, row statistics, stick-breaking's (O, L) of the
-  later run)."""
+  later run). ``mod``: the pass' (ScoreMod, first query head) or None; ``sinks``: the pass'
+  sinks [hq] or None, folded into the rows' first state."""
   p, hv = rc.p, v.shape[-1]
   i = lax.axis_index(rc.axis)
   rows = q.shape[:2] + (rc.t,)
@@ -113,8 +121,9 @@ def _forward(rc: steps.RingConfig, q, k, v, bias, mask, rsc, scale):
     # it, so XLA may overlap them (at the last step it is not used).
     after = lax.ppermute(travel, rc.axis, steps.perm(p)) if p > 1 else travel
     kv, b, m = steps.step_inputs(rc, travel, bias, mask, src)
+    smod = steps.step_mod(rc, mod, src)
     run = lambda kind: (lambda: steps.kind_state(rc, ring_layout.PIECES[kind], q, kv, b, m,
-                                                 rsc, scale, hv))
+                                                 rsc, scale, hv, smod))
     part = steps.switch(rc, i, src, run, mask=m)
     if not two_runs:
       return after, steps.merge(rc, low, part), high
@@ -125,8 +134,9 @@ def _forward(rc: steps.RingConfig, q, k, v, bias, mask, rsc, scale):
     merged = steps.merge(rc, acc, part)
     return after, steps.select(later, low, merged), steps.select(later, merged, high)
 
-  init = (steps.travelling_arrays(rc, k, v, bias, mask), steps.empty(rc, rows, hv),
-          steps.empty(rc, rows, hv))
+  first = (steps.empty(rc, rows, hv) if sinks is None
+           else steps.sink_state(rc, sinks, rows, hv, rsc))
+  init = (steps.travelling_arrays(rc, k, v, bias, mask), first, steps.empty(rc, rows, hv))
   _, low, high = lax.fori_loop(0, p, body, init)
   if two_runs:
     state = steps.merge(rc, high, low)
@@ -139,7 +149,9 @@ def _forward(rc: steps.RingConfig, q, k, v, bias, mask, rsc, scale):
   return out, stats, None
 
 
-def _backward(rc: steps.RingConfig, res, do):
+def _backward(rc: steps.RingConfig, res, do, mod=None, sinks=None):
+  """(dq, dk, dv, dbias, d row scales, dscale) of a pass, and with a score modification or
+  sinks (``mod``, ``sinks`` as in :func:`_forward`) d(its parameters) and d sinks [hq]."""
   q, k, v, bias, mask, rsc, scale, out, stats, extra = res
   p = rc.p
   i = lax.axis_index(rc.axis)
@@ -171,15 +183,17 @@ def _backward(rc: steps.RingConfig, res, do):
     return dbias_local + db, tgrad_b
 
   def body(r, c):
-    travel, tgrads, (dq, dscale, dbias_local, low_c, high_c) = c
+    travel, tgrads, (dq, dscale, dbias_local, low_c, high_c, *dmod) = c
     src = (i - r) % p
     after = lax.ppermute(travel, rc.axis, steps.perm(p)) if p > 1 else travel
     kv, b, m = steps.step_inputs(rc, travel, bias, mask, src)
     later = src > i if two_runs else False
     carries = steps.select(later, high_c, low_c) if two_runs else low_c
+    smod = steps.step_mod(rc, mod, src)
     run = lambda kind: (lambda c: steps.kind_grads(rc, ring_layout.PIECES[kind], q, kv, b, m,
-                                                   rsc, scale, out, stats, do, c))
-    gq, (gk, gv), db, carries, gs = steps.switch(rc, i, src, run, carries, mask=m)
+                                                   rsc, scale, out, stats, do, c, smod))
+    gq, (gk, gv), db, carries, gs, *gm = steps.switch(rc, i, src, run, carries, mask=m)
+    dmod = jax.tree.map(jnp.add, dmod, gm)
     if two_runs:
       low_c, high_c = steps.select(later, low_c, carries), steps.select(later, carries, high_c)
     else:
@@ -190,18 +204,25 @@ def _backward(rc: steps.RingConfig, res, do):
     # The visiting shard's dK/dV go on with it; after P hops they are home.
     if p > 1:
       tgrads = lax.ppermute(tgrads, rc.axis, steps.perm(p))
-    return after, tgrads, (dq + gq, dscale + gs, dbias_local, low_c, high_c)
+    return after, tgrads, (dq + gq, dscale + gs, dbias_local, low_c, high_c, *dmod)
 
   tgrads = (steps.zeros(rc, k.shape), steps.zeros(rc, v.shape),
             steps.zeros(rc, bias.shape) if rc.bias_kind == "travel" else None)
   acc = (steps.zeros(rc, q.shape), steps.zeros(rc, ()), dbias_local, low_c, high_c)
+  if mod is not None:
+    acc += (jax.tree.map(lambda x: steps.zeros(rc, x.shape), mod[0].params),)
   init = (steps.travelling_arrays(rc, k, v, bias, mask), tgrads, acc)
   _, tgrads, acc = lax.fori_loop(0, p, body, init)
   dk, dv, dbias_t = tgrads
-  dq, dscale, dbias_local, low_c, _ = acc
+  dq, dscale, dbias_local, low_c, _, *dmod = acc
   dbias = dbias_t if rc.bias_kind == "travel" else dbias_local
+  dsinks = None
+  if sinks is not None:  # the sink, a key of every row: from the rows' statistics
+    dsinks, low_c = steps.sink_grads(rc, sinks, out, stats, do, low_c, rsc)
   drsc = low_c[0] if rc.needs_row_scale else None
-  return dq, dk, dv, dbias, drsc, dscale
+  if mod is None and sinks is None:
+    return dq, dk, dv, dbias, drsc, dscale
+  return dq, dk, dv, dbias, drsc, dscale, dmod[0] if dmod else None, dsinks
 
 
 # --------------------------------------------------------------------------------------------
@@ -305,24 +326,34 @@ def _make_ring(rc: steps.RingConfig, passes: int):
   ``rc.head_dims[1]``, of ``passes`` passes that run one after another (``lax.scan``), each a
   whole ring over its heads, so that every ring buffer holds only the pass' heads."""
 
-  forward = ((lambda rc, q, k, v, bias, mask, rsc, scale:
-              stick_zigzag.forward(rc, q, k, v, bias, mask, scale))
+  forward = ((lambda rc, q, k, v, bias, mask, rsc, scale, mod=None, sinks=None:
+              stick_zigzag.forward(rc, q, k, v, bias, mask, scale, mod))
              if rc.chunks_apart else _forward)
-  backward = stick_zigzag.backward if rc.chunks_apart else _backward
+  backward = ((lambda rc, res, do, mod=None, sinks=None: stick_zigzag.backward(rc, res, do, mod))
+              if rc.chunks_apart else _backward)
   b, kc, g = rc.head_dims
   hq = kc * g
 
   def bthd(x: Array) -> Array:  # [X, G, t, D] of one pass -> [B, t, hq, D]
     return x.reshape(b, hq, x.shape[2], x.shape[3]).transpose(0, 2, 1, 3)
 
-  def run(qd, kd, vd, bias4, mask4, rsc, scale):
+  def pass_mods(c: Any, mod: Any, sinks: Array | None) -> dict[str, Any]:
+    """The score modification (with the pass' first query head) and the sinks of pass c."""
+    kw = {}
+    if mod is not None:
+      kw["mod"] = (mod, c * hq)
+    if sinks is not None:
+      kw["sinks"] = lax.dynamic_slice_in_dim(sinks.astype(rc.dtype), c * hq, hq)
+    return kw
+
+  def run(qd, kd, vd, bias4, mask4, rsc, scale, mod, sinks):
     """(O [B, t, N, Hv] in q's dtype, per pass (row statistics, extra[, O in the compute
     dtype]))."""
     keep_f32 = qd.dtype != rc.dtype  # else O itself is the backward's compute-dtype output
 
     def one(out, c):
       o, stats, extra = forward(rc, *_pass_inputs(rc, c, qd, kd, vd, bias4, mask4, rsc),
-                                scale)
+                                scale, **pass_mods(c, mod, sinks))
       return _put_heads(out, bthd(o), c * hq, 2), (stats, extra, o if keep_f32 else None)
 
     out = sweep.vary(jnp.zeros(qd.shape[:3] + vd.shape[3:], qd.dtype), rc.vma)
@@ -332,24 +363,33 @@ def _make_ring(rc: steps.RingConfig, passes: int):
     return lax.scan(one, out, jnp.arange(passes))
 
   @jax.custom_vjp
-  def ring(qd, kd, vd, bias4, mask4, rsc, scale):
-    return run(qd, kd, vd, bias4, mask4, rsc, scale)[0]
+  def ring(qd, kd, vd, bias4, mask4, rsc, scale, mod, sinks):
+    return run(qd, kd, vd, bias4, mask4, rsc, scale, mod, sinks)[0]
 
-  def fwd(qd, kd, vd, bias4, mask4, rsc, scale):
-    out, saved = run(qd, kd, vd, bias4, mask4, rsc, scale)
-    return out, (qd, kd, vd, bias4, mask4, rsc, scale, out, saved)
+  def fwd(qd, kd, vd, bias4, mask4, rsc, scale, mod, sinks):
+    out, saved = run(qd, kd, vd, bias4, mask4, rsc, scale, mod, sinks)
+    return out, (qd, kd, vd, bias4, mask4, rsc, scale, mod, sinks, out, saved)
 
   def bwd(res, do):
-    qd, kd, vd, bias4, mask4, rsc, scale, out, saved = res
+    qd, kd, vd, bias4, mask4, rsc, scale, mod, sinks, out, saved = res
     head_bias = bias4 is not None and bias4.shape[1] != 1
+    with_mods = mod is not None or sinks is not None
 
     def one(acc, xs):
-      dq, dk, dv, dbias, drsc, dscale = acc
+      dq, dk, dv, dbias, drsc, dscale, *dextra = acc
       c, (stats, extra, o32) = xs
       inputs = _pass_inputs(rc, c, qd, kd, vd, bias4, mask4, rsc)
       o = _pass_rows(rc, c, out).astype(rc.dtype) if o32 is None else o32
-      gq, gk, gv, gb, gr, gs = backward(rc, inputs[:6] + (scale, o, stats, extra),
-                                        _pass_rows(rc, c, do))
+      gq, gk, gv, gb, gr, gs, *gx = backward(rc, inputs[:6] + (scale, o, stats, extra),
+                                             _pass_rows(rc, c, do), **pass_mods(c, mod, sinks))
+      if with_mods:
+        dmod, dsinks = dextra
+        gm, g_sinks = gx
+        if gm is not None:
+          dmod = jax.tree.map(jnp.add, dmod, gm)
+        if g_sinks is not None:
+          dsinks = _put_heads(dsinks, g_sinks, c * hq, 0)
+        dextra = [dmod, dsinks]
       dq = _put_heads(dq, bthd(gq), c * hq, 2)
       dk = _put_heads(dk, gk.reshape(b, kc, rc.s, -1).transpose(0, 2, 1, 3), c * kc, 2)
       dv = _put_heads(dv, gv.reshape(b, kc, rc.s, -1).transpose(0, 2, 1, 3), c * kc, 2)
@@ -358,11 +398,14 @@ def _make_ring(rc: steps.RingConfig, passes: int):
         dbias = _put_heads(dbias, gb, c * hq, 1) if head_bias else dbias + gb
       if gr is not None:
         drsc = _put_heads(drsc, gr.reshape(b, hq, rc.t), c * hq, 1)
-      return (dq, dk, dv, dbias, drsc, dscale + gs), None
+      return (dq, dk, dv, dbias, drsc, dscale + gs, *dextra), None
 
     zeros = lambda x, dtype: None if x is None else steps.zeros(rc, x.shape).astype(dtype)
     acc = (zeros(qd, qd.dtype), zeros(kd, kd.dtype), zeros(vd, vd.dtype),
            zeros(bias4, rc.dtype), zeros(rsc, rc.dtype), steps.zeros(rc, ()))
+    if with_mods:
+      acc += (None if mod is None else jax.tree.map(lambda x: zeros(x, rc.dtype), mod.params),
+              zeros(sinks, rc.dtype))
     stats, extra, o32 = saved
     do_passes = (do.reshape(b, rc.t, passes, hq, -1).transpose(2, 0, 3, 1, 4)
                  .reshape(passes, b * kc, g, rc.t, -1).astype(rc.dtype))
@@ -371,7 +414,7 @@ def _make_ring(rc: steps.RingConfig, passes: int):
       acc, _ = one(acc, (0, jax.tree.map(lambda x: x[0], saved)))
     else:
       acc, _ = lax.scan(one, acc, (jnp.arange(passes), saved))
-    dq, dk, dv, dbias, drsc, dscale = acc
+    dq, dk, dv, dbias, drsc, dscale, *dextra = acc
     dq, dk, dv, dbias = _clean_grads(qd, kd, vd, bias4, dq, dk, dv, dbias)
 
     def like(ct, x):
@@ -380,9 +423,14 @@ def _make_ring(rc: steps.RingConfig, passes: int):
       missing = tuple(a for a in sweep.manual_axes(ct) if a not in sweep.manual_axes(x))
       return (lax.psum(ct, missing) if missing else ct).astype(x.dtype)
 
+    dmod = dsinks = None
+    if mod is not None:  # replicated parameters: summed over the devices, as the scale
+      dmod = dataclasses.replace(mod, params=jax.tree.map(like, dextra[0], mod.params))
+    if sinks is not None:
+      dsinks = like(dextra[1], sinks)
     return (like(dq, qd), like(dk, kd), like(dv, vd),
             None if bias4 is None else like(dbias, bias4), None,
-            None if rsc is None else like(drsc, rsc), like(dscale, scale))
+            None if rsc is None else like(drsc, rsc), like(dscale, scale), dmod, dsinks)
 
   ring.defvjp(fwd, bwd)
   return ring
@@ -515,7 +563,9 @@ def ring_attention(q: Array, k: Array, v: Array, bias: Array | None = None,
                    layout: str = "contiguous", block_q: int | None = None,
                    block_k: int | None = None, kv_head_block: int | None = None,
                    implementation: str | Implementation | None = None,
-                   pallas_backend: str | None = None, interpret: bool = False) -> Array:
+                   pallas_backend: str | None = None, interpret: bool = False,
+                   logits_soft_cap: float | None = None, score_mod: Any = None,
+                   score_mod_params: Any = None, sinks: Array | None = None) -> Array:
   """Attention over a sequence sharded along mesh axis ``axis_name``: call it inside
   ``jax.shard_map`` (``check_vma`` either way) on the local shards.
 
@@ -565,6 +615,23 @@ def ring_attention(q: Array, k: Array, v: Array, bias: Array | None = None,
       from another host); None: ``jax.default_backend()``'s.
     interpret: deprecated (removed in the next release; a DeprecationWarning): now
       ``core.Pallas(interpret=True)``, the Pallas kernels in Pallas' interpreter.
+    logits_soft_cap, score_mod, score_mod_params: as in :func:`attnx.core.attention` (a soft
+      cap c > 0; FlexAttention's ``fn(score, b, h, q_idx, kv_idx, params)`` or a
+      :class:`~attnx.core.score_mods.ScoreMod` such as ``core.alibi(slopes)``, with
+      replicated parameters that get gradients), applied by every step's kernel per tile:
+      ``q_idx``/``kv_idx`` are positions in the whole sequence of P·T/P positions in its
+      natural order (for ``layout="zigzag"`` each chunk's own, as in
+      :func:`zigzag_permute`'s input), ``h`` the query head and ``b`` the flat batch index,
+      so ALiBi or a relative-position table give the result of :func:`attnx.core.attention`
+      on the unsharded sequence. For every weighting the ring runs (stick-breaking too).
+    sinks: attention sinks ``[N]``, replicated, as in :func:`attnx.core.attention`: a virtual
+      key of score ``sinks[h]`` and zero value in every row (counted once per row: folded
+      into each device's first row state; SSMax counts it in n_i), with a gradient. For the
+      weightings that divide by a sum (pointwise F with ``normalization="sum"``, SSMax,
+      softpick); a ValueError for the others (stick-breaking, ``"length"``, ``"none"``).
+      The score modifications and sinks run on the XLA steps only: an explicit
+      ``implementation="pallas"`` raises a ValueError naming them, and the automatic choice
+      takes the XLA steps.
 
   Returns:
     The local output ``[batch..., T/P, N, Hv]`` in q's dtype: the rows of the global attention
@@ -575,7 +642,10 @@ def ring_attention(q: Array, k: Array, v: Array, bias: Array | None = None,
       layout, shapes that do not split (causal needs equal local T and S, zigzag even ones;
       tiles divide the local lengths, which must not leave tiles of a few rows), a bias/mask
       sharded otherwise than documented, a weighting that cannot stream (sparsemax, entmax:
-      the message names the alternatives), or the checks of :func:`attnx.core.attention`.
+      the message names the alternatives), a score modification or sinks with the Pallas
+      steps, or the checks of :func:`attnx.core.attention` (among them a cap ≤ 0, sinks not
+      of shape [N], sinks for a weighting without a sum: stick-breaking, ``"length"``,
+      ``"none"``).
 
   Example:
     A causal ring over every device (one on a plain CPU: the ring then has one step); the
@@ -607,6 +677,8 @@ def ring_attention(q: Array, k: Array, v: Array, bias: Array | None = None,
   family = check_supported(w, sc, layout)
   batch = q.shape[:-3]
   t, n, h = q.shape[-3:]
+  mod = problem_lib.score_modification(logits_soft_cap, score_mod, score_mod_params, q)
+  sinks = problem_lib.check_sinks(sinks, w, n, q.dtype)
   s, kv_heads = k.shape[-3], k.shape[-2]
   if is_causal and t != s:
     raise ValueError(f"causal ring attention needs as many local queries as keys (T = S), "
@@ -644,12 +716,15 @@ def ring_attention(q: Array, k: Array, v: Array, bias: Array | None = None,
                         vma=sweep.manual_axes(q, k, v, bias4,
                                            None if structured is not None else mask4,
                                            lax.axis_index(axis_name)),
-                        skip_empty_steps=structured is not None)
+                        skip_empty_steps=structured is not None, score_mod=mod is not None,
+                        sinks=sinks is not None)
   g = n // kv_heads
   kc = _kv_heads_per_pass(kv_head_block, b, kv_heads, g, max(t, s),
                           max(q.shape[-1], v.shape[-1]))
+  given = (("logits_soft_cap", logits_soft_cap), ("score_mod", score_mod), ("sinks", sinks))
   ring = RingProblem(w, jnp.result_type(q.dtype, k.dtype, v.dtype), q.shape[-1], v.shape[-1],
-                     typed_vma=bool(rc.vma), backend=pallas_backend)
+                     typed_vma=bool(rc.vma), backend=pallas_backend,
+                     modifications=tuple(name for name, x in given if x is not None))
   impl = _step_implementation(chosen, ring)
   block_q, block_k = impl.block_sizes
   rc = dataclasses.replace(rc, head_dims=(b, kc, g), block_q=block_q, block_k=block_k,
@@ -671,9 +746,12 @@ def ring_attention(q: Array, k: Array, v: Array, bias: Array | None = None,
     sv = jnp.asarray(w.stream.s if ssmax_s is None else ssmax_s, rc.dtype)
     if sv.ndim:
       sv = jnp.broadcast_to(sv.reshape(-1), (n,))[None, :, None]
-    rsc = streaming.row_scale(w.stream, _valid_counts(rc, bias4, mask4, b, n), sv, rc.dtype)
+    counts = _valid_counts(rc, bias4, mask4, b, n)
+    if sinks is not None:  # the sink is one more key of every row
+      counts = counts + 1
+    rsc = streaming.row_scale(w.stream, counts, sv, rc.dtype)
   out = _make_ring(rc, kv_heads // kc)(qd, kd, value, bias4, mask4, rsc,
-                                       jnp.asarray(scale, rc.dtype))
+                                       jnp.asarray(scale, rc.dtype), mod, sinks)
   return out.reshape(batch + out.shape[1:]).astype(q.dtype)
 
 

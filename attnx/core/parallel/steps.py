@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from attnx.core import streaming
+from attnx.core import score_mods, streaming
 from attnx.core.kernels import common
 from attnx.core.kernels.xla import block as xla_block
 from attnx.core.kernels.xla import pointwise as bl
@@ -41,7 +41,10 @@ class BlockKernel(Protocol):
   :class:`attnx.core.kernels.pallas.block.PallasBlockKernel`.
 
   Layouts: q ``[X, G, t, H]``, k/v ``[X, s, H]``, bias/mask ``[Bb, Kb, Gb, t|1, s|1]``
-  (X = B·K), row scales ``[X, G, t]``; ``cfg`` from :meth:`RingConfig.cfg`.
+  (X = B·K), row scales ``[X, G, t]``; ``cfg`` from :meth:`RingConfig.cfg`. With a score
+  modification (``cfg.score_mod``) each method also takes ``mod=`` the block's
+  :class:`~attnx.core.score_mods.ScoreMod` (:meth:`StepMod.piece`), and the gradients end
+  with its cotangent.
   """
 
   def state(self, q, k, v, bias, mask, scale, cfg) -> Any:
@@ -79,6 +82,11 @@ class RingConfig:
   dtype: Any = F32  # the compute dtype (contract.compute_dtype): float32, or float64
   # A structured mask: a step whose block allows no pair is skipped.
   skip_empty_steps: bool = False
+  # A score modification (soft cap, score_mod): the kernels apply it per tile, at the global
+  # positions of each step's rows and keys (:class:`StepMod`).
+  score_mod: bool = False
+  # Attention sinks: folded once into each device's first row state (:func:`sink_state`).
+  sinks: bool = False
 
   @property
   def num_keys(self) -> int:
@@ -121,10 +129,56 @@ class RingConfig:
     return self.stream is not None and self.stream.needs_row_scale
 
   def cfg(self, t: int, s: int, causal: bool) -> tl.TileConfig:
-    return bl.block_config(
+    cfg = bl.block_config(
         self.w, t, s, self.head_dims, is_causal=causal, has_mask=self.mask_kind != "none",
         has_bias=self.bias_kind != "none", num_keys=self.num_keys, block_q=self.block_q,
         block_k=self.block_k, whole_chunk=not self.pointwise)
+    return dataclasses.replace(cfg, score_mod=True) if self.score_mod else cfg
+
+
+@dataclasses.dataclass(frozen=True)
+class StepMod:
+  """The call's score modification on one ring step: its function sees the global positions
+  (in the whole sequence, natural order) of this device's rows and of the visiting keys, and
+  the global query head, where the step kernels' tiles give positions and heads local to
+  their block and pass (:func:`attnx.core.kernels.xla.tiling.tile_positions`)."""
+
+  mod: score_mods.ScoreMod  # the call's: cap, function, parameters
+  qpos: Array  # int32 [t]: global positions of the local rows
+  kpos: Array  # int32 [size]: global positions of the visiting keys (a shard, or half of one)
+  head0: Any  # the pass' first query head
+
+  def piece(self, r0: int, r1: int, k0: int, k1: int) -> score_mods.ScoreMod:
+    """The modification of the block of local rows [r0, r1) and visiting keys [k0, k1)."""
+    fn = self.mod.fn
+    if fn is None:  # a cap alone reads no position
+      return self.mod
+    qpos = lax.slice_in_dim(self.qpos, r0, r1)
+    kpos = lax.slice_in_dim(self.kpos, k0, k1)
+    head0 = self.head0
+
+    def at_global(score, b, h, q_idx, kv_idx, params):
+      return fn(score, b, h + head0, qpos[q_idx], kpos[kv_idx], params)
+
+    return score_mods.ScoreMod(cap=self.mod.cap, fn=at_global, params=self.mod.params)
+
+
+def step_mod(rc: RingConfig, mod: tuple[Any, Any] | None, src: Any, off: int = 0,
+             size: int | None = None) -> StepMod | None:
+  """The :class:`StepMod` of a visit by the keys [off, off + size) of device ``src``'s shard;
+  ``mod`` the pass' (ScoreMod, first query head), or None."""
+  if mod is None:
+    return None
+  size = rc.s if size is None else size
+  kpos = ring_layout.positions(src, rc.s, rc.p, rc.layout)
+  if off or size != rc.s:
+    kpos = lax.slice_in_dim(kpos, off, off + size)
+  # The parameters typed as varying like the step's inputs (check_vma=True): the kernels'
+  # VJP of a replicated one would sum its cotangent over the devices inside every step; the
+  # ring sums the total once (the custom VJP's ``like``).
+  smod = dataclasses.replace(mod[0], params=sweep.vary(mod[0].params, rc.vma))
+  return StepMod(smod, ring_layout.positions(lax.axis_index(rc.axis), rc.t, rc.p, rc.layout),
+                 kpos, mod[1])
 
 
 @jax.tree_util.register_dataclass
@@ -315,7 +369,8 @@ def merge(rc: RingConfig, a: Any, b: Any) -> Any:
   return streaming.merge(rc.w.stream, a, b)
 
 
-def block_state(rc: RingConfig, q, kv, bias, mask, rsc, scale, r0, r1, k0, k1, causal):
+def block_state(rc: RingConfig, q, kv, bias, mask, rsc, scale, r0, r1, k0, k1, causal,
+                mod: StepMod | None = None):
   """The raw state of local rows [r0, r1) against keys [k0, k1) of the visiting shard."""
   k, v = kv
   cfg = rc.cfg(r1 - r0, k1 - k0, causal)
@@ -324,15 +379,17 @@ def block_state(rc: RingConfig, q, kv, bias, mask, rsc, scale, r0, r1, k0, k1, c
   bp = None if bias is None else sl(sl(bias, 3, r0, r1 - r0), 4, k0, k1 - k0)
   mp = None if mask is None else sl(sl(mask, 3, r0, r1 - r0), 4, k0, k1 - k0)
   rp = None if rsc is None else lax.slice_in_dim(rsc, r0, r1, axis=2)
+  kw = {} if mod is None else {"mod": mod.piece(r0, r1, k0, k1)}
   if rc.pointwise:
-    return rc.kernel.state(qp, kp, vp, bp, mp, scale, cfg)
-  return rc.kernel.row_state(qp, kp, vp, bp, mp, rp, scale, cfg)
+    return rc.kernel.state(qp, kp, vp, bp, mp, scale, cfg, **kw)
+  return rc.kernel.row_state(qp, kp, vp, bp, mp, rp, scale, cfg, **kw)
 
 
-def kind_state(rc: RingConfig, pieces, q, kv, bias, mask, rsc, scale, hv: int) -> Any:
+def kind_state(rc: RingConfig, pieces, q, kv, bias, mask, rsc, scale, hv: int,
+               mod: StepMod | None = None) -> Any:
   """The raw state of every local row over the visiting keys (``kv``: a shard, or half of
   one), from the ``pieces`` of a kind of step (:data:`attnx.core.parallel.layout.PIECES`; empty
-  rows where none)."""
+  rows where none). ``mod``: the step's score modification, or None."""
   half, s_blk = rc.t // 2, kv[0].shape[1]
   rows_of = lambda a: rc.t if a == 2 else a * half  # in halves: 0, 1 or 2 (odd lengths: 2)
   keys_of = lambda a: s_blk if a == 2 else a * (s_blk // 2)
@@ -340,7 +397,7 @@ def kind_state(rc: RingConfig, pieces, q, kv, bias, mask, rsc, scale, hv: int) -
   for r0, r1, k0, k1, causal in pieces:
     lo, hi = rows_of(r0), rows_of(r1)
     part = block_state(rc, q, kv, bias, mask, rsc, scale, lo, hi, keys_of(k0), keys_of(k1),
-                       causal)
+                       causal, mod)
     if (lo, hi) == (0, rc.t):  # the only piece of its kind: nothing to merge with
       state = part
     else:
@@ -348,10 +405,12 @@ def kind_state(rc: RingConfig, pieces, q, kv, bias, mask, rsc, scale, hv: int) -
   return sweep.vary(state, rc.vma)  # every kind of step: the same type
 
 
-def kind_grads(rc: RingConfig, pieces, q, kv, bias, mask, rsc, scale, out, stats, do, carries):
+def kind_grads(rc: RingConfig, pieces, q, kv, bias, mask, rsc, scale, out, stats, do, carries,
+               mod: StepMod | None = None):
   """(dq, (dk, dv), dbias block, carries, dscale) of one kind of step (its ``pieces``), zeros
-  where the step computes nothing. (Adding into the running sums inside the step's branch
-  instead measured more scratch: XLA copies the operands of the branches.)"""
+  where the step computes nothing, and with a score modification ``mod`` the gradient of its
+  parameters last. (Adding into the running sums inside the step's branch instead measured
+  more scratch: XLA copies the operands of the branches.)"""
   k, v = kv
   half, s_blk = rc.t // 2, k.shape[1]
   rows_of = lambda a: rc.t if a == 2 else a * half  # in halves: 0, 1 or 2 (odd lengths: 2)
@@ -360,6 +419,7 @@ def kind_grads(rc: RingConfig, pieces, q, kv, bias, mask, rsc, scale, out, stats
   dk, dv = zeros(rc, k.shape), zeros(rc, v.shape)
   db = None if bias is None else zeros(rc, bias.shape)
   dscale = zeros(rc, ())
+  dmod = None if mod is None else jax.tree.map(lambda x: zeros(rc, x.shape), mod.mod.params)
   for r0, r1, k0, k1, causal in pieces:
     lo, hi, klo, khi = rows_of(r0), rows_of(r1), keys_of(k0), keys_of(k1)
     cfg = rc.cfg(hi - lo, khi - klo, causal)
@@ -367,20 +427,24 @@ def kind_grads(rc: RingConfig, pieces, q, kv, bias, mask, rsc, scale, out, stats
     keys = lambda a, lo=klo, hi=khi: lax.slice_in_dim(a, lo, hi, axis=1)
     bp = None if bias is None else sl(sl(bias, 3, lo, hi - lo), 4, klo, khi - klo)
     mp = None if mask is None else sl(sl(mask, 3, lo, hi - lo), 4, klo, khi - klo)
+    kw = {} if mod is None else {"mod": mod.piece(lo, hi, klo, khi)}
     if rc.pointwise:
-      gq, gk, gv, gb, gs = rc.kernel.grads(rows(q), keys(k), keys(v), bp, mp, scale, rows(out),
-                                           rows(stats[0]), rows(do), cfg)
+      gq, gk, gv, gb, gs, *gm = rc.kernel.grads(rows(q), keys(k), keys(v), bp, mp, scale,
+                                                rows(out), rows(stats[0]), rows(do), cfg, **kw)
     else:
       rp = None if rsc is None else rows(rsc)
-      gq, gk, gv, gb, part_carries, gs = rc.kernel.row_grads(
+      gq, gk, gv, gb, part_carries, gs, *gm = rc.kernel.row_grads(
           rows(q), keys(k), keys(v), bp, mp, rp, scale, rows(out), tuple(map(rows, stats)),
-          rows(do), tree_rows(carries, lo, hi - lo), cfg)
+          rows(do), tree_rows(carries, lo, hi - lo), cfg, **kw)
       carries = put_tree_rows(carries, part_carries, lo)
+    if mod is not None:
+      dmod = jax.tree.map(lambda a, g: a + g.astype(a.dtype), dmod, gm[0].params)
     dq, dk, dv = add_at(dq, gq, 2, lo), add_at(dk, gk, 1, klo), add_at(dv, gv, 1, klo)
     if db is not None:
       db = add_rows_keys(db, gb, lo, klo)
     dscale = dscale + gs
-  return sweep.vary((dq, (dk, dv), db, carries, dscale), rc.vma)  # every kind: the same type
+  res = (dq, (dk, dv), db, carries, dscale) + (() if mod is None else (dmod,))
+  return sweep.vary(res, rc.vma)  # every kind: the same type
 
 
 # --------------------------------------------------------------------------------------------
@@ -465,3 +529,68 @@ def start_carries(rc: RingConfig, extra: Any, do: Array) -> Any:
       b = b + jnp.exp(a) * jnp.sum(do * st.acc, axis=-1)
       a = a + st.log_rest
   return tuple(carries)
+
+
+# --------------------------------------------------------------------------------------------
+# Attention sinks: a virtual key of score sinks[h] and zero value in every row, folded once
+# into each device's first row state; its gradient from the rows' saved statistics.
+# --------------------------------------------------------------------------------------------
+
+def _row_heads(rc: RingConfig) -> Array:
+  """The query head (within the pass) of each [X, G] row of the kernel layout."""
+  b, kc, g = rc.head_dims
+  x = jnp.arange(b * kc, dtype=jnp.int32)[:, None]
+  return (x % kc) * g + jnp.arange(g, dtype=jnp.int32)[None, :]
+
+
+def _sink_z(rc: RingConfig, sinks: Array, rows: tuple[int, ...]) -> Array:
+  """The sink's score of every local row, [X, G, t, 1] (a key tile of one key)."""
+  z = sinks.astype(rc.dtype)[_row_heads(rc)]
+  return jnp.broadcast_to(z[:, :, None, None], rows + (1,))
+
+
+def sink_state(rc: RingConfig, sinks: Array, rows: tuple[int, ...], hv: int,
+               rsc: Array | None) -> Any:
+  """The raw state of rows [X, G, t] that have seen only the sink (``sinks``: the pass' [hq]):
+  the first state of every device's rows, into which each step's state merges (so the sink
+  counts once per row, whatever the number of steps)."""
+  z = _sink_z(rc, sinks, rows)
+  w = rc.w
+  if rc.pointwise:
+    acc, st = streaming.pointwise_empty(w, rows, hv, rc.dtype)
+    v = jnp.zeros(rows[:2] + (1, acc.shape[-1]), rc.dtype)
+    if w.divides_by_sum:  # Σ F rides in the ones column
+      v = v.at[..., hv].set(1.0)
+    if w.online_max:
+      state = streaming.online_max_update(acc, st, z * float(w.exp_alpha), None, v)
+    else:
+      state = streaming.pointwise_update(w, acc, st, z, None, v, rc.num_keys)
+  else:
+    rs = w.stream
+    state = streaming.update(rs, streaming.init(rs, rows, hv, rc.dtype), z,
+                             jnp.ones(z.shape, bool), jnp.zeros(rows[:2] + (1, hv), rc.dtype),
+                             rsc)
+  return sweep.vary(state, rc.vma)
+
+
+def sink_grads(rc: RingConfig, sinks: Array, out: Array, stats: tuple[Array, ...], do: Array,
+               carries: Any, rsc: Array | None) -> tuple[Array, Any]:
+  """(d sinks [hq], carries) of the pass' rows: the sink is a key of zero value (dP = 0), so
+  its cotangent comes from the rows' final output and statistics alone (the blocked kernels'
+  rule, :func:`attnx.core.kernels.xla.sweep.sink_grad`); a whole-row family's grad carries
+  (SSMax's dc) gain the sink's term."""
+  w = rc.w
+  delta = jnp.sum(do.astype(rc.dtype) * out, axis=-1)  # [X, G, t]
+  if rc.pointwise:
+    grad_rows = streaming.pointwise_grad_rows(w, stats[0], delta)
+    ds = sweep.sink_grad(sinks.astype(rc.dtype), 0, rc.cfg(rc.t, rc.s, False), grad_rows,
+                         sinks.shape[0])
+    return ds, carries
+  z = _sink_z(rc, sinks, delta.shape)
+  _, dz, gc = streaming.tile_grad(w.stream, z, jnp.ones(z.shape, bool),
+                                  jnp.zeros(z.shape, rc.dtype), stats, delta,
+                                  streaming.GradCarry(*carries), rsc)
+  heads = _row_heads(rc)
+  per_head = jnp.sum(dz[..., 0], axis=2)  # [X, G]
+  ds = jnp.zeros(sinks.shape, rc.dtype).at[heads.reshape(-1)].add(per_head.reshape(-1))
+  return ds, (gc.a, gc.b)

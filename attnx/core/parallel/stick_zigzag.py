@@ -87,7 +87,7 @@ def _high_run(i, src):
   return jnp.where(src == i, 0, jnp.where(src > i, 1, 2))  # H0, H2, H3
 
 
-def forward(rc: steps.RingConfig, q, k, v, bias, mask, scale):
+def forward(rc: steps.RingConfig, q, k, v, bias, mask, scale, mod=None):
   p, hv, c = rc.p, v.shape[-1], rc.s // 2
   i = lax.axis_index(rc.axis)
   rows = q.shape[:2] + (rc.t,)
@@ -95,7 +95,9 @@ def forward(rc: steps.RingConfig, q, k, v, bias, mask, scale):
 
   def visit(half, src, off, table):
     kv, b, m = _half_inputs(rc, half, bias, mask, src, off)
-    run = lambda pieces: (lambda: steps.kind_state(rc, pieces, q, kv, b, m, None, scale, hv))
+    smod = steps.step_mod(rc, mod, src, off, c)
+    run = lambda pieces: (lambda: steps.kind_state(rc, pieces, q, kv, b, m, None, scale, hv,
+                                                   smod))
     return _rel_switch(rc, i, src, table, run)
 
   def body(r, carry):
@@ -120,7 +122,7 @@ def forward(rc: steps.RingConfig, q, k, v, bias, mask, scale):
   return out, stats, tuple(runs[name] for name in _RUNS[:-1])
 
 
-def backward(rc: steps.RingConfig, res, do):
+def backward(rc: steps.RingConfig, res, do, mod=None):
   q, k, v, bias, mask, _, scale, out, stats, extra = res
   p, c = rc.p, rc.s // 2
   i = lax.axis_index(rc.axis)
@@ -132,8 +134,9 @@ def backward(rc: steps.RingConfig, res, do):
 
   def visit(half, src, off, table, run_carries):
     kv, bb, m = _half_inputs(rc, half, bias, mask, src, off)
+    smod = steps.step_mod(rc, mod, src, off, c)
     run = lambda pieces: (lambda cc: steps.kind_grads(rc, pieces, q, kv, bb, m, None, scale, out,
-                                                 stats, do, cc))
+                                                 stats, do, cc, smod))
     return _rel_switch(rc, i, src, table, run, run_carries)
 
   def add_bias(dbias_local, db, tgrad_b, src, off):
@@ -146,7 +149,7 @@ def backward(rc: steps.RingConfig, res, do):
     return dbias_local + db, tgrad_b
 
   def body(r, carry):
-    low, high, t_low, t_high, (dq, dscale, dbias_local, carries) = carry
+    low, high, t_low, t_high, (dq, dscale, dbias_local, carries, *dmod) = carry
     src_l, src_h = (i - r) % p, (i + r) % p
     after_l = lax.ppermute(low, rc.axis, steps.perm(p)) if p > 1 else low
     after_h = lax.ppermute(high, rc.axis, _reverse_perm(p)) if p > 1 else high
@@ -157,8 +160,8 @@ def backward(rc: steps.RingConfig, res, do):
       box = {}
 
       def fn(cc, _):
-        gq, gkv, db, cc, gs = visit(half, src, off, table, cc)
-        box.update(gq=gq, gkv=gkv, db=db, gs=gs)
+        gq, gkv, db, cc, gs, *gm = visit(half, src, off, table, cc)
+        box.update(gq=gq, gkv=gkv, db=db, gs=gs, gm=gm)
         return cc
 
       carries = _runs_update(carries, names, which, None, fn)
@@ -173,11 +176,12 @@ def backward(rc: steps.RingConfig, res, do):
       dbias_local, dbt = add_bias(dbias_local, g["db"], dbt, src, off)
       new_t.append((dk + g["gkv"][0], dv + g["gkv"][1], dbt))
       dq, dscale = dq + g["gq"], dscale + g["gs"]
+      dmod = jax.tree.map(jnp.add, dmod, g["gm"])
     t_low, t_high = new_t
     if p > 1:  # each half's dK/dV go on with it, in its direction; after P hops: home
       t_low = lax.ppermute(t_low, rc.axis, steps.perm(p))
       t_high = lax.ppermute(t_high, rc.axis, _reverse_perm(p))
-    return after_l, after_h, t_low, t_high, (dq, dscale, dbias_local, carries)
+    return after_l, after_h, t_low, t_high, (dq, dscale, dbias_local, carries, *dmod)
 
   travel = steps.travelling_arrays(rc, k, v, bias, mask)
   zeros_half = lambda: (steps.zeros(rc, (k.shape[0], c, k.shape[2])),
@@ -186,11 +190,16 @@ def backward(rc: steps.RingConfig, res, do):
                         else None)
   init = (_half(rc, travel, 0, c), _half(rc, travel, c, c), zeros_half(), zeros_half(),
           (steps.zeros(rc, q.shape), steps.zeros(rc, ()), dbias_local, carries))
-  _, _, t_low, t_high, (dq, dscale, dbias_local, _) = lax.fori_loop(0, p, body, init)
+  if mod is not None:  # the gradient of the score modification's parameters
+    init = init[:4] + (init[4] + (jax.tree.map(lambda x: steps.zeros(rc, x.shape),
+                                               mod[0].params),),)
+  _, _, t_low, t_high, (dq, dscale, dbias_local, _, *dmod) = lax.fori_loop(0, p, body, init)
   dk = jnp.concatenate([t_low[0], t_high[0]], axis=1)
   dv = jnp.concatenate([t_low[1], t_high[1]], axis=1)
   dbias = (jnp.concatenate([t_low[2], t_high[2]], axis=4) if rc.bias_kind == "travel"
            else dbias_local)
-  return dq, dk, dv, dbias, None, dscale
+  if mod is None:
+    return dq, dk, dv, dbias, None, dscale
+  return dq, dk, dv, dbias, None, dscale, dmod[0], None
 
 

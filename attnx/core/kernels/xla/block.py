@@ -19,21 +19,21 @@ __all__ = ["XLA_BLOCK_KERNEL", "XlaBlockKernel"]
 class XlaBlockKernel:
   """The ring's steps on attnx's XLA blocked kernels (any backend)."""
 
-  def state(self, *args: Any) -> Any:
+  def state(self, *args: Any, **kwargs: Any) -> Any:
     """:func:`.pointwise.raw_block_state` (pointwise F)."""
-    return pointwise.raw_block_state(*args)
+    return pointwise.raw_block_state(*args, **kwargs)
 
-  def row_state(self, *args: Any) -> Any:
+  def row_state(self, *args: Any, **kwargs: Any) -> Any:
     """:func:`.rows.raw_block_state` (whole-row families)."""
-    return rows.raw_block_state(*args)
+    return rows.raw_block_state(*args, **kwargs)
 
-  def grads(self, *args: Any) -> Any:
+  def grads(self, *args: Any, **kwargs: Any) -> Any:
     """:func:`.pointwise.block_grads` (pointwise F)."""
-    return pointwise.block_grads(*args)
+    return pointwise.block_grads(*args, **kwargs)
 
-  def row_grads(self, *args: Any) -> Any:
+  def row_grads(self, *args: Any, **kwargs: Any) -> Any:
     """:func:`.rows.block_grads` (whole-row families)."""
-    return rows.block_grads(*args)
+    return rows.block_grads(*args, **kwargs)
 
 
 XLA_BLOCK_KERNEL = XlaBlockKernel()

@@ -106,7 +106,7 @@ def block_config(w: Any, t: int, s: int, head_dims: tuple[int, int, int], *, is_
 
 
 def raw_block_state(q: Array, k: Array, v: Array, bias: Array | None, mask: Array | None,
-                    scale: Array, cfg: tl.TileConfig) -> tuple[Array, Array]:
+                    scale: Array, cfg: tl.TileConfig, mod: Any = None) -> tuple[Array, Array]:
   """The unnormalized state (acc, st) of every query row over this block's keys, for a
   pointwise F, in the kernel layout (q [X, G, t, H], k/v [X, s, H], bias/mask
   [Bb, Kb, Gb, t|1, s|1]; ``cfg`` from :func:`block_config`).
@@ -114,19 +114,24 @@ def raw_block_state(q: Array, k: Array, v: Array, bias: Array | None, mask: Arra
   States of disjoint key blocks of the same rows merge exactly with
   :func:`attnx.core.streaming.pointwise_merge` and are normalized once by
   :func:`attnx.core.streaming.pointwise_finalize` (no ``num_keys``: a ``"length"`` state
-  already counts its keys); see :func:`.sweep.forward` for what acc and st hold.
+  already counts its keys); see :func:`.sweep.forward` for what acc and st hold. ``mod``: the
+  :class:`~attnx.core.score_mods.ScoreMod` of ``cfg.score_mod`` (its positions the block's
+  own, from 0: a ring wraps its function to see global ones), else None.
   """
-  return sweep.forward(q, k, v, bias, mask, scale, dataclasses.replace(cfg, raw=True))
+  return sweep.forward(q, k, v, bias, mask, scale, dataclasses.replace(cfg, raw=True),
+                       mod=mod)
 
 
 def block_grads(q: Array, k: Array, v: Array, bias: Array | None, mask: Array | None,
-                scale: Array, out: Array, stat: Array, do: Array, cfg: tl.TileConfig):
+                scale: Array, out: Array, stat: Array, do: Array, cfg: tl.TileConfig,
+                mod: Any = None):
   """(dq, dk, dv, dbias, dscale) of this block's scores (in the compute dtype: float32, or
   float64), given the rows' final output and row statistic (of the whole problem: the
   backward of a block needs nothing else, as each tile's weights are recomputed from them;
   lse as one value or as the pair of :func:`.sweep.stat_shape`). Summed over the key blocks, they
-  are the whole problem's gradients."""
-  return sweep.backward(q, k, v, bias, mask, scale, out, stat, do, cfg)
+  are the whole problem's gradients. With ``cfg.score_mod`` (``mod`` as in
+  :func:`raw_block_state`) the cotangent of ``mod`` follows dscale."""
+  return sweep.backward(q, k, v, bias, mask, scale, out, stat, do, cfg, mod=mod)
 
 
 # --------------------------------------------------------------------------------------------

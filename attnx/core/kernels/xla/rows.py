@@ -484,7 +484,8 @@ def _backward(q, k, v, bias, mask, row_scales, scale, out, stats, support_mean, 
 # --------------------------------------------------------------------------------------------
 
 def raw_block_state(q: Array, k: Array, v: Array, bias: Array | None, mask: Array | None,
-                    row_scales: Array | None, scale: Array, cfg: tl.TileConfig) -> Any:
+                    row_scales: Array | None, scale: Array, cfg: tl.TileConfig,
+                    mod: Any = None) -> Any:
   """The streaming state (:mod:`attnx.core.streaming`: ``MaxState`` of SSMax and softpick,
   ``StickState`` of stick-breaking) of every query row over this block's keys, its leaves laid
   out [X, G, t, ...], for :func:`attnx.core.streaming.merge` with other key blocks of the same
@@ -494,6 +495,7 @@ def raw_block_state(q: Array, k: Array, v: Array, bias: Array | None, mask: Arra
   :func:`attnx.core.kernels.xla.pointwise.block_config` with ``whole_chunk=True`` (one chunk of
   heads); ``row_scales`` SSMax's c_i = s·log n_i [X, G, t] with n_i the row's count over the whole
   problem. Not for sparsemax/entmax: their threshold needs every key of the row first.
+  ``mod``: the :class:`~attnx.core.score_mods.ScoreMod` of ``cfg.score_mod``, else None.
   """
   rs = cfg.w.stream
   if rs.needs_threshold or cfg.heads_in_chunk != q.shape[0]:
@@ -508,7 +510,7 @@ def raw_block_state(q: Array, k: Array, v: Array, bias: Array | None, mask: Arra
   q, qk_mult, bias_mult, _ = tl.prescale(q, scale, cfg)
 
   def q_block(i, buf):
-    tile = _tiles(q, k, v, bias, mask, i, cfg, qk_mult, bias_mult)
+    tile = _tiles(q, k, v, bias, mask, i, cfg, qk_mult, bias_mult, mod=mod)
     lo, hi = tl.k_range(i, cfg)
     ctx = tl.row_block(row_scales, i, cfg) if rs.needs_row_scale else None
     state = _fold(tile, lo, hi, lambda c, z, ok, vj: st.update(rs, c, z, ok, vj, ctx),
@@ -521,17 +523,18 @@ def raw_block_state(q: Array, k: Array, v: Array, bias: Array | None, mask: Arra
 
 def block_grads(q: Array, k: Array, v: Array, bias: Array | None, mask: Array | None,
                 row_scales: Array | None, scale: Array, out: Array, stats: tuple[Array, ...],
-                do: Array, carry0: tuple[Array, Array], cfg: tl.TileConfig):
+                do: Array, carry0: tuple[Array, Array], cfg: tl.TileConfig, mod: Any = None):
   """(dq, dk, dv, dbias, (carry_a, carry_b), dscale) of this block's scores from the rows'
   final output and statistics (:func:`attnx.core.streaming.finalize` of the merged state).
 
   ``carry0``: the per-row grad carries after the key blocks visited before this one (SSMax:
   dc = Σ z·dy so far; stick-breaking, whose blocks must come from the last key backwards: L
   and Σ A·dP of the later keys); the result's carries go on to the next block. Same layout
-  and cfg as :func:`raw_block_state`.
+  and cfg as :func:`raw_block_state`; with ``cfg.score_mod`` the cotangent of ``mod`` follows
+  dscale.
   """
   return _backward_chunk(q, k, v, bias, mask, row_scales, scale, out, stats, None, do, None,
-                         cfg, carry0=carry0, both_carries=True)
+                         cfg, carry0=carry0, both_carries=True, mod=mod)
 
 
 def _make_kernel(cfg: tl.TileConfig, skip: bool):

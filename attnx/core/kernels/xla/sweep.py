@@ -20,7 +20,7 @@ from attnx.core.kernels.xla import tiling as tl
 
 Array = jax.Array
 
-__all__ = ["backward", "forward", "manual_axes", "stat_shape", "vary"]
+__all__ = ["backward", "forward", "manual_axes", "sink_grad", "stat_shape", "vary"]
 
 
 def manual_axes(*xs: Any) -> tuple[str, ...]:
@@ -104,7 +104,7 @@ def _sink_scores(sinks: Array, x0: Any, cfg: tl.TileConfig, cd: Any) -> Array:
   return jnp.repeat(z, cfg.bq, axis=1)[..., None]
 
 
-def _sink_grad(sinks: Array, x0: Any, cfg: tl.TileConfig, grad_rows: Any, n: int) -> Array:
+def sink_grad(sinks: Array, x0: Any, cfg: tl.TileConfig, grad_rows: Any, n: int) -> Array:
   """d sinks [N] from the rows of a chunk (first row ``x0``): the sink is a key of zero
   value, so dP = 0 there and its cotangent is −P_sink·δ per row (times α), summed over the
   rows of each head. Padding rows have δ = 0 and add nothing."""
@@ -399,5 +399,5 @@ def _backward_chunk(q, k, v, bias, mask, scale, out, stat, do, cfg: tl.TileConfi
   dscale = alpha * jnp.sum(dq_z * finite(q_raw).astype(cd))
   dbias = dbias_z * bias_mult if cfg.has_bias else None
   if cfg.sinks:
-    dmod.append(_sink_grad(sinks, x0, cfg, grad_rows, sinks.shape[0]))
+    dmod.append(sink_grad(sinks, x0, cfg, grad_rows, sinks.shape[0]))
   return (dq, dk, dv, dbias, dscale, *dmod)

@@ -195,6 +195,30 @@ def test_a_soft_cap_and_sinks_lower_fwd_and_bwd(weighting, platform):
 
 
 @pytest.mark.parametrize("platform", PLATFORMS)
+@pytest.mark.parametrize("weighting", ["stick_breaking", "entmax15"])
+def test_a_soft_cap_with_a_whole_row_weighting_lowers_fwd_and_bwd(weighting, platform):
+  """core.attention with logits_soft_cap and a whole-row weighting through core.Pallas lowers
+  for each chip: the cap's tanh in the forward (entmax: its threshold passes too), dQ and
+  dK/dV row kernels, 1 − tanh² in the backward ones, stick-breaking's carries; GQA, a ragged
+  T, causal, a differentiated bias."""
+  _, target = PLATFORMS[platform]
+  sds = jax.ShapeDtypeStruct
+  args = (sds((2, 200, 4, 64), jnp.bfloat16), sds((2, 256, 2, 64), jnp.bfloat16),
+          sds((2, 256, 2, 64), jnp.bfloat16), sds((1, 4, 200, 256), jnp.float32))
+
+  def loss(q, k, v, bias):
+    out = core.attention(q, k, v, bias, weighting=weighting, is_causal=True,
+                         logits_soft_cap=30.0, implementation=core.Pallas())
+    return jnp.sum(jnp.square(out.astype(jnp.float32)))
+
+  grad = jax.grad(loss, argnums=(0, 1, 2, 3))
+  text = jax.jit(grad).trace(*args).lower(lowering_platforms=(platform,)).as_text()
+  assert "attnx_pallas_rows_fwd" in text
+  lowering.custom_calls(text, target, lowering.expected_kernels(
+      platform, "bfloat16", 64, 64, wlib.get_weighting(weighting).stream.family))
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "symmetric"])
 def test_alibi_with_a_cap_and_sinks_lowers_fwd_and_bwd(causal, platform):
   """core.attention with core.alibi (learned slopes), a cap and sinks through core.Pallas

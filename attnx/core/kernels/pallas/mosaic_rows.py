@@ -186,7 +186,7 @@ def _dq_kernel(*refs, cfg, has_bias, has_mask, want_ds):
   tile = tile_fn(cfg, i, bq, bk, qs, lambda c0: [k_ref[ds(c0), :]],
                   lambda c0: _cols(bias_ref, c0, bk),
                   lambda c0: _cols(mask_ref, c0, bk), q_len, kv_len, sm,
-                  None if sm is None else pl.program_id(1))
+                  None if sm is None else pl.program_id(1), grad=True)
   lo, _ = span = kv_span(cfg, i, bq, bk, q_len, kv_len, sm)
   stats = tuple(_lane0(ref[...]) for ref in stat_refs_of(r, cfg))
   rowc = None if r["rowc"] is None else _lane0(r["rowc"][...])

@@ -49,8 +49,10 @@ from attnx.core.contract import finite
 from attnx.core.kernels.pallas.common import (
   KernelConfig,
   accumulate_dkv,
+  capped_grad,
   dot_chunks,
   tile_scores,
+  tile_scores_grad,
   tile_valid,
 )
 from attnx.core.kernels.xla import rows as xla_rows
@@ -126,15 +128,20 @@ def _per_head(rs: st.RowStream, s_param: Array | float | None, n: int) -> Array:
 # --------------------------------------------------------------------------------------------
 
 def tile_fn(cfg, i, bq, bk, qs, load_k, bias_cols, mask_cols, q_len, kv_len, sm=None,
-            head=None):
-  """tile(j) -> (z [bq, bk] float32, valid [bq, bk] bool, the key tile's head-dim chunks) of
-  query tile i and key tile j (``sm``: a structured mask, of query head ``head``)."""
+            head=None, grad=False):
+  """tile(j) -> (z [bq, bk] float32, valid [bq, bk] bool, the key tile's head-dim chunks, d) of
+  query tile i and key tile j (``sm``: a structured mask, of query head ``head``); ``d`` the
+  soft cap's derivative 1 − tanh² (:func:`.common.tile_scores_grad`) when ``grad`` and
+  ``cfg.cap``, else None (the forward computes z alone)."""
   def tile(j):
     c0 = j * bk
     ks = load_k(c0)
-    z = tile_scores(cfg, qs, ks, bias_cols(c0))
+    if grad:
+      z, d = tile_scores_grad(cfg, qs, ks, bias_cols(c0))
+    else:
+      z, d = tile_scores(cfg, qs, ks, bias_cols(c0)), None
     valid = tile_valid(cfg, (bq, bk), i * bq, c0, mask_cols(c0), q_len, kv_len, sm, head)
-    return z, _scored(z, valid), ks
+    return z, _scored(z, valid), ks, d
   return tile
 
 
@@ -175,7 +182,7 @@ def forward_rows(cfg, ops, tile, load_v, span, rowc, bq: int, hv: int):
 
   def body(r, state):
     j = at(r)
-    z, valid, _ = tile(j)
+    z, valid, _, _ = tile(j)
     add = lambda state: st.update(rs, state, z, valid, load_v(j * bk), ctx, ops)
     if not skip:
       return add(state)
@@ -221,7 +228,7 @@ def dq_rows(cfg, ops, tile, qs, load_v, dos, span, stats, delta, rowc, ds_store,
     dq, ca, cb = c
     j = at(r)
     c0 = j * bk
-    z, valid, ks = tile(j)
+    z, valid, ks, d = tile(j)
     if rs.suffix_carries:  # the carries of the keys after tile j, for the dK/dV pass
       carry_store(j, ca, cb)
 
@@ -230,7 +237,8 @@ def dq_rows(cfg, ops, tile, qs, load_v, dos, span, stats, delta, rowc, ds_store,
       dp = dot_chunks(dos, vt)
       _, dz, gc = st.tile_grad(rs, z, valid, dp, stats, delta, st.GradCarry(ca, cb), rowc, ops,
                                weights_dtype=vt[0].dtype)
-      dq = tuple(a + jnp.dot(dz.astype(k.dtype), finite(k), preferred_element_type=F32)
+      dzq = capped_grad(dz, d)  # the cotangent of scale·q·k (dS stays that of z)
+      dq = tuple(a + jnp.dot(dzq.astype(k.dtype), finite(k), preferred_element_type=F32)
                  for a, k in zip(dq, ks, strict=True))
       return dq, dz, gc.a, gc.b
 
@@ -254,7 +262,7 @@ def dkv_step(cfg, ops, dkv, j, i, qs, dos, ks, vs, bias_t, mask_t, q_len, kv_len
   (``()`` for the one not wanted: dV needs the weights only, not dP = dO·Vᵀ nor V)."""
   rs = cfg.w.stream
   bq, bk = cfg.bq_dkv, cfg.bk_dkv
-  z = tile_scores(cfg, qs, ks, bias_t)
+  z, d = tile_scores_grad(cfg, qs, ks, bias_t)  # d: the soft cap's derivative, or None
   valid = _scored(z, tile_valid(cfg, (bq, bk), i * bq, j * bk, mask_t, q_len, kv_len, sm,
                                 head))
 
@@ -262,7 +270,7 @@ def dkv_step(cfg, ops, dkv, j, i, qs, dos, ks, vs, bias_t, mask_t, q_len, kv_len
     dp = dot_chunks(dos, vs) if dkv[0] else jnp.zeros((bq, bk), F32)
     p, dz, _ = st.tile_grad(rs, z, valid, dp, stats, delta, carry, rowc, ops,
                             weights_dtype=dos[0].dtype)
-    return accumulate_dkv(dkv, p, dz, qs, dos)
+    return accumulate_dkv(dkv, p, capped_grad(dz, d), qs, dos)
 
   # The split passes (GPU, wide heads) do not skip: the branch's merge of the accumulator
   # spilled registers (entmax dK at float32 H = 256: 3 KB) where the pass without it did not.

@@ -132,7 +132,7 @@ def _dq_kernel(*refs, cfg, has_bias, has_mask, want_ds):
   tile = tile_fn(cfg, i, bq, bk, qs, load_k,
                   lambda c0: None if bias_ref is None else ref_cols(bias_ref, c0, bk),
                   lambda c0: None if mask_ref is None else ref_cols(mask_ref, c0, bk),
-                  q_len, kv_len, sm, None if sm is None else pl.program_id(2))
+                  q_len, kv_len, sm, None if sm is None else pl.program_id(2), grad=True)
   lo, hi = span = kv_span(cfg, i, bq, bk, q_len, kv_len, sm)
   stats = tuple(ref[...] for ref in stat_refs_of(r, cfg))
   rowc = None if r["rowc"] is None else r["rowc"][...]

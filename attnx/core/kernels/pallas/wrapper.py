@@ -338,10 +338,10 @@ def pallas_attention(q: Array, k: Array, v: Array, *, weighting: Any,
       kernel loops only over the tiles some pair of it may attend and evaluates it per tile
       from its arrays (:mod:`.masking`), never as a T×S array. A ``from_fn`` mask whose
       ``mask_mod`` closes over arrays is materialized into ``mask`` instead.
-    score_mod: a :class:`~attnx.core.score_mods.ScoreMod` (pointwise F only) with a soft cap
+    score_mod: a :class:`~attnx.core.score_mods.ScoreMod` with a soft cap (any F)
       (each tile's raw score scale·q·k becomes c·tanh(scale·q·k / c) before the bias,
       :func:`.common.tile_scores`) and/or ALiBi (:func:`attnx.core.score_mods.alibi`: its
-      ``linear_bias`` declaration, slopes [N] as ``params``; s − m_h·(i − j) or
+      ``linear_bias`` declaration, slopes [N] as ``params``; pointwise F only; s − m_h·(i − j) or
       − m_h·abs(i − j) after the bias, global positions; the slopes get a gradient). Any other
       ``score_mod`` function (a relative table, a user's) is a ValueError: the kernels
       evaluate no user code per tile.
@@ -446,15 +446,16 @@ def pallas_attention(q: Array, k: Array, v: Array, *, weighting: Any,
 
 def _soft_cap(weighting: Any, score_mod: Any, sinks: Any) -> float | None:
   """The soft cap c of ``score_mod`` (None without one), after the checks of what the kernels
-  run: a ScoreMod with a cap and/or ALiBi's declared linear bias, and those or sinks only for
-  a pointwise F (sinks for one with a sum of weights). ValueError otherwise, naming what is
-  not supported."""
+  run: a ScoreMod with a cap and/or ALiBi's declared linear bias, and those or sinks for a
+  pointwise F (sinks for one with a sum of weights); a cap alone for a whole-row F.
+  ValueError otherwise, naming what is not supported."""
   if score_mod is None and sinks is None:
     return None
-  if not isinstance(weighting, Pointwise):
+  if not isinstance(weighting, Pointwise) and (
+      sinks is not None or (score_mod is not None and score_mod.fn is not None)):
     raise ValueError(f"implementation='pallas' cannot run this: its whole-row kernels "
-                     f"({weighting.name!r}) take no logits_soft_cap and no attention sinks; "
-                     f"use implementation='blocked'.")
+                     f"({weighting.name!r}) take a logits_soft_cap but not yet ALiBi, another "
+                     f"score_mod function or attention sinks; use implementation='blocked'.")
   if sinks is not None and not weighting.divides_by_sum:
     raise ValueError(f"implementation='pallas': sinks need a weighting with a sum of weights "
                      f"to enter, and {weighting.name!r} divides by none.")

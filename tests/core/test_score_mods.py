@@ -228,9 +228,9 @@ def test_bad_score_mod_arguments_are_refused():
 
 
 def test_pallas_refuses_score_mod_functions_and_row_families_and_the_choice_runs_blocked():
-  """Pallas runs a cap and ALiBi with a pointwise F (a cap alone with a whole-row F); any
+  """Pallas runs a cap and ALiBi with a pointwise or a whole-row F; any
   other score_mod function (a table, a user's — even one that computes ALiBi without
-  declaring it) or ALiBi with a whole-row family is refused with the reason, and the
+  declaring it) is refused with the reason (a whole-row family takes the cap and ALiBi), and the
   automatic choice runs the blocked kernel (on a CPU it never takes Pallas; explain says why
   for each)."""
   q, k, v = _qkv(t=512, s=512)
@@ -243,9 +243,6 @@ def test_pallas_refuses_score_mod_functions_and_row_families_and_the_choice_runs
       core.attention(q, k, v, score_mod=mod, implementation=core.Pallas(interpret=True))
   with pytest.raises(ValueError, match="not another score_mod function"):
     core.attention(q, k, v, logits_soft_cap=5.0, score_mod=lambda s, *_: s,
-                   implementation=core.Pallas(interpret=True))
-  with pytest.raises(ValueError, match="ALiBi with a pointwise weighting only"):
-    core.attention(q, k, v, weighting="entmax15", score_mod=alibi,
                    implementation=core.Pallas(interpret=True))
   ex = core.explain(q, k, v, score_mod=table)
   assert ex.chosen == "blocked" and "not another score_mod function" in ex.reasons["pallas"]
@@ -705,17 +702,37 @@ def test_pallas_whole_row_a_masked_nan_key_touches_nothing_under_a_cap(backend):
   np.testing.assert_allclose(np.asarray(grads[1])[keep], np.asarray(clean[1])[keep], atol=1e-6)
 
 
-def test_pallas_whole_row_refuses_alibi_and_sinks():
-  """The whole-row kernels take the cap but not yet ALiBi or sinks: refused with the reason
+def test_pallas_whole_row_refuses_sinks():
+  """The whole-row kernels take the cap and ALiBi but not yet sinks: refused with the reason
   (core.attention and the kernel entry point)."""
   q, k, v = _qkv(24, t=_PT, s=_PS)
   w = core.get_weighting("sparsemax")
-  with pytest.raises(ValueError, match="not yet"):
-    pallas_lib.pallas_attention(q, k, v, weighting=w, scale=1.0, interpret=True,
-                                score_mod=core.alibi(core.alibi_slopes(N)))
-  with pytest.raises(ValueError, match="not yet"):
+  with pytest.raises(ValueError, match="not yet attention sinks"):
     pallas_lib.pallas_attention(q, k, v, weighting=w, scale=1.0, interpret=True,
                                 sinks=jnp.zeros(N))
-  with pytest.raises(ValueError, match="ALiBi with a pointwise weighting only"):
-    core.attention(q, k, v, weighting="softpick", score_mod=core.alibi(core.alibi_slopes(N)),
-                   implementation=PALLAS)
+  with pytest.raises(ValueError, match="sinks with a pointwise weighting only"):
+    core.attention(q, k, v, weighting="softpick", sinks=jnp.zeros(N), implementation=PALLAS)
+
+
+# (family, causal, cap): ALiBi (causal or symmetric) in each family once per lowering.
+_ROW_ALIBI_CASES = [("ssmax", True, 1.5), ("softpick", False, None),
+                    ("stick_breaking", True, 1.5), ("sparsemax", False, 1.5),
+                    ("entmax15", True, None)]
+
+
+@pytest.mark.parametrize(("weighting", "causal", "cap"), _ROW_ALIBI_CASES,
+                         ids=[c[0] for c in _ROW_ALIBI_CASES])
+@pytest.mark.parametrize("backend", ["gpu", "tpu"])
+def test_pallas_whole_row_alibi_equals_float64_dense(backend, weighting, causal, cap):
+  """ALiBi in the whole-row kernels (Triton and Mosaic, interpreted), with a cap in three
+  families: GQA (each query head its own slope, G = 2), T and S not multiples of the tiles,
+  causal or symmetric, key lengths (and query lengths when causal): values and the gradients
+  of q, k, v and the slopes (from the dQ kernels' per-row sums) equal float64 dense."""
+  q, k, v = _qkv(25, t=_PT, s=_PS)
+  q = 2.0 * q
+  slopes = core.alibi_slopes(N) * jnp.array([1.0, 3.0, 0.5, 2.0])
+  pallas, dense = _pallas_alibi(
+      backend, weighting, causal, cap=cap,
+      q_lengths=jnp.array([_PT - 3, _PT], jnp.int32) if causal else None,
+      kv_lengths=jnp.array([_PS, _PS - 6], jnp.int32))
+  _against_float64(pallas, dense, (q, k, v, slopes), atol=3e-6, grad_tol=3e-5)

@@ -329,6 +329,34 @@ BRANCH_CASES = (
     C(seed=131, t=120, s=120, b=2, n=4, kh=2, dtype="bfloat16", weighting="softmax_plus_one",
       score_mod="alibi", sinks=True, causal=True, bias="1x1x", magnitude=2.0, block_q=16,
       block_k=128),
+    # A soft cap in the whole-row Pallas kernels (kernels/pallas/rows.py: the cap in the tile
+    # scores of every pass, threshold passes included; 1 − tanh² on the cotangent reaching
+    # q·k in the dQ and dK/dV kernels, dS without it), Triton and Mosaic where the tiles fit
+    # both: SSMax causal GQA under key/query lengths (its c_i counts unchanged by the cap);
+    # stick-breaking (reversed walk, carries) with padding keys and a differentiated full
+    # bias; entmax's threshold passes and skipped tiles under a causal window (Triton's
+    # 16 x 16 tiles); bf16 sparsemax causal GQA; softpick with rows a dense mask empties.
+    C(seed=132, t=100, s=150, b=2, n=4, kh=2, weighting="ssmax", causal=True,
+      structured="lengths", score_mod="cap", magnitude=2.0, block_q=16, block_k=128),
+    C(seed=133, t=90, s=140, b=2, n=2, weighting="stick_breaking", score_mod="cap",
+      mask="padding", bias="xxxx", magnitude=2.0, block_q=16, block_k=128),
+    C(seed=134, t=130, s=120, n=2, weighting="entmax15", score_mod="cap", structured="window",
+      causal=True, magnitude=2.0, block_q=16, block_k=16),
+    C(seed=135, t=120, s=120, b=2, n=4, kh=2, dtype="bfloat16", weighting="sparsemax",
+      score_mod="cap", causal=True, bias="1x1x", magnitude=2.0, block_q=16, block_k=128),
+    C(seed=136, t=50, s=70, n=2, weighting="softpick", score_mod="cap", mask="rows",
+      bias="11xx", magnitude=2.0, block_q=32, block_k=32),
+    # ALiBi in the whole-row Pallas kernels (slopes an operand of every kernel, d slopes from
+    # the dQ kernels' per-row sums; Triton and Mosaic where tiles fit): stick-breaking causal
+    # GQA with padding keys; entmax15 symmetric under key/query lengths with a full bias;
+    # bf16 SSMax causal, G = 3 (Triton's [Gp] row of slopes padded; its c_i times the
+    # ALiBi'd score).
+    C(seed=137, t=100, s=150, b=2, n=4, kh=2, weighting="stick_breaking", causal=True,
+      score_mod="alibi", mask="padding", magnitude=2.0, block_q=16, block_k=128),
+    C(seed=138, t=90, s=140, b=2, n=2, weighting="entmax15", score_mod="alibi",
+      structured="lengths", bias="xxxx", block_q=16, block_k=128),
+    C(seed=139, t=120, s=120, b=1, n=6, kh=2, dtype="bfloat16", weighting="ssmax",
+      score_mod="alibi", causal=True, magnitude=2.0, block_q=16, block_k=128),
 )
 CI_RANDOM = 4
 INSTANCES = 5  # random inputs per configuration in the large run (compiling dominates a case)

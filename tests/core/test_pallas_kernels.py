@@ -195,6 +195,36 @@ def test_a_soft_cap_and_sinks_lower_fwd_and_bwd(weighting, platform):
 
 
 @pytest.mark.parametrize("platform", PLATFORMS)
+@pytest.mark.parametrize(("weighting", "alibi"), [("stick_breaking", False), ("entmax15", True),
+                                                  ("ssmax", True)])
+def test_a_soft_cap_with_a_whole_row_weighting_lowers_fwd_and_bwd(weighting, alibi, platform):
+  """core.attention with logits_soft_cap (and ALiBi with learned slopes) and a whole-row
+  weighting through core.Pallas lowers for each chip: the cap's tanh in the forward (entmax:
+  its threshold passes too), dQ and dK/dV row kernels, 1 − tanh² in the backward ones,
+  stick-breaking's carries; ALiBi's slopes an operand of every kernel (GPU: a [1] block, a
+  [Gp] row per kv head in dK/dV; TPU: SMEM) and the dQ kernel's per-row d slope sums one more
+  output; G = 3 with ALiBi, a ragged T, causal, a differentiated bias."""
+  _, target = PLATFORMS[platform]
+  sds = jax.ShapeDtypeStruct
+  n = 6 if alibi else 4
+  args = (sds((2, 200, n, 64), jnp.bfloat16), sds((2, 256, 2, 64), jnp.bfloat16),
+          sds((2, 256, 2, 64), jnp.bfloat16), sds((1, n, 200, 256), jnp.float32),
+          sds((n,), jnp.float32))
+
+  def loss(q, k, v, bias, slopes):
+    out = core.attention(q, k, v, bias, weighting=weighting, is_causal=True,
+                         logits_soft_cap=30.0, implementation=core.Pallas(),
+                         score_mod=core.alibi(slopes) if alibi else None)
+    return jnp.sum(jnp.square(out.astype(jnp.float32)))
+
+  grad = jax.grad(loss, argnums=(0, 1, 2, 3, 4) if alibi else (0, 1, 2, 3))
+  text = jax.jit(grad).trace(*args).lower(lowering_platforms=(platform,)).as_text()
+  assert "attnx_pallas_rows_fwd" in text
+  lowering.custom_calls(text, target, lowering.expected_kernels(
+      platform, "bfloat16", 64, 64, wlib.get_weighting(weighting).stream.family))
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "symmetric"])
 def test_alibi_with_a_cap_and_sinks_lowers_fwd_and_bwd(causal, platform):
   """core.attention with core.alibi (learned slopes), a cap and sinks through core.Pallas

@@ -228,10 +228,11 @@ def test_bad_score_mod_arguments_are_refused():
 
 
 def test_pallas_refuses_score_mod_functions_and_row_families_and_the_choice_runs_blocked():
-  """Pallas runs a cap and ALiBi with a pointwise F; any other score_mod function (a table, a
-  user's — even one that computes ALiBi without declaring it) or a whole-row family is
-  refused with the reason, and the automatic choice runs the blocked kernel (on a CPU it never
-  takes Pallas; explain says why for each)."""
+  """Pallas runs a cap and ALiBi with a pointwise or a whole-row F; any
+  other score_mod function (a table, a user's — even one that computes ALiBi without
+  declaring it) is refused with the reason (a whole-row family takes the cap and ALiBi), and the
+  automatic choice runs the blocked kernel (on a CPU it never takes Pallas; explain says why
+  for each)."""
   q, k, v = _qkv(t=512, s=512)
   slopes = core.alibi_slopes(N)
   alibi = core.alibi(slopes)
@@ -242,12 +243,6 @@ def test_pallas_refuses_score_mod_functions_and_row_families_and_the_choice_runs
       core.attention(q, k, v, score_mod=mod, implementation=core.Pallas(interpret=True))
   with pytest.raises(ValueError, match="not another score_mod function"):
     core.attention(q, k, v, logits_soft_cap=5.0, score_mod=lambda s, *_: s,
-                   implementation=core.Pallas(interpret=True))
-  with pytest.raises(ValueError, match="a logits_soft_cap with a pointwise weighting only"):
-    core.attention(q, k, v, weighting="entmax15", logits_soft_cap=5.0,
-                   implementation=core.Pallas(interpret=True))
-  with pytest.raises(ValueError, match="ALiBi with a pointwise weighting only"):
-    core.attention(q, k, v, weighting="entmax15", score_mod=alibi,
                    implementation=core.Pallas(interpret=True))
   ex = core.explain(q, k, v, score_mod=table)
   assert ex.chosen == "blocked" and "not another score_mod function" in ex.reasons["pallas"]
@@ -594,3 +589,150 @@ def test_a_score_mod_declares_alibi_by_a_static_field():
     core.ScoreMod(fn=lambda s, *_: s, linear_bias="both")
   with pytest.raises(ValueError, match="give fn too"):
     core.ScoreMod(linear_bias="causal")
+
+
+# --------------------------------------------------------------------------------------------
+# A soft cap in the whole-row Pallas kernels (kernels/pallas/rows.py; Triton and Mosaic).
+# --------------------------------------------------------------------------------------------
+
+# (family, causal, lengths): each family once per lowering, features combined.
+_ROW_CAP_CASES = [("ssmax", True, True), ("softpick", False, True),
+                  ("stick_breaking", True, False), ("sparsemax", False, False),
+                  ("entmax15", True, True)]
+
+
+@pytest.mark.parametrize(("weighting", "causal", "lengths"), _ROW_CAP_CASES,
+                         ids=[c[0] for c in _ROW_CAP_CASES])
+@pytest.mark.parametrize("backend", ["gpu", "tpu"])
+def test_pallas_whole_row_soft_cap_equals_float64_dense(backend, weighting, causal, lengths):
+  """logits_soft_cap in the whole-row kernels (Triton and Mosaic, interpreted): GQA (G = 2),
+  T and S not multiples of the tiles, causal or not, query and key lengths, a learned bias
+  (its gradient is the cotangent of the capped score, not through 1 − tanh²): values and the
+  gradients of q, k, v and the bias equal the float64 dense implementation's."""
+  q, k, v = _qkv(21, t=_PT, s=_PS)
+  q = 2.0 * q  # scores the cap bends
+  bias = 0.3 * jax.random.normal(jax.random.key(22), (1, N, _PT, _PS))
+  q_len = jnp.array([_PT - 3, _PT], jnp.int32) if lengths else None
+  kv_len = jnp.array([_PS, _PS - 6], jnp.int32) if lengths else None
+  cap = 1.5
+  w = core.get_weighting(weighting)
+
+  def pallas(q, k, v, bias):
+    return pallas_lib.pallas_attention(
+        q, k, v, weighting=w, scale=1 / math.sqrt(H), bias=bias, is_causal=causal,
+        q_lengths=q_len, kv_lengths=kv_len, block_q=16,
+        block_k=16 if backend == "gpu" else 128, backend=backend, interpret=True,
+        score_mod=core.soft_cap(cap))
+
+  def dense(q, k, v, bias):
+    return core.attention(q, k, v, bias, weighting=weighting, is_causal=causal,
+                          logits_soft_cap=cap, query_seq_lengths=q_len,
+                          key_value_seq_lengths=kv_len, implementation="dense")
+
+  args = (q, k, v, bias)
+  loss = lambda f: lambda *a: jnp.sum(jnp.sin(3.0 * f(*a)))
+  out = pallas(*args)
+  grads = jax.grad(loss(pallas), argnums=(0, 1, 2, 3))(*args)
+  with jax.enable_x64(True):
+    a64 = [np.asarray(x, np.float64) for x in args]
+    want = dense(*a64)
+    want_g = jax.grad(loss(dense), argnums=(0, 1, 2, 3))(*a64)
+  np.testing.assert_allclose(np.asarray(out, np.float64), want, atol=3e-6)
+  for name, g, wg in zip(("dq", "dk", "dv", "dbias"), grads, want_g, strict=True):
+    wg = np.asarray(wg)
+    err = np.abs(np.asarray(g, np.float64) - wg).max() / max(np.abs(wg).max(), 1e-6)
+    assert err < 3e-5, f"{name}: relative error {err:.2e}"
+
+
+def test_pallas_whole_row_soft_cap_bfloat16_and_through_attention():
+  """bf16 inputs through core.attention(implementation=Pallas) under jit (Triton, entmax15,
+  causal GQA, a cap): the float64 dense result of the same rounded inputs, to bf16's
+  precision; the automatic choice still passes over Pallas for a capped call."""
+  q, k, v = _qkv(23, t=_PT, s=_PS, dtype=jnp.bfloat16)
+  q = (2.0 * q).astype(jnp.bfloat16)
+  impl = core.Pallas(block_q=16, block_k=16, interpret=True)
+
+  def run(impl):
+    def f(q, k, v):
+      return core.attention(q, k, v, weighting="entmax15", is_causal=True, logits_soft_cap=1.5,
+                            implementation=impl)
+    return f
+
+  loss = lambda f: lambda *a: jnp.sum(f(*a).astype(jnp.float32) ** 2)
+  out = jax.jit(run(impl))(q, k, v)
+  grads = jax.jit(jax.grad(loss(run(impl)), argnums=(0, 1, 2)))(q, k, v)
+  with jax.enable_x64(True):
+    a64 = [np.asarray(x.astype(jnp.float32), np.float64) for x in (q, k, v)]
+    want = run("dense")(*a64)
+    want_g = jax.grad(loss(run("dense")), argnums=(0, 1, 2))(*a64)
+  np.testing.assert_allclose(np.asarray(out, np.float64), want, atol=2e-2)
+  for g, wg in zip(grads, want_g, strict=True):
+    wg = np.asarray(wg)
+    assert np.abs(np.asarray(g, np.float64) - wg).max() / np.abs(wg).max() < 3e-2
+  ex = core.explain(q, k, v, weighting="entmax15", logits_soft_cap=1.5)
+  assert ex.reasons["pallas"] is None and ex.chosen != "pallas"
+  on_gpu = dataclasses.replace(ex.problem, platform="gpu")
+  assert "covers no logits_soft_cap" in core.Pallas().declines(on_gpu)
+
+
+@pytest.mark.parametrize("backend", ["gpu", "tpu"])
+def test_pallas_whole_row_a_masked_nan_key_touches_nothing_under_a_cap(backend):
+  """The NaN contract in the whole-row kernels under a soft cap: a NaN key that every row
+  masks changes no output and no gradient but its own (1 − tanh² taken at the finite raw
+  scores, as the blocked kernel)."""
+  q, k, v = _qkv(10)
+  bad = k.at[0, S - 1].set(jnp.nan)
+  lengths = jnp.array([S - 3, S], jnp.int32)
+  w = core.get_weighting("sparsemax")
+
+  def run(k):
+    def loss(q, k, v):
+      return jnp.sum(pallas_lib.pallas_attention(
+          q, k, v, weighting=w, scale=1 / math.sqrt(H), kv_lengths=lengths, block_q=16,
+          block_k=128 if backend == "tpu" else 16, backend=backend, interpret=True,
+          score_mod=core.soft_cap(2.0)) ** 2)
+    return jax.value_and_grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+  (clean_val, clean), (nan_val, grads) = run(k), run(bad)
+  np.testing.assert_allclose(nan_val, clean_val, rtol=1e-6)
+  for i in (0, 2):
+    np.testing.assert_allclose(grads[i], clean[i], atol=1e-6)
+  keep = np.ones(k.shape, bool)
+  keep[0, S - 1] = False
+  np.testing.assert_allclose(np.asarray(grads[1])[keep], np.asarray(clean[1])[keep], atol=1e-6)
+
+
+def test_pallas_whole_row_refuses_sinks():
+  """The whole-row kernels take the cap and ALiBi but not yet sinks: refused with the reason
+  (core.attention and the kernel entry point)."""
+  q, k, v = _qkv(24, t=_PT, s=_PS)
+  w = core.get_weighting("sparsemax")
+  with pytest.raises(ValueError, match="not yet attention sinks"):
+    pallas_lib.pallas_attention(q, k, v, weighting=w, scale=1.0, interpret=True,
+                                sinks=jnp.zeros(N))
+  with pytest.raises(ValueError, match="sinks with a pointwise weighting only"):
+    core.attention(q, k, v, weighting="softpick", sinks=jnp.zeros(N), implementation=PALLAS)
+
+
+# (family, causal, cap): ALiBi (causal or symmetric) in each family once per lowering.
+_ROW_ALIBI_CASES = [("ssmax", True, 1.5), ("softpick", False, None),
+                    ("stick_breaking", True, 1.5), ("sparsemax", False, 1.5),
+                    ("entmax15", True, None)]
+
+
+@pytest.mark.parametrize(("weighting", "causal", "cap"), _ROW_ALIBI_CASES,
+                         ids=[c[0] for c in _ROW_ALIBI_CASES])
+@pytest.mark.parametrize("backend", ["gpu", "tpu"])
+def test_pallas_whole_row_alibi_equals_float64_dense(backend, weighting, causal, cap):
+  """ALiBi in the whole-row kernels (Triton and Mosaic, interpreted), with a cap in three
+  families: GQA (each query head its own slope, G = 2), T and S not multiples of the tiles,
+  causal or symmetric, key lengths (and query lengths when causal): values and the gradients
+  of q, k, v and the slopes (from the dQ kernels' per-row sums) equal float64 dense."""
+  q, k, v = _qkv(25, t=_PT, s=_PS)
+  q = 2.0 * q
+  slopes = core.alibi_slopes(N) * jnp.array([1.0, 3.0, 0.5, 2.0])
+  pallas, dense = _pallas_alibi(
+      backend, weighting, causal, cap=cap,
+      q_lengths=jnp.array([_PT - 3, _PT], jnp.int32) if causal else None,
+      kv_lengths=jnp.array([_PS, _PS - 6], jnp.int32))
+  _against_float64(pallas, dense, (q, k, v, slopes), atol=3e-6, grad_tol=3e-5)

@@ -112,7 +112,7 @@ class Case:
       out.append("auto")
     small = max(self.t, self.s) <= PALLAS_MAX_LEN and self.b * self.n <= PALLAS_MAX_HEADS
     # Pallas runs every streaming weighting: pointwise F and the whole-row families; a soft
-    # cap, ALiBi and sinks with a pointwise F only (no other score_mod function).
+    # cap and ALiBi with either, sinks with a pointwise F only (no other score_mod function).
     if streaming and small and self.pallas != "none" and pallas_runs_modification(self):
       out.append("pallas")
       if self.score in ("dot", "scaled_dot") and self.pallas == "both" and not ON_GPU:
@@ -126,13 +126,16 @@ class Case:
 
 
 def pallas_runs_modification(case: Case) -> bool:
-  """Whether the Pallas kernels run the case's score modification and sinks: none at all, or
-  a soft cap or ALiBi and/or sinks with a pointwise F (its whole-row kernels take none, and no
-  kernel runs another score_mod function)."""
+  """Whether the Pallas kernels run the case's score modification and sinks: none at all, a
+  soft cap or ALiBi and/or sinks with a pointwise F, a soft cap or ALiBi with a whole-row F
+  (its whole-row kernels take no sinks yet, and no kernel runs another score_mod
+  function)."""
   if case.score_mod == "none" and not case.sinks:
     return True
   pointwise = isinstance(wlib.get_weighting(case.weighting), wlib.Pointwise)
-  return pointwise and case.score_mod in ("none", "cap", "alibi")
+  if not pointwise:  # the whole-row kernels: a soft cap and ALiBi, no sinks yet
+    return case.score_mod in ("cap", "alibi") and not case.sinks
+  return case.score_mod in ("none", "cap", "alibi")
 
 
 # --------------------------------------------------------------------------------------------
@@ -234,14 +237,16 @@ def draw(seed: int, kind: str | None = None) -> Case:
     case = dataclasses.replace(case, mask="none", structured=str(rng.choice(STRUCTURED)))
   # Score modifications: every kind where no Pallas kernel runs; where one does, a pointwise
   # F gets the soft cap or ALiBi (the modifications the Pallas kernels run) in a smaller
-  # share, so that the unmodified Pallas cases keep theirs. Sinks likewise, for pointwise F
-  # only there.
+  # share, so that the unmodified Pallas cases keep theirs; a whole-row F too. Sinks
+  # likewise, for pointwise F only there.
   w = wlib.get_weighting(weighting)
   pointwise = isinstance(w, wlib.Pointwise)
   u = rng.random()
   if u < 0.35 and pallas == "none":
     case = dataclasses.replace(case, score_mod=str(rng.choice(ref_lib.SCORE_MODS[1:])))
   elif u < 0.2 and pointwise:
+    case = dataclasses.replace(case, score_mod="cap" if u < 0.12 else "alibi")
+  elif u < 0.2:  # a whole-row F in Pallas: the soft cap or ALiBi (its kernels run both)
     case = dataclasses.replace(case, score_mod="cap" if u < 0.12 else "alibi")
   if (rng.random() < 0.3 and (pallas == "none" or pointwise)
       and problem.sinks_reason(w) is None):

@@ -6,9 +6,9 @@ It supports a problem when the weighting streams, the score has a dot-product fo
 weights are needed (dropout, ``return_weights``), the tiles fit the backend's rules, and the
 dtype and head sizes fit the kernels (:func:`attnx.core.kernels.pallas.tiles.supported`): the
 host's GPU or TPU kernels, or on a CPU host either kind. Of the score modifications it runs a
-soft cap, ALiBi (:func:`attnx.core.score_mods.alibi`, learned slopes included) and attention
-sinks, with a pointwise F; any other ``score_mod`` function (a relative table, a user's) and
-a modification or sinks with a whole-row F are refused with that reason.
+soft cap and ALiBi (:func:`attnx.core.score_mods.alibi`, learned slopes included) with any F,
+attention sinks with a pointwise F; any other ``score_mod`` function (a relative table, a
+user's) and sinks with a whole-row F are refused with that reason.
 The kernels are chosen per lowering platform
 (:func:`attnx.core.kernels.pallas.platforms.by_platform`): Triton where the program is lowered
 for a GPU, Mosaic for a TPU, so a CPU host can lower, export or AOT-compile a model for
@@ -58,7 +58,8 @@ def _modification_reason(problem: Problem) -> str | None:
   can): they apply a soft cap, ALiBi's linear bias (a ScoreMod declaring it,
   :func:`attnx.core.score_mods.alibi`) and fold sinks into the rows' state, for a pointwise F
   only (sinks mean nothing without a sum of weights, which the call's checks refuse first);
-  any other score_mod function is user code per tile, and the whole-row kernels take none."""
+  any other score_mod function is user code per tile. The whole-row kernels take the soft cap
+  and ALiBi (not yet sinks)."""
   if not (problem.has_score_mod or problem.has_sinks):
     return None
   if problem.has_score_mod_fn and problem.score_mod_kind != "alibi":
@@ -66,14 +67,11 @@ def _modification_reason(problem: Problem) -> str | None:
             "another score_mod function (a relative-position table, a user's fn): the "
             "blocked and dense implementations do. Use implementation='blocked' (or None, "
             "which picks it).")
-  if not problem.pointwise:
-    what = " and ".join(x for x, on in (
-        ("a logits_soft_cap", problem.has_score_mod and not problem.has_score_mod_fn),
-        ("ALiBi", problem.has_score_mod_fn), ("attention sinks", problem.has_sinks)) if on)
-    return (f"implementation='pallas' runs {what} with a pointwise weighting only; its "
-            f"whole-row kernels ({problem.weighting.name!r}) do not yet: the blocked and "
-            f"dense implementations do. Use implementation='blocked' (or None, which picks "
-            f"it).")
+  if not problem.pointwise and problem.has_sinks:
+    return (f"implementation='pallas' runs attention sinks with a pointwise weighting only; "
+            f"its whole-row kernels ({problem.weighting.name!r}) take a logits_soft_cap and "
+            f"ALiBi but not yet sinks: the blocked and dense implementations do. Use "
+            f"implementation='blocked' (or None, which picks it).")
   return None
 
 

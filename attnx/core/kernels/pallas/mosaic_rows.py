@@ -90,10 +90,11 @@ def _fwd_kernel(*refs, cfg, has_bias, has_mask):
   sm = mosaic.smask_view(cfg, r["sm"], r["sm_ids"], b, i, cfg.tp // bq, bq, bk, kv_whole=True)
   k_ref, v_ref, bias_ref, mask_ref = r["k"], r["v"], r["bias"], r["mask"]
   ds = lambda c0: pl.ds(pl.multiple_of(c0, LANES), bk)
+  slope = None if r["slopes"] is None else r["slopes"][pl.program_id(1)]  # ALiBi, SMEM [N]
   tile = tile_fn(cfg, i, bq, bk, [r["q"][...]], lambda c0: [k_ref[ds(c0), :]],
                   lambda c0: _cols(bias_ref, c0, bk),
                   lambda c0: _cols(mask_ref, c0, bk), q_len, kv_len, sm,
-                  None if sm is None else pl.program_id(1))
+                  None if sm is None else pl.program_id(1), slope=slope)
   span = kv_span(cfg, i, bq, bk, q_len, kv_len, sm)
   rowc = None if r["rowc"] is None else _lane0(r["rowc"][...])
   o, stats, smean = forward_rows(cfg, OPS, tile, lambda c0: v_ref[ds(c0), :], span, rowc, bq,
@@ -131,7 +132,12 @@ def _smask_ids(cfg, smask, bq: int | None) -> tuple[list, list]:
                           lambda bb, hh, i, *_: i, lambda *_: 0)
 
 
-def _forward(cfg, q, k, v, rowc, bias, mask, q_len, kv_len, out_dtype, smask=None):
+def _slope_spec() -> pl.BlockSpec:
+  """ALiBi's slopes [N] float32, whole, in SMEM (each program reads its query heads')."""
+  return pl.BlockSpec(memory_space=pltpu.SMEM)
+
+
+def _forward(cfg, q, k, v, rowc, bias, mask, q_len, kv_len, out_dtype, smask=None, slopes=None):
   b, n, tp, h = q.shape
   hv = v.shape[-1]
   bq, g, sp = cfg.bq, cfg.g, cfg.sp
@@ -144,6 +150,7 @@ def _forward(cfg, q, k, v, rowc, bias, mask, q_len, kv_len, out_dtype, smask=Non
   in_specs += [lanes] if rowc is not None else []
   for x in (bias, mask):
     in_specs += _bias_spec(x, bq, sp, lead=None, index=lambda bb, hh, i, *_: (bb, hh, i, 0))
+  in_specs += [_slope_spec()] if cfg.alibi else []
   orow = pl.BlockSpec((None, None, bq, hv), rowmap)
   out_specs = [orow] + [lanes] * rs.num_stats
   out_shape = [jax.ShapeDtypeStruct((b, n, tp, hv), out_dtype)] + [
@@ -152,7 +159,7 @@ def _forward(cfg, q, k, v, rowc, bias, mask, q_len, kv_len, out_dtype, smask=Non
     out_specs.append(orow)
     out_shape.append(jax.ShapeDtypeStruct((b, n, tp, hv), F32))
   args = [x for x in (q, k, v, None if rowc is None else mosaic.to_lanes_all(rowc), bias, mask)
-          if x is not None]
+          if x is not None] + ([slopes.astype(F32)] if cfg.alibi else [])
   sm_ids, sm_specs = _smask_ids(cfg, smask, bq)
   sm_pre = mosaic.smask_prefetch(cfg, smask, "fwd")
   res = pl.pallas_call(
@@ -183,10 +190,11 @@ def _dq_kernel(*refs, cfg, has_bias, has_mask, want_ds):
   k_ref, v_ref, bias_ref, mask_ref, ds_ref = r["k"], r["v"], r["bias"], r["mask"], r["ds"]
   ds = lambda c0: pl.ds(pl.multiple_of(c0, LANES), bk)
   qs = [r["q"][...]]
+  slope = None if r["slopes"] is None else r["slopes"][pl.program_id(1)]  # ALiBi, SMEM [N]
   tile = tile_fn(cfg, i, bq, bk, qs, lambda c0: [k_ref[ds(c0), :]],
                   lambda c0: _cols(bias_ref, c0, bk),
                   lambda c0: _cols(mask_ref, c0, bk), q_len, kv_len, sm,
-                  None if sm is None else pl.program_id(1))
+                  None if sm is None else pl.program_id(1), grad=True, slope=slope)
   lo, _ = span = kv_span(cfg, i, bq, bk, q_len, kv_len, sm)
   stats = tuple(_lane0(ref[...]) for ref in stat_refs_of(r, cfg))
   rowc = None if r["rowc"] is None else _lane0(r["rowc"][...])
@@ -207,8 +215,11 @@ def _dq_kernel(*refs, cfg, has_bias, has_mask, want_ds):
     ca_ref[...] += _one_hot_cols(ca_ref.shape[1], j, ca)
     cb_ref[...] += _one_hot_cols(cb_ref.shape[1], j, cb)
 
-  dq, dc, (ca, cb) = dq_rows(cfg, OPS, tile, qs, lambda c0: [v_ref[ds(c0), :]], [r["do"][...]],
-                             span, stats, _lane0(r["delta"][...]), rowc, ds_store, carry_store)
+  dq, dc, (ca, cb), dm = dq_rows(cfg, OPS, tile, qs, lambda c0: [v_ref[ds(c0), :]],
+                                 [r["do"][...]], span, stats, _lane0(r["delta"][...]), rowc,
+                                 ds_store, carry_store)
+  if dm is not None:  # the rows' d slope sums, lanes; summed over rows and batch outside
+    r["dslope"][...] = _to_lanes(dm)
   if ca_ref is not None and sm is not None:
     # Key tiles before the rows' first: every key the rows attend is after them.
     def fill(j, c):
@@ -231,8 +242,12 @@ def _dkv_kernel(*refs, cfg, has_bias, has_mask):
   head0 = None if sm is None else pl.program_id(1) * cfg.g  # the kv head's first query head
   q_ref, do_ref, bias_ref, mask_ref = r["q"], r["do"], r["bias"], r["mask"]
   stat_refs = stat_refs_of(r, cfg)
+  # ALiBi: the first query head of this kv head (program_id outside the loops' bodies).
+  slope0 = None if r["slopes"] is None else pl.program_id(1) * cfg.g
 
   def head(h, carry):
+    slope = None if slope0 is None else r["slopes"][slope0 + h]
+
     def q_block(i, dkv):
       rows = pl.ds(pl.multiple_of(i * bq, 8), bq)
       qs, dos = [q_ref[h, rows, :]], [do_ref[h, rows, :]]
@@ -250,7 +265,7 @@ def _dkv_kernel(*refs, cfg, has_bias, has_mask):
         carry = st.GradCarry(_col(r["ca"][h, rows, :], j), _col(r["cb"][h, rows, :], j))
       return dkv_step(cfg, OPS, dkv, j, i, qs, dos, ks, vs, bias_t, mask_t, q_len, kv_len,
                        stats, _lane0(r["delta"][h, rows, :]), rowc, carry, sm,
-                       None if sm is None else head0 + h)
+                       None if sm is None else head0 + h, slope)
     return lax.fori_loop(lo, hi, q_block, carry)
 
   init = ((jnp.zeros((bk, ks[0].shape[-1]), F32),), (jnp.zeros((bk, vs[0].shape[-1]), F32),))
@@ -259,7 +274,8 @@ def _dkv_kernel(*refs, cfg, has_bias, has_mask):
   r["dv"][...] = dv[0].astype(r["dv"].dtype)
 
 
-def _backward(cfg, q, k, v, bias, mask, q_len, kv_len, do, rows, rowc, want_ds, smask=None):
+def _backward(cfg, q, k, v, bias, mask, q_len, kv_len, do, rows, rowc, want_ds, smask=None,
+              slopes=None):
   b, n, tp, h = q.shape
   _, kh, sp, _ = k.shape
   hv = v.shape[-1]
@@ -282,6 +298,9 @@ def _backward(cfg, q, k, v, bias, mask, q_len, kv_len, do, rows, rowc, want_ds, 
   in_specs += [lanes] * len(rows)
   for x in (bias, mask):
     in_specs += _bias_spec(x, bq, sp, lead=None, index=lambda bb, hh, i, *_: (bb, hh, i, 0))
+  slope_specs = [_slope_spec()] if cfg.alibi else []
+  slope_args = [slopes.astype(F32)] if cfg.alibi else []
+  in_specs += slope_specs
   out_specs = [pl.BlockSpec((None, None, bq, h), rowmap)]
   out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
   if want_ds:
@@ -290,10 +309,13 @@ def _backward(cfg, q, k, v, bias, mask, q_len, kv_len, do, rows, rowc, want_ds, 
   if rs.needs_row_scale:
     out_specs.append(lanes)
     out_shape.append(jax.ShapeDtypeStruct((b, n, tp, LANES), F32))
+  if cfg.alibi:  # the rows' d slope sums, lane-replicated
+    out_specs.append(lanes)
+    out_shape.append(jax.ShapeDtypeStruct((b, n, tp, LANES), F32))
   if saves_carries:
     out_specs += [pl.BlockSpec((None, None, bq, ncols), rowmap)] * 2
     out_shape += [jax.ShapeDtypeStruct((b, n, tp, ncols), F32)] * 2
-  args = [q, k, v, do, *rows] + [x for x in (bias, mask) if x is not None]
+  args = [q, k, v, do, *rows] + [x for x in (bias, mask) if x is not None] + slope_args
   sm_ids, sm_specs = _smask_ids(cfg, smask, bq)
   sm_pre = mosaic.smask_prefetch(cfg, smask, "dq")
   res = list(pl.pallas_call(
@@ -307,6 +329,7 @@ def _backward(cfg, q, k, v, bias, mask, q_len, kv_len, do, rows, rowc, want_ds, 
   dq = res.pop(0)
   ds = res.pop(0) if want_ds else None
   dc = res.pop(0)[..., 0] if rs.needs_row_scale else None
+  dslopes = jnp.sum(res.pop(0)[..., 0], axis=(0, 2)) if cfg.alibi else None
   carries = res if saves_carries else []
 
   # dK, dV: grid (B, K, key tiles); the G query heads and the query tiles in-kernel.
@@ -319,8 +342,8 @@ def _backward(cfg, q, k, v, bias, mask, q_len, kv_len, do, rows, rowc, want_ds, 
   in_specs += [pl.BlockSpec((None, g, tp, LANES), headmap)] * len(rows)
   for x in (bias, mask):
     in_specs += _bias_spec(x, tp, bk, lead=g, index=lambda bb, hh, j, *_: (bb, hh, 0, j))
-  in_specs += [pl.BlockSpec((None, g, tp, ncols), headmap)] * len(carries)
-  args = [q, k, v, do, *rows] + [x for x in (bias, mask) if x is not None] + carries
+  in_specs += [pl.BlockSpec((None, g, tp, ncols), headmap)] * len(carries) + slope_specs
+  args = [q, k, v, do, *rows] + [x for x in (bias, mask) if x is not None] + carries + slope_args
   sm_ids, sm_specs = _smask_ids(cfg, smask, None)
   sm_pre = mosaic.smask_prefetch(cfg, smask, "dkv")
   dk, dv = pl.pallas_call(
@@ -333,6 +356,8 @@ def _backward(cfg, q, k, v, bias, mask, q_len, kv_len, do, rows, rowc, want_ds, 
       out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
       compiler_params=_params(cfg, n_parallel=3, vmem=vmem), interpret=cfg.interpret,
       name="attnx_pallas_rows_dkv")(q_len, kv_len, *sm_pre, *args, *sm_ids)
+  if cfg.alibi:
+    return dq, dk, dv, ds, dc, dslopes
   return dq, dk, dv, ds, dc
 
 
@@ -371,17 +396,18 @@ def vmem_bytes(cfg: KernelConfig, dtype: Any, h: int, hv: int, bias: Any = None,
 
 
 def forward(cfg: KernelConfig, q, k, v, rowc, bias, mask, q_len, kv_len, out_dtype,
-            smask: Any = None):
+            smask: Any = None, slopes: Any = None):
   """(O, row statistics, Σu·v/Σu or None) of [B, Tp, N, H] arrays, as
   :func:`.triton_rows.forward` (the kernels run on the [B, N, Tp, H] transposes)."""
   o, stats, smean = _forward(cfg, bnth(q), bnth(k), bnth(v), rowc, bias, mask, q_len, kv_len,
-                             out_dtype, smask)
+                             out_dtype, smask, slopes)
   return bnth(o), stats, None if smean is None else bnth(smean)
 
 
 def backward(cfg: KernelConfig, q, k, v, bias, mask, q_len, kv_len, do, rows, rowc,
-             want_ds: bool, smask: Any = None):
-  """(dq, dk, dv, dS or None, dc or None) as :func:`.triton_rows.backward`."""
-  dq, dk, dv, ds, dc = _backward(cfg, bnth(q), bnth(k), bnth(v), bias, mask, q_len, kv_len,
-                                 bnth(do), rows, rowc, want_ds, smask)
-  return bnth(dq), bnth(dk), bnth(dv), ds, dc
+             want_ds: bool, smask: Any = None, slopes: Any = None):
+  """(dq, dk, dv, dS or None, dc or None[, d slopes]) as :func:`.triton_rows.backward`."""
+  res = _backward(cfg, bnth(q), bnth(k), bnth(v), bias, mask, q_len, kv_len, bnth(do), rows,
+                  rowc, want_ds, smask, slopes)
+  dq, dk, dv, ds, dc = res[:5]
+  return (bnth(dq), bnth(dk), bnth(dv), ds, dc) + tuple(res[5:])

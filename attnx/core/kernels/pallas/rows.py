@@ -49,8 +49,11 @@ from attnx.core.contract import finite
 from attnx.core.kernels.pallas.common import (
   KernelConfig,
   accumulate_dkv,
+  alibi_tile,
+  capped_grad,
   dot_chunks,
   tile_scores,
+  tile_scores_grad,
   tile_valid,
 )
 from attnx.core.kernels.xla import rows as xla_rows
@@ -126,15 +129,25 @@ def _per_head(rs: st.RowStream, s_param: Array | float | None, n: int) -> Array:
 # --------------------------------------------------------------------------------------------
 
 def tile_fn(cfg, i, bq, bk, qs, load_k, bias_cols, mask_cols, q_len, kv_len, sm=None,
-            head=None):
-  """tile(j) -> (z [bq, bk] float32, valid [bq, bk] bool, the key tile's head-dim chunks) of
-  query tile i and key tile j (``sm``: a structured mask, of query head ``head``)."""
+            head=None, grad=False, slope=None):
+  """tile(j) -> (z [bq, bk] float32, valid [bq, bk] bool, the key tile's head-dim chunks, d,
+  dist) of query tile i and key tile j (``sm``: a structured mask, of query head ``head``);
+  ``d`` the soft cap's derivative 1 − tanh² (:func:`.common.tile_scores_grad`) when ``grad``
+  and ``cfg.cap``, else None (the forward computes z alone); ``dist`` ALiBi's −(i − j) or
+  −abs(i − j) (:func:`.common.alibi_tile`, the bias ``slope``·dist added after the cap and
+  the bias) when ``cfg.alibi``, else None."""
   def tile(j):
     c0 = j * bk
     ks = load_k(c0)
-    z = tile_scores(cfg, qs, ks, bias_cols(c0))
+    lin = dist = None
+    if cfg.alibi:  # (no op before the scores otherwise: the loops' programs stay as they were)
+      lin, dist = alibi_tile(cfg, slope, (bq, bk), i * bq, c0)
+    if grad:
+      z, d = tile_scores_grad(cfg, qs, ks, bias_cols(c0), lin)
+    else:
+      z, d = tile_scores(cfg, qs, ks, bias_cols(c0), lin), None
     valid = tile_valid(cfg, (bq, bk), i * bq, c0, mask_cols(c0), q_len, kv_len, sm, head)
-    return z, _scored(z, valid), ks
+    return z, _scored(z, valid), ks, d, dist
   return tile
 
 
@@ -175,7 +188,7 @@ def forward_rows(cfg, ops, tile, load_v, span, rowc, bq: int, hv: int):
 
   def body(r, state):
     j = at(r)
-    z, valid, _ = tile(j)
+    z, valid = tile(j)[:2]
     add = lambda state: st.update(rs, state, z, valid, load_v(j * bk), ctx, ops)
     if not skip:
       return add(state)
@@ -206,10 +219,11 @@ def _zero_grad_tile(cfg, ops, z, valid, stats, do_ok) -> Array:
 
 
 def dq_rows(cfg, ops, tile, qs, load_v, dos, span, stats, delta, rowc, ds_store, carry_store):
-  """(dQ in units of z [bq, H chunks], SSMax's dc or None, and stick-breaking's carries after
-  the loop) of one query tile: the key tiles [lo, hi) of ``span``, last first for
-  stick-breaking, whose carries of the keys after tile j (the stick L and Σ A·dP) go to
-  ``carry_store(j, L, ΣA·dP)`` for the dK/dV pass."""
+  """(dQ in units of z [bq, H chunks], SSMax's dc or None, stick-breaking's carries after
+  the loop, and with ALiBi the rows' d slope sums Σ_j dz·dist [bq], else None) of one query
+  tile: the key tiles [lo, hi) of ``span``, last first for stick-breaking, whose carries of
+  the keys after tile j (the stick L and Σ A·dP) go to ``carry_store(j, L, ΣA·dP)`` for the
+  dK/dV pass."""
   rs = cfg.w.stream
   bq, bk = cfg.bq_dq, cfg.bk_dq
   count, at = _walk(span, rs.reverse)
@@ -217,11 +231,13 @@ def dq_rows(cfg, ops, tile, qs, load_v, dos, span, stats, delta, rowc, ds_store,
   skip = _skips(cfg)
   do_ok = _all_finite(dos) if skip else None
 
+  alibi = cfg.alibi is not None
+
   def body(r, c):
-    dq, ca, cb = c
+    dq, ca, cb = c[:3]
     j = at(r)
     c0 = j * bk
-    z, valid, ks = tile(j)
+    z, valid, ks, d, dist = tile(j)
     if rs.suffix_carries:  # the carries of the keys after tile j, for the dK/dV pass
       carry_store(j, ca, cb)
 
@@ -230,7 +246,8 @@ def dq_rows(cfg, ops, tile, qs, load_v, dos, span, stats, delta, rowc, ds_store,
       dp = dot_chunks(dos, vt)
       _, dz, gc = st.tile_grad(rs, z, valid, dp, stats, delta, st.GradCarry(ca, cb), rowc, ops,
                                weights_dtype=vt[0].dtype)
-      dq = tuple(a + jnp.dot(dz.astype(k.dtype), finite(k), preferred_element_type=F32)
+      dzq = capped_grad(dz, d)  # the cotangent of scale·q·k (dS stays that of z)
+      dq = tuple(a + jnp.dot(dzq.astype(k.dtype), finite(k), preferred_element_type=F32)
                  for a, k in zip(dq, ks, strict=True))
       return dq, dz, gc.a, gc.b
 
@@ -240,21 +257,26 @@ def dq_rows(cfg, ops, tile, qs, load_v, dos, span, stats, delta, rowc, ds_store,
     else:
       dq, dz, ca, cb = grad(dq)
     ds_store(c0, dz)
+    if alibi:  # d slope = Σ dS·dist (dS = dz: α = 1 for the whole-row families)
+      return dq, ca, cb, c[3] + jnp.sum(dz * dist, axis=1)
     return dq, ca, cb
 
   zero = jnp.zeros((bq,), F32)
   dq0 = tuple(jnp.zeros((bq, x.shape[-1]), F32) for x in qs)
-  dq, ca, cb = lax.fori_loop(0, count, body, (dq0, zero, zero))
-  return dq, ca if rs.needs_row_scale else None, (ca, cb)
+  out = lax.fori_loop(0, count, body, (dq0, zero, zero) + ((zero,) if alibi else ()))
+  dq, ca, cb = out[:3]
+  return dq, ca if rs.needs_row_scale else None, (ca, cb), out[3] if alibi else None
 
 
 def dkv_step(cfg, ops, dkv, j, i, qs, dos, ks, vs, bias_t, mask_t, q_len, kv_len, stats, delta,
-              rowc, carry, sm=None, head=None):
+              rowc, carry, sm=None, head=None, slope=None):
   """(dK, dV) after query tile i (rows of one head) against key tile j in the dK/dV pass
-  (``()`` for the one not wanted: dV needs the weights only, not dP = dO·Vᵀ nor V)."""
+  (``()`` for the one not wanted: dV needs the weights only, not dP = dO·Vᵀ nor V); ``slope``
+  the head's ALiBi slope when ``cfg.alibi``."""
   rs = cfg.w.stream
   bq, bk = cfg.bq_dkv, cfg.bk_dkv
-  z = tile_scores(cfg, qs, ks, bias_t)
+  lin = alibi_tile(cfg, slope, (bq, bk), i * bq, j * bk)[0] if cfg.alibi else None
+  z, d = tile_scores_grad(cfg, qs, ks, bias_t, lin)  # d: the soft cap's derivative, or None
   valid = _scored(z, tile_valid(cfg, (bq, bk), i * bq, j * bk, mask_t, q_len, kv_len, sm,
                                 head))
 
@@ -262,7 +284,7 @@ def dkv_step(cfg, ops, dkv, j, i, qs, dos, ks, vs, bias_t, mask_t, q_len, kv_len
     dp = dot_chunks(dos, vs) if dkv[0] else jnp.zeros((bq, bk), F32)
     p, dz, _ = st.tile_grad(rs, z, valid, dp, stats, delta, carry, rowc, ops,
                             weights_dtype=dos[0].dtype)
-    return accumulate_dkv(dkv, p, dz, qs, dos)
+    return accumulate_dkv(dkv, p, capped_grad(dz, d), qs, dos)
 
   # The split passes (GPU, wide heads) do not skip: the branch's merge of the accumulator
   # spilled registers (entmax dK at float32 H = 256: 3 KB) where the pass without it did not.
@@ -303,7 +325,8 @@ def _ids(cfg, lens_first: bool) -> list:
 def fwd_names(cfg, has_bias, has_mask, lens_first: bool):
   rs = cfg.w.stream
   ins = [("q", True), ("k", True), ("v", True), ("rowc", rs.needs_row_scale),
-         ("bias", has_bias), ("mask", has_mask)] + _ids(cfg, lens_first)
+         ("bias", has_bias), ("mask", has_mask), ("slopes", cfg.alibi is not None)] + _ids(
+             cfg, lens_first)
   lens = _lens(cfg, lens_first)
   outs = [("o", True)] + [(f"stat{n}", True) for n in range(rs.num_stats)] + [
       ("smean", rs.saves_support_mean)]
@@ -319,11 +342,12 @@ def _bwd_rows_in(cfg):
 def dq_names(cfg, has_bias, has_mask, want_ds, lens_first: bool):
   rs = cfg.w.stream
   ins = [("q", True), ("k", True), ("v", True), ("do", True)] + _bwd_rows_in(cfg) + [
-      ("bias", has_bias), ("mask", has_mask)] + _ids(cfg, lens_first)
+      ("bias", has_bias), ("mask", has_mask), ("slopes", cfg.alibi is not None)] + _ids(
+          cfg, lens_first)
   lens = _lens(cfg, lens_first)
   carries = rs.suffix_carries
-  outs = [("dq", True), ("ds", want_ds), ("dc", rs.needs_row_scale), ("ca", carries),
-          ("cb", carries)]
+  outs = [("dq", True), ("ds", want_ds), ("dc", rs.needs_row_scale),
+          ("dslope", cfg.alibi is not None), ("ca", carries), ("cb", carries)]
   return (lens + ins if lens_first else ins + lens) + outs
 
 
@@ -331,8 +355,8 @@ def dkv_names(cfg, has_bias, has_mask, lens_first: bool, want_dk: bool = True,
                want_dv: bool = True):
   carries = cfg.w.stream.suffix_carries
   ins = [("q", True), ("k", True), ("v", True), ("do", True)] + _bwd_rows_in(cfg) + [
-      ("bias", has_bias), ("mask", has_mask), ("ca", carries), ("cb", carries)] + _ids(
-          cfg, lens_first)
+      ("bias", has_bias), ("mask", has_mask), ("ca", carries), ("cb", carries),
+      ("slopes", cfg.alibi is not None)] + _ids(cfg, lens_first)
   lens = _lens(cfg, lens_first)
   return (lens + ins if lens_first else ins + lens) + [("dk", want_dk), ("dv", want_dv)]
 

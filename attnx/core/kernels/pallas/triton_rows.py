@@ -67,10 +67,11 @@ def _fwd_kernel(*refs, cfg, has_bias, has_mask):
   sm = triton.smask_view(cfg, r["sm"], "fwd", bq, bk)
   qs = triton.load_chunks(r["q"], slice(None), hc)
   k_ref, v_ref, bias_ref, mask_ref = r["k"], r["v"], r["bias"], r["mask"]
+  slope = None if r["slopes"] is None else r["slopes"][0]  # [1]: the query head's ALiBi slope
   tile = tile_fn(cfg, i, bq, bk, qs, lambda c0: triton.load_chunks(k_ref, pl.ds(c0, bk), hc),
                   lambda c0: None if bias_ref is None else ref_cols(bias_ref, c0, bk),
                   lambda c0: None if mask_ref is None else ref_cols(mask_ref, c0, bk),
-                  q_len, kv_len, sm, None if sm is None else pl.program_id(2))
+                  q_len, kv_len, sm, None if sm is None else pl.program_id(2), slope=slope)
   span = kv_span(cfg, i, bq, bk, q_len, kv_len, sm)
   rowc = None if r["rowc"] is None else r["rowc"][...]
   o, stats, smean = forward_rows(cfg, OPS, tile, lambda c0: v_ref[pl.ds(c0, bk), :], span, rowc,
@@ -82,7 +83,7 @@ def _fwd_kernel(*refs, cfg, has_bias, has_mask):
     r["smean"][...] = smean
 
 
-def forward(cfg, q, k, v, rowc, bias, mask, q_len, kv_len, out_dtype, smask=None):
+def forward(cfg, q, k, v, rowc, bias, mask, q_len, kv_len, out_dtype, smask=None, slopes=None):
   b, tp, n, hp = q.shape
   hvp = v.shape[-1]
   bq, g, sp = cfg.bq, cfg.g, cfg.sp
@@ -93,6 +94,10 @@ def forward(cfg, q, k, v, rowc, bias, mask, q_len, kv_len, out_dtype, smask=None
   in_specs = [row, kv(hp), kv(hvp)] + ([rowvec] if rowc is not None else [])
   for x in (bias, mask):
     in_specs += triton.bias_specs(x, (1, 1, bq, sp), lambda i, bb, h: (bb, h, i, 0))
+  slope_args = []
+  if cfg.alibi:  # a [1] block at the query head
+    in_specs.append(pl.BlockSpec((1,), lambda i, bb, h: (h,)))
+    slope_args = [slopes.astype(F32)]
   in_specs += [pl.BlockSpec((1,), lambda i, bb, h: (bb,))] * 2
   sm_args, sm_specs = triton.smask_operands(cfg, smask, "fwd", bq, cfg.bk)
   in_specs += sm_specs
@@ -103,7 +108,8 @@ def forward(cfg, q, k, v, rowc, bias, mask, q_len, kv_len, out_dtype, smask=None
   if rs.saves_support_mean:
     out_specs.append(orow)
     out_shape.append(jax.ShapeDtypeStruct((b, tp, n, hvp), F32))
-  args = [x for x in (q, k, v, rowc, bias, mask) if x is not None] + [q_len, kv_len] + sm_args
+  args = [x for x in (q, k, v, rowc, bias, mask) if x is not None] + slope_args + [
+      q_len, kv_len] + sm_args
   res = pl.pallas_call(
       functools.partial(_fwd_kernel, cfg=cfg, has_bias=bias is not None,
                         has_mask=mask is not None),
@@ -129,10 +135,12 @@ def _dq_kernel(*refs, cfg, has_bias, has_mask, want_ds):
   dos = triton.load_chunks(r["do"], slice(None), vc)
   k_ref, v_ref, bias_ref, mask_ref, ds_ref = r["k"], r["v"], r["bias"], r["mask"], r["ds"]
   load_k = lambda c0: triton.load_chunks(k_ref, pl.ds(c0, bk), hc)
+  slope = None if r["slopes"] is None else r["slopes"][0]  # [1]: the query head's ALiBi slope
   tile = tile_fn(cfg, i, bq, bk, qs, load_k,
                   lambda c0: None if bias_ref is None else ref_cols(bias_ref, c0, bk),
                   lambda c0: None if mask_ref is None else ref_cols(mask_ref, c0, bk),
-                  q_len, kv_len, sm, None if sm is None else pl.program_id(2))
+                  q_len, kv_len, sm, None if sm is None else pl.program_id(2), grad=True,
+                  slope=slope)
   lo, hi = span = kv_span(cfg, i, bq, bk, q_len, kv_len, sm)
   stats = tuple(ref[...] for ref in stat_refs_of(r, cfg))
   rowc = None if r["rowc"] is None else r["rowc"][...]
@@ -146,12 +154,14 @@ def _dq_kernel(*refs, cfg, has_bias, has_mask, want_ds):
   def carry_store(j, ca, cb):  # [key tiles, rows] blocks: row j
     ca_ref[j, :], cb_ref[j, :] = ca, cb
 
-  dq, dc, (ca, cb) = dq_rows(
+  dq, dc, (ca, cb), dm = dq_rows(
       cfg, OPS, tile, qs, lambda c0: triton.load_chunks(v_ref, pl.ds(c0, bk), vc), dos, span,
       stats, r["delta"][...], rowc, ds_store, carry_store)
   triton.store_chunks(r["dq"], dq, hc, cfg.grad_mult[0])
   if dc is not None:
     r["dc"][...] = dc
+  if dm is not None:  # the rows' d slope sums, summed over rows and batch outside
+    r["dslope"][...] = dm
   if ca_ref is not None:
     def fill(values):
       def put(j, c):
@@ -201,7 +211,8 @@ def _dkv_kernel(*refs, cfg, has_bias, has_mask, want_dk=True, want_dv=True):
         carry = st.GradCarry(r["ca"][h, j, rows], r["cb"][h, j, rows])
       return dkv_step(cfg, OPS, dkv, j, i, qs, dos, ks, vs, bias_t, mask_t, q_len, kv_len,
                        stats, r["delta"][h, rows], rowc, carry, sm,
-                       None if sm is None else head0 + h)
+                       None if sm is None else head0 + h,
+                       None if r["slopes"] is None else r["slopes"][h])
     return lax.fori_loop(lo, hi, q_block, carry)
 
   init = (tuple(jnp.zeros((bk, c), F32) for _, c in hc) if want_dk else (),
@@ -213,7 +224,10 @@ def _dkv_kernel(*refs, cfg, has_bias, has_mask, want_dk=True, want_dv=True):
     triton.store_chunks(r["dv"], dv, vc)
 
 
-def backward(cfg, q, k, v, bias, mask, q_len, kv_len, do, rows, rowc, want_ds, smask=None):
+def backward(cfg, q, k, v, bias, mask, q_len, kv_len, do, rows, rowc, want_ds, smask=None,
+             slopes=None):
+  """(dq, dk, dv, dS or None, dc or None) and, with ``cfg.alibi`` (``slopes`` [N]), d slopes
+  [N] float32."""
   b, tp, n, hp = q.shape
   _, sp, kh, _ = k.shape
   hvp = v.shape[-1]
@@ -237,6 +251,8 @@ def backward(cfg, q, k, v, bias, mask, q_len, kv_len, do, rows, rowc, want_ds, s
   in_specs += [rowvec] * nrows
   for x in (bias, mask):
     in_specs += triton.bias_specs(x, (1, 1, bq, sp), lambda i, bb, h: (bb, h, i, 0))
+  if cfg.alibi:  # a [1] block at the query head
+    in_specs.append(pl.BlockSpec((1,), lambda i, bb, h: (h,)))
   out_specs = [pl.BlockSpec((None, bq, None, hp), qmap)]
   out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
   if want_ds:
@@ -245,10 +261,15 @@ def backward(cfg, q, k, v, bias, mask, q_len, kv_len, do, rows, rowc, want_ds, s
   if rs.needs_row_scale:
     out_specs.append(rowvec)
     out_shape.append(jax.ShapeDtypeStruct((b, n, tp), F32))
+  if cfg.alibi:  # the rows' d slope sums
+    out_specs.append(rowvec)
+    out_shape.append(jax.ShapeDtypeStruct((b, n, tp), F32))
   if saves_carries:  # [B, N, key tiles, Tp]: the carries of each row at each key tile
     out_specs += [pl.BlockSpec((None, None, ncols, bq), lambda i, bb, h: (bb, h, 0, i))] * 2
     out_shape += [jax.ShapeDtypeStruct((b, n, ncols, tp), F32)] * 2
-  args = [q, k, v, do, *rows] + [x for x in (bias, mask) if x is not None] + [q_len, kv_len]
+  slope_args = [slopes.astype(F32)] if cfg.alibi else []
+  args = [q, k, v, do, *rows] + [x for x in (bias, mask) if x is not None] + slope_args + [
+      q_len, kv_len]
   sm_args, sm_specs = triton.smask_operands(cfg, smask, "dq", bq, cfg.bk_dq)
   res = list(pl.pallas_call(
       functools.partial(_dq_kernel, cfg=cfg, want_ds=want_ds, **has),
@@ -258,6 +279,7 @@ def backward(cfg, q, k, v, bias, mask, q_len, kv_len, do, rows, rowc, want_ds, s
   dq = res.pop(0)
   ds = res.pop(0) if want_ds else None
   dc = res.pop(0) if rs.needs_row_scale else None
+  dslopes = jnp.sum(res.pop(0), axis=(0, 2)) if cfg.alibi else None
   carries = res if saves_carries else []
 
   # dK, dV: grid over key tiles of every kv head; the G query heads of a kv head in-kernel.
@@ -276,9 +298,16 @@ def backward(cfg, q, k, v, bias, mask, q_len, kv_len, do, rows, rowc, want_ds, s
     in_specs.append(pl.BlockSpec(
         blk, lambda j, bb, h, shape=shape: bcast_index(shape, (bb, h, 0, j))))
   in_specs += [pl.BlockSpec((None, g, ncols, tp), lambda j, bb, h: (bb, h, 0, 0))] * len(carries)
-  args = [q, k, v, do, *rows] + [x for x in (bias, mask) if x is not None] + carries + [
-      q_len, kv_len]
+  slope_args = []
+  if cfg.alibi:  # [K, Gp] (a power of 2 for Triton): the G slopes of each kv head
+    gp = pl.next_power_of_2(g)
+    in_specs.append(pl.BlockSpec((None, gp), lambda j, bb, h: (h, 0)))
+    slope_args = [jnp.pad(slopes.astype(F32).reshape(kh, g), ((0, 0), (0, gp - g)))]
+  args = [q, k, v, do, *rows] + [x for x in (bias, mask) if x is not None] + carries + (
+      slope_args + [q_len, kv_len])
   sm_args, sm_specs = triton.smask_operands(cfg, smask, "dkv", cfg.bq_dkv, bk)
   dk, dv = triton.dkv_passes(_dkv_kernel, cfg, args + sm_args, in_specs + lens + sm_specs, k, v,
                              params=params, name="attnx_pallas_rows", has=has)
+  if cfg.alibi:
+    return dq, dk, dv, ds, dc, dslopes
   return dq, dk, dv, ds, dc

@@ -110,19 +110,27 @@ def backward(cfg: KernelConfig, q, k, v, bias, mask, q_len, kv_len, do, rows,
 
 
 def row_forward(cfg: KernelConfig, q, k, v, rowc, bias, mask, q_len, kv_len, out_dtype=None,
-                smask: Any = None):
+                smask: Any = None, slopes: Array | None = None):
   """(O [B, Tp, N, Hv], row statistics (each [B, N, Tp] float32), Σu·v/Σu [B, Tp, N, Hv]
-  float32 or None) of a whole-row weighting; ``rowc`` SSMax's [B, N, Tp] c or None."""
+  float32 or None) of a whole-row weighting; ``rowc`` SSMax's [B, N, Tp] c or None;
+  ``slopes`` ALiBi's [N] when ``cfg.alibi``."""
   out_dtype = q.dtype if out_dtype is None else out_dtype
   kernels = triton_rows if cfg.backend == "gpu" else mosaic_rows
+  if cfg.alibi:
+    return kernels.forward(cfg, q, k, v, rowc, bias, mask, q_len, kv_len, out_dtype, smask,
+                           slopes)
   return kernels.forward(cfg, q, k, v, rowc, bias, mask, q_len, kv_len, out_dtype, smask)
 
 
 def row_backward(cfg: KernelConfig, q, k, v, bias, mask, q_len, kv_len, do, rows, rowc,
-                 want_ds: bool, smask: Any = None):
+                 want_ds: bool, smask: Any = None, slopes: Array | None = None):
   """(dq, dk, dv, dS [B, N, Tp, Sp] or None, dc [B, N, Tp] or None) of a whole-row
-  weighting. ``rows``: the row statistics and δ (each [B, N, Tp] float32)."""
+  weighting, and with ``cfg.alibi`` (``slopes`` [N]) d slopes [N] float32. ``rows``: the row
+  statistics and δ (each [B, N, Tp] float32)."""
   kernels = triton_rows if cfg.backend == "gpu" else mosaic_rows
+  if cfg.alibi:
+    return kernels.backward(cfg, q, k, v, bias, mask, q_len, kv_len, do, rows, rowc, want_ds,
+                            smask, slopes)
   return kernels.backward(cfg, q, k, v, bias, mask, q_len, kv_len, do, rows, rowc, want_ds,
                           smask)
 
@@ -214,39 +222,44 @@ def _make_alibi_kernel(cfg: KernelConfig) -> Callable[..., Array]:
 
 @functools.lru_cache(maxsize=512)
 def _make_row_kernel(cfg: KernelConfig):
-  """A custom-VJP function (q, k, v, bias, mask, q_len, kv_len, rowc, smask) -> O of padded
-  arrays (rowc: SSMax's per-row scale [B, N, Tp], None for the other families; smask: a
-  structured mask's operands, or None)."""
+  """A custom-VJP function (q, k, v, bias, mask, q_len, kv_len, rowc, smask, slopes) -> O of
+  padded arrays (rowc: SSMax's per-row scale [B, N, Tp], None for the other families; smask: a
+  structured mask's operands, or None; slopes: ALiBi's [N] when ``cfg.alibi``, else None,
+  d slopes from the dQ kernel's per-row sums)."""
   rs = cfg.w.stream
   if rs.suffix_carries and cfg.bk_dq != cfg.bk_dkv:
     raise ValueError(f"stick-breaking's dQ and dK/dV key tiles must agree (its carries are "
                      f"per key tile), got {cfg.bk_dq} and {cfg.bk_dkv}")
 
   @jax.custom_vjp
-  def attn(q, k, v, bias, mask, q_len, kv_len, rowc, smask):
-    return row_forward(cfg, q, k, v, rowc, bias, mask, q_len, kv_len, smask=smask)[0]
+  def attn(q, k, v, bias, mask, q_len, kv_len, rowc, smask, slopes):
+    return row_forward(cfg, q, k, v, rowc, bias, mask, q_len, kv_len, smask=smask,
+                       slopes=slopes)[0]
 
-  def fwd(q, k, v, bias, mask, q_len, kv_len, rowc, smask):
+  def fwd(q, k, v, bias, mask, q_len, kv_len, rowc, smask, slopes):
     want_ds = bias is not None and bias.perturbed
     vals = [None if x is None else x.value for x in (q, k, v, bias, mask, q_len, kv_len, rowc)]
     q_, k_, v_, bias_, mask_, ql, kl, rowc_ = vals
     smask = _values(smask)
+    slopes = None if slopes is None else slopes.value
     # O in float32 for δ = dO·O (the backward's row sums), q's dtype for the caller.
     o, stats, smean = row_forward(cfg, q_, k_, v_, rowc_, bias_, mask_, ql, kl, out_dtype=F32,
-                                  smask=smask)
+                                  smask=smask, slopes=slopes)
     marker = jnp.zeros((), F32) if want_ds else None
-    return o.astype(q_.dtype), (*vals, smask, o, stats, smean, marker)
+    return o.astype(q_.dtype), (*vals, smask, slopes, o, stats, smean, marker)
 
   def bwd(res, do):
-    q, k, v, bias, mask, q_len, kv_len, rowc, smask, o, stats, smean, marker = res
+    q, k, v, bias, mask, q_len, kv_len, rowc, smask, slopes, o, stats, smean, marker = res
     if isinstance(do, jax.custom_derivatives.SymbolicZero):
-      return (None,) * 9
+      return (None,) * 10
     ref = smean if rs.saves_support_mean else o
     delta = jnp.sum(do.astype(F32) * ref, axis=-1).transpose(0, 2, 1)
-    dq, dk, dv, ds, dc = row_backward(cfg, q, k, v, bias, mask, q_len, kv_len, do, (*stats, delta),
-                                  rowc, want_ds=marker is not None, smask=smask)
+    dq, dk, dv, ds, dc, *dslopes = row_backward(
+        cfg, q, k, v, bias, mask, q_len, kv_len, do, (*stats, delta), rowc,
+        want_ds=marker is not None, smask=smask, slopes=slopes)
     dbias = None if ds is None else sum_to(ds, bias.shape).astype(bias.dtype)
-    return dq, dk, dv, dbias, None, None, None, dc, None
+    dslopes = dslopes[0].astype(slopes.dtype) if cfg.alibi else None
+    return dq, dk, dv, dbias, None, None, None, dc, None, dslopes
 
   attn.defvjp(fwd, bwd, symbolic_zeros=True)
   return attn
@@ -338,7 +351,7 @@ def pallas_attention(q: Array, k: Array, v: Array, *, weighting: Any,
       kernel loops only over the tiles some pair of it may attend and evaluates it per tile
       from its arrays (:mod:`.masking`), never as a T×S array. A ``from_fn`` mask whose
       ``mask_mod`` closes over arrays is materialized into ``mask`` instead.
-    score_mod: a :class:`~attnx.core.score_mods.ScoreMod` (pointwise F only) with a soft cap
+    score_mod: a :class:`~attnx.core.score_mods.ScoreMod` (any F) with a soft cap
       (each tile's raw score scale·q·k becomes c·tanh(scale·q·k / c) before the bias,
       :func:`.common.tile_scores`) and/or ALiBi (:func:`attnx.core.score_mods.alibi`: its
       ``linear_bias`` declaration, slopes [N] as ``params``; s − m_h·(i − j) or
@@ -437,7 +450,7 @@ def pallas_attention(q: Array, k: Array, v: Array, *, weighting: Any,
   if rows:
     if rowc is not None:
       rowc = pad_to(rowc, {2: cfg.tp})
-    out = _make_row_kernel(cfg)(q, k, v, bias4, mask4, q_len, kv_len, rowc, smask)
+    out = _make_row_kernel(cfg)(q, k, v, bias4, mask4, q_len, kv_len, rowc, smask, slopes)
   else:
     extra = () if alibi is None else (slopes,)
     out = _make_kernel(cfg)(q, k, v, bias4, mask4, q_len, kv_len, smask, sinks, *extra)
@@ -446,15 +459,14 @@ def pallas_attention(q: Array, k: Array, v: Array, *, weighting: Any,
 
 def _soft_cap(weighting: Any, score_mod: Any, sinks: Any) -> float | None:
   """The soft cap c of ``score_mod`` (None without one), after the checks of what the kernels
-  run: a ScoreMod with a cap and/or ALiBi's declared linear bias, and those or sinks only for
-  a pointwise F (sinks for one with a sum of weights). ValueError otherwise, naming what is
-  not supported."""
+  run: a ScoreMod with a cap and/or ALiBi's declared linear bias (any F), and sinks for a
+  pointwise F with a sum of weights. ValueError otherwise, naming what is not supported."""
   if score_mod is None and sinks is None:
     return None
-  if not isinstance(weighting, Pointwise):
+  if not isinstance(weighting, Pointwise) and sinks is not None:
     raise ValueError(f"implementation='pallas' cannot run this: its whole-row kernels "
-                     f"({weighting.name!r}) take no logits_soft_cap and no attention sinks; "
-                     f"use implementation='blocked'.")
+                     f"({weighting.name!r}) take a logits_soft_cap and ALiBi but not yet "
+                     f"attention sinks; use implementation='blocked'.")
   if sinks is not None and not weighting.divides_by_sum:
     raise ValueError(f"implementation='pallas': sinks need a weighting with a sum of weights "
                      f"to enter, and {weighting.name!r} divides by none.")

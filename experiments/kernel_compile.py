@@ -15,8 +15,8 @@ Variants: ``causal_gqa`` (T = S = 2048, N = 8 query heads on K = 2 kv heads, cau
 (the causal GQA shape on packed documents with a 512-key sliding window: a structured mask of
 segment ids, a traced argument, that the kernels read per tile and whose empty tiles they
 skip), ``modded`` (the causal GQA shape with Gemma 2's soft cap c = 30, ALiBi with learned
-slopes and learned attention sinks, the slopes and sinks differentiated; not in the default
-matrix: the Pallas kernels run these for pointwise F only, a whole-row F is n/a).
+slopes and learned attention sinks (sinks with a pointwise F: the whole-row kernels run the cap
+and ALiBi), the slopes and sinks differentiated; not in the default matrix).
 
 A program passes when it compiles (a kernel over the shared memory a block may have, or over
 its scoped VMEM, fails to), no kernel of it spills registers (GPU) — except a kernel whose GPU

@@ -89,7 +89,8 @@ def test_full_mask_bias_bf16_tiles(weighting):
 
 @pytest.mark.parametrize("weighting,score_mod,sinks", [
     ("softmax", "cap", True), ("sigmoid", "none", True), ("relu", "cap", False),
-    ("softmax_plus_one", "cap", True), ("softmax", "alibi", True), ("sigmoid", "alibi", False)])
+    ("softmax_plus_one", "cap", True), ("softmax", "alibi", True), ("sigmoid", "alibi", False),
+    ("ssmax", "cap", False), ("stick_breaking", "alibi", False), ("entmax15", "cap", False)])
 def test_soft_cap_alibi_and_sinks(weighting, score_mod, sinks):
   _check(diff.Case(seed=105, b=2, t=1000, s=1000, n=4, kh=2, h=64, hv=64, causal=True,
                    mask="padding", weighting=weighting, score_mod=score_mod, sinks=sinks,

@@ -7,7 +7,8 @@ here, on one device (a ring of one).
 
 Random draws (tests/support/ring_draws.py), as the differential net does for the other
 implementations: the CI sample (every family × layout × causal once, the rest random; one
-global length above 1000 that is no power of two) runs in one more subprocess; the large run
+global length above 1000 that is no power of two; score modifications and sinks in several
+families) runs in one more subprocess; the large run
 (``-m differential``) runs ``ATTNX_RING_DIFF_CASES`` (default 320) draws from seed
 ``ATTNX_RING_DIFF_FIRST`` (default 0) on, in subprocesses of :data:`_LARGE_CHUNK` draws, and
 ``ATTNX_RING_PALLAS_CASES`` (default 80) CI-sized ones with every step on the Pallas kernels;
@@ -166,10 +167,21 @@ def test_random_ci_sample_reaches_every_branch():
   assert cov["batch"] == {1, 2}
   assert True in cov["long_not_pow2"]  # a global length ≥ 1000 that is no power of two
   assert any(d.local[0] % 2 for d in draws)  # an odd shard length
+  # Score modifications and sinks (support.differential's kinds), in several families, one
+  # with SSMax's learned s (the reference one head at a time).
+  assert {"cap", "alibi"} <= cov["score_mod"] and cov["score_mod"] & {"table", "fn"}
+  assert len({f for f, mod in cov["family_score_mod"] if mod != "none"}) >= 3
+  assert cov["sinks"] == {False, True} and len(cov["family_sinks"]) >= 2
+  assert True in cov["learned_s_mod"]
   # The draws compare something: outputs that are not all zero, most entries kept.
   res = _ci_draws()
   assert sum(r["nonzero_out"] > 0.1 for r in res.values()) >= len(res) - 2
-  assert np.mean([min(r["kept"].values()) for r in res.values()]) > 0.5
+  kept = [{key: x for key, x in r["kept"].items() if not key.startswith("mod_")}
+          for r in res.values()]
+  assert np.mean([min(k.values()) for k in kept]) > 0.5
+  # The parameters' gradients are compared (a kink of F anywhere leaves them out) in some.
+  for name in ("mod_slopes", "mod_table", "mod_sinks"):
+    assert any(r["kept"].get(name, 0.0) == 1.0 for r in res.values()), name
 
 
 def test_large_run_draws_reach_every_weighting_and_length():
@@ -186,6 +198,14 @@ def test_large_run_draws_reach_every_weighting_and_length():
       for causal in (False, True) for p in ring_draws.DEVICE_COUNTS}
   lengths = [d.case.t for d in draws]
   assert max(lengths) >= 3000 and sum(t >= 1000 and t & (t - 1) for t in lengths) >= 30
+  # Every score modification in every family; sinks in each family that takes them.
+  assert cov["family_score_mod"] == {(f, mod) for f in steps.FAMILIES
+                                     for mod in ("none", "cap", "alibi", "table", "fn")}
+  assert cov["family_sinks"] == set(steps.FAMILIES) - {"stick_breaking"}
+  assert cov["learned_s_mod"] == {False, True}
+  # The draws on the Pallas steps have none (the ring's Pallas steps refuse them).
+  pallas = ring_draws.coverage(ring_draws.large_sample(0, 80, pallas=True))
+  assert pallas["score_mod"] == {"none"} and pallas["sinks"] == {False}
 
 
 _LARGE_FIRST = int(os.environ.get("ATTNX_RING_DIFF_FIRST", "0"))

@@ -11,7 +11,9 @@ entry, ≥ max |want|). Usage: ``python ring_check.py [case names...]`` (default
 Random draws (:mod:`support.ring_draws`): ``python ring_check.py --ci`` runs the CI sample,
 ``python ring_check.py --random N --seed S [--kind pointwise|row]`` the N large-run draws of
 seeds S, S + 1, ...: each on its own mesh of the draw's first P devices, one line of JSON per
-draw, with a ``failure`` (errors over the tolerances, or what the ring raised) or null.
+draw, with a ``failure`` (errors over the tolerances, or what the ring raised) or null. A
+draw's score modification and sinks (replicated parameters) are compared with their
+gradients, as q, k, v and the bias are.
 """
 
 from __future__ import annotations
@@ -269,22 +271,26 @@ def _draw_program(case: diff.Case, layout: str, devices: int, bias_spec, mask_sp
   parameters and the learned s are arguments, so that the arrays are not compiled in."""
   mesh = _mesh(devices)
 
-  def local(q, k, v, bias, mask, params, s):
+  def local(q, k, v, bias, mask, params, s, mp):
     return ring.ring_attention(
         q, k, v, bias, mask, axis_name=AXIS, weighting=case.weighting, score=case.score,
         score_params={**params, **dict(scalar_params)} or None,
         weighting_params=None if s is None else {"s": s}, scale=case.scale,
         is_causal=case.causal, layout=layout, kv_head_block=kv_head_block,
         implementation=(core.Pallas(block_q=case.block_q, block_k=case.block_k, interpret=True)
-                        if pallas else core.Blocked(block_q=case.block_q, block_k=case.block_k)))
+                        if pallas else core.Blocked(block_q=case.block_q, block_k=case.block_k)),
+        **diff.score_mod_keywords(case, mp))
 
-  specs = (P(None, AXIS),) * 3 + (bias_spec, mask_spec, P(), P() if learned else None)
+  # The score modification's parameters and the sinks (mp): replicated, their gradients summed
+  # over the devices by shard_map's transpose.
+  specs = (P(None, AXIS),) * 3 + (bias_spec, mask_spec, P(), P() if learned else None, P())
   sm = jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=P(None, AXIS),
                      check_vma=False)
 
   @jax.jit
-  def both(q, k, v, bias, mask, ct, params, s):
-    out, vjp = jax.vjp(lambda q, k, v, bias: sm(q, k, v, bias, mask, params, s), q, k, v, bias)
+  def both(q, k, v, bias, mask, ct, params, s, mp):
+    out, vjp = jax.vjp(lambda q, k, v, bias, mp: sm(q, k, v, bias, mask, params, s, mp),
+                       q, k, v, bias, mp)
     return out, vjp(ct)
 
   return both
@@ -306,22 +312,29 @@ def run_draw(d: ring_draws.RingDraw, arrs: dict):
   scalars = tuple(sorted((key, val) for key, val in sp.items() if np.isscalar(val)))
   params = {key: put(jnp.asarray(val), P()) for key, val in sp.items() if not np.isscalar(val)}
   s = None if d.learned_s is None else put(jnp.asarray(d.learned_s, jnp.float32), P())
+  mp = {key: put(jnp.asarray(val), P()) for key, val in arrs["mod_params"].items()}
   program = _draw_program(case, d.layout, p, bias_spec, mask_spec, scalars,
                           d.learned_s is not None, d.kv_head_block, d.pallas)
-  out, grads = program(q, k, v, bias_d, mask_d, ct, params, s)
+  out, grads = program(q, k, v, bias_d, mask_d, ct, params, s, mp)
   got = dict(zip(("q", "k", "v"), (back(g, 1) for g in grads[:3]), strict=True))
   if bias is not None:
     got["bias"] = _on_axes4(back, np.asarray(grads[3]))
+  got.update({f"mod_{key}": np.asarray(g, np.float64) for key, g in grads[4].items()})
   return back(out, 1), got
 
 
 def _reference_per_head(d: ring_draws.RingDraw, arrs: dict):
   """(want, scales, keeps) of SSMax with a learned per-head s: the float64 brute force one
   query head at a time (s_h in the weighting's name), put together like the net's
-  :func:`support.differential._reference` (dk, dv and their bounds summed over each group)."""
+  :func:`support.differential._reference` (dk, dv and their bounds summed over each group;
+  the score modification's per-head parameters and the sinks sliced to the head, their
+  gradients put back together along the heads)."""
   case = d.case
   g = case.n // case.kh
   outs, dqs, bias_grads, b_out, b_q, b_bias = [], [], [], [], [], []
+  mod_grads: dict[str, list] = {}
+  mod_bounds: dict[str, list] = {}
+  mp = arrs["mod_params"]  # slopes [N], table [N, W], sinks [N]: the head's rows
   dk, dv = np.zeros(arrs["k"].shape), np.zeros(arrs["v"].shape)
   b_k, b_v = np.zeros(arrs["k"].shape), np.zeros(arrs["v"].shape)
   for h in range(case.n):
@@ -334,7 +347,16 @@ def _reference_per_head(d: ring_draws.RingDraw, arrs: dict):
         arrs["q"][:, :, h:h + 1], arrs["k"][:, :, j:j + 1], arrs["v"][:, :, j:j + 1],
         weighting=f"ssmax:s={d.learned_s[h]!r}", score=case.score, score_params=sp,
         scale=case.scale, bias=head(arrs["bias"]), mask=head(arrs["mask"]),
-        is_causal=case.causal, cotangent=arrs["ct"][:, :, h:h + 1])
+        is_causal=case.causal, cotangent=arrs["ct"][:, :, h:h + 1],
+        score_mod=case.score_mod, cap=diff.soft_cap(case),
+        sinks=mp["sinks"][h:h + 1] if "sinks" in mp else None,
+        mod_params={key: x[h:h + 1] for key, x in mp.items() if key != "sinks"})
+    for key, grad in ref.grads.get("mod", {}).items():
+      mod_grads.setdefault(f"mod_{key}", []).append(grad)
+      mod_bounds.setdefault(f"mod_{key}", []).append(ref.bounds["mod"][key])
+    if "sinks" in ref.grads:
+      mod_grads.setdefault("mod_sinks", []).append(ref.grads["sinks"])
+      mod_bounds.setdefault("mod_sinks", []).append(ref.bounds["sinks"])
     outs.append(ref.out)
     dqs.append(ref.grads["q"])
     dk[:, :, j] += ref.grads["k"][:, :, 0]
@@ -352,6 +374,9 @@ def _reference_per_head(d: ring_draws.RingDraw, arrs: dict):
     axes = tuple(a for a, c in enumerate(case.bias) if c == "1")
     want["bias"] = np.concatenate(bias_grads, 1).sum(axis=axes, keepdims=True)
     bounds["bias"] = np.concatenate(b_bias, 1).sum(axis=axes, keepdims=True)
+  for key, grads in mod_grads.items():
+    want[key] = np.concatenate(grads, 0)
+    bounds[key] = np.concatenate(mod_bounds[key], 0)
   scales = {key: float(np.max(b, initial=0.0)) for key, b in bounds.items()}
   floor = 1e-3 * max(scales.values(), default=0.0)
   scales = {key: max(val, floor) for key, val in scales.items()}
@@ -367,15 +392,18 @@ def _blocked_errors(d: ring_draws.RingDraw, arrs: dict, want: dict, scales: dict
   wp = None if d.learned_s is None else {"s": jnp.asarray(d.learned_s, jnp.float32)}
   mask = None if arrs["mask"] is None else jnp.asarray(arrs["mask"])
 
-  def fn(q, k, v, bias):
+  def fn(q, k, v, bias, mp):
     return core.attention(q, k, v, bias=bias, mask=mask, weighting=case.weighting,
                           score=case.score, score_params=sp or None, weighting_params=wp,
-                          scale=case.scale, is_causal=case.causal, implementation="blocked")
+                          scale=case.scale, is_causal=case.causal, implementation="blocked",
+                          **diff.score_mod_keywords(case, mp))
 
   args = [None if arrs[n] is None else jnp.asarray(arrs[n]) for n in ("q", "k", "v", "bias")]
+  args.append({key: jnp.asarray(x) for key, x in arrs["mod_params"].items()})
   out, grads = jax.jit(lambda *a: (lambda o, vjp: (o, vjp(jnp.asarray(arrs["ct"]))))(
       *jax.vjp(fn, *a)))(*args)
-  got = {"out": out, **dict(zip(("q", "k", "v", "bias"), grads, strict=True))}
+  got = {"out": out, **dict(zip(("q", "k", "v", "bias"), grads[:4], strict=True)),
+         **{f"mod_{key}": g for key, g in grads[4].items()}}
   return {key: diff._error(np.asarray(got[key], np.float64), want[key], keeps[key],
                            scales.get(key)) for key in want}
 
@@ -405,7 +433,8 @@ def check_draw(d: ring_draws.RingDraw) -> dict:
     errs[key] = diff._error(g, want[key], keeps[key], scales.get(key))
   kept = {key: 1.0 if keeps[key] is None else
           float(np.mean(np.broadcast_to(keeps[key], np.shape(want[key])))) for key in errs}
-  expected = {"out", "q", "k", "v"} | ({"bias"} if d.case.bias else set())
+  expected = ({"out", "q", "k", "v"} | ({"bias"} if d.case.bias else set())
+              | {f"mod_{key}" for key in diff.mod_params(d.case)})
   bad = {key: e for key, e in errs.items()
          if not e <= (OUT_TOL if key == "out" else GRAD_TOL)}
   failure = None

@@ -6,8 +6,9 @@ draws a whole ring problem — the weighting (every streamable family, with the 
 differential net draws), the score, the layout, causal or not, P ∈ {2, 4, 8} devices, local
 lengths (global lengths P·local up to several thousand, most of them no power of two; T ≠ S
 when not causal), GQA, batch, head sizes, a mask and a bias in every sharding the ring
-accepts, tile caps, SSMax with a learned per-head s, kv heads in several passes — as a
-:class:`RingDraw`.
+accepts, tile caps, SSMax with a learned per-head s, kv heads in several passes, and (from a
+stream of their own, :func:`_with_mods`) the differential net's score modifications and
+attention sinks — as a :class:`RingDraw`.
 tests/support/ring_check.py (``--random``) runs draws on 8 fake CPU devices against the
 float64 brute force; tests/core/test_ring.py holds the CI sample and the large run.
 
@@ -22,9 +23,11 @@ import math
 
 import numpy as np
 
+from attnx.core import problem
 from attnx.core import weightings as wlib
 from attnx.core.parallel import ring, steps
 from support import differential as diff
+from support import reference as ref_lib
 
 FAMILIES = steps.FAMILIES  # pointwise, ssmax, softpick, stick_breaking
 LAYOUTS = ring.LAYOUTS
@@ -170,14 +173,17 @@ def _accepted(d: RingDraw) -> bool:
 def draw(seed: int, size: str = "large", family: str | None = None, layout: str | None = None,
          causal: bool | None = None, devices: int | None = None,
          long: bool = False, learned: bool | None = None, kind: str | None = None,
-         weighting: str | None = None) -> RingDraw:
+         weighting: str | None = None, score_mod: str | None = None,
+         sinks: bool | None = None) -> RingDraw:
   """The random ring problem of this seed (the same on every machine). ``size``: "ci"
   (short shards, a small reference) or "large" (shards up to 600 positions, global lengths up
   to 4800). ``family``, ``layout``, ``causal``, ``devices`` fix those choices (the CI sample
   stratifies over them); ``learned`` whether SSMax's s is a learned per-head array (drawn
   when None); ``weighting`` fixes F (and its family); ``long`` forces P = 8 and a global
   length ≥ 1000 that is no power of two; ``kind`` ("pointwise" or "row") restricts the
-  weighting's family like the differential net's ATTNX_DIFF_KIND."""
+  weighting's family like the differential net's ATTNX_DIFF_KIND. ``score_mod`` ("none",
+  "cap", "alibi", "table", "fn") and ``sinks`` fix the score modification and the sinks
+  (drawn when None, :func:`_with_mods`; sinks only where the weighting defines them)."""
   rng = np.random.default_rng([20261126, seed])
   families = {f: names for f, names in _by_family().items()
               if kind is None or (f == "pointwise") == (kind == "pointwise")}
@@ -251,14 +257,44 @@ def draw(seed: int, size: str = "large", family: str | None = None, layout: str 
     d = RingDraw(seed=seed, case=case, layout=layout, devices=devices, learned_s=learned_s,
                  kv_head_block=block)
     if _accepted(d):
-      return d
+      return _with_mods(d, score_mod, sinks)
   raise AssertionError(f"seed {seed}: no accepted lengths")  # pragma: no cover
+
+
+def _with_mods(d: RingDraw, score_mod: str | None = None, sinks: bool | None = None) -> RingDraw:
+  """The draw with its score modification and sinks, from a stream of their own (every other
+  choice of the seed unchanged), by the single-device net's rules for a case no Pallas kernel
+  runs (:func:`support.differential.draw`): about 35% of the draws a modification (a soft
+  cap, ALiBi with learned slopes, a learned relative-position table, or a score_mod function
+  of both with a cap), about 30% sinks where the weighting has a sum for them (not
+  stick-breaking, not normalization "length" or "none"). Their parameters are replicated
+  (diff.mod_params of the global lengths); the Pallas-step draws (:func:`large_sample`)
+  leave them off, as the ring's Pallas steps refuse them."""
+  rng = np.random.default_rng([20261126, d.seed, 2])
+  if score_mod is None:
+    score_mod = (str(rng.choice(ref_lib.SCORE_MODS[1:])) if rng.random() < 0.35 else "none")
+  else:
+    rng.random()  # the same stream position for the sinks' draw
+  takes_sinks = problem.sinks_reason(wlib.get_weighting(d.case.weighting)) is None
+  u = rng.random()
+  if sinks is None:
+    sinks = u < 0.3 and takes_sinks
+  if sinks and not takes_sinks:
+    raise ValueError(f"seed {d.seed}: {d.case.weighting} takes no sinks")
+  return dataclasses.replace(d, case=dataclasses.replace(d.case, score_mod=score_mod,
+                                                         sinks=bool(sinks)))
+
+
+def _without_mods(d: RingDraw) -> RingDraw:
+  return dataclasses.replace(d, case=dataclasses.replace(d.case, score_mod="none", sinks=False))
 
 
 # The CI sample: every family × layout × causal once (16 draws), the rest of each draw random;
 # the first draw long (P = 8, a global length ≥ 1000 that is no power of two), the second
-# SSMax with a learned s, the fifth unnormalized sigmoid (its F sees the global key count:
-# b = −log S).
+# SSMax with a learned s, ALiBi and sinks (the reference one head at a time), the fifth
+# unnormalized sigmoid (its F sees the global key count: b = −log S). The others' score
+# modifications and sinks are drawn: a cap, ALiBi, a table, the fn and sinks in several
+# families (tests/core/test_ring.py holds the sample to it).
 CI_FIRST = 1_000_000
 CI_DRAWS = len(FAMILIES) * len(LAYOUTS) * 2
 
@@ -271,7 +307,8 @@ def ci_sample() -> list[RingDraw]:
     causal = bool(i // (len(FAMILIES) * len(LAYOUTS)))
     out.append(draw(CI_FIRST + i, "ci", family=family, layout=layout, causal=causal,
                     long=i == 0, learned=True if i == 1 else None,
-                    weighting="sigmoid:normalization=none" if i == 4 else None))
+                    weighting="sigmoid:normalization=none" if i == 4 else None,
+                    score_mod="alibi" if i == 1 else None, sinks=True if i == 1 else None))
   return out
 
 
@@ -295,6 +332,13 @@ def coverage(draws: list[RingDraw]) -> dict[str, set]:
       "odd_head_dim": {d.case.h % 2 == 1 or not is_pow2(d.case.h) for d in draws},
       "weighting": {d.case.weighting for d in draws},
       "passes": {d.passes for d in draws},
+      "score_mod": {d.case.score_mod for d in draws},
+      "family_score_mod": {(d.family, d.case.score_mod) for d in draws},
+      "sinks": {d.case.sinks for d in draws if problem.sinks_reason(
+          wlib.get_weighting(d.case.weighting)) is None},
+      "family_sinks": {d.family for d in draws if d.case.sinks},
+      "learned_s_mod": {d.case.score_mod != "none" or d.case.sinks
+                        for d in draws if d.learned_s is not None},
   }
 
 
@@ -303,6 +347,7 @@ def large_sample(first: int, count: int, kind: str | None = None,
   """Draws ``first`` … ``first + count − 1``: "large" ones on the blocked kernel, or with
   ``pallas`` "ci"-sized ones (Pallas' interpreter is slow) on the Pallas kernels."""
   if pallas:
-    return [dataclasses.replace(draw(seed, "ci", kind=kind), pallas=True)
+    # No score modification nor sinks: the ring's Pallas steps refuse them.
+    return [dataclasses.replace(_without_mods(draw(seed, "ci", kind=kind)), pallas=True)
             for seed in range(first, first + count)]
   return [draw(seed, "large", kind=kind) for seed in range(first, first + count)]

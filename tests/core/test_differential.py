@@ -357,6 +357,17 @@ BRANCH_CASES = (
       structured="lengths", bias="xxxx", block_q=16, block_k=128),
     C(seed=139, t=120, s=120, b=1, n=6, kh=2, dtype="bfloat16", weighting="ssmax",
       score_mod="alibi", causal=True, magnitude=2.0, block_q=16, block_k=128),
+    # Attention sinks in the whole-row Pallas kernels (the sink folded into each row's
+    # threshold passes and starting state; d sinks and SSMax's dc term outside the kernels):
+    # entmax15 causal GQA under key/query lengths (the sink a key of τ's passes); SSMax with
+    # a cap, padding keys and a differentiated full bias (n_i counts the sink); softpick with
+    # ALiBi and rows a dense mask empties (the sink alone: zero output), Triton's 32 x 32 tiles.
+    C(seed=140, t=100, s=150, b=2, n=4, kh=2, weighting="entmax15", sinks=True, causal=True,
+      structured="lengths", magnitude=2.0, block_q=16, block_k=128),
+    C(seed=141, t=90, s=140, b=2, n=2, weighting="ssmax", sinks=True, score_mod="cap",
+      mask="padding", bias="xxxx", magnitude=2.0, block_q=16, block_k=128),
+    C(seed=142, t=50, s=70, n=2, weighting="softpick", sinks=True, score_mod="alibi",
+      mask="rows", block_q=32, block_k=32),
 )
 CI_RANDOM = 4
 INSTANCES = 5  # random inputs per configuration in the large run (compiling dominates a case)

@@ -225,6 +225,34 @@ def test_a_soft_cap_with_a_whole_row_weighting_lowers_fwd_and_bwd(weighting, ali
 
 
 @pytest.mark.parametrize("platform", PLATFORMS)
+@pytest.mark.parametrize(("weighting", "alibi"), [("entmax15", False), ("ssmax", True),
+                                                  ("softpick", False)])
+def test_sinks_with_a_whole_row_weighting_lower_fwd_and_bwd(weighting, alibi, platform):
+  """core.attention with learned sinks (a cap, and ALiBi for SSMax) and a whole-row weighting
+  through core.Pallas lowers for each chip: the sinks an operand of the forward row kernel
+  only (GPU: a [1] block at the query head; TPU: the whole [N] in SMEM), folded in as a full
+  key tile (entmax: its threshold passes too), d sinks outside the kernels; G = 3, a ragged T,
+  causal, a differentiated bias."""
+  _, target = PLATFORMS[platform]
+  sds = jax.ShapeDtypeStruct
+  args = (sds((2, 200, 6, 64), jnp.bfloat16), sds((2, 256, 2, 64), jnp.bfloat16),
+          sds((2, 256, 2, 64), jnp.bfloat16), sds((1, 6, 200, 256), jnp.float32),
+          sds((6,), jnp.float32), sds((6,), jnp.float32))
+
+  def loss(q, k, v, bias, sinks, slopes):
+    out = core.attention(q, k, v, bias, weighting=weighting, is_causal=True,
+                         logits_soft_cap=30.0, sinks=sinks, implementation=core.Pallas(),
+                         score_mod=core.alibi(slopes) if alibi else None)
+    return jnp.sum(jnp.square(out.astype(jnp.float32)))
+
+  grad = jax.grad(loss, argnums=(0, 1, 2, 3, 4, 5) if alibi else (0, 1, 2, 3, 4))
+  text = jax.jit(grad).trace(*args).lower(lowering_platforms=(platform,)).as_text()
+  assert "attnx_pallas_rows_fwd" in text
+  lowering.custom_calls(text, target, lowering.expected_kernels(
+      platform, "bfloat16", 64, 64, wlib.get_weighting(weighting).stream.family))
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "symmetric"])
 def test_alibi_with_a_cap_and_sinks_lowers_fwd_and_bwd(causal, platform):
   """core.attention with core.alibi (learned slopes), a cap and sinks through core.Pallas

@@ -376,9 +376,10 @@ def test_sinks_of_the_wrong_shape_or_dtype_are_refused():
   for bad in (jnp.zeros(N + 1), jnp.zeros((1, N)), jnp.zeros(N, jnp.int32), 0.5):
     with pytest.raises(ValueError, match=r"sinks must be a float array \[N\]"):
       core.attention(q, k, v, sinks=bad)
-  with pytest.raises(ValueError, match="attention sinks with a pointwise weighting only"):
-    core.attention(q, k, v, weighting="ssmax", sinks=jnp.zeros(N),
-                   implementation=core.Pallas(interpret=True))
+  # A whole-row F takes sinks in the Pallas kernels too (their refusal is gone).
+  run = lambda impl: core.attention(q, k, v, weighting="ssmax", sinks=jnp.zeros(N),
+                                    implementation=impl)
+  np.testing.assert_allclose(run(PALLAS), run("dense"), atol=2e-5)
 
 
 @pytest.mark.parametrize("impl", IMPLS, ids=["dense", "blocked"])
@@ -702,16 +703,114 @@ def test_pallas_whole_row_a_masked_nan_key_touches_nothing_under_a_cap(backend):
   np.testing.assert_allclose(np.asarray(grads[1])[keep], np.asarray(clean[1])[keep], atol=1e-6)
 
 
-def test_pallas_whole_row_refuses_sinks():
-  """The whole-row kernels take the cap and ALiBi but not yet sinks: refused with the reason
-  (core.attention and the kernel entry point)."""
+# (family, causal, lengths, cap): sinks in each family that has a sum, once per lowering.
+_ROW_SINK_CASES = [("ssmax", True, True, None), ("softpick", False, True, 1.5),
+                   ("sparsemax", False, False, None), ("entmax15", True, True, 1.5)]
+
+
+@pytest.mark.parametrize(("weighting", "causal", "lengths", "cap"), _ROW_SINK_CASES,
+                         ids=[c[0] for c in _ROW_SINK_CASES])
+@pytest.mark.parametrize("backend", ["gpu", "tpu"])
+def test_pallas_whole_row_sinks_equal_float64_dense(backend, weighting, causal, lengths, cap):
+  """Attention sinks in the whole-row kernels (Triton and Mosaic, interpreted): a virtual key
+  of score sinks[h] and zero value folded into each row's threshold passes and starting state
+  (SSMax counts it in n_i, entmax's τ takes it as a key), d sinks and SSMax's dc term from
+  the saved row statistics outside the kernels. GQA (G = 2), T and S not multiples of the
+  tiles, causal or not, query and key lengths, a cap in two families: values and the
+  gradients of q, k, v and the sinks equal the float64 dense implementation's."""
+  q, k, v = _qkv(26, t=_PT, s=_PS)
+  q = 2.0 * q
+  sinks = jnp.array([0.8, -0.5, 1.5, 0.2], jnp.float32)
+  q_len = jnp.array([_PT - 3, _PT], jnp.int32) if lengths else None
+  kv_len = jnp.array([_PS, _PS - 6], jnp.int32) if lengths else None
+  w = core.get_weighting(weighting)
+
+  def pallas(q, k, v, sinks):
+    return pallas_lib.pallas_attention(
+        q, k, v, weighting=w, scale=1 / math.sqrt(H), is_causal=causal, q_lengths=q_len,
+        kv_lengths=kv_len, block_q=16, block_k=16 if backend == "gpu" else 128,
+        backend=backend, interpret=True,
+        score_mod=None if cap is None else core.soft_cap(cap), sinks=sinks)
+
+  def dense(q, k, v, sinks):
+    return core.attention(q, k, v, weighting=weighting, is_causal=causal, logits_soft_cap=cap,
+                          sinks=sinks, query_seq_lengths=q_len, key_value_seq_lengths=kv_len,
+                          implementation="dense")
+
+  args = (q, k, v, sinks)
+  loss = lambda f: lambda *a: jnp.sum(jnp.sin(3.0 * f(*a)))
+  out = pallas(*args)
+  grads = jax.grad(loss(pallas), argnums=(0, 1, 2, 3))(*args)
+  with jax.enable_x64(True):
+    a64 = [np.asarray(x, np.float64) for x in args]
+    want = dense(*a64)
+    want_g = jax.grad(loss(dense), argnums=(0, 1, 2, 3))(*a64)
+    without = core.attention(*a64[:3], weighting=weighting, is_causal=causal,
+                             logits_soft_cap=cap, query_seq_lengths=q_len,
+                             key_value_seq_lengths=kv_len, implementation="dense")
+  assert np.abs(np.asarray(want) - np.asarray(without)).max() > 1e-2  # the sinks matter
+  np.testing.assert_allclose(np.asarray(out, np.float64), want, atol=3e-6)
+  for name, g, wg in zip(("dq", "dk", "dv", "dsinks"), grads, want_g, strict=True):
+    wg = np.asarray(wg)
+    err = np.abs(np.asarray(g, np.float64) - wg).max() / max(np.abs(wg).max(), 1e-6)
+    assert err < 3e-5, f"{name}: relative error {err:.2e}"
+  assert np.abs(np.asarray(want_g[3])).max() > 1e-3  # the sinks reached the loss
+
+
+@pytest.mark.parametrize("backend", ["gpu", "tpu"])
+def test_pallas_whole_row_sinks_with_a_learned_ssmax_s_match_the_xla_kernel(backend):
+  """SSMax with a learned s per head and sinks: the sink's term of the per-row carry Σ z·dy
+  (the cotangent of c_i = s·log n_i, n_i counting the sink), added outside the kernels,
+  reaches d s as in the XLA whole-row kernel's backward; values and the gradients of q, k, v,
+  the sinks and s equal that kernel's (GQA, causal, key lengths, T and S ragged)."""
+  from attnx.core.kernels.xla.rows import blocked_row_attention
+
+  q, k, v = _qkv(27, t=_PT, s=_PS)
+  q = 2.0 * q
+  sinks = jnp.array([0.8, -0.5, 1.5, 0.2], jnp.float32)
+  s_heads = jnp.array([0.5, 1.0, 1.7, 2.5], jnp.float32)
+  kv_len = jnp.array([_PS, _PS - 6], jnp.int32)
+  w = core.get_weighting("ssmax")
+
+  def pallas(q, k, v, sinks, s):
+    return pallas_lib.pallas_attention(
+        q, k, v, weighting=w, scale=1 / math.sqrt(H), is_causal=True, kv_lengths=kv_len,
+        block_q=16, block_k=16 if backend == "gpu" else 128, backend=backend, interpret=True,
+        ssmax_s=s, sinks=sinks)
+
+  def xla(q, k, v, sinks, s):
+    return blocked_row_attention(q, k, v, weighting=w, scale=1 / math.sqrt(H), is_causal=True,
+                                 mask=(jnp.arange(_PS)[None, :] < kv_len[:, None])[
+                                     :, None, None, :],
+                                 block_q=16, block_k=16, ssmax_s=s, sinks=sinks)
+
+  args = (q, k, v, sinks, s_heads)
+  loss = lambda f: lambda *a: jnp.sum(jnp.sin(3.0 * f(*a)))
+  np.testing.assert_allclose(pallas(*args), xla(*args), atol=3e-6)
+  grads = jax.grad(loss(pallas), argnums=(0, 1, 2, 3, 4))(*args)
+  want = jax.grad(loss(xla), argnums=(0, 1, 2, 3, 4))(*args)
+  for name, g, wg in zip(("dq", "dk", "dv", "dsinks", "ds"), grads, want, strict=True):
+    wg = np.asarray(wg)
+    err = np.abs(np.asarray(g) - wg).max() / max(np.abs(wg).max(), 1e-6)
+    assert err < 3e-5, f"{name}: relative error {err:.2e}"
+
+
+def test_pallas_whole_row_sinks_refused_for_stick_breaking_and_run_through_attention():
+  """Stick-breaking takes no sink (refused with the reason, core.attention and the kernel
+  entry point); core.attention(implementation=Pallas) runs sinks with a whole-row F (softpick,
+  jit, Triton interpreted) as the dense implementation does."""
   q, k, v = _qkv(24, t=_PT, s=_PS)
-  w = core.get_weighting("sparsemax")
-  with pytest.raises(ValueError, match="not yet attention sinks"):
+  w = core.get_weighting("stick_breaking")
+  with pytest.raises(ValueError, match="takes no attention sinks"):
     pallas_lib.pallas_attention(q, k, v, weighting=w, scale=1.0, interpret=True,
                                 sinks=jnp.zeros(N))
-  with pytest.raises(ValueError, match="sinks with a pointwise weighting only"):
-    core.attention(q, k, v, weighting="softpick", sinks=jnp.zeros(N), implementation=PALLAS)
+  with pytest.raises(ValueError, match="sink"):
+    core.attention(q, k, v, weighting="stick_breaking", sinks=jnp.zeros(N),
+                   implementation=PALLAS)
+  sinks = jnp.linspace(-1.0, 1.0, N)
+  run = lambda impl: core.attention(q, k, v, weighting="softpick", sinks=sinks,
+                                    implementation=impl)
+  np.testing.assert_allclose(jax.jit(lambda: run(PALLAS))(), run("dense"), atol=2e-5)
 
 
 # (family, causal, cap): ALiBi (causal or symmetric) in each family once per lowering.

@@ -112,7 +112,7 @@ class Case:
       out.append("auto")
     small = max(self.t, self.s) <= PALLAS_MAX_LEN and self.b * self.n <= PALLAS_MAX_HEADS
     # Pallas runs every streaming weighting: pointwise F and the whole-row families; a soft
-    # cap and ALiBi with either, sinks with a pointwise F only (no other score_mod function).
+    # cap, ALiBi and sinks with either (no other score_mod function).
     if streaming and small and self.pallas != "none" and pallas_runs_modification(self):
       out.append("pallas")
       if self.score in ("dot", "scaled_dot") and self.pallas == "both" and not ON_GPU:
@@ -126,15 +126,11 @@ class Case:
 
 
 def pallas_runs_modification(case: Case) -> bool:
-  """Whether the Pallas kernels run the case's score modification and sinks: none at all, a
-  soft cap or ALiBi and/or sinks with a pointwise F, a soft cap or ALiBi with a whole-row F
-  (its whole-row kernels take no sinks yet, and no kernel runs another score_mod
-  function)."""
+  """Whether the Pallas kernels run the case's score modification and sinks: none at all, or
+  a soft cap or ALiBi and/or sinks, with a pointwise or a whole-row F (no kernel runs another
+  score_mod function; the draw gives sinks only to the weightings they mean something for)."""
   if case.score_mod == "none" and not case.sinks:
     return True
-  pointwise = isinstance(wlib.get_weighting(case.weighting), wlib.Pointwise)
-  if not pointwise:  # the whole-row kernels: a soft cap and ALiBi, no sinks yet
-    return case.score_mod in ("cap", "alibi") and not case.sinks
   return case.score_mod in ("none", "cap", "alibi")
 
 
@@ -238,7 +234,7 @@ def draw(seed: int, kind: str | None = None) -> Case:
   # Score modifications: every kind where no Pallas kernel runs; where one does, a pointwise
   # F gets the soft cap or ALiBi (the modifications the Pallas kernels run) in a smaller
   # share, so that the unmodified Pallas cases keep theirs; a whole-row F too. Sinks
-  # likewise, for pointwise F only there.
+  # likewise (every weighting with a sum: problem.sinks_reason).
   w = wlib.get_weighting(weighting)
   pointwise = isinstance(w, wlib.Pointwise)
   u = rng.random()
@@ -248,8 +244,7 @@ def draw(seed: int, kind: str | None = None) -> Case:
     case = dataclasses.replace(case, score_mod="cap" if u < 0.12 else "alibi")
   elif u < 0.2:  # a whole-row F in Pallas: the soft cap or ALiBi (its kernels run both)
     case = dataclasses.replace(case, score_mod="cap" if u < 0.12 else "alibi")
-  if (rng.random() < 0.3 and (pallas == "none" or pointwise)
-      and problem.sinks_reason(w) is None):
+  if rng.random() < 0.3 and problem.sinks_reason(w) is None:
     case = dataclasses.replace(case, sinks=True)
   return case
 

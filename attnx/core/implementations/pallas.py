@@ -7,8 +7,8 @@ weights are needed (dropout, ``return_weights``), the tiles fit the backend's ru
 dtype and head sizes fit the kernels (:func:`attnx.core.kernels.pallas.tiles.supported`): the
 host's GPU or TPU kernels, or on a CPU host either kind. Of the score modifications it runs a
 soft cap and ALiBi (:func:`attnx.core.score_mods.alibi`, learned slopes included) with any F,
-attention sinks with a pointwise F; any other ``score_mod`` function (a relative table, a
-user's) and sinks with a whole-row F are refused with that reason.
+attention sinks with a pointwise F or a whole-row F with a sum (not stick-breaking); any
+other ``score_mod`` function (a relative table, a user's) is refused with that reason.
 The kernels are chosen per lowering platform
 (:func:`attnx.core.kernels.pallas.platforms.by_platform`): Triton where the program is lowered
 for a GPU, Mosaic for a TPU, so a CPU host can lower, export or AOT-compile a model for
@@ -56,10 +56,10 @@ Array = jax.Array
 def _modification_reason(problem: Problem) -> str | None:
   """Why the kernels cannot run the problem's score modification or sinks (None when they
   can): they apply a soft cap, ALiBi's linear bias (a ScoreMod declaring it,
-  :func:`attnx.core.score_mods.alibi`) and fold sinks into the rows' state, for a pointwise F
-  only (sinks mean nothing without a sum of weights, which the call's checks refuse first);
-  any other score_mod function is user code per tile. The whole-row kernels take the soft cap
-  and ALiBi (not yet sinks)."""
+  :func:`attnx.core.score_mods.alibi`) and fold sinks into the rows' state (sinks mean
+  nothing without a sum of weights, which the call's checks refuse first);
+  any other score_mod function is user code per tile. The whole-row kernels take the soft cap,
+  ALiBi and sinks (stick-breaking takes no sink: the call's checks refuse it first)."""
   if not (problem.has_score_mod or problem.has_sinks):
     return None
   if problem.has_score_mod_fn and problem.score_mod_kind != "alibi":
@@ -67,11 +67,6 @@ def _modification_reason(problem: Problem) -> str | None:
             "another score_mod function (a relative-position table, a user's fn): the "
             "blocked and dense implementations do. Use implementation='blocked' (or None, "
             "which picks it).")
-  if not problem.pointwise and problem.has_sinks:
-    return (f"implementation='pallas' runs attention sinks with a pointwise weighting only; "
-            f"its whole-row kernels ({problem.weighting.name!r}) take a logits_soft_cap and "
-            f"ALiBi but not yet sinks: the blocked and dense implementations do. Use "
-            f"implementation='blocked' (or None, which picks it).")
   return None
 
 

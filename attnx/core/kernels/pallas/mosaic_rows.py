@@ -97,8 +97,9 @@ def _fwd_kernel(*refs, cfg, has_bias, has_mask):
                   None if sm is None else pl.program_id(1), slope=slope)
   span = kv_span(cfg, i, bq, bk, q_len, kv_len, sm)
   rowc = None if r["rowc"] is None else _lane0(r["rowc"][...])
+  sink = None if r["sinks"] is None else r["sinks"][pl.program_id(1)]  # SMEM [N]
   o, stats, smean = forward_rows(cfg, OPS, tile, lambda c0: v_ref[ds(c0), :], span, rowc, bq,
-                                  v_ref.shape[-1])
+                                  v_ref.shape[-1], sink)
   r["o"][...] = o.astype(r["o"].dtype)
   for ref, x in zip(stat_refs_of(r, cfg), stats, strict=True):
     ref[...] = _to_lanes(x)
@@ -137,7 +138,8 @@ def _slope_spec() -> pl.BlockSpec:
   return pl.BlockSpec(memory_space=pltpu.SMEM)
 
 
-def _forward(cfg, q, k, v, rowc, bias, mask, q_len, kv_len, out_dtype, smask=None, slopes=None):
+def _forward(cfg, q, k, v, rowc, bias, mask, q_len, kv_len, out_dtype, smask=None, slopes=None,
+             sinks=None):
   b, n, tp, h = q.shape
   hv = v.shape[-1]
   bq, g, sp = cfg.bq, cfg.g, cfg.sp
@@ -151,6 +153,7 @@ def _forward(cfg, q, k, v, rowc, bias, mask, q_len, kv_len, out_dtype, smask=Non
   for x in (bias, mask):
     in_specs += _bias_spec(x, bq, sp, lead=None, index=lambda bb, hh, i, *_: (bb, hh, i, 0))
   in_specs += [_slope_spec()] if cfg.alibi else []
+  in_specs += [_slope_spec()] if cfg.sinks else []  # the sinks [N], whole in SMEM
   orow = pl.BlockSpec((None, None, bq, hv), rowmap)
   out_specs = [orow] + [lanes] * rs.num_stats
   out_shape = [jax.ShapeDtypeStruct((b, n, tp, hv), out_dtype)] + [
@@ -159,7 +162,8 @@ def _forward(cfg, q, k, v, rowc, bias, mask, q_len, kv_len, out_dtype, smask=Non
     out_specs.append(orow)
     out_shape.append(jax.ShapeDtypeStruct((b, n, tp, hv), F32))
   args = [x for x in (q, k, v, None if rowc is None else mosaic.to_lanes_all(rowc), bias, mask)
-          if x is not None] + ([slopes.astype(F32)] if cfg.alibi else [])
+          if x is not None] + ([slopes.astype(F32)] if cfg.alibi else []) + (
+              [sinks.astype(F32)] if cfg.sinks else [])
   sm_ids, sm_specs = _smask_ids(cfg, smask, bq)
   sm_pre = mosaic.smask_prefetch(cfg, smask, "fwd")
   res = pl.pallas_call(
@@ -396,11 +400,11 @@ def vmem_bytes(cfg: KernelConfig, dtype: Any, h: int, hv: int, bias: Any = None,
 
 
 def forward(cfg: KernelConfig, q, k, v, rowc, bias, mask, q_len, kv_len, out_dtype,
-            smask: Any = None, slopes: Any = None):
+            smask: Any = None, slopes: Any = None, sinks: Any = None):
   """(O, row statistics, Σu·v/Σu or None) of [B, Tp, N, H] arrays, as
   :func:`.triton_rows.forward` (the kernels run on the [B, N, Tp, H] transposes)."""
   o, stats, smean = _forward(cfg, bnth(q), bnth(k), bnth(v), rowc, bias, mask, q_len, kv_len,
-                             out_dtype, smask, slopes)
+                             out_dtype, smask, slopes, sinks)
   return bnth(o), stats, None if smean is None else bnth(smean)
 
 

@@ -31,6 +31,13 @@ Saved for the backward (O(T)): the output in float32, the row statistics and, fo
 Σu·v/Σu. A kernel's refs arrive in the order of :func:`fwd_names` / :func:`dq_names` /
 :func:`dkv_names` (:func:`split_refs` names them).
 
+Attention sinks (``cfg.sinks``; not stick-breaking): the forward kernel takes the sinks [N] as
+one more operand and folds its head's sink, a key tile whose only valid column holds the score
+and whose values are zero (:func:`sink_tile`), into entmax's threshold passes and the output
+pass's starting state first, as the XLA kernel does; the dQ and dK/dV kernels are unchanged
+(the saved statistics count the sink), and d sinks with the sink's term of SSMax's dc come
+from the statistics and δ outside the kernels (:func:`sink_grad_rows`).
+
 SSMax's per-row scale c_i = s·log n_i is computed outside (:func:`row_scale`) and enters as a
 [B, N, Tp] input with a gradient, so a learned s (scalar or per head) gets one by autodiff.
 """
@@ -63,7 +70,8 @@ Array = jax.Array
 F32 = jnp.float32
 
 __all__ = ["dkv_names", "dkv_step", "dq_names", "dq_rows", "forward_rows", "fwd_names",
-           "num_key_tiles", "row_scale", "split_refs", "stat_refs_of", "streams", "tile_fn"]
+           "num_key_tiles", "row_scale", "sink_grad_rows", "sink_tile", "split_refs",
+           "stat_refs_of", "streams", "tile_fn"]
 
 
 def streams(weighting: Any) -> bool:
@@ -83,7 +91,7 @@ def num_key_tiles(cfg: KernelConfig) -> int:
 def row_scale(rs: st.RowStream, b: int, n: int, t: int, s: int, bias4: Array | None,
               mask4: Array | None, is_causal: bool, kv_lengths: Array | None,
               s_param: Array | float | None, structured: Any = None, kv_heads: int = 1,
-              tiles: tuple[int, int] = (128, 128)) -> Array:
+              tiles: tuple[int, int] = (128, 128), extra_keys: int = 0) -> Array:
   """[B, N, T] float32 c_i = s·log max(n_i, 1), n_i the keys row i attends (mask, bias ≠ −∞,
   causal, key lengths), counted as the XLA whole-row kernel counts them; ``s_param`` a scalar
   or one value per query head [N] (default the weighting's s). Under a bound ``structured``
@@ -95,6 +103,8 @@ def row_scale(rs: st.RowStream, b: int, n: int, t: int, s: int, bias4: Array | N
     if kv_lengths is not None:
       structured = structured & masks_lib.SeqLengths(None, kv_lengths)
     counts = xla_rows.structured_counts(structured, bias4, mask4, b, n, kv_heads, t, s, *tiles)
+    if extra_keys:
+      counts = counts + extra_keys
     return st.row_scale(rs, counts, _per_head(rs, s_param, n))
   rows = jnp.arange(t)
   if mask4 is None and bias4 is None:  # closed form: no [T, S] intermediate
@@ -103,6 +113,8 @@ def row_scale(rs: st.RowStream, b: int, n: int, t: int, s: int, bias4: Array | N
     if kv_lengths is not None:
       n_valid = jnp.minimum(n_valid, kv_lengths[:, None])
     counts = jnp.broadcast_to(n_valid.astype(F32)[:, None, :], (b, n, t))
+    if extra_keys:
+      counts = counts + extra_keys
     return st.row_scale(rs, counts, _per_head(rs, s_param, n))
   valid = jnp.ones((1, 1, t, s), bool)
   if mask4 is not None:
@@ -114,6 +126,8 @@ def row_scale(rs: st.RowStream, b: int, n: int, t: int, s: int, bias4: Array | N
   if kv_lengths is not None:
     valid = valid & (jnp.arange(s) < kv_lengths[:, None, None, None])
   counts = jnp.broadcast_to(jnp.sum(valid, axis=-1, dtype=F32), (b, n, t))
+  if extra_keys:
+    counts = counts + extra_keys
   return st.row_scale(rs, counts, _per_head(rs, s_param, n))
 
 
@@ -170,17 +184,35 @@ def _scored(z, valid):
   return scored if valid is None else valid & scored
 
 
-def forward_rows(cfg, ops, tile, load_v, span, rowc, bq: int, hv: int):
+def sink_tile(sink, bq: int, bk: int, hv: int):
+  """The attention sink as a key tile (z [bq, bk], valid [bq, bk], v [bk, hv]): column 0 holds
+  the score ``sink`` (a scalar, the query head's) and is the only valid key, every value is
+  zero. A whole tile, not one column: the lowerings' matmuls need full tiles (the P·V it adds
+  is of zeros)."""
+  z = jnp.full((bq, bk), sink, F32)
+  valid = lax.broadcasted_iota(jnp.int32, (bq, bk), 1) == 0
+  return z, valid, jnp.zeros((bk, hv), F32)
+
+
+def forward_rows(cfg, ops, tile, load_v, span, rowc, bq: int, hv: int, sink=None):
   """(O, row statistics, Σu·v/Σu or None) of one query tile: threshold passes (entmax), then
-  one pass over the key tiles [lo, hi) of ``span`` (last first for stick-breaking)."""
+  one pass over the key tiles [lo, hi) of ``span`` (last first for stick-breaking).
+
+  ``sink`` (with ``cfg.sinks``: the query head's sink, a scalar): one more key of every row,
+  of score ``sink`` and zero value, folded first (:func:`sink_tile`) into the threshold passes'
+  sums and the output pass's starting state, as the XLA kernel folds it (never
+  stick-breaking)."""
   rs = cfg.w.stream
   bk = cfg.bk
   rows = (bq,)
   ctx = rowc if rs.needs_row_scale else None
   count, at = _walk(span, rs.reverse)
+  sk = None if sink is None else sink_tile(sink, bq, bk, hv)
   if rs.needs_threshold:
     lo, hi = span
     def tile_pass(fn, init):
+      if sk is not None:  # the sink is a key of every row
+        init = fn(init, *sk[:2])
       return lax.fori_loop(lo, hi, lambda j, c: fn(c, *tile(j)[:2]), init)
     ctx = st.entmax_threshold(tile_pass, rows, rs, ops)
 
@@ -196,8 +228,26 @@ def forward_rows(cfg, ops, tile, load_v, span, rowc, bq: int, hv: int):
     return lax.cond(st.entmax_zero_tile(z, valid, ctx.m, ctx.tau, rs, ops), lambda s: s, add,
                     state)
 
-  state = lax.fori_loop(0, count, body, st.init(rs, rows, hv))
+  state = st.init(rs, rows, hv)
+  if sk is not None:
+    state = st.update(rs, state, *sk, ctx, ops)
+  state = lax.fori_loop(0, count, body, state)
   return st.finalize(rs, state, ctx)
+
+
+def sink_grad_rows(cfg, sinks, stats, delta, rowc):
+  """(d sinks [N] float32, the sink's term of SSMax's dc [B, N, Tp] or None), outside the
+  kernels, from the saved row statistics and δ (each [B, N, Tp] float32): the sink is a key of
+  zero value, so dP = 0 there and its score's cotangent is the family's tile rule
+  (:func:`attnx.core.streaming.tile_grad`) on that key, summed over the batch and the rows of
+  each head; SSMax's per-row carry Σ z·dy gets the sink's term (as in the XLA kernel's
+  backward). Padding rows and rows past their length have δ = 0 and add nothing."""
+  rs = cfg.w.stream
+  z = jnp.broadcast_to(sinks.astype(F32)[None, :, None, None], delta.shape + (1,))
+  zero = jnp.zeros(delta.shape, F32)
+  _, dz, gc = st.tile_grad(rs, z, jnp.ones(z.shape, bool), jnp.zeros(z.shape, F32),
+                           tuple(stats), delta, st.GradCarry(zero, zero), rowc)
+  return jnp.sum(dz[..., 0], axis=(0, 2)), gc.a if rs.needs_row_scale else None
 
 
 def _skips(cfg) -> bool:
@@ -325,8 +375,8 @@ def _ids(cfg, lens_first: bool) -> list:
 def fwd_names(cfg, has_bias, has_mask, lens_first: bool):
   rs = cfg.w.stream
   ins = [("q", True), ("k", True), ("v", True), ("rowc", rs.needs_row_scale),
-         ("bias", has_bias), ("mask", has_mask), ("slopes", cfg.alibi is not None)] + _ids(
-             cfg, lens_first)
+         ("bias", has_bias), ("mask", has_mask), ("slopes", cfg.alibi is not None),
+         ("sinks", cfg.sinks)] + _ids(cfg, lens_first)
   lens = _lens(cfg, lens_first)
   outs = [("o", True)] + [(f"stat{n}", True) for n in range(rs.num_stats)] + [
       ("smean", rs.saves_support_mean)]

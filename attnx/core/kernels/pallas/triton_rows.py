@@ -74,8 +74,9 @@ def _fwd_kernel(*refs, cfg, has_bias, has_mask):
                   q_len, kv_len, sm, None if sm is None else pl.program_id(2), slope=slope)
   span = kv_span(cfg, i, bq, bk, q_len, kv_len, sm)
   rowc = None if r["rowc"] is None else r["rowc"][...]
+  sink = None if r["sinks"] is None else r["sinks"][0]  # [1]: the query head's sink
   o, stats, smean = forward_rows(cfg, OPS, tile, lambda c0: v_ref[pl.ds(c0, bk), :], span, rowc,
-                                  bq, v_ref.shape[-1])
+                                  bq, v_ref.shape[-1], sink)
   r["o"][...] = o.astype(r["o"].dtype)
   for ref, x in zip(stat_refs_of(r, cfg), stats, strict=True):
     ref[...] = x
@@ -83,7 +84,8 @@ def _fwd_kernel(*refs, cfg, has_bias, has_mask):
     r["smean"][...] = smean
 
 
-def forward(cfg, q, k, v, rowc, bias, mask, q_len, kv_len, out_dtype, smask=None, slopes=None):
+def forward(cfg, q, k, v, rowc, bias, mask, q_len, kv_len, out_dtype, smask=None, slopes=None,
+            sinks=None):
   b, tp, n, hp = q.shape
   hvp = v.shape[-1]
   bq, g, sp = cfg.bq, cfg.g, cfg.sp
@@ -98,6 +100,9 @@ def forward(cfg, q, k, v, rowc, bias, mask, q_len, kv_len, out_dtype, smask=None
   if cfg.alibi:  # a [1] block at the query head
     in_specs.append(pl.BlockSpec((1,), lambda i, bb, h: (h,)))
     slope_args = [slopes.astype(F32)]
+  if cfg.sinks:  # a [1] block at the query head
+    in_specs.append(pl.BlockSpec((1,), lambda i, bb, h: (h,)))
+    slope_args.append(sinks.astype(F32))
   in_specs += [pl.BlockSpec((1,), lambda i, bb, h: (bb,))] * 2
   sm_args, sm_specs = triton.smask_operands(cfg, smask, "fwd", bq, cfg.bk)
   in_specs += sm_specs

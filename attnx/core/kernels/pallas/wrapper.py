@@ -58,7 +58,7 @@ from attnx.core.kernels.pallas import (
     triton_rows,
 )
 from attnx.core.kernels.pallas.common import KernelConfig, grad_rows, sink_grad
-from attnx.core.kernels.pallas.rows import row_scale, streams
+from attnx.core.kernels.pallas.rows import row_scale, sink_grad_rows, streams
 from attnx.core.weightings import Pointwise
 
 Array = jax.Array
@@ -110,12 +110,16 @@ def backward(cfg: KernelConfig, q, k, v, bias, mask, q_len, kv_len, do, rows,
 
 
 def row_forward(cfg: KernelConfig, q, k, v, rowc, bias, mask, q_len, kv_len, out_dtype=None,
-                smask: Any = None, slopes: Array | None = None):
+                smask: Any = None, slopes: Array | None = None, sinks: Array | None = None):
   """(O [B, Tp, N, Hv], row statistics (each [B, N, Tp] float32), Σu·v/Σu [B, Tp, N, Hv]
   float32 or None) of a whole-row weighting; ``rowc`` SSMax's [B, N, Tp] c or None;
-  ``slopes`` ALiBi's [N] when ``cfg.alibi``."""
+  ``slopes`` ALiBi's [N] when ``cfg.alibi``; ``sinks`` [N] when ``cfg.sinks`` (the statistics
+  then count them)."""
   out_dtype = q.dtype if out_dtype is None else out_dtype
   kernels = triton_rows if cfg.backend == "gpu" else mosaic_rows
+  if cfg.sinks:
+    return kernels.forward(cfg, q, k, v, rowc, bias, mask, q_len, kv_len, out_dtype, smask,
+                           slopes, sinks=sinks)
   if cfg.alibi:
     return kernels.forward(cfg, q, k, v, rowc, bias, mask, q_len, kv_len, out_dtype, smask,
                            slopes)
@@ -222,36 +226,39 @@ def _make_alibi_kernel(cfg: KernelConfig) -> Callable[..., Array]:
 
 @functools.lru_cache(maxsize=512)
 def _make_row_kernel(cfg: KernelConfig):
-  """A custom-VJP function (q, k, v, bias, mask, q_len, kv_len, rowc, smask, slopes) -> O of
-  padded arrays (rowc: SSMax's per-row scale [B, N, Tp], None for the other families; smask: a
-  structured mask's operands, or None; slopes: ALiBi's [N] when ``cfg.alibi``, else None,
-  d slopes from the dQ kernel's per-row sums)."""
+  """A custom-VJP function (q, k, v, bias, mask, q_len, kv_len, rowc, smask, slopes, sinks) -> O
+  of padded arrays (rowc: SSMax's per-row scale [B, N, Tp], None for the other families; smask:
+  a structured mask's operands, or None; slopes: ALiBi's [N] when ``cfg.alibi``, else None,
+  d slopes from the dQ kernel's per-row sums; sinks: [N] when ``cfg.sinks``, else None, d sinks
+  and the sink's term of SSMax's dc computed here, outside the kernels, from the saved row
+  statistics and δ: :func:`.rows.sink_grad_rows`)."""
   rs = cfg.w.stream
   if rs.suffix_carries and cfg.bk_dq != cfg.bk_dkv:
     raise ValueError(f"stick-breaking's dQ and dK/dV key tiles must agree (its carries are "
                      f"per key tile), got {cfg.bk_dq} and {cfg.bk_dkv}")
 
   @jax.custom_vjp
-  def attn(q, k, v, bias, mask, q_len, kv_len, rowc, smask, slopes):
+  def attn(q, k, v, bias, mask, q_len, kv_len, rowc, smask, slopes, sinks):
     return row_forward(cfg, q, k, v, rowc, bias, mask, q_len, kv_len, smask=smask,
-                       slopes=slopes)[0]
+                       slopes=slopes, sinks=sinks)[0]
 
-  def fwd(q, k, v, bias, mask, q_len, kv_len, rowc, smask, slopes):
+  def fwd(q, k, v, bias, mask, q_len, kv_len, rowc, smask, slopes, sinks):
     want_ds = bias is not None and bias.perturbed
     vals = [None if x is None else x.value for x in (q, k, v, bias, mask, q_len, kv_len, rowc)]
     q_, k_, v_, bias_, mask_, ql, kl, rowc_ = vals
     smask = _values(smask)
     slopes = None if slopes is None else slopes.value
+    sinks = None if sinks is None else sinks.value
     # O in float32 for δ = dO·O (the backward's row sums), q's dtype for the caller.
     o, stats, smean = row_forward(cfg, q_, k_, v_, rowc_, bias_, mask_, ql, kl, out_dtype=F32,
-                                  smask=smask, slopes=slopes)
+                                  smask=smask, slopes=slopes, sinks=sinks)
     marker = jnp.zeros((), F32) if want_ds else None
-    return o.astype(q_.dtype), (*vals, smask, slopes, o, stats, smean, marker)
+    return o.astype(q_.dtype), (*vals, smask, slopes, sinks, o, stats, smean, marker)
 
   def bwd(res, do):
-    q, k, v, bias, mask, q_len, kv_len, rowc, smask, slopes, o, stats, smean, marker = res
+    q, k, v, bias, mask, q_len, kv_len, rowc, smask, slopes, sinks, o, stats, smean, marker = res
     if isinstance(do, jax.custom_derivatives.SymbolicZero):
-      return (None,) * 10
+      return (None,) * 11
     ref = smean if rs.saves_support_mean else o
     delta = jnp.sum(do.astype(F32) * ref, axis=-1).transpose(0, 2, 1)
     dq, dk, dv, ds, dc, *dslopes = row_backward(
@@ -259,7 +266,13 @@ def _make_row_kernel(cfg: KernelConfig):
         want_ds=marker is not None, smask=smask, slopes=slopes)
     dbias = None if ds is None else sum_to(ds, bias.shape).astype(bias.dtype)
     dslopes = dslopes[0].astype(slopes.dtype) if cfg.alibi else None
-    return dq, dk, dv, dbias, None, None, None, dc, None, dslopes
+    dsinks = None
+    if cfg.sinks:  # outside the kernels: the sink's dz, and its term of SSMax's dc
+      dsinks, dc_sink = sink_grad_rows(cfg, sinks, stats, delta, rowc)
+      dsinks = dsinks.astype(sinks.dtype)
+      if dc_sink is not None:
+        dc = dc + dc_sink
+    return dq, dk, dv, dbias, None, None, None, dc, None, dslopes, dsinks
 
   attn.defvjp(fwd, bwd, symbolic_zeros=True)
   return attn
@@ -358,9 +371,11 @@ def pallas_attention(q: Array, k: Array, v: Array, *, weighting: Any,
       − m_h·abs(i − j) after the bias, global positions; the slopes get a gradient). Any other
       ``score_mod`` function (a relative table, a user's) is a ValueError: the kernels
       evaluate no user code per tile.
-    sinks: attention sinks [N] (pointwise F with a sum of weights only): each row of query
-      head h also sees a virtual key of score ``sinks[h]`` and zero value, folded into the
-      row's starting state; gets a gradient (computed outside the kernels).
+    sinks: attention sinks [N] (a pointwise F with a sum of weights, or a whole-row F but
+      stick-breaking): each row of query head h also sees a virtual key of score
+      ``sinks[h]`` and zero value, folded into the row's starting state (whole-row: and its
+      threshold passes; SSMax's n_i counts it); gets a gradient (computed outside the
+      kernels).
 
   Returns:
     [B, T, N, Hv] in q's dtype, equal up to float rounding to
@@ -431,7 +446,8 @@ def pallas_attention(q: Array, k: Array, v: Array, *, weighting: Any,
     rowc = row_scale(weighting.stream, b, n, t, s, bias4, mask4, is_causal,
                      None if kv_lengths is None else kv_len, ssmax_s,
                      structured=structured_mask, kv_heads=kh,
-                     tiles=(blocks.block_q, blocks.block_k))
+                     tiles=(blocks.block_q, blocks.block_k),
+                     extra_keys=int(sinks is not None))
   cfg, (q, k, v, bias4, mask4) = kernel_inputs(
       q, k, v, bias4, mask4, weighting=weighting, scale=scale, backend=be, interpret=interpret,
       blocks=blocks, launch=launch, is_causal=is_causal, q_bound=q_lengths is not None,
@@ -450,7 +466,8 @@ def pallas_attention(q: Array, k: Array, v: Array, *, weighting: Any,
   if rows:
     if rowc is not None:
       rowc = pad_to(rowc, {2: cfg.tp})
-    out = _make_row_kernel(cfg)(q, k, v, bias4, mask4, q_len, kv_len, rowc, smask, slopes)
+    out = _make_row_kernel(cfg)(q, k, v, bias4, mask4, q_len, kv_len, rowc, smask, slopes,
+                                sinks)
   else:
     extra = () if alibi is None else (slopes,)
     out = _make_kernel(cfg)(q, k, v, bias4, mask4, q_len, kv_len, smask, sinks, *extra)
@@ -460,14 +477,15 @@ def pallas_attention(q: Array, k: Array, v: Array, *, weighting: Any,
 def _soft_cap(weighting: Any, score_mod: Any, sinks: Any) -> float | None:
   """The soft cap c of ``score_mod`` (None without one), after the checks of what the kernels
   run: a ScoreMod with a cap and/or ALiBi's declared linear bias (any F), and sinks for a
-  pointwise F with a sum of weights. ValueError otherwise, naming what is not supported."""
+  pointwise F with a sum of weights or a whole-row F but stick-breaking. ValueError
+  otherwise, naming what is not supported."""
   if score_mod is None and sinks is None:
     return None
   if not isinstance(weighting, Pointwise) and sinks is not None:
-    raise ValueError(f"implementation='pallas' cannot run this: its whole-row kernels "
-                     f"({weighting.name!r}) take a logits_soft_cap and ALiBi but not yet "
-                     f"attention sinks; use implementation='blocked'.")
-  if sinks is not None and not weighting.divides_by_sum:
+    if getattr(getattr(weighting, "stream", None), "reverse", False):
+      raise ValueError(f"implementation='pallas': {weighting.name!r} takes no attention sinks "
+                       f"(a stick-breaking row has no key outside its sequence).")
+  elif sinks is not None and not weighting.divides_by_sum:
     raise ValueError(f"implementation='pallas': sinks need a weighting with a sum of weights "
                      f"to enter, and {weighting.name!r} divides by none.")
   if score_mod is None:

@@ -15,8 +15,9 @@ Variants: ``causal_gqa`` (T = S = 2048, N = 8 query heads on K = 2 kv heads, cau
 (the causal GQA shape on packed documents with a 512-key sliding window: a structured mask of
 segment ids, a traced argument, that the kernels read per tile and whose empty tiles they
 skip), ``modded`` (the causal GQA shape with Gemma 2's soft cap c = 30, ALiBi with learned
-slopes and learned attention sinks (sinks with a pointwise F: the whole-row kernels run the cap
-and ALiBi), the slopes and sinks differentiated; not in the default matrix).
+slopes and learned attention sinks (where F has a sum for a sink to enter: not stick-breaking,
+not the "length"/"none" normalizations), the slopes and sinks differentiated; not in the default
+matrix).
 
 A program passes when it compiles (a kernel over the shared memory a block may have, or over
 its scoped VMEM, fails to), no kernel of it spills registers (GPU) — except a kernel whose GPU
@@ -52,6 +53,7 @@ import jax.numpy as jnp  # noqa: E402
 import ml_collections  # noqa: E402
 
 from attnx import aot, core, train  # noqa: E402
+from attnx.core import problem  # noqa: E402
 from attnx.core import weightings as wlib  # noqa: E402
 from attnx.core.kernels.common import round_up  # noqa: E402
 from attnx.core.kernels.pallas import tiles as pallas_tiles  # noqa: E402
@@ -145,7 +147,7 @@ def program(weighting: str, dtype: str, head_dim: int, variant: str, config):
     extra["mask"] = jnp.arange(s)[None, None, None, :] < s - 17  # key padding
   if variant == "modded":
     args.append(jax.ShapeDtypeStruct((n,), jnp.float32))  # ALiBi slopes, learned
-    if getattr(wlib.get_weighting(name), "normalization", None) == "sum":
+    if problem.sinks_reason(wlib.get_weighting(name)) is None:  # F whose sum a sink enters
       args.append(jax.ShapeDtypeStruct((n,), jnp.float32))  # sinks, learned
   differentiated = tuple(range(len(args)))
   if variant == "documents":

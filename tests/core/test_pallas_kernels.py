@@ -224,6 +224,13 @@ def test_a_soft_cap_with_a_whole_row_weighting_lowers_fwd_and_bwd(weighting, ali
       platform, "bfloat16", 64, 64, wlib.get_weighting(weighting).stream.family))
 
 
+# q, k, v (G = 3, a ragged T), a bias, sinks and slopes of the modified programs lowered below.
+_MODDED_ARGS = tuple(jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in (
+    ((2, 200, 6, 64), jnp.bfloat16), ((2, 256, 2, 64), jnp.bfloat16),
+    ((2, 256, 2, 64), jnp.bfloat16), ((1, 6, 200, 256), jnp.float32), ((6,), jnp.float32),
+    ((6,), jnp.float32)))
+
+
 @pytest.mark.parametrize("platform", PLATFORMS)
 @pytest.mark.parametrize(("weighting", "alibi"), [("entmax15", False), ("ssmax", True),
                                                   ("softpick", False)])
@@ -234,10 +241,7 @@ def test_sinks_with_a_whole_row_weighting_lower_fwd_and_bwd(weighting, alibi, pl
   key tile (entmax: its threshold passes too), d sinks outside the kernels; G = 3, a ragged T,
   causal, a differentiated bias."""
   _, target = PLATFORMS[platform]
-  sds = jax.ShapeDtypeStruct
-  args = (sds((2, 200, 6, 64), jnp.bfloat16), sds((2, 256, 2, 64), jnp.bfloat16),
-          sds((2, 256, 2, 64), jnp.bfloat16), sds((1, 6, 200, 256), jnp.float32),
-          sds((6,), jnp.float32), sds((6,), jnp.float32))
+  args = _MODDED_ARGS
 
   def loss(q, k, v, bias, sinks, slopes):
     out = core.attention(q, k, v, bias, weighting=weighting, is_causal=True,
@@ -261,10 +265,7 @@ def test_alibi_with_a_cap_and_sinks_lowers_fwd_and_bwd(causal, platform):
   dQ kernel's per-row d slope sums as one more output, G = 3 (not a power of 2), a ragged T,
   a differentiated bias."""
   _, target = PLATFORMS[platform]
-  sds = jax.ShapeDtypeStruct
-  args = (sds((2, 200, 6, 64), jnp.bfloat16), sds((2, 256, 2, 64), jnp.bfloat16),
-          sds((2, 256, 2, 64), jnp.bfloat16), sds((1, 6, 200, 256), jnp.float32),
-          sds((6,), jnp.float32), sds((6,), jnp.float32))
+  args = _MODDED_ARGS
 
   def loss(q, k, v, bias, sinks, slopes):
     out = core.attention(q, k, v, bias, weighting="softmax", is_causal=causal,

@@ -470,22 +470,35 @@ def _pallas_alibi(backend, weighting, causal, *, cap=None, sinks=None, q_lengths
   return pallas, dense
 
 
-def _against_float64(pallas, dense, args, atol, grad_tol):
-  """Values and gradients (q, k, v, slopes) of ``pallas`` against ``dense`` in float64 on the
-  same (rounded) inputs; gradients to ``grad_tol`` of each one's largest entry."""
-  loss = lambda f: lambda *a: jnp.sum(f(*a).astype(jnp.float32 if f is pallas else None) ** 2)
+def _matches_float64(pallas, dense, args, names, atol, grad_tol, loss=None):
+  """Values and gradients (of every argument, named ``names``) of ``pallas`` against ``dense``
+  in float64 on the same (rounded) inputs; gradients to ``grad_tol`` of each one's largest
+  entry. Returns the float64 (output, gradients)."""
+  loss = loss or (lambda f: lambda *a: jnp.sum(
+      f(*a).astype(jnp.float32 if f is pallas else None) ** 2))
+  argnums = tuple(range(len(args)))
   out = pallas(*args)
-  grads = jax.grad(loss(pallas), argnums=(0, 1, 2, 3))(*args)
+  grads = jax.grad(loss(pallas), argnums=argnums)(*args)
   with jax.enable_x64(True):
     a64 = [np.asarray(x, np.float64) for x in args]
     want = dense(*a64)
-    want_g = jax.grad(loss(dense), argnums=(0, 1, 2, 3))(*a64)
+    want_g = jax.grad(loss(dense), argnums=argnums)(*a64)
   np.testing.assert_allclose(np.asarray(out, np.float64), want, atol=atol)
-  for name, g, w in zip(("dq", "dk", "dv", "dslopes"), grads, want_g, strict=True):
+  for name, g, w in zip(names, grads, want_g, strict=True):
     w = np.asarray(w)
     err = np.abs(np.asarray(g, np.float64) - w).max() / max(np.abs(w).max(), 1e-6)
     assert err < grad_tol, f"{name}: relative error {err:.2e}"
-  assert np.all(np.abs(np.asarray(want_g[3])) > 0)  # every head's slope reached the loss
+  return want, want_g
+
+
+def _against_float64(pallas, dense, args, atol, grad_tol):
+  """:func:`_matches_float64` of (q, k, v, slopes); every head's slope reaches the loss."""
+  _, want_g = _matches_float64(pallas, dense, args, ("dq", "dk", "dv", "dslopes"), atol,
+                               grad_tol)
+  assert np.all(np.abs(np.asarray(want_g[3])) > 0)
+
+
+_SIN_LOSS = lambda f: lambda *a: jnp.sum(jnp.sin(3.0 * f(*a)))  # noqa: E731
 
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "symmetric"])
@@ -630,19 +643,8 @@ def test_pallas_whole_row_soft_cap_equals_float64_dense(backend, weighting, caus
                           logits_soft_cap=cap, query_seq_lengths=q_len,
                           key_value_seq_lengths=kv_len, implementation="dense")
 
-  args = (q, k, v, bias)
-  loss = lambda f: lambda *a: jnp.sum(jnp.sin(3.0 * f(*a)))
-  out = pallas(*args)
-  grads = jax.grad(loss(pallas), argnums=(0, 1, 2, 3))(*args)
-  with jax.enable_x64(True):
-    a64 = [np.asarray(x, np.float64) for x in args]
-    want = dense(*a64)
-    want_g = jax.grad(loss(dense), argnums=(0, 1, 2, 3))(*a64)
-  np.testing.assert_allclose(np.asarray(out, np.float64), want, atol=3e-6)
-  for name, g, wg in zip(("dq", "dk", "dv", "dbias"), grads, want_g, strict=True):
-    wg = np.asarray(wg)
-    err = np.abs(np.asarray(g, np.float64) - wg).max() / max(np.abs(wg).max(), 1e-6)
-    assert err < 3e-5, f"{name}: relative error {err:.2e}"
+  _matches_float64(pallas, dense, (q, k, v, bias), ("dq", "dk", "dv", "dbias"), 3e-6, 3e-5,
+                   loss=_SIN_LOSS)
 
 
 def test_pallas_whole_row_soft_cap_bfloat16_and_through_attention():
@@ -737,23 +739,14 @@ def test_pallas_whole_row_sinks_equal_float64_dense(backend, weighting, causal, 
                           sinks=sinks, query_seq_lengths=q_len, key_value_seq_lengths=kv_len,
                           implementation="dense")
 
-  args = (q, k, v, sinks)
-  loss = lambda f: lambda *a: jnp.sum(jnp.sin(3.0 * f(*a)))
-  out = pallas(*args)
-  grads = jax.grad(loss(pallas), argnums=(0, 1, 2, 3))(*args)
+  want, want_g = _matches_float64(pallas, dense, (q, k, v, sinks), ("dq", "dk", "dv", "dsinks"),
+                                  3e-6, 3e-5, loss=_SIN_LOSS)
   with jax.enable_x64(True):
-    a64 = [np.asarray(x, np.float64) for x in args]
-    want = dense(*a64)
-    want_g = jax.grad(loss(dense), argnums=(0, 1, 2, 3))(*a64)
-    without = core.attention(*a64[:3], weighting=weighting, is_causal=causal,
-                             logits_soft_cap=cap, query_seq_lengths=q_len,
-                             key_value_seq_lengths=kv_len, implementation="dense")
+    without = core.attention(*(np.asarray(x, np.float64) for x in (q, k, v)),
+                             weighting=weighting, is_causal=causal, logits_soft_cap=cap,
+                             query_seq_lengths=q_len, key_value_seq_lengths=kv_len,
+                             implementation="dense")
   assert np.abs(np.asarray(want) - np.asarray(without)).max() > 1e-2  # the sinks matter
-  np.testing.assert_allclose(np.asarray(out, np.float64), want, atol=3e-6)
-  for name, g, wg in zip(("dq", "dk", "dv", "dsinks"), grads, want_g, strict=True):
-    wg = np.asarray(wg)
-    err = np.abs(np.asarray(g, np.float64) - wg).max() / max(np.abs(wg).max(), 1e-6)
-    assert err < 3e-5, f"{name}: relative error {err:.2e}"
   assert np.abs(np.asarray(want_g[3])).max() > 1e-3  # the sinks reached the loss
 
 
@@ -785,7 +778,7 @@ def test_pallas_whole_row_sinks_with_a_learned_ssmax_s_match_the_xla_kernel(back
                                  block_q=16, block_k=16, ssmax_s=s, sinks=sinks)
 
   args = (q, k, v, sinks, s_heads)
-  loss = lambda f: lambda *a: jnp.sum(jnp.sin(3.0 * f(*a)))
+  loss = _SIN_LOSS
   np.testing.assert_allclose(pallas(*args), xla(*args), atol=3e-6)
   grads = jax.grad(loss(pallas), argnums=(0, 1, 2, 3, 4))(*args)
   want = jax.grad(loss(xla), argnums=(0, 1, 2, 3, 4))(*args)

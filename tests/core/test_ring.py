@@ -527,6 +527,8 @@ def test_pallas_steps_declined_for_score_mods_and_sinks():
                                                 modifications=("sinks",))) is None
 
 
+# The 8-device cases (ring_cases) run every family with them in CI; one device: -m exhaustive.
+@pytest.mark.exhaustive
 def test_ring_of_one_with_score_mods_and_sinks():
   # One device (every step the diagonal): the cap, ALiBi and the sinks as attention applies
   # them, and their gradients (the 8-device cases above cover every family and layout).

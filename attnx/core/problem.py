@@ -281,8 +281,7 @@ def describe(q: Array, k: Array, v: Array, bias: Array | None, mask: Array | Non
              sc: scores_lib.Score, params: dict[str, Any], *, is_causal: bool,
              dropout_rate: float, broadcast_dropout: bool, return_weights: bool,
              has_structured_mask: bool = False, has_score_mod: bool = False,
-             has_score_mod_fn: bool = False, has_sinks: bool = False,
-             score_mod_kind: str | None = None) -> Problem:
+             has_sinks: bool = False, score_mod_kind: str | None = None) -> Problem:
   """The static description of a checked call (shapes and dtypes only: works on tracers)."""
   stream_dtype = stream_head_dim = None
   if sc.to_dot is not None:  # what the streaming kernels will see, without computing it
@@ -295,7 +294,7 @@ def describe(q: Array, k: Array, v: Array, bias: Array | None, mask: Array | Non
       value_head_dim=v.shape[-1], dtype=q.dtype.name, stream_dtype=stream_dtype,
       stream_head_dim=stream_head_dim, is_causal=bool(is_causal), has_mask=mask is not None,
       has_bias=bias is not None, has_structured_mask=has_structured_mask,
-      has_score_mod=has_score_mod, has_score_mod_fn=has_score_mod_fn, has_sinks=has_sinks,
+      has_score_mod=has_score_mod, has_sinks=has_sinks,
       score_mod_kind=score_mod_kind,
       dropout_rate=dropout_rate,
       broadcast_dropout=bool(broadcast_dropout), return_weights=bool(return_weights),
@@ -330,7 +329,6 @@ def plan(query: Array, key: Array, value: Array, bias: Array | None = None,
   sinks = check_sinks(sinks, w, q.shape[-2], q.dtype)
   problem = describe(q, k, v, bias, mask, w, sc, params, is_causal=is_causal,
                      has_structured_mask=structured is not None, has_score_mod=mod is not None,
-                     has_score_mod_fn=mod is not None and mod.fn is not None,
                      score_mod_kind=score_mods_lib.kind(mod),
                      has_sinks=sinks is not None,
                      dropout_rate=float(dropout_rate) if dropout else 0.0,

@@ -55,12 +55,10 @@ class Problem:
       length/window keywords, ``segment_ids``) is given.
     has_score_mod: whether a score modification (:mod:`attnx.core.score_mods`:
       ``logits_soft_cap``, ``score_mod``) is given.
-    has_score_mod_fn: whether that modification has a function (``score_mod``: ALiBi, a
-      relative table, a user's fn), not only a soft cap: kernels that apply a cap alone
-      (Pallas) tell them apart.
-    score_mod_kind: what that function is (:func:`attnx.core.score_mods.kind`): None (none,
-      or a soft cap alone), ``"alibi"`` (a ScoreMod declaring ALiBi's linear bias, which the
-      Pallas kernels run) or ``"fn"`` (any other function).
+    score_mod_kind: what that modification's function is
+      (:func:`attnx.core.score_mods.kind`): None (none, or a soft cap alone), ``"alibi"`` (a
+      ScoreMod declaring ALiBi's linear bias, which the Pallas kernels run) or ``"fn"`` (any
+      other function); :attr:`has_score_mod_fn` says whether there is one.
     has_sinks: whether attention sinks (``sinks``, one learned score per head) are given.
     dropout_rate: the dropout rate on the weights when dropout applies, else 0.0.
     broadcast_dropout: one dropout mask shared by the batch and head dims.
@@ -89,13 +87,18 @@ class Problem:
   has_bias: bool = False
   has_structured_mask: bool = False
   has_score_mod: bool = False
-  has_score_mod_fn: bool = False
   has_sinks: bool = False
   score_mod_kind: str | None = None
   dropout_rate: float = 0.0
   broadcast_dropout: bool = True
   return_weights: bool = False
   platform: str = "cpu"
+
+  @property
+  def has_score_mod_fn(self) -> bool:
+    """Whether the modification has a function (``score_mod``: ALiBi, a relative table, a
+    user's fn), not only a soft cap."""
+    return self.score_mod_kind is not None
 
   @property
   def pointwise(self) -> bool:

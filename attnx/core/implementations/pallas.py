@@ -62,7 +62,7 @@ def _modification_reason(problem: Problem) -> str | None:
   ALiBi and sinks (stick-breaking takes no sink: the call's checks refuse it first)."""
   if not (problem.has_score_mod or problem.has_sinks):
     return None
-  if problem.has_score_mod_fn and problem.score_mod_kind != "alibi":
+  if problem.score_mod_kind not in (None, "alibi"):
     return ("implementation='pallas' runs a logits_soft_cap and ALiBi (core.alibi), not "
             "another score_mod function (a relative-position table, a user's fn): the "
             "blocked and dense implementations do. Use implementation='blocked' (or None, "

@@ -86,12 +86,8 @@ def forward(cfg: KernelConfig, q, k, v, bias, mask, q_len, kv_len,
   """
   out_dtype = q.dtype if out_dtype is None else out_dtype
   kernels = triton if cfg.backend == "gpu" else mosaic
-  if cfg.alibi:
-    return kernels.forward(cfg, q, k, v, bias, mask, q_len, kv_len, out_dtype, smask, sinks,
-                           slopes)
-  if cfg.sinks:
-    return kernels.forward(cfg, q, k, v, bias, mask, q_len, kv_len, out_dtype, smask, sinks)
-  return kernels.forward(cfg, q, k, v, bias, mask, q_len, kv_len, out_dtype, smask)
+  return kernels.forward(cfg, q, k, v, bias, mask, q_len, kv_len, out_dtype, smask, sinks,
+                         slopes)
 
 
 def backward(cfg: KernelConfig, q, k, v, bias, mask, q_len, kv_len, do, rows,
@@ -103,10 +99,8 @@ def backward(cfg: KernelConfig, q, k, v, bias, mask, q_len, kv_len, do, rows,
   :func:`.common.grad_rows`.
   """
   kernels = triton if cfg.backend == "gpu" else mosaic
-  if cfg.alibi:
-    return kernels.backward(cfg, q, k, v, bias, mask, q_len, kv_len, do, rows, want_ds, smask,
-                            slopes)
-  return kernels.backward(cfg, q, k, v, bias, mask, q_len, kv_len, do, rows, want_ds, smask)
+  return kernels.backward(cfg, q, k, v, bias, mask, q_len, kv_len, do, rows, want_ds, smask,
+                          slopes)
 
 
 def row_forward(cfg: KernelConfig, q, k, v, rowc, bias, mask, q_len, kv_len, out_dtype=None,
@@ -117,13 +111,8 @@ def row_forward(cfg: KernelConfig, q, k, v, rowc, bias, mask, q_len, kv_len, out
   then count them)."""
   out_dtype = q.dtype if out_dtype is None else out_dtype
   kernels = triton_rows if cfg.backend == "gpu" else mosaic_rows
-  if cfg.sinks:
-    return kernels.forward(cfg, q, k, v, rowc, bias, mask, q_len, kv_len, out_dtype, smask,
-                           slopes, sinks=sinks)
-  if cfg.alibi:
-    return kernels.forward(cfg, q, k, v, rowc, bias, mask, q_len, kv_len, out_dtype, smask,
-                           slopes)
-  return kernels.forward(cfg, q, k, v, rowc, bias, mask, q_len, kv_len, out_dtype, smask)
+  return kernels.forward(cfg, q, k, v, rowc, bias, mask, q_len, kv_len, out_dtype, smask,
+                         slopes, sinks=sinks)
 
 
 def row_backward(cfg: KernelConfig, q, k, v, bias, mask, q_len, kv_len, do, rows, rowc,
@@ -132,11 +121,8 @@ def row_backward(cfg: KernelConfig, q, k, v, bias, mask, q_len, kv_len, do, rows
   weighting, and with ``cfg.alibi`` (``slopes`` [N]) d slopes [N] float32. ``rows``: the row
   statistics and δ (each [B, N, Tp] float32)."""
   kernels = triton_rows if cfg.backend == "gpu" else mosaic_rows
-  if cfg.alibi:
-    return kernels.backward(cfg, q, k, v, bias, mask, q_len, kv_len, do, rows, rowc, want_ds,
-                            smask, slopes)
   return kernels.backward(cfg, q, k, v, bias, mask, q_len, kv_len, do, rows, rowc, want_ds,
-                          smask)
+                          smask, slopes)
 
 
 # --------------------------------------------------------------------------------------------

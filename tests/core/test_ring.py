@@ -203,9 +203,9 @@ def test_large_run_draws_reach_every_weighting_and_length():
                                      for mod in ("none", "cap", "alibi", "table", "fn")}
   assert cov["family_sinks"] == set(steps.FAMILIES) - {"stick_breaking"}
   assert cov["learned_s_mod"] == {False, True}
-  # The draws on the Pallas steps have none (the ring's Pallas steps refuse them).
+  # The draws on the Pallas steps: caps and sinks, no score_mod function (refused there).
   pallas = ring_draws.coverage(ring_draws.large_sample(0, 80, pallas=True))
-  assert pallas["score_mod"] == {"none"} and pallas["sinks"] == {False}
+  assert pallas["score_mod"] == {"none", "cap"} and pallas["sinks"] == {False, True}
 
 
 _LARGE_FIRST = int(os.environ.get("ATTNX_RING_DIFF_FIRST", "0"))
@@ -339,6 +339,7 @@ def test_ring_of_one_equals_attention(weighting, layout):
   np.testing.assert_allclose(got, want, atol=2e-6)
 
 
+@pytest.mark.exhaustive  # CI: the case table's PASSES on 8 devices, against float64
 def test_kv_heads_in_passes_equal_one_pass():
   # Three passes of one kv head (two query heads each) against one pass of all three, with a
   # per-head bias: values and gradients. (Every family, broadcast biases and 8 devices: the
@@ -497,13 +498,12 @@ def test_entmax_family_refused_with_the_alternative(weighting):
      "stick-breaking leaves the stick"),
     (dict(weighting="relu:normalization=length", sinks=np.zeros(4, np.float32)),
      "divides by no sum of weights"),
-    # The ring's Pallas steps take neither: a ValueError naming the argument.
-    (dict(implementation=core.Pallas(interpret=True), sinks=np.zeros(4, np.float32)),
-     "Pallas steps do not take sinks yet; use the XLA steps"),
-    (dict(implementation=core.Pallas(interpret=True), logits_soft_cap=1.0),
-     "Pallas steps do not take logits_soft_cap yet"),
+    # The ring's Pallas steps take a cap and sinks, not a score_mod: a ValueError naming it.
     (dict(implementation="pallas", interpret=True, score_mod=core.alibi(np.ones(4, np.float32))),
      "Pallas steps do not take score_mod yet"),
+    (dict(implementation=core.Pallas(interpret=True), logits_soft_cap=1.0,
+          score_mod=lambda s, b, h, i, j, p: s),
+     "Pallas steps do not take score_mod yet .they run logits_soft_cap and sinks"),
 ])
 def test_bad_arguments_raise(kwargs, match):
   q, k, v = _qkv(n=4, kh=2)

@@ -269,7 +269,7 @@ def _with_mods(d: RingDraw, score_mod: str | None = None, sinks: bool | None = N
   of both with a cap), about 30% sinks where the weighting has a sum for them (not
   stick-breaking, not normalization "length" or "none"). Their parameters are replicated
   (diff.mod_params of the global lengths); the Pallas-step draws (:func:`large_sample`)
-  leave them off, as the ring's Pallas steps refuse them."""
+  keep the cap and the sinks only, as the ring's Pallas steps refuse a score_mod function."""
   rng = np.random.default_rng([20261126, d.seed, 2])
   if score_mod is None:
     score_mod = (str(rng.choice(ref_lib.SCORE_MODS[1:])) if rng.random() < 0.35 else "none")
@@ -285,8 +285,11 @@ def _with_mods(d: RingDraw, score_mod: str | None = None, sinks: bool | None = N
                                                          sinks=bool(sinks)))
 
 
-def _without_mods(d: RingDraw) -> RingDraw:
-  return dataclasses.replace(d, case=dataclasses.replace(d.case, score_mod="none", sinks=False))
+def _on_pallas_steps(d: RingDraw) -> RingDraw:
+  """The draw as the ring's Pallas steps run it: its soft cap and sinks kept, a score_mod
+  function (ALiBi, a table, the fn) left out (the Pallas steps refuse it)."""
+  mod = d.case.score_mod if d.case.score_mod in ("none", "cap") else "none"
+  return dataclasses.replace(d, case=dataclasses.replace(d.case, score_mod=mod), pallas=True)
 
 
 # The CI sample: every family × layout × causal once (16 draws), the rest of each draw random;
@@ -347,7 +350,5 @@ def large_sample(first: int, count: int, kind: str | None = None,
   """Draws ``first`` … ``first + count − 1``: "large" ones on the blocked kernel, or with
   ``pallas`` "ci"-sized ones (Pallas' interpreter is slow) on the Pallas kernels."""
   if pallas:
-    # No score modification nor sinks: the ring's Pallas steps refuse them.
-    return [dataclasses.replace(_without_mods(draw(seed, "ci", kind=kind)), pallas=True)
-            for seed in range(first, first + count)]
+    return [_on_pallas_steps(draw(seed, "ci", kind=kind)) for seed in range(first, first + count)]
   return [draw(seed, "large", kind=kind) for seed in range(first, first + count)]

@@ -196,9 +196,12 @@ class Pallas(Implementation):
     return None if why is None else f"ring_attention(implementation='pallas'): {why}."
 
   def ring_declines(self, ring: RingProblem) -> str | None:
-    # Where attention's automatic choice would take Pallas: a GPU/TPU, a verified combination.
+    # Where attention's automatic choice would take Pallas: a GPU/TPU, a verified combination
+    # (verify_pallas covers no score modification or sinks, as for attention's choice).
     if ring.modifications:
-      return _ring_modifications(ring)
+      return (f"the automatic choice's self-check of the Pallas kernels covers no "
+              f"{', '.join(ring.modifications)}; implementation='pallas' runs a "
+              f"logits_soft_cap and sinks on request")
     if ring.typed_vma:
       return "the inputs are typed by shard_map(check_vma=True)"
     return pallas_block.supported(ring.weighting, "gpu") or pallas_lib.decline_reason(
@@ -212,8 +215,10 @@ class Pallas(Implementation):
 
 def _ring_modifications(ring: RingProblem) -> str | None:
   """Why the ring's Pallas steps (:mod:`attnx.core.kernels.pallas.block`) cannot run ``ring``'s
-  score modifications and sinks, or None without any."""
-  if not ring.modifications:
+  score modifications, or None: they run a soft cap (in the kernels) and sinks (folded in by
+  the ring, outside the steps), not a ``score_mod`` function, which needs global positions
+  the kernels' tiles do not have."""
+  if "score_mod" not in ring.modifications:
     return None
-  return (f"the ring's Pallas steps do not take {', '.join(ring.modifications)} yet; use the "
-          f"XLA steps (implementation='blocked', or None, which picks them)")
+  return ("the ring's Pallas steps do not take score_mod yet (they run logits_soft_cap and "
+          "sinks); use the XLA steps (implementation='blocked', or None, which picks them)")

@@ -63,7 +63,9 @@ every step's kernel, per tile, with the global positions of the local rows and o
 keys and the global query head (:class:`~attnx.core.parallel.steps.StepMod`); attention sinks
 are folded once into each device's first row state (:func:`~attnx.core.parallel.steps.
 sink_state`) and their gradient comes from the saved row statistics
-(:func:`~attnx.core.parallel.steps.sink_grads`). Both run on the XLA steps only.
+(:func:`~attnx.core.parallel.steps.sink_grads`). The XLA steps run all of them; the Pallas
+steps a soft cap (in their kernels) and sinks (the ring's, outside the steps), not a
+``score_mod`` function (their kernels' positions are the block's).
 
 Sparsemax and α-entmax cannot run here: their threshold τ_i needs every key of the row before
 the first weight (several passes over all keys; each would be a ring of its own).
@@ -629,9 +631,9 @@ def ring_attention(q: Array, k: Array, v: Array, bias: Array | None = None,
       into each device's first row state; SSMax counts it in n_i), with a gradient. For the
       weightings that divide by a sum (pointwise F with ``normalization="sum"``, SSMax,
       softpick); a ValueError for the others (stick-breaking, ``"length"``, ``"none"``).
-      The score modifications and sinks run on the XLA steps only: an explicit
-      ``implementation="pallas"`` raises a ValueError naming them, and the automatic choice
-      takes the XLA steps.
+      The Pallas steps run ``logits_soft_cap`` and sinks, not a ``score_mod`` (an explicit
+      ``implementation="pallas"`` raises a ValueError naming it); with any of them the
+      automatic choice takes the XLA steps (Pallas' self-check does not cover them).
 
   Returns:
     The local output ``[batch..., T/P, N, Hv]`` in q's dtype: the rows of the global attention
@@ -642,8 +644,8 @@ def ring_attention(q: Array, k: Array, v: Array, bias: Array | None = None,
       layout, shapes that do not split (causal needs equal local T and S, zigzag even ones;
       tiles divide the local lengths, which must not leave tiles of a few rows), a bias/mask
       sharded otherwise than documented, a weighting that cannot stream (sparsemax, entmax:
-      the message names the alternatives), a score modification or sinks with the Pallas
-      steps, or the checks of :func:`attnx.core.attention` (among them a cap ≤ 0, sinks not
+      the message names the alternatives), a ``score_mod`` with the Pallas steps, or the
+      checks of :func:`attnx.core.attention` (among them a cap ≤ 0, sinks not
       of shape [N], sinks for a weighting without a sum: stick-breaking, ``"length"``,
       ``"none"``).
 

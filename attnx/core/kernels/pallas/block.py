@@ -83,21 +83,21 @@ class PallasBlockKernel:
   backend: str
   interpret: bool = False
 
-  def state(self, *args: Any) -> Any:
+  def state(self, *args: Any, mod: Any = None) -> Any:
     """:func:`raw_block_state` (pointwise F)."""
-    return raw_block_state(*args, backend=self.backend, interpret=self.interpret)
+    return raw_block_state(*args, backend=self.backend, interpret=self.interpret, mod=mod)
 
-  def row_state(self, *args: Any) -> Any:
+  def row_state(self, *args: Any, mod: Any = None) -> Any:
     """:func:`raw_row_block_state` (whole-row families)."""
-    return raw_row_block_state(*args, backend=self.backend, interpret=self.interpret)
+    return raw_row_block_state(*args, backend=self.backend, interpret=self.interpret, mod=mod)
 
-  def grads(self, *args: Any) -> Any:
+  def grads(self, *args: Any, mod: Any = None) -> Any:
     """:func:`block_grads` (pointwise F)."""
-    return block_grads(*args, backend=self.backend, interpret=self.interpret)
+    return block_grads(*args, backend=self.backend, interpret=self.interpret, mod=mod)
 
-  def row_grads(self, *args: Any) -> Any:
+  def row_grads(self, *args: Any, mod: Any = None) -> Any:
     """:func:`row_block_grads` (whole-row families)."""
-    return row_block_grads(*args, backend=self.backend, interpret=self.interpret)
+    return row_block_grads(*args, backend=self.backend, interpret=self.interpret, mod=mod)
 
 
 def supported(weighting: Any, backend: str) -> str | None:
@@ -195,9 +195,12 @@ def _heads4(x: Array | None, kv_heads: int, g: int) -> Array | None:
 
 
 def _block(q, k, v, bias, mask, scale, cfg: tl.TileConfig, w: Any, backend: str, interpret: bool,
-           block_q: int | None, block_k: int | None) -> _Block:
+           block_q: int | None, block_k: int | None, mod: Any = None) -> _Block:
   """The Pallas problem of one ring block (its tiles, F's key count, causality from ``cfg``);
-  ``w`` the weighting the kernels run (the cfg's, maybe without its offset or ε)."""
+  ``w`` the weighting the kernels run (the cfg's, maybe without its offset or ε); ``mod`` the
+  block's :class:`~attnx.core.score_mods.ScoreMod` or None: a soft cap, which reads no
+  position (a ``score_mod`` function is refused: the kernels' positions are the block's)."""
+  cap = _step_cap(mod)
   b, kv_heads, g = cfg.head_dims
   _, _, t, h = q.shape
   s, hv = k.shape[1], v.shape[-1]
@@ -213,8 +216,27 @@ def _block(q, k, v, bias, mask, scale, cfg: tl.TileConfig, w: Any, backend: str,
       _heads4(mask, kv_heads, g), weighting=w, scale=jnp.asarray(scale, F32), backend=be,
       interpret=interpret, blocks=blocks, launch=launch, is_causal=cfg.is_causal,
       q_bound=False, kv_bound=False, num_keys=cfg.num_keys)
+  if cap is not None:  # the plain kernels' tiles otherwise, op for op
+    kcfg = dataclasses.replace(kcfg, cap=cap)
   return _Block(kcfg, qp, kp, vp, bp, mp, jnp.full((b,), t, jnp.int32),
                 jnp.full((b,), s, jnp.int32), b, kv_heads, t, s, hv)
+
+
+def _step_cap(mod: Any) -> float | None:
+  """The soft cap of a ring step's modification (None without one); ValueError for a
+  ``score_mod`` function, which the Pallas steps do not run (the ring refuses it first)."""
+  if mod is None:
+    return None
+  if mod.fn is not None:
+    raise ValueError("the Pallas ring step runs a logits_soft_cap, not a score_mod function "
+                     "(its positions would be the block's); use the XLA steps.")
+  return mod.cap
+
+
+def _mod_grad(mod: Any) -> tuple:
+  """What the gradients end with for a step's modification (the XLA steps' contract): its
+  cotangent, a soft cap's being the ScoreMod itself (no parameters); nothing without one."""
+  return () if mod is None else (mod,)
 
 
 def _scaled_grads(dq, dk, dv, ds, q, bias, scale, blk: _Block):
@@ -250,7 +272,7 @@ def _no_offset(w: Pointwise) -> Pointwise:
 def raw_block_state(q: Array, k: Array, v: Array, bias: Array | None, mask: Array | None,
                     scale: Array, cfg: tl.TileConfig, *, backend: str, interpret: bool = False,
                     block_q: int | None = None,
-                    block_k: int | None = None) -> tuple[Array, Array]:
+                    block_k: int | None = None, mod: Any = None) -> tuple[Array, Array]:
   """:func:`attnx.core.kernels.xla.pointwise.raw_block_state` on the Pallas forward: the raw state
   (acc, st) of every query row over this block's keys for a pointwise F, in the XLA layout and units
   (merges with XLA states by :func:`attnx.core.streaming.pointwise_merge`)."""
@@ -260,7 +282,7 @@ def raw_block_state(q: Array, k: Array, v: Array, bias: Array | None, mask: Arra
   if t == 0 or s == 0:
     return streaming.pointwise_empty(w, (x, g, t), hv, F32)
   blk = _block(q, k, v, bias, mask, scale, cfg, _no_offset(w), backend, interpret, block_q,
-               block_k)
+               block_k, mod)
   o, stat = wrapper.forward(blk.cfg, blk.q, blk.k, blk.v, blk.bias, blk.mask, blk.q_len,
                             blk.kv_len, out_dtype=F32)
   o, stat = _xgtd(o, blk, hv), _xgt(stat, blk)
@@ -283,15 +305,15 @@ def raw_block_state(q: Array, k: Array, v: Array, bias: Array | None, mask: Arra
 def block_grads(q: Array, k: Array, v: Array, bias: Array | None, mask: Array | None,
                 scale: Array, out: Array, stat: Array, do: Array, cfg: tl.TileConfig, *,
                 backend: str, interpret: bool = False, block_q: int | None = None,
-                block_k: int | None = None):
+                block_k: int | None = None, mod: Any = None):
   """:func:`attnx.core.kernels.xla.pointwise.block_grads` on the Pallas backward: (dq, dk, dv,
   dbias, dscale) float32 of this block's scores given the rows' final output ``out`` and statistic
   ``stat`` (:func:`attnx.core.streaming.pointwise_finalize` of the merged state)."""
   w = cfg.w
   if q.shape[2] == 0 or k.shape[1] == 0:
-    return _empty_grads(q, k, v, bias)
+    return _empty_grads(q, k, v, bias) + _mod_grad(mod)
   blk = _block(q, k, v, bias, mask, scale, cfg, _no_offset(w), backend, interpret, block_q,
-               block_k)
+               block_k, mod)
   if w.online_max:  # the kernels' statistic is a log2-sum-exp
     stat = stat * (1.0 / LN2)
   hvp = blk.v.shape[-1]
@@ -302,7 +324,7 @@ def block_grads(q: Array, k: Array, v: Array, bias: Array | None, mask: Array | 
   dq, dk, dv, ds = wrapper.backward(blk.cfg, blk.q, blk.k, blk.v, blk.bias, blk.mask,
                                     blk.q_len, blk.kv_len, do_k.astype(blk.q.dtype), rows,
                                     want_ds=bias is not None)
-  return _scaled_grads(dq, dk, dv, ds, q, bias, scale, blk)
+  return _scaled_grads(dq, dk, dv, ds, q, bias, scale, blk) + _mod_grad(mod)
 
 
 # --------------------------------------------------------------------------------------------
@@ -330,7 +352,7 @@ def _row_forward(blk: _Block, row_scales: Array | None) -> tuple[Array, Array]:
 def raw_row_block_state(q: Array, k: Array, v: Array, bias: Array | None, mask: Array | None,
                         row_scales: Array | None, scale: Array, cfg: tl.TileConfig, *, backend: str,
                         interpret: bool = False, block_q: int | None = None,
-                        block_k: int | None = None) -> Any:
+                        block_k: int | None = None, mod: Any = None) -> Any:
   """:func:`attnx.core.kernels.xla.rows.raw_block_state` on the Pallas forward: the streaming state
   (``MaxState`` of SSMax and softpick, ``StickState`` of stick-breaking) of every query row
   over this block's keys, leaves [X, G, t, ...] (merges with XLA states by
@@ -342,7 +364,7 @@ def raw_row_block_state(q: Array, k: Array, v: Array, bias: Array | None, mask: 
   kw = _row_weighting(w)
   if t == 0 or s == 0:
     return streaming.init(rs, (x, g, t), hv)
-  blk = _block(q, k, v, bias, mask, scale, cfg, kw, backend, interpret, block_q, block_k)
+  blk = _block(q, k, v, bias, mask, scale, cfg, kw, backend, interpret, block_q, block_k, mod)
   o, lse = _row_forward(blk, row_scales)
   if rs.output_is_state:  # stick-breaking's (Σ A·v, L)
     return streaming.StickState(o, lse)
@@ -361,7 +383,7 @@ def row_block_grads(q: Array, k: Array, v: Array, bias: Array | None, mask: Arra
                     row_scales: Array | None, scale: Array, out: Array,
                     stats: tuple[Array, ...], do: Array, carry0: tuple[Array, Array],
                     cfg: tl.TileConfig, *, backend: str, interpret: bool = False,
-                    block_q: int | None = None, block_k: int | None = None):
+                    block_q: int | None = None, block_k: int | None = None, mod: Any = None):
   """:func:`attnx.core.kernels.xla.rows.block_grads` on the Pallas backward: (dq, dk, dv, dbias,
   (carry_a, carry_b), dscale) of this block's scores from the rows' final output and
   statistics; ``carry0`` the grad carries after the blocks visited before (SSMax: dc so far;
@@ -370,8 +392,8 @@ def row_block_grads(q: Array, k: Array, v: Array, bias: Array | None, mask: Arra
   rs = w.stream
   kw = _row_weighting(w)
   if q.shape[2] == 0 or k.shape[1] == 0:
-    return (*_empty_grads(q, k, v, bias)[:4], carry0, jnp.zeros((), F32))
-  blk = _block(q, k, v, bias, mask, scale, cfg, kw, backend, interpret, block_q, block_k)
+    return (*_empty_grads(q, k, v, bias)[:4], carry0, jnp.zeros((), F32)) + _mod_grad(mod)
+  blk = _block(q, k, v, bias, mask, scale, cfg, kw, backend, interpret, block_q, block_k, mod)
   do32 = do.astype(F32)
   delta = jnp.sum(do32 * out.astype(F32), axis=-1)
   carry_a, carry_b = carry0
@@ -393,4 +415,4 @@ def row_block_grads(q: Array, k: Array, v: Array, bias: Array | None, mask: Arra
   if rs.needs_row_scale:  # SSMax: dc, the cotangent of the row scale
     carries = (carry_a + _xgt(dc, blk), carry_b)
   dq, dk, dv, dbias, dscale = _scaled_grads(dq, dk, dv, ds, q, bias, scale, blk)
-  return dq, dk, dv, dbias, carries, dscale
+  return (dq, dk, dv, dbias, carries, dscale) + _mod_grad(mod)

@@ -491,10 +491,10 @@ def test_bad_input_is_a_clear_error():
     masks.seq_lengths()
 
 
-# Zigzag in CI; contiguous with -m exhaustive (test_ring's 8-device cases run structured masks
-# in both layouts).
-@pytest.mark.parametrize("layout", [pytest.param("contiguous", marks=pytest.mark.exhaustive),
-                                    "zigzag"])
+# Both layouts with -m exhaustive: in CI test_ring's 8-device cases run structured masks
+# (documents, a mask_mod in passes over the heads) in both layouts against float64.
+@pytest.mark.exhaustive
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
 def test_ring_of_one_takes_a_structured_mask(layout):
   """ring_attention reads a mask object at the global positions (the 8-device check is
   tests/support/ring_cases.py's structured cases); here a ring of one equals attention."""

@@ -370,16 +370,17 @@ def test_ablations_preset_keeps_parameters_with_their_variant():
 @pytest.mark.slow
 def test_sequence_parallel_preset_trains_the_unsharded_losses(tmp_path):
   # The GPT with every training sequence cut over 8 fake CPU devices (zigzag ring attention)
-  # against the same run on one device: the logged train and validation losses agree. Two of
-  # the preset's weightings beside the reference softmax, those whose F reads a global count
-  # (sigmoid's b = −log n, SSMax's n_i): tests/core/test_ring.py checks every family's ring.
+  # against the same run on one device: the logged train and validation losses agree. One of
+  # the preset's weightings beside the reference softmax, one whose F reads a global count
+  # (SSMax's n_i): tests/core/test_ring.py checks every family's ring, sigmoid's global
+  # b = −log n among them (test_sigmoid_uses_the_global_length).
   import subprocess  # noqa: PLC0415
 
   from support.scripts import cpu_env, metric_records  # noqa: PLC0415
 
   env = cpu_env(ATTNX_DATA_DIR=str(tmp_path / "data"))
   preset = "--config=experiments/language_model.py:sequence_parallel"
-  two = "--config.weightings=softmax,sigmoid:normalization=none,ssmax"
+  two = "--config.weightings=softmax,ssmax"
   runs = {"sharded": [two], "whole": [two, "--config.sequence_parallel=1",
                                       "--config.parallel=none", "--config.num_cpu_devices=0"]}
   for name, extra in runs.items():
@@ -388,7 +389,7 @@ def test_sequence_parallel_preset_trains_the_unsharded_losses(tmp_path):
                           env=env, cwd=ROOT, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
   sharded, whole = metric_records(tmp_path / "sharded"), metric_records(tmp_path / "whole")
-  assert sharded.keys() == whole.keys() and len(sharded) >= 3 * 4
+  assert sharded.keys() == whole.keys() and len(sharded) >= 2 * 4
   for key, rec in whole.items():
     for metric in ("loss", "eval_loss"):
       if metric in rec:

@@ -238,16 +238,28 @@ def test_pallas_refuses_score_mod_functions_and_row_families_and_the_choice_runs
   alibi = core.alibi(slopes)
   table = core.relative_table(jnp.zeros((N, 3)))
   undeclared = dataclasses.replace(alibi, linear_bias=None)  # ALiBi's fn, no declaration
-  for mod in (table, undeclared):
+  for mod in (dataclasses.replace(table, relative=False), undeclared):
     with pytest.raises(ValueError, match="not another score_mod function"):
       core.attention(q, k, v, score_mod=mod, implementation=core.Pallas(interpret=True))
   with pytest.raises(ValueError, match="not another score_mod function"):
     core.attention(q, k, v, logits_soft_cap=5.0, score_mod=lambda s, *_: s,
                    implementation=core.Pallas(interpret=True))
-  ex = core.explain(q, k, v, score_mod=table)
+  ex = core.explain(q, k, v, score_mod=lambda s, *_: s)
   assert ex.chosen == "blocked" and "not another score_mod function" in ex.reasons["pallas"]
   assert ex.problem.has_score_mod and ex.problem.has_score_mod_fn
   assert ex.problem.score_mod_kind == "fn"
+  # A relative table: the kernels of the backends in RELATIVE_BACKENDS run it, the others
+  # refuse it (the TPU's for now).
+  ex = core.explain(q, k, v, score_mod=table)
+  assert ex.problem.score_mod_kind == "relative" and ex.chosen == "blocked"
+  runs = pallas_lib.tiles.RELATIVE_BACKENDS
+  assert (ex.reasons["pallas"] is None) == bool(runs)  # a CPU host: either kind may lower it
+  for backend in ("gpu", "tpu"):
+    if backend not in runs:  # (those that run it are compared in float64 below)
+      with pytest.raises(ValueError, match="relative-position table .* not on the"):
+        pallas_lib.pallas_attention(q[:, :8], k[:, :8], v[:, :8],
+                                    weighting=core.get_weighting("softmax"), scale=1.0,
+                                    score_mod=table, backend=backend, interpret=True)
   # ALiBi: supported, and the automatic choice still passes over Pallas (on a GPU too).
   ex = core.explain(q, k, v, score_mod=alibi)
   assert ex.problem.score_mod_kind == "alibi" and ex.reasons["pallas"] is None
@@ -590,21 +602,30 @@ def test_pallas_alibi_a_masked_nan_key_touches_nothing(backend):
 
 
 def test_a_score_mod_declares_alibi_by_a_static_field():
-  """core.alibi declares its linear bias on the ScoreMod (static: jit retraces on a change, the
-  slopes are the only leaf), make() and dataclasses.replace keep it, and a wrong one is
-  refused."""
+  """core.alibi declares its linear bias on the ScoreMod, core.relative_table its table
+  (static: jit retraces on a change, the slopes / the table are the only leaf), make() and
+  dataclasses.replace keep them, and a wrong one is refused."""
   mod = core.alibi(core.alibi_slopes(N), symmetric=True)
   assert mod.linear_bias == "symmetric" and core.alibi(jnp.ones(N)).linear_bias == "causal"
   assert len(jax.tree.leaves(mod)) == 1
   assert jax.tree.map(lambda x: x, mod).linear_bias == "symmetric"
   assert core.score_mods.make(3.0, mod).linear_bias == "symmetric"
   assert core.score_mods.kind(mod) == "alibi"
-  assert core.score_mods.kind(core.relative_table(jnp.zeros((N, 3)))) == "fn"
+  table = core.relative_table(jnp.zeros((N, 3)))
+  assert table.relative and not mod.relative and len(jax.tree.leaves(table)) == 1
+  assert jax.tree.map(lambda x: x, table).relative
+  assert core.score_mods.make(3.0, table).relative
+  assert core.score_mods.kind(table) == "relative"
+  assert core.score_mods.kind(dataclasses.replace(table, relative=False)) == "fn"
   assert core.score_mods.kind(core.soft_cap(2.0)) is None
   with pytest.raises(ValueError, match="linear_bias"):
     core.ScoreMod(fn=lambda s, *_: s, linear_bias="both")
   with pytest.raises(ValueError, match="give fn too"):
     core.ScoreMod(linear_bias="causal")
+  with pytest.raises(ValueError, match="give fn too"):
+    core.ScoreMod(relative=True)
+  with pytest.raises(ValueError, match="one fn"):
+    dataclasses.replace(table, linear_bias="causal")
 
 
 # --------------------------------------------------------------------------------------------

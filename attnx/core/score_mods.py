@@ -54,12 +54,17 @@ class ScoreMod:
       s − m_h·(i − j) or s − m_h·abs(i − j) with ``params`` the slopes m ``[N]``
       (:func:`alibi` sets it), None otherwise: a declaration that kernels which do not call
       ``fn`` (the Pallas kernels) read instead of it, so they never compare functions.
+    relative: True when ``fn`` is a relative-position table's bias
+      s + table[h, clip(i − j, −(L − 1)/2, (L − 1)/2) + (L − 1)/2] with ``params`` the table
+      ``[N, L]`` (:func:`relative_table` sets it): a declaration like ``linear_bias``, read by
+      the Pallas kernels instead of ``fn``.
   """
 
   cap: float | None = None
   fn: Callable[..., Array] | None = None
   params: Any = None
   linear_bias: str | None = None
+  relative: bool = False
 
   def __post_init__(self):
     if self.linear_bias not in (None, "causal", "symmetric"):
@@ -67,6 +72,14 @@ class ScoreMod:
                        f"{self.linear_bias!r}.")
     if self.linear_bias is not None and self.fn is None:
       raise ValueError("ScoreMod.linear_bias declares fn to be ALiBi's bias: give fn too.")
+    if not isinstance(self.relative, bool):
+      raise ValueError(f"ScoreMod.relative must be True or False, got {self.relative!r}.")
+    if self.relative and self.fn is None:
+      raise ValueError("ScoreMod.relative declares fn to be a relative-position table's bias: "
+                       "give fn too.")
+    if self.relative and self.linear_bias is not None:
+      raise ValueError("ScoreMod.relative and ScoreMod.linear_bias declare two different "
+                       "functions (a relative table, ALiBi); a ScoreMod has one fn.")
 
   def capped(self, z: Array) -> Array:
     """The soft cap on raw scores ``z`` (``z`` itself without one)."""
@@ -98,7 +111,7 @@ class ScoreMod:
 
 
 jax.tree_util.register_dataclass(ScoreMod, data_fields=["params"],
-                                 meta_fields=["cap", "fn", "linear_bias"])
+                                 meta_fields=["cap", "fn", "linear_bias", "relative"])
 
 
 def _check_cap(cap: Any) -> float:
@@ -171,23 +184,27 @@ def relative_table(table: Array) -> ScoreMod:
   """A learned relative-position bias: s_ij + table[h, i − j + (L − 1)/2] with ``table``
   ``[N, L]`` (L odd: distances −(L − 1)/2 … (L − 1)/2; farther ones read the ends; L = 2T − 1
   covers every pair), FlexAttention's relative-bias example. Its gradient flows to
-  ``table``."""
+  ``table``. The result declares itself (:attr:`ScoreMod.relative`), so the Pallas kernels
+  run it without calling ``fn``."""
   table = jnp.asarray(table)
   if table.ndim != 2 or table.shape[1] % 2 == 0 or not jnp.issubdtype(table.dtype,
                                                                        jnp.floating):
     raise ValueError(f"relative_table: table must be a float array [N, L] with L odd "
                      f"(distances −(L−1)/2 … (L−1)/2), got shape {table.shape} and dtype "
                      f"{table.dtype}.")
-  return ScoreMod(fn=_relative, params=table)
+  return ScoreMod(fn=_relative, params=table, relative=True)
 
 
 def kind(mod: ScoreMod | None) -> str | None:
   """What a modification's function is, for implementations that run some kinds only: None
   (no modification, or a soft cap alone), ``"alibi"`` (a :attr:`ScoreMod.linear_bias`, ALiBi's
-  slopes as ``params``) or ``"fn"`` (any other function: a relative table, a user's)."""
+  slopes as ``params``), ``"relative"`` (a :attr:`ScoreMod.relative` table, the table as
+  ``params``) or ``"fn"`` (any other function: a user's)."""
   if mod is None or mod.fn is None:
     return None
-  return "alibi" if mod.linear_bias is not None else "fn"
+  if mod.linear_bias is not None:
+    return "alibi"
+  return "relative" if mod.relative else "fn"
 
 
 def make(logits_soft_cap: Any = None, score_mod: Any = None,

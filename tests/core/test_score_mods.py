@@ -17,9 +17,9 @@ from attnx.core.kernels import pallas as pallas_lib
 
 B, T, S, N, K, H = 2, 40, 52, 4, 2, 8
 IMPLS = ["dense", core.Blocked(block_q=16, block_k=16)]
-# The Pallas kernels run a soft cap, ALiBi and sinks, for a pointwise F (Triton's kernels in
-# the interpreter here, both lowerings in test_pallas_alibi_*; the differential net's cases
-# 121-131).
+# The Pallas kernels run a soft cap, ALiBi and sinks (and on the GPU's a relative table), for a
+# pointwise F (Triton's kernels in the interpreter here, both lowerings in test_pallas_alibi_*;
+# the differential net's cases 121-131, 143-144).
 PALLAS = core.Pallas(block_q=16, block_k=16, interpret=True)
 WITH_PALLAS = [*IMPLS, PALLAS]
 
@@ -228,8 +228,9 @@ def test_bad_score_mod_arguments_are_refused():
 
 
 def test_pallas_refuses_score_mod_functions_and_row_families_and_the_choice_runs_blocked():
-  """Pallas runs a cap and ALiBi with a pointwise or a whole-row F; any
-  other score_mod function (a table, a user's — even one that computes ALiBi without
+  """Pallas runs a cap and ALiBi with a pointwise or a whole-row F, and a relative table on
+  the backends of RELATIVE_BACKENDS (the GPU's; the TPU's refuse it with the reason); any
+  other score_mod function (a user's — even one that computes ALiBi or a table without
   declaring it) is refused with the reason (a whole-row family takes the cap and ALiBi), and the
   automatic choice runs the blocked kernel (on a CPU it never takes Pallas; explain says why
   for each)."""
@@ -238,16 +239,28 @@ def test_pallas_refuses_score_mod_functions_and_row_families_and_the_choice_runs
   alibi = core.alibi(slopes)
   table = core.relative_table(jnp.zeros((N, 3)))
   undeclared = dataclasses.replace(alibi, linear_bias=None)  # ALiBi's fn, no declaration
-  for mod in (table, undeclared):
+  for mod in (dataclasses.replace(table, relative=False), undeclared):
     with pytest.raises(ValueError, match="not another score_mod function"):
       core.attention(q, k, v, score_mod=mod, implementation=core.Pallas(interpret=True))
   with pytest.raises(ValueError, match="not another score_mod function"):
     core.attention(q, k, v, logits_soft_cap=5.0, score_mod=lambda s, *_: s,
                    implementation=core.Pallas(interpret=True))
-  ex = core.explain(q, k, v, score_mod=table)
+  ex = core.explain(q, k, v, score_mod=lambda s, *_: s)
   assert ex.chosen == "blocked" and "not another score_mod function" in ex.reasons["pallas"]
   assert ex.problem.has_score_mod and ex.problem.has_score_mod_fn
   assert ex.problem.score_mod_kind == "fn"
+  # A relative table: the kernels of the backends in RELATIVE_BACKENDS run it, the others
+  # refuse it (the TPU's for now).
+  ex = core.explain(q, k, v, score_mod=table)
+  assert ex.problem.score_mod_kind == "relative" and ex.chosen == "blocked"
+  runs = pallas_lib.tiles.RELATIVE_BACKENDS
+  assert (ex.reasons["pallas"] is None) == bool(runs)  # a CPU host: either kind may lower it
+  for backend in ("gpu", "tpu"):
+    if backend not in runs:  # (those that run it are compared in float64 below)
+      with pytest.raises(ValueError, match="relative-position table .* not on the"):
+        pallas_lib.pallas_attention(q[:, :8], k[:, :8], v[:, :8],
+                                    weighting=core.get_weighting("softmax"), scale=1.0,
+                                    score_mod=table, backend=backend, interpret=True)
   # ALiBi: supported, and the automatic choice still passes over Pallas (on a GPU too).
   ex = core.explain(q, k, v, score_mod=alibi)
   assert ex.problem.score_mod_kind == "alibi" and ex.reasons["pallas"] is None
@@ -590,21 +603,30 @@ def test_pallas_alibi_a_masked_nan_key_touches_nothing(backend):
 
 
 def test_a_score_mod_declares_alibi_by_a_static_field():
-  """core.alibi declares its linear bias on the ScoreMod (static: jit retraces on a change, the
-  slopes are the only leaf), make() and dataclasses.replace keep it, and a wrong one is
-  refused."""
+  """core.alibi declares its linear bias on the ScoreMod, core.relative_table its table
+  (static: jit retraces on a change, the slopes / the table are the only leaf), make() and
+  dataclasses.replace keep them, and a wrong one is refused."""
   mod = core.alibi(core.alibi_slopes(N), symmetric=True)
   assert mod.linear_bias == "symmetric" and core.alibi(jnp.ones(N)).linear_bias == "causal"
   assert len(jax.tree.leaves(mod)) == 1
   assert jax.tree.map(lambda x: x, mod).linear_bias == "symmetric"
   assert core.score_mods.make(3.0, mod).linear_bias == "symmetric"
   assert core.score_mods.kind(mod) == "alibi"
-  assert core.score_mods.kind(core.relative_table(jnp.zeros((N, 3)))) == "fn"
+  table = core.relative_table(jnp.zeros((N, 3)))
+  assert table.relative and not mod.relative and len(jax.tree.leaves(table)) == 1
+  assert jax.tree.map(lambda x: x, table).relative
+  assert core.score_mods.make(3.0, table).relative
+  assert core.score_mods.kind(table) == "relative"
+  assert core.score_mods.kind(dataclasses.replace(table, relative=False)) == "fn"
   assert core.score_mods.kind(core.soft_cap(2.0)) is None
   with pytest.raises(ValueError, match="linear_bias"):
     core.ScoreMod(fn=lambda s, *_: s, linear_bias="both")
   with pytest.raises(ValueError, match="give fn too"):
     core.ScoreMod(linear_bias="causal")
+  with pytest.raises(ValueError, match="give fn too"):
+    core.ScoreMod(relative=True)
+  with pytest.raises(ValueError, match="one fn"):
+    dataclasses.replace(table, linear_bias="causal")
 
 
 # --------------------------------------------------------------------------------------------
@@ -830,3 +852,100 @@ def test_pallas_whole_row_alibi_equals_float64_dense(backend, weighting, causal,
       q_lengths=jnp.array([_PT - 3, _PT], jnp.int32) if causal else None,
       kv_lengths=jnp.array([_PS, _PS - 6], jnp.int32))
   _against_float64(pallas, dense, (q, k, v, slopes), atol=3e-6, grad_tol=3e-5)
+
+
+# --------------------------------------------------------------------------------------------
+# A relative-position table in the Pallas kernels (the GPU's Triton lowering, interpreted):
+# the wrapper's extended table (common.relative_ext) read per tile, d ext from the dQ kernels.
+# --------------------------------------------------------------------------------------------
+
+# L = 7 clips (distances up to ±26 read the ends, whose gradient sums the pad columns'); 53 =
+# 2·max(T, S) − 1 covers every pair (no pad).
+_CLIPPED, _FULL = 7, 2 * max(_PT, _PS) - 1
+
+
+def _pallas_relative(weighting, causal, *, cap=None, sinks=None, q_lengths=None,
+                     kv_lengths=None):
+  """fn(q, k, v, table) of the Triton kernels (interpreted) and of the dense implementation,
+  with a relative table, an optional cap, sinks and lengths."""
+  w = core.get_weighting(weighting)
+
+  def pallas(q, k, v, table):
+    mod = core.score_mods.make(cap, core.relative_table(table))
+    return pallas_lib.pallas_attention(
+        q, k, v, weighting=w, scale=1 / math.sqrt(H), is_causal=causal, q_lengths=q_lengths,
+        kv_lengths=kv_lengths, block_q=16, block_k=16, backend="gpu", interpret=True,
+        score_mod=mod, sinks=sinks)
+
+  def dense(q, k, v, table):
+    return core.attention(
+        q, k, v, weighting=weighting, is_causal=causal, logits_soft_cap=cap,
+        score_mod=core.relative_table(table),
+        sinks=None if sinks is None else jnp.asarray(sinks, q.dtype),
+        query_seq_lengths=q_lengths, key_value_seq_lengths=kv_lengths,
+        implementation="dense")
+
+  return pallas, dense
+
+
+def _table(seed, length):
+  return 0.7 * jax.random.normal(jax.random.key(seed), (N, length), jnp.float32)
+
+
+# (F, causal, table length, cap, sinks): pointwise F (online max, "sum", "none") and every
+# whole-row family, each table length, cap and sinks in some.
+_REL_CASES = [("softmax", True, _CLIPPED, 2.0, False), ("sigmoid", False, _FULL, None, True),
+              ("relu", True, _FULL, 2.0, False), ("ssmax", False, _CLIPPED, None, True),
+              ("softpick", True, _FULL, 2.0, False),
+              ("stick_breaking", False, _CLIPPED, 2.0, False),
+              ("entmax15", True, _CLIPPED, None, True), ("sparsemax", False, _FULL, 2.0, False),
+              ("softmax:alpha=2", False, _CLIPPED, None, False)]
+
+
+@pytest.mark.parametrize(("weighting", "causal", "length", "cap", "sinks"), _REL_CASES,
+                         ids=[f"{c[0]}-L{c[2]}" for c in _REL_CASES])
+def test_pallas_relative_table_equals_float64_dense(weighting, causal, length, cap, sinks):
+  """A relative table in the Triton kernels (interpreted), pointwise and whole-row F: GQA
+  (G = 2), T ≠ S, neither a multiple of the 16×16 tiles, key lengths (and query lengths when
+  causal), a clipped table or one covering every distance, a cap and sinks in some: values
+  and the gradients of q, k, v and the table (d ext from the dQ kernels' atomic adds, folded
+  back) equal the float64 dense implementation's, and every head's table gets a gradient."""
+  q, k, v = _qkv(31, t=_PT, s=_PS)
+  q = 2.0 * q  # scores the cap bends
+  pallas, dense = _pallas_relative(
+      weighting, causal, cap=cap,
+      sinks=np.array([0.5, -1.0, 1.5, 0.0], np.float32) if sinks else None,
+      q_lengths=jnp.array([_PT - 3, _PT], jnp.int32) if causal else None,
+      kv_lengths=jnp.array([_PS, _PS - 6], jnp.int32))
+  _, want_g = _matches_float64(pallas, dense, (q, k, v, _table(length, length)),
+                               ("dq", "dk", "dv", "dtable"), 3e-6, 3e-5)
+  assert np.all(np.abs(np.asarray(want_g[3])).max(axis=1) > 0)
+
+
+def test_pallas_relative_table_bfloat16():
+  """bf16 inputs (Triton, causal softmax with a cap, a clipped table): the float64 dense
+  result of the same rounded inputs, to bf16's precision."""
+  q, k, v = _qkv(32, t=_PT, s=_PS, dtype=jnp.bfloat16)
+  pallas, dense = _pallas_relative("softmax", True, cap=3.0)
+  _matches_float64(pallas, dense, (q, k, v, _table(3, _CLIPPED).astype(jnp.bfloat16)),
+                   ("dq", "dk", "dv", "dtable"), 2e-2, 3e-2)
+
+
+def test_pallas_relative_table_through_attention_learns_under_jit():
+  """implementation=core.Pallas runs core.relative_table under jit with a learned table
+  (its gradient equals the blocked kernel's), a cap and sinks."""
+  q, k, v = _qkv(33, t=_PT, s=_PS)
+  sinks = jnp.array([0.2, -0.3, 1.0, 0.0])
+
+  def run(impl):
+    @jax.jit
+    def loss(table):
+      out = core.attention(q, k, v, weighting="softmax", logits_soft_cap=5.0,
+                           score_mod=core.relative_table(table), sinks=sinks,
+                           implementation=impl)
+      return jnp.sum(out ** 2)
+    return jax.value_and_grad(loss)(_table(4, 11))
+
+  (val, g), (want, want_g) = run(PALLAS), run(IMPLS[1])
+  np.testing.assert_allclose(val, want, rtol=1e-5)
+  np.testing.assert_allclose(g, want_g, rtol=1e-4, atol=1e-5)

@@ -57,8 +57,9 @@ class Problem:
       ``logits_soft_cap``, ``score_mod``) is given.
     score_mod_kind: what that modification's function is
       (:func:`attnx.core.score_mods.kind`): None (none, or a soft cap alone), ``"alibi"`` (a
-      ScoreMod declaring ALiBi's linear bias, which the Pallas kernels run) or ``"fn"`` (any
-      other function); :attr:`has_score_mod_fn` says whether there is one.
+      ScoreMod declaring ALiBi's linear bias, which the Pallas kernels run), ``"relative"`` (a
+      ScoreMod declaring a relative-position table, which the GPU Pallas kernels run) or
+      ``"fn"`` (any other function); :attr:`has_score_mod_fn` says whether there is one.
     has_sinks: whether attention sinks (``sinks``, one learned score per head) are given.
     dropout_rate: the dropout rate on the weights when dropout applies, else 0.0.
     broadcast_dropout: one dropout mask shared by the batch and head dims.

@@ -7,18 +7,20 @@ weights are needed (dropout, ``return_weights``), the tiles fit the backend's ru
 dtype and head sizes fit the kernels (:func:`attnx.core.kernels.pallas.tiles.supported`): the
 host's GPU or TPU kernels, or on a CPU host either kind. Of the score modifications it runs a
 soft cap and ALiBi (:func:`attnx.core.score_mods.alibi`, learned slopes included) with any F,
-attention sinks with a pointwise F or a whole-row F with a sum (not stick-breaking); any
-other ``score_mod`` function (a relative table, a user's) is refused with that reason.
+a relative-position table (:func:`attnx.core.score_mods.relative_table`, learned) with any F
+on the GPU (Triton) kernels (not yet on the TPU's), attention sinks with a pointwise F or a
+whole-row F with a sum (not stick-breaking); any other ``score_mod`` function (a user's) is
+refused with that reason.
 The kernels are chosen per lowering platform
 (:func:`attnx.core.kernels.pallas.platforms.by_platform`): Triton where the program is lowered
 for a GPU, Mosaic for a TPU, so a CPU host can lower, export or AOT-compile a model for
 either; run or lowered for the CPU it raises ValueError (``core.Pallas(interpret=True)`` runs
 the kernels in Pallas' interpreter on any machine).
 
-The automatic choice takes it first in its list, but declines it unless a GPU/TPU runs the
-call, the problem is large enough to stream at all (the blocked kernel's thresholds), it has
-no soft cap, ALiBi or sinks (which the verification does not cover), and the combination is verified
-(:func:`attnx.core.kernels.pallas.verify.verify_pallas`, run once per combination, eagerly,
+The automatic choice takes it first in its list, but declines it unless a GPU/TPU runs the call, the
+problem is large enough to stream at all (the blocked kernel's thresholds), it has no soft cap,
+ALiBi, relative table or sinks (which the verification does not cover), and the combination is
+verified (:func:`attnx.core.kernels.pallas.verify.verify_pallas`, run once per combination, eagerly,
 outside the caller's trace); a failing verification logs one warning and the walk goes on to
 the blocked kernel. An explicit ``implementation="pallas"`` is never
 verified and never falls back: its errors are the kernels' own.
@@ -49,6 +51,7 @@ from attnx.core.implementations.blocked import small_problem_reason
 from attnx.core.kernels import pallas as pallas_lib
 from attnx.core.kernels.pallas import block as pallas_block
 from attnx.core.kernels.pallas import masking as pallas_masking
+from attnx.core.kernels.pallas.tiles import relative_reason
 
 Array = jax.Array
 
@@ -56,17 +59,21 @@ Array = jax.Array
 def _modification_reason(problem: Problem) -> str | None:
   """Why the kernels cannot run the problem's score modification or sinks (None when they
   can): they apply a soft cap, ALiBi's linear bias (a ScoreMod declaring it,
-  :func:`attnx.core.score_mods.alibi`) and fold sinks into the rows' state (sinks mean
-  nothing without a sum of weights, which the call's checks refuse first);
+  :func:`attnx.core.score_mods.alibi`), a relative-position table (declared likewise,
+  :func:`attnx.core.score_mods.relative_table`; the backends of
+  :data:`attnx.core.kernels.pallas.tiles.RELATIVE_BACKENDS`: :meth:`Pallas._backend_reason`)
+  and fold sinks into the rows' state (sinks mean nothing without a sum of weights, which the
+  call's checks refuse first);
   any other score_mod function is user code per tile. The whole-row kernels take the soft cap,
-  ALiBi and sinks (stick-breaking takes no sink: the call's checks refuse it first)."""
+  ALiBi, a relative table and sinks (stick-breaking takes no sink: the call's checks refuse
+  it first)."""
   if not (problem.has_score_mod or problem.has_sinks):
     return None
-  if problem.score_mod_kind not in (None, "alibi"):
-    return ("implementation='pallas' runs a logits_soft_cap and ALiBi (core.alibi), not "
-            "another score_mod function (a relative-position table, a user's fn): the "
-            "blocked and dense implementations do. Use implementation='blocked' (or None, "
-            "which picks it).")
+  if problem.score_mod_kind not in (None, "alibi", "relative"):
+    return ("implementation='pallas' runs a logits_soft_cap, ALiBi (core.alibi) and a "
+            "relative-position table (core.relative_table), not another score_mod function "
+            "(a user's fn): the blocked and dense implementations do. Use "
+            "implementation='blocked' (or None, which picks it).")
   return None
 
 
@@ -131,6 +138,8 @@ class Pallas(Implementation):
     return "; ".join(dict.fromkeys(reasons))  # on a CPU host: why neither kind can
 
   def _backend_reason(self, problem: Problem, backend: str) -> str | None:
+    if problem.score_mod_kind == "relative" and (reason := relative_reason(backend)):
+      return reason
     try:  # the backend's tile rules, for empty inputs too (checked on the query's dtype)
       pallas_lib.check_block_sizes(backend, problem.dtype, block_q=self.block_q,
                                    block_k=self.block_k)
@@ -152,8 +161,8 @@ class Pallas(Implementation):
       # verify_pallas checks each combination without them: a capped, ALiBi or sink kernel
       # has not been compared with the blocked kernel on this device.
       return ("the automatic choice's self-check of the Pallas kernels covers no "
-              "logits_soft_cap, ALiBi or attention sinks; implementation='pallas' runs them on "
-              "request")
+              "logits_soft_cap, ALiBi, relative table or attention sinks; "
+              "implementation='pallas' runs them on request")
     # Cheap before costly: the size rule, then the policy and the (one-time) verification.
     return small_problem_reason(problem) or pallas_lib.decline_reason(
         be, problem.weighting, problem.stream_dtype, problem.stream_head_dim,

@@ -39,7 +39,7 @@ NT = (((1,), (1,)), ((), ()))  # dot_general dimensions of a @ b.T
 __all__ = ["LANES", "LOG2E", "NT", "ROW_OPS", "KernelConfig", "accumulate_dkv", "alibi_dist",
            "alibi_tile", "bcast_index", "bnth", "bwd_tile", "capped_grad", "dot_chunks",
            "grad_rows", "in_span", "kv_hi", "kv_span", "q_range", "q_span", "ref_cols",
-           "sink_grad", "sink_start",
+           "relative_ext", "relative_index", "sink_grad", "sink_start",
            "tile_scores", "tile_scores_grad", "tile_valid", "uncounted"]
 # The units of the row statistic the kernels save (a log2-sum-exp for the online max), as
 # the custom VJPs read it outside the kernels (:func:`sink_grad`).
@@ -92,6 +92,18 @@ class KernelConfig:
   # bias (:func:`alibi_tile`): the kernels take the slopes m [N] as one more operand and the dQ
   # kernel writes per-row partial sums of d m; None: no operand, no op.
   alibi: str | None = None
+  # A relative-position table (core.relative_table) after the cap and the bias: the kernels
+  # take its extended table ext [N, Lx] (:func:`relative_ext`) as one more operand, in ALiBi's
+  # slot, read at column i − j + rel_offset (:func:`relative_index`), and the backward returns
+  # d ext [N, Lx] float32 in d slopes' slot. False: no operand, no op.
+  relative: bool = False
+  rel_offset: int = 0
+
+  @property
+  def mod_operand(self) -> bool:
+    """Whether the kernels take the score modification's operand (ALiBi's slopes [N] or a
+    relative table's ext [N, Lx]; never both, a ScoreMod has one function)."""
+    return self.alibi is not None or self.relative
 
   @property
   def alpha(self) -> float:
@@ -214,13 +226,44 @@ def alibi_tile(cfg: KernelConfig, slope, shape: tuple[int, int], r0, c0):
   return dist * slope, dist
 
 
+def relative_ext(table: Array, t: int, s: int) -> tuple[Array, int]:
+  """(ext [N, Lx] float32, off): a relative-position table [N, L] (L odd, half = (L − 1)/2;
+  :func:`attnx.core.score_mods.relative_table`) extended so that the bias of query i and key j
+  (global, unpadded positions; i < ``t``, j < ``s``) is ``ext[h, i − j + off]`` without
+  clipping: P = max(0, max(t, s) − 1 − half) copies of the first and of the last column on
+  either side (the clip to ±half), Lx = L + 2P, off = half + P.
+
+  The kernels of both lowerings read and differentiate ``ext``; built here with ``jnp``
+  outside the kernels, its gradient (d ext [N, Lx], summed over the batch) folds back to the
+  table by autodiff of this function: the pad columns' sums into the end columns, the middle
+  one to one."""
+  n, el = table.shape
+  half = (el - 1) // 2
+  p = max(0, max(t, s) - 1 - half)
+  ext = table.astype(jnp.float32)
+  if p:
+    ext = jnp.concatenate([jnp.broadcast_to(ext[:, :1], (n, p)), ext,
+                           jnp.broadcast_to(ext[:, -1:], (n, p))], axis=1)
+  return ext, half + p
+
+
+def relative_index(cfg: KernelConfig, shape: tuple[int, int], r0, c0, size: int):
+  """ext's column i − j + ``cfg.rel_offset`` (:func:`relative_ext`) on a [bq, bk] tile whose
+  first row is query ``r0`` and first column key ``c0`` (int32), clamped into [0, ``size``):
+  rows and keys past the true lengths (padding) read an end column, and are masked."""
+  rows = r0 + lax.broadcasted_iota(jnp.int32, shape, 0)
+  cols = c0 + lax.broadcasted_iota(jnp.int32, shape, 1)
+  return jnp.clip(rows - cols + cfg.rel_offset, 0, size - 1)
+
+
 def tile_scores(cfg: KernelConfig, qs, ks, bias_tile, lin=None):
   """The tile score z [bq, bk] float32 (base-2 exponent for online-max weightings).
 
   ``qs``/``ks``: the [bq, c] / [bk, c] chunks of the head dim (one chunk but on the GPU).
   With a soft cap (``cfg.cap``) z = α·(c·tanh(scale·q·k / c) + bias) (times log₂e for the
-  online max): :func:`tile_scores_grad`. ``lin``: ALiBi's bias tile (:func:`alibi_tile`) in
-  natural units, added after the cap and the bias, or None.
+  online max): :func:`tile_scores_grad`. ``lin``: ALiBi's bias tile (:func:`alibi_tile`) or a
+  relative table's (ext at :func:`relative_index`) in natural units, added after the cap and
+  the bias, or None.
   """
   if cfg.cap is not None:
     return tile_scores_grad(cfg, qs, ks, bias_tile, lin)[0]

@@ -143,19 +143,23 @@ def _per_head(rs: st.RowStream, s_param: Array | float | None, n: int) -> Array:
 # --------------------------------------------------------------------------------------------
 
 def tile_fn(cfg, i, bq, bk, qs, load_k, bias_cols, mask_cols, q_len, kv_len, sm=None,
-            head=None, grad=False, slope=None):
+            head=None, grad=False, slope=None, rel=None):
   """tile(j) -> (z [bq, bk] float32, valid [bq, bk] bool, the key tile's head-dim chunks, d,
   dist) of query tile i and key tile j (``sm``: a structured mask, of query head ``head``);
   ``d`` the soft cap's derivative 1 − tanh² (:func:`.common.tile_scores_grad`) when ``grad``
   and ``cfg.cap``, else None (the forward computes z alone); ``dist`` ALiBi's −(i − j) or
   −abs(i − j) (:func:`.common.alibi_tile`, the bias ``slope``·dist added after the cap and
-  the bias) when ``cfg.alibi``, else None."""
+  the bias) when ``cfg.alibi``, else None. With ``cfg.relative``, ``rel(r0, c0)`` is the
+  relative table's bias of the tile whose first row is query r0 and first column key c0 (the
+  kernel's read of ext at :func:`.common.relative_index`), added likewise."""
   def tile(j):
     c0 = j * bk
     ks = load_k(c0)
     lin = dist = None
     if cfg.alibi:  # (no op before the scores otherwise: the loops' programs stay as they were)
       lin, dist = alibi_tile(cfg, slope, (bq, bk), i * bq, c0)
+    elif cfg.relative:
+      lin = rel(i * bq, c0)
     if grad:
       z, d = tile_scores_grad(cfg, qs, ks, bias_cols(c0), lin)
     else:
@@ -273,7 +277,8 @@ def dq_rows(cfg, ops, tile, qs, load_v, dos, span, stats, delta, rowc, ds_store,
   the loop, and with ALiBi the rows' d slope sums Σ_j dz·dist [bq], else None) of one query
   tile: the key tiles [lo, hi) of ``span``, last first for stick-breaking, whose carries of
   the keys after tile j (the stick L and Σ A·dP) go to ``carry_store(j, L, ΣA·dP)`` for the
-  dK/dV pass."""
+  dK/dV pass. Each key tile's score cotangent dS goes to ``ds_store(c0, dS)`` (zeros for a
+  skipped tile): with ``cfg.relative`` the kernel accumulates d ext there."""
   rs = cfg.w.stream
   bq, bk = cfg.bq_dq, cfg.bk_dq
   count, at = _walk(span, rs.reverse)
@@ -319,13 +324,18 @@ def dq_rows(cfg, ops, tile, qs, load_v, dos, span, stats, delta, rowc, ds_store,
 
 
 def dkv_step(cfg, ops, dkv, j, i, qs, dos, ks, vs, bias_t, mask_t, q_len, kv_len, stats, delta,
-              rowc, carry, sm=None, head=None, slope=None):
+              rowc, carry, sm=None, head=None, slope=None, rel=None):
   """(dK, dV) after query tile i (rows of one head) against key tile j in the dK/dV pass
   (``()`` for the one not wanted: dV needs the weights only, not dP = dO·Vᵀ nor V); ``slope``
-  the head's ALiBi slope when ``cfg.alibi``."""
+  the head's ALiBi slope when ``cfg.alibi``; ``rel(r0, c0)`` the head's relative-table bias
+  of a tile when ``cfg.relative`` (:func:`tile_fn`)."""
   rs = cfg.w.stream
   bq, bk = cfg.bq_dkv, cfg.bk_dkv
-  lin = alibi_tile(cfg, slope, (bq, bk), i * bq, j * bk)[0] if cfg.alibi else None
+  lin = None
+  if cfg.alibi:
+    lin = alibi_tile(cfg, slope, (bq, bk), i * bq, j * bk)[0]
+  elif cfg.relative:
+    lin = rel(i * bq, j * bk)
   z, d = tile_scores_grad(cfg, qs, ks, bias_t, lin)  # d: the soft cap's derivative, or None
   valid = _scored(z, tile_valid(cfg, (bq, bk), i * bq, j * bk, mask_t, q_len, kv_len, sm,
                                 head))
@@ -375,7 +385,7 @@ def _ids(cfg, lens_first: bool) -> list:
 def fwd_names(cfg, has_bias, has_mask, lens_first: bool):
   rs = cfg.w.stream
   ins = [("q", True), ("k", True), ("v", True), ("rowc", rs.needs_row_scale),
-         ("bias", has_bias), ("mask", has_mask), ("slopes", cfg.alibi is not None),
+         ("bias", has_bias), ("mask", has_mask), ("slopes", cfg.mod_operand),
          ("sinks", cfg.sinks)] + _ids(cfg, lens_first)
   lens = _lens(cfg, lens_first)
   outs = [("o", True)] + [(f"stat{n}", True) for n in range(rs.num_stats)] + [
@@ -392,12 +402,12 @@ def _bwd_rows_in(cfg):
 def dq_names(cfg, has_bias, has_mask, want_ds, lens_first: bool):
   rs = cfg.w.stream
   ins = [("q", True), ("k", True), ("v", True), ("do", True)] + _bwd_rows_in(cfg) + [
-      ("bias", has_bias), ("mask", has_mask), ("slopes", cfg.alibi is not None)] + _ids(
+      ("bias", has_bias), ("mask", has_mask), ("slopes", cfg.mod_operand)] + _ids(
           cfg, lens_first)
   lens = _lens(cfg, lens_first)
   carries = rs.suffix_carries
   outs = [("dq", True), ("ds", want_ds), ("dc", rs.needs_row_scale),
-          ("dslope", cfg.alibi is not None), ("ca", carries), ("cb", carries)]
+          ("dslope", cfg.mod_operand), ("ca", carries), ("cb", carries)]
   return (lens + ins if lens_first else ins + lens) + outs
 
 
@@ -406,7 +416,7 @@ def dkv_names(cfg, has_bias, has_mask, lens_first: bool, want_dk: bool = True,
   carries = cfg.w.stream.suffix_carries
   ins = [("q", True), ("k", True), ("v", True), ("do", True)] + _bwd_rows_in(cfg) + [
       ("bias", has_bias), ("mask", has_mask), ("ca", carries), ("cb", carries),
-      ("slopes", cfg.alibi is not None)] + _ids(cfg, lens_first)
+      ("slopes", cfg.mod_operand)] + _ids(cfg, lens_first)
   lens = _lens(cfg, lens_first)
   return (lens + ins if lens_first else ins + lens) + [("dk", want_dk), ("dv", want_dv)]
 

@@ -57,7 +57,7 @@ from attnx.core.kernels.pallas import (
     triton,
     triton_rows,
 )
-from attnx.core.kernels.pallas.common import KernelConfig, grad_rows, sink_grad
+from attnx.core.kernels.pallas.common import KernelConfig, grad_rows, relative_ext, sink_grad
 from attnx.core.kernels.pallas.rows import row_scale, sink_grad_rows, streams
 from attnx.core.weightings import Pointwise
 
@@ -82,7 +82,9 @@ def forward(cfg: KernelConfig, q, k, v, bias, mask, q_len, kv_len,
   ``out_dtype`` float32 keeps O as accumulated (ring attention merges the O of key blocks).
   ``smask``: a structured mask's operands (:func:`.masking.prepare`) when ``cfg.smask``.
   ``sinks``: the attention sinks [N] when ``cfg.sinks``; the statistic then counts them.
-  ``slopes``: ALiBi's slopes [N] when ``cfg.alibi``.
+  ``slopes``: the score modification's operand when ``cfg.mod_operand``: ALiBi's slopes [N]
+  (``cfg.alibi``) or a relative table's ext [N, Lx] (``cfg.relative``,
+  :func:`.common.relative_ext`).
   """
   out_dtype = q.dtype if out_dtype is None else out_dtype
   kernels = triton if cfg.backend == "gpu" else mosaic
@@ -93,7 +95,8 @@ def forward(cfg: KernelConfig, q, k, v, bias, mask, q_len, kv_len,
 def backward(cfg: KernelConfig, q, k, v, bias, mask, q_len, kv_len, do, rows,
              want_ds: bool, smask: Any = None, slopes: Array | None = None) -> tuple:
   """dq, dk, dv (input dtypes) and, when ``want_ds``, dS [B, N, Tp, Sp] float32; with
-  ``cfg.alibi`` (``slopes`` [N]) a fifth value, d slopes [N] float32.
+  ``cfg.mod_operand`` a fifth value, the gradient of ``slopes`` float32 (d slopes [N] with
+  ``cfg.alibi``, d ext [N, Lx] with ``cfg.relative``).
 
   ``rows``: the three per-row values (r0, r1, δ), each [B, N, Tp] float32, of
   :func:`.common.grad_rows`.
@@ -107,8 +110,8 @@ def row_forward(cfg: KernelConfig, q, k, v, rowc, bias, mask, q_len, kv_len, out
                 smask: Any = None, slopes: Array | None = None, sinks: Array | None = None):
   """(O [B, Tp, N, Hv], row statistics (each [B, N, Tp] float32), Σu·v/Σu [B, Tp, N, Hv]
   float32 or None) of a whole-row weighting; ``rowc`` SSMax's [B, N, Tp] c or None;
-  ``slopes`` ALiBi's [N] when ``cfg.alibi``; ``sinks`` [N] when ``cfg.sinks`` (the statistics
-  then count them)."""
+  ``slopes`` ALiBi's [N] or a relative table's ext [N, Lx] when ``cfg.mod_operand``;
+  ``sinks`` [N] when ``cfg.sinks`` (the statistics then count them)."""
   out_dtype = q.dtype if out_dtype is None else out_dtype
   kernels = triton_rows if cfg.backend == "gpu" else mosaic_rows
   return kernels.forward(cfg, q, k, v, rowc, bias, mask, q_len, kv_len, out_dtype, smask,
@@ -118,7 +121,8 @@ def row_forward(cfg: KernelConfig, q, k, v, rowc, bias, mask, q_len, kv_len, out
 def row_backward(cfg: KernelConfig, q, k, v, bias, mask, q_len, kv_len, do, rows, rowc,
                  want_ds: bool, smask: Any = None, slopes: Array | None = None):
   """(dq, dk, dv, dS [B, N, Tp, Sp] or None, dc [B, N, Tp] or None) of a whole-row
-  weighting, and with ``cfg.alibi`` (``slopes`` [N]) d slopes [N] float32. ``rows``: the row
+  weighting, and with ``cfg.mod_operand`` the gradient of ``slopes`` (d slopes [N] or d ext
+  [N, Lx]) float32. ``rows``: the row
   statistics and δ (each [B, N, Tp] float32)."""
   kernels = triton_rows if cfg.backend == "gpu" else mosaic_rows
   return kernels.backward(cfg, q, k, v, bias, mask, q_len, kv_len, do, rows, rowc, want_ds,
@@ -137,13 +141,15 @@ def _values(tree: Any) -> Any:
 
 @functools.lru_cache(maxsize=512)
 def _make_kernel(cfg: KernelConfig) -> Callable[..., Array]:
-  """A custom-VJP function (q, k, v, bias, mask, q_len, kv_len, smask, sinks[, slopes]) -> O
+  """A custom-VJP function (q, k, v, bias, mask, q_len, kv_len, smask, sinks[, mod]) -> O
   of padded arrays (``smask``: a structured mask's operands, or None; ``sinks``: [N] when
-  ``cfg.sinks``, else None; ``slopes``: ALiBi's [N] when ``cfg.alibi``). d sinks is computed
-  here, outside the kernels, from the saved row statistic and δ (:func:`.common.sink_grad`);
-  d slopes from the dQ kernel's per-row sums."""
-  if cfg.alibi:
-    return _make_alibi_kernel(cfg)
+  ``cfg.sinks``, else None; ``mod``: the score modification's operand when
+  ``cfg.mod_operand``, ALiBi's slopes [N] or a relative table's ext [N, Lx]). d sinks is
+  computed here, outside the kernels, from the saved row statistic and δ
+  (:func:`.common.sink_grad`); d slopes from the dQ kernel's per-row sums, d ext from its
+  per-tile sums."""
+  if cfg.mod_operand:
+    return _make_mod_kernel(cfg)
 
   @jax.custom_vjp
   def attn(q, k, v, bias, mask, q_len, kv_len, smask, sinks):
@@ -175,36 +181,36 @@ def _make_kernel(cfg: KernelConfig) -> Callable[..., Array]:
   return attn
 
 
-def _make_alibi_kernel(cfg: KernelConfig) -> Callable[..., Array]:
-  """:func:`_make_kernel`'s function with ALiBi's slopes [N] as its last argument (a separate
-  custom VJP, so that the programs without ALiBi keep theirs op for op)."""
+def _make_mod_kernel(cfg: KernelConfig) -> Callable[..., Array]:
+  """:func:`_make_kernel`'s function with the score modification's operand (ALiBi's slopes
+  [N], a relative table's ext [N, Lx]) as its last argument (a separate custom VJP, so that
+  the programs without one keep theirs op for op)."""
 
   @jax.custom_vjp
-  def attn(q, k, v, bias, mask, q_len, kv_len, smask, sinks, slopes):
+  def attn(q, k, v, bias, mask, q_len, kv_len, smask, sinks, mod):
     return forward(cfg, q, k, v, bias, mask, q_len, kv_len, smask=smask, sinks=sinks,
-                   slopes=slopes)[0]
+                   slopes=mod)[0]
 
-  def fwd(q, k, v, bias, mask, q_len, kv_len, smask, sinks, slopes):
+  def fwd(q, k, v, bias, mask, q_len, kv_len, smask, sinks, mod):
     want_ds = bias is not None and bias.perturbed
     vals = [None if x is None else x.value for x in (q, k, v, bias, mask, q_len, kv_len)]
     smask = _values(smask)
     sinks = None if sinks is None else sinks.value
-    slopes = slopes.value
-    o, stat = forward(cfg, *vals, smask=smask, sinks=sinks, slopes=slopes)
+    mod = mod.value
+    o, stat = forward(cfg, *vals, smask=smask, sinks=sinks, slopes=mod)
     marker = jnp.zeros((), jnp.float32) if want_ds else None
-    return o, (*vals, smask, sinks, slopes, o, stat, marker)
+    return o, (*vals, smask, sinks, mod, o, stat, marker)
 
   def bwd(res, do):
-    q, k, v, bias, mask, q_len, kv_len, smask, sinks, slopes, o, stat, marker = res
+    q, k, v, bias, mask, q_len, kv_len, smask, sinks, mod, o, stat, marker = res
     if isinstance(do, jax.custom_derivatives.SymbolicZero):
       return (None,) * 10
     rows = grad_rows(cfg, stat, o, do)
-    dq, dk, dv, ds, dslopes = backward(cfg, q, k, v, bias, mask, q_len, kv_len, do, rows,
-                                       want_ds=marker is not None, smask=smask, slopes=slopes)
+    dq, dk, dv, ds, dmod = backward(cfg, q, k, v, bias, mask, q_len, kv_len, do, rows,
+                                    want_ds=marker is not None, smask=smask, slopes=mod)
     dbias = None if ds is None else sum_to(ds, bias.shape).astype(bias.dtype)
     dsinks = sink_grad(cfg, sinks, rows) if cfg.sinks else None
-    return (dq, dk, dv, dbias, None, None, None, None, dsinks,
-            dslopes.astype(slopes.dtype))
+    return (dq, dk, dv, dbias, None, None, None, None, dsinks, dmod.astype(mod.dtype))
 
   attn.defvjp(fwd, bwd, symbolic_zeros=True)
   return attn
@@ -214,10 +220,11 @@ def _make_alibi_kernel(cfg: KernelConfig) -> Callable[..., Array]:
 def _make_row_kernel(cfg: KernelConfig):
   """A custom-VJP function (q, k, v, bias, mask, q_len, kv_len, rowc, smask, slopes, sinks) -> O
   of padded arrays (rowc: SSMax's per-row scale [B, N, Tp], None for the other families; smask:
-  a structured mask's operands, or None; slopes: ALiBi's [N] when ``cfg.alibi``, else None,
-  d slopes from the dQ kernel's per-row sums; sinks: [N] when ``cfg.sinks``, else None, d sinks
-  and the sink's term of SSMax's dc computed here, outside the kernels, from the saved row
-  statistics and δ: :func:`.rows.sink_grad_rows`)."""
+  a structured mask's operands, or None; slopes: the score modification's operand when
+  ``cfg.mod_operand`` (ALiBi's slopes [N], d slopes from the dQ kernel's per-row sums; a
+  relative table's ext [N, Lx], d ext from the dQ kernel), else None; sinks: [N] when
+  ``cfg.sinks``, else None, d sinks and the sink's term of SSMax's dc computed here, outside
+  the kernels, from the saved row statistics and δ: :func:`.rows.sink_grad_rows`)."""
   rs = cfg.w.stream
   if rs.suffix_carries and cfg.bk_dq != cfg.bk_dkv:
     raise ValueError(f"stick-breaking's dQ and dK/dV key tiles must agree (its carries are "
@@ -251,7 +258,7 @@ def _make_row_kernel(cfg: KernelConfig):
         cfg, q, k, v, bias, mask, q_len, kv_len, do, (*stats, delta), rowc,
         want_ds=marker is not None, smask=smask, slopes=slopes)
     dbias = None if ds is None else sum_to(ds, bias.shape).astype(bias.dtype)
-    dslopes = dslopes[0].astype(slopes.dtype) if cfg.alibi else None
+    dslopes = dslopes[0].astype(slopes.dtype) if cfg.mod_operand else None
     dsinks = None
     if cfg.sinks:  # outside the kernels: the sink's dz, and its term of SSMax's dc
       dsinks, dc_sink = sink_grad_rows(cfg, sinks, stats, delta, rowc)
@@ -354,9 +361,13 @@ def pallas_attention(q: Array, k: Array, v: Array, *, weighting: Any,
       (each tile's raw score scale·q·k becomes c·tanh(scale·q·k / c) before the bias,
       :func:`.common.tile_scores`) and/or ALiBi (:func:`attnx.core.score_mods.alibi`: its
       ``linear_bias`` declaration, slopes [N] as ``params``; s − m_h·(i − j) or
-      − m_h·abs(i − j) after the bias, global positions; the slopes get a gradient). Any other
-      ``score_mod`` function (a relative table, a user's) is a ValueError: the kernels
-      evaluate no user code per tile.
+      − m_h·abs(i − j) after the bias, global positions; the slopes get a gradient) or a
+      relative-position table (:func:`attnx.core.score_mods.relative_table`: its ``relative``
+      declaration, the table [N, L] as ``params``; s + table[h, clip(i − j) + (L − 1)/2]
+      after the bias, read per tile from the table extended to every distance,
+      :func:`.common.relative_ext`; the table gets a gradient; the GPU kernels only so far, a
+      ValueError on the TPU). Any other ``score_mod`` function (a user's) is a ValueError:
+      the kernels evaluate no user code per tile.
     sinks: attention sinks [N] (a pointwise F with a sum of weights, or a whole-row F but
       stick-breaking): each row of query head h also sees a virtual key of score
       ``sinks[h]`` and zero value, folded into the row's starting state (whole-row: and its
@@ -373,6 +384,7 @@ def pallas_attention(q: Array, k: Array, v: Array, *, weighting: Any,
   """
   cap = _soft_cap(weighting, score_mod, sinks)
   alibi = None if score_mod is None else score_mod.linear_bias
+  relative = score_mod is not None and score_mod.relative
   if backend is None and not interpret:
     return _per_platform(
         q, k, v, weighting=weighting, scale=scale, bias=bias, mask=mask, is_causal=is_causal,
@@ -419,6 +431,14 @@ def pallas_attention(q: Array, k: Array, v: Array, *, weighting: Any,
       raise ValueError(f"sinks must be a float array [N] = [{n}], got shape {sinks.shape} "
                        f"and dtype {sinks.dtype}")
   slopes = None
+  if relative:
+    if reason := tiles.relative_reason(be):  # (the Mosaic kernels: not yet)
+      raise ValueError(f"{reason}.")
+    table = jnp.asarray(score_mod.params)
+    if (table.ndim != 2 or table.shape[0] != n or table.shape[1] % 2 == 0
+        or not jnp.issubdtype(table.dtype, jnp.floating)):
+      raise ValueError(f"a relative table must be a float array [N, L] = [{n}, L] with L odd, "
+                       f"got shape {table.shape} and dtype {table.dtype}")
   if alibi is not None:
     slopes = jnp.asarray(score_mod.params)
     if slopes.shape != (n,) or not jnp.issubdtype(slopes.dtype, jnp.floating):
@@ -441,6 +461,9 @@ def pallas_attention(q: Array, k: Array, v: Array, *, weighting: Any,
   if cap is not None or sinks is not None or alibi is not None:
     # tiles of the plain kernels otherwise, op for op
     cfg = dataclasses.replace(cfg, cap=cap, sinks=sinks is not None, alibi=alibi)
+  if relative:  # the table extended to every distance (its gradient folds back by autodiff)
+    slopes, off = relative_ext(table, t, s)
+    cfg = dataclasses.replace(cfg, relative=True, rel_offset=off)
   smask = None
   if structured_mask is not None:
     plan, smask = masking.prepare(
@@ -455,14 +478,15 @@ def pallas_attention(q: Array, k: Array, v: Array, *, weighting: Any,
     out = _make_row_kernel(cfg)(q, k, v, bias4, mask4, q_len, kv_len, rowc, smask, slopes,
                                 sinks)
   else:
-    extra = () if alibi is None else (slopes,)
+    extra = () if slopes is None else (slopes,)
     out = _make_kernel(cfg)(q, k, v, bias4, mask4, q_len, kv_len, smask, sinks, *extra)
   return out[:, :t, :, :hv]
 
 
 def _soft_cap(weighting: Any, score_mod: Any, sinks: Any) -> float | None:
   """The soft cap c of ``score_mod`` (None without one), after the checks of what the kernels
-  run: a ScoreMod with a cap and/or ALiBi's declared linear bias (any F), and sinks for a
+  run: a ScoreMod with a cap and/or ALiBi's declared linear bias or a declared relative table
+  (any F), and sinks for a
   pointwise F with a sum of weights or a whole-row F but stick-breaking. ValueError
   otherwise, naming what is not supported."""
   if score_mod is None and sinks is None:
@@ -479,10 +503,11 @@ def _soft_cap(weighting: Any, score_mod: Any, sinks: Any) -> float | None:
   if not isinstance(score_mod, score_mods.ScoreMod):
     raise ValueError(f"score_mod must be an attnx.core.score_mods.ScoreMod, got "
                      f"{type(score_mod).__name__}")
-  if score_mod.fn is not None and score_mod.linear_bias is None:
+  if score_mods.kind(score_mod) == "fn":
     raise ValueError("implementation='pallas' cannot run this: its kernels apply a "
-                     "logits_soft_cap and ALiBi (core.alibi) but no other score_mod function "
-                     "(a relative-position table, a user's fn); use "
+                     "logits_soft_cap, ALiBi (core.alibi) and a relative-position table "
+                     "(core.relative_table) but no other score_mod function (a user's fn: "
+                     "the kernels evaluate no user code per tile); use "
                      "implementation='blocked'.")
   return score_mod.cap
 

@@ -944,3 +944,30 @@ def test_pallas_mosaic_relative_table_bfloat16():
                                    kv_lengths=jnp.array([_MS - 30, _MS], jnp.int32))
   _matches_float64(jax.jit(pallas), dense, (q, k, v, table), ("dq", "dk", "dv", "dtable"),
                    2e-2, 3e-2)
+
+
+def test_mosaic_relative_windows_fit_and_keep_rotates_within_a_vreg():
+  """What the interpreter cannot check (Mosaic on a chip): every tile's window of the
+  reversed table starts at a multiple of 128 inside it, and both strided rotates' amounts
+  (the bias: W − e; d ext: e − bq + 1) are 0 and 1 mod 8, so each 8-row vreg's lane rotate
+  stays within 128 lanes (Mosaic's strided rotate blends one neighbouring vreg only)."""
+  from attnx.core.kernels.pallas import mosaic
+  from attnx.core.kernels.pallas.common import KernelConfig
+
+  w = core.get_weighting("softmax")
+  for tp, sp, off, bq, bk in [(32, 256, 299, 16, 128), (2048, 2048, 2047, 256, 512),
+                              (1008, 3072, 2999, 48, 256), (16, 128, 4, 16, 128)]:
+    cfg = KernelConfig(
+        w=w, backend="tpu", interpret=True, s=sp, tp=tp, sp=sp, g=1, scale=1.0,
+        is_causal=False, q_bound=False, kv_bound=False, bq=bq, bk=bk, bq_dq=bq, bk_dq=bk,
+        bq_dkv=bq, bk_dkv=bk, relative=True, rel_offset=off)
+    m, lr = mosaic.rel_layout(cfg)
+    width = mosaic.rel_width(bq, bk)
+    for i in range(tp // bq):
+      for j in range(sp // bk):
+        start, e = (int(x) for x in mosaic.rel_window(cfg, i * bq, j * bk, bq))
+        assert start % 128 == 0 and 0 <= start and start + width <= lr
+        assert bq <= e <= bq + 127 and e + bk <= width
+        assert (width - e) % 8 == 0 and (e - bq + 1) % 8 == 1
+        # the window's lane u = c − r + e holds ext[i·bq + r − (j·bk + c) + off]
+        assert m - start - e == i * bq - j * bk + off

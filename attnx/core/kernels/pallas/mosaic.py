@@ -161,10 +161,14 @@ def rel_grad(cfg: KernelConfig, drev: Array, lx: int) -> Array:
 def rel_window(cfg: KernelConfig, r0, c0, bq: int):
   """(start, e) of the window rev[start : start + W] of a tile whose first row is query r0 and
   first column key c0: start a multiple of 128, and ext[r0 + r − c0 − c + off] =
-  window[c − r + e] with e in [bq, bq + 127], e ≡ 0 (mod 8)."""
+  window[c − r + e] with e in [bq, bq + 127], e ≡ 0 (mod 8); e a Python int when bq is a
+  multiple of 128 (the default tiles): Mosaic then rotates by static amounts, and checks at
+  compile time that each vreg's stays within its lanes."""
   m, _ = rel_layout(cfg)
   t = m - (r0 - c0 + cfg.rel_offset) - bq  # ≥ 127 ≥ 0 (rel_layout): lax.div rounds down
   start = lax.div(t, LANES) * LANES
+  if bq % LANES == 0:  # r0, c0 multiples of 128: e is static, and so the rotates' amounts
+    return start, (m - cfg.rel_offset - bq) % LANES + bq
   return start, t - start + bq
 
 

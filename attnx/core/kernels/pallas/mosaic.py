@@ -207,9 +207,20 @@ def rel_diag_sums(cfg: KernelConfig, dz, r0, c0):
   return pl.multiple_of(start, LANES), jnp.sum(y, axis=0, keepdims=True)
 
 
-def _rel_spec(index: Callable, lr: int, heads: int | None = None) -> pl.BlockSpec:
-  """rev [N, 1, Lr]: the (1, Lr) row of a query head (``heads`` rows from a kv head's first)."""
-  return pl.BlockSpec((heads, 1, lr), index)
+def _rel_window_spec(cfg: KernelConfig, bq: int, bk: int, index: Callable) -> pl.BlockSpec:
+  """rev [N, 1, Lr] as the [1, W] window (:func:`rel_window`) of one tile: ``index(*grid,
+  *prefetch)`` -> (query head, r0, c0) of the tile the grid step fetches (a skipped step's
+  repeats a needed one's: no DMA); element offsets, so that a program holds W lanes of the
+  table, not the O(T + S) of its row."""
+  def index_map(*ids):
+    head, r0, c0 = index(*ids)
+    return head, 0, rel_window(cfg, r0, c0, bq)[0]
+  return pl.BlockSpec((None, pl.Element(1), pl.Element(rel_width(bq, bk))), index_map)
+
+
+def _window_load(ref) -> Callable:
+  """load(start, W) of :func:`rel_tile` on a [1, W] window ref that is that window."""
+  return lambda start, w: ref[...]
 
 
 def _rel_load(ref, head=None) -> Callable:
@@ -233,7 +244,7 @@ def _fwd_kernel(*refs, cfg: KernelConfig, has_bias: bool, has_mask: bool):
   mask_ref = next(it) if has_mask else None
   sink_ref = next(it) if cfg.sinks else None  # [1, 128]: this query head's sink, lanes
   slope_ref = next(it) if cfg.alibi else None  # [N] in SMEM: the ALiBi slopes
-  rel_ref = next(it) if cfg.relative else None  # [1, Lr]: the query head's reversed table
+  rel_ref = next(it) if cfg.relative else None  # [1, W]: the tile's window of the table
   sm_ids = [next(it) for _ in range(n_ids)]
   o_ref, stat_ref = next(it), next(it)
   w, bq, bk, ops = cfg.w, cfg.bq, cfg.bk, OPS
@@ -276,7 +287,7 @@ def _fwd_kernel(*refs, cfg: KernelConfig, has_bias: bool, has_mask: bool):
       lin, _ = alibi_tile(cfg, slope, (bq, bk), i * bq, j * bk)
       z = tile_scores(cfg, [q_ref[...]], [k_ref[...]], _tile(bias_ref), lin)
     elif rel_ref is not None:
-      lin = rel_tile(cfg, _rel_load(rel_ref), i * bq, j * bk, bq, bk)
+      lin = rel_tile(cfg, _window_load(rel_ref), i * bq, j * bk, bq, bk)
       z = tile_scores(cfg, [q_ref[...]], [k_ref[...]], _tile(bias_ref), lin)
     else:
       z = tile_scores(cfg, [q_ref[...]], [k_ref[...]], _tile(bias_ref))
@@ -319,6 +330,17 @@ def _params(n_parallel: int, n_arbitrary: int):
       dimension_semantics=("parallel",) * n_parallel + ("arbitrary",) * n_arbitrary)
 
 
+def _rel_dq_params(lr: int):
+  """The dQ kernel's with a relative table: its d rev block (1, Lr) stays resident over the
+  query and key tiles (those axes arbitrary), double-buffered (up to 8 sublanes × Lr
+  float32 each); past about 12 MiB of it (T + S ≈ 190k) the scoped-VMEM limit is raised to
+  fit (at most 96 MiB, :data:`.mosaic_rows.VMEM_LIMIT`'s: a v5e / v6e core's)."""
+  need = 2 * 8 * lr * 4 + 4 * 2**20
+  limit = None if need <= 16 * 2**20 else min(need, 96 * 2**20)
+  return pltpu.CompilerParams(dimension_semantics=("parallel",) * 2 + ("arbitrary",) * 2,
+                              vmem_limit_bytes=limit)
+
+
 def _kv_maps(cfg: KernelConfig, bq: int, bk: int) -> tuple[Callable, Callable, Callable]:
   """Index maps of a (b, n, query tile, key tile) grid: the key tile to fetch (:func:`kv_block`
   on the grid ids and the scalar prefetch), K/V's block and a bias/mask's block."""
@@ -359,9 +381,9 @@ def _forward(cfg: KernelConfig, q, k, v, bias, mask, q_len, kv_len, out_dtype, s
     in_specs.append(_slope_spec())
     sink_args.append(slopes.astype(jnp.float32))
   if cfg.relative:  # the query head's row of the reversed table
-    rev = rel_operand(cfg, slopes)
-    in_specs.append(_rel_spec(lambda bb, hh, i, j, *_: (hh, 0, 0), rev.shape[-1]))
-    sink_args.append(rev)
+    in_specs.append(_rel_window_spec(cfg, bq, bk, lambda bb, hh, i, j, *lens: (
+        hh, i * bq, clamp(bb, i, j, *lens) * bk)))
+    sink_args.append(rel_operand(cfg, slopes))
   sm_ids, sm_specs = smask_ids(cfg, smask, (bq, LANES), (masking.SUBLANES, bk),
                                lambda bb, hh, i, j, *_: i,
                                lambda bb, hh, i, j, *lens: clamp(bb, i, j, *lens))
@@ -402,7 +424,7 @@ def _dq_kernel(*refs, cfg: KernelConfig, has_bias: bool, has_mask: bool, want_ds
   bias_ref = next(it) if has_bias else None
   mask_ref = next(it) if has_mask else None
   slope_ref = next(it) if cfg.alibi else None  # [N] in SMEM: the ALiBi slopes
-  rel_ref = next(it) if cfg.relative else None  # [1, Lr]: the query head's reversed table
+  rel_ref = next(it) if cfg.relative else None  # [1, W]: the tile's window of the table
   sm_ids = [next(it) for _ in range(n_ids)]
   dq_ref = next(it)
   ds_ref = next(it) if want_ds else None
@@ -438,7 +460,7 @@ def _dq_kernel(*refs, cfg: KernelConfig, has_bias: bool, has_mask: bool, want_ds
       lin, dist = alibi_tile(cfg, slope, (bq, bk), i * bq, j * bk)
       z, dcap = tile_scores_grad(cfg, [q], [k], _tile(bias_ref), lin)
     elif rel_ref is not None:
-      lin = rel_tile(cfg, _rel_load(rel_ref), i * bq, j * bk, bq, bk)
+      lin = rel_tile(cfg, _window_load(rel_ref), i * bq, j * bk, bq, bk)
       z, dcap = tile_scores_grad(cfg, [q], [k], _tile(bias_ref), lin)
     else:
       z, dcap = tile_scores_grad(cfg, [q], [k], _tile(bias_ref))
@@ -477,7 +499,7 @@ def _dkv_kernel(*refs, cfg: KernelConfig, has_bias: bool, has_mask: bool):
   bias_ref = next(it) if has_bias else None
   mask_ref = next(it) if has_mask else None
   slope_ref = next(it) if cfg.alibi else None  # [N] in SMEM: the ALiBi slopes
-  rel_ref = next(it) if cfg.relative else None  # [1, Lr]: the query head's reversed table
+  rel_ref = next(it) if cfg.relative else None  # [1, W]: the tile's window of the table
   sm_ids = [next(it) for _ in range(n_ids)]
   dk_ref, dv_ref, dk_sc, dv_sc = next(it), next(it), next(it), next(it)
   bq, bk = cfg.bq_dkv, cfg.bk_dkv
@@ -503,7 +525,7 @@ def _dkv_kernel(*refs, cfg: KernelConfig, has_bias: bool, has_mask: bool):
                                  alibi_tile(cfg, slope, (bq, bk), i * bq, j * bk)[0])
     elif rel_ref is not None:
       z, dcap = tile_scores_grad(cfg, [q], [k], _tile(bias_ref),
-                                 rel_tile(cfg, _rel_load(rel_ref), i * bq, j * bk, bq, bk))
+                                 rel_tile(cfg, _window_load(rel_ref), i * bq, j * bk, bq, bk))
     else:
       z, dcap = tile_scores_grad(cfg, [q], [k], _tile(bias_ref))
     valid = tile_valid(cfg, (bq, bk), i * bq, j * bk, _tile(mask_ref), q_len, kv_len, sm,
@@ -552,7 +574,8 @@ def _backward(cfg: KernelConfig, q, k, v, bias, mask, q_len, kv_len, do, rows, w
     in_specs += _bias_spec(x, bq, bk, bias_map)
   in_specs += slope_specs
   if cfg.relative:
-    in_specs.append(_rel_spec(lambda bb, hh, i, j, *_: (hh, 0, 0), lr))
+    in_specs.append(_rel_window_spec(cfg, bq, bk, lambda bb, hh, i, j, *lens: (
+        hh, i * bq, clamp(bb, i, j, *lens) * bk)))
   sm_ids, sm_specs = smask_ids(cfg, smask, (bq, LANES), (masking.SUBLANES, bk),
                                lambda bb, hh, i, j, *_: i,
                                lambda bb, hh, i, j, *lens: clamp(bb, i, j, *lens))
@@ -575,7 +598,7 @@ def _backward(cfg: KernelConfig, q, k, v, bias, mask, q_len, kv_len, do, rows, w
           in_specs=in_specs + sm_specs, out_specs=out_specs,
           scratch_shapes=[pltpu.VMEM((bq, h), jnp.float32)]),
       out_shape=out_shape,
-      compiler_params=(_params(n_parallel=2, n_arbitrary=2) if cfg.relative
+      compiler_params=(_rel_dq_params(lr) if cfg.relative
                        else _params(n_parallel=3, n_arbitrary=1)),
       interpret=cfg.interpret,
       name="attnx_pallas_dq")(q_len, kv_len, *sm_pre, *args, *sm_ids)
@@ -606,7 +629,8 @@ def _backward(cfg: KernelConfig, q, k, v, bias, mask, q_len, kv_len, do, rows, w
     in_specs += _bias_spec(x, bq, bk, bias_map_kv)
   in_specs += slope_specs
   if cfg.relative:
-    in_specs.append(_rel_spec(lambda bb, hh, j, gg, i, *_: (hh * g + gg, 0, 0), lr))
+    in_specs.append(_rel_window_spec(cfg, bq, bk, lambda bb, hh, j, gg, i, *lens: (
+        hh * g + gg, q_clamp(bb, j, i, *lens) * bq, j * bk)))
   sm_ids, sm_specs = smask_ids(cfg, smask, (bq, LANES), (masking.SUBLANES, bk),
                                lambda bb, hh, j, gg, i, *lens: q_clamp(bb, j, i, *lens),
                                lambda bb, hh, j, *_: j)

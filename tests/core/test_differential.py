@@ -368,6 +368,21 @@ BRANCH_CASES = (
       mask="padding", bias="xxxx", magnitude=2.0, block_q=16, block_k=128),
     C(seed=142, t=50, s=70, n=2, weighting="softpick", sinks=True, score_mod="alibi",
       mask="rows", block_q=32, block_k=32),
+    # A relative table in the Triton kernels (the extended table read per tile, d ext from the
+    # dQ kernels' atomic adds, folded back to the table outside): softmax causal GQA, T ≠ S,
+    # a clipped table [N, 31] (distances past ±15 read its ends) with a differentiated bias;
+    # entmax15 (its threshold passes) with sinks and key lengths, the full table [N, 2·90 − 1].
+    C(seed=143, t=100, s=150, b=2, n=4, kh=2, causal=True, score_mod="table", table_len=31,
+      bias="1x1x", block_q=16, block_k=32, pallas="gpu"),
+    C(seed=144, t=90, s=70, n=2, weighting="entmax15", score_mod="table", sinks=True,
+      structured="lengths", block_q=16, block_k=16, pallas="gpu"),
+    # ... and in the Mosaic kernels too (each tile's window of the reversed table, d ext from
+    # the dQ kernels' diagonal sums): sigmoid GQA with sinks and a clipped table, T ≠ S over
+    # 128-key tiles; causal SSMax with the full table and key lengths.
+    C(seed=145, t=70, s=150, b=2, n=4, kh=2, weighting="sigmoid", score_mod="table",
+      table_len=31, sinks=True, block_q=16, block_k=128),
+    C(seed=146, t=60, s=140, n=2, weighting="ssmax", causal=True, score_mod="table",
+      structured="lengths", block_q=16, block_k=128),
 )
 CI_RANDOM = 4
 INSTANCES = 5  # random inputs per configuration in the large run (compiling dominates a case)

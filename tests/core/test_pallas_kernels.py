@@ -277,3 +277,32 @@ def test_alibi_with_a_cap_and_sinks_lowers_fwd_and_bwd(causal, platform):
   grad = jax.grad(loss, argnums=(0, 1, 2, 3, 4, 5))
   text = jax.jit(grad).trace(*args).lower(lowering_platforms=(platform,)).as_text()
   lowering.custom_calls(text, target, lowering.expected_kernels(platform, "bfloat16", 64, 64))
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+@pytest.mark.parametrize("weighting", ["softmax", "ssmax", "stick_breaking"])
+def test_a_relative_table_with_a_cap_lowers_fwd_and_bwd(weighting, platform):
+  """core.attention with core.relative_table (a learned, clipped table [N, 31]) and a cap
+  through core.Pallas lowers for a GPU, pointwise and whole-row: the extended table an
+  operand of the forward, dQ and dK/dV kernels (gathered loads: a [Lx] row per program, G
+  rows per kv head in dK/dV), d ext the dQ kernel's output, zero-initialised through an
+  input/output alias and added to with atomic adds (tt.atomic_rmw); G = 3, a ragged T, causal,
+  a differentiated bias. And for a TPU (Mosaic): each tile's window of the reversed table,
+  d ext from the dQ kernel's diagonal sums."""
+  _, target = PLATFORMS[platform]
+  q, k, v, bias = _MODDED_ARGS[:4]
+
+  def loss(q, k, v, bias, table):
+    out = core.attention(q, k, v, bias, weighting=weighting, is_causal=True,
+                         logits_soft_cap=30.0, score_mod=core.relative_table(table),
+                         implementation=core.Pallas())
+    return jnp.sum(jnp.square(out.astype(jnp.float32)))
+
+  grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
+  traced = grad.trace(q, k, v, bias, jax.ShapeDtypeStruct((6, 31), jnp.float32))
+  text = traced.lower(lowering_platforms=(platform,)).as_text()
+  if platform == "cuda":
+    assert "atomic_rmw" in text  # in the dQ kernel's serialized Triton IR
+  family = None if weighting == "softmax" else wlib.get_weighting(weighting).stream.family
+  lowering.custom_calls(text, target, lowering.expected_kernels(
+      platform, "bfloat16", 64, 64, *([family] if family else [])))

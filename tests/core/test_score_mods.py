@@ -17,9 +17,9 @@ from attnx.core.kernels import pallas as pallas_lib
 
 B, T, S, N, K, H = 2, 40, 52, 4, 2, 8
 IMPLS = ["dense", core.Blocked(block_q=16, block_k=16)]
-# The Pallas kernels run a soft cap, ALiBi and sinks, for a pointwise F (Triton's kernels in
-# the interpreter here, both lowerings in test_pallas_alibi_*; the differential net's cases
-# 121-131).
+# The Pallas kernels run a soft cap, ALiBi and sinks (and on the GPU's a relative table), for a
+# pointwise F (Triton's kernels in the interpreter here, both lowerings in test_pallas_alibi_*;
+# the differential net's cases 121-131, 143-144).
 PALLAS = core.Pallas(block_q=16, block_k=16, interpret=True)
 WITH_PALLAS = [*IMPLS, PALLAS]
 
@@ -228,8 +228,9 @@ def test_bad_score_mod_arguments_are_refused():
 
 
 def test_pallas_refuses_score_mod_functions_and_row_families_and_the_choice_runs_blocked():
-  """Pallas runs a cap and ALiBi with a pointwise or a whole-row F; any
-  other score_mod function (a table, a user's — even one that computes ALiBi without
+  """Pallas runs a cap and ALiBi with a pointwise or a whole-row F, and a relative table on
+  the backends of RELATIVE_BACKENDS (the GPU's; the TPU's refuse it with the reason); any
+  other score_mod function (a user's — even one that computes ALiBi or a table without
   declaring it) is refused with the reason (a whole-row family takes the cap and ALiBi), and the
   automatic choice runs the blocked kernel (on a CPU it never takes Pallas; explain says why
   for each)."""
@@ -971,3 +972,100 @@ def test_mosaic_relative_windows_fit_and_keep_rotates_within_a_vreg():
         assert (width - e) % 8 == 0 and (e - bq + 1) % 8 == 1
         # the window's lane u = c − r + e holds ext[i·bq + r − (j·bk + c) + off]
         assert m - start - e == i * bq - j * bk + off
+
+
+# --------------------------------------------------------------------------------------------
+# A relative-position table in the Pallas kernels (the GPU's Triton lowering, interpreted):
+# the wrapper's extended table (common.relative_ext) read per tile, d ext from the dQ kernels.
+# --------------------------------------------------------------------------------------------
+
+# L = 7 clips (distances up to ±26 read the ends, whose gradient sums the pad columns'); 53 =
+# 2·max(T, S) − 1 covers every pair (no pad).
+_CLIPPED, _FULL = 7, 2 * max(_PT, _PS) - 1
+
+
+def _pallas_relative(weighting, causal, *, cap=None, sinks=None, q_lengths=None,
+                     kv_lengths=None):
+  """fn(q, k, v, table) of the Triton kernels (interpreted) and of the dense implementation,
+  with a relative table, an optional cap, sinks and lengths."""
+  w = core.get_weighting(weighting)
+
+  def pallas(q, k, v, table):
+    mod = core.score_mods.make(cap, core.relative_table(table))
+    return pallas_lib.pallas_attention(
+        q, k, v, weighting=w, scale=1 / math.sqrt(H), is_causal=causal, q_lengths=q_lengths,
+        kv_lengths=kv_lengths, block_q=16, block_k=16, backend="gpu", interpret=True,
+        score_mod=mod, sinks=sinks)
+
+  def dense(q, k, v, table):
+    return core.attention(
+        q, k, v, weighting=weighting, is_causal=causal, logits_soft_cap=cap,
+        score_mod=core.relative_table(table),
+        sinks=None if sinks is None else jnp.asarray(sinks, q.dtype),
+        query_seq_lengths=q_lengths, key_value_seq_lengths=kv_lengths,
+        implementation="dense")
+
+  return pallas, dense
+
+
+def _table(seed, length):
+  return 0.7 * jax.random.normal(jax.random.key(seed), (N, length), jnp.float32)
+
+
+# (F, causal, table length, cap, sinks): pointwise F (online max, "sum", "none") and every
+# whole-row family, each table length, cap and sinks in some.
+_REL_CASES = [("softmax", True, _CLIPPED, 2.0, False), ("sigmoid", False, _FULL, None, True),
+              ("relu", True, _FULL, 2.0, False), ("ssmax", False, _CLIPPED, None, True),
+              ("softpick", True, _FULL, 2.0, False),
+              ("stick_breaking", False, _CLIPPED, 2.0, False),
+              ("entmax15", True, _CLIPPED, None, True), ("sparsemax", False, _FULL, 2.0, False),
+              ("softmax:alpha=2", False, _CLIPPED, None, False)]
+
+
+@pytest.mark.parametrize(("weighting", "causal", "length", "cap", "sinks"), _REL_CASES,
+                         ids=[f"{c[0]}-L{c[2]}" for c in _REL_CASES])
+def test_pallas_relative_table_equals_float64_dense(weighting, causal, length, cap, sinks):
+  """A relative table in the Triton kernels (interpreted), pointwise and whole-row F: GQA
+  (G = 2), T ≠ S, neither a multiple of the 16×16 tiles, key lengths (and query lengths when
+  causal), a clipped table or one covering every distance, a cap and sinks in some: values
+  and the gradients of q, k, v and the table (d ext from the dQ kernels' atomic adds, folded
+  back) equal the float64 dense implementation's, and every head's table gets a gradient."""
+  q, k, v = _qkv(31, t=_PT, s=_PS)
+  q = 2.0 * q  # scores the cap bends
+  pallas, dense = _pallas_relative(
+      weighting, causal, cap=cap,
+      sinks=np.array([0.5, -1.0, 1.5, 0.0], np.float32) if sinks else None,
+      q_lengths=jnp.array([_PT - 3, _PT], jnp.int32) if causal else None,
+      kv_lengths=jnp.array([_PS, _PS - 6], jnp.int32))
+  _, want_g = _matches_float64(pallas, dense, (q, k, v, _table(length, length)),
+                               ("dq", "dk", "dv", "dtable"), 3e-6, 3e-5)
+  assert np.all(np.abs(np.asarray(want_g[3])).max(axis=1) > 0)
+
+
+def test_pallas_relative_table_bfloat16():
+  """bf16 inputs (Triton, causal softmax with a cap, a clipped table): the float64 dense
+  result of the same rounded inputs, to bf16's precision."""
+  q, k, v = _qkv(32, t=_PT, s=_PS, dtype=jnp.bfloat16)
+  pallas, dense = _pallas_relative("softmax", True, cap=3.0)
+  _matches_float64(pallas, dense, (q, k, v, _table(3, _CLIPPED).astype(jnp.bfloat16)),
+                   ("dq", "dk", "dv", "dtable"), 2e-2, 3e-2)
+
+
+def test_pallas_relative_table_through_attention_learns_under_jit():
+  """implementation=core.Pallas runs core.relative_table under jit with a learned table
+  (its gradient equals the blocked kernel's), a cap and sinks."""
+  q, k, v = _qkv(33, t=_PT, s=_PS)
+  sinks = jnp.array([0.2, -0.3, 1.0, 0.0])
+
+  def run(impl):
+    @jax.jit
+    def loss(table):
+      out = core.attention(q, k, v, weighting="softmax", logits_soft_cap=5.0,
+                           score_mod=core.relative_table(table), sinks=sinks,
+                           implementation=impl)
+      return jnp.sum(out ** 2)
+    return jax.value_and_grad(loss)(_table(4, 11))
+
+  (val, g), (want, want_g) = run(PALLAS), run(IMPLS[1])
+  np.testing.assert_allclose(val, want, rtol=1e-5)
+  np.testing.assert_allclose(g, want_g, rtol=1e-4, atol=1e-5)

@@ -97,6 +97,9 @@ class Case:
   score_mod: str = "none"
   # Attention sinks (one learned score per head), for the weightings they mean something for.
   sinks: bool = False
+  # The relative table's length L ("table", "fn"): 0 for 2·max(T, S) − 1 (every distance its
+  # own column); an odd L below that clips the farther distances to its ends.
+  table_len: int = 0
 
   def implementations(self) -> list[str]:
     """The implementations this case runs; on a CPU the automatic choice replaces the
@@ -112,10 +115,12 @@ class Case:
       out.append("auto")
     small = max(self.t, self.s) <= PALLAS_MAX_LEN and self.b * self.n <= PALLAS_MAX_HEADS
     # Pallas runs every streaming weighting: pointwise F and the whole-row families; a soft
-    # cap, ALiBi and sinks with either (no other score_mod function).
+    # cap, ALiBi, sinks and (the lowerings of RELATIVE_BACKENDS) a relative table with either
+    # (no other score_mod function).
     if streaming and small and self.pallas != "none" and pallas_runs_modification(self):
       out.append("pallas")
-      if self.score in ("dot", "scaled_dot") and self.pallas == "both" and not ON_GPU:
+      if (self.score in ("dot", "scaled_dot") and self.pallas == "both" and not ON_GPU
+          and pallas_runs_modification(self, "tpu")):
         out.append("pallas_tpu")
     return [i for i in out if self.only is None or i in self.only]
 
@@ -125,12 +130,16 @@ class Case:
                     if v != getattr(Case, k, None) or k in ("seed", "t", "s"))
 
 
-def pallas_runs_modification(case: Case) -> bool:
-  """Whether the Pallas kernels run the case's score modification and sinks: none at all, or
-  a soft cap or ALiBi and/or sinks, with a pointwise or a whole-row F (no kernel runs another
-  score_mod function; the draw gives sinks only to the weightings they mean something for)."""
+def pallas_runs_modification(case: Case, backend: str = "gpu") -> bool:
+  """Whether the ``backend`` Pallas kernels ("gpu": Triton, "tpu": Mosaic) run the case's
+  score modification and sinks: none at all, or a soft cap, ALiBi or (the backends of
+  RELATIVE_BACKENDS) a relative table and/or sinks, with a pointwise or a whole-row F (no
+  kernel runs another score_mod function; the draw gives sinks only to the weightings they
+  mean something for)."""
   if case.score_mod == "none" and not case.sinks:
     return True
+  if case.score_mod == "table":
+    return backend in pallas_tiles.RELATIVE_BACKENDS
   return case.score_mod in ("none", "cap", "alibi")
 
 
@@ -232,9 +241,9 @@ def draw(seed: int, kind: str | None = None) -> Case:
   if rng.random() < 0.3:  # a structured mask replaces the dense one
     case = dataclasses.replace(case, mask="none", structured=str(rng.choice(STRUCTURED)))
   # Score modifications: every kind where no Pallas kernel runs; where one does, a pointwise
-  # F gets the soft cap or ALiBi (the modifications the Pallas kernels run) in a smaller
-  # share, so that the unmodified Pallas cases keep theirs; a whole-row F too. Sinks
-  # likewise (every weighting with a sum: problem.sinks_reason).
+  # F gets the soft cap, ALiBi or a relative table (the modifications the Pallas kernels run)
+  # in a smaller share, so that the unmodified Pallas cases keep theirs; a whole-row F too.
+  # Sinks likewise (every weighting with a sum: problem.sinks_reason).
   w = wlib.get_weighting(weighting)
   pointwise = isinstance(w, wlib.Pointwise)
   u = rng.random()
@@ -244,6 +253,17 @@ def draw(seed: int, kind: str | None = None) -> Case:
     case = dataclasses.replace(case, score_mod="cap" if u < 0.12 else "alibi")
   elif u < 0.2:  # a whole-row F in Pallas: the soft cap or ALiBi (its kernels run both)
     case = dataclasses.replace(case, score_mod="cap" if u < 0.12 else "alibi")
+  if case.score_mod == "alibi" and pallas != "none":
+    # A third of those a relative table instead (the Triton kernels run one; "both" runs it
+    # on the GPU's only), a clipped one in half of them: from a stream of its own, so that
+    # the draws after this one stay those of the seed before tables ran in Pallas.
+    side = np.random.default_rng([29, seed])
+    if side.random() < 1 / 3:
+      width = 2 * max(case.t, case.s, 1) - 1
+      clip = side.random() < 0.5 and width > 3
+      case = dataclasses.replace(
+          case, score_mod="table",
+          table_len=int(side.integers(1, width // 2)) * 2 + 1 if clip else 0)
   if rng.random() < 0.3 and problem.sinks_reason(w) is None:
     case = dataclasses.replace(case, sinks=True)
   return case
@@ -266,7 +286,7 @@ def mod_params(case: Case, instance: int = 0) -> dict[str, np.ndarray]:
     base = np.asarray(core.alibi_slopes(case.n)) if case.n else np.zeros(0, np.float32)
     out["slopes"] = (base * rng.uniform(0.5, 2.0, case.n)).astype(np.float32)
   if case.score_mod in ("table", "fn"):
-    width = 2 * max(case.t, case.s, 1) - 1
+    width = case.table_len or 2 * max(case.t, case.s, 1) - 1
     out["table"] = (0.5 * rng.standard_normal((case.n, width))).astype(np.float32)
   if case.sinks:
     # Centred at log S: a sink of score ≈ log S weighs about as much as all S keys together

@@ -17,6 +17,11 @@ Arrays stay in the ``[B, T, N, H]`` layout (strided loads). Every in-kernel arra
 power-of-2 dims, so tiles are powers of 2 and the head dims, zero-padded to a multiple of 16 by
 the caller, are processed in power-of-2 chunks (:func:`head_chunks`). The tile math is
 :mod:`.common`'s, spelled with :data:`OPS`: Σ F summed apart from the F·V matmul.
+
+Score modifications: a soft cap and ALiBi in the tile scores (:mod:`.common`); a relative
+table's extended table ext [N, Lx] as the score-mod operand, each tile's bias a gathered load
+of its head's row (:func:`rel_tile`), and d ext accumulated by the dQ kernel with atomic adds
+into one zero-initialised [N, Lx] (:func:`scatter_add`, :func:`rel_grad_out`).
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ from attnx.core.kernels.pallas.common import (
     kv_span,
     q_span,
     ref_cols,
+    relative_index,
     sink_start,
     tile_scores,
     tile_scores_grad,
@@ -57,7 +63,8 @@ Array = jax.Array
 OPS = streaming.Ops(exp2=True, ones_column=False)
 
 __all__ = ["OPS", "backward", "bias_specs", "dkv_passes", "forward", "head_chunks", "load_chunks",
-           "load_chunks3", "smask_operands", "smask_view", "store_chunks", "zero_tiles"]
+           "load_chunks3", "mod_args", "rel_grad_out", "rel_tile", "scatter_add", "smask_operands",
+           "smask_view", "store_chunks", "zero_tiles"]
 
 
 def head_chunks(size: int) -> tuple[tuple[int, int], ...]:
@@ -88,6 +95,71 @@ def store_chunks(ref, values, chunks, mult: float = 1.0):
 
 
 # --------------------------------------------------------------------------------------------
+# A relative-position table: its extended table ext [N, Lx] (common.relative_ext), read per tile
+# by a gathered load, its gradient accumulated by atomic adds.
+# --------------------------------------------------------------------------------------------
+
+def rel_tile(cfg: KernelConfig, ref, shape: tuple[int, int], r0, c0, head=None):
+  """(bias, idx): a relative table's bias of the [bq, bk] tile whose first row is query ``r0``
+  and first column key ``c0``, float32, gathered from ``ref`` (ext's row of the query head,
+  [Lx]; or [G, Lx] rows read at ``head``) at idx = :func:`.common.relative_index` (a load of a
+  pointer tensor on the GPU)."""
+  idx = relative_index(cfg, shape, r0, c0, ref.shape[-1])
+  return (ref[idx] if head is None else ref[head, idx]), idx
+
+
+def scatter_add(cfg: KernelConfig, ref, idx, val) -> None:
+  """``ref[idx] += val`` for an [Lx] row ``ref`` shared by many programs, duplicates in ``idx``
+  summed: Triton's atomic add on a pointer tensor (``tt.atomic_rmw`` fadd, one per entry). In
+  Pallas' interpreter the atomic add of an index array keeps one of duplicate indices (its
+  discharge rule gathers, adds and sets), so there the same sums are a scatter-add on values
+  (the interpreter runs the programs one after another: no race)."""
+  if cfg.interpret:
+    ref[...] = ref[...] + jnp.zeros(ref.shape, jnp.float32).at[idx.reshape(-1)].add(
+        val.reshape(-1))
+  else:
+    plgpu.atomic_add(ref, (idx,), val)
+
+
+def mod_args(cfg: KernelConfig, mod, kv_heads: int | None = None) -> tuple[list, list]:
+  """([BlockSpec], [array]) of the score modification's operand of a kernel with grid
+  (tile, batch, head): ALiBi's slopes [N] as a [1] block at the query head, a relative
+  table's ext [N, Lx] as the query head's row [Lx]; with ``kv_heads`` (the dK/dV kernels, grid
+  over kv heads) the G slopes of the kv head as a [Gp] row (a power of 2), or ext's G rows
+  [G, Lx]. None of them without ``cfg.mod_operand``."""
+  if not cfg.mod_operand:
+    return [], []
+  mod = mod.astype(jnp.float32)
+  g = cfg.g
+  if cfg.relative:
+    lx = mod.shape[-1]
+    if kv_heads is None:
+      return [pl.BlockSpec((None, lx), lambda i, bb, h: (h, 0))], [mod]
+    return [pl.BlockSpec((g, lx), lambda j, bb, h: (h, 0))], [mod]
+  if kv_heads is None:
+    return [pl.BlockSpec((1,), lambda i, bb, h: (h,))], [mod]
+  gp = pl.next_power_of_2(g)
+  return ([pl.BlockSpec((None, gp), lambda j, bb, h: (h, 0))],
+          [jnp.pad(mod.reshape(kv_heads, g), ((0, 0), (0, gp - g)))])
+
+
+def rel_grad_out(cfg: KernelConfig, ext, out_specs: list, out_shape: list) -> tuple:
+  """(in_specs, operands, input_output_aliases) that give a dQ kernel (grid (tile, batch,
+  head)) d ext [N, Lx] float32 as its last output, appended to ``out_specs``/``out_shape``:
+  each program adds (:func:`scatter_add`) into its query head's row, so the output starts
+  as zeros, the kernel's first operand, which it aliases. Nothing without
+  ``cfg.relative``."""
+  if not cfg.relative:
+    return [], [], {}
+  n, lx = ext.shape
+  spec = pl.BlockSpec((None, lx), lambda i, bb, h: (h, 0))
+  aliases = {0: len(out_specs)}
+  out_specs.append(spec)
+  out_shape.append(jax.ShapeDtypeStruct((n, lx), jnp.float32))
+  return [spec], [jnp.zeros((n, lx), jnp.float32)], aliases
+
+
+# --------------------------------------------------------------------------------------------
 # Forward.
 # --------------------------------------------------------------------------------------------
 
@@ -98,7 +170,8 @@ def _fwd_kernel(*refs, cfg: KernelConfig, has_bias: bool, has_mask: bool):
   mask_ref = next(it) if has_mask else None
   qlen_ref, kvlen_ref = next(it), next(it)
   sink_ref = next(it) if cfg.sinks else None  # [1]: this query head's sink
-  slope_ref = next(it) if cfg.alibi else None  # [1]: this query head's ALiBi slope
+  # [1]: this query head's ALiBi slope, or [Lx]: its row of a relative table's ext
+  slope_ref = next(it) if cfg.mod_operand else None
   sm_refs = [next(it) for _ in range(cfg.num_smask_refs)]
   o_ref, stat_ref = next(it), next(it)
   w, bq, bk, ops = cfg.w, cfg.bq, cfg.bk, OPS
@@ -108,14 +181,16 @@ def _fwd_kernel(*refs, cfg: KernelConfig, has_bias: bool, has_mask: bool):
   sm = smask_view(cfg, sm_refs, "fwd", bq, bk)
   head = None if sm is None else pl.program_id(2)
   qs = load_chunks(q_ref, slice(None), hc)
-  slope = None if slope_ref is None else slope_ref[0]
+  slope = slope_ref[0] if cfg.alibi else None
 
   def tile(j):
     c0 = j * bk
     rows = pl.ds(c0, bk)
     ks, vs = load_chunks(k_ref, rows, hc), tuple(load_chunks(v_ref, rows, vc))
     bias_t = None if bias_ref is None else ref_cols(bias_ref, c0, bk)
-    if slope is None:
+    if cfg.relative:
+      z = tile_scores(cfg, qs, ks, bias_t, rel_tile(cfg, slope_ref, (bq, bk), i * bq, c0)[0])
+    elif slope is None:
       z = tile_scores(cfg, qs, ks, bias_t)
     else:
       z = tile_scores(cfg, qs, ks, bias_t, alibi_tile(cfg, slope, (bq, bk), i * bq, c0)[0])
@@ -178,8 +253,8 @@ def bias_specs(x: Array | None, block: tuple[int, ...], index: Callable) -> list
 def forward(cfg: KernelConfig, q, k, v, bias, mask, q_len, kv_len, out_dtype, smask=None,
             sinks=None, slopes=None):
   """O and the row statistic (:func:`attnx.core.kernels.pallas.wrapper.forward`); ``sinks``
-  [N] float32 when ``cfg.sinks``, ``slopes`` [N] when ``cfg.alibi`` (each program reads its
-  query head's)."""
+  [N] float32 when ``cfg.sinks``, ``slopes`` ALiBi's [N] or a relative table's ext [N, Lx]
+  when ``cfg.mod_operand`` (each program reads its query head's, :func:`mod_args`)."""
   b, tp, n, hp = q.shape
   hvp = v.shape[-1]
   bq, g = cfg.bq, cfg.g
@@ -195,9 +270,9 @@ def forward(cfg: KernelConfig, q, k, v, bias, mask, q_len, kv_len, out_dtype, sm
   if cfg.sinks:
     in_specs.append(pl.BlockSpec((1,), lambda i, bb, h: (h,)))
     sink_args = [sinks.astype(jnp.float32)]
-  if cfg.alibi:
-    in_specs.append(pl.BlockSpec((1,), lambda i, bb, h: (h,)))
-    sink_args.append(slopes.astype(jnp.float32))
+  mod_specs, mod_arrays = mod_args(cfg, slopes)
+  in_specs += mod_specs
+  sink_args += mod_arrays
   sm_args, sm_specs = smask_operands(cfg, smask, "fwd", bq, cfg.bk)
   in_specs += sm_specs
   kernel = functools.partial(_fwd_kernel, cfg=cfg, has_bias=bias is not None,
@@ -219,16 +294,19 @@ def forward(cfg: KernelConfig, q, k, v, bias, mask, q_len, kv_len, out_dtype, sm
 # --------------------------------------------------------------------------------------------
 
 def _dq_kernel(*refs, cfg: KernelConfig, has_bias: bool, has_mask: bool, want_ds: bool):
-  it = iter(refs)
+  # A relative table: the first operand is the zeros that d ext's output aliases.
+  it = iter(refs[1:] if cfg.relative else refs)
   q_ref, k_ref, v_ref, do_ref, r0_ref, r1_ref, dl_ref = (next(it) for _ in range(7))
   bias_ref = next(it) if has_bias else None
   mask_ref = next(it) if has_mask else None
   qlen_ref, kvlen_ref = next(it), next(it)
-  slope_ref = next(it) if cfg.alibi else None  # [1]: this query head's ALiBi slope
+  # [1]: this query head's ALiBi slope, or [Lx]: its row of a relative table's ext
+  slope_ref = next(it) if cfg.mod_operand else None
   sm_refs = [next(it) for _ in range(cfg.num_smask_refs)]
   dq_ref = next(it)
   ds_ref = next(it) if want_ds else None
-  dm_ref = next(it) if cfg.alibi else None  # [bq]: the rows' partial sums of d slope
+  # [bq]: the rows' partial sums of d slope, or [Lx]: the head's d ext (shared by the programs)
+  dm_ref = next(it) if cfg.mod_operand else None
   bq, bk = cfg.bq_dq, cfg.bk_dq
   hc, vc = head_chunks(q_ref.shape[-1]), head_chunks(v_ref.shape[-1])
   i = pl.program_id(0)
@@ -238,7 +316,7 @@ def _dq_kernel(*refs, cfg: KernelConfig, has_bias: bool, has_mask: bool, want_ds
   qs, dos = load_chunks(q_ref, slice(None), hc), load_chunks(do_ref, slice(None), vc)
   r0, r1, delta = r0_ref[...][:, None], r1_ref[...][:, None], dl_ref[...][:, None]
   gq, gb = cfg.grad_mult
-  slope = None if slope_ref is None else slope_ref[0]
+  slope = slope_ref[0] if cfg.alibi else None
 
   def body(j, carry):
     dq, dm = carry if slope is not None else (carry, None)
@@ -246,7 +324,10 @@ def _dq_kernel(*refs, cfg: KernelConfig, has_bias: bool, has_mask: bool, want_ds
     rows = pl.ds(c0, bk)
     ks, vs = load_chunks(k_ref, rows, hc), load_chunks(v_ref, rows, vc)
     bias_t = None if bias_ref is None else ref_cols(bias_ref, c0, bk)
-    if slope is None:
+    if cfg.relative:
+      lin, idx = rel_tile(cfg, slope_ref, (bq, bk), i * bq, c0)
+      z, dcap = tile_scores_grad(cfg, qs, ks, bias_t, lin)
+    elif slope is None:
       z, dcap = tile_scores_grad(cfg, qs, ks, bias_t)
     else:
       lin, dist = alibi_tile(cfg, slope, (bq, bk), i * bq, c0)
@@ -258,6 +339,8 @@ def _dq_kernel(*refs, cfg: KernelConfig, has_bias: bool, has_mask: bool, want_ds
       ds_ref[:, rows] = dz * gb if gb != 1.0 else dz
     if slope is not None:  # d slope = Σ dS·dist (dS = gb·dz: scaled once, outside)
       dm = dm + jnp.sum(dz * dist, axis=1)
+    if cfg.relative:  # d ext[i − j + off] += dS_ij (dS = gb·dz: scaled once, outside)
+      scatter_add(cfg, dm_ref, idx, dz)
     dz = capped_grad(dz, dcap)  # the cotangent of scale·q·k
     dq = tuple(a + jnp.dot(dz.astype(k.dtype), finite(k), preferred_element_type=jnp.float32)
                for a, k in zip(dq, ks, strict=True))
@@ -293,7 +376,8 @@ def _dkv_kernel(*refs, cfg: KernelConfig, has_bias: bool, has_mask: bool,
   bias_ref = next(it) if has_bias else None
   mask_ref = next(it) if has_mask else None
   qlen_ref, kvlen_ref = next(it), next(it)
-  slope_ref = next(it) if cfg.alibi else None  # [Gp]: the slopes of the kv head's query heads
+  # [Gp]: the ALiBi slopes of the kv head's query heads, or [G, Lx]: their rows of ext
+  slope_ref = next(it) if cfg.mod_operand else None
   sm_refs = [next(it) for _ in range(cfg.num_smask_refs)]
   dk_ref = next(it) if want_dk else None
   dv_ref = next(it) if want_dv else None
@@ -311,7 +395,7 @@ def _dkv_kernel(*refs, cfg: KernelConfig, has_bias: bool, has_mask: bool,
   gq, _ = cfg.grad_mult
 
   def head(h, carry):
-    slope = None if slope_ref is None else slope_ref[h]
+    slope = slope_ref[h] if cfg.alibi else None
 
     def q_block(i, carry):
       dk, dv = carry
@@ -325,7 +409,10 @@ def _dkv_kernel(*refs, cfg: KernelConfig, has_bias: bool, has_mask: bool,
       if mask_ref is not None:
         mask_t = mask_ref[h if mask_ref.shape[0] > 1 else 0,
                           r if mask_ref.shape[1] > 1 else pl.ds(0, 1), :]
-      if slope is None:
+      if cfg.relative:
+        z, dcap = tile_scores_grad(cfg, qs, ks, bias_t,
+                                   rel_tile(cfg, slope_ref, (bq, bk), i * bq, c0, h)[0])
+      elif slope is None:
         z, dcap = tile_scores_grad(cfg, qs, ks, bias_t)
       else:
         z, dcap = tile_scores_grad(cfg, qs, ks, bias_t,
@@ -374,8 +461,10 @@ def dkv_passes(kernel: Callable, cfg: KernelConfig, args: list, in_specs: list, 
 
 def backward(cfg: KernelConfig, q, k, v, bias, mask, q_len, kv_len, do, rows, want_ds,
              smask=None, slopes=None):
-  """dq, dk, dv, dS or None and, when ``cfg.alibi`` (``slopes`` [N]), d slopes [N] float32
-  (the dQ kernel's per-row partial sums, summed here)."""
+  """dq, dk, dv, dS or None and, when ``cfg.mod_operand``, the gradient of ``slopes`` float32:
+  d slopes [N] (``cfg.alibi``: the dQ kernel's per-row partial sums, summed here) or d ext
+  [N, Lx] (``cfg.relative``: the dQ kernels' atomic adds into one zero-initialised [N, Lx],
+  summed over the batch and the query tiles in place)."""
   b, tp, n, hp = q.shape
   _, sp, kh, _ = k.shape
   hvp = v.shape[-1]
@@ -385,8 +474,6 @@ def backward(cfg: KernelConfig, q, k, v, bias, mask, q_len, kv_len, do, rows, wa
   params = plgpu.CompilerParams(num_warps=cfg.num_warps_bwd, num_stages=cfg.num_stages_bwd)
   dq_params = plgpu.CompilerParams(num_warps=cfg.num_warps_dq, num_stages=cfg.num_stages_bwd)
   args = [q, k, v, do, *rows] + [x for x in (bias, mask) if x is not None] + [q_len, kv_len]
-  if cfg.alibi:
-    slopes = slopes.astype(jnp.float32)
 
   # dQ (and dS): grid over query tiles of every query head.
   bq, kv = cfg.bq_dq, lambda i, bb, h: (bb, 0, lax.div(h, g), 0)
@@ -401,19 +488,24 @@ def backward(cfg: KernelConfig, q, k, v, bias, mask, q_len, kv_len, do, rows, wa
   if want_ds:
     out_specs.append(pl.BlockSpec((None, None, bq, sp), lambda i, bb, h: (bb, h, i, 0)))
     out_shape.append(jax.ShapeDtypeStruct((b, n, tp, sp), jnp.float32))
-  slope_specs, slope_args = [], []
-  if cfg.alibi:  # a [1] block at the query head in; the rows' d slope sums [B, N, Tp] out
-    slope_specs, slope_args = [pl.BlockSpec((1,), lambda i, bb, h: (h,))], [slopes]
+  slope_specs, slope_args = mod_args(cfg, slopes)
+  if cfg.alibi:  # the rows' d slope sums [B, N, Tp] out
     out_specs.append(pl.BlockSpec((None, None, bq), lambda i, bb, h: (bb, h, i)))
     out_shape.append(jax.ShapeDtypeStruct((b, n, tp), jnp.float32))
+  zero_specs, zero_args, aliases = rel_grad_out(cfg, slopes, out_specs, out_shape)
   sm_args, sm_specs = smask_operands(cfg, smask, "dq", bq, cfg.bk_dq)
   res = pl.pallas_call(
       functools.partial(_dq_kernel, cfg=cfg, want_ds=want_ds, **has),
-      grid=(tp // bq, b, n), in_specs=in_specs + lens + slope_specs + sm_specs,
+      grid=(tp // bq, b, n), in_specs=zero_specs + in_specs + lens + slope_specs + sm_specs,
       out_specs=out_specs, out_shape=out_shape, compiler_params=dq_params,
-      interpret=cfg.interpret, name="attnx_pallas_dq")(*args, *slope_args, *sm_args)
+      input_output_aliases=aliases, interpret=cfg.interpret,
+      name="attnx_pallas_dq")(*zero_args, *args, *slope_args, *sm_args)
   dq, ds = res[0], (res[1] if want_ds else None)
-  dslopes = jnp.sum(res[-1], axis=(0, 2)) if cfg.alibi else None
+  dslopes = None
+  if cfg.alibi:
+    dslopes = jnp.sum(res[-1], axis=(0, 2))
+  elif cfg.relative:
+    dslopes = res[-1] * gb if (gb := cfg.grad_mult[1]) != 1.0 else res[-1]
 
   # dK, dV: grid over key tiles of every kv head; the G query heads of a kv head in-kernel.
   bk = cfg.bk_dkv
@@ -429,14 +521,11 @@ def backward(cfg: KernelConfig, q, k, v, bias, mask, q_len, kv_len, do, rows, wa
     blk = (None, 1 if shape[1] == 1 else g, 1 if shape[2] == 1 else tp, 1 if shape[3] == 1 else bk)
     in_specs.append(pl.BlockSpec(
         blk, lambda j, bb, h, shape=shape: bcast_index(shape, (bb, h, 0, j))))
-  if cfg.alibi:  # [K, Gp] (a power of 2 for Triton): the G slopes of each kv head
-    gp = pl.next_power_of_2(g)
-    slope_specs = [pl.BlockSpec((None, gp), lambda j, bb, h: (h, 0))]
-    slope_args = [jnp.pad(slopes.reshape(kh, g), ((0, 0), (0, gp - g)))]
+  slope_specs, slope_args = mod_args(cfg, slopes, kv_heads=kh)
   sm_args, sm_specs = smask_operands(cfg, smask, "dkv", cfg.bq_dkv, bk)
   dk, dv = dkv_passes(_dkv_kernel, cfg, args + slope_args + sm_args,
                       in_specs + lens + slope_specs + sm_specs, k, v, params=params,
                       name="attnx_pallas", has=has)
-  if cfg.alibi:
+  if cfg.mod_operand:
     return dq, dk, dv, ds, dslopes
   return dq, dk, dv, ds

@@ -3,7 +3,9 @@
 Arrays stay in the [B, T, N, H] layout with key/value blocks of the whole padded sequence read
 tile by tile (strided loads), q/k head dims in power-of-2 chunks (:func:`.triton.head_chunks`),
 the value head dim padded to a power of 2; stick-breaking's carries are [B, N, key tiles, Tp]
-with the key tiles padded to a power of 2.
+with the key tiles padded to a power of 2. A relative table as in :mod:`.triton` (the gathered
+bias in every pass's tile scores, d ext added to by the dQ kernel's :func:`.triton.scatter_add`
+from each tile's dS).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from attnx.core.kernels.pallas.common import (
     kv_span,
     q_span,
     ref_cols,
+    relative_index,
 )
 from attnx.core.kernels.pallas.rows import (
     dkv_names,
@@ -54,6 +57,18 @@ def _carry_cols(cfg: KernelConfig) -> int:
   return max(1, 1 << (n - 1).bit_length())
 
 
+def _mod(cfg, ref, bq: int, bk: int, head=None):
+  """(ALiBi's slope or None, the relative table's rel(r0, c0) or None) of a program from the
+  score modification's ref: ALiBi's [1] block at the query head (``head`` None) or [Gp] row
+  of the kv head's slopes; a relative table's [Lx] row of ext at the query head or its [G, Lx]
+  rows, read at ``head`` (:func:`.triton.rel_tile`)."""
+  if cfg.alibi:
+    return ref[0 if head is None else head], None
+  if cfg.relative:
+    return None, lambda r0, c0: triton.rel_tile(cfg, ref, (bq, bk), r0, c0, head)[0]
+  return None, None
+
+
 # --------------------------------------------------------------------------------------------
 # Forward.
 # --------------------------------------------------------------------------------------------
@@ -67,11 +82,12 @@ def _fwd_kernel(*refs, cfg, has_bias, has_mask):
   sm = triton.smask_view(cfg, r["sm"], "fwd", bq, bk)
   qs = triton.load_chunks(r["q"], slice(None), hc)
   k_ref, v_ref, bias_ref, mask_ref = r["k"], r["v"], r["bias"], r["mask"]
-  slope = None if r["slopes"] is None else r["slopes"][0]  # [1]: the query head's ALiBi slope
+  slope, rel = _mod(cfg, r["slopes"], bq, bk)
   tile = tile_fn(cfg, i, bq, bk, qs, lambda c0: triton.load_chunks(k_ref, pl.ds(c0, bk), hc),
                   lambda c0: None if bias_ref is None else ref_cols(bias_ref, c0, bk),
                   lambda c0: None if mask_ref is None else ref_cols(mask_ref, c0, bk),
-                  q_len, kv_len, sm, None if sm is None else pl.program_id(2), slope=slope)
+                  q_len, kv_len, sm, None if sm is None else pl.program_id(2), slope=slope,
+                  rel=rel)
   span = kv_span(cfg, i, bq, bk, q_len, kv_len, sm)
   rowc = None if r["rowc"] is None else r["rowc"][...]
   sink = None if r["sinks"] is None else r["sinks"][0]  # [1]: the query head's sink
@@ -96,10 +112,8 @@ def forward(cfg, q, k, v, rowc, bias, mask, q_len, kv_len, out_dtype, smask=None
   in_specs = [row, kv(hp), kv(hvp)] + ([rowvec] if rowc is not None else [])
   for x in (bias, mask):
     in_specs += triton.bias_specs(x, (1, 1, bq, sp), lambda i, bb, h: (bb, h, i, 0))
-  slope_args = []
-  if cfg.alibi:  # a [1] block at the query head
-    in_specs.append(pl.BlockSpec((1,), lambda i, bb, h: (h,)))
-    slope_args = [slopes.astype(F32)]
+  mod_specs, slope_args = triton.mod_args(cfg, slopes)  # at the query head
+  in_specs += mod_specs
   if cfg.sinks:  # a [1] block at the query head
     in_specs.append(pl.BlockSpec((1,), lambda i, bb, h: (h,)))
     slope_args.append(sinks.astype(F32))
@@ -130,7 +144,9 @@ def forward(cfg, q, k, v, rowc, bias, mask, q_len, kv_len, out_dtype, smask=None
 # --------------------------------------------------------------------------------------------
 
 def _dq_kernel(*refs, cfg, has_bias, has_mask, want_ds):
-  r = split_refs(refs, dq_names(cfg, has_bias, has_mask, want_ds, lens_first=False))
+  # A relative table: the first operand is the zeros that d ext's output aliases.
+  r = split_refs(refs[1:] if cfg.relative else refs,
+                 dq_names(cfg, has_bias, has_mask, want_ds, lens_first=False))
   bq, bk = cfg.bq_dq, cfg.bk_dq
   hc, vc = triton.head_chunks(r["q"].shape[-1]), triton.head_chunks(r["v"].shape[-1])
   i = pl.program_id(0)
@@ -140,12 +156,12 @@ def _dq_kernel(*refs, cfg, has_bias, has_mask, want_ds):
   dos = triton.load_chunks(r["do"], slice(None), vc)
   k_ref, v_ref, bias_ref, mask_ref, ds_ref = r["k"], r["v"], r["bias"], r["mask"], r["ds"]
   load_k = lambda c0: triton.load_chunks(k_ref, pl.ds(c0, bk), hc)
-  slope = None if r["slopes"] is None else r["slopes"][0]  # [1]: the query head's ALiBi slope
+  slope, rel = _mod(cfg, r["slopes"], bq, bk)
   tile = tile_fn(cfg, i, bq, bk, qs, load_k,
                   lambda c0: None if bias_ref is None else ref_cols(bias_ref, c0, bk),
                   lambda c0: None if mask_ref is None else ref_cols(mask_ref, c0, bk),
                   q_len, kv_len, sm, None if sm is None else pl.program_id(2), grad=True,
-                  slope=slope)
+                  slope=slope, rel=rel)
   lo, hi = span = kv_span(cfg, i, bq, bk, q_len, kv_len, sm)
   stats = tuple(ref[...] for ref in stat_refs_of(r, cfg))
   rowc = None if r["rowc"] is None else r["rowc"][...]
@@ -153,6 +169,10 @@ def _dq_kernel(*refs, cfg, has_bias, has_mask, want_ds):
   def ds_store(c0, dz):
     if ds_ref is not None:
       ds_ref[:, pl.ds(c0, bk)] = dz
+    if cfg.relative:  # d ext[i − j + off] += dS_ij (α = 1 for the whole-row families)
+      dext = r["dslope"]
+      triton.scatter_add(cfg, dext, relative_index(cfg, (bq, bk), i * bq, c0, dext.shape[-1]),
+                         dz)
 
   ca_ref, cb_ref = r["ca"], r["cb"]
 
@@ -165,7 +185,7 @@ def _dq_kernel(*refs, cfg, has_bias, has_mask, want_ds):
   triton.store_chunks(r["dq"], dq, hc, cfg.grad_mult[0])
   if dc is not None:
     r["dc"][...] = dc
-  if dm is not None:  # the rows' d slope sums, summed over rows and batch outside
+  if dm is not None:  # ALiBi: the rows' d slope sums, summed over rows and batch outside
     r["dslope"][...] = dm
   if ca_ref is not None:
     def fill(values):
@@ -217,7 +237,7 @@ def _dkv_kernel(*refs, cfg, has_bias, has_mask, want_dk=True, want_dv=True):
       return dkv_step(cfg, OPS, dkv, j, i, qs, dos, ks, vs, bias_t, mask_t, q_len, kv_len,
                        stats, r["delta"][h, rows], rowc, carry, sm,
                        None if sm is None else head0 + h,
-                       None if r["slopes"] is None else r["slopes"][h])
+                       *_mod(cfg, r["slopes"], bq, bk, h))
     return lax.fori_loop(lo, hi, q_block, carry)
 
   init = (tuple(jnp.zeros((bk, c), F32) for _, c in hc) if want_dk else (),
@@ -231,8 +251,9 @@ def _dkv_kernel(*refs, cfg, has_bias, has_mask, want_dk=True, want_dv=True):
 
 def backward(cfg, q, k, v, bias, mask, q_len, kv_len, do, rows, rowc, want_ds, smask=None,
              slopes=None):
-  """(dq, dk, dv, dS or None, dc or None) and, with ``cfg.alibi`` (``slopes`` [N]), d slopes
-  [N] float32."""
+  """(dq, dk, dv, dS or None, dc or None) and, with ``cfg.mod_operand``, the gradient of
+  ``slopes`` float32: d slopes [N] (ALiBi) or d ext [N, Lx] (a relative table: the dQ
+  kernel's atomic adds, :func:`.triton.scatter_add`)."""
   b, tp, n, hp = q.shape
   _, sp, kh, _ = k.shape
   hvp = v.shape[-1]
@@ -256,8 +277,8 @@ def backward(cfg, q, k, v, bias, mask, q_len, kv_len, do, rows, rowc, want_ds, s
   in_specs += [rowvec] * nrows
   for x in (bias, mask):
     in_specs += triton.bias_specs(x, (1, 1, bq, sp), lambda i, bb, h: (bb, h, i, 0))
-  if cfg.alibi:  # a [1] block at the query head
-    in_specs.append(pl.BlockSpec((1,), lambda i, bb, h: (h,)))
+  mod_specs, slope_args = triton.mod_args(cfg, slopes)  # at the query head
+  in_specs += mod_specs
   out_specs = [pl.BlockSpec((None, bq, None, hp), qmap)]
   out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
   if want_ds:
@@ -269,22 +290,28 @@ def backward(cfg, q, k, v, bias, mask, q_len, kv_len, do, rows, rowc, want_ds, s
   if cfg.alibi:  # the rows' d slope sums
     out_specs.append(rowvec)
     out_shape.append(jax.ShapeDtypeStruct((b, n, tp), F32))
+  # d ext [N, Lx] (a relative table): in d slopes' place; the kernel's first operand its zeros
+  zero_specs, zero_args, aliases = triton.rel_grad_out(cfg, slopes, out_specs, out_shape)
   if saves_carries:  # [B, N, key tiles, Tp]: the carries of each row at each key tile
     out_specs += [pl.BlockSpec((None, None, ncols, bq), lambda i, bb, h: (bb, h, 0, i))] * 2
     out_shape += [jax.ShapeDtypeStruct((b, n, ncols, tp), F32)] * 2
-  slope_args = [slopes.astype(F32)] if cfg.alibi else []
   args = [q, k, v, do, *rows] + [x for x in (bias, mask) if x is not None] + slope_args + [
       q_len, kv_len]
   sm_args, sm_specs = triton.smask_operands(cfg, smask, "dq", bq, cfg.bk_dq)
   res = list(pl.pallas_call(
       functools.partial(_dq_kernel, cfg=cfg, want_ds=want_ds, **has),
-      grid=(tp // bq, b, n), in_specs=in_specs + lens + sm_specs, out_specs=out_specs,
-      out_shape=out_shape, compiler_params=dq_params, interpret=cfg.interpret,
-      name="attnx_pallas_rows_dq")(*args, *sm_args))
+      grid=(tp // bq, b, n), in_specs=zero_specs + in_specs + lens + sm_specs,
+      out_specs=out_specs, out_shape=out_shape, compiler_params=dq_params,
+      input_output_aliases=aliases, interpret=cfg.interpret,
+      name="attnx_pallas_rows_dq")(*zero_args, *args, *sm_args))
   dq = res.pop(0)
   ds = res.pop(0) if want_ds else None
   dc = res.pop(0) if rs.needs_row_scale else None
-  dslopes = jnp.sum(res.pop(0), axis=(0, 2)) if cfg.alibi else None
+  dslopes = None
+  if cfg.alibi:
+    dslopes = jnp.sum(res.pop(0), axis=(0, 2))
+  elif cfg.relative:
+    dslopes = res.pop(0)
   carries = res if saves_carries else []
 
   # dK, dV: grid over key tiles of every kv head; the G query heads of a kv head in-kernel.
@@ -303,16 +330,14 @@ def backward(cfg, q, k, v, bias, mask, q_len, kv_len, do, rows, rowc, want_ds, s
     in_specs.append(pl.BlockSpec(
         blk, lambda j, bb, h, shape=shape: bcast_index(shape, (bb, h, 0, j))))
   in_specs += [pl.BlockSpec((None, g, ncols, tp), lambda j, bb, h: (bb, h, 0, 0))] * len(carries)
-  slope_args = []
-  if cfg.alibi:  # [K, Gp] (a power of 2 for Triton): the G slopes of each kv head
-    gp = pl.next_power_of_2(g)
-    in_specs.append(pl.BlockSpec((None, gp), lambda j, bb, h: (h, 0)))
-    slope_args = [jnp.pad(slopes.astype(F32).reshape(kh, g), ((0, 0), (0, gp - g)))]
+  # ALiBi: [K, Gp] (a power of 2 for Triton), the G slopes of each kv head; ext's G rows
+  mod_specs, slope_args = triton.mod_args(cfg, slopes, kv_heads=kh)
+  in_specs += mod_specs
   args = [q, k, v, do, *rows] + [x for x in (bias, mask) if x is not None] + carries + (
       slope_args + [q_len, kv_len])
   sm_args, sm_specs = triton.smask_operands(cfg, smask, "dkv", cfg.bq_dkv, bk)
   dk, dv = triton.dkv_passes(_dkv_kernel, cfg, args + sm_args, in_specs + lens + sm_specs, k, v,
                              params=params, name="attnx_pallas_rows", has=has)
-  if cfg.alibi:
+  if cfg.mod_operand:
     return dq, dk, dv, ds, dc, dslopes
   return dq, dk, dv, ds, dc

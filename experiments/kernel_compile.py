@@ -17,7 +17,9 @@ segment ids, a traced argument, that the kernels read per tile and whose empty t
 skip), ``modded`` (the causal GQA shape with Gemma 2's soft cap c = 30, ALiBi with learned
 slopes and learned attention sinks (where F has a sum for a sink to enter: not stick-breaking,
 not the "length"/"none" normalizations), the slopes and sinks differentiated; not in the default
-matrix).
+matrix), ``relative`` (the causal GQA shape with the cap and a learned relative-position table
+covering every distance, [N, 2·T − 1] (``core.relative_table``), differentiated; the kernels
+that run one: ``tiles.RELATIVE_BACKENDS``; not in the default matrix).
 
 A program passes when it compiles (a kernel over the shared memory a block may have, or over
 its scoped VMEM, fails to), no kernel of it spills registers (GPU) — except a kernel whose GPU
@@ -59,7 +61,7 @@ from attnx.core.kernels.common import round_up  # noqa: E402
 from attnx.core.kernels.pallas import tiles as pallas_tiles  # noqa: E402
 from attnx.train import config as train_config  # noqa: E402
 
-VARIANTS = ("causal_gqa", "mask_bias", "ragged", "documents", "modded")
+VARIANTS = ("causal_gqa", "mask_bias", "ragged", "documents", "modded", "relative")
 # The default matrix: the variants every kernel runs.
 DEFAULT_VARIANTS = ("causal_gqa", "mask_bias", "ragged", "documents")
 ROW_WEIGHTINGS = ("ssmax", "softpick", "stick_breaking", "sparsemax", "entmax15",
@@ -149,12 +151,14 @@ def program(weighting: str, dtype: str, head_dim: int, variant: str, config):
     args.append(jax.ShapeDtypeStruct((n,), jnp.float32))  # ALiBi slopes, learned
     if problem.sinks_reason(wlib.get_weighting(name)) is None:  # F whose sum a sink enters
       args.append(jax.ShapeDtypeStruct((n,), jnp.float32))  # sinks, learned
+  if variant == "relative":  # a learned table of every distance
+    args.append(jax.ShapeDtypeStruct((n, 2 * max(t, s) - 1), jnp.float32))
   differentiated = tuple(range(len(args)))
   if variant == "documents":
     args.append(jax.ShapeDtypeStruct((b, t), jnp.int32))  # segment ids, not differentiated
   attend = functools.partial(
       core.attention, weighting=name, score=score,
-      is_causal=variant in ("causal_gqa", "documents", "modded"),
+      is_causal=variant in ("causal_gqa", "documents", "modded", "relative"),
       scale=1.0 if score == "neg_sq_dist" else 1.0 / math.sqrt(head_dim),
       implementation="pallas")
 
@@ -165,6 +169,8 @@ def program(weighting: str, dtype: str, head_dim: int, variant: str, config):
     elif variant == "modded":
       out = attend(q, k, v, logits_soft_cap=30.0, score_mod=core.alibi(rest[0]),
                    sinks=rest[1] if len(rest) > 1 else None)
+    elif variant == "relative":
+      out = attend(q, k, v, logits_soft_cap=30.0, score_mod=core.relative_table(rest[0]))
     else:
       out = attend(q, k, v, *rest, **extra)
     return jnp.sum(jnp.square(out.astype(jnp.float32)))

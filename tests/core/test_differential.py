@@ -376,6 +376,13 @@ BRANCH_CASES = (
       bias="1x1x", block_q=16, block_k=32, pallas="gpu"),
     C(seed=144, t=90, s=70, n=2, weighting="entmax15", score_mod="table", sinks=True,
       structured="lengths", block_q=16, block_k=16, pallas="gpu"),
+    # ... and in the Mosaic kernels too (each tile's window of the reversed table, d ext from
+    # the dQ kernels' diagonal sums): sigmoid GQA with sinks and a clipped table, T ≠ S over
+    # 128-key tiles; causal SSMax with the full table and key lengths.
+    C(seed=145, t=70, s=150, b=2, n=4, kh=2, weighting="sigmoid", score_mod="table",
+      table_len=31, sinks=True, block_q=16, block_k=128),
+    C(seed=146, t=60, s=140, n=2, weighting="ssmax", causal=True, score_mod="table",
+      structured="lengths", block_q=16, block_k=128),
 )
 CI_RANDOM = 4
 INSTANCES = 5  # random inputs per configuration in the large run (compiling dominates a case)

@@ -854,6 +854,126 @@ def test_pallas_whole_row_alibi_equals_float64_dense(backend, weighting, causal,
   _against_float64(pallas, dense, (q, k, v, slopes), atol=3e-6, grad_tol=3e-5)
 
 
+# ---- Relative-position tables in the Mosaic kernels (interpreted) ---------------------------
+# T ≠ S, neither a multiple of the TPU tiles (16 queries | 128 keys): 2 query × 2 key tiles, so
+# that each tile reads its own window of the table and adds its own diagonal sums.
+_MT, _MS = 20, 150
+
+
+def _mosaic_relative(weighting, causal, *, cap=None, sinks=None, q_lengths=None,
+                     kv_lengths=None):
+  """fn(q, k, v, table) of the Mosaic kernels (interpreted) and of the dense implementation,
+  with a relative-position table, an optional cap, sinks and lengths."""
+  w = core.get_weighting(weighting)
+
+  def pallas(q, k, v, table):
+    mod = core.score_mods.make(cap, core.relative_table(table))
+    return pallas_lib.pallas_attention(
+        q, k, v, weighting=w, scale=1 / math.sqrt(H), is_causal=causal, q_lengths=q_lengths,
+        kv_lengths=kv_lengths, block_q=16, block_k=128, backend="tpu", interpret=True,
+        score_mod=mod, sinks=sinks)
+
+  def dense(q, k, v, table):
+    return core.attention(
+        q, k, v, weighting=weighting, is_causal=causal, logits_soft_cap=cap,
+        score_mod=core.relative_table(table),
+        sinks=None if sinks is None else jnp.asarray(sinks, q.dtype),
+        query_seq_lengths=q_lengths, key_value_seq_lengths=kv_lengths, implementation="dense")
+
+  return pallas, dense
+
+
+def _mosaic_relative_case(seed, weighting, causal, length, **kw):
+  """(pallas, dense, args) of :func:`_mosaic_relative` on (q, k, v, table): ``length`` the
+  table's L ("full": 2·max(T, S) − 1, every distance its own entry; else clipped)."""
+  q, k, v = _qkv(seed, t=_MT, s=_MS)
+  el = 2 * max(_MT, _MS) - 1 if length == "full" else length
+  table = jax.random.normal(jax.random.key(seed + 1), (N, el), jnp.float32)
+  return (*_mosaic_relative(weighting, causal, **kw), (2.0 * q, k, v, table))
+
+
+# (F, causal, table length, cap, sinks): a pointwise F with the online max and one with a sum.
+_MOSAIC_REL_POINTWISE = [("softmax", True, "full", 2.0, False), ("sigmoid", False, 9, None, True)]
+
+
+@pytest.mark.parametrize(("weighting", "causal", "length", "cap", "sinks"),
+                         _MOSAIC_REL_POINTWISE, ids=[c[0] for c in _MOSAIC_REL_POINTWISE])
+def test_pallas_mosaic_relative_table_equals_float64_dense(weighting, causal, length, cap,
+                                                           sinks):
+  """A relative table in the Mosaic pointwise kernels (interpreted): GQA (each query head its
+  own row), T ≠ S over 2 × 2 tiles, key lengths (and query lengths when causal), a full or a
+  clipped table, a cap (softmax) or sinks (sigmoid): values and the gradients of q, k, v and
+  the table (the dQ kernel's diagonal sums of dS, folded back to the table) equal float64
+  dense."""
+  pallas, dense, args = _mosaic_relative_case(
+      41, weighting, causal, length, cap=cap,
+      sinks=np.array([0.5, -1.0, 1.5, 0.0], np.float32) if sinks else None,
+      q_lengths=jnp.array([_MT - 3, _MT], jnp.int32) if causal else None,
+      kv_lengths=jnp.array([_MS, _MS - 30], jnp.int32))
+  _, want_g = _matches_float64(pallas, dense, args, ("dq", "dk", "dv", "dtable"), 1e-5, 3e-5,
+                               loss=_SIN_LOSS)
+  assert np.all(np.abs(np.asarray(want_g[3])) > 0) or causal  # every entry is read
+
+
+# (F, causal, table length, cap): whole-row families, each reading the table in its passes.
+_MOSAIC_REL_ROWS = [("entmax15", True, "full", None), ("ssmax", False, 9, 1.5),
+                    ("softpick", True, 15, None)]
+
+
+@pytest.mark.parametrize(("weighting", "causal", "length", "cap"), _MOSAIC_REL_ROWS,
+                         ids=[c[0] for c in _MOSAIC_REL_ROWS])
+def test_pallas_mosaic_whole_row_relative_table_equals_float64_dense(weighting, causal, length,
+                                                                     cap):
+  """A relative table in the Mosaic whole-row kernels (interpreted; entmax's threshold passes,
+  SSMax's and softpick's sums, the dQ kernel's d ext over its key-tile loop): as the
+  pointwise test, values and the gradients of q, k, v and the table equal float64 dense."""
+  pallas, dense, args = _mosaic_relative_case(
+      42, weighting, causal, length, cap=cap,
+      q_lengths=jnp.array([_MT - 3, _MT], jnp.int32) if causal else None,
+      kv_lengths=jnp.array([_MS - 30, _MS], jnp.int32))
+  _matches_float64(pallas, dense, args, ("dq", "dk", "dv", "dtable"), 1e-5, 3e-5,
+                   loss=_SIN_LOSS)
+
+
+def test_pallas_mosaic_relative_table_bfloat16():
+  """bf16 inputs under jit (causal softmax, GQA, a full table, key lengths): the float64
+  dense result of the same rounded inputs, to bf16's precision, the table's gradient
+  included."""
+  q, k, v = _qkv(43, t=_MT, s=_MS, dtype=jnp.bfloat16)
+  table = jax.random.normal(jax.random.key(44), (N, 2 * _MS - 1), jnp.float32)
+  pallas, dense = _mosaic_relative("softmax", True,
+                                   kv_lengths=jnp.array([_MS - 30, _MS], jnp.int32))
+  _matches_float64(jax.jit(pallas), dense, (q, k, v, table), ("dq", "dk", "dv", "dtable"),
+                   2e-2, 3e-2)
+
+
+def test_mosaic_relative_windows_fit_and_keep_rotates_within_a_vreg():
+  """What the interpreter cannot check (Mosaic on a chip): every tile's window of the
+  reversed table starts at a multiple of 128 inside it, and both strided rotates' amounts
+  (the bias: W − e; d ext: e − bq + 1) are 0 and 1 mod 8, so each 8-row vreg's lane rotate
+  stays within 128 lanes (Mosaic's strided rotate blends one neighbouring vreg only)."""
+  from attnx.core.kernels.pallas import mosaic
+  from attnx.core.kernels.pallas.common import KernelConfig
+
+  w = core.get_weighting("softmax")
+  for tp, sp, off, bq, bk in [(32, 256, 299, 16, 128), (2048, 2048, 2047, 256, 512),
+                              (1008, 3072, 2999, 48, 256), (16, 128, 4, 16, 128)]:
+    cfg = KernelConfig(
+        w=w, backend="tpu", interpret=True, s=sp, tp=tp, sp=sp, g=1, scale=1.0,
+        is_causal=False, q_bound=False, kv_bound=False, bq=bq, bk=bk, bq_dq=bq, bk_dq=bk,
+        bq_dkv=bq, bk_dkv=bk, relative=True, rel_offset=off)
+    m, lr = mosaic.rel_layout(cfg)
+    width = mosaic.rel_width(bq, bk)
+    for i in range(tp // bq):
+      for j in range(sp // bk):
+        start, e = (int(x) for x in mosaic.rel_window(cfg, i * bq, j * bk, bq))
+        assert start % 128 == 0 and 0 <= start and start + width <= lr
+        assert bq <= e <= bq + 127 and e + bk <= width
+        assert (width - e) % 8 == 0 and (e - bq + 1) % 8 == 1
+        # the window's lane u = c − r + e holds ext[i·bq + r − (j·bk + c) + off]
+        assert m - start - e == i * bq - j * bk + off
+
+
 # --------------------------------------------------------------------------------------------
 # A relative-position table in the Pallas kernels (the GPU's Triton lowering, interpreted):
 # the wrapper's extended table (common.relative_ext) read per tile, d ext from the dQ kernels.

@@ -12,9 +12,11 @@ plumbing (config checks, the report without a toolchain) is tested everywhere.
 from __future__ import annotations
 
 import functools
+import math
 import os
 from unittest import mock
 
+import jax
 import jax.numpy as jnp
 import pytest
 
@@ -92,6 +94,47 @@ _MODDED = [dict(c, variant="modded") for c in _SAMPLE
 @pytest.mark.parametrize("case", _MODDED, ids=_id)
 def test_modded_sample_compiles_without_spills(case):
   _check(case)
+
+
+# A learned relative-position table of every distance (and the cap) in the pointwise and two
+# whole-row families' kernels of the lowerings that run one (tiles.RELATIVE_BACKENDS), in CI.
+def _runs_relative(case: dict) -> bool:
+  from attnx.core.kernels.pallas import tiles  # noqa: PLC0415
+  be = "tpu" if aot.TARGETS[case["target"]].platform == "tpu" else "gpu"
+  return be in tiles.RELATIVE_BACKENDS
+
+
+_RELATIVE = [dict(c, variant="relative") for c in _SAMPLE
+             if c["weighting"] in ("softmax", "ssmax", "entmax15") and _runs_relative(c)]
+
+
+@pytest.mark.parametrize("case", _RELATIVE, ids=_id)
+def test_relative_table_sample_compiles_without_spills(case):
+  _check(case)
+
+
+@pytest.mark.parametrize("weighting", ["softmax", "entmax15"])
+def test_relative_table_compiles_for_v5e_with_query_tiles_not_multiples_of_128(weighting):
+  """The sample's tiles (multiples of 128) give the Mosaic kernels static rotate amounts; a
+  48-row query tile a dynamic one (mosaic.rel_window): that lowering compiles too (bf16,
+  causal GQA, T = 300, S = 700, a clipped learned table, forward and backward)."""
+  _needs("v5e")
+  b, n, kh, h, t, s = 1, 4, 2, 128, 300, 700
+  args = [jax.ShapeDtypeStruct((b, t, n, h), jnp.bfloat16),
+          jax.ShapeDtypeStruct((b, s, kh, h), jnp.bfloat16),
+          jax.ShapeDtypeStruct((b, s, kh, h), jnp.bfloat16),
+          jax.ShapeDtypeStruct((n, 41), jnp.float32)]
+
+  def loss(q, k, v, table):
+    out = kc.core.attention(q, k, v, weighting=weighting, is_causal=True,
+                            scale=1 / math.sqrt(h), score_mod=kc.core.relative_table(table),
+                            implementation=kc.core.Pallas(block_q=48, block_k=128))
+    return jnp.sum(jnp.square(out.astype(jnp.float32)))
+
+  report = aot.compile_for(jax.grad(loss, argnums=(0, 1, 2, 3)), *args, target="v5e")
+  assert report.ok, report.error
+  assert {kc.kernel_role(k.name) for k in report.pallas_kernels} == {"fwd", "dq", "dkv"}
+  assert all(0 < k.vmem_bytes <= aot.TARGETS["v5e"].vmem_bytes for k in report.pallas_kernels)
 
 
 def test_modded_program_differentiates_slopes_and_sinks():

@@ -51,8 +51,9 @@ Array = jax.Array
 # The spelling of the streaming rules Mosaic lowers: row statistics replicated over 128 lanes.
 OPS = streaming.Ops(exp2=True, ones_column=False, lanes=LANES)
 
-__all__ = ["OPS", "backward", "forward", "kv_block", "q_block", "smask_counts", "smask_ids",
-           "smask_prefetch", "smask_view", "to_lanes_all"]
+__all__ = ["OPS", "backward", "forward", "kv_block", "q_block", "rel_diag_sums", "rel_grad",
+           "rel_layout", "rel_operand", "rel_tile", "rel_width", "rel_window", "smask_counts",
+           "smask_ids", "smask_prefetch", "smask_view", "to_lanes_all"]
 
 
 def _tile(ref):
@@ -119,6 +120,117 @@ def q_block(cfg: KernelConfig, b, j, i, bq: int, bk: int, ql, kl, pre=()):
 
 
 # --------------------------------------------------------------------------------------------
+# A relative-position table (``cfg.relative``): the tile's Toeplitz bias from an aligned window
+# of the reversed table, and its gradient's diagonal sums (TPUs have no general gather).
+# --------------------------------------------------------------------------------------------
+
+def _round_up(x: int, m: int) -> int:
+  return -(-x // m) * m
+
+
+def rel_width(bq: int, bk: int) -> int:
+  """W: the lanes of a [bq, bk] tile's window of the reversed table (:func:`rel_window`)."""
+  return _round_up(bq + bk + LANES - 1, LANES)
+
+
+def rel_layout(cfg: KernelConfig) -> tuple[int, int]:
+  """(M, Lr) of the reversed table rev [N, 1, Lr], rev[h, 0, m] = ext[h, M − m]: ext's column
+  g = i − j + off sits at m = M − g. M ≥ Tp + off + 127 with M ≡ off (mod 8) keeps every
+  tile's window in [0, Lr) and its roll amounts multiples of 8 (:func:`rel_window`)."""
+  m = cfg.rel_offset + _round_up(cfg.tp + LANES - 1, 8)
+  return m, _round_up(m + cfg.sp - cfg.rel_offset + 2 * LANES, LANES)
+
+
+def rel_operand(cfg: KernelConfig, ext: Array) -> Array:
+  """rev [N, 1, Lr] float32 of ext [N, Lx] (:func:`rel_layout`; columns past ext's ends repeat
+  them: only padding reads them, and is masked), in XLA before the kernels."""
+  m, lr = rel_layout(cfg)
+  idx = jnp.clip(m - jnp.arange(lr), 0, ext.shape[1] - 1)
+  return jnp.take(ext.astype(jnp.float32), idx, axis=1)[:, None, :]
+
+
+def rel_grad(cfg: KernelConfig, drev: Array, lx: int) -> Array:
+  """d ext [N, Lx] float32 of the dQ kernel's d rev [B, N, 1, Lr] (:func:`rel_operand`'s
+  adjoint, summed over the batch)."""
+  m, lr = rel_layout(cfg)
+  idx = jnp.clip(m - jnp.arange(lr), 0, lx - 1)
+  d = jnp.sum(drev[:, :, 0, :], axis=0)
+  return jnp.zeros((d.shape[0], lx), jnp.float32).at[:, idx].add(d)
+
+
+def rel_window(cfg: KernelConfig, r0, c0, bq: int):
+  """(start, e) of the window rev[start : start + W] of a tile whose first row is query r0 and
+  first column key c0: start a multiple of 128, and ext[r0 + r − c0 − c + off] =
+  window[c − r + e] with e in [bq, bq + 127], e ≡ 0 (mod 8); e a Python int when bq is a
+  multiple of 128 (the default tiles): Mosaic then rotates by static amounts, and checks at
+  compile time that each vreg's stays within its lanes."""
+  m, _ = rel_layout(cfg)
+  t = m - (r0 - c0 + cfg.rel_offset) - bq  # ≥ 127 ≥ 0 (rel_layout): lax.div rounds down
+  start = lax.div(t, LANES) * LANES
+  if bq % LANES == 0:  # r0, c0 multiples of 128: e is static, and so the rotates' amounts
+    return start, (m - cfg.rel_offset - bq) % LANES + bq
+  return start, t - start + bq
+
+
+def rel_tile(cfg: KernelConfig, load, r0, c0, bq: int, bk: int):
+  """The relative table's bias [bq, bk] float32 of a tile: ext[h, r0 + r − (c0 + c) + off]
+  (the dense bias), a Toeplitz tile. ``load(start, W)`` reads the head's window
+  rev[start : start + W] as [1, W]; broadcast over the rows, each row r rolled by
+  W − e + r lanes (one strided rotate), the first bk lanes are the tile. The amount is a
+  multiple of 8, so that each 8-row vreg's rotate stays within its 128 lanes as Mosaic's
+  strided rotate needs."""
+  w = rel_width(bq, bk)
+  start, e = rel_window(cfg, r0, c0, bq)
+  x = jnp.broadcast_to(load(pl.multiple_of(start, LANES), w), (bq, w))
+  return pltpu.roll(x, w - e, 1, stride=1, stride_axis=0)[:, :bk]
+
+
+def _reverse_rows(x):
+  """x [bq, n] with its rows in reverse order: each 8-row slab reversed by a sublane gather
+  (within one vreg, as Mosaic gathers), the slabs concatenated last first."""
+  idx = (7 - lax.broadcasted_iota(jnp.int32, (8, x.shape[1]), 0))
+  return jnp.concatenate(
+      [jnp.take_along_axis(x[r:r + 8], idx, axis=0, mode="promise_in_bounds")
+       for r in range(x.shape[0] - 8, -8, -8)], axis=0)
+
+
+def rel_diag_sums(cfg: KernelConfig, dz, r0, c0):
+  """(start, sums [1, W]): the adjoint of :func:`rel_tile` on a tile's score cotangent dz
+  [bq, bk] — its sums along the diagonals i − j, at the window's lanes (d rev[start + u] +=
+  sums[u]). Rows reversed (a positive stride then walks the diagonals), padded to W lanes and
+  row p rolled by e − bq + 1 + p, each column of the result holds one diagonal."""
+  bq, bk = dz.shape
+  w = rel_width(bq, bk)
+  start, e = rel_window(cfg, r0, c0, bq)
+  x = jnp.concatenate([_reverse_rows(dz), jnp.zeros((bq, w - bk), jnp.float32)], axis=1)
+  y = pltpu.roll(x, e - bq + 1, 1, stride=1, stride_axis=0)
+  return pl.multiple_of(start, LANES), jnp.sum(y, axis=0, keepdims=True)
+
+
+def _rel_window_spec(cfg: KernelConfig, bq: int, bk: int, index: Callable) -> pl.BlockSpec:
+  """rev [N, 1, Lr] as the [1, W] window (:func:`rel_window`) of one tile: ``index(*grid,
+  *prefetch)`` -> (query head, r0, c0) of the tile the grid step fetches (a skipped step's
+  repeats a needed one's: no DMA); element offsets, so that a program holds W lanes of the
+  table, not the O(T + S) of its row."""
+  def index_map(*ids):
+    head, r0, c0 = index(*ids)
+    return head, 0, rel_window(cfg, r0, c0, bq)[0]
+  return pl.BlockSpec((None, pl.Element(1), pl.Element(rel_width(bq, bk))), index_map)
+
+
+def _window_load(ref) -> Callable:
+  """load(start, W) of :func:`rel_tile` on a [1, W] window ref that is that window."""
+  return lambda start, w: ref[...]
+
+
+def _rel_load(ref, head=None) -> Callable:
+  """load(start, W) of :func:`rel_tile` on a (1, Lr) ref (or row ``head`` of a (G, 1, Lr))."""
+  if head is None:
+    return lambda start, w: ref[:, pl.ds(start, w)]
+  return lambda start, w: ref[head, :, pl.ds(start, w)]
+
+
+# --------------------------------------------------------------------------------------------
 # Forward.
 # --------------------------------------------------------------------------------------------
 
@@ -132,6 +244,7 @@ def _fwd_kernel(*refs, cfg: KernelConfig, has_bias: bool, has_mask: bool):
   mask_ref = next(it) if has_mask else None
   sink_ref = next(it) if cfg.sinks else None  # [1, 128]: this query head's sink, lanes
   slope_ref = next(it) if cfg.alibi else None  # [N] in SMEM: the ALiBi slopes
+  rel_ref = next(it) if cfg.relative else None  # [1, W]: the tile's window of the table
   sm_ids = [next(it) for _ in range(n_ids)]
   o_ref, stat_ref = next(it), next(it)
   w, bq, bk, ops = cfg.w, cfg.bq, cfg.bk, OPS
@@ -170,11 +283,14 @@ def _fwd_kernel(*refs, cfg: KernelConfig, has_bias: bool, has_mask: bool):
 
   @pl.when(in_span(j, kv_span(cfg, i, bq, bk, q_len, kv_len, sm)))
   def _run():
-    if slope is None:
-      z = tile_scores(cfg, [q_ref[...]], [k_ref[...]], _tile(bias_ref))
-    else:
+    if slope is not None:
       lin, _ = alibi_tile(cfg, slope, (bq, bk), i * bq, j * bk)
       z = tile_scores(cfg, [q_ref[...]], [k_ref[...]], _tile(bias_ref), lin)
+    elif rel_ref is not None:
+      lin = rel_tile(cfg, _window_load(rel_ref), i * bq, j * bk, bq, bk)
+      z = tile_scores(cfg, [q_ref[...]], [k_ref[...]], _tile(bias_ref), lin)
+    else:
+      z = tile_scores(cfg, [q_ref[...]], [k_ref[...]], _tile(bias_ref))
     valid = tile_valid(cfg, (bq, bk), i * bq, j * bk, _tile(mask_ref), q_len, kv_len, sm,
                        head)
     v = v_ref[...]
@@ -212,6 +328,17 @@ def _bias_spec(x: Array | None, bq: int, bk: int, index: Callable) -> list:
 def _params(n_parallel: int, n_arbitrary: int):
   return pltpu.CompilerParams(
       dimension_semantics=("parallel",) * n_parallel + ("arbitrary",) * n_arbitrary)
+
+
+def _rel_dq_params(lr: int):
+  """The dQ kernel's with a relative table: its d rev block (1, Lr) stays resident over the
+  query and key tiles (those axes arbitrary), double-buffered (up to 8 sublanes × Lr
+  float32 each); past about 12 MiB of it (T + S ≈ 190k) the scoped-VMEM limit is raised to
+  fit (at most 96 MiB, :data:`.mosaic_rows.VMEM_LIMIT`'s: a v5e / v6e core's)."""
+  need = 2 * 8 * lr * 4 + 4 * 2**20
+  limit = None if need <= 16 * 2**20 else min(need, 96 * 2**20)
+  return pltpu.CompilerParams(dimension_semantics=("parallel",) * 2 + ("arbitrary",) * 2,
+                              vmem_limit_bytes=limit)
 
 
 def _kv_maps(cfg: KernelConfig, bq: int, bk: int) -> tuple[Callable, Callable, Callable]:
@@ -253,6 +380,10 @@ def _forward(cfg: KernelConfig, q, k, v, bias, mask, q_len, kv_len, out_dtype, s
   if cfg.alibi:
     in_specs.append(_slope_spec())
     sink_args.append(slopes.astype(jnp.float32))
+  if cfg.relative:  # the query head's row of the reversed table
+    in_specs.append(_rel_window_spec(cfg, bq, bk, lambda bb, hh, i, j, *lens: (
+        hh, i * bq, clamp(bb, i, j, *lens) * bk)))
+    sink_args.append(rel_operand(cfg, slopes))
   sm_ids, sm_specs = smask_ids(cfg, smask, (bq, LANES), (masking.SUBLANES, bk),
                                lambda bb, hh, i, j, *_: i,
                                lambda bb, hh, i, j, *lens: clamp(bb, i, j, *lens))
@@ -293,10 +424,13 @@ def _dq_kernel(*refs, cfg: KernelConfig, has_bias: bool, has_mask: bool, want_ds
   bias_ref = next(it) if has_bias else None
   mask_ref = next(it) if has_mask else None
   slope_ref = next(it) if cfg.alibi else None  # [N] in SMEM: the ALiBi slopes
+  rel_ref = next(it) if cfg.relative else None  # [1, W]: the tile's window of the table
   sm_ids = [next(it) for _ in range(n_ids)]
   dq_ref = next(it)
   ds_ref = next(it) if want_ds else None
   dm_ref = next(it) if cfg.alibi else None  # [bq, 128]: the rows' d slope sums, lanes
+  # [1, Lr]: d rev of this (batch, query head), resident over the query and key tiles.
+  drel_ref = next(it) if cfg.relative else None
   dq_sc = next(it)
   bq, bk = cfg.bq_dq, cfg.bk_dq
   b, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
@@ -312,16 +446,24 @@ def _dq_kernel(*refs, cfg: KernelConfig, has_bias: bool, has_mask: bool, want_ds
     if dm_ref is not None:
       dm_ref[...] = jnp.zeros(dm_ref.shape, jnp.float32)
 
+  if drel_ref is not None:
+    @pl.when((i == 0) & (j == 0))
+    def _init_rel():
+      drel_ref[...] = jnp.zeros(drel_ref.shape, jnp.float32)
+
   run = in_span(j, kv_span(cfg, i, bq, bk, q_len, kv_len, sm))
 
   @pl.when(run)
   def _run():
     q, k, v, do = q_ref[...], k_ref[...], v_ref[...], do_ref[...]
-    if slope is None:
-      z, dcap = tile_scores_grad(cfg, [q], [k], _tile(bias_ref))
-    else:
+    if slope is not None:
       lin, dist = alibi_tile(cfg, slope, (bq, bk), i * bq, j * bk)
       z, dcap = tile_scores_grad(cfg, [q], [k], _tile(bias_ref), lin)
+    elif rel_ref is not None:
+      lin = rel_tile(cfg, _window_load(rel_ref), i * bq, j * bk, bq, bk)
+      z, dcap = tile_scores_grad(cfg, [q], [k], _tile(bias_ref), lin)
+    else:
+      z, dcap = tile_scores_grad(cfg, [q], [k], _tile(bias_ref))
     valid = tile_valid(cfg, (bq, bk), i * bq, j * bk, _tile(mask_ref), q_len, kv_len, sm,
                        head)
     dp = lax.dot_general(do, v, NT, preferred_element_type=jnp.float32)
@@ -332,6 +474,9 @@ def _dq_kernel(*refs, cfg: KernelConfig, has_bias: bool, has_mask: bool, want_ds
     if dm_ref is not None:  # d slope = Σ dS·dist (dS = gb·dz)
       dm = jnp.sum(dz * dist, axis=1, keepdims=True)
       dm_ref[...] += jnp.broadcast_to(dm * gb if gb != 1.0 else dm, dm_ref.shape)
+    if drel_ref is not None:  # d ext = Σ dS along each diagonal (dS = gb·dz)
+      start, sums = rel_diag_sums(cfg, dz, i * bq, j * bk)
+      drel_ref[:, pl.ds(start, sums.shape[1])] += sums * gb if gb != 1.0 else sums
     dz = capped_grad(dz, dcap)  # the cotangent of scale·q·k
     dq_sc[...] += jnp.dot(dz.astype(k.dtype), finite(k), preferred_element_type=jnp.float32)
 
@@ -354,6 +499,7 @@ def _dkv_kernel(*refs, cfg: KernelConfig, has_bias: bool, has_mask: bool):
   bias_ref = next(it) if has_bias else None
   mask_ref = next(it) if has_mask else None
   slope_ref = next(it) if cfg.alibi else None  # [N] in SMEM: the ALiBi slopes
+  rel_ref = next(it) if cfg.relative else None  # [1, W]: the tile's window of the table
   sm_ids = [next(it) for _ in range(n_ids)]
   dk_ref, dv_ref, dk_sc, dv_sc = next(it), next(it), next(it), next(it)
   bq, bk = cfg.bq_dkv, cfg.bk_dkv
@@ -374,11 +520,14 @@ def _dkv_kernel(*refs, cfg: KernelConfig, has_bias: bool, has_mask: bool):
   @pl.when((i >= lo) & (i < hi))
   def _run():
     q, k, v, do = q_ref[...], k_ref[...], v_ref[...], do_ref[...]
-    if slope is None:
-      z, dcap = tile_scores_grad(cfg, [q], [k], _tile(bias_ref))
-    else:
+    if slope is not None:
       z, dcap = tile_scores_grad(cfg, [q], [k], _tile(bias_ref),
                                  alibi_tile(cfg, slope, (bq, bk), i * bq, j * bk)[0])
+    elif rel_ref is not None:
+      z, dcap = tile_scores_grad(cfg, [q], [k], _tile(bias_ref),
+                                 rel_tile(cfg, _window_load(rel_ref), i * bq, j * bk, bq, bk))
+    else:
+      z, dcap = tile_scores_grad(cfg, [q], [k], _tile(bias_ref))
     valid = tile_valid(cfg, (bq, bk), i * bq, j * bk, _tile(mask_ref), q_len, kv_len, sm,
                        head)
     dp = lax.dot_general(do, v, NT, preferred_element_type=jnp.float32)
@@ -407,6 +556,10 @@ def _backward(cfg: KernelConfig, q, k, v, bias, mask, q_len, kv_len, do, rows, w
   slope_specs = [_slope_spec()] if cfg.alibi else []
   if cfg.alibi:
     args.append(slopes.astype(jnp.float32))
+  if cfg.relative:
+    rev = rel_operand(cfg, slopes)
+    lr = rev.shape[-1]
+    args.append(rev)
 
   # dQ (and dS): grid (B, N, query tiles, key tiles).
   bq, bk = cfg.bq_dq, cfg.bk_dq
@@ -420,6 +573,9 @@ def _backward(cfg: KernelConfig, q, k, v, bias, mask, q_len, kv_len, do, rows, w
   for x in (bias, mask):
     in_specs += _bias_spec(x, bq, bk, bias_map)
   in_specs += slope_specs
+  if cfg.relative:
+    in_specs.append(_rel_window_spec(cfg, bq, bk, lambda bb, hh, i, j, *lens: (
+        hh, i * bq, clamp(bb, i, j, *lens) * bk)))
   sm_ids, sm_specs = smask_ids(cfg, smask, (bq, LANES), (masking.SUBLANES, bk),
                                lambda bb, hh, i, j, *_: i,
                                lambda bb, hh, i, j, *lens: clamp(bb, i, j, *lens))
@@ -432,17 +588,24 @@ def _backward(cfg: KernelConfig, q, k, v, bias, mask, q_len, kv_len, do, rows, w
   if cfg.alibi:  # the rows' d slope sums, lane-replicated, accumulated over the key tiles
     out_specs.append(pl.BlockSpec((None, None, bq, LANES), row_map))
     out_shape.append(jax.ShapeDtypeStruct((b, n, tp, LANES), jnp.float32))
+  if cfg.relative:  # d rev per (batch, query head), accumulated over both tile axes
+    out_specs.append(pl.BlockSpec((None, None, 1, lr), lambda bb, hh, i, j, *_: (bb, hh, 0, 0)))
+    out_shape.append(jax.ShapeDtypeStruct((b, n, 1, lr), jnp.float32))
   res = pl.pallas_call(
       functools.partial(_dq_kernel, cfg=cfg, want_ds=want_ds, **has),
       grid_spec=pltpu.PrefetchScalarGridSpec(
           num_scalar_prefetch=2 + len(sm_pre), grid=(b, n, tp // bq, sp // bk),
           in_specs=in_specs + sm_specs, out_specs=out_specs,
           scratch_shapes=[pltpu.VMEM((bq, h), jnp.float32)]),
-      out_shape=out_shape, compiler_params=_params(n_parallel=3, n_arbitrary=1),
+      out_shape=out_shape,
+      compiler_params=(_rel_dq_params(lr) if cfg.relative
+                       else _params(n_parallel=3, n_arbitrary=1)),
       interpret=cfg.interpret,
       name="attnx_pallas_dq")(q_len, kv_len, *sm_pre, *args, *sm_ids)
   dq, ds = res[0], (res[1] if want_ds else None)
   dslopes = jnp.sum(res[-1][..., 0], axis=(0, 2)) if cfg.alibi else None
+  if cfg.relative:
+    dslopes = rel_grad(cfg, res[-1], slopes.shape[1])
 
   # dK, dV: grid (B, K, key tiles, G, query tiles); the last two accumulate in VMEM.
   bq, bk = cfg.bq_dkv, cfg.bk_dkv
@@ -465,6 +628,9 @@ def _backward(cfg: KernelConfig, q, k, v, bias, mask, q_len, kv_len, do, rows, w
   for x in (bias, mask):
     in_specs += _bias_spec(x, bq, bk, bias_map_kv)
   in_specs += slope_specs
+  if cfg.relative:
+    in_specs.append(_rel_window_spec(cfg, bq, bk, lambda bb, hh, j, gg, i, *lens: (
+        hh * g + gg, q_clamp(bb, j, i, *lens) * bq, j * bk)))
   sm_ids, sm_specs = smask_ids(cfg, smask, (bq, LANES), (masking.SUBLANES, bk),
                                lambda bb, hh, j, gg, i, *lens: q_clamp(bb, j, i, *lens),
                                lambda bb, hh, j, *_: j)
@@ -481,7 +647,7 @@ def _backward(cfg: KernelConfig, q, k, v, bias, mask, q_len, kv_len, do, rows, w
       compiler_params=_params(n_parallel=3, n_arbitrary=2), interpret=cfg.interpret,
       name="attnx_pallas_dkv",
   )(q_len, kv_len, *sm_pre, *args, *sm_ids)
-  if cfg.alibi:
+  if cfg.alibi or cfg.relative:
     return dq, dk, dv, ds, dslopes
   return dq, dk, dv, ds
 
@@ -501,7 +667,7 @@ def forward(cfg: KernelConfig, q, k, v, bias, mask, q_len, kv_len,
             slopes: Any = None) -> tuple[Array, Array]:
   """O [B, Tp, N, Hv] and the row statistic [B, N, Tp] of [B, Tp, N, H] arrays (the kernels
   run on their [B, N, Tp, H] transposes); ``sinks`` [N] when ``cfg.sinks``, ``slopes`` [N]
-  when ``cfg.alibi``."""
+  when ``cfg.alibi``, a relative table's ext [N, Lx] when ``cfg.relative``."""
   o, st = _forward(cfg, bnth(q), bnth(k), bnth(v), bias, mask, q_len, kv_len, out_dtype, smask,
                    sinks, slopes)
   return bnth(o), st
@@ -510,7 +676,8 @@ def forward(cfg: KernelConfig, q, k, v, bias, mask, q_len, kv_len,
 def backward(cfg: KernelConfig, q, k, v, bias, mask, q_len, kv_len, do, rows,
              want_ds: bool, smask: Any = None, slopes: Any = None) -> tuple:
   """dq, dk, dv [B, Tp|Sp, N|K, H] and dS [B, N, Tp, Sp] or None, as :func:`forward`; with
-  ``cfg.alibi`` (``slopes`` [N]) also d slopes [N] float32."""
+  ``cfg.alibi`` (``slopes`` [N]) also d slopes [N] float32, with ``cfg.relative`` (``slopes``
+  the ext [N, Lx]) d ext [N, Lx] float32 (summed over the batch)."""
   res = _backward(cfg, bnth(q), bnth(k), bnth(v), bias, mask, q_len, kv_len, bnth(do), rows,
                   want_ds, smask, slopes)
   dq, dk, dv, ds = res[:4]

@@ -78,6 +78,16 @@ def _col(x, j):
   return jnp.sum(jnp.where(cols == j, x, 0.0), axis=1)
 
 
+def _rel(cfg, ref, bq: int, bk: int, head=None):
+  """rel(r0, c0) of :func:`.rows.tile_fn`: a relative table's [bq, bk] bias tile
+  (:func:`.mosaic.rel_tile`) from the reversed table's ref (a (1, Lr) block, or row ``head``
+  of a (G, 1, Lr) one), or None without a table."""
+  if not cfg.relative:
+    return None
+  load = mosaic._rel_load(ref, head)  # noqa: SLF001
+  return lambda r0, c0: mosaic.rel_tile(cfg, load, r0, c0, bq, bk)
+
+
 # --------------------------------------------------------------------------------------------
 # Forward.
 # --------------------------------------------------------------------------------------------
@@ -90,11 +100,12 @@ def _fwd_kernel(*refs, cfg, has_bias, has_mask):
   sm = mosaic.smask_view(cfg, r["sm"], r["sm_ids"], b, i, cfg.tp // bq, bq, bk, kv_whole=True)
   k_ref, v_ref, bias_ref, mask_ref = r["k"], r["v"], r["bias"], r["mask"]
   ds = lambda c0: pl.ds(pl.multiple_of(c0, LANES), bk)
-  slope = None if r["slopes"] is None else r["slopes"][pl.program_id(1)]  # ALiBi, SMEM [N]
+  slope = None if not cfg.alibi else r["slopes"][pl.program_id(1)]  # ALiBi, SMEM [N]
   tile = tile_fn(cfg, i, bq, bk, [r["q"][...]], lambda c0: [k_ref[ds(c0), :]],
                   lambda c0: _cols(bias_ref, c0, bk),
                   lambda c0: _cols(mask_ref, c0, bk), q_len, kv_len, sm,
-                  None if sm is None else pl.program_id(1), slope=slope)
+                  None if sm is None else pl.program_id(1), slope=slope,
+                  rel=_rel(cfg, r["slopes"], bq, bk))
   span = kv_span(cfg, i, bq, bk, q_len, kv_len, sm)
   rowc = None if r["rowc"] is None else _lane0(r["rowc"][...])
   sink = None if r["sinks"] is None else r["sinks"][pl.program_id(1)]  # SMEM [N]
@@ -118,7 +129,10 @@ def _bias_spec(x, bq_or_t: int, bk_or_s: int, lead: int | None, index) -> list:
 
 
 def _params(cfg, n_parallel: int, vmem: int):
-  return pltpu.CompilerParams(dimension_semantics=("parallel",) * n_parallel,
+  """Grid (b, n, tiles): the first ``n_parallel`` axes parallel, the rest (a relative table's
+  dQ, whose d ext accumulates over the query tiles) arbitrary."""
+  return pltpu.CompilerParams(dimension_semantics=("parallel",) * n_parallel
+                              + ("arbitrary",) * (3 - n_parallel),
                               vmem_limit_bytes=int(max(32 * 2**20, min(vmem * 5 // 4,
                                                                        VMEM_LIMIT))))
 
@@ -153,6 +167,9 @@ def _forward(cfg, q, k, v, rowc, bias, mask, q_len, kv_len, out_dtype, smask=Non
   for x in (bias, mask):
     in_specs += _bias_spec(x, bq, sp, lead=None, index=lambda bb, hh, i, *_: (bb, hh, i, 0))
   in_specs += [_slope_spec()] if cfg.alibi else []
+  rev = mosaic.rel_operand(cfg, slopes) if cfg.relative else None
+  if cfg.relative:  # the query head's row of the reversed table
+    in_specs.append(pl.BlockSpec((None, 1, rev.shape[-1]), lambda bb, hh, i, *_: (hh, 0, 0)))
   in_specs += [_slope_spec()] if cfg.sinks else []  # the sinks [N], whole in SMEM
   orow = pl.BlockSpec((None, None, bq, hv), rowmap)
   out_specs = [orow] + [lanes] * rs.num_stats
@@ -163,7 +180,7 @@ def _forward(cfg, q, k, v, rowc, bias, mask, q_len, kv_len, out_dtype, smask=Non
     out_shape.append(jax.ShapeDtypeStruct((b, n, tp, hv), F32))
   args = [x for x in (q, k, v, None if rowc is None else mosaic.to_lanes_all(rowc), bias, mask)
           if x is not None] + ([slopes.astype(F32)] if cfg.alibi else []) + (
-              [sinks.astype(F32)] if cfg.sinks else [])
+              [rev] if cfg.relative else []) + ([sinks.astype(F32)] if cfg.sinks else [])
   sm_ids, sm_specs = _smask_ids(cfg, smask, bq)
   sm_pre = mosaic.smask_prefetch(cfg, smask, "fwd")
   res = pl.pallas_call(
@@ -194,11 +211,12 @@ def _dq_kernel(*refs, cfg, has_bias, has_mask, want_ds):
   k_ref, v_ref, bias_ref, mask_ref, ds_ref = r["k"], r["v"], r["bias"], r["mask"], r["ds"]
   ds = lambda c0: pl.ds(pl.multiple_of(c0, LANES), bk)
   qs = [r["q"][...]]
-  slope = None if r["slopes"] is None else r["slopes"][pl.program_id(1)]  # ALiBi, SMEM [N]
+  slope = None if not cfg.alibi else r["slopes"][pl.program_id(1)]  # ALiBi, SMEM [N]
   tile = tile_fn(cfg, i, bq, bk, qs, lambda c0: [k_ref[ds(c0), :]],
                   lambda c0: _cols(bias_ref, c0, bk),
                   lambda c0: _cols(mask_ref, c0, bk), q_len, kv_len, sm,
-                  None if sm is None else pl.program_id(1), grad=True, slope=slope)
+                  None if sm is None else pl.program_id(1), grad=True, slope=slope,
+                  rel=_rel(cfg, r["slopes"], bq, bk))
   lo, _ = span = kv_span(cfg, i, bq, bk, q_len, kv_len, sm)
   stats = tuple(_lane0(ref[...]) for ref in stat_refs_of(r, cfg))
   rowc = None if r["rowc"] is None else _lane0(r["rowc"][...])
@@ -206,9 +224,18 @@ def _dq_kernel(*refs, cfg, has_bias, has_mask, want_ds):
   if ds_ref is not None:
     ds_ref[...] = jnp.zeros(ds_ref.shape, F32)  # tiles the loop skips
 
+  drel_ref = r["dslope"] if cfg.relative else None  # d rev [1, Lr], resident over i
+  if drel_ref is not None:
+    @pl.when(i == 0)
+    def _init_rel():
+      drel_ref[...] = jnp.zeros(drel_ref.shape, F32)
+
   def ds_store(c0, dz):
     if ds_ref is not None:
       ds_ref[:, ds(c0)] = dz
+    if drel_ref is not None:  # d ext = Σ dS along each diagonal (dS = dz: α = 1)
+      start, sums = mosaic.rel_diag_sums(cfg, dz, i * bq, c0)
+      drel_ref[:, pl.ds(start, sums.shape[1])] += sums
 
   ca_ref, cb_ref = r["ca"], r["cb"]
   if ca_ref is not None:
@@ -247,10 +274,11 @@ def _dkv_kernel(*refs, cfg, has_bias, has_mask):
   q_ref, do_ref, bias_ref, mask_ref = r["q"], r["do"], r["bias"], r["mask"]
   stat_refs = stat_refs_of(r, cfg)
   # ALiBi: the first query head of this kv head (program_id outside the loops' bodies).
-  slope0 = None if r["slopes"] is None else pl.program_id(1) * cfg.g
+  slope0 = None if not cfg.alibi else pl.program_id(1) * cfg.g
 
   def head(h, carry):
     slope = None if slope0 is None else r["slopes"][slope0 + h]
+    rel = _rel(cfg, r["slopes"], bq, bk, h)  # the head's row of the reversed table
 
     def q_block(i, dkv):
       rows = pl.ds(pl.multiple_of(i * bq, 8), bq)
@@ -269,7 +297,7 @@ def _dkv_kernel(*refs, cfg, has_bias, has_mask):
         carry = st.GradCarry(_col(r["ca"][h, rows, :], j), _col(r["cb"][h, rows, :], j))
       return dkv_step(cfg, OPS, dkv, j, i, qs, dos, ks, vs, bias_t, mask_t, q_len, kv_len,
                        stats, _lane0(r["delta"][h, rows, :]), rowc, carry, sm,
-                       None if sm is None else head0 + h, slope)
+                       None if sm is None else head0 + h, slope, rel)
     return lax.fori_loop(lo, hi, q_block, carry)
 
   init = ((jnp.zeros((bk, ks[0].shape[-1]), F32),), (jnp.zeros((bk, vs[0].shape[-1]), F32),))
@@ -304,6 +332,11 @@ def _backward(cfg, q, k, v, bias, mask, q_len, kv_len, do, rows, rowc, want_ds, 
     in_specs += _bias_spec(x, bq, sp, lead=None, index=lambda bb, hh, i, *_: (bb, hh, i, 0))
   slope_specs = [_slope_spec()] if cfg.alibi else []
   slope_args = [slopes.astype(F32)] if cfg.alibi else []
+  if cfg.relative:  # the reversed table: a query head's row (dQ), a kv head's G rows (dK/dV)
+    rev = mosaic.rel_operand(cfg, slopes)
+    lr = rev.shape[-1]
+    slope_specs = [pl.BlockSpec((None, 1, lr), lambda bb, hh, i, *_: (hh, 0, 0))]
+    slope_args = [rev]
   in_specs += slope_specs
   out_specs = [pl.BlockSpec((None, None, bq, h), rowmap)]
   out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
@@ -316,6 +349,9 @@ def _backward(cfg, q, k, v, bias, mask, q_len, kv_len, do, rows, rowc, want_ds, 
   if cfg.alibi:  # the rows' d slope sums, lane-replicated
     out_specs.append(lanes)
     out_shape.append(jax.ShapeDtypeStruct((b, n, tp, LANES), F32))
+  if cfg.relative:  # d rev per (batch, query head), accumulated over the query tiles
+    out_specs.append(pl.BlockSpec((None, None, 1, lr), lambda bb, hh, i, *_: (bb, hh, 0, 0)))
+    out_shape.append(jax.ShapeDtypeStruct((b, n, 1, lr), F32))
   if saves_carries:
     out_specs += [pl.BlockSpec((None, None, bq, ncols), rowmap)] * 2
     out_shape += [jax.ShapeDtypeStruct((b, n, tp, ncols), F32)] * 2
@@ -327,13 +363,16 @@ def _backward(cfg, q, k, v, bias, mask, q_len, kv_len, do, rows, rowc, want_ds, 
       grid_spec=pltpu.PrefetchScalarGridSpec(
           num_scalar_prefetch=2 + len(sm_pre), grid=(b, n, tp // bq),
           in_specs=in_specs + sm_specs, out_specs=out_specs),
-      out_shape=out_shape, compiler_params=_params(cfg, n_parallel=3, vmem=vmem),
+      out_shape=out_shape,
+      compiler_params=_params(cfg, n_parallel=2 if cfg.relative else 3, vmem=vmem),
       interpret=cfg.interpret,
       name="attnx_pallas_rows_dq")(q_len, kv_len, *sm_pre, *args, *sm_ids))
   dq = res.pop(0)
   ds = res.pop(0) if want_ds else None
   dc = res.pop(0)[..., 0] if rs.needs_row_scale else None
   dslopes = jnp.sum(res.pop(0)[..., 0], axis=(0, 2)) if cfg.alibi else None
+  if cfg.relative:
+    dslopes = mosaic.rel_grad(cfg, res.pop(0), slopes.shape[1])
   carries = res if saves_carries else []
 
   # dK, dV: grid (B, K, key tiles); the G query heads and the query tiles in-kernel.
@@ -346,6 +385,8 @@ def _backward(cfg, q, k, v, bias, mask, q_len, kv_len, do, rows, rowc, want_ds, 
   in_specs += [pl.BlockSpec((None, g, tp, LANES), headmap)] * len(rows)
   for x in (bias, mask):
     in_specs += _bias_spec(x, tp, bk, lead=g, index=lambda bb, hh, j, *_: (bb, hh, 0, j))
+  if cfg.relative:
+    slope_specs = [pl.BlockSpec((g, 1, lr), lambda bb, hh, j, *_: (hh, 0, 0))]
   in_specs += [pl.BlockSpec((None, g, tp, ncols), headmap)] * len(carries) + slope_specs
   args = [q, k, v, do, *rows] + [x for x in (bias, mask) if x is not None] + carries + slope_args
   sm_ids, sm_specs = _smask_ids(cfg, smask, None)
@@ -360,7 +401,7 @@ def _backward(cfg, q, k, v, bias, mask, q_len, kv_len, do, rows, rowc, want_ds, 
       out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
       compiler_params=_params(cfg, n_parallel=3, vmem=vmem), interpret=cfg.interpret,
       name="attnx_pallas_rows_dkv")(q_len, kv_len, *sm_pre, *args, *sm_ids)
-  if cfg.alibi:
+  if cfg.alibi or cfg.relative:
     return dq, dk, dv, ds, dc, dslopes
   return dq, dk, dv, ds, dc
 
@@ -388,14 +429,24 @@ def vmem_bytes(cfg: KernelConfig, dtype: Any, h: int, hv: int, bias: Any = None,
   def ids(rows: int, cols: int) -> int:  # a structured mask's ids (int32, lane layouts)
     return 4 * (nq_ids * rows * LANES + nkv_ids * masking.SUBLANES * cols)
 
-  fwd = sp * (h + hv) * item + cfg.bq * (h + 2 * hv) * 4 + extra(cfg.bq, sp) + ids(cfg.bq, sp)
+  def rel(heads: int, bq: int, bk: int, outs: int = 0) -> int:
+    """A relative table's reversed rows ((1, Lr) blocks: 8 sublanes each), d rev, and the
+    [bq, W] window a tile's bias and d ext roll."""
+    if not cfg.relative:
+      return 0
+    lr = mosaic.rel_layout(cfg)[1]
+    return (heads + outs) * 8 * lr * 4 + bq * mosaic.rel_width(bq, bk) * 4
+
+  fwd = sp * (h + hv) * item + cfg.bq * (h + 2 * hv) * 4 + extra(cfg.bq, sp) + ids(
+      cfg.bq, sp) + rel(1, cfg.bq, cfg.bk)
   if not backward:
     return 2 * fwd
   ncols = num_key_tiles(cfg)
   dq = sp * (h + hv) * item + cfg.bq_dq * (h + hv + 8 * LANES + 2 * ncols) * 4 + extra(
-      cfg.bq_dq, sp) + (cfg.bq_dq * sp * 4) + ids(cfg.bq_dq, sp)
+      cfg.bq_dq, sp) + (cfg.bq_dq * sp * 4) + ids(cfg.bq_dq, sp) + rel(
+          1, cfg.bq_dq, cfg.bk_dq, outs=1)
   dkv = g * tp * ((h + hv) * item + 6 * LANES * 4 + 2 * ncols * 4) + extra(
-      tp, cfg.bk_dkv, g) + ids(tp, cfg.bk_dkv)
+      tp, cfg.bk_dkv, g) + ids(tp, cfg.bk_dkv) + rel(g, cfg.bq_dkv, cfg.bk_dkv)
   return 2 * max(fwd, dq, dkv)
 
 

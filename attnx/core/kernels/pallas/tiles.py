@@ -30,7 +30,7 @@ GPU_MIN_BLOCK = 16  # tl.dot needs every matmul dim ≥ 16
 TPU_SUBLANES = 8
 TPU_LANES = 128
 # The kernel families that run a relative-position table (core.relative_table) so far.
-RELATIVE_BACKENDS: tuple[str, ...] = ("gpu",)
+RELATIVE_BACKENDS: tuple[str, ...] = ("gpu", "tpu")
 _FAMILY = {"gpu": "GPU (Triton)", "tpu": "TPU (Mosaic)"}
 
 __all__ = ["BACKENDS", "GPU_MAX_HEAD_DIM", "GPU_MIN_BLOCK", "TPU_LANES", "TPU_SUBLANES",

@@ -18,8 +18,8 @@ skip), ``modded`` (the causal GQA shape with Gemma 2's soft cap c = 30, ALiBi wi
 slopes and learned attention sinks (where F has a sum for a sink to enter: not stick-breaking,
 not the "length"/"none" normalizations), the slopes and sinks differentiated; not in the default
 matrix), ``relative`` (the causal GQA shape with the cap and a learned relative-position table
-covering every distance, [N, 2·T − 1] (``core.relative_table``), differentiated; the kernels
-that run one: ``tiles.RELATIVE_BACKENDS``; not in the default matrix).
+covering every distance, [N, 2·T − 1] (``core.relative_table``), differentiated; not in the
+default matrix).
 
 A program passes when it compiles (a kernel over the shared memory a block may have, or over
 its scoped VMEM, fails to), no kernel of it spills registers (GPU) — except a kernel whose GPU

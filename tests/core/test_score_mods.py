@@ -228,12 +228,10 @@ def test_bad_score_mod_arguments_are_refused():
 
 
 def test_pallas_refuses_score_mod_functions_and_row_families_and_the_choice_runs_blocked():
-  """Pallas runs a cap and ALiBi with a pointwise or a whole-row F, and a relative table on
-  the backends of RELATIVE_BACKENDS (the GPU's; the TPU's refuse it with the reason); any
-  other score_mod function (a user's — even one that computes ALiBi or a table without
-  declaring it) is refused with the reason (a whole-row family takes the cap and ALiBi), and the
-  automatic choice runs the blocked kernel (on a CPU it never takes Pallas; explain says why
-  for each)."""
+  """Pallas runs a cap, ALiBi and a relative table with a pointwise or a whole-row F (both
+  lowerings); any other score_mod function (a user's — even one that computes ALiBi or a table
+  without declaring it) is refused with the reason, and the automatic choice runs the blocked
+  kernel (on a CPU it never takes Pallas; explain says why for each)."""
   q, k, v = _qkv(t=512, s=512)
   slopes = core.alibi_slopes(N)
   alibi = core.alibi(slopes)
@@ -249,18 +247,11 @@ def test_pallas_refuses_score_mod_functions_and_row_families_and_the_choice_runs
   assert ex.chosen == "blocked" and "not another score_mod function" in ex.reasons["pallas"]
   assert ex.problem.has_score_mod and ex.problem.has_score_mod_fn
   assert ex.problem.score_mod_kind == "fn"
-  # A relative table: the kernels of the backends in RELATIVE_BACKENDS run it, the others
-  # refuse it (the TPU's for now).
+  # A relative table: supported by both lowerings (compared in float64 below), and the
+  # automatic choice still passes over Pallas.
   ex = core.explain(q, k, v, score_mod=table)
   assert ex.problem.score_mod_kind == "relative" and ex.chosen == "blocked"
-  runs = pallas_lib.tiles.RELATIVE_BACKENDS
-  assert (ex.reasons["pallas"] is None) == bool(runs)  # a CPU host: either kind may lower it
-  for backend in ("gpu", "tpu"):
-    if backend not in runs:  # (those that run it are compared in float64 below)
-      with pytest.raises(ValueError, match="relative-position table .* not on the"):
-        pallas_lib.pallas_attention(q[:, :8], k[:, :8], v[:, :8],
-                                    weighting=core.get_weighting("softmax"), scale=1.0,
-                                    score_mod=table, backend=backend, interpret=True)
+  assert ex.reasons["pallas"] is None
   # ALiBi: supported, and the automatic choice still passes over Pallas (on a GPU too).
   ex = core.explain(q, k, v, score_mod=alibi)
   assert ex.problem.score_mod_kind == "alibi" and ex.reasons["pallas"] is None

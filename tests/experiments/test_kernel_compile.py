@@ -97,15 +97,9 @@ def test_modded_sample_compiles_without_spills(case):
 
 
 # A learned relative-position table of every distance (and the cap) in the pointwise and two
-# whole-row families' kernels of the lowerings that run one (tiles.RELATIVE_BACKENDS), in CI.
-def _runs_relative(case: dict) -> bool:
-  from attnx.core.kernels.pallas import tiles  # noqa: PLC0415
-  be = "tpu" if aot.TARGETS[case["target"]].platform == "tpu" else "gpu"
-  return be in tiles.RELATIVE_BACKENDS
-
-
+# whole-row families' kernels of both lowerings, in CI.
 _RELATIVE = [dict(c, variant="relative") for c in _SAMPLE
-             if c["weighting"] in ("softmax", "ssmax", "entmax15") and _runs_relative(c)]
+             if c["weighting"] in ("softmax", "ssmax", "entmax15")]
 
 
 @pytest.mark.parametrize("case", _RELATIVE, ids=_id)

@@ -115,12 +115,10 @@ class Case:
       out.append("auto")
     small = max(self.t, self.s) <= PALLAS_MAX_LEN and self.b * self.n <= PALLAS_MAX_HEADS
     # Pallas runs every streaming weighting: pointwise F and the whole-row families; a soft
-    # cap, ALiBi, sinks and (the lowerings of RELATIVE_BACKENDS) a relative table with either
-    # (no other score_mod function).
+    # cap, ALiBi, a relative table and sinks with either (no other score_mod function).
     if streaming and small and self.pallas != "none" and pallas_runs_modification(self):
       out.append("pallas")
-      if (self.score in ("dot", "scaled_dot") and self.pallas == "both" and not ON_GPU
-          and pallas_runs_modification(self, "tpu")):
+      if self.score in ("dot", "scaled_dot") and self.pallas == "both" and not ON_GPU:
         out.append("pallas_tpu")
     return [i for i in out if self.only is None or i in self.only]
 
@@ -130,17 +128,12 @@ class Case:
                     if v != getattr(Case, k, None) or k in ("seed", "t", "s"))
 
 
-def pallas_runs_modification(case: Case, backend: str = "gpu") -> bool:
-  """Whether the ``backend`` Pallas kernels ("gpu": Triton, "tpu": Mosaic) run the case's
-  score modification and sinks: none at all, or a soft cap, ALiBi or (the backends of
-  RELATIVE_BACKENDS) a relative table and/or sinks, with a pointwise or a whole-row F (no
-  kernel runs another score_mod function; the draw gives sinks only to the weightings they
-  mean something for)."""
-  if case.score_mod == "none" and not case.sinks:
-    return True
-  if case.score_mod == "table":
-    return backend in pallas_tiles.RELATIVE_BACKENDS
-  return case.score_mod in ("none", "cap", "alibi")
+def pallas_runs_modification(case: Case) -> bool:
+  """Whether the Pallas kernels (Triton and Mosaic) run the case's score modification and
+  sinks: none at all, or a soft cap, ALiBi or a relative table and/or sinks, with a pointwise
+  or a whole-row F (no kernel runs another score_mod function; the draw gives sinks only to
+  the weightings they mean something for)."""
+  return case.score_mod in ("none", "cap", "alibi", "table")
 
 
 # --------------------------------------------------------------------------------------------

@@ -51,7 +51,6 @@ from attnx.core.implementations.blocked import small_problem_reason
 from attnx.core.kernels import pallas as pallas_lib
 from attnx.core.kernels.pallas import block as pallas_block
 from attnx.core.kernels.pallas import masking as pallas_masking
-from attnx.core.kernels.pallas.tiles import relative_reason
 
 Array = jax.Array
 
@@ -60,8 +59,7 @@ def _modification_reason(problem: Problem) -> str | None:
   """Why the kernels cannot run the problem's score modification or sinks (None when they
   can): they apply a soft cap, ALiBi's linear bias (a ScoreMod declaring it,
   :func:`attnx.core.score_mods.alibi`), a relative-position table (declared likewise,
-  :func:`attnx.core.score_mods.relative_table`; the backends of
-  :data:`attnx.core.kernels.pallas.tiles.RELATIVE_BACKENDS`: :meth:`Pallas._backend_reason`)
+  :func:`attnx.core.score_mods.relative_table`)
   and fold sinks into the rows' state (sinks mean nothing without a sum of weights, which the
   call's checks refuse first);
   any other score_mod function is user code per tile. The whole-row kernels take the soft cap,
@@ -138,8 +136,6 @@ class Pallas(Implementation):
     return "; ".join(dict.fromkeys(reasons))  # on a CPU host: why neither kind can
 
   def _backend_reason(self, problem: Problem, backend: str) -> str | None:
-    if problem.score_mod_kind == "relative" and (reason := relative_reason(backend)):
-      return reason
     try:  # the backend's tile rules, for empty inputs too (checked on the query's dtype)
       pallas_lib.check_block_sizes(backend, problem.dtype, block_q=self.block_q,
                                    block_k=self.block_k)

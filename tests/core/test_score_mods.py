@@ -851,17 +851,19 @@ def test_pallas_whole_row_alibi_equals_float64_dense(backend, weighting, causal,
 _MT, _MS = 20, 150
 
 
-def _mosaic_relative(weighting, causal, *, cap=None, sinks=None, q_lengths=None,
-                     kv_lengths=None):
-  """fn(q, k, v, table) of the Mosaic kernels (interpreted) and of the dense implementation,
-  with a relative-position table, an optional cap, sinks and lengths."""
+def _pallas_relative(weighting, causal, *, cap=None, sinks=None, q_lengths=None,
+                     kv_lengths=None, backend="tpu"):
+  """fn(q, k, v, table) of the ``backend`` Pallas kernels (interpreted; 16 queries × 128 keys
+  on the TPU's, 16 × 16 on the GPU's) and of the dense implementation, with a
+  relative-position table, an optional cap, sinks and lengths."""
   w = core.get_weighting(weighting)
+  block_k = 128 if backend == "tpu" else 16
 
   def pallas(q, k, v, table):
     mod = core.score_mods.make(cap, core.relative_table(table))
     return pallas_lib.pallas_attention(
         q, k, v, weighting=w, scale=1 / math.sqrt(H), is_causal=causal, q_lengths=q_lengths,
-        kv_lengths=kv_lengths, block_q=16, block_k=128, backend="tpu", interpret=True,
+        kv_lengths=kv_lengths, block_q=16, block_k=block_k, backend=backend, interpret=True,
         score_mod=mod, sinks=sinks)
 
   def dense(q, k, v, table):
@@ -875,12 +877,12 @@ def _mosaic_relative(weighting, causal, *, cap=None, sinks=None, q_lengths=None,
 
 
 def _mosaic_relative_case(seed, weighting, causal, length, **kw):
-  """(pallas, dense, args) of :func:`_mosaic_relative` on (q, k, v, table): ``length`` the
+  """(pallas, dense, args) of :func:`_pallas_relative` (the TPU kernels) on (q, k, v, table): ``length`` the
   table's L ("full": 2·max(T, S) − 1, every distance its own entry; else clipped)."""
   q, k, v = _qkv(seed, t=_MT, s=_MS)
   el = 2 * max(_MT, _MS) - 1 if length == "full" else length
   table = jax.random.normal(jax.random.key(seed + 1), (N, el), jnp.float32)
-  return (*_mosaic_relative(weighting, causal, **kw), (2.0 * q, k, v, table))
+  return (*_pallas_relative(weighting, causal, **kw), (2.0 * q, k, v, table))
 
 
 # (F, causal, table length, cap, sinks): a pointwise F with the online max and one with a sum.
@@ -932,7 +934,7 @@ def test_pallas_mosaic_relative_table_bfloat16():
   included."""
   q, k, v = _qkv(43, t=_MT, s=_MS, dtype=jnp.bfloat16)
   table = jax.random.normal(jax.random.key(44), (N, 2 * _MS - 1), jnp.float32)
-  pallas, dense = _mosaic_relative("softmax", True,
+  pallas, dense = _pallas_relative("softmax", True,
                                    kv_lengths=jnp.array([_MS - 30, _MS], jnp.int32))
   _matches_float64(jax.jit(pallas), dense, (q, k, v, table), ("dq", "dk", "dv", "dtable"),
                    2e-2, 3e-2)
@@ -975,36 +977,13 @@ def test_mosaic_relative_windows_fit_and_keep_rotates_within_a_vreg():
 _CLIPPED, _FULL = 7, 2 * max(_PT, _PS) - 1
 
 
-def _pallas_relative(weighting, causal, *, cap=None, sinks=None, q_lengths=None,
-                     kv_lengths=None):
-  """fn(q, k, v, table) of the Triton kernels (interpreted) and of the dense implementation,
-  with a relative table, an optional cap, sinks and lengths."""
-  w = core.get_weighting(weighting)
-
-  def pallas(q, k, v, table):
-    mod = core.score_mods.make(cap, core.relative_table(table))
-    return pallas_lib.pallas_attention(
-        q, k, v, weighting=w, scale=1 / math.sqrt(H), is_causal=causal, q_lengths=q_lengths,
-        kv_lengths=kv_lengths, block_q=16, block_k=16, backend="gpu", interpret=True,
-        score_mod=mod, sinks=sinks)
-
-  def dense(q, k, v, table):
-    return core.attention(
-        q, k, v, weighting=weighting, is_causal=causal, logits_soft_cap=cap,
-        score_mod=core.relative_table(table),
-        sinks=None if sinks is None else jnp.asarray(sinks, q.dtype),
-        query_seq_lengths=q_lengths, key_value_seq_lengths=kv_lengths,
-        implementation="dense")
-
-  return pallas, dense
-
-
 def _table(seed, length):
   return 0.7 * jax.random.normal(jax.random.key(seed), (N, length), jnp.float32)
 
 
 # (F, causal, table length, cap, sinks): pointwise F (online max, "sum", "none") and every
 # whole-row family, each table length, cap and sinks in some.
+# (ReLU's "sum" repeats sigmoid's, sparsemax entmax's threshold passes: -m exhaustive.)
 _REL_CASES = [("softmax", True, _CLIPPED, 2.0, False), ("sigmoid", False, _FULL, None, True),
               ("relu", True, _FULL, 2.0, False), ("ssmax", False, _CLIPPED, None, True),
               ("softpick", True, _FULL, 2.0, False),
@@ -1013,8 +992,10 @@ _REL_CASES = [("softmax", True, _CLIPPED, 2.0, False), ("sigmoid", False, _FULL,
               ("softmax:alpha=2", False, _CLIPPED, None, False)]
 
 
-@pytest.mark.parametrize(("weighting", "causal", "length", "cap", "sinks"), _REL_CASES,
-                         ids=[f"{c[0]}-L{c[2]}" for c in _REL_CASES])
+@pytest.mark.parametrize(("weighting", "causal", "length", "cap", "sinks"), [
+    pytest.param(*c, id=f"{c[0]}-L{c[2]}",
+                 marks=[pytest.mark.exhaustive] if c[0] in ("relu", "sparsemax") else [])
+    for c in _REL_CASES])
 def test_pallas_relative_table_equals_float64_dense(weighting, causal, length, cap, sinks):
   """A relative table in the Triton kernels (interpreted), pointwise and whole-row F: GQA
   (G = 2), T ≠ S, neither a multiple of the 16×16 tiles, key lengths (and query lengths when
@@ -1027,7 +1008,7 @@ def test_pallas_relative_table_equals_float64_dense(weighting, causal, length, c
       weighting, causal, cap=cap,
       sinks=np.array([0.5, -1.0, 1.5, 0.0], np.float32) if sinks else None,
       q_lengths=jnp.array([_PT - 3, _PT], jnp.int32) if causal else None,
-      kv_lengths=jnp.array([_PS, _PS - 6], jnp.int32))
+      kv_lengths=jnp.array([_PS, _PS - 6], jnp.int32), backend="gpu")
   _, want_g = _matches_float64(pallas, dense, (q, k, v, _table(length, length)),
                                ("dq", "dk", "dv", "dtable"), 3e-6, 3e-5)
   assert np.all(np.abs(np.asarray(want_g[3])).max(axis=1) > 0)
@@ -1037,7 +1018,7 @@ def test_pallas_relative_table_bfloat16():
   """bf16 inputs (Triton, causal softmax with a cap, a clipped table): the float64 dense
   result of the same rounded inputs, to bf16's precision."""
   q, k, v = _qkv(32, t=_PT, s=_PS, dtype=jnp.bfloat16)
-  pallas, dense = _pallas_relative("softmax", True, cap=3.0)
+  pallas, dense = _pallas_relative("softmax", True, cap=3.0, backend="gpu")
   _matches_float64(pallas, dense, (q, k, v, _table(3, _CLIPPED).astype(jnp.bfloat16)),
                    ("dq", "dk", "dv", "dtable"), 2e-2, 3e-2)
 

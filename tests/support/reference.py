@@ -157,8 +157,13 @@ def pointwise_weights64(z, valid, w: wlib.Pointwise, num_keys: int, row_keys=Non
   where F counts them (``w.sequence_shift``), else S."""
   zv = jnp.where(valid, z, 0.0)
   if w.online_max:  # exp(αz) overflows float64 for large z: the ratio with a shift
+    # The row's max (and 0, the offset's virtual key, where there is one): a shift of 0 for
+    # rows whose scores are all far below 0 (ALiBi at long distances) would square their
+    # e^{αz} to 0 in the gradient (0/0).
+    first = 0.0 if w.denominator_offset else -jnp.inf
     m = jax.lax.stop_gradient(jnp.max(jnp.where(valid, w.exp_alpha * zv, -jnp.inf), -1,
-                                      keepdims=True, initial=0.0))
+                                      keepdims=True, initial=first))
+    m = jnp.where(jnp.isfinite(m), m, 0.0)  # a row without a valid key
     f = jnp.where(valid, jnp.exp(w.exp_alpha * zv - m), 0.0)
     den = jnp.sum(f, -1, keepdims=True) + w.denominator_offset * jnp.exp(-m)
     return f / jnp.where(den > 0, den, 1.0)
@@ -172,8 +177,14 @@ def pointwise_weights64(z, valid, w: wlib.Pointwise, num_keys: int, row_keys=Non
     return f
   if w.normalization == "length":
     den = jnp.sum(valid, -1, keepdims=True).astype(f64)
-  else:
-    den = jnp.sum(f, -1, keepdims=True) + w.denominator_offset
+    return f / jnp.where(den != 0, den, 1.0)
+  # "sum": f/Σf with f and the offset scaled by the row's largest f first (exact in value),
+  # so that the gradient's f/den² does not underflow to 0/0 where every f of a row is tiny
+  # (sigmoid far below its bias: ALiBi at long distances).
+  top = jax.lax.stop_gradient(jnp.max(f, -1, keepdims=True))
+  top = jnp.where(top > 0, top, 1.0)
+  f = f / top
+  den = jnp.sum(f, -1, keepdims=True) + w.denominator_offset / top
   return f / jnp.where(den != 0, den, 1.0)
 
 

@@ -195,7 +195,7 @@ class Pallas(Implementation):
 
   def ring_reason(self, ring: RingProblem) -> str | None:
     be = pallas_lib.resolve_backend(ring.backend, self.interpret)
-    why = (_ring_modifications(ring) or pallas_block.supported(ring.weighting, be)
+    why = (_ring_modifications(ring, be) or pallas_block.supported(ring.weighting, be)
            or pallas_lib.supported(ring.weighting, backend=be, dtype=ring.dtype,
                                    head_dim=ring.head_dim, value_head_dim=ring.value_head_dim,
                                    interpret=self.interpret))
@@ -222,12 +222,19 @@ class Pallas(Implementation):
         pallas_lib.resolve_backend(ring.backend, self.interpret), self.interpret)
 
 
-def _ring_modifications(ring: RingProblem) -> str | None:
+def _ring_modifications(ring: RingProblem, backend: str) -> str | None:
   """Why the ring's Pallas steps (:mod:`attnx.core.kernels.pallas.block`) cannot run ``ring``'s
-  score modifications, or None: they run a soft cap (in the kernels) and sinks (folded in by
-  the ring, outside the steps), not a ``score_mod`` function, which needs global positions
-  the kernels' tiles do not have."""
-  if "score_mod" not in ring.modifications:
-    return None
-  return ("the ring's Pallas steps do not take score_mod yet (they run logits_soft_cap and "
-          "sinks); use the XLA steps (implementation='blocked', or None, which picks them)")
+  score modifications, or None: they run a soft cap (in the kernels), sinks (folded in by the
+  ring, outside the steps), and ALiBi and relative-position tables at the global positions
+  (each block's as a relative table at its distances:
+  :class:`attnx.core.parallel.steps.OffsetMod`, where the ``backend``'s kernels run relative
+  tables), not a user's ``score_mod`` function, which needs global positions the kernels'
+  tiles do not have."""
+  kind = ring.score_mod_kind
+  if kind == "fn":
+    return ("the ring's Pallas steps run logits_soft_cap, ALiBi (core.alibi), relative-position "
+            "tables (core.relative_table) and sinks, not a user's score_mod function; use the "
+            "XLA steps (implementation='blocked', or None, which picks them)")
+  if kind in ("alibi", "relative"):
+    return relative_reason(backend)
+  return None

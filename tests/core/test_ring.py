@@ -203,9 +203,11 @@ def test_large_run_draws_reach_every_weighting_and_length():
                                      for mod in ("none", "cap", "alibi", "table", "fn")}
   assert cov["family_sinks"] == set(steps.FAMILIES) - {"stick_breaking"}
   assert cov["learned_s_mod"] == {False, True}
-  # The draws on the Pallas steps: caps and sinks, no score_mod function (refused there).
+  # The draws on the Pallas steps: caps, ALiBi, tables and sinks, no user's score_mod
+  # function (refused there).
   pallas = ring_draws.coverage(ring_draws.large_sample(0, 80, pallas=True))
-  assert pallas["score_mod"] == {"none", "cap"} and pallas["sinks"] == {False, True}
+  assert pallas["score_mod"] == {"none", "cap", "alibi", "table"}, pallas["score_mod"]
+  assert pallas["sinks"] == {False, True}
 
 
 _LARGE_FIRST = int(os.environ.get("ATTNX_RING_DIFF_FIRST", "0"))
@@ -396,6 +398,30 @@ def test_pallas_ring_lowers_for_gpu_and_tpu(platform, weighting):
       lowering.expected_kernels(platform, "bfloat16", 64, 64, family))
 
 
+@pytest.mark.parametrize("backend", ["gpu", "tpu"])
+def test_pallas_ring_alibi_lowers(backend):
+  # ALiBi on the Pallas steps (zigzag: each step's pieces split into their chunks): lowered
+  # for the chip, its kernels' custom calls only (each block's relative table is built outside
+  # the kernels).
+  x = jax.ShapeDtypeStruct((1, 64, 4, 64), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((1, 64, 2, 64), jnp.bfloat16)
+  mesh = jax.make_mesh((1,), ("sp",), axis_types=(jax.sharding.AxisType.Auto,))
+
+  def loss(q, k, v, slopes):
+    out = ring.ring_attention(q, k, v, axis_name="sp", is_causal=True, layout="zigzag",
+                              implementation="pallas", pallas_backend=backend,
+                              score_mod=core.alibi(slopes))
+    return jnp.sum(out.astype(jnp.float32))
+
+  grads = jax.shard_map(jax.grad(loss, (0, 3)), mesh=mesh, in_specs=(P(None, "sp"),) * 3 + (P(),),
+                        out_specs=(P(None, "sp"), P()), check_vma=False)
+  traced = lambda: jax.jit(grads).trace(x, kv, kv, jax.ShapeDtypeStruct((4,), jnp.float32))
+  platform, target = {"gpu": ("cuda", "__gpu$xla.gpu.triton"),
+                      "tpu": ("tpu", "tpu_custom_call")}[backend]
+  text = traced().lower(lowering_platforms=(platform,)).as_text()
+  assert set(re.findall(r"custom_call @([\w.$]+)", text)) == {target}
+
+
 def test_pallas_ring_refusals():
   q, k, v = _qkv(n=4, kh=2)
   with pytest.raises(ValueError, match="needs a GPU or TPU.*interpret=True"):
@@ -498,12 +524,14 @@ def test_entmax_family_refused_with_the_alternative(weighting):
      "stick-breaking leaves the stick"),
     (dict(weighting="relu:normalization=length", sinks=np.zeros(4, np.float32)),
      "divides by no sum of weights"),
-    # The ring's Pallas steps take a cap and sinks, not a score_mod: a ValueError naming it.
-    (dict(implementation="pallas", interpret=True, score_mod=core.alibi(np.ones(4, np.float32))),
-     "Pallas steps do not take score_mod yet"),
+    # The ring's Pallas steps take a cap, ALiBi, tables and sinks, not a user's score_mod
+    # function: a ValueError naming it.
+    (dict(implementation="pallas", interpret=True, score_mod=lambda s, b, h, i, j, p: s,
+          score_mod_params={}),
+     "Pallas steps run logits_soft_cap, ALiBi .*not a user's score_mod function"),
     (dict(implementation=core.Pallas(interpret=True), logits_soft_cap=1.0,
           score_mod=lambda s, b, h, i, j, p: s),
-     "Pallas steps do not take score_mod yet .they run logits_soft_cap and sinks"),
+     "Pallas steps run .*not a user's score_mod function; use the XLA steps"),
 ])
 def test_bad_arguments_raise(kwargs, match):
   q, k, v = _qkv(n=4, kh=2)

@@ -877,8 +877,9 @@ def _pallas_relative(weighting, causal, *, cap=None, sinks=None, q_lengths=None,
 
 
 def _mosaic_relative_case(seed, weighting, causal, length, **kw):
-  """(pallas, dense, args) of :func:`_pallas_relative` (the TPU kernels) on (q, k, v, table): ``length`` the
-  table's L ("full": 2·max(T, S) − 1, every distance its own entry; else clipped)."""
+  """(pallas, dense, args) of :func:`_pallas_relative` (the TPU kernels) on (q, k, v, table):
+  ``length`` the table's L ("full": 2·max(T, S) − 1, every distance its own entry; else
+  clipped)."""
   q, k, v = _qkv(seed, t=_MT, s=_MS)
   el = 2 * max(_MT, _MS) - 1 if length == "full" else length
   table = jax.random.normal(jax.random.key(seed + 1), (N, el), jnp.float32)

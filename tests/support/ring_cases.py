@@ -119,6 +119,9 @@ CASES = {
     # (Also on the Pallas steps: a cap in their kernels and the ring's sinks, pointwise.)
     "sigmoid_cap_sinks_zigzag_gqa": (C(seed=87, t=T, s=T, n=4, kh=2, weighting="sigmoid",
                                        causal=True, score_mod="cap", sinks=True), Z),
+    # Symmetric ALiBi (not causal), zigzag: every step's blocks span two chunks of rows and
+    # of keys (the Pallas steps run each pair of chunks as a block of its own).
+    "ssmax_alibi_full_zigzag": (C(seed=88, t=T, s=T, weighting="ssmax", score_mod="alibi"), Z),
     "stick_alibi_zigzag": (C(seed=85, t=T, s=T, weighting="stick_breaking", causal=True,
                              score_mod="alibi"), Z),
     "stick_fn_full_gqa": (C(seed=86, t=T, s=T, n=4, kh=2, weighting="stick_breaking",
@@ -137,12 +140,16 @@ PASSES = {"softmax_full_gqa": 1, "softmax_zigzag_gqa": 1, "ssmax_full_gqa": 1,
 # Also run with the Pallas kernels at every step (implementation=core.Pallas(interpret=True),
 # in Pallas' interpreter; name + PALLAS): each family, both layouts, causal and not, GQA in
 # passes, the three bias shardings and the global-length rules (sigmoid's b, ReLU's count,
-# SSMax's n), and a soft cap with sinks (a pointwise F and SSMax, whose n counts the sink).
+# SSMax's n), a soft cap with sinks (a pointwise F and SSMax, whose n counts the sink), and
+# ALiBi (causal, symmetric) and relative tables at the global positions in every family: the
+# zigzag steps' blocks split into their chunks, the global query heads of GQA passes.
 PALLAS = "@pallas"
 PALLAS_CASES = ("softmax_full_gqa", "softmax_zigzag_gqa", "sigmoid_none_causal",
                 "relu_length_zigzag", "ssmax_full_gqa", "softpick_zigzag", "stick_causal",
                 "stick_zigzag_full_gqa", "ssmax_combo_zigzag", "ssmax_cap_sinks_causal_gqa",
-                "sigmoid_cap_sinks_zigzag_gqa")
+                "sigmoid_cap_sinks_zigzag_gqa", "softmax_alibi_sinks_zigzag_gqa",
+                "sigmoid_none_table_causal", "ssmax_alibi_full_zigzag",
+                "softpick_table_sinks_zigzag", "stick_alibi_zigzag")
 # Also run inside jax.shard_map(..., check_vma=True) (name + VMA): the kernels' loop starts
 # typed as varying, replicated parameters' gradients summed over the devices by the ring.
 VMA = "@check_vma"

@@ -286,9 +286,9 @@ def _with_mods(d: RingDraw, score_mod: str | None = None, sinks: bool | None = N
 
 
 def _on_pallas_steps(d: RingDraw) -> RingDraw:
-  """The draw as the ring's Pallas steps run it: its soft cap and sinks kept, a score_mod
-  function (ALiBi, a table, the fn) left out (the Pallas steps refuse it)."""
-  mod = d.case.score_mod if d.case.score_mod in ("none", "cap") else "none"
+  """The draw as the ring's Pallas steps run it: its soft cap, ALiBi, table and sinks kept, a
+  user's score_mod function (the fn) left out (the Pallas steps refuse it)."""
+  mod = "none" if d.case.score_mod == "fn" else d.case.score_mod
   return dataclasses.replace(d, case=dataclasses.replace(d.case, score_mod=mod), pallas=True)
 
 

@@ -180,6 +180,8 @@ class RingProblem:
     backend: the Pallas kernels asked for (``"gpu"``/``"tpu"``), or None: the host's.
     modifications: the names of the call's score modifications and sinks
       (``"logits_soft_cap"``, ``"score_mod"``, ``"sinks"``) the steps must apply.
+    score_mod_kind: :func:`attnx.core.score_mods.kind` of the call's modification: None,
+      ``"alibi"``, ``"relative"`` or ``"fn"`` (a user's function).
   """
 
   weighting: Any
@@ -189,6 +191,7 @@ class RingProblem:
   typed_vma: bool = False
   backend: str | None = None
   modifications: tuple[str, ...] = ()
+  score_mod_kind: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -220,10 +220,13 @@ class Pallas(Implementation):
 
 def _ring_modifications(ring: RingProblem) -> str | None:
   """Why the ring's Pallas steps (:mod:`attnx.core.kernels.pallas.block`) cannot run ``ring``'s
-  score modifications, or None: they run a soft cap (in the kernels) and sinks (folded in by
-  the ring, outside the steps), not a ``score_mod`` function, which needs global positions
-  the kernels' tiles do not have."""
-  if "score_mod" not in ring.modifications:
-    return None
-  return ("the ring's Pallas steps do not take score_mod yet (they run logits_soft_cap and "
-          "sinks); use the XLA steps (implementation='blocked', or None, which picks them)")
+  score modifications, or None: they run a soft cap (in the kernels), sinks (folded in by the
+  ring, outside the steps), and ALiBi and relative-position tables at the global positions
+  (each block's as a relative table at its distances:
+  :class:`attnx.core.parallel.steps.OffsetMod`), not a user's ``score_mod`` function, which
+  needs global positions the kernels' tiles do not have."""
+  if ring.score_mod_kind == "fn":
+    return ("the ring's Pallas steps run logits_soft_cap, ALiBi (core.alibi), relative-position "
+            "tables (core.relative_table) and sinks, not a user's score_mod function; use the "
+            "XLA steps (implementation='blocked', or None, which picks them)")
+  return None

@@ -64,8 +64,11 @@ keys and the global query head (:class:`~attnx.core.parallel.steps.StepMod`); at
 are folded once into each device's first row state (:func:`~attnx.core.parallel.steps.
 sink_state`) and their gradient comes from the saved row statistics
 (:func:`~attnx.core.parallel.steps.sink_grads`). The XLA steps run all of them; the Pallas
-steps a soft cap (in their kernels) and sinks (the ring's, outside the steps), not a
-``score_mod`` function (their kernels' positions are the block's).
+steps a soft cap (in their kernels), sinks (the ring's, outside the steps), and ALiBi and
+relative tables, which their kernels take as a relative table at each contiguous block's
+global distances (:class:`~attnx.core.parallel.steps.OffsetMod`; zigzag pieces run chunk by
+chunk: :func:`~attnx.core.parallel.steps.blocks`), not a user's ``score_mod`` function
+(their kernels' positions are the block's).
 
 Sparsemax and α-entmax cannot run here: their threshold τ_i needs every key of the row before
 the first weight (several passes over all keys; each would be a ring of its own).
@@ -83,7 +86,7 @@ import numpy as np
 from jax import lax
 
 from attnx.core import implementations as impl_lib
-from attnx.core import masks, streaming
+from attnx.core import masks, score_mods, streaming
 from attnx.core import problem as problem_lib
 from attnx.core import scores as scores_lib
 from attnx.core.contract import compute_dtype, nonfinite_inputs
@@ -631,9 +634,11 @@ def ring_attention(q: Array, k: Array, v: Array, bias: Array | None = None,
       into each device's first row state; SSMax counts it in n_i), with a gradient. For the
       weightings that divide by a sum (pointwise F with ``normalization="sum"``, SSMax,
       softpick); a ValueError for the others (stick-breaking, ``"length"``, ``"none"``).
-      The Pallas steps run ``logits_soft_cap`` and sinks, not a ``score_mod`` (an explicit
-      ``implementation="pallas"`` raises a ValueError naming it); with any of them the
-      automatic choice takes the XLA steps (Pallas' self-check does not cover them).
+      The Pallas steps run ``logits_soft_cap``, sinks, ALiBi and relative tables, not a
+      user's ``score_mod``
+      function (an explicit ``implementation="pallas"`` raises a ValueError naming it);
+      with any of them the automatic choice takes the XLA steps (Pallas' self-check does not
+      cover them).
 
   Returns:
     The local output ``[batch..., T/P, N, Hv]`` in q's dtype: the rows of the global attention
@@ -644,7 +649,8 @@ def ring_attention(q: Array, k: Array, v: Array, bias: Array | None = None,
       layout, shapes that do not split (causal needs equal local T and S, zigzag even ones;
       tiles divide the local lengths, which must not leave tiles of a few rows), a bias/mask
       sharded otherwise than documented, a weighting that cannot stream (sparsemax, entmax:
-      the message names the alternatives), a ``score_mod`` with the Pallas steps, or the
+      the message names the alternatives), a user's ``score_mod`` function with the Pallas
+      steps (or ALiBi/a table on kernels without relative tables), or the
       checks of :func:`attnx.core.attention` (among them a cap ≤ 0, sinks not
       of shape [N], sinks for a weighting without a sum: stick-breaking, ``"length"``,
       ``"none"``).
@@ -726,7 +732,8 @@ def ring_attention(q: Array, k: Array, v: Array, bias: Array | None = None,
   given = (("logits_soft_cap", logits_soft_cap), ("score_mod", score_mod), ("sinks", sinks))
   ring = RingProblem(w, jnp.result_type(q.dtype, k.dtype, v.dtype), q.shape[-1], v.shape[-1],
                      typed_vma=bool(rc.vma), backend=pallas_backend,
-                     modifications=tuple(name for name, x in given if x is not None))
+                     modifications=tuple(name for name, x in given if x is not None),
+                     score_mod_kind=score_mods.kind(mod))
   impl = _step_implementation(chosen, ring)
   block_q, block_k = impl.block_sizes
   rc = dataclasses.replace(rc, head_dims=(b, kc, g), block_q=block_q, block_k=block_k,

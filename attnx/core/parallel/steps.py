@@ -163,6 +163,77 @@ class StepMod:
     return score_mods.ScoreMod(cap=self.mod.cap, fn=at_global, params=self.mod.params)
 
 
+@dataclasses.dataclass(frozen=True)
+class OffsetMod:
+  """A positional score modification (ALiBi, a relative-position table: a
+  :class:`~attnx.core.score_mods.ScoreMod` with ``linear_bias`` or ``relative``) on a block
+  whose rows and keys are each a contiguous run of global positions: the bias of the block's
+  local row r and key c is the modification's at the global distance (r − c) + ``delta``, for
+  the query heads [``head0``, ``head0`` + N of the block). What the kernels that take the
+  modification as an operand rather than calling its function get
+  (:class:`attnx.core.kernels.pallas.block.PallasBlockKernel`, whose ``offset_mods`` is
+  True): their gradients end with the cotangent of ``mod`` (a ScoreMod of d params)."""
+
+  mod: score_mods.ScoreMod
+  delta: Array  # int32 scalar: global position of the block's first row − of its first key
+  head0: Any
+
+
+def offset_blocks(rc: RingConfig, mod: StepMod | None) -> bool:
+  """Whether the step kernels run ``mod`` as :class:`OffsetMod` s on contiguous blocks (a
+  positional modification on kernels that never call its function): each piece of a step
+  then runs as its contiguous sub-blocks (:func:`blocks`)."""
+  return (mod is not None and mod.mod.fn is not None
+          and bool(getattr(rc.kernel, "offset_mods", False)))
+
+
+def _runs(lo: int, hi: int, cut: int | None) -> list[tuple[int, int]]:
+  """[lo, hi) cut at ``cut`` (the end of the first zigzag chunk), or whole."""
+  if cut is None or not lo < cut < hi:
+    return [(lo, hi)]
+  return [(lo, cut), (cut, hi)]
+
+
+def blocks(rc: RingConfig, pieces, s_blk: int, mod: StepMod | None):
+  """The blocks (rows [lo, hi), keys [klo, khi), causal, kernel keywords) the kernels run for
+  the ``pieces`` of a kind of step (in halves: :data:`attnx.core.parallel.layout.PIECES`)
+  against ``s_blk`` visiting keys. Each piece is one block, with ``mod.piece``'s modification;
+  with :func:`offset_blocks`, each piece runs as the blocks of its contiguous runs of rows and
+  of keys (zigzag: each local chunk, each chunk of a visiting whole shard), with an
+  :class:`OffsetMod`, the later keys' blocks of a row run first (the order of
+  stick-breaking's merges and carries). A piece's causal mask is top-left aligned on its own
+  rows and keys: a sub-block on its diagonal stays causal, one below it is full, one above
+  it is skipped."""
+  half = rc.t // 2
+  rows_of = lambda a: rc.t if a == 2 else a * half  # in halves: 0, 1 or 2 (odd lengths: 2)
+  keys_of = lambda a: s_blk if a == 2 else a * (s_blk // 2)
+  out = []
+  for r0, r1, k0, k1, causal in pieces:
+    lo, hi, klo, khi = rows_of(r0), rows_of(r1), keys_of(k0), keys_of(k1)
+    if not offset_blocks(rc, mod):
+      kw = {} if mod is None else {"mod": mod.piece(lo, hi, klo, khi)}
+      out.append((lo, hi, klo, khi, causal, kw))
+      continue
+    zigzag = rc.layout == "zigzag"
+    row_cut = max(rc.t // 2, 1) if zigzag else None
+    key_cut = s_blk // 2 if zigzag and s_blk == rc.s else None  # a half shard: one chunk
+    for a, b in _runs(lo, hi, row_cut):
+      for c, d in reversed(_runs(klo, khi, key_cut)):
+        sub = causal
+        if causal:
+          ra, rb, ka, kb = a - lo, b - lo, c - klo, d - klo
+          if rb <= ka:  # above the piece's diagonal: no pair
+            continue
+          if ra >= kb:
+            sub = False
+          elif (ra, rb) != (ka, kb):
+            raise ValueError(f"a causal ring block of rows [{a}, {b}) and keys [{c}, {d}) "
+                             "straddles its diagonal")
+        off = OffsetMod(mod.mod, mod.qpos[a] - mod.kpos[c], mod.head0)
+        out.append((a, b, c, d, sub, {"mod": off}))
+  return out
+
+
 def step_mod(rc: RingConfig, mod: tuple[Any, Any] | None, src: Any, off: int = 0,
              size: int | None = None) -> StepMod | None:
   """The :class:`StepMod` of a visit by the keys [off, off + size) of device ``src``'s shard;
@@ -370,8 +441,9 @@ def merge(rc: RingConfig, a: Any, b: Any) -> Any:
 
 
 def block_state(rc: RingConfig, q, kv, bias, mask, rsc, scale, r0, r1, k0, k1, causal,
-                mod: StepMod | None = None):
-  """The raw state of local rows [r0, r1) against keys [k0, k1) of the visiting shard."""
+                kw: dict):
+  """The raw state of local rows [r0, r1) against keys [k0, k1) of the visiting shard
+  (``kw``: the kernels' keywords, :func:`blocks`)."""
   k, v = kv
   cfg = rc.cfg(r1 - r0, k1 - k0, causal)
   qp = lax.slice_in_dim(q, r0, r1, axis=2)
@@ -379,7 +451,6 @@ def block_state(rc: RingConfig, q, kv, bias, mask, rsc, scale, r0, r1, k0, k1, c
   bp = None if bias is None else sl(sl(bias, 3, r0, r1 - r0), 4, k0, k1 - k0)
   mp = None if mask is None else sl(sl(mask, 3, r0, r1 - r0), 4, k0, k1 - k0)
   rp = None if rsc is None else lax.slice_in_dim(rsc, r0, r1, axis=2)
-  kw = {} if mod is None else {"mod": mod.piece(r0, r1, k0, k1)}
   if rc.pointwise:
     return rc.kernel.state(qp, kp, vp, bp, mp, scale, cfg, **kw)
   return rc.kernel.row_state(qp, kp, vp, bp, mp, rp, scale, cfg, **kw)
@@ -390,17 +461,13 @@ def kind_state(rc: RingConfig, pieces, q, kv, bias, mask, rsc, scale, hv: int,
   """The raw state of every local row over the visiting keys (``kv``: a shard, or half of
   one), from the ``pieces`` of a kind of step (:data:`attnx.core.parallel.layout.PIECES`; empty
   rows where none). ``mod``: the step's score modification, or None."""
-  half, s_blk = rc.t // 2, kv[0].shape[1]
-  rows_of = lambda a: rc.t if a == 2 else a * half  # in halves: 0, 1 or 2 (odd lengths: 2)
-  keys_of = lambda a: s_blk if a == 2 else a * (s_blk // 2)
   state = empty(rc, q.shape[:2] + (rc.t,), hv)
-  for r0, r1, k0, k1, causal in pieces:
-    lo, hi = rows_of(r0), rows_of(r1)
-    part = block_state(rc, q, kv, bias, mask, rsc, scale, lo, hi, keys_of(k0), keys_of(k1),
-                       causal, mod)
-    if (lo, hi) == (0, rc.t):  # the only piece of its kind: nothing to merge with
+  todo = blocks(rc, pieces, kv[0].shape[1], mod)
+  for lo, hi, klo, khi, causal, kw in todo:
+    part = block_state(rc, q, kv, bias, mask, rsc, scale, lo, hi, klo, khi, causal, kw)
+    if (lo, hi) == (0, rc.t) and len(todo) == 1:  # the only block: nothing to merge with
       state = part
-    else:
+    else:  # (stick-breaking: the state holds the later keys, :func:`blocks`' order)
       state = put_tree_rows(state, merge(rc, tree_rows(state, lo, hi - lo), part), lo)
   return sweep.vary(state, rc.vma)  # every kind of step: the same type
 
@@ -412,22 +479,17 @@ def kind_grads(rc: RingConfig, pieces, q, kv, bias, mask, rsc, scale, out, stats
   parameters last. (Adding into the running sums inside the step's branch instead measured
   more scratch: XLA copies the operands of the branches.)"""
   k, v = kv
-  half, s_blk = rc.t // 2, k.shape[1]
-  rows_of = lambda a: rc.t if a == 2 else a * half  # in halves: 0, 1 or 2 (odd lengths: 2)
-  keys_of = lambda a: s_blk if a == 2 else a * (s_blk // 2)
   dq = zeros(rc, q.shape)
   dk, dv = zeros(rc, k.shape), zeros(rc, v.shape)
   db = None if bias is None else zeros(rc, bias.shape)
   dscale = zeros(rc, ())
   dmod = None if mod is None else jax.tree.map(lambda x: zeros(rc, x.shape), mod.mod.params)
-  for r0, r1, k0, k1, causal in pieces:
-    lo, hi, klo, khi = rows_of(r0), rows_of(r1), keys_of(k0), keys_of(k1)
+  for lo, hi, klo, khi, causal, kw in blocks(rc, pieces, k.shape[1], mod):
     cfg = rc.cfg(hi - lo, khi - klo, causal)
     rows = lambda a, lo=lo, hi=hi: lax.slice_in_dim(a, lo, hi, axis=2)
     keys = lambda a, lo=klo, hi=khi: lax.slice_in_dim(a, lo, hi, axis=1)
     bp = None if bias is None else sl(sl(bias, 3, lo, hi - lo), 4, klo, khi - klo)
     mp = None if mask is None else sl(sl(mask, 3, lo, hi - lo), 4, klo, khi - klo)
-    kw = {} if mod is None else {"mod": mod.piece(lo, hi, klo, khi)}
     if rc.pointwise:
       gq, gk, gv, gb, gs, *gm = rc.kernel.grads(rows(q), keys(k), keys(v), bp, mp, scale,
                                                 rows(out), rows(stats[0]), rows(do), cfg, **kw)

@@ -54,10 +54,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from attnx.core import streaming
 from attnx.core.kernels import common
@@ -82,6 +83,9 @@ class PallasBlockKernel:
 
   backend: str
   interpret: bool = False
+  # A positional modification comes as a block's OffsetMod (attnx.core.parallel.steps): the
+  # kernels take it as a relative table at the block's distances, never calling its function.
+  offset_mods: ClassVar[bool] = True
 
   def state(self, *args: Any, mod: Any = None) -> Any:
     """:func:`raw_block_state` (pointwise F)."""
@@ -146,6 +150,8 @@ class _Block:
   t: int
   s: int
   hv: int
+  ext: Array | None = None  # a positional modification's relative table at the block
+  ext_vjp: Any = None  # d ext -> d params of the modification
 
 
 def _btnh(x: Array, b: int, kv_heads: int) -> Array:
@@ -198,8 +204,9 @@ def _block(q, k, v, bias, mask, scale, cfg: tl.TileConfig, w: Any, backend: str,
            block_q: int | None, block_k: int | None, mod: Any = None) -> _Block:
   """The Pallas problem of one ring block (its tiles, F's key count, causality from ``cfg``);
   ``w`` the weighting the kernels run (the cfg's, maybe without its offset or ε); ``mod`` the
-  block's :class:`~attnx.core.score_mods.ScoreMod` or None: a soft cap, which reads no
-  position (a ``score_mod`` function is refused: the kernels' positions are the block's)."""
+  block's :class:`~attnx.core.score_mods.ScoreMod` (a soft cap, which reads no position), an
+  :class:`~attnx.core.parallel.steps.OffsetMod` (ALiBi or a relative table at the block's
+  global distances: :func:`_offset_ext`) or None."""
   cap = _step_cap(mod)
   b, kv_heads, g = cfg.head_dims
   _, _, t, h = q.shape
@@ -218,25 +225,70 @@ def _block(q, k, v, bias, mask, scale, cfg: tl.TileConfig, w: Any, backend: str,
       q_bound=False, kv_bound=False, num_keys=cfg.num_keys)
   if cap is not None:  # the plain kernels' tiles otherwise, op for op
     kcfg = dataclasses.replace(kcfg, cap=cap)
+  ext = ext_vjp = None
+  if _is_offset(mod):
+    ext, ext_vjp = jax.vjp(
+        lambda params: _offset_ext(mod, params, kv_heads * g, t, s), mod.mod.params)
+    kcfg = dataclasses.replace(kcfg, relative=True, rel_offset=s - 1)
   return _Block(kcfg, qp, kp, vp, bp, mp, jnp.full((b,), t, jnp.int32),
-                jnp.full((b,), s, jnp.int32), b, kv_heads, t, s, hv)
+                jnp.full((b,), s, jnp.int32), b, kv_heads, t, s, hv, ext, ext_vjp)
+
+
+def _is_offset(mod: Any) -> bool:
+  return mod is not None and hasattr(mod, "delta")
+
+
+def _offset_ext(mod: Any, params: Any, n: int, t: int, s: int) -> Array:
+  """The relative table [n, t + s − 1] float32 of an :class:`~attnx.core.parallel.steps.
+  OffsetMod` on a block of t rows and s keys: column u holds the bias of the local distance
+  u − (s − 1) (the kernels read it at r − c + ``rel_offset``, rel_offset = s − 1), i.e. of the
+  global distance u − (s − 1) + delta, for the pass' query heads [head0, head0 + n). ALiBi's
+  −m_h·δ (causal) or −m_h·abs(δ) (symmetric), a table's entry at clip(δ, ±(L − 1)/2): O(n·(t +
+  s)) values, built with jnp outside the kernels, so that the gradient of ``params`` is
+  autodiff's of this function from the kernels' d ext."""
+  smod = mod.mod
+  dist = jnp.arange(t + s - 1, dtype=jnp.int32) - (s - 1) + jnp.asarray(mod.delta, jnp.int32)
+  rows = lax.dynamic_slice_in_dim(params, jnp.asarray(mod.head0, jnp.int32), n, axis=0)
+  rows = rows.astype(F32)
+  if smod.linear_bias is not None:
+    d = jnp.abs(dist) if smod.linear_bias == "symmetric" else dist
+    return -rows[:, None] * d.astype(F32)[None, :]
+  if smod.relative:
+    half = (rows.shape[1] - 1) // 2
+    return jnp.take(rows, jnp.clip(dist, -half, half) + half, axis=1)
+  raise ValueError("the Pallas ring step runs ALiBi (core.alibi) and relative tables "
+                   "(core.relative_table), not another score_mod function.")
 
 
 def _step_cap(mod: Any) -> float | None:
   """The soft cap of a ring step's modification (None without one); ValueError for a
-  ``score_mod`` function, which the Pallas steps do not run (the ring refuses it first)."""
+  ``score_mod`` function that does not come as an OffsetMod (the kernels' positions would be
+  the block's: the ring gives ALiBi and tables as OffsetMods, and refuses other functions)."""
   if mod is None:
     return None
+  if _is_offset(mod):
+    return mod.mod.cap
   if mod.fn is not None:
-    raise ValueError("the Pallas ring step runs a logits_soft_cap, not a score_mod function "
-                     "(its positions would be the block's); use the XLA steps.")
+    raise ValueError("the Pallas ring step runs a logits_soft_cap, ALiBi or a relative table "
+                     "at the blocks' global positions (an OffsetMod), not a score_mod "
+                     "function; use the XLA steps.")
   return mod.cap
 
 
-def _mod_grad(mod: Any) -> tuple:
+def _mod_grad(mod: Any, blk: _Block | None = None, d_ext: Array | None = None) -> tuple:
   """What the gradients end with for a step's modification (the XLA steps' contract): its
-  cotangent, a soft cap's being the ScoreMod itself (no parameters); nothing without one."""
-  return () if mod is None else (mod,)
+  cotangent, a ScoreMod (a soft cap's being the ScoreMod itself, no parameters; an OffsetMod's
+  the d params that autodiff of its table at the block gives from d ext, zeros for an empty
+  block); nothing without one."""
+  if mod is None:
+    return ()
+  if not _is_offset(mod):
+    return (mod,)
+  if blk is None:
+    dparams = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), mod.mod.params)
+  else:
+    (dparams,) = blk.ext_vjp(d_ext.astype(F32))
+  return (dataclasses.replace(mod.mod, params=dparams),)
 
 
 def _scaled_grads(dq, dk, dv, ds, q, bias, scale, blk: _Block):
@@ -284,7 +336,7 @@ def raw_block_state(q: Array, k: Array, v: Array, bias: Array | None, mask: Arra
   blk = _block(q, k, v, bias, mask, scale, cfg, _no_offset(w), backend, interpret, block_q,
                block_k, mod)
   o, stat = wrapper.forward(blk.cfg, blk.q, blk.k, blk.v, blk.bias, blk.mask, blk.q_len,
-                            blk.kv_len, out_dtype=F32)
+                            blk.kv_len, out_dtype=F32, slopes=blk.ext)
   o, stat = _xgtd(o, blk, hv), _xgt(stat, blk)
   if w.online_max:  # m = lse (natural units of α·s), l = 1
     empty = stat == jnp.inf
@@ -321,10 +373,11 @@ def block_grads(q: Array, k: Array, v: Array, bias: Array | None, mask: Array | 
                                       {1: blk.cfg.tp, 3: hvp})
   do_k = pad_rows(do)
   rows = grad_rows(blk.cfg, _bnt(stat, blk), pad_rows(out), do_k)
-  dq, dk, dv, ds = wrapper.backward(blk.cfg, blk.q, blk.k, blk.v, blk.bias, blk.mask,
-                                    blk.q_len, blk.kv_len, do_k.astype(blk.q.dtype), rows,
-                                    want_ds=bias is not None)
-  return _scaled_grads(dq, dk, dv, ds, q, bias, scale, blk) + _mod_grad(mod)
+  dq, dk, dv, ds, *d_ext = wrapper.backward(
+      blk.cfg, blk.q, blk.k, blk.v, blk.bias, blk.mask, blk.q_len, blk.kv_len,
+      do_k.astype(blk.q.dtype), rows, want_ds=bias is not None, slopes=blk.ext)
+  return (_scaled_grads(dq, dk, dv, ds, q, bias, scale, blk)
+          + _mod_grad(mod, blk, d_ext[0] if d_ext else None))
 
 
 # --------------------------------------------------------------------------------------------
@@ -345,7 +398,7 @@ def _row_forward(blk: _Block, row_scales: Array | None) -> tuple[Array, Array]:
   """The block's normalized (O [X, G, t, Hv] float32, statistic [X, G, t])."""
   rowc = None if row_scales is None else _bnt(row_scales, blk)
   o, stats, _ = wrapper.row_forward(blk.cfg, blk.q, blk.k, blk.v, rowc, blk.bias, blk.mask,
-                                    blk.q_len, blk.kv_len, out_dtype=F32)
+                                    blk.q_len, blk.kv_len, out_dtype=F32, slopes=blk.ext)
   return _xgtd(o, blk, blk.hv), _xgt(stats[0], blk)
 
 
@@ -409,10 +462,11 @@ def row_block_grads(q: Array, k: Array, v: Array, bias: Array | None, mask: Arra
   do_k = wrapper.pad_to(_btnh(do32, blk.b, blk.kv_heads), {1: blk.cfg.tp, 3: hvp})
   rows = tuple(_bnt(a, blk) for a in (*stats, delta))
   rowc = None if row_scales is None else _bnt(row_scales, blk)
-  dq, dk, dv, ds, dc = wrapper.row_backward(blk.cfg, blk.q, blk.k, blk.v, blk.bias, blk.mask,
-                                            blk.q_len, blk.kv_len, do_k.astype(blk.q.dtype),
-                                            rows, rowc, want_ds=bias is not None)
+  dq, dk, dv, ds, dc, *d_ext = wrapper.row_backward(
+      blk.cfg, blk.q, blk.k, blk.v, blk.bias, blk.mask, blk.q_len, blk.kv_len,
+      do_k.astype(blk.q.dtype), rows, rowc, want_ds=bias is not None, slopes=blk.ext)
   if rs.needs_row_scale:  # SSMax: dc, the cotangent of the row scale
     carries = (carry_a + _xgt(dc, blk), carry_b)
   dq, dk, dv, dbias, dscale = _scaled_grads(dq, dk, dv, ds, q, bias, scale, blk)
-  return (dq, dk, dv, dbias, carries, dscale) + _mod_grad(mod)
+  return ((dq, dk, dv, dbias, carries, dscale)
+          + _mod_grad(mod, blk, d_ext[0] if d_ext else None))

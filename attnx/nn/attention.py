@@ -94,7 +94,7 @@ class MultiHeadAttention(nn.Module, kw_only=True):
       ``alibi`` / ``learn_alibi`` (at global positions) and ``sinks`` (not
       ``sliding_window``: a ValueError when the module is made). ``implementation`` is the
       ring steps' kernel there: None (automatic), ``"blocked"`` or ``"pallas"`` (with a cap,
-      ALiBi and sinks too; ALiBi on the GPU kernels only so far).
+      ALiBi and sinks too).
     sequence_layout: how the sequence is cut over ``sequence_axis``: ``"contiguous"`` or
       ``"zigzag"`` (causal load balance; see :func:`attnx.core.zigzag_permute`).
     sliding_window: a local window, ``jax.nn``'s ``local_window_size``: an int w (query i

@@ -62,6 +62,9 @@ def _max_rel(a: list[np.ndarray], b: list[np.ndarray]) -> float:
   return diff / max(float(np.max(np.abs(y))) for y in b)
 
 
+# -m exhaustive: in CI the data-by-sequence and the SIGKILL-resume tests train two processes
+# against one (CI time).
+@pytest.mark.exhaustive
 def test_two_processes_train_the_default_model_like_one_with_four_devices(env, tmp_path):
   two = _local(env, 2, "launch.py", *SGD, "--config.parallel=shard_map",
                f"--workdir={tmp_path / 'two'}")

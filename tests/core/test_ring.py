@@ -49,17 +49,22 @@ VMA = ring_cases.VMA  # ring_check.py runs ring_cases.VMA_CASES with check_vma=T
 PALLAS = ring_cases.PALLAS  # ring_check.py runs ring_cases.PALLAS_CASES on the Pallas kernels
 
 
-@functools.lru_cache(maxsize=1)
-def _pallas_results() -> dict:
-  return script_result("ring_check.py", *(n + PALLAS for n in ring_cases.PALLAS_CASES))
+@functools.lru_cache(maxsize=2)
+def _pallas_results(exhaustive: bool = False) -> dict:
+  names = ring_cases.PALLAS_EXHAUSTIVE if exhaustive else ring_cases.PALLAS_CASES
+  return script_result("ring_check.py", *(n + PALLAS for n in names))
 
 
 @pytest.mark.parametrize("name", list(ring_cases.CASES) + [n + VMA for n in ring_cases.VMA_CASES]
-                         + [n + PALLAS for n in ring_cases.PALLAS_CASES])
+                         + [n + PALLAS for n in ring_cases.PALLAS_CASES]
+                         + [pytest.param(n + PALLAS, marks=pytest.mark.exhaustive)
+                            for n in ring_cases.PALLAS_EXHAUSTIVE])
 def test_ring_equals_float64_reference_on_8_devices(name):
   # The XLA blocked kernel at every step, or (name + PALLAS) the Pallas kernels, in Pallas'
   # interpreter on these CPU devices.
-  res = (_pallas_results() if name.endswith(PALLAS) else _ring_results())[name]
+  base = name.removesuffix(PALLAS)
+  res = (_pallas_results(base in ring_cases.PALLAS_EXHAUSTIVE) if name.endswith(PALLAS)
+         else _ring_results())[name]
   errs = res["errors"]
   assert res["nonzero_out"] > 0.1, res  # the output is not trivially zero
   # Not vacuous: a good share of every array is compared (entries near a kink of F are not;

@@ -890,8 +890,9 @@ def _mosaic_relative_case(seed, weighting, causal, length, **kw):
 _MOSAIC_REL_POINTWISE = [("softmax", True, "full", 2.0, False), ("sigmoid", False, 9, None, True)]
 
 
-@pytest.mark.parametrize(("weighting", "causal", "length", "cap", "sinks"),
-                         _MOSAIC_REL_POINTWISE, ids=[c[0] for c in _MOSAIC_REL_POINTWISE])
+@pytest.mark.parametrize(("weighting", "causal", "length", "cap", "sinks"), [
+    pytest.param(*c, id=c[0], marks=[pytest.mark.exhaustive] if c[0] == "sigmoid" else [])
+    for c in _MOSAIC_REL_POINTWISE])  # sigmoid's "sum": -m exhaustive (CI time)
 def test_pallas_mosaic_relative_table_equals_float64_dense(weighting, causal, length, cap,
                                                            sinks):
   """A relative table in the Mosaic pointwise kernels (interpreted): GQA (each query head its
@@ -914,8 +915,9 @@ _MOSAIC_REL_ROWS = [("entmax15", True, "full", None), ("ssmax", False, 9, 1.5),
                     ("softpick", True, 15, None)]
 
 
-@pytest.mark.parametrize(("weighting", "causal", "length", "cap"), _MOSAIC_REL_ROWS,
-                         ids=[c[0] for c in _MOSAIC_REL_ROWS])
+@pytest.mark.parametrize(("weighting", "causal", "length", "cap"), [
+    pytest.param(*c, id=c[0], marks=[pytest.mark.exhaustive] if c[0] == "softpick" else [])
+    for c in _MOSAIC_REL_ROWS])  # softpick: -m exhaustive (CI time)
 def test_pallas_mosaic_whole_row_relative_table_equals_float64_dense(weighting, causal, length,
                                                                      cap):
   """A relative table in the Mosaic whole-row kernels (interpreted; entmax's threshold passes,

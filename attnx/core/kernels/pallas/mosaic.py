@@ -52,8 +52,8 @@ Array = jax.Array
 OPS = streaming.Ops(exp2=True, ones_column=False, lanes=LANES)
 
 __all__ = ["OPS", "backward", "forward", "kv_block", "q_block", "rel_diag_sums", "rel_grad",
-           "rel_layout", "rel_operand", "rel_tile", "rel_width", "rel_window", "smask_counts",
-           "smask_ids", "smask_prefetch", "smask_view", "to_lanes_all"]
+           "rel_layout", "rel_load", "rel_operand", "rel_tile", "rel_width", "rel_window",
+           "smask_counts", "smask_ids", "smask_prefetch", "smask_view", "to_lanes_all"]
 
 
 def _tile(ref):
@@ -223,7 +223,7 @@ def _window_load(ref) -> Callable:
   return lambda start, w: ref[...]
 
 
-def _rel_load(ref, head=None) -> Callable:
+def rel_load(ref, head=None) -> Callable:
   """load(start, W) of :func:`rel_tile` on a (1, Lr) ref (or row ``head`` of a (G, 1, Lr))."""
   if head is None:
     return lambda start, w: ref[:, pl.ds(start, w)]

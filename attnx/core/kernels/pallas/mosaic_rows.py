@@ -84,7 +84,7 @@ def _rel(cfg, ref, bq: int, bk: int, head=None):
   of a (G, 1, Lr) one), or None without a table."""
   if not cfg.relative:
     return None
-  load = mosaic._rel_load(ref, head)  # noqa: SLF001
+  load = mosaic.rel_load(ref, head)
   return lambda r0, c0: mosaic.rel_tile(cfg, load, r0, c0, bq, bk)
 
 

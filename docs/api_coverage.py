@@ -13,7 +13,8 @@ import importlib
 import inspect
 
 # The packages whose public names the API reference must cover.
-PACKAGES = ("attnx.core", "attnx.nn", "attnx.data", "attnx.train", "attnx.analysis")
+PACKAGES = ("attnx.core", "attnx.nn", "attnx.nnx", "attnx.data", "attnx.train",
+            "attnx.analysis")
 
 
 def public_names(package: str) -> list[str]:

@@ -14,32 +14,16 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-import chex
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 from attnx import core
-from attnx.core import problem as problem_lib
-from attnx.core.parallel import ring as ring_lib
 from attnx.nn import _util
+from attnx.nn import attention_ops as ops
 from attnx.nn import rotary as rotary_lib
 
 Array = jax.Array
-
-# Scores whose learned parameters have a free width (``score_dim``).
-# Scores whose width a module's score_dim sets: metric's rank (its features), and every score
-# with a learned parameter whose shape uses the width.
-SCORE_DIM_SCORES = ("metric",) + tuple(
-    name for name in core.list_scores()
-    if any(spec.uses_width for _, spec in core.get_score(name).learned))
-
-
-def _ssmax_init(weighting: Any) -> float | None:
-  """The weighting's own ``s`` (the initial value of a learned s: SSMax declares it as a
-  learnable parameter), None for a weighting without one."""
-  return next((p.default for p in core.get_weighting(weighting).learnable if p.name == "s"),
-              None)
 
 
 class MultiHeadAttention(nn.Module, kw_only=True):
@@ -158,50 +142,12 @@ class MultiHeadAttention(nn.Module, kw_only=True):
   bias_init: Any = nn.initializers.zeros_init()
 
   def __post_init__(self):
-    where = type(self).__name__
-    _check_modifications(self, where)
-    if self.rotary and not self.rotary_base > 0:
-      raise ValueError(f"{where}: rotary_base must be positive, got {self.rotary_base}.")
-    _util.validate_attention_config(self.weighting, self.score, self.implementation, where)
-    _util.check_heads(self.qkv_features or self.num_heads, self.num_heads, self.num_kv_heads,
-                      where)
-    _util.check_dropout_rate(self.dropout_rate, where)
-    if self.score_dim is not None:
-      if _util.score_name(self.score) not in SCORE_DIM_SCORES:
-        raise ValueError(f"{where}: score_dim applies only to the scores "
-                         f"{', '.join(map(repr, SCORE_DIM_SCORES))} (rank of L / hidden width), "
-                         f"not to score {self.score!r}.")
-      if self.score_dim <= 0:
-        raise ValueError(f"{where}: score_dim must be positive, got {self.score_dim}.")
-    if self._is_metric:
-      if self.num_kv_heads not in (None, self.num_heads):
-        raise ValueError(f"{where}: score='metric' shares one map between queries and keys, "
-                         f"so keys have the query heads; num_kv_heads={self.num_kv_heads} does "
-                         "not apply.")
-      if self.qk_norm:
-        raise ValueError(f"{where}: qk_norm does not apply to score='metric' (queries and keys "
-                         "share one map; separate norms would break the pseudo-metric).")
-      if self.scale is not None and not self.scale > 0:
-        raise ValueError(f"{where}: scale is the temperature τ > 0 of score='metric', got "
-                         f"{self.scale}.")
-    elif self.learn_temperature is not None:
-      raise ValueError(f"{where}: learn_temperature applies only to score='metric', not to "
-                       f"score {self.score!r}.")
-    if self.learn_ssmax_s and _ssmax_init(self.weighting) is None:
-      raise ValueError(f"{where}: learn_ssmax_s applies only to weighting 'ssmax', not to "
-                       f"{self.weighting!r}.")
-    _check_sequence_axis(self, where)
-    if _util.implementation_name(self.implementation) not in (None, "dense") and (
-        self.dropout_rate > 0 or self.sow_weights):
-      needs = "dropout_rate > 0" if self.dropout_rate > 0 else "sow_weights=True"
-      raise ValueError(f"{where}: {needs} needs the attention weights, which implementation="
-                       f"{self.implementation!r} never forms; use implementation='dense' or "
-                       "None.")
+    ops.check_options(self, type(self).__name__, sow_weights=self.sow_weights)
     super().__post_init__()
 
   @property
   def _is_metric(self) -> bool:
-    return _util.score_name(self.score) == "metric"
+    return ops.is_metric(self.score)
 
   def _score_width(self) -> int | None:
     """``score_dim`` (:class:`~attnx.nn.MetricAttention` also calls it ``rank``)."""
@@ -210,14 +156,9 @@ class MultiHeadAttention(nn.Module, kw_only=True):
   def _score_params(self, head_dim: int) -> dict[str, Array] | None:
     """The learned parameters the score declares (:class:`attnx.core.scores.LearnedParam`),
     ``score_<name>`` each; None for a score without any (a user callable included)."""
-    if _util.score_name(self.score) is None:
-      return None
-    learned = core.get_score(self.score).learned
-    if not learned:
-      return None
-    n, r = self.num_heads, self._score_width() or head_dim
-    return {name: self.param(f"score_{name}", spec.init, spec.shape(n, head_dim, r),
-                             self.param_dtype) for name, spec in learned}
+    shapes = ops.score_param_shapes(self.score, self.num_heads, head_dim, self._score_width())
+    return {name: self.param(f"score_{name}", init, shape, self.param_dtype)
+            for name, init, shape in shapes} or None
 
   @nn.compact
   def __call__(self, inputs_q: Array, inputs_kv: Array | None = None, *,
@@ -253,10 +194,7 @@ class MultiHeadAttention(nn.Module, kw_only=True):
     """
     if inputs_kv is None:
       inputs_kv = inputs_q
-    chex.assert_rank(inputs_q, inputs_kv.ndim)
-    if inputs_q.ndim < 2:
-      raise ValueError(f"inputs_q must be [B..., T, D], got shape {inputs_q.shape}.")
-    chex.assert_equal_shape_prefix([inputs_q, inputs_kv], inputs_q.ndim - 2)
+    ops.check_inputs(inputs_q, inputs_kv)
     features = self.out_features or inputs_q.shape[-1]
     qkv_features = self.qkv_features or inputs_q.shape[-1]
     where = type(self).__name__
@@ -280,17 +218,17 @@ class MultiHeadAttention(nn.Module, kw_only=True):
         key = ln(name="key_ln")(key)
       score, score_params, scale = self.score, self._score_params(head_dim), self.scale
     value = dense(features=(kv_heads, head_dim), name="value")(inputs_kv)
+    decoding = decode and self.has_variable("cache", "cached_key")  # not the call that sets up
+    step_position = self.get_variable("cache", "cache_index") if decoding else None
     if self.rotary:
-      query, key = self._rotate(query, key, decode, positions)
+      query, key = ops.rotate(self, query, key, 0 if step_position is None else step_position,
+                              positions, where)
     elif positions is not None:
-      raise ValueError(f"{where}: positions are read by rotary=True only (ALiBi and the masks "
-                       "use offsets, the same in every document).")
+      raise ops.positions_unused(where)
 
     mask = _util.as_bool_mask(mask)
     is_causal = self.is_causal
     in_range = None
-    step_position = (self.get_variable("cache", "cache_index") if self._decoding(decode)
-                     else None)
     if decode:
       key, value, mask, is_causal, in_range = self._update_cache(query, key, value, mask,
                                                                  is_causal)
@@ -298,72 +236,33 @@ class MultiHeadAttention(nn.Module, kw_only=True):
     dropout = self.dropout_rate > 0.0 and not deterministic
     weighting_params = None
     if self.learn_ssmax_s:
-      s = self.param("ssmax_s", nn.initializers.constant(_ssmax_init(self.weighting)),
+      s = self.param("ssmax_s", nn.initializers.constant(ops.ssmax_init(self.weighting)),
                      (self.num_heads,), self.param_dtype)
       weighting_params = {"s": s}
-    modifications = self._modifications(step_position)
-    if sequence_shards(self.sequence_axis) is not None:
-      if segment_ids is not None:
-        raise ValueError(f"{where}: segment_ids with sequence_axis (ring attention): pass "
-                         "them as a mask of attnx.core.masks to attnx.core.ring_attention.")
-      if inputs_kv is not inputs_q or decode or return_weights:
-        raise ValueError(f"{where}: with sequence_axis={self.sequence_axis!r} bound (sequence "
-                         "sharded over devices) only self attention runs, without decode or "
-                         "return_weights.")
-      x = core.ring_attention(
-          query, key, value, bias, mask, axis_name=self.sequence_axis,
-          weighting=self.weighting, score=score, weighting_params=weighting_params,
-          is_causal=is_causal, scale=scale, score_params=score_params,
-          layout=self.sequence_layout,
-          implementation=(None if _util.implementation_name(self.implementation) in (None, "dense")
-                          else self.implementation),
-          **modifications)  # the cap, ALiBi and the sinks (a window is refused when made)
-      return self._project_out(x, features)
-    x = core.attention(
-        query, key, value, bias, mask, weighting=self.weighting, score=score,
-        weighting_params=weighting_params,
-        is_causal=is_causal, scale=scale, score_params=score_params,
-        implementation=self.implementation, dropout_rate=self.dropout_rate,
+    mods = ops.modifications(self, step_position, *self._modification_params())
+    x, w = ops.attend(
+        self, query, key, value, bias=bias, mask=mask, is_causal=is_causal, score=score,
+        score_params=score_params, scale=scale, weighting_params=weighting_params, mods=mods,
         dropout_rng=self.make_rng("dropout") if dropout else None,
-        deterministic=deterministic, broadcast_dropout=self.broadcast_dropout,
-        return_weights=need_weights, segment_ids=segment_ids, **modifications)
-    x, w = x if need_weights else (x, None)
+        deterministic=deterministic, need_weights=need_weights, segment_ids=segment_ids,
+        self_attention=inputs_kv is inputs_q, decode=decode, where=where)
     if self.sow_weights:
       self.sow("intermediates", "attention_weights", w)
-    out = self._project_out(x, features)
-    if in_range is not None:  # KV-cache overflow: NaN rather than a silently wrong value
-      out = jnp.where(in_range, out, jnp.nan)
-      w = None if w is None else jnp.where(in_range, w, jnp.nan)
+    out, w = ops.overflow_to_nan(in_range, self._project_out(x, features), w)
     return (out, w) if return_weights else out
 
-  def _modifications(self, step_position: Array | None) -> dict[str, Any]:
-    """``core.attention``'s keywords for the window, the cap, ALiBi and the sinks (their
-    parameters created here). A cached decoding step (``step_position``: the query's
-    position) masks the window in the cache step instead, and ALiBi counts from there."""
-    kw: dict[str, Any] = {}
-    if self.sliding_window is not None and step_position is None:
-      kw["local_window_size"] = self.sliding_window
-    if self.logits_soft_cap is not None:
-      kw["logits_soft_cap"] = self.logits_soft_cap
+  def _modification_params(self) -> tuple[Array | None, Array | None]:
+    """(ALiBi's slopes, the sinks): parameters where learned, None where not used."""
+    slopes = sinks = None
     if self.alibi or self.learn_alibi:
       slopes = core.alibi_slopes(self.num_heads)
       if self.learn_alibi:
         slopes = self.param("alibi_slopes", lambda *_: slopes, (self.num_heads,),
                             self.param_dtype)
-      symmetric = not self.is_causal
-      if step_position is None:
-        kw["score_mod"] = core.alibi(slopes, symmetric=symmetric)
-      else:  # the one query sits at the cache position, not at 0
-        kw["score_mod"] = core.ScoreMod(fn=_alibi_from(step_position, symmetric),
-                                        params=slopes)
     if self.sinks:
-      kw["sinks"] = self.param("sinks", nn.initializers.zeros_init(), (self.num_heads,),
-                               self.param_dtype)
-    return kw
-
-  def _decoding(self, decode: bool) -> bool:
-    """Whether this call is a cached decoding step (not the call that sets the cache up)."""
-    return decode and self.has_variable("cache", "cached_key")
+      sinks = self.param("sinks", nn.initializers.zeros_init(), (self.num_heads,),
+                         self.param_dtype)
+    return slopes, sinks
 
   def _project_out(self, x: Array, features: int) -> Array:
     return nn.DenseGeneral(features=features, axis=(-2, -1), kernel_init=self.kernel_init,
@@ -372,56 +271,24 @@ class MultiHeadAttention(nn.Module, kw_only=True):
 
   def _metric_features(self, inputs_q: Array, inputs_kv: Array,
                        head_dim: int) -> tuple[Array, Array]:
-    """Queries and keys of ``score="metric"``: √τ_h L_h x, so −‖zq_i − zk_j‖² is the score.
-
-    Folding the per-head τ into the features leaves a plain ``neg_sq_dist`` score, which every
-    implementation (blocked included) runs.
-    """
-    if inputs_q.shape[-1] != inputs_kv.shape[-1]:
-      raise ValueError(f"{type(self).__name__}: score='metric' compares queries and keys in one "
-                       f"space: inputs_q {inputs_q.shape} and inputs_kv {inputs_kv.shape} need "
-                       "equal features.")
+    """Queries and keys of ``score="metric"`` (:func:`attention_ops.metric_features`)."""
+    ops.check_metric_inputs(inputs_q, inputs_kv, type(self).__name__)
     rank = self._score_width() or head_dim
     metric = nn.DenseGeneral(features=(self.num_heads, rank), use_bias=False, dtype=self.dtype,
                              param_dtype=self.param_dtype, kernel_init=self.kernel_init,
                              name="metric")
     zq, zk = metric(inputs_q), metric(inputs_kv)  # [B..., T|S, N, R]
-    # Default τ = 1/√R, the scaled-dot analogue.
-    init_log_tau = (-0.5 * jnp.log(float(rank)) if self.scale is None
-                    else jnp.log(float(self.scale)))
+    init_log_tau = ops.metric_log_temperature_init(self.scale, rank)
     if self.learn_temperature is None or self.learn_temperature:
       log_tau = self.param("log_temperature", nn.initializers.constant(init_log_tau),
                            (self.num_heads,), self.param_dtype)
     else:
       log_tau = jnp.full((self.num_heads,), init_log_tau)
-    root = jnp.exp(0.5 * log_tau)[:, None].astype(zq.dtype)
-    return zq * root, zk * root
-
-  def _rotate(self, query: Array, key: Array, decode: bool,
-              positions: Array | None = None) -> tuple[Array, Array]:
-    """RoPE on queries and keys; positions start at the cache index when decoding, or are
-    the ``positions`` given ([B..., T], self attention)."""
-    start = 0
-    if decode and self.has_variable("cache", "cache_index"):
-      start = self.get_variable("cache", "cache_index")
-    q_pos = start + jnp.arange(query.shape[-3])
-    k_pos = start + jnp.arange(key.shape[-3])
-    if positions is not None:
-      positions = jnp.asarray(positions)
-      if (positions.shape != query.shape[:-2] or query.shape[-3] != key.shape[-3]
-          or not jnp.issubdtype(positions.dtype, jnp.integer)):
-        raise ValueError(f"{type(self).__name__}: positions must be int [B..., T] = "
-                         f"{query.shape[:-2]} of self attention, got {positions.shape} "
-                         f"{positions.dtype}.")
-      q_pos = k_pos = positions
-    if sequence_shards(self.sequence_axis) is not None:  # global positions here
-      q_pos = k_pos = shard_positions(query.shape[-3], self.sequence_axis,
-                                      self.sequence_layout)
-    return (rotary_lib.apply_rotary(query, q_pos, self.rotary_base),
-            rotary_lib.apply_rotary(key, k_pos, self.rotary_base))
+    return ops.metric_features(zq, zk, log_tau)
 
   def _update_cache(self, query, key, value, mask, is_causal):
-    """Linen-MHA-style KV cache: write this step's k/v, mask positions not yet generated.
+    """Linen-MHA-style KV cache (:func:`attention_ops.cache_step`): write this step's k/v,
+    mask positions not yet generated.
 
     Returns key, value, mask, is_causal and ``in_range`` (None at init, else a traced bool:
     whether this step had a cache slot).
@@ -432,110 +299,7 @@ class MultiHeadAttention(nn.Module, kw_only=True):
     cache_index = self.variable("cache", "cache_index", lambda: jnp.array(0, jnp.int32))
     if not initialized:  # init call with the full-length input: plain forward pass
       return key, value, mask, is_causal, None
-    *batch, max_length, kv_heads, head_dim = cached_key.value.shape
-    if query.shape[-3] != 1 or tuple(key.shape) != (*batch, 1, kv_heads, head_dim):
-      raise ValueError(f"decode=True feeds one position at a time: expected key shape "
-                       f"{(*batch, 1, kv_heads, head_dim)} for the cache "
-                       f"{cached_key.value.shape}, got query {query.shape}, key {key.shape}.")
-    i = cache_index.value
-    # dynamic_update_slice would clamp an index ≥ max_length onto the last slot: past the end,
-    # rewrite that slot with its own value (the cache is unchanged) and flag the step.
-    in_range = i < max_length
-    zero = jnp.zeros((), i.dtype)
-    idx = (zero,) * len(batch) + (i, zero, zero)
-    new = []
-    for cache, x in ((cached_key, key), (cached_value, value)):
-      old = jax.lax.dynamic_slice(cache.value, idx, x.shape)  # a [B..., 1, K, H] slice
-      cache.value = jax.lax.dynamic_update_slice(cache.value, jnp.where(in_range, x, old), idx)
-      new.append(cache.value)
-    cache_index.value = i + 1
-    # The single query at position i sees cached positions ≤ i (this replaces is_causal), and
-    # under a sliding window only the last `left` before it.
-    seen = jnp.arange(max_length) <= i
-    if self.sliding_window is not None:
-      left = (self.sliding_window if isinstance(self.sliding_window, int)
-              else self.sliding_window[0])
-      seen = seen & (jnp.arange(max_length) >= i - left)
-    step = jnp.broadcast_to(seen, (*batch, 1, 1, max_length))
-    mask = step if mask is None else jnp.logical_and(mask, step)
-    return *new, mask, False, in_range
-
-
-def _alibi_from(offset: Array, symmetric: bool):
-  """ALiBi's score_mod for queries whose positions start at ``offset`` (a decoding step)."""
-  def fn(score, b, h, q_idx, kv_idx, slopes):
-    del b
-    d = (q_idx + offset - kv_idx).astype(score.dtype)
-    return score - slopes[h].astype(score.dtype) * (jnp.abs(d) if symmetric else d)
-  return fn
-
-
-def _check_modifications(module: Any, where: str) -> None:
-  """The window, cap, ALiBi and sinks fields of an attention module, checked when it is made."""
-  w = module.sliding_window
-  if w is not None:
-    pair = (w, w) if isinstance(w, int) else tuple(w) if isinstance(w, tuple | list) else None
-    if (pair is None or len(pair) != 2
-        or any(isinstance(x, bool) or not isinstance(x, int) or x < 0 for x in pair)):
-      raise ValueError(f"{where}: sliding_window must be an int >= 0 or a pair (left, right) "
-                       f"of them, got {w!r}.")
-    object.__setattr__(module, "sliding_window", w if isinstance(w, int) else pair)
-  if module.logits_soft_cap is not None:
-    core.soft_cap(module.logits_soft_cap)  # the ValueError of a cap that is not positive
-  if module.sinks:
-    reason = problem_lib.sinks_reason(core.get_weighting(module.weighting))
-    if reason is not None:
-      raise ValueError(f"{where}: sinks=True: {reason}")
-  if module.alibi and module.learn_alibi:
-    raise ValueError(f"{where}: set alibi=True (fixed slopes) or learn_alibi=True (learned), "
-                     "not both.")
-  if module.sliding_window is not None and module.sequence_axis is not None:
-    raise ValueError(f"{where}: sliding_window with sequence_axis (ring attention): "
-                     "attnx.core.ring_attention takes a window as a structured mask "
-                     "(attnx.core.masks.sliding_window), not as a module field yet; use "
-                     "sequence_axis=None.")
-
-
-def sequence_shards(axis_name: str | None) -> int | None:
-  """How many shards the sequence has when mesh axis `axis_name` is bound here (inside a map
-  over it), else None: the whole sequence is on this device."""
-  if axis_name is None:
-    return None
-  try:
-    return int(jax.lax.axis_size(axis_name))
-  except NameError:
-    return None
-
-
-def shard_positions(length: int, axis_name: str, layout: str = "contiguous") -> Array:
-  """The global positions of the `length` tokens this device holds of a sequence sharded over
-  mesh axis `axis_name` in `layout` (call inside a map over the axis)."""
-  p, i = jax.lax.axis_size(axis_name), jax.lax.axis_index(axis_name)
-  positions = jnp.arange(p * length)
-  if layout == "zigzag":
-    positions = core.zigzag_permute(positions, p, axis=0)
-  return jax.lax.dynamic_slice_in_dim(positions, i * length, length)
-
-
-def _check_sequence_axis(module: Any, where: str) -> None:
-  if module.sequence_layout not in ring_lib.LAYOUTS:
-    raise ValueError(f"{where}: sequence_layout must be one of {', '.join(ring_lib.LAYOUTS)}, "
-                     f"got {module.sequence_layout!r}.")
-  if module.sequence_axis is None:
-    return
-  if module.dropout_rate > 0 or module.sow_weights:
-    raise ValueError(f"{where}: sequence_axis={module.sequence_axis!r} (ring attention) never "
-                     "forms the attention weights: attention dropout and sow_weights need "
-                     "sequence_axis=None.")
-  check_ring_attention(module.weighting, module.score, module.sequence_layout,
-                       f"{where}: sequence_axis={module.sequence_axis!r}")
-
-
-def check_ring_attention(weighting: Any, score: Any, layout: str, where: str) -> None:
-  """ValueError (prefixed by `where`) when this weighting and score cannot run as ring
-  attention in `layout` (``score="metric"`` is a plain ``neg_sq_dist`` on learned features)."""
-  score = "neg_sq_dist" if _util.score_name(score) == "metric" else score
-  try:
-    ring_lib.check_supported(weighting, score, layout)
-  except ValueError as e:
-    raise ValueError(f"{where}: {e}") from None
+    cached_key.value, cached_value.value, cache_index.value, mask, in_range = ops.cache_step(
+        cached_key.value, cached_value.value, cache_index.value, query, key, value, mask,
+        self.sliding_window)
+    return cached_key.value, cached_value.value, mask, False, in_range

@@ -59,7 +59,7 @@ from flax.core import FrozenDict
 
 from attnx import core
 from attnx.core import problem as problem_lib
-from attnx.nn.attention import check_ring_attention, sequence_shards, shard_positions
+from attnx.nn.attention_ops import check_ring_attention, sequence_shards, shard_positions
 from attnx.nn.rotary import DEFAULT_BASE, apply_rotary, rotary_angles
 from attnx.nn.spec import freeze_attention_fields, resolve_attention
 from attnx.nn.transformer import EncoderBlock

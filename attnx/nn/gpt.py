@@ -50,25 +50,20 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import chex
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax.core import FrozenDict
 
-from attnx import core
-from attnx.core import problem as problem_lib
-from attnx.nn.attention_ops import check_ring_attention, sequence_shards, shard_positions
+from attnx.nn import gpt_ops
+from attnx.nn.attention_ops import sequence_shards
+from attnx.nn.gpt_ops import POSITIONS
 from attnx.nn.rotary import DEFAULT_BASE, apply_rotary, rotary_angles
 from attnx.nn.spec import freeze_attention_fields, resolve_attention
 from attnx.nn.transformer import EncoderBlock
 
 Array = jax.Array
 
-POSITIONS = ("learned", "rotary", "alibi", "none")
-# Attention types with query/key projections (rotary) and a KV cache (decode=True).
-_ROTARY_TYPES = _CACHE_TYPES = ("dot", "metric")
 
 __all__ = ["GPT", "POSITIONS", "apply_rotary", "generate", "gpt_from_spec", "load_model_spec",
            "model_kwargs", "rotary_angles", "save_model_spec", "supports_kv_cache"]
@@ -141,93 +136,23 @@ class GPT(nn.Module, kw_only=True):
   param_dtype: Any = jnp.float32
 
   def __post_init__(self):
-    where = type(self).__name__
-    for name in ("vocab_size", "num_layers", "num_heads", "hidden_dim", "mlp_dim", "max_len"):
-      value = getattr(self, name)
-      if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
-        raise ValueError(f"{where}: {name} must be a positive integer, got {value!r}.")
-    if self.positions not in POSITIONS:
-      raise ValueError(f"{where}: positions must be one of {', '.join(POSITIONS)}, got "
-                       f"{self.positions!r}.")
+    gpt_ops.check_gpt(self, type(self).__name__)
     freeze_attention_fields(self, "attention")
-    kind = resolve_attention(self.attention)["type"]
-    if isinstance(self.sliding_window, list):  # hashable, as a linen field must be
-      object.__setattr__(self, "sliding_window", tuple(self.sliding_window))
-    windows = self.layer_windows()  # checks the per-layer list
-    uses = ([f"positions={self.positions!r}"] if self.positions == "alibi" else []) + [
-        name for name, on in (("sliding_window", any(w is not None for w in windows)),
-                              ("logits_soft_cap", self.logits_soft_cap is not None),
-                              ("sinks", self.sinks)) if on]
-    if uses and kind not in _ROTARY_TYPES:
-      raise ValueError(f"{where}: {', '.join(uses)} apply to attention types 'dot' and "
-                       f"'metric' (MultiHeadAttention), not to {kind!r} ({self.attention!r}).")
-    if self.sinks:
-      reason = problem_lib.sinks_reason(core.get_weighting(
-          resolve_attention(self.attention).get("weighting", "softmax")))
-      if reason is not None:
-        raise ValueError(f"{where}: sinks=True: {reason}")
-    if self.logits_soft_cap is not None:
-      core.soft_cap(self.logits_soft_cap)  # the ValueError of a cap that is not positive
-    if self.positions == "rotary":
-      if kind not in _ROTARY_TYPES:
-        raise ValueError(f"{where}: positions='rotary' rotates the query and key projections, "
-                         f"which attention type {kind!r} ({self.attention!r}) does not have; "
-                         "use positions='learned' or an attention of type 'dot' or 'metric'.")
-      if (self.hidden_dim // self.num_heads) % 2:
-        raise ValueError(f"{where}: positions='rotary' needs an even head dim, got "
-                         f"hidden_dim / num_heads = {self.hidden_dim} / {self.num_heads}.")
-    if self.sequence_axis is not None and kind not in _ROTARY_TYPES:
-      raise ValueError(f"{where}: sequence_axis (ring attention) applies to attention types "
-                       f"'dot' and 'metric', not to {kind!r} ({self.attention!r}).")
-    if self.sequence_axis is not None:
-      spec = resolve_attention(self.attention)
-      check_ring_attention(spec.get("weighting", "softmax"),
-                           "metric" if kind == "metric" else spec.get("score", "scaled_dot"),
-                           self.sequence_layout, f"{where}: sequence_axis={self.sequence_axis!r}")
-    if self.implementation is not None and kind not in _ROTARY_TYPES:
-      raise ValueError(f"{where}: implementation={self.implementation!r} applies to attention "
-                       f"types 'dot' and 'metric', not to {kind!r} ({self.attention!r}).")
-    # Validates the full block specs (implementation + weighting) at construction.
-    for layer in range(self.num_layers):
-      resolve_attention(self.block_attention(layer))
     super().__post_init__()
 
   def layer_windows(self) -> tuple[int | None, ...]:
     """The sliding window of each layer (None: global attention)."""
-    w = self.sliding_window
-    windows = (w,) * self.num_layers if w is None or isinstance(w, int) else tuple(w)
-    if len(windows) != self.num_layers or any(
-        x is not None and (isinstance(x, bool) or not isinstance(x, int) or x < 0)
-        for x in windows):
-      raise ValueError(f"{type(self).__name__}: sliding_window must be an int >= 0, None, or "
-                       f"one int-or-None per layer ({self.num_layers}), got {w!r}.")
-    return windows
+    return gpt_ops.layer_windows(self, type(self).__name__)
 
   def block_attention(self, layer: int = 0) -> dict[str, Any]:
     """The attention spec block ``layer`` gets: ``attention`` + positions + window, cap,
     sinks + ``implementation``."""
-    spec = resolve_attention(self.attention)
-    if self.positions == "rotary":
-      spec.update(rotary=True, rotary_base=float(self.rotary_base))
-    if self.positions == "alibi":
-      spec["alibi"] = True
-    window = self.layer_windows()[layer]
-    if window is not None:
-      spec["sliding_window"] = window
-    if self.logits_soft_cap is not None:
-      spec["logits_soft_cap"] = float(self.logits_soft_cap)
-    if self.sinks:
-      spec["sinks"] = True
-    if self.implementation is not None:
-      spec["implementation"] = self.implementation
-    if self.sequence_axis is not None:
-      spec.update(sequence_axis=self.sequence_axis, sequence_layout=self.sequence_layout)
-    return spec
+    return gpt_ops.block_attention(self, layer)
 
   @property
   def supports_kv_cache(self) -> bool:
     """Whether ``decode=True`` works (attention types ``"dot"`` and ``"metric"``)."""
-    return resolve_attention(self.attention)["type"] in _CACHE_TYPES
+    return gpt_ops.supports_kv_cache(self)
 
   @nn.compact
   def __call__(self, tokens: Array, *, deterministic: bool = True,
@@ -246,44 +171,24 @@ class GPT(nn.Module, kw_only=True):
       positions: ``[B, T]`` int positions (restarting per document) for learned and rotary
         positions; default 0 … T − 1.
     """
-    chex.assert_rank(tokens, 2)
-    if (segment_ids is not None or positions is not None) and decode:
-      raise ValueError("GPT: segment_ids and positions are for training and evaluation on "
-                       "packed rows, not for decode=True.")
-    if positions is not None:
-      positions = jnp.asarray(positions)
-      if positions.shape != tokens.shape or not jnp.issubdtype(positions.dtype, jnp.integer):
-        raise ValueError(f"GPT: positions must be int [B, T] = {tokens.shape}, got "
-                         f"{positions.shape} {positions.dtype}.")
-    length = tokens.shape[1]
     shards = sequence_shards(self.sequence_axis)
-    length_all = length * (shards or 1)
-    if self.positions == "learned" and length_all > self.max_len:
-      raise ValueError(f"GPT: sequence length {length_all} exceeds max_len={self.max_len} of the "
-                       "learned position embedding (positions='learned' cannot evaluate "
-                       "longer contexts; use positions='rotary').")
+    positions = gpt_ops.check_call(self, tokens, positions, segment_ids, decode, shards)
     embed = nn.Embed(self.vocab_size, self.hidden_dim, embedding_init=nn.initializers.normal(
         0.02), dtype=self.dtype, param_dtype=self.param_dtype, name="embed")
     x = embed(tokens.astype(jnp.int32))
     if self.positions == "learned":
-      start = 0
+      start = None
       if decode:
+        start = 0
         initialized = self.has_variable("cache", "position")
         index = self.variable("cache", "position", lambda: jnp.array(0, jnp.int32))
         if initialized:
           start = index.value
-          index.value = start + length
+          index.value = start + tokens.shape[1]
       table = self.param("pos_embedding", nn.initializers.normal(0.02),
                          (self.max_len, self.hidden_dim), self.param_dtype)
-      if decode:
-        pos = jax.lax.dynamic_slice_in_dim(table, start, length)
-      elif positions is not None:
-        pos = table[positions]
-      elif shards is not None:
-        pos = table[shard_positions(length, self.sequence_axis, self.sequence_layout)]
-      else:
-        pos = table[:length]
-      x = x + (pos.astype(x.dtype) if pos.ndim == 3 else pos.astype(x.dtype)[None])
+      x = gpt_ops.add_learned_positions(self, x, table, start=start, positions=positions,
+                                        shards=shards)
     x = nn.Dropout(self.dropout_rate)(x, deterministic=deterministic)
     for i in range(self.num_layers):
       x = EncoderBlock(num_heads=self.num_heads, mlp_dim=self.mlp_dim,
@@ -455,45 +360,27 @@ SPEC_FORMAT = "attnx.gpt/1"
 ENCODING = "utf-8 characters"
 
 
-def _plain(value: Any) -> Any:
-  if isinstance(value, FrozenDict | Mapping):
-    return {k: _plain(v) for k, v in value.items()}
-  if isinstance(value, tuple | list):
-    return [_plain(v) for v in value]
-  if isinstance(value, np.generic):
-    return value.item()
-  return value
-
-
 def model_kwargs(model: GPT) -> dict[str, Any]:
   """The JSON-able constructor kwargs of ``model`` (dtypes as names)."""
-  out = {}
-  for name in ("vocab_size", "num_layers", "num_heads", "hidden_dim", "mlp_dim", "max_len",
-               "attention", "tie_embeddings", "positions", "rotary_base", "sliding_window",
-               "logits_soft_cap", "sinks", "dropout_rate", "attention_dropout_rate",
-               "implementation", "dtype", "param_dtype"):
-    value = getattr(model, name)
-    if name in ("dtype", "param_dtype") and value is not None:
-      value = jnp.dtype(value).name
-    out[name] = _plain(value)
-  return out
+  return gpt_ops.model_kwargs(model)
 
 
 def save_model_spec(path: str | os.PathLike, model: GPT | Mapping[str, Any], *,
                     vocab: str | Sequence[str], **extra: Any) -> None:
   """Writes ``{"format", "model": GPT kwargs, "vocab": [chars], "encoding", **extra}`` as JSON.
 
-  ``model`` is a :class:`GPT` or its kwargs; ``vocab`` the dataset vocabulary (token id ->
-  character, e.g. ``attnx.data.get_info("shakespeare").extras["vocab"]``). The parent
-  directory is created.
+  ``model`` is a :class:`GPT` (linen, or :class:`attnx.nnx.GPT`) or its kwargs; ``vocab``
+  the dataset vocabulary (token id -> character, e.g.
+  ``attnx.data.get_info("shakespeare").extras["vocab"]``). The parent directory is created.
   """
-  kwargs = model_kwargs(model) if isinstance(model, GPT) else _plain(dict(model))
+  kwargs = (gpt_ops.model_kwargs(getattr(model, "options", model))
+            if isinstance(model, GPT) or hasattr(model, "options") else gpt_ops.plain(dict(model)))
   vocab = list(vocab)
   if len(vocab) != int(kwargs["vocab_size"]):
     raise ValueError(f"save_model_spec: the vocabulary has {len(vocab)} tokens but the model's "
                      f"vocab_size is {kwargs['vocab_size']}.")
   spec = {"format": SPEC_FORMAT, "model": kwargs, "vocab": vocab, "encoding": ENCODING,
-          **_plain(extra)}
+          **gpt_ops.plain(extra)}
   path = os.fspath(path)
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
   tmp = path + ".tmp"
@@ -521,9 +408,4 @@ def load_model_spec(path: str | os.PathLike) -> dict[str, Any]:
 
 def gpt_from_spec(spec: Mapping[str, Any], **overrides: Any) -> GPT:
   """The :class:`GPT` of a :func:`load_model_spec` dict (or of bare kwargs), with overrides."""
-  kwargs = dict(spec["model"] if "model" in spec else spec)
-  kwargs.update(overrides)
-  for name in ("dtype", "param_dtype"):
-    if isinstance(kwargs.get(name), str):
-      kwargs[name] = jnp.dtype(kwargs[name])
-  return GPT(**kwargs)
+  return GPT(**gpt_ops.kwargs_from_spec(spec, **overrides))

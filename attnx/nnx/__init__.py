@@ -5,8 +5,15 @@
 * :class:`MultiHeadAttention`: a drop-in for ``flax.nnx.MultiHeadAttention`` with every attnx
   option (weighting F, score s, implementation, GQA, RoPE, masks and segment ids, windows,
   soft-cap, sinks, ALiBi, learned SSMax s, KV cache).
+* :class:`EncoderBlock`, :class:`MlpBlock`, :func:`make_attention`: pre-LN blocks from an
+  attention spec (types ``"dot"`` and ``"metric"``).
+* :class:`GPT`, :func:`gpt_from_spec`: the language model, built from the same kwargs or model
+  file as :class:`attnx.nn.GPT`, with its parameter names.
 """
 
 from attnx.nnx.attention import MultiHeadAttention
+from attnx.nnx.gpt import GPT, gpt_from_spec
+from attnx.nnx.transformer import EncoderBlock, MlpBlock, make_attention
 
-__all__ = ["MultiHeadAttention"]
+__all__ = ["GPT", "EncoderBlock", "MlpBlock", "MultiHeadAttention", "gpt_from_spec",
+           "make_attention"]

@@ -49,22 +49,14 @@ class VisionTransformer(nn.Module, kw_only=True):
   param_dtype: Any = jnp.float32
 
   def __post_init__(self):
-    if self.pool not in POOLS:
-      raise ValueError(f"VisionTransformer: unknown pool {self.pool!r}; valid: {POOLS}.")
-    if self.hidden_dim % self.num_heads:
-      raise ValueError(f"VisionTransformer: hidden_dim={self.hidden_dim} is not divisible by "
-                       f"num_heads={self.num_heads}.")
+    check_vit(self.pool, self.hidden_dim, self.num_heads)
     freeze_attention_fields(self, "attention")
     super().__post_init__()
 
   @nn.compact
   def __call__(self, images: Array, *, deterministic: bool = True) -> Array:
-    chex.assert_rank(images, 4)
-    b, h, w, _ = images.shape
-    p = self.patch_size
-    if h % p or w % p:
-      raise ValueError(f"image size {(h, w)} (images {images.shape}) is not a multiple of "
-                       f"patch_size={p}.")
+    check_images(images, self.patch_size)
+    b, p = images.shape[0], self.patch_size
     x = nn.Conv(self.hidden_dim, (p, p), strides=(p, p), padding="VALID", dtype=self.dtype,
                 param_dtype=self.param_dtype, name="patch_embedding")(images)
     x = x.reshape(b, -1, self.hidden_dim)  # [B, HW/P², D]
@@ -80,8 +72,33 @@ class VisionTransformer(nn.Module, kw_only=True):
                 attention_dropout_rate=self.attention_dropout_rate, attention=self.attention,
                 dtype=self.dtype, param_dtype=self.param_dtype,
                 name="encoder")(x, deterministic=deterministic)
-    x = x[:, 0] if self.pool == "cls" else jnp.mean(x, axis=1)
     logits = nn.Dense(self.num_classes, dtype=self.dtype, param_dtype=self.param_dtype,
-                      kernel_init=nn.initializers.zeros, name="head")(x)
+                      kernel_init=nn.initializers.zeros, name="head")(pool_tokens(x, self.pool))
     chex.assert_shape(logits, (b, self.num_classes))
     return logits
+
+
+# The logic the linen model shares with attnx.nnx.VisionTransformer.
+
+
+def check_vit(pool: str, hidden_dim: int, num_heads: int) -> None:
+  """ValueError for a ViT configuration that cannot be built."""
+  if pool not in POOLS:
+    raise ValueError(f"VisionTransformer: unknown pool {pool!r}; valid: {POOLS}.")
+  if hidden_dim % num_heads:
+    raise ValueError(f"VisionTransformer: hidden_dim={hidden_dim} is not divisible by "
+                     f"num_heads={num_heads}.")
+
+
+def check_images(images: Array, patch_size: int) -> None:
+  """Images ``[B, H, W, C]`` with H and W multiples of the patch side."""
+  chex.assert_rank(images, 4)
+  _, h, w, _ = images.shape
+  if h % patch_size or w % patch_size:
+    raise ValueError(f"image size {(h, w)} (images {images.shape}) is not a multiple of "
+                     f"patch_size={patch_size}.")
+
+
+def pool_tokens(x: Array, pool: str) -> Array:
+  """The encoder output ``[B, L, D]`` -> ``[B, D]``: the class token or the mean."""
+  return x[:, 0] if pool == "cls" else jnp.mean(x, axis=1)

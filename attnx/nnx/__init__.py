@@ -7,13 +7,16 @@
   soft-cap, sinks, ALiBi, learned SSMax s, KV cache).
 * :class:`EncoderBlock`, :class:`MlpBlock`, :func:`make_attention`: pre-LN blocks from an
   attention spec (types ``"dot"`` and ``"metric"``).
+* :class:`Encoder`: a stack of blocks and a final LayerNorm.
 * :class:`GPT`, :func:`gpt_from_spec`: the language model, built from the same kwargs or model
   file as :class:`attnx.nn.GPT`, with its parameter names.
+* :class:`VisionTransformer`: the ViT classifier, with the linen model's parameter names.
 """
 
 from attnx.nnx.attention import MultiHeadAttention
 from attnx.nnx.gpt import GPT, gpt_from_spec
-from attnx.nnx.transformer import EncoderBlock, MlpBlock, make_attention
+from attnx.nnx.transformer import Encoder, EncoderBlock, MlpBlock, make_attention
+from attnx.nnx.vit import VisionTransformer
 
-__all__ = ["GPT", "EncoderBlock", "MlpBlock", "MultiHeadAttention", "gpt_from_spec",
-           "make_attention"]
+__all__ = ["GPT", "Encoder", "EncoderBlock", "MlpBlock", "MultiHeadAttention",
+           "VisionTransformer", "gpt_from_spec", "make_attention"]

@@ -111,3 +111,31 @@ class EncoderBlock(nnx.Module):
                        positions=positions)
     x = x + self.dropout(y, deterministic=deterministic)
     return x + self.mlp(self.ln_mlp(x), deterministic=deterministic)
+
+
+class Encoder(nnx.Module):
+  """``num_layers`` :class:`EncoderBlock` + a final LayerNorm, as :class:`attnx.nn.Encoder`
+  (names ``block_<i>``, ``ln_final``): embedded inputs ``[B, L, D] -> [B, L, D]``.
+
+  Args: ``hidden_dim`` (D), then :class:`attnx.nn.Encoder`'s fields, and ``rngs``.
+  """
+
+  def __init__(self, hidden_dim: int, num_layers: int, num_heads: int, mlp_dim: int, *,
+               dropout_rate: float = 0.0, attention_dropout_rate: float = 0.0,
+               attention: Mapping[str, Any] | str | None = None, is_causal: bool = False,
+               dtype: Any = None, param_dtype: Any = jnp.float32, rngs: nnx.Rngs):
+    self.num_layers = num_layers
+    for i in range(num_layers):
+      setattr(self, f"block_{i}", EncoderBlock(
+          hidden_dim, num_heads, mlp_dim, dropout_rate=dropout_rate,
+          attention_dropout_rate=attention_dropout_rate, attention=attention,
+          is_causal=is_causal, dtype=dtype, param_dtype=param_dtype, rngs=rngs))
+    self.ln_final = nnx.LayerNorm(hidden_dim, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+
+  def __call__(self, x: Array, *, mask: Array | None = None, key_mask: Array | None = None,
+               deterministic: bool = True, decode: bool = False) -> Array:
+    """``x [B, L, D]`` -> ``[B, L, D]``; the arguments are :meth:`EncoderBlock.__call__`'s."""
+    for i in range(self.num_layers):
+      x = getattr(self, f"block_{i}")(x, mask=mask, key_mask=key_mask,
+                                      deterministic=deterministic, decode=decode)
+    return self.ln_final(x)

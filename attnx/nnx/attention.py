@@ -35,15 +35,24 @@ default_bias_init = initializers.zeros_init()
 class MultiHeadAttention(nnx.Module):
   """Multi-head attention, ``w_ij = F(s(q_i, k_j)) / Σ_l F(s(q_i, k_l))`` per head, in NNX.
 
-  Args (Flax's, as ``flax.nnx.MultiHeadAttention``):
+  The arguments are Flax's (``flax.nnx.MultiHeadAttention``) and attnx's: ``weighting``,
+  ``score``, ``score_dim``, ``scale``, ``learn_temperature``, ``learn_ssmax_s``,
+  ``implementation``, ``is_causal`` (here the default of the call's ``is_causal``), ``rotary``,
+  ``rotary_base``, ``sequence_axis``, ``sequence_layout``, ``sliding_window``,
+  ``logits_soft_cap``, ``sinks``, ``alibi``, ``learn_alibi``, as
+  :class:`attnx.nn.MultiHeadAttention` documents them. The options are kept in
+  :attr:`options` (``attnx.nn.attention_ops.AttentionOptions``).
+
+  Args:
     num_heads: query heads N.
     in_features: features of ``inputs_q``.
     qkv_features: total q/k/v width (default ``in_features``); divisible by N.
     out_features: output width (default ``in_features``).
     num_kv_heads: key/value heads K for grouped-query attention (default N); N % K == 0.
     in_kv_features: features of the key/value inputs (default ``in_features``).
-    dtype, param_dtype, precision, kernel_init, out_kernel_init, bias_init, out_bias_init,
-    use_bias: as in Flax (``precision`` for the projections).
+    dtype: the computation dtype, as in Flax (``param_dtype``, ``precision`` for the
+      projections, ``kernel_init``, ``out_kernel_init``, ``bias_init``, ``out_bias_init`` and
+      ``use_bias`` too).
     broadcast_dropout: share the dropout mask across batch and heads.
     dropout_rate: dropout on the attention weights (Flax's formula and RNG use).
     deterministic: default of the call's ``deterministic`` (needed only with dropout).
@@ -52,13 +61,6 @@ class MultiHeadAttention(nnx.Module):
     rngs: ``nnx.Rngs``: ``params`` for the initializers, ``dropout`` (kept when
       ``keep_rngs`` and ``dropout_rate > 0``, as Flax keeps it).
     keep_rngs: keep the dropout stream on the module (Flax's option).
-
-  Args (attnx's, as :class:`attnx.nn.MultiHeadAttention` documents them): ``weighting``,
-    ``score``, ``score_dim``, ``scale``, ``learn_temperature``, ``learn_ssmax_s``,
-    ``implementation``, ``is_causal`` (the default of the call's ``is_causal``), ``rotary``,
-    ``rotary_base``, ``sequence_axis``, ``sequence_layout``, ``sliding_window``,
-    ``logits_soft_cap``, ``sinks``, ``alibi``, ``learn_alibi``. The options are kept in
-    :attr:`options` (:class:`attnx.nn.attention_ops.AttentionOptions`).
 
   Example:
     >>> import jax, jax.numpy as jnp

@@ -78,11 +78,10 @@ class EncoderBlock(nnx.Module):
   """Pre-LN block: x + Attn(LN(x)), then + MLP(LN(x)), as :class:`attnx.nn.EncoderBlock`.
   ``[B, L, D] -> [B, L, D]``.
 
-  Args:
-    hidden_dim: the width D.
-    num_heads, mlp_dim, dropout_rate, attention_dropout_rate, attention, is_causal, dtype,
-      param_dtype: as :class:`attnx.nn.EncoderBlock`'s fields.
-    rngs: ``nnx.Rngs`` (``params``; ``dropout`` when a rate is set).
+  The arguments are the width ``hidden_dim`` (D), the fields of :class:`attnx.nn.EncoderBlock`
+  (``num_heads``, ``mlp_dim``, ``dropout_rate``, ``attention_dropout_rate``, ``attention``,
+  ``is_causal``, ``dtype``, ``param_dtype``) and ``rngs`` (``params``; ``dropout`` when a
+  rate is set).
   """
 
   def __init__(self, hidden_dim: int, num_heads: int, mlp_dim: int, *,

@@ -36,10 +36,12 @@ class _Table(nnx.Module):
 class VisionTransformer(nnx.Module):
   """ViT: patchify → linear embedding → [CLS] + learned positions → pre-LN encoder → head.
 
+  The arguments are the fields of :class:`attnx.nn.VisionTransformer` (``num_classes``,
+  ``patch_size``, ``hidden_dim``, ``num_layers``, ``num_heads``, ``mlp_dim``, ``dropout_rate``,
+  ``attention_dropout_rate``, ``pool``, ``attention`` of type ``"dot"`` or ``"metric"``,
+  ``dtype``, ``param_dtype``) and:
+
   Args:
-    num_classes, patch_size, hidden_dim, num_layers, num_heads, mlp_dim, dropout_rate,
-      attention_dropout_rate, pool, attention, dtype, param_dtype: as
-      :class:`attnx.nn.VisionTransformer`'s fields (attention types ``"dot"``, ``"metric"``).
     image_size: ``(H, W)`` or one side: the images the model takes (multiples of
       ``patch_size``).
     in_channels: image channels C.

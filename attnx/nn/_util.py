@@ -5,6 +5,7 @@ Dropout on the weights and the weighted sum of values are ``core.attention``'s, 
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -69,3 +70,13 @@ def check_no_decode(decode: bool, where: str) -> None:
   if decode:
     raise ValueError(f"{where}: decode=True (KV-cache decoding) needs MultiHeadAttention "
                      "(attention type 'dot' or 'metric').")
+
+
+def options_dataclass(module_cls: type, name: str) -> type:
+  """A frozen, keyword-only dataclass with the fields (and defaults) of linen module class
+  ``module_cls`` but linen's ``parent`` and ``name``: the options an NNX twin of the module
+  keeps, read by the functions the two share, declared once (by the linen module)."""
+  fields = [(f.name, f.type, dataclasses.field(default=f.default)
+             if f.default is not dataclasses.MISSING else dataclasses.field())
+            for f in dataclasses.fields(module_cls) if f.name not in ("parent", "name")]
+  return dataclasses.make_dataclass(name, fields, frozen=True, kw_only=True)

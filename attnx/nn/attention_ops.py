@@ -6,12 +6,12 @@ functions of arrays and of the module's options. ``opts`` is the module itself: 
 with the fields the linen module documents (``num_heads``, ``weighting``, ``score``,
 ``is_causal``, ``sliding_window``, ``logits_soft_cap``, ``sinks``, ``alibi``,
 ``learn_alibi``, ``rotary``, ``rotary_base``, ``sequence_axis``, ``sequence_layout``,
-``implementation``, ``dropout_rate``, ...).
+``implementation``, ``dropout_rate``, ...): the linen module itself, or the NNX module's
+``options`` (a dataclass of the linen module's fields).
 """
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import chex
@@ -26,37 +26,6 @@ from attnx.nn import rotary as rotary_lib
 
 Array = jax.Array
 
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class AttentionOptions:
-  """The attnx options of a multi-head attention module, as the functions here read them
-  (the linen module is its own options; the NNX module keeps them in ``options``, so that its
-  parameters can take the linen names, ``sinks`` among them). Fields: those of
-  :class:`attnx.nn.MultiHeadAttention`, with NNX's name ``normalize_qk`` for ``qk_norm``."""
-
-  num_heads: int
-  qkv_features: int | None = None
-  num_kv_heads: int | None = None
-  weighting: Any = "softmax"
-  score: Any = "scaled_dot"
-  score_dim: int | None = None
-  scale: float | None = None
-  learn_temperature: bool | None = None
-  learn_ssmax_s: bool = False
-  implementation: Any = None
-  is_causal: bool = False
-  dropout_rate: float = 0.0
-  broadcast_dropout: bool = True
-  normalize_qk: bool = False
-  rotary: bool = False
-  rotary_base: float = rotary_lib.DEFAULT_BASE
-  sequence_axis: str | None = None
-  sequence_layout: str = "contiguous"
-  sliding_window: int | tuple[int, int] | None = None
-  logits_soft_cap: float | None = None
-  sinks: bool = False
-  alibi: bool = False
-  learn_alibi: bool = False
 
 # Scores whose width a module's score_dim sets: metric's rank (its features), and every score
 # with a learned parameter whose shape uses the width.
@@ -102,7 +71,7 @@ def check_options(opts: Any, where: str, *, sow_weights: bool = False) -> None:
       raise ValueError(f"{where}: score='metric' shares one map between queries and keys, "
                        f"so keys have the query heads; num_kv_heads={opts.num_kv_heads} does "
                        "not apply.")
-    if _qk_norm(opts):
+    if opts.qk_norm:
       raise ValueError(f"{where}: qk_norm does not apply to score='metric' (queries and keys "
                        "share one map; separate norms would break the pseudo-metric).")
     if opts.scale is not None and not opts.scale > 0:
@@ -121,11 +90,6 @@ def check_options(opts: Any, where: str, *, sow_weights: bool = False) -> None:
     raise ValueError(f"{where}: {needs} needs the attention weights, which implementation="
                      f"{opts.implementation!r} never forms; use implementation='dense' or "
                      "None.")
-
-
-def _qk_norm(opts: Any) -> bool:
-  """linen's ``qk_norm`` or NNX's ``normalize_qk`` (Flax's names for the same option)."""
-  return bool(getattr(opts, "qk_norm", False) or getattr(opts, "normalize_qk", False))
 
 
 def check_modifications(opts: Any, where: str) -> None:

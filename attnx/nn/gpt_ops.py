@@ -3,13 +3,12 @@
 :class:`attnx.nn.GPT` (linen) and :class:`attnx.nnx.GPT` (NNX) differ only in how they own
 parameters and the KV cache. The configuration checks, the attention spec of each block and the
 position rows are here, as functions of ``opts``: the linen model itself, or the NNX model's
-:class:`GPTOptions` (the same fields).
+``options`` (a dataclass of the linen model's fields).
 """
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import chex
@@ -21,7 +20,6 @@ from flax.core import FrozenDict
 from attnx import core
 from attnx.core import problem as problem_lib
 from attnx.nn.attention_ops import check_ring_attention, shard_positions
-from attnx.nn.rotary import DEFAULT_BASE
 from attnx.nn.spec import resolve_attention
 
 Array = jax.Array
@@ -29,32 +27,6 @@ Array = jax.Array
 POSITIONS = ("learned", "rotary", "alibi", "none")
 # Attention types with query/key projections (rotary) and a KV cache (decode=True).
 ROTARY_TYPES = CACHE_TYPES = ("dot", "metric")
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class GPTOptions:
-  """The fields of :class:`attnx.nn.GPT` (its docstring describes them), for the NNX model."""
-
-  vocab_size: int
-  num_layers: int
-  num_heads: int
-  hidden_dim: int
-  mlp_dim: int
-  max_len: int
-  attention: Mapping[str, Any] | str | None = None
-  tie_embeddings: bool = True
-  positions: str = "learned"
-  rotary_base: float = DEFAULT_BASE
-  sliding_window: int | Sequence[int | None] | None = None
-  logits_soft_cap: float | None = None
-  sinks: bool = False
-  dropout_rate: float = 0.0
-  attention_dropout_rate: float = 0.0
-  implementation: str | None = None
-  sequence_axis: str | None = None
-  sequence_layout: str = "contiguous"
-  dtype: Any = None
-  param_dtype: Any = jnp.float32
 
 
 def check_gpt(opts: Any, where: str) -> None:

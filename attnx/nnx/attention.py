@@ -24,10 +24,14 @@ from flax.nnx.nn import initializers
 
 from attnx import core
 from attnx.nn import _util
+from attnx.nn import attention as linen_attention
 from attnx.nn import attention_ops as ops
 from attnx.nn import rotary as rotary_lib
 
 Array = jax.Array
+# The options of the NNX module: the linen module's fields (declared once, there).
+AttentionOptions = _util.options_dataclass(linen_attention.MultiHeadAttention,
+                                           "AttentionOptions")
 default_kernel_init = initializers.lecun_normal()
 default_bias_init = initializers.zeros_init()
 
@@ -41,7 +45,7 @@ class MultiHeadAttention(nnx.Module):
   ``rotary_base``, ``sequence_axis``, ``sequence_layout``, ``sliding_window``,
   ``logits_soft_cap``, ``sinks``, ``alibi``, ``learn_alibi``, as
   :class:`attnx.nn.MultiHeadAttention` documents them. The options are kept in
-  :attr:`options` (``attnx.nn.attention_ops.AttentionOptions``).
+  :attr:`options` (:data:`AttentionOptions`).
 
   Args:
     num_heads: query heads N.
@@ -98,12 +102,12 @@ class MultiHeadAttention(nnx.Module):
       use_bias: bool = True, decode: bool = False, normalize_qk: bool = False,
       rngs: nnx.Rngs, keep_rngs: bool = True):
     where = type(self).__name__
-    self.options = ops.AttentionOptions(
+    self.options = AttentionOptions(
         num_heads=num_heads, qkv_features=qkv_features or in_features,
         num_kv_heads=num_kv_heads, weighting=weighting, score=score, score_dim=score_dim,
         scale=scale, learn_temperature=learn_temperature, learn_ssmax_s=learn_ssmax_s,
         implementation=implementation, is_causal=is_causal, dropout_rate=dropout_rate,
-        broadcast_dropout=broadcast_dropout, normalize_qk=normalize_qk, rotary=rotary,
+        broadcast_dropout=broadcast_dropout, qk_norm=normalize_qk, rotary=rotary,
         rotary_base=rotary_base, sequence_axis=sequence_axis, sequence_layout=sequence_layout,
         sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, sinks=sinks,
         alibi=alibi, learn_alibi=learn_alibi)

@@ -17,13 +17,16 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from attnx.nn import gpt_ops
+from attnx.nn import _util, gpt_ops
+from attnx.nn import gpt as linen_gpt
 from attnx.nn.attention_ops import sequence_shards
 from attnx.nn.rotary import DEFAULT_BASE
 from attnx.nn.spec import freeze_attention_fields
 from attnx.nnx.transformer import EncoderBlock
 
 Array = jax.Array
+# The options of the NNX model: the linen model's fields (declared once, there).
+GPTOptions = _util.options_dataclass(linen_gpt.GPT, "GPTOptions")
 
 
 class GPT(nnx.Module):
@@ -35,7 +38,7 @@ class GPT(nnx.Module):
   ``attention_dropout_rate``, ``implementation``, ``sequence_axis``, ``sequence_layout``,
   ``dtype``, ``param_dtype``), keyword-only, and ``rngs`` (``params``; ``dropout`` when a
   rate is set). Attention types ``"dot"`` and ``"metric"``. The options are kept in
-  :attr:`options` (:class:`attnx.nn.gpt_ops.GPTOptions`).
+  :attr:`options` (:data:`GPTOptions`).
 
   Example:
     >>> import jax.numpy as jnp
@@ -58,7 +61,7 @@ class GPT(nnx.Module):
                implementation: str | None = None, sequence_axis: str | None = None,
                sequence_layout: str = "contiguous", dtype: Any = None,
                param_dtype: Any = jnp.float32, rngs: nnx.Rngs):
-    opts = gpt_ops.GPTOptions(
+    opts = GPTOptions(
         vocab_size=vocab_size, num_layers=num_layers, num_heads=num_heads,
         hidden_dim=hidden_dim, mlp_dim=mlp_dim, max_len=max_len, attention=attention,
         tie_embeddings=tie_embeddings, positions=positions, rotary_base=rotary_base,

@@ -1,7 +1,8 @@
 """attnx: the mathematics of attention in JAX/Flax.
 
 ``attnx.core`` — pure functional kernels with pluggable score s and weighting F;
-``attnx.nn`` — Flax modules; ``attnx.data`` — datasets; ``attnx.train`` — experiment machinery;
+``attnx.nn`` — Flax linen modules; ``attnx.nnx`` — Flax NNX modules (attention, blocks, GPT,
+ViT); ``attnx.data`` — datasets; ``attnx.train`` — experiment machinery;
 ``attnx.analysis`` — what a trained model's attention does (weights, sinks, sparsity, entropy,
 hidden-state kurtosis, heat maps).
 """

@@ -38,6 +38,7 @@ import ml_collections
 import numpy as np
 
 from attnx import analysis, core, nn, train
+from attnx import nnx as anx
 from attnx.data import packing
 from attnx.train import config as train_config
 from attnx.train import evaluators as evaluators_lib
@@ -93,7 +94,11 @@ def _default() -> ml_collections.ConfigDict:
       margin=0.02,  # validation-loss differences (nats) below this count as equal
       # > 1: every training sequence sharded over that many devices (ring attention; zigzag
       # balances the causal work); evaluation runs unsharded.
-      sequence_parallel=1, sequence_layout="contiguous"))
+      sequence_parallel=1, sequence_layout="contiguous",
+      # "linen": attnx.nn.GPT; "nnx": attnx.nnx.GPT, trained through Flax's bridge
+      # (attnx.nnx.to_linen); the same parameter tree, so the analysis, the model file and
+      # sample.py read either.
+      model_api="linen"))
   c.model = ml_collections.ConfigDict(dict(
       num_layers=4, num_heads=4, hidden_dim=128, mlp_dim=512, context=64, positions="rotary",
       dropout_rate=0.0, tie_embeddings=True))
@@ -235,6 +240,11 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   if (impl := config.get("implementation", "")) and impl not in core.IMPLEMENTATIONS:
     raise ValueError(f"config.implementation={impl!r}; valid: '' (automatic), "
                      f"{', '.join(core.IMPLEMENTATIONS)}.")
+  if config.get("model_api", "linen") not in ("linen", "nnx"):
+    raise ValueError(f"config.model_api={config.model_api!r}; valid: 'linen', 'nnx'.")
+  if config.get("model_api", "linen") == "nnx" and int(config.get("sequence_parallel", 1)) > 1:
+    raise ValueError("config.model_api='nnx' with sequence_parallel > 1: ring attention "
+                     "training runs the linen GPT only (model_api='linen').")
   if config.model.positions not in nn.gpt.POSITIONS:
     raise ValueError(f"config.model.positions={config.model.positions!r} is invalid; valid "
                      f"choices: {', '.join(nn.gpt.POSITIONS)}.")
@@ -249,7 +259,7 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     raise ValueError(f"config.position_study: {', '.join(fixed)} cannot take other positions "
                      "than learned ones (linear attention); leave them out of config.weightings.")
   for spec in variant_specs(config).values():  # every variant builds a GPT (or raises)
-    build_model(config, vocab_size=2)(spec)
+    anx.linen_twin(build_model(config, vocab_size=2)(spec))  # the linen checks, either API
   if config.text_file:
     from attnx.data import catalog, shakespeare
 
@@ -322,23 +332,28 @@ def positions_for(spec: Mapping[str, Any], positions: str) -> str:
 
 
 def build_model(config: ml_collections.ConfigDict, vocab_size: int):
-  """``spec -> GPT`` with the config's sizes (training context = ``model.context``)."""
+  """``spec -> GPT`` with the config's sizes (training context = ``model.context``), in
+  ``config.model_api``."""
   m, impl = config.model, config.get("implementation") or None
   sharded = int(config.get("sequence_parallel", 1)) > 1
 
-  def build(spec: Any) -> nn.GPT:
+  def build(spec: Any) -> Any:
     """``spec``: an attention spec (trained with ``model.positions``) or a
-    :class:`Positioned` one (with its own)."""
+    :class:`Positioned` one (with its own). An :class:`attnx.nn.GPT`, or with
+    ``model_api="nnx"`` an :class:`attnx.nnx.GPT` behind Flax's bridge."""
     positions = spec.positions if isinstance(spec, Positioned) else m.positions
     spec = _attention_of(spec)
     kind = nn.spec.resolve_attention(spec)["type"]
-    return nn.GPT(vocab_size=int(vocab_size), num_layers=m.num_layers, num_heads=m.num_heads,
+    kwargs = dict(vocab_size=int(vocab_size), num_layers=m.num_layers, num_heads=m.num_heads,
                   hidden_dim=m.hidden_dim, mlp_dim=m.mlp_dim, max_len=m.context,
                   attention=spec, positions=positions_for(spec, positions),
                   tie_embeddings=m.tie_embeddings, dropout_rate=m.dropout_rate,
                   implementation=impl if kind in ("dot", "metric") else None,
                   sequence_axis=train.SEQUENCE_AXIS if sharded else None,
                   sequence_layout=config.get("sequence_layout", "contiguous"))
+    if config.get("model_api", "linen") == "nnx":
+      return anx.to_linen(anx.GPT, **kwargs)
+    return nn.GPT(**kwargs)
 
   return build
 
@@ -375,6 +390,12 @@ def _task(config: ml_collections.ConfigDict, vocab_size: int) -> Task:
                         small_weight=float(config.small_weight)), **packed)
 
 
+def linen_model(result: TaskResult, spec: Any) -> nn.GPT:
+  """The linen GPT of a trained variant: the model itself, or an NNX model's linen twin (the
+  same parameter tree), which the model file, sampling and the analysis read."""
+  return anx.linen_twin(result.task.build_model(spec))
+
+
 def save_models(config: ml_collections.ConfigDict, workdir: str, result: TaskResult,
                 specs: Mapping[str, Any], vocab: str) -> dict[str, str]:
   """Writes ``<workdir>/lm/<run>/model.json`` (sample.py's contract) for every trained variant,
@@ -382,7 +403,7 @@ def save_models(config: ml_collections.ConfigDict, workdir: str, result: TaskRes
   runs = {name: re.sub(r"[^A-Za-z0-9_.-]+", "_", name) for name in result.fits}
   for name in result.fits:
     nn.save_model_spec(os.path.join(workdir, "lm", runs[name], "model.json"),
-                       result.task.build_model(specs[name]), vocab=vocab,
+                       linen_model(result, specs[name]), vocab=vocab,
                        checkpoint=run_name(result.task.name, name), dataset="shakespeare",
                        data=data_kwargs(config), weighting=name, num_steps=int(config.num_steps))
   return runs
@@ -398,7 +419,7 @@ def samples(config: ml_collections.ConfigDict, result: TaskResult, specs: Mappin
   ids = np.asarray([[table[ch] for ch in text if ch in table] or [0]], np.int32)
   seed0 = lambda tree: jax.tree.map(lambda a: np.asarray(a)[0], tree) if tree else None
   return {name: "".join(vocab[int(i)] for i in np.asarray(nn.generate(
-      result.task.build_model(specs[name]), seed0(res.params), ids, int(s.num_tokens),
+      linen_model(result, specs[name]), seed0(res.params), ids, int(s.num_tokens),
       rng=jax.random.PRNGKey(int(s.seed)), temperature=float(s.temperature),
       top_k=min(int(s.top_k), len(vocab)) if s.top_k else None,
       extra_variables=seed0(res.extra_variables)))[0]) for name, res in result.fits.items()}
@@ -420,7 +441,7 @@ def _finish(config: ml_collections.ConfigDict, specs: Mapping[str, Any], vocab: 
   def finish(rep: train.Report, results: dict[str, TaskResult]) -> dict[str, Any]:
     result = results[task_name(text_file)]
     fits = result.fits  # result.comparisons: each F vs softmax on validation loss
-    build = lambda name: result.task.build_model(specs[name])
+    build = lambda name: linen_model(result, specs[name])
     runs = save_models(config, rep.workdir, result, specs, vocab)
     rep.section("Loss per weighting (nats and bits per character)")
     rep.text(f"For orientation: nanoGPT's softmax model reaches ≈ {NANOGPT_VAL_LOSS} nats "

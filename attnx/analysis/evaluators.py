@@ -25,6 +25,7 @@ import jax
 import numpy as np
 
 from attnx.analysis import stats
+from attnx.nnx import bridge as nnx_bridge
 from attnx.train import evaluators
 
 
@@ -32,6 +33,9 @@ from attnx.train import evaluators
 def _attention_stats(model: Any, arrays: Mapping[str, np.ndarray],
                      task: Any) -> evaluators.EvalFn:
   opts = dict(getattr(task, "eval_options", None) or {})
+  # The probes read a linen model's sown weights: an NNX model is read by its linen twin,
+  # which has the same parameter tree (attnx.nnx.linen_twin).
+  model = nnx_bridge.linen_twin(model)
   x = np.asarray(arrays["inputs"])[:int(opts.get("stats_examples", 32))]
   settings = dict(threshold=float(opts.get("sink_threshold", stats.SINK_THRESHOLD)),
                   small=float(opts.get("small_weight", stats.SMALL_WEIGHT)))

@@ -11,12 +11,16 @@
 * :class:`GPT`, :func:`gpt_from_spec`: the language model, built from the same kwargs or model
   file as :class:`attnx.nn.GPT`, with its parameter names.
 * :class:`VisionTransformer`: the ViT classifier, with the linen model's parameter names.
+* :func:`to_linen`, :func:`linen_twin`, :func:`is_nnx`: training an NNX model with
+  :func:`attnx.train.fit` (Flax's bridge) and the linen model with the same parameters.
 """
 
 from attnx.nnx.attention import MultiHeadAttention
+from attnx.nnx.bridge import is_nnx, linen_twin, to_linen
 from attnx.nnx.gpt import GPT, gpt_from_spec
 from attnx.nnx.transformer import Encoder, EncoderBlock, MlpBlock, make_attention
 from attnx.nnx.vit import VisionTransformer
 
 __all__ = ["GPT", "Encoder", "EncoderBlock", "MlpBlock", "MultiHeadAttention",
-           "VisionTransformer", "gpt_from_spec", "make_attention"]
+           "VisionTransformer", "gpt_from_spec", "is_nnx", "linen_twin", "make_attention",
+           "to_linen"]

@@ -77,6 +77,7 @@ from typing import Any
 
 import numpy as np
 
+from attnx.nnx import bridge as nnx_bridge
 from attnx.train import verdict
 from attnx.train.data import loader
 from attnx.train.evaluate import evaluate
@@ -517,8 +518,10 @@ def _loss_by_length(model: Any, arrays: Mapping[str, np.ndarray], task: Any) -> 
   wins = context_windows(stream, context, mults, shared_tokens(
       opts.get("length_windows"), context, opts.get("limit_tokens")))
   # A table of max_len learned positions stops there; rotary, ALiBi and no positions do not.
-  table = getattr(model, "positions", "learned") == "learned"
-  max_len = getattr(model, "max_len", None)
+  # (An NNX model's options are its linen twin's fields.)
+  fields = nnx_bridge.linen_twin(model)
+  table = getattr(fields, "positions", "learned") == "learned"
+  max_len = getattr(fields, "max_len", None)
   runs = [k for k in mults if not table or max_len is None or k * context <= max_len]
 
   def eval_fn(params_stacked, extra_variables=None) -> dict[str, np.ndarray]:

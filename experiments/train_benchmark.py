@@ -25,6 +25,16 @@ above) and once with flax's stock ``nn.MultiHeadDotProductAttention`` under
   python launch.py --config=experiments/train_benchmark.py:causal_lm       (≈ 3 min on 2 cores)
   python launch.py --config=experiments/train_benchmark.py:causal_lm_tiny  (seconds, smoke test)
 
+Part 4 (``part=nnx_gpt``, preset ``nnx_gpt``; not in ``all``) times attnx.train's training step
+(the vmapped seeds' forward, backward and AdamW update, ``attnx.train.step.make_step``) of the
+language-model experiment's GPT (4 layers, width 128, context 64, batch 12, 3 seeds, RoPE)
+built twice from the same parameters: ``attnx.nn.GPT`` (linen) and ``attnx.nnx.GPT`` through
+Flax's bridge (``attnx.nnx.to_linen``). Round-robin, median of ``nnx.repeats``; the report gives
+the ratio NNX / linen against the NNX issue's target (≤ 1.05) and the two first losses.
+
+  python launch.py --config=experiments/train_benchmark.py:nnx_gpt       (≈ 1 min on 2 cores)
+  python launch.py --config=experiments/train_benchmark.py:nnx_gpt_tiny  (seconds, smoke test)
+
 Measured on a shared 2-core machine (jax 0.10.2, 2 min 15 s in all): 8 seeds via vmap 18.9 s
 wall vs 60.2 s for 8 sequential runs (ratio 0.31; compilation 2.7 s vs 25.9 s; pure training
 time ratio 0.95, as the FLOPs are the same on CPU). Steps/s with 1 seed, batch 64: 95 (1 device),
@@ -47,7 +57,7 @@ from attnx.train import config as train_config
 from attnx.train.config import base_config, check_batch_size, config_overrides
 from attnx.train.optim import optimizer_config
 
-PARTS = ("all", "seeds", "devices", "causal_lm")
+PARTS = ("all", "seeds", "devices", "causal_lm", "nnx_gpt")
 MODES = ("none", "shard_map", "pmap")
 # Not forwarded to the device part: it sets its own, and one host joins no cluster twice.
 _NOT_FORWARDED = ("experiment", "preset", "part", "num_cpu_devices", "devices", "distributed",
@@ -69,6 +79,10 @@ def _default() -> ml_collections.ConfigDict:
   c.lm = ml_collections.ConfigDict(dict(
       seq_lens="256,1024,4096", width=256, num_heads=4, num_layers=2, batch_size=2,
       vocab_size=256, learning_rate=1e-3, repeats=5))
+  # Part nnx_gpt: the language-model experiment's GPT, linen vs NNX, and the timing.
+  c.nnx = ml_collections.ConfigDict(dict(
+      num_layers=4, num_heads=4, hidden_dim=128, mlp_dim=512, context=64, vocab_size=65,
+      batch_size=12, num_seeds=3, attention="softmax", repeats=30))
   return c
 
 
@@ -85,6 +99,19 @@ def _causal_lm_tiny(c: ml_collections.ConfigDict) -> None:
   c.lm.update(seq_lens="32,64", width=32, repeats=1)
 
 
+def _nnx_gpt(c: ml_collections.ConfigDict) -> None:
+  """python launch.py --config=experiments/train_benchmark.py:nnx_gpt (≈ 1 min): part 4, the
+  NNX GPT's training step against the linen GPT's."""
+  c.part = "nnx_gpt"
+
+
+def _nnx_gpt_tiny(c: ml_collections.ConfigDict) -> None:
+  """python launch.py --config=experiments/train_benchmark.py:nnx_gpt_tiny (seconds): part 4
+  on a 1-layer width-16 GPT, 3 timed steps (a smoke test; the timings mean nothing)."""
+  c.part = "nnx_gpt"
+  c.nnx.update(num_layers=1, num_heads=2, hidden_dim=16, mlp_dim=32, context=16, repeats=3)
+
+
 def _tiny(c: ml_collections.ConfigDict) -> None:
   """python launch.py --config=experiments/train_benchmark.py:tiny (≈ 1 min, smoke test):
   2 seeds, 20 steps, 2 fake devices, a 1-layer model."""
@@ -95,7 +122,7 @@ def _tiny(c: ml_collections.ConfigDict) -> None:
 # Each preset is the default changed by one small function (see the module docstring).
 PRESET_FNS: dict[str, Callable[[ml_collections.ConfigDict], None]] = {
     "default": lambda c: None, "tiny": _tiny, "causal_lm": _causal_lm,
-    "causal_lm_tiny": _causal_lm_tiny}
+    "causal_lm_tiny": _causal_lm_tiny, "nnx_gpt": _nnx_gpt, "nnx_gpt_tiny": _nnx_gpt_tiny}
 PRESETS = tuple(PRESET_FNS)
 
 
@@ -274,6 +301,58 @@ def _causal_lm_part(config) -> dict[str, Any]:
   return {"rows": rows}
 
 
+NNX_TARGET = 1.05  # the NNX issue's bound on the NNX / linen step-time ratio
+
+
+def nnx_gpt_steps(config) -> dict[str, tuple[Any, tuple]]:
+  """{"linen" | "nnx": (compiled attnx.train step, (state, batch, step))} of part 4, both from
+  the linen model's initial parameters."""
+  import jax
+  import numpy as np
+
+  from attnx import nn, train
+  from attnx import nnx as anx
+  from attnx.train import step as step_lib
+  from attnx.train.losses import get_loss
+  from attnx.train.optim import make_optimizer
+
+  n = config.nnx
+  kw = dict(vocab_size=n.vocab_size, num_layers=n.num_layers, num_heads=n.num_heads,
+            hidden_dim=n.hidden_dim, mlp_dim=n.mlp_dim, max_len=n.context,
+            attention=n.attention, positions="rotary")
+  models = {"linen": nn.GPT(**kw), "nnx": anx.to_linen(anx.GPT, **kw)}
+  rng = np.random.default_rng(config.seed)
+  tokens = rng.integers(0, n.vocab_size, (n.num_seeds, n.batch_size, n.context + 1))
+  batch = {"inputs": tokens[..., :-1].astype(np.int32),
+           "targets": tokens[..., 1:].astype(np.int32)}
+  tx = make_optimizer(train.optimizer_config(), 1000)
+  state = step_lib.init_state(models["linen"], tx, list(range(n.num_seeds)),
+                              {k: v[0, :2] for k, v in batch.items()})
+  args = (state, batch, np.int32(0))
+  return {name: (jax.jit(step_lib.make_step(step_lib.make_apply_fn(m), get_loss(
+      "softmax_xent"), tx, donate=False)).lower(*args).compile(), args)
+          for name, m in models.items()}
+
+
+def _nnx_gpt_part(config) -> dict[str, Any]:
+  import jax
+  import numpy as np
+
+  steps = nnx_gpt_steps(config)
+  losses = {a: float(np.mean(jax.block_until_ready(fn(*args))[1]["loss"]))
+            for a, (fn, args) in steps.items()}  # one untimed step each
+  times: dict[str, list[float]] = {a: [] for a in steps}
+  for _ in range(max(int(config.nnx.repeats), 1)):  # round-robin: load hits both alike
+    for a, (fn, args) in steps.items():
+      t0 = time.perf_counter()
+      jax.block_until_ready(fn(*args))
+      times[a].append(time.perf_counter() - t0)
+  ms = {a: 1e3 * float(np.median(ts)) for a, ts in times.items()}
+  return {"linen step ms": ms["linen"], "nnx step ms": ms["nnx"],
+          "nnx / linen": ms["nnx"] / ms["linen"], "linen first loss": losses["linen"],
+          "nnx first loss": losses["nnx"]}
+
+
 # The causal-attention issue's targets for the attnx / flax step-time ratio.
 LM_TARGETS = {1024: 0.67, 4096: 0.4}
 
@@ -308,6 +387,24 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
 
   validate_config(config)
   os.makedirs(workdir, exist_ok=True)
+  if config.part == "nnx_gpt":
+    row = _nnx_gpt_part(config)
+    with open(os.path.join(workdir, "benchmark.json"), "w") as f:
+      json.dump(row, f, indent=1)
+    n = config.nnx
+    rep = train.Report("GPT training step: attnx.nnx vs attnx.nn", workdir, config,
+                       claim=f"attnx.train's step on the NNX GPT costs at most {NNX_TARGET}x "
+                             "the linen GPT's.")
+    rep.table([row], caption=(
+        f"attnx.train's step (forward, backward, AdamW; {n.num_seeds} seeds vmapped) of a "
+        f"{n.num_layers}-layer GPT, width {n.hidden_dim}, context {n.context}, batch "
+        f"{n.batch_size}, {n.attention}, RoPE, float32; median of {n.repeats} steps, the two "
+        "models timed round-robin from the same parameters (so the first losses agree)."))
+    met = row["nnx / linen"] <= NNX_TARGET
+    rep.verdict(met, f"NNX / linen = {row['nnx / linen']:.3f} (target ≤ {NNX_TARGET}).")
+    path = rep.write()
+    print(json.dumps(row, indent=1))
+    return {"report": path, **row}
   if config.part == "causal_lm":
     result = _causal_lm_part(config)
     with open(os.path.join(workdir, "benchmark.json"), "w") as f:

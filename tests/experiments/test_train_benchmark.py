@@ -70,3 +70,16 @@ def test_causal_lm_tiny_end_to_end(tmp_path):
   assert tb.lm_targets(out["rows"]) == []  # no target at these lengths
   goals = tb.lm_targets([{"T": 1024, "attnx / flax": 0.6}, {"T": 4096, "attnx / flax": 0.5}])
   assert [g["met"] for g in goals] == ["yes", "**no**"]
+
+
+def test_nnx_gpt_tiny_end_to_end(tmp_path):
+  c = tb.get_config("nnx_gpt_tiny")
+  assert c.part == "nnx_gpt" and tb.get_config("nnx_gpt").nnx.num_layers == 4
+  out = tb.run(c, str(tmp_path))
+  # Both steps start from the same parameters and compute the same function.
+  np.testing.assert_allclose(out["nnx first loss"], out["linen first loss"], rtol=1e-6)
+  assert out["linen step ms"] > 0 and out["nnx step ms"] > 0
+  assert out["nnx / linen"] == pytest.approx(out["nnx step ms"] / out["linen step ms"])
+  with open(out["report"], encoding="utf-8") as f:
+    text = f.read()
+  assert "NNX / linen" in text and "target ≤ 1.05" in text

@@ -37,11 +37,29 @@ def masked_arrays(n: int = 64, length: int = 5, dim: int = 6) -> dict[str, np.nd
   return {"inputs": x, "targets": np.where(valid, y, train.IGNORE_INDEX).astype(np.int32)}
 
 
-CASES = {
-    "sgd": (make_arrays(n=128), train.optimizer_config(name="sgd", momentum=0.0,
-                                                       learning_rate=0.5, schedule="constant")),
+def token_arrays(n: int = 64, length: int = 8, vocab: int = 16) -> dict[str, np.ndarray]:
+  """Next-token pairs of random tokens (the NNX GPT's case)."""
+  ids = np.random.default_rng(2).integers(0, vocab, (n, length + 1)).astype(np.int32)
+  return {"inputs": ids[:, :-1], "targets": ids[:, 1:]}
+
+
+def nnx_gpt():
+  """An attnx.nnx GPT behind Flax's bridge (attnx.nnx.to_linen): NNX models train data-parallel
+  as linen ones do."""
+  from attnx import nnx as anx
+
+  return anx.to_linen(anx.GPT, vocab_size=16, num_layers=1, num_heads=2, hidden_dim=16,
+                      mlp_dim=32, max_len=8, attention="sigmoid:normalization=none",
+                      positions="rotary")
+
+
+SGD = train.optimizer_config(name="sgd", momentum=0.0, learning_rate=0.5, schedule="constant")
+CASES = {  # name: (arrays, optimizer, model factory)
+    "sgd": (make_arrays(n=128), SGD, TinyMLP),
     "masked_clipped": (masked_arrays(), train.optimizer_config(
-        name="sgd", momentum=0.0, learning_rate=0.5, schedule="constant", grad_clip_norm=0.4)),
+        name="sgd", momentum=0.0, learning_rate=0.5, schedule="constant", grad_clip_norm=0.4),
+        TinyMLP),
+    "nnx_gpt": (token_arrays(), SGD, nnx_gpt),
 }
 
 
@@ -82,18 +100,18 @@ def max_diff(a, b) -> float:
 def main() -> None:
   assert len(jax.devices()) == 8, jax.devices()
   out = {}
-  for case, (arrays, opt) in CASES.items():
+  for case, (arrays, opt, make_model) in CASES.items():
     params, res = {}, {}
     for mode in ("none", "shard_map", "pmap"):
       config = train.FitConfig(optimizer=opt, num_steps=6, num_seeds=2, log_every=2,
                                parallel=mode, progress=False, tensorboard=False)
-      r = train.fit(TinyMLP(), train_data=train.loader(arrays, 32),
+      r = train.fit(make_model(), train_data=train.loader(arrays, 32),
                     eval_data=train.loader(arrays, 64), config=config)
       params[mode] = r.params
       res[mode] = {"loss": [h["loss"] for h in r.history],
                    "accuracy": [h["accuracy"] for h in r.history],
                    "eval_accuracy": r.final_metrics["accuracy"].tolist()}
-    init = train.init_state(TinyMLP(), optax.identity(), [0, 1], next(train.array_stream(
+    init = train.init_state(make_model(), optax.identity(), [0, 1], next(train.array_stream(
         arrays, 32, 0)))
     res["max_param_diff_shard_map"] = max_diff(params["none"], params["shard_map"])
     res["max_param_diff_pmap"] = max_diff(params["none"], params["pmap"])

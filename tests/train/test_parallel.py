@@ -27,7 +27,7 @@ def test_shard_map_and_pmap_equal_single_device_on_8_fake_devices():
   assert proc.returncode == 0, proc.stderr[-3000:]
   line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
   out = json.loads(line[len("RESULT "):])
-  for case in ("sgd", "masked_clipped"):
+  for case in ("sgd", "masked_clipped", "nnx_gpt"):
     res = out[case]
     assert res["param_change"] > 1e-2, res  # training moved the params: not vacuous
     for key in ("shard_map", "pmap", "shard_map_pmap"):

@@ -54,13 +54,36 @@ def to_linen(nnx_class: type, /, **kwargs: Any) -> bridge.ToLinen:
 
 
 def is_nnx(model: Any) -> bool:
-  """Whether ``model`` is an NNX model behind Flax's bridge (:func:`to_linen`)."""
+  """Whether ``model`` is an NNX model behind Flax's bridge (:func:`to_linen`).
+
+  Example:
+    >>> from attnx import nn, nnx as anx
+    >>> kw = dict(num_classes=3, attention="relu")
+    >>> anx.is_nnx(anx.to_linen(anx.VisionTransformer, image_size=8, in_channels=1, **kw))
+    True
+    >>> anx.is_nnx(nn.VisionTransformer(**kw))
+    False
+  """
   return isinstance(model, bridge.ToLinen)
 
 
 def linen_twin(model: Any) -> Any:
   """The :mod:`attnx.nn` model with the same arguments and parameter tree as the NNX model
-  behind ``model`` (:func:`to_linen`), or ``model`` itself when it is not one."""
+  behind ``model`` (:func:`to_linen`), or ``model`` itself when it is not one.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from attnx import nnx as anx
+    >>> model = anx.to_linen(anx.GPT, vocab_size=16, num_layers=1, num_heads=2, hidden_dim=16,
+    ...                      mlp_dim=32, max_len=8, positions="rotary")
+    >>> tokens = jnp.zeros((1, 8), jnp.int32)
+    >>> params = model.init(jax.random.key(0), tokens)["params"]
+    >>> twin = anx.linen_twin(model)
+    >>> type(twin).__name__, bool(jnp.allclose(twin.apply({"params": params}, tokens),
+    ...                                         model.apply({"params": params}, tokens),
+    ...                                         atol=1e-5))
+    ('GPT', True)
+  """
   if not is_nnx(model):
     return model
   if model.nnx_class not in _TWINS:

@@ -22,7 +22,7 @@ from attnx.nn import gpt as linen_gpt
 from attnx.nn.attention_ops import sequence_shards
 from attnx.nn.rotary import DEFAULT_BASE
 from attnx.nn.spec import freeze_attention_fields
-from attnx.nnx.transformer import EncoderBlock
+from attnx.nnx.transformer import EncoderBlock, make_dropout
 
 Array = jax.Array
 # The options of the NNX model: the linen model's fields (declared once, there).
@@ -77,7 +77,7 @@ class GPT(nnx.Module):
                            param_dtype=param_dtype, rngs=rngs)
     if positions == "learned":
       self.pos_embedding = nnx.Param(init(rngs.params(), (max_len, hidden_dim), param_dtype))
-    self.dropout = nnx.Dropout(dropout_rate, rngs=rngs)
+    self.dropout = make_dropout(dropout_rate, rngs)
     for i in range(num_layers):
       setattr(self, f"block_{i}", EncoderBlock(
           hidden_dim, num_heads, mlp_dim, dropout_rate=dropout_rate,
@@ -146,5 +146,15 @@ class GPT(nnx.Module):
 def gpt_from_spec(spec: Mapping[str, Any], *, rngs: nnx.Rngs, **overrides: Any) -> GPT:
   """The NNX :class:`GPT` of a model file's dict (:func:`attnx.nn.load_model_spec`) or of bare
   kwargs, with overrides: the same spec builds :class:`attnx.nn.GPT`
-  (:func:`attnx.nn.gpt_from_spec`)."""
+  (:func:`attnx.nn.gpt_from_spec`).
+
+  Example:
+    >>> from flax import nnx
+    >>> from attnx import nn, nnx as anx
+    >>> linen = nn.GPT(vocab_size=16, num_layers=1, num_heads=2, hidden_dim=16, mlp_dim=32,
+    ...                max_len=8, positions="alibi", sinks=True)
+    >>> model = anx.gpt_from_spec(nn.gpt.model_kwargs(linen), rngs=nnx.Rngs(0))
+    >>> model.block_attention(0) == linen.block_attention(0)
+    True
+  """
   return GPT(**gpt_ops.kwargs_from_spec(spec, **overrides), rngs=rngs)

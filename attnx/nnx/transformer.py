@@ -37,6 +37,14 @@ def make_attention(attention: Mapping[str, Any] | str | None, *, in_features: in
 
   Raises:
     ValueError: a bad spec, a type NNX does not have yet, or keys the module does not take.
+
+  Example:
+    >>> from flax import nnx
+    >>> from attnx import nnx as anx
+    >>> mha = anx.make_attention({"weighting": "entmax15", "num_kv_heads": 1}, in_features=16,
+    ...                          num_heads=2, is_causal=True, rngs=nnx.Rngs(0))
+    >>> mha.options.weighting, mha.num_kv_heads, mha.options.is_causal
+    ('entmax15', 1, True)
   """
   spec = resolve_attention(attention)
   kind = spec.pop("type")
@@ -56,9 +64,23 @@ def make_attention(attention: Mapping[str, Any] | str | None, *, in_features: in
                      f"{e}") from None
 
 
+def make_dropout(rate: float, rngs: nnx.Rngs) -> nnx.Dropout:
+  """``nnx.Dropout(rate)``, holding the ``dropout`` stream only when it drops something (as
+  Flax's attention does), so that models without dropout build from ``Rngs(params=...)``."""
+  return nnx.Dropout(rate, rngs=rngs if rate > 0 else None)
+
+
 class MlpBlock(nnx.Module):
   """Linear(mlp_dim) → GELU → dropout → Linear(out_dim) → dropout, as
-  :class:`attnx.nn.MlpBlock`: ``[..., D] -> [..., out_dim or D]``."""
+  :class:`attnx.nn.MlpBlock`: ``[..., D] -> [..., out_dim or D]``.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> from attnx import nnx as anx
+    >>> anx.MlpBlock(16, 64, rngs=nnx.Rngs(0))(jnp.ones((2, 5, 16))).shape
+    (2, 5, 16)
+  """
 
   def __init__(self, in_features: int, mlp_dim: int, out_dim: int | None = None, *,
                dropout_rate: float = 0.0, dtype: Any = None, param_dtype: Any = jnp.float32,
@@ -67,7 +89,7 @@ class MlpBlock(nnx.Module):
     # linen's automatic names, so that linen parameters load as they are
     self.Dense_0 = nnx.Linear(in_features, mlp_dim, **dense)
     self.Dense_1 = nnx.Linear(mlp_dim, out_dim or in_features, **dense)
-    self.dropout = nnx.Dropout(dropout_rate, rngs=rngs)
+    self.dropout = make_dropout(dropout_rate, rngs)
 
   def __call__(self, x: Array, *, deterministic: bool = True) -> Array:
     y = self.dropout(nnx.gelu(self.Dense_0(x)), deterministic=deterministic)
@@ -82,6 +104,14 @@ class EncoderBlock(nnx.Module):
   (``num_heads``, ``mlp_dim``, ``dropout_rate``, ``attention_dropout_rate``, ``attention``,
   ``is_causal``, ``dtype``, ``param_dtype``) and ``rngs`` (``params``; ``dropout`` when a
   rate is set).
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> from attnx import nnx as anx
+    >>> block = anx.EncoderBlock(16, 2, 32, attention="relu", is_causal=True, rngs=nnx.Rngs(0))
+    >>> block(jnp.ones((2, 5, 16)), key_mask=jnp.ones((2, 5), bool)).shape
+    (2, 5, 16)
   """
 
   def __init__(self, hidden_dim: int, num_heads: int, mlp_dim: int, *,
@@ -96,7 +126,7 @@ class EncoderBlock(nnx.Module):
     self.ln_mlp = nnx.LayerNorm(hidden_dim, **ln)
     self.mlp = MlpBlock(hidden_dim, mlp_dim, dropout_rate=dropout_rate, dtype=dtype,
                         param_dtype=param_dtype, rngs=rngs)
-    self.dropout = nnx.Dropout(dropout_rate, rngs=rngs)
+    self.dropout = make_dropout(dropout_rate, rngs)
 
   def __call__(self, x: Array, *, mask: Array | None = None, key_mask: Array | None = None,
                deterministic: bool = True, decode: bool = False, segment_ids: Any = None,
@@ -117,6 +147,14 @@ class Encoder(nnx.Module):
   (names ``block_<i>``, ``ln_final``): embedded inputs ``[B, L, D] -> [B, L, D]``.
 
   Args: ``hidden_dim`` (D), then :class:`attnx.nn.Encoder`'s fields, and ``rngs``.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> from attnx import nnx as anx
+    >>> encoder = anx.Encoder(16, 2, 2, 32, attention="sparsemax", rngs=nnx.Rngs(0))
+    >>> encoder(jnp.ones((2, 5, 16))).shape, sorted(nnx.state(encoder, nnx.Param))
+    ((2, 5, 16), ['block_0', 'block_1', 'ln_final'])
   """
 
   def __init__(self, hidden_dim: int, num_layers: int, num_heads: int, mlp_dim: int, *,

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from attnx.nn import vit as vit_lib
-from attnx.nnx.transformer import Encoder
+from attnx.nnx.transformer import Encoder, make_dropout
 
 Array = jax.Array
 
@@ -80,7 +80,7 @@ class VisionTransformer(nnx.Module):
       self.cls = nnx.Param(jnp.zeros((1, 1, hidden_dim), param_dtype))
     tokens = (h // p) * (w // p) + (pool == "cls")
     self.pos_embedding = _Table(tokens, hidden_dim, param_dtype, rngs)
-    self.dropout = nnx.Dropout(dropout_rate, rngs=rngs)
+    self.dropout = make_dropout(dropout_rate, rngs)
     self.encoder = Encoder(hidden_dim, num_layers, num_heads, mlp_dim,
                            dropout_rate=dropout_rate,
                            attention_dropout_rate=attention_dropout_rate, attention=attention,

@@ -146,3 +146,13 @@ def test_decode_without_a_cache_raises():
   model = anx.GPT(**KW, rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="init_cache"):
     model(TOKENS[:, :1], decode=True)
+
+
+def test_models_without_dropout_build_from_a_params_stream_alone():
+  # as Flax's layers: the dropout stream is needed only where something is dropped
+  tokens = TOKENS[:, :8]
+  assert anx.GPT(**KW, rngs=nnx.Rngs(params=0))(tokens).shape == (2, 8, 16)
+  model = anx.to_linen(anx.GPT, **KW)
+  params = model.init(jax.random.key(0), tokens)["params"]  # linen's one-key init
+  chex.assert_trees_all_equal_structs(params, attnx_nn.GPT(**KW).init(jax.random.key(0),
+                                                                      tokens)["params"])

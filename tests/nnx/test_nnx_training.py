@@ -27,15 +27,30 @@ TOKENS = np.random.default_rng(0).integers(0, 16, size=(48, 9)).astype(np.int32)
 ARRAYS = {"inputs": TOKENS[:, :-1], "targets": TOKENS[:, 1:]}
 
 
+def _tiny_preset_models(attention):
+  """The language-model experiment's tiny-preset GPT in either API (its build_model)."""
+  models = []
+  for api in ("linen", "nnx"):
+    c = exp.get_config("tiny")
+    c.model_api = api
+    models.append(exp.build_model(c, 16)(exp.nn.attention_spec(attention)))
+  return models
+
+
 @pytest.mark.parametrize("extra", [dict(attention="sigmoid:normalization=none",
                                         positions="rotary"),
                                    dict(attention="ssmax_learned", sinks=True,
-                                        dropout_rate=0.0)])
+                                        dropout_rate=0.0),
+                                   "tiny_preset"])
 def test_the_nnx_gpt_and_the_linen_gpt_train_alike_from_the_same_parameters(extra):
   """attnx.train's vmapped step on the NNX model (through the bridge) and on the linen model,
   from the linen model's initial parameters, over the same batches: the same loss curve and
   the same final parameters (float32 tolerance)."""
-  linen, bridged = attnx_nn.GPT(**KW, **extra), anx.to_linen(anx.GPT, **KW, **extra)
+  if extra == "tiny_preset":
+    linen, bridged = _tiny_preset_models("relu:normalization=length")
+    assert anx.is_nnx(bridged) and not anx.is_nnx(linen)
+  else:
+    linen, bridged = attnx_nn.GPT(**KW, **extra), anx.to_linen(anx.GPT, **KW, **extra)
   config = train.optimizer_config(learning_rate=3e-3)
   tx, loss_fn = make_optimizer(config, 30), get_loss("softmax_xent")
   state = step_lib.init_state(linen, tx, [0, 1], {k: v[:4] for k, v in ARRAYS.items()})

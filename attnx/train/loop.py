@@ -21,6 +21,7 @@ import flax.linen as nn
 import jax
 import ml_collections
 import numpy as np
+from flax import nnx
 
 from attnx.train import actions, workarounds
 from attnx.train.actions import NonFiniteLossError, nonfinite_runs
@@ -321,6 +322,9 @@ def fit(model: nn.Module, *,
   Raises NonFiniteLossError (naming step and seeds) when the loss becomes NaN/Inf; what was
   logged until then stays in the workdir.
 
+  An NNX model trains as ``fit(attnx.nnx.to_linen(ModelClass, **kwargs), ...)`` (Flax's
+  bridge: one model built per seed); a built NNX model raises a TypeError saying so.
+
   Example:
     Two seeds of a linear classifier, 20 steps, evaluated on the training set:
 
@@ -343,6 +347,10 @@ def fit(model: nn.Module, *,
   if not isinstance(config, FitConfig):
     raise TypeError(f"fit: config must be a FitConfig (FitConfig.from_config(config, ...)), "
                     f"got {type(config).__name__}")
+  if isinstance(model, nnx.Module):
+    raise TypeError(f"fit: {type(model).__name__} is a built NNX model; fit builds one model per "
+                    f"seed, so pass its class and arguments: attnx.nnx.to_linen("
+                    f"{type(model).__name__}, **kwargs) (Flax's bridge).")
   c = config
   validate_parallel(c.parallel, sequence_parallel=c.sequence_parallel)
   _check_sequence_model(model, c)

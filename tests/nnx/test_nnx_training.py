@@ -97,6 +97,11 @@ def test_fit_trains_an_nnx_model_with_seeds_checkpoints_and_resume(tmp_path):
 
 
 def test_to_linen_and_linen_twin_refuse_what_they_cannot_do():
+  config = train.FitConfig(num_steps=1, progress=False, tensorboard=False,
+                           optimizer=train.optimizer_config())
+  with pytest.raises(TypeError, match=r"to_linen\(GPT"):
+    train.fit(anx.GPT(**KW, rngs=nnx.Rngs(0)), train_data=train.loader(ARRAYS, 8),
+              config=config)
   with pytest.raises(TypeError, match="class"):
     anx.to_linen(anx.GPT(**KW, rngs=nnx.Rngs(0)))
   with pytest.raises(ValueError, match="rngs"):

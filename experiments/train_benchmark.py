@@ -43,6 +43,7 @@ time ratio 0.95, as the FLOPs are the same on CPU). Steps/s with 1 seed, batch 6
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -278,23 +279,25 @@ def lm_step(config, attention: str, seq_len: int):
   return jax.jit(step).lower(*args).compile(), args
 
 
+def _round_robin_ms(steps: dict[str, tuple[Any, tuple]], repeats: int) -> dict[str, float]:
+  """{name: median ms} of compiled steps ``fn(*args)`` timed round-robin (load hits all
+  alike; attnx.train.benchmark.time_round_robin)."""
+  from attnx.train import benchmark
+
+  calls = [functools.partial(fn, *args) for fn, args in steps.values()]
+  secs = benchmark.time_round_robin(calls, int(repeats))
+  return {name: 1e3 * t for name, t in zip(steps, secs, strict=True)}
+
+
 def _causal_lm_part(config) -> dict[str, Any]:
   import jax
-  import numpy as np
 
   rows = []
   for t in (int(x) for x in train_config.split_list(config.lm.seq_lens)):
     steps = {a: lm_step(config, a, t) for a in LM_ATTENTION}
-    times: dict[str, list[float]] = {a: [] for a in LM_ATTENTION}
-    losses = {}
-    for a, (fn, args) in steps.items():  # one untimed step each
-      losses[a] = float(jax.block_until_ready(fn(*args))[2])
-    for _ in range(max(int(config.lm.repeats), 1)):  # round-robin: load hits both alike
-      for a, (fn, args) in steps.items():
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times[a].append(time.perf_counter() - t0)
-    ms = {a: 1e3 * float(np.median(ts)) for a, ts in times.items()}
+    losses = {a: float(jax.block_until_ready(fn(*args))[2])
+              for a, (fn, args) in steps.items()}  # one untimed step each
+    ms = _round_robin_ms(steps, config.lm.repeats)
     rows.append({"T": t, "flax step ms": ms["flax"], "attnx step ms": ms["attnx"],
                  "attnx / flax": ms["attnx"] / ms["flax"], "flax first loss": losses["flax"],
                  "attnx first loss": losses["attnx"]})
@@ -341,13 +344,7 @@ def _nnx_gpt_part(config) -> dict[str, Any]:
   steps = nnx_gpt_steps(config)
   losses = {a: float(np.mean(jax.block_until_ready(fn(*args))[1]["loss"]))
             for a, (fn, args) in steps.items()}  # one untimed step each
-  times: dict[str, list[float]] = {a: [] for a in steps}
-  for _ in range(max(int(config.nnx.repeats), 1)):  # round-robin: load hits both alike
-    for a, (fn, args) in steps.items():
-      t0 = time.perf_counter()
-      jax.block_until_ready(fn(*args))
-      times[a].append(time.perf_counter() - t0)
-  ms = {a: 1e3 * float(np.median(ts)) for a, ts in times.items()}
+  ms = _round_robin_ms(steps, config.nnx.repeats)
   return {"linen step ms": ms["linen"], "nnx step ms": ms["nnx"],
           "nnx / linen": ms["nnx"] / ms["linen"], "linen first loss": losses["linen"],
           "nnx first loss": losses["nnx"]}
@@ -381,6 +378,13 @@ def loss_spread(devices: dict[str, Any]) -> tuple[float, int]:
   return max(losses) - min(losses), len(losses)
 
 
+def _save_json(workdir: str, result: dict[str, Any]) -> dict[str, Any]:
+  """Writes ``result`` to ``<workdir>/benchmark.json`` and returns it."""
+  with open(os.path.join(workdir, "benchmark.json"), "w") as f:
+    json.dump(result, f, indent=1)
+  return result
+
+
 def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   """Run the requested parts; part "all" re-launches itself with fake devices for part 2."""
   from attnx import train
@@ -388,9 +392,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   validate_config(config)
   os.makedirs(workdir, exist_ok=True)
   if config.part == "nnx_gpt":
-    row = _nnx_gpt_part(config)
-    with open(os.path.join(workdir, "benchmark.json"), "w") as f:
-      json.dump(row, f, indent=1)
+    row = _save_json(workdir, _nnx_gpt_part(config))
     n = config.nnx
     rep = train.Report("GPT training step: attnx.nnx vs attnx.nn", workdir, config,
                        claim=f"attnx.train's step on the NNX GPT costs at most {NNX_TARGET}x "
@@ -406,9 +408,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     print(json.dumps(row, indent=1))
     return {"report": path, **row}
   if config.part == "causal_lm":
-    result = _causal_lm_part(config)
-    with open(os.path.join(workdir, "benchmark.json"), "w") as f:
-      json.dump(result, f, indent=1)
+    result = _save_json(workdir, _causal_lm_part(config))
     lm = config.lm
     rep = train.Report("Causal LM training step: attnx vs flax attention", workdir, config,
                        claim="A causal training step with attnx.nn.MultiHeadAttention is "

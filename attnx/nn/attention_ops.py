@@ -84,6 +84,12 @@ def check_options(opts: Any, where: str, *, sow_weights: bool = False) -> None:
     raise ValueError(f"{where}: learn_ssmax_s applies only to weighting 'ssmax', not to "
                      f"{opts.weighting!r}.")
   check_sequence_axis(opts, where, sow_weights=sow_weights)
+  check_weights_formed(opts, sow_weights, where)
+
+
+def check_weights_formed(opts: Any, sow_weights: bool, where: str) -> None:
+  """ValueError when dropout or ``sow_weights`` needs the attention weights and the chosen
+  implementation never forms them (anything but dense or the automatic choice)."""
   if _util.implementation_name(opts.implementation) not in (None, "dense") and (
       opts.dropout_rate > 0 or sow_weights):
     needs = "dropout_rate > 0" if opts.dropout_rate > 0 else "sow_weights=True"

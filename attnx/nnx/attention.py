@@ -210,11 +210,8 @@ class MultiHeadAttention(nnx.Module):
     ops.check_inputs(inputs_q, inputs_k)
     ops.check_inputs(inputs_q, inputs_v)
     need_weights = return_weights or sow_weights
-    if sow_weights and _util.implementation_name(opts.implementation) not in (None, "dense"):
-      raise ValueError(f"{where}: sow_weights=True needs the attention weights, which "
-                       f"implementation={opts.implementation!r} never forms; use "
-                       "implementation='dense' or None.")
-    if self.metric_map is not None:
+    ops.check_weights_formed(opts, sow_weights, where)
+    if ops.is_metric(opts.score):
       ops.check_metric_inputs(inputs_q, inputs_k, where)
       log_tau = (self.log_temperature[...] if self.log_temperature is not None else
                  jnp.full((self.num_heads,), ops.metric_log_temperature_init(opts.scale,
@@ -266,11 +263,6 @@ class MultiHeadAttention(nnx.Module):
       self.sow(nnx.Intermediate, "attention_weights", w)
     out, w = ops.overflow_to_nan(in_range, self.out(x), w)
     return (out, w) if return_weights else out
-
-  @property
-  def metric_map(self) -> nnx.LinearGeneral | None:
-    """``score="metric"``'s map L (``metric``), None for the other scores."""
-    return getattr(self, "metric", None)
 
   def _dropout_rng(self, deterministic: bool | None,
                    rngs: nnx.Rngs | nnx.RngStream | None) -> Array | None:

@@ -77,7 +77,6 @@ from typing import Any
 
 import numpy as np
 
-from attnx.nnx import bridge as nnx_bridge
 from attnx.train import verdict
 from attnx.train.data import loader
 from attnx.train.evaluate import evaluate
@@ -518,7 +517,10 @@ def _loss_by_length(model: Any, arrays: Mapping[str, np.ndarray], task: Any) -> 
   wins = context_windows(stream, context, mults, shared_tokens(
       opts.get("length_windows"), context, opts.get("limit_tokens")))
   # A table of max_len learned positions stops there; rotary, ALiBi and no positions do not.
-  # (An NNX model's options are its linen twin's fields.)
+  # (An NNX model's options are its linen twin's fields; imported here: attnx.train itself
+  # imports no model package.)
+  from attnx.nnx import bridge as nnx_bridge
+
   fields = nnx_bridge.linen_twin(model)
   table = getattr(fields, "positions", "learned") == "learned"
   max_len = getattr(fields, "max_len", None)

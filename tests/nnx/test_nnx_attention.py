@@ -214,3 +214,13 @@ def test_inputs_of_the_wrong_width_raise():
     m(jnp.ones((2, 7, 8)))
   with pytest.raises(ValueError, match="inputs_k cannot be None"):
     m(X, None, X)
+
+
+@pytest.mark.parametrize("kw", [dict(attention_fn=lambda *a, **k: None),
+                                dict(qkv_promote_dtype=lambda *a, **k: a)])
+def test_flax_arguments_it_does_not_implement_are_refused_not_swallowed(kw):
+  nnx.MultiHeadAttention(num_heads=4, in_features=16, decode=False, rngs=nnx.Rngs(0), **kw)
+  with pytest.raises(TypeError, match=next(iter(kw))):
+    anx.MultiHeadAttention(num_heads=4, in_features=16, rngs=nnx.Rngs(0), **kw)
+  with pytest.raises(TypeError, match="out_sharding"):
+    anx.MultiHeadAttention(num_heads=4, in_features=16, rngs=nnx.Rngs(0))(X, out_sharding=None)

@@ -62,8 +62,11 @@ def _max_rel(a: list[np.ndarray], b: list[np.ndarray]) -> float:
   return diff / max(float(np.max(np.abs(y))) for y in b)
 
 
-# -m exhaustive: in CI the data-by-sequence and the SIGKILL-resume tests train two processes
-# against one (CI time).
+# -m exhaustive (CI time): two processes against one; and below, the SIGKILL-resume of a
+# two-process run (CI runs tests/test_launch.py's one-process SIGKILL resume and the launcher's
+# kill handling here) and the data-by-sequence mesh across two processes (CI runs the
+# sequence-parallel preset on fake devices in one process:
+# tests/experiments/test_language_model.py).
 @pytest.mark.exhaustive
 def test_two_processes_train_the_default_model_like_one_with_four_devices(env, tmp_path):
   two = _local(env, 2, "launch.py", *SGD, "--config.parallel=shard_map",
@@ -230,7 +233,7 @@ def test_bad_launcher_arguments_fail_with_usage(env):
   assert proc.returncode == 2 and "no command" in proc.stderr
 
 
-@pytest.mark.slow
+@pytest.mark.exhaustive
 def test_sigkill_of_one_training_process_then_resume_is_bit_identical(env, tmp_path):
   # 60 steps, a checkpoint every 10, killed once the second (step 20) is committed: 40 steps
   # (seconds: a two-process step takes tens of ms) are left to land the kill in, and the
@@ -279,7 +282,7 @@ def test_sigkill_of_one_training_process_then_resume_is_bit_identical(env, tmp_p
   assert steps == list(range(10, 61, 10))  # no duplicated or lost records
 
 
-@pytest.mark.slow
+@pytest.mark.exhaustive
 def test_data_by_sequence_mesh_across_two_processes_trains_the_one_device_losses(env, tmp_path):
   # The language model's sequence-parallel preset (GPT, zigzag ring attention) on 2 processes
   # x 2 fake CPU devices: a 2 x 2 (data, seq) mesh (each process holds half the rows), and a

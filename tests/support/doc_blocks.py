@@ -4,8 +4,9 @@ A page's fenced blocks are found by their opening fence (```LANG). ``python`` bl
 run in order in one fresh process, like a notebook. ``bash`` blocks run in bash, with ``python``
 replaced by :func:`shim` (``python`` calls come back here): ``launch.py`` (directly or after
 ``python -m attnx.launch_local ... --``) gets ``--dry_run`` so the command line is checked without
-training; pip, pytest, sphinx-build and ``.ci/run`` are what CI itself runs, so they are not
-repeated; every other command runs as written. A block preceded by the line
+training (once per page: a command line a page repeats is checked the first time); pip,
+pytest, sphinx-build and ``.ci/run`` are what CI itself runs, so they are not repeated; every
+other command runs as written. A block preceded by the line
 ``<!-- no-run: REASON -->`` is not run (the reason is required).
 """
 
@@ -106,6 +107,7 @@ def run_shell(block: Block, tmp: str, timeout: int = 600):
   code = re.sub(r"(?m)^(\s*)\.ci/run\b", r"\1ci_run", block.code)
   e = env(tmp)
   e["ATTNX_DOC_SHIM"] = os.path.abspath(__file__)
+  e["ATTNX_DOC_CHECKED"] = os.path.join(tmp, "dry_run_commands.txt")
   return subprocess.run(["bash", "-c", _SHELL_PRELUDE + code], capture_output=True, text=True,
                         cwd=ROOT, env=e, timeout=timeout)
 
@@ -121,8 +123,24 @@ def shim(args: list[str]) -> int:
       return subprocess.call([python, *args])  # e.g. --help
     args = args[args.index("--") + 1:]
   if args and os.path.basename(args[0]) == "launch.py":
-    return subprocess.call([python, *args, "--dry_run"])
+    return _dry_run(python, args)
   return subprocess.call([python, *args])
+
+
+def _dry_run(python: str, args: list[str]) -> int:
+  """``launch.py ARGS --dry_run``, unless this page's blocks already checked these ARGS."""
+  record = os.environ.get("ATTNX_DOC_CHECKED")
+  line = "\0".join(args)
+  if record and os.path.exists(record):
+    with open(record) as f:
+      if line in f.read().split("\n"):
+        print("[doc test] checked above: python " + " ".join(args))
+        return 0
+  status = subprocess.call([python, *args, "--dry_run"])
+  if record and status == 0:
+    with open(record, "a") as f:
+      f.write(line + "\n")
+  return status
 
 
 if __name__ == "__main__":

@@ -7,6 +7,8 @@
 table's timed dQ/dK/dV tiles (jax 0.10.2 with the ``aot`` extra installed, JAX_PLATFORMS=cpu),
 in the middle of the ``attnx.core`` reshaping: that commit differed from the one before in the
 11 Pallas programs lowered for ``cuda`` whose backward reads those tiles, and in nothing else.
+Sum-normalized sigmoid's 40 programs joined it when that weighting moved to the log-domain
+online max (2026-11-28); the other 580 were identical to the corpus before.
 
 Each case is traced and lowered to StableHLO (forward, and forward+backward as the gradient
 of a fixed random cotangent), on this machine's CPU — and, for the Pallas kernels, lowered for
@@ -55,8 +57,8 @@ from attnx import nn as attnx_nn  # noqa: E402
 
 # One weighting per streaming rule / whole-row family, and the distance form.
 WEIGHTINGS = ("softmax", "softmax_plus_one", "relu", "relu:normalization=length",
-              "sigmoid:normalization=none", "power:p=3", "gaussian", "ssmax", "softpick",
-              "stick_breaking", "sparsemax", "entmax15", "entmax:alpha=1.3")
+              "sigmoid:normalization=none", "sigmoid", "power:p=3", "gaussian", "ssmax",
+              "softpick", "stick_breaking", "sparsemax", "entmax15", "entmax:alpha=1.3")
 # T ≠ S: one pointwise F, one whole-row family of each direction and a threshold family.
 T_NE_S_WEIGHTINGS = ("softmax", "relu", "stick_breaking", "sparsemax")
 
@@ -140,7 +142,7 @@ def ring_cases():
   mesh = jax.make_mesh((8,), ("sp",), axis_types=(jax.sharding.AxisType.Auto,))
   spec = jax.sharding.PartitionSpec(None, "sp")
   q, k, v, _, _ = _qkv(1, 256, 256, 4, 2, 16)
-  for w in ("softmax", "relu", "sigmoid:normalization=none", "ssmax", "softpick",
+  for w in ("softmax", "relu", "sigmoid:normalization=none", "sigmoid", "ssmax", "softpick",
             "stick_breaking"):
     for layout in ("contiguous", "zigzag"):
       for impl in ("blocked", "pallas"):

@@ -51,6 +51,7 @@ from attnx.core.scores import (
     scaled_dot,
 )
 from attnx.core.weightings import (
+    LogF,
     Pointwise,
     RowNormalizer,
     describe_weightings,
@@ -65,7 +66,8 @@ from attnx.core.weightings.simplex import entmax15, entmax_bisect, sparsemax
 
 __all__ = [
     "BLOCKED_MIN_SCORES", "IMPLEMENTATIONS", "ROW_BLOCKED_MIN_SCORES", "Blocked", "Dense",
-    "Explanation", "Implementation", "Pallas", "PallasVerification", "Pointwise", "Problem",
+    "Explanation", "Implementation", "LogF", "Pallas", "PallasVerification", "Pointwise",
+    "Problem",
     "RowNormalizer", "Score", "ScoreMod",
     "additive", "alibi", "alibi_slopes", "attention", "attention_weights", "bilinear",
     "blocked_attention", "causal_mask",

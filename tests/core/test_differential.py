@@ -383,6 +383,17 @@ BRANCH_CASES = (
       table_len=31, sinks=True, block_q=16, block_k=128),
     C(seed=146, t=60, s=140, n=2, weighting="ssmax", causal=True, score_mod="table",
       structured="lengths", block_q=16, block_k=128),
+    # Sum-normalized sigmoid streams log σ with the running max (weightings.LogF): rows whose
+    # every σ(s + b) is below float32's range — b = −110 puts all of them there, where σ/Σσ
+    # would be 0/0 — keep float64's weights in every implementation and lowering, with sinks
+    # (log σ of the sink), a cap and a differentiated bias (the slope σ(−x) reaches dS);
+    # ALiBi past a short key length at T = 1000 (dense and blocked: the rows an H100 found).
+    C(seed=147, t=100, s=150, b=2, n=4, kh=2, weighting="sigmoid:bias=-110", causal=True,
+      mask="padding", sinks=True, block_q=16, block_k=128),
+    C(seed=148, t=90, s=70, n=2, weighting="sigmoid:bias=-110", score_mod="cap", bias="xxxx",
+      mask="rows", block_q=32, block_k=32),
+    C(seed=149, t=1000, s=1000, b=2, n=4, kh=2, weighting="sigmoid",
+      score_mod="alibi", causal=True, mask="padding", pallas="none"),
 )
 CI_RANDOM = 4
 INSTANCES = 5  # random inputs per configuration in the large run (compiling dominates a case)

@@ -107,8 +107,10 @@ def test_list_weightings_filters_by_traits():
   assert set(core.list_weightings("pointwise")) | set(core.list_weightings("row")) == set(
       core.list_weightings())
   assert core.list_weightings(stream="entmax") == ["entmax", "entmax15", "sparsemax"]
-  assert core.list_weightings(stream="online_max") == ["exp", "gaussian", "softmax",
-                                                       "softmax_plus_one"]
+  # sigmoid (sum-normalized) streams log σ with the running max (weightings.LogF).
+  assert core.list_weightings(stream="online_max") == ["exp", "gaussian", "sigmoid",
+                                                       "softmax", "softmax_plus_one"]
+  assert core.get_weighting("sigmoid:normalization=none").stream_rule == "none"
   assert core.list_weightings("row", stream="online_max") == []
   assert core.list_weightings(stream=None) == []  # every whole-row weighting streams
   both = core.list_weightings(sums_to_one=True, zero_on_nonpositive=True)

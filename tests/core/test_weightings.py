@@ -160,3 +160,49 @@ def test_dense_softmax_gradients_equal_jax_nn():
   got = grads(lambda q, k, v, b: core.attention(q, k, v, b, mask, implementation="dense"))
   want = grads(lambda q, k, v, b: jax.nn.dot_product_attention(q, k, v, b, mask))
   chex.assert_trees_all_close(got, want, atol=1e-5)
+
+
+# Sum-normalized sigmoid streams log σ with the running max (core.LogF): its pieces against
+# float64 closed forms, on scores far beyond float32's σ, in natural and base-2 units.
+@pytest.mark.parametrize("bias", [0.0, -3.0, 110.0])
+@pytest.mark.parametrize("unit", [1.0, 1.0 / math.log(2.0)])
+def test_sigmoid_log_f_shifted_weight_and_slope_equal_float64(bias, unit):
+  lf = core.get_weighting(f"sigmoid:bias={bias}").log_f
+  x = np.concatenate([np.linspace(-400, 400, 801), [-1e30, 1e30, -np.inf, np.inf]])
+  x = (x - bias).astype(np.float32)  # scores z with z + b on the grid
+  xb = x.astype(np.float64) + bias
+  log_sig = -np.logaddexp(0.0, -xb)  # float64 log σ(z + b)
+  for m_nat in (0.0, -5.0, -300.0, 7.0):  # the running max (≥ log σ) and a backward lse
+    m = np.float32(m_nat * unit)
+    exp = jnp.exp if unit == 1.0 else jnp.exp2
+    r, slope = lf.shifted(jnp.asarray(x), m, exp(m), exp, unit)
+    keep = log_sig <= m_nat  # the rule's contract: m bounds log σ
+    want = np.exp(log_sig - m_nat)
+    np.testing.assert_allclose(np.asarray(r)[keep], want[keep], rtol=2e-5, atol=1e-30)
+    sig_neg = np.exp(-np.logaddexp(0.0, xb))  # σ(−x), the derivative of log σ(x)
+    np.testing.assert_allclose(np.asarray(slope)[keep], sig_neg[keep], rtol=0, atol=2e-6)
+  np.testing.assert_allclose(lf.fn(jnp.asarray(x[np.isfinite(x)])),
+                             log_sig[np.isfinite(x)], rtol=2e-6, atol=1e-6)
+  bound = np.asarray(lf.bound(jnp.asarray(x)))
+  assert np.all(bound >= log_sig - 1e-6) and np.all(np.diff(bound[:801]) >= 0)
+
+
+@pytest.mark.parametrize("impl", ["dense", "blocked"])
+def test_sigmoid_rows_below_float32_range_weigh_as_softmax(impl):
+  # σ(x) = eˣ/(1 + eˣ) ≈ eˣ(1 − eˣ): for every x below −100 (σ = 0 in float32) the row's
+  # σ(x)/Σσ is softmax(x) to within e^{−100}; σ/Σσ computed as it reads would be 0/0.
+  s = -150.0 + 3.0 * jax.random.normal(jax.random.key(0), (4, 37))
+
+  def weights(s):
+    if impl == "dense":
+      return core.weights(s, "sigmoid")
+    # Scores from the bias alone (zero q and k), values the identity: the output is the weights.
+    out = core.attention(jnp.zeros((1, 4, 1, 16)), jnp.zeros((1, 37, 1, 16)),
+                         jnp.eye(37)[None, :, None, :], bias=s[None, None],
+                         weighting="sigmoid", implementation="blocked")
+    return out[0, :, 0, :]
+
+  np.testing.assert_allclose(jax.jit(weights)(s), jax.nn.softmax(s), rtol=1e-5, atol=1e-7)
+  g = jax.grad(lambda s: jnp.sum(weights(s)[:, 0]))(s)
+  np.testing.assert_allclose(g, jax.grad(lambda s: jnp.sum(jax.nn.softmax(s)[:, 0]))(s),
+                             rtol=1e-4, atol=1e-7)

@@ -65,7 +65,7 @@ def _fields(w, repr_learnable: bool = False) -> dict:
   """Everything a weighting declares except its function F (compared by its values)."""
   out = {"type": type(w).__name__, "kind": w.kind}
   for f in dataclasses.fields(w):
-    if f.name not in ("fn", "bind", "sequence_shift"):  # functions: compared by their values
+    if f.name not in ("fn", "bind", "sequence_shift", "log_f"):  # functions: by their values
       v = getattr(w, f.name)
       out[f.name] = repr(v) if f.name == "stream" or (repr_learnable and
                                                       f.name == "learnable") else v
@@ -117,9 +117,15 @@ def test_every_spec_resolves_to_the_recorded_weighting(spec, recorded):
   # Declared since the recording: the learnable parameters (tests/core/test_problem.py).
   assert fields.pop("learnable", "()") == ("()" if spec.split(":")[0] != "ssmax" else
                                           repr(w.learnable))
+  name, params = core.parse_weighting_name(spec)
+  # Since the recording: sum-normalized sigmoid streams log σ with the running max.
+  log_domain = name == "sigmoid" and params.get("normalization", "sum") == "sum"
+  assert (w.log_f is not None) == log_domain
+  if log_domain:
+    assert fields["online_max"] and fields["traits"]["stream"] == "online_max"
+    fields["online_max"], fields["traits"]["stream"] = False, "sum"
   assert fields == recorded["specs"][spec]["fields"]
   # Declared since the recording: sigmoid's b = −log n of the query's sequence.
-  name, params = core.parse_weighting_name(spec)
   counts = (name == "sigmoid" and params.get("normalization") == "none"
             and "bias" not in params)
   assert (getattr(w, "sequence_shift", None) is not None) == counts

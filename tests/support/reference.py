@@ -156,7 +156,7 @@ def pointwise_weights64(z, valid, w: wlib.Pointwise, num_keys: int, row_keys=Non
   ([B, T], with its distinct values ``key_counts``): the keys of each query's sequence, F's n
   where F counts them (``w.sequence_shift``), else S."""
   zv = jnp.where(valid, z, 0.0)
-  if w.online_max:  # exp(αz) overflows float64 for large z: the ratio with a shift
+  if w.exp_alpha is not None and w.online_max:  # exp(αz) overflows float64: a shifted ratio
     # The row's max (and 0, the offset's virtual key, where there is one): a shift of 0 for
     # rows whose scores are all far below 0 (ALiBi at long distances) would square their
     # e^{αz} to 0 in the gradient (0/0).
@@ -364,7 +364,7 @@ def _program(q, k, v, bias, params, valid, ct, row_keys, mod_params, sinks, *, w
     # dz = F'(z)/l · (dP − D): its terms are F'/l·dP and F'/l·D, which cancel where a row
     # has one key that counts (then dz = 0, but not its rounding).
     big_d = jnp.sum(p * dp, -1, keepdims=True)
-    if w.online_max:
+    if w.exp_alpha is not None and w.online_max:
       coef = w.exp_alpha * p
     else:
       zv = jnp.where(valid, z, 0.0)

@@ -624,7 +624,7 @@ def sink_state(rc: RingConfig, sinks: Array, rows: tuple[int, ...], hv: int,
     if w.divides_by_sum:  # Σ F rides in the ones column
       v = v.at[..., hv].set(1.0)
     if w.online_max:
-      state = streaming.online_max_update(acc, st, z * float(w.exp_alpha), None, v)
+      state = streaming.online_max_update(acc, st, z * w.alpha, None, v, log_f=w.log_f)
     else:
       state = streaming.pointwise_update(w, acc, st, z, None, v, rc.num_keys)
   else:

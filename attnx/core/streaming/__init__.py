@@ -46,8 +46,10 @@ from attnx.core.streaming.entmax import (
     max_threshold_passes,
 )
 from attnx.core.streaming.family import Family, GradCarry
-from attnx.core.streaming.ops import F32, XLA, Array, Ops, pv
+from attnx.core.streaming.ops import F32, LOG2E, XLA, Array, Ops, pv
 from attnx.core.streaming.pointwise import (
+    online_max_bound,
+    online_max_shifted,
     online_max_start,
     online_max_update,
     pointwise_empty,
@@ -71,10 +73,11 @@ from attnx.core.streaming.running_max import MaxState
 from attnx.core.streaming.ssmax import row_scale
 from attnx.core.streaming.stick_breaking import StickState
 
-__all__ = ["F32", "FAMILIES", "MAX_THRESHOLD_PASSES", "MAX_THRESHOLD_PASSES_F64", "XLA", "Array",
-           "EntmaxState", "Family", "GradCarry", "MaxState", "Ops", "RowStream", "StickState",
-           "Threshold", "entmax_threshold", "entmax_tile_max", "entmax_x", "entmax_zero_tile",
-           "entmax_zero_tiles", "finalize", "get_family", "init", "max_threshold_passes",
-           "merge", "online_max_start", "online_max_update", "pointwise_empty",
-           "pointwise_finalize", "pointwise_grad_rows", "pointwise_merge", "pointwise_tile_grad",
-           "pointwise_update", "pv", "row_scale", "tile_grad", "update"]
+__all__ = ["F32", "FAMILIES", "LOG2E", "MAX_THRESHOLD_PASSES", "MAX_THRESHOLD_PASSES_F64", "XLA",
+           "Array", "EntmaxState", "Family", "GradCarry", "MaxState", "Ops", "RowStream",
+           "StickState", "Threshold", "entmax_threshold", "entmax_tile_max", "entmax_x",
+           "entmax_zero_tile", "entmax_zero_tiles", "finalize", "get_family", "init",
+           "max_threshold_passes", "merge", "online_max_bound", "online_max_shifted",
+           "online_max_start", "online_max_update", "pointwise_empty", "pointwise_finalize",
+           "pointwise_grad_rows", "pointwise_merge", "pointwise_tile_grad", "pointwise_update",
+           "pv", "row_scale", "tile_grad", "update"]

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import jax
@@ -13,6 +14,7 @@ from attnx.core.contract import compute_dtype
 
 Array = jax.Array
 F32 = jnp.float32
+LOG2E = math.log2(math.e)  # natural exponent -> base-2 units (Ops.exp2)
 
 
 @dataclasses.dataclass(frozen=True)

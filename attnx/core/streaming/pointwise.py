@@ -29,7 +29,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from attnx.core.streaming.ops import XLA, Array, Ops, pv
+from attnx.core.streaming.ops import LOG2E, XLA, Array, Ops, pv
 
 
 def _rows_times(acc: Any, r: Array, ops: Ops) -> Any:
@@ -62,11 +62,37 @@ def online_max_start(w: Any, with_offset: bool = True) -> tuple[float, float]:
   return (0.0 if c > 0 else -float("inf")), c
 
 
+def _unit(ops: Ops) -> float:
+  """The online max's exponent unit: 1, or log₂e when its exponentials are 2ˣ."""
+  return LOG2E if ops.exp2 else 1.0
+
+
+def online_max_bound(log_f: Any, z: Array, *, ops: Ops = XLA) -> Array:
+  """The running max's candidate for scores whose largest is ``z`` (any shape, elementwise):
+  z itself (the exponent α·s), or for a log-domain F (``w.log_f``, z the score)
+  unit·bound(z) ≥ unit·log F(z)."""
+  if log_f is None:
+    return z
+  g = log_f.bound(z)
+  return g * _unit(ops) if ops.exp2 else g
+
+
+def online_max_shifted(log_f: Any, z: Array, m: Array, *, ops: Ops = XLA) -> Array:
+  """e^{exponent − m} of scores ``z`` (any shape) with ``m`` broadcast against them, finite:
+  e^{z − m}, or for a log-domain F e^{unit·log F(z) − m} (one exponential per score)."""
+  if log_f is None:
+    return ops.exp(z - m)
+  return log_f.shifted(z, m, ops.exp(m), ops.exp, _unit(ops))[0]
+
+
 def online_max_update(acc: Any, m: Array, z: Array, valid: Array | None, v: Any,
-                      l: Array | None = None, *, ops: Ops = XLA) -> tuple[Any, ...]:
+                      l: Array | None = None, *, ops: Ops = XLA,
+                      log_f: Any = None) -> tuple[Any, ...]:
   """One key tile of the online softmax (Milakov & Gimelshein 2018): rescale by e^{m_old − m}.
 
-  ``z``: the tile's [..., rows, keys] exponents α·s (in base-2 units with ``ops.exp2``); keys
+  ``z``: the tile's [..., rows, keys] exponents α·s (in base-2 units with ``ops.exp2``), or
+  with ``log_f`` (a :class:`~attnx.core.weightings.LogF`, sum-normalized sigmoid's) its scores
+  s, whose exponent is log F(s) (m then a bound of it, :func:`online_max_bound`); keys
   where ``valid`` is False weigh nothing, and a row without a valid key so far keeps m = −∞
   and is not shifted. Returns (acc, m) with ``ops.ones_column`` (l = Σ e^{z − m} rides in
   acc's last column), else (acc, m, l).
@@ -74,9 +100,14 @@ def online_max_update(acc: Any, m: Array, z: Array, valid: Array | None, v: Any,
   _check_l(l, ops, "online_max_update")
   if valid is not None:
     z = jnp.where(valid, z, -jnp.inf)
-  m_new = jnp.maximum(m, ops.row_max(z))
+  m_new = jnp.maximum(m, online_max_bound(log_f, ops.row_max(z), ops=ops))
   m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # fully masked so far: no shift
-  p = ops.exp(z - ops.spread(m_use, z.shape[-1]))
+  n = z.shape[-1]
+  if log_f is None:
+    p = ops.exp(z - ops.spread(m_use, n))
+  else:
+    p = log_f.shifted(z, ops.spread(m_use, n), ops.spread(ops.exp(m_use), n), ops.exp,
+                      _unit(ops))[0]
   corr = ops.exp(m - m_use)
   acc = jax.tree.map(lambda a, vc: a * ops.spread(corr, a.shape[-1]) + pv(p, vc), acc, v)
   if ops.ones_column:
@@ -222,7 +253,8 @@ def pointwise_tile_grad(w: Any, z: Array, valid: Array | None, dp: Array,
   (P, dz), the weights (for dV = Pᵀ·dO) and the cotangent of z in natural units.
 
   Online max (z = α·s, base 2 with ``ops.exp2``): P = e^{z − lse} (e^{(z − hi) − lo} for a
-  split lse), dz = P ∘ (dP − δ);
+  split lse), dz = P ∘ (dP − δ); for a log-domain F (``w.log_f``, z the score s itself)
+  P = e^{log F(s) − lse} and dz = P ∘ (dP − δ) ∘ d log F/ds, the cotangent of s;
   ``"sum"``: dz = F'(s) ∘ (dP − δ)/l; ``"length"``: F'(s) ∘ dP/n; ``"none"``: F'(s) ∘ dP.
   ``dp`` = dO·Vᵀ on the tile; ``rows`` the (r0, r1, δ) of :func:`pointwise_grad_rows`, each
   taken onto the tile by ``row`` (default: they are already broadcast against it) only where
@@ -230,6 +262,14 @@ def pointwise_tile_grad(w: Any, z: Array, valid: Array | None, dp: Array,
   """
   row = (lambda r: r) if row is None else row
   r0, r1, delta = rows
+  if w.online_max and w.log_f is not None:
+    hi, lo = r0 if isinstance(r0, tuple) else (r0, None)
+    r, slope = w.log_f.shifted(z, row(hi), row(ops.exp(hi)), ops.exp, _unit(ops))
+    p = r if lo is None else r * row(ops.exp(-lo))
+    dz = p * (dp - row(delta)) * slope
+    if valid is not None:  # after the products: a masked key's score may be anything
+      p, dz = jnp.where(valid, p, 0.0), jnp.where(valid, dz, 0.0)
+    return p, dz
   if w.online_max:
     if isinstance(r0, tuple):  # lse = hi + lo (split_lse)
       p = ops.exp((z - row(r0[0])) - row(r0[1]))
@@ -257,6 +297,6 @@ def pointwise_tile_grad(w: Any, z: Array, valid: Array | None, dp: Array,
 
 
 
-__all__ = ["online_max_start", "online_max_update", "pointwise_empty", "pointwise_finalize",
-           "pointwise_grad_rows",
-           "pointwise_merge", "pointwise_tile_grad", "pointwise_update"]
+__all__ = ["online_max_bound", "online_max_shifted", "online_max_start", "online_max_update",
+           "pointwise_empty", "pointwise_finalize", "pointwise_grad_rows", "pointwise_merge",
+           "pointwise_tile_grad", "pointwise_update"]

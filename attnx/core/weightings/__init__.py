@@ -16,6 +16,7 @@ from attnx.core.weightings.apply import apply_weighting, pointwise_weights, weig
 from attnx.core.weightings.base import (
     NORMALIZATIONS,
     TRAITS,
+    LogF,
     Normalization,
     Pointwise,
     RowNormalizer,
@@ -63,7 +64,8 @@ from attnx.core.weightings.simplex import (
 )
 
 __all__ = [
-    "BUILTIN", "NORMALIZATIONS", "POINTWISE_KERNELS", "TRAITS", "Normalization", "Pointwise",
+    "BUILTIN", "NORMALIZATIONS", "POINTWISE_KERNELS", "TRAITS", "LogF", "Normalization",
+    "Pointwise",
     "RowNormalizer", "Weighting", "WeightingLike", "WeightingParam", "apply_weighting", "boxcar",
     "check_normalization", "describe_weightings", "elu_plus_one", "entmax15_weighting",
     "entmax_weighting", "epanechnikov", "exp", "gaussian", "get_weighting", "label",

@@ -80,7 +80,8 @@ def pointwise_weights(scores: Array, w: Pointwise, axis: int = -1,
   # A NaN row's normalizer is NaN, and 0/NaN would make its masked weights NaN too: they are
   # set to 0 after the division, so the row reaches only the keys it attends.
   if w.online_max:
-    z = w.exp_alpha * s
+    # log F sees only valid scores (as F does below), so masked ones cannot make NaN.
+    z = w.exponent(s if valid is None or w.log_f is None else jnp.where(valid, s, 0.0), n)
     if valid is None:
       return _online_max_weights(z, axis, float(w.denominator_offset))
     z = jnp.where(valid, z, jnp.finfo(z.dtype).min)  # finite: see _online_max_weights

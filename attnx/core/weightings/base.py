@@ -50,6 +50,30 @@ class WeightingParam:
 
 
 @dataclasses.dataclass(frozen=True)
+class LogF:
+  """log F of an F > 0 that does not count keys, for the online max: what lets a
+  sum-normalized F stream like softmax, w = exp(log F − log Σ F), so that a row whose every F
+  is below float32's range (sigmoid far below 0: ALiBi at long distances) keeps its weights.
+
+  The kernels never form log F itself: they track a running maximum m ≥ log F of the row
+  (``bound``) and weigh each score by ``shifted``, with one exponential per score as softmax.
+  ``unit`` is the exponent's unit (1, or log₂e where ``exp`` is 2ˣ: the Pallas kernels).
+
+  Attributes:
+    fn: ``log F(z)``, elementwise (the dense implementation and the reference).
+    bound: ``g(z) ≥ log F(z)``, non-decreasing, so that g(max z) bounds a row's log F
+      (natural units).
+    shifted: ``shifted(z, m, em, exp, unit) -> (r, slope)``: r = exp(unit·log F(z) − m) and
+      slope = d log F/dz, from one ``exp`` per score; ``m`` ≥ unit·log F(z) (or +∞) and
+      ``em = exp(m)`` come broadcast against z.
+  """
+
+  fn: Callable[[Array], Array]
+  bound: Callable[[Array], Array]
+  shifted: Callable[..., tuple[Array, Array]]
+
+
+@dataclasses.dataclass(frozen=True)
 class Pointwise:
   """An elementwise weighting F with a normalization mode.
 
@@ -61,6 +85,10 @@ class Pointwise:
     exp_alpha: if not None, ``F(z) = exp(exp_alpha * z)`` and, with ``normalization="sum"``,
       kernels subtract a running row maximum (online softmax), which makes the weights exactly
       invariant to a shift of all scores (Alam et al.) and overflow-free.
+    log_f: for an F > 0 that is not an exponential: its logarithm (:class:`LogF`). With
+      ``normalization="sum"`` every implementation streams log F with the running maximum as
+      softmax streams α·z, w = exp(log F − log Σ F): no row loses its weights to underflow
+      (sigmoid: σ(z) is 0 in float32 below z ≈ −104, log σ(z) ≈ z is not).
     denominator_offset: a constant added to the denominator (``softmax_plus_one`` uses 1). For
       online-max weightings it acts like a virtual key with score 0: kernels start the running
       max at 0 and the running denominator at ``denominator_offset``.
@@ -90,6 +118,7 @@ class Pointwise:
   distance_kernel: bool = False
   zero_on_nonpositive: bool = False
   sequence_shift: Callable[[Array, int], Array] | None = None
+  log_f: LogF | None = None
 
   kind = "pointwise"
   learnable: ClassVar[tuple[WeightingParam, ...]] = ()  # no pointwise F learns a parameter
@@ -117,8 +146,22 @@ class Pointwise:
 
   @property
   def online_max(self) -> bool:
-    """Whether kernels should stream this weighting with a running maximum (softmax-like)."""
-    return self.exp_alpha is not None and self.divides_by_sum
+    """Whether kernels should stream this weighting with a running maximum (softmax-like):
+    exp(α·z) or a :class:`LogF`, sum-normalized."""
+    return (self.exp_alpha is not None or self.log_f is not None) and self.divides_by_sum
+
+  @property
+  def alpha(self) -> float:
+    """The constant slope of the online max's exponent that kernels fold into the score's
+    scale: α of exp(α·z); 1 for a :class:`LogF` (the streaming rules take its scores as they
+    are: :func:`attnx.core.streaming.online_max_update`) and without the online max."""
+    return float(self.exp_alpha) if self.online_max and self.exp_alpha is not None else 1.0
+
+  def exponent(self, z: Array, num_keys: int) -> Array:
+    """The online max's exponent of scores z: α·z, or log F(z) for a :class:`LogF`."""
+    if self.log_f is not None:
+      return self.log_f.fn(z)
+    return self.exp_alpha * z
 
   @property
   def sums_to_one(self) -> bool:
@@ -130,7 +173,7 @@ class Pointwise:
   def shift_invariant(self) -> bool:
     """exp(αs)/Σexp(αs): the only sum-normalized increasing F with w(s + c) = w(s) (Alam et
     al.); an offset in the denominator breaks it (a virtual key of fixed score 0)."""
-    return self.online_max and self.denominator_offset == 0
+    return self.exp_alpha is not None and self.online_max and self.denominator_offset == 0
 
   @property
   def stream_rule(self) -> str:
@@ -179,6 +222,8 @@ class RowNormalizer:
 
   kind = "row"
   online_max = False
+  alpha = 1.0  # no online max: nothing to fold into the score's scale
+  log_f = None
 
   @property
   def stream_rule(self) -> str | None:

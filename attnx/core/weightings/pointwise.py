@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 from attnx.core import params as params_lib
 from attnx.core import softplus as softplus_lib
-from attnx.core.weightings.base import Array, Pointwise, check_normalization, label
+from attnx.core.weightings.base import Array, LogF, Pointwise, check_normalization, label
 
 # The distance kernels: F(s) of a distance score s = −‖q − k‖² (``Pointwise.distance_kernel``).
 POINTWISE_KERNELS = ("gaussian", "boxcar", "triangular", "epanechnikov")
@@ -141,6 +141,19 @@ def _log_keys_shift(n: Array, s: int) -> Array:
   return math.log(max(s, 1)) - jnp.log(jnp.maximum(n, 1).astype(jnp.float32))
 
 
+def _log_sigmoid(b: float) -> LogF:
+  """log σ(z + b) for the online max. float32's σ is 0 below z + b ≈ −104, where
+  log σ(x) = −softplus(−x) ≈ x still orders the row. With x = z + b and a running max
+  m ≥ log σ(x) (m ≥ min(x, 0)): e^{log σ(x) − m} = 1/(e^m + e^{m − x}) — one exponential,
+  which overflows to 0 weight only for x far below m — and d log σ/dx = σ(−x) = 1 − e^m·r."""
+  def shifted(z, m, em, exp, unit):
+    x = z + b
+    r = 1.0 / (em + exp((m - x * unit) if unit != 1.0 else (m - x)))
+    return r, 1.0 - em * r
+  return LogF(fn=lambda z: -softplus_lib.softplus(-(z + b)),
+              bound=lambda z: jnp.minimum(z + b, 0.0), shifted=shifted)
+
+
 def sigmoid(bias: float | None = None, normalization: str = "sum",
             n: str = "sequence") -> Pointwise:
   """σ(s + b); b = −log n by default when unnormalized (Ramapuram et al. 2024)
@@ -152,6 +165,11 @@ def sigmoid(bias: float | None = None, normalization: str = "sum",
   length (:meth:`attnx.core.masks.Mask.sequence_keys`), so that a packed document gets the
   weights it gets alone. ``n="all"``: n = S always (attnx before 2026-11-27). A causal or
   windowed query's n is still its sequence's, not the keys it attends.
+
+  Sum-normalized (the default), every implementation computes the weights as
+  exp(log σ(s + b) − log Σ σ) with a running maximum, as softmax's: a row whose every σ is
+  below float32's range (s + b < −104, ALiBi far from the keys) keeps the weights float64
+  gives it, where σ/Σσ would be 0/0.
   """
   if bias is not None:
     bias = params_lib.number("weighting 'sigmoid'", "bias", bias)
@@ -163,9 +181,11 @@ def sigmoid(bias: float | None = None, normalization: str = "sum",
          else bias)
     return jax.nn.sigmoid(z + b)
   counts = bias is None and normalization == "none" and n == "sequence"
+  log_f = _log_sigmoid(0.0 if bias is None else bias) if normalization == "sum" else None
   return _pointwise(label("sigmoid", bias=bias, normalization=None if normalization == "sum"
                           else normalization, n=None if n == "sequence" else n), fn,
-                    normalization, sequence_shift=_log_keys_shift if counts else None)
+                    normalization, sequence_shift=_log_keys_shift if counts else None,
+                    log_f=log_f)
 
 
 # --------------------------------------------------------------------------------------------

@@ -19,7 +19,6 @@ padded rows/keys are excluded through the ``q_len``/``kv_len`` bounds.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
 import jax
@@ -32,7 +31,7 @@ from attnx.core.contract import finite
 from attnx.core.weightings import Pointwise
 
 Array = jax.Array
-LOG2E = math.log2(math.e)
+LOG2E = streaming.LOG2E
 LANES = 128  # TPU vector lanes: row statistics are stored replicated over 128 lanes
 NT = (((1,), (1,)), ((), ()))  # dot_general dimensions of a @ b.T
 
@@ -107,12 +106,13 @@ class KernelConfig:
 
   @property
   def alpha(self) -> float:
-    return float(self.w.exp_alpha) if self.w.online_max else 1.0
+    return self.w.alpha
 
   @property
   def z_mult(self) -> tuple[float, float]:
-    """(q·k, bias) multipliers of the tile score z (base-2 exponent for online max)."""
-    if self.w.online_max:
+    """(q·k, bias) multipliers of the tile score z (base-2 exponent for online max; the
+    natural score for a log-domain F, ``w.log_f``, which the streaming rules take as is)."""
+    if self.w.online_max and self.w.log_f is None:
       return self.scale * self.alpha * LOG2E, self.alpha * LOG2E
     return self.scale, 1.0
 
@@ -330,10 +330,10 @@ def sink_start(cfg: KernelConfig, m, l, sink, ops: streaming.Ops):
   w = cfg.w
   if not w.online_max:
     return m, l + w.fn(sink, cfg.s)
-  z = sink * (cfg.alpha * LOG2E)
-  m_new = jnp.maximum(m, z)
+  z = sink if w.log_f is not None else sink * (cfg.alpha * LOG2E)
+  m_new = jnp.maximum(m, streaming.online_max_bound(w.log_f, z, ops=ops))
   m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-  return m_new, l * ops.exp(m - m_use) + ops.exp(z - m_use)
+  return m_new, l * ops.exp(m - m_use) + streaming.online_max_shifted(w.log_f, z, m_use, ops=ops)
 
 
 def sink_grad(cfg: KernelConfig, sinks: Array, rows: list[Array]) -> Array:
@@ -345,7 +345,7 @@ def sink_grad(cfg: KernelConfig, sinks: Array, rows: list[Array]) -> Array:
   and rows past their length have O = 0, hence δ = 0, and add nothing."""
   w = cfg.w
   z = jnp.broadcast_to(sinks.astype(jnp.float32)[None, :, None], rows[2].shape)
-  if w.online_max:
+  if w.online_max and w.log_f is None:
     z = z * (cfg.alpha * LOG2E)
   _, dz = streaming.pointwise_tile_grad(w, z, None, jnp.zeros_like(z), tuple(rows), cfg.s,
                                         ops=ROW_OPS)

@@ -296,7 +296,7 @@ def _fwd_kernel(*refs, cfg: KernelConfig, has_bias: bool, has_mask: bool):
     v = v_ref[...]
     if w.online_max:
       acc_sc[...], m_sc[...], l_sc[...] = streaming.online_max_update(
-          acc_sc[...], m_sc[...], z, valid, v, l_sc[...], ops=ops)
+          acc_sc[...], m_sc[...], z, valid, v, l_sc[...], ops=ops, log_f=w.log_f)
     else:
       l = l_sc[...]
       acc_sc[...], l_new = streaming.pointwise_update(w, acc_sc[...], l, z, valid, v, cfg.s,

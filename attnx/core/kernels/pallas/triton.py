@@ -204,7 +204,7 @@ def _fwd_kernel(*refs, cfg: KernelConfig, has_bias: bool, has_mask: bool):
     def body(j, carry):
       acc, m, l = carry
       z, vs, valid = tile(j)
-      return streaming.online_max_update(acc, m, z, valid, vs, l, ops=ops)
+      return streaming.online_max_update(acc, m, z, valid, vs, l, ops=ops, log_f=w.log_f)
 
     m0, l0 = streaming.online_max_start(w)  # from the offset's virtual key, if any
     m0, l0 = jnp.full((bq,), m0, jnp.float32), jnp.full((bq,), l0, jnp.float32)

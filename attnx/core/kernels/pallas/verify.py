@@ -61,8 +61,10 @@ def weighting_key(w: Any) -> tuple[Any, ...]:
   """
   if not isinstance(w, Pointwise):
     return (w.name, w.stream)
+  log_f = None if w.log_f is None else tuple(
+      _value_key(getattr(w.log_f, f)) for f in ("fn", "bound", "shifted"))
   return (w.name, w.normalization, w.exp_alpha, w.denominator_offset, w.distance_kernel,
-          _value_key(w.fn))
+          _value_key(w.fn), log_f)
 
 
 def clear_verifications() -> None:

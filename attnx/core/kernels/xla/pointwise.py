@@ -9,7 +9,8 @@ matrix never exists. Two streaming rules cover every :class:`~attnx.core.weighti
 * softmax-like F = exp(α s) with ``normalization="sum"`` (``w.online_max``): the online softmax
   (Milakov & Gimelshein 2018, arXiv 1805.02867) with a running row maximum m and denominator l;
   ``denominator_offset`` c (quiet softmax, Evan Miller 2023) is a virtual key of score 0, so
-  m starts at 0 and l at c.
+  m starts at 0 and l at c. A sum-normalized F > 0 with a logarithm (``w.log_f``: sigmoid)
+  streams the same way on z = log F(s), which does not underflow where F does.
 * any other F: acc += F(S)·V and l += rowsum(F(S)) (``"sum"``), l = number of valid keys
   (``"length"``, Wortsman et al. 2023) or l = 1 (``"none"``, Ramapuram et al. 2024); one
   division at the end. No rescaling is needed because nothing is shifted.
@@ -22,7 +23,8 @@ arXiv 2307.08691): only the output, one row statistic and the inputs are saved. 
 D_i = dO_i·O_i and dP_ij = dO_i·v_j:
 
 * online max: P = exp((α s − hi) − lo), dS = α P ∘ (dP − D), with lse = hi + lo saved as two
-  floats (one float32 lse ≈ 20 would be off by up to 2⁻²⁰ relative in every weight);
+  floats (one float32 lse ≈ 20 would be off by up to 2⁻²⁰ relative in every weight); under a
+  log F, P = exp((log F(s) − hi) − lo) and dS = P ∘ (dP − D) ∘ (log F)'(s);
 * ``"sum"``: dS = F'(s) ∘ (dP − D) / l;  ``"length"``: dS = F'(s) ∘ dP / n;  ``"none"``:
   dS = F'(s) ∘ dP.
 

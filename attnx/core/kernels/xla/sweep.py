@@ -97,10 +97,10 @@ def forward(q, k, v, bias, mask, scale, cfg: tl.TileConfig, smask: Any = None,
 
 
 def _sink_scores(sinks: Array, x0: Any, cfg: tl.TileConfig, cd: Any) -> Array:
-  """The sink's exponent z = α·sinks[h] (α = 1 unless online max) of the rows of one query
-  block of a chunk (first row ``x0``), [X, G·bq, 1]."""
-  alpha = float(cfg.w.exp_alpha) if cfg.w.online_max else 1.0
-  z = sinks.astype(cd)[tl.row_heads(x0, cfg)] * alpha  # [X, G]
+  """The sink's exponent z = α·sinks[h] (α = 1 unless online max; for a log-domain F its
+  score, as the tiles') of the rows of one query block of a chunk (first row ``x0``),
+  [X, G·bq, 1]."""
+  z = sinks.astype(cd)[tl.row_heads(x0, cfg)] * cfg.w.alpha  # [X, G]
   return jnp.repeat(z, cfg.bq, axis=1)[..., None]
 
 
@@ -111,7 +111,7 @@ def sink_grad(sinks: Array, x0: Any, cfg: tl.TileConfig, grad_rows: Any, n: int)
   w = cfg.w
   heads = tl.row_heads(x0, cfg)  # [X, G]
   cd = sinks.dtype
-  alpha = float(w.exp_alpha) if w.online_max else 1.0
+  alpha = w.alpha
   delta = grad_rows[2]
   z = jnp.broadcast_to((sinks[heads] * alpha)[..., None, None],
                        delta.shape + (1,) if delta is not None else ())
@@ -202,7 +202,7 @@ def _forward_chunk(q, k, v, bias, mask, scale, cfg: tl.TileConfig, smask: Any = 
     if w.online_max:
       def k_step(j, c, structured):
         z, vj, valid = tile(j, structured)
-        return streaming.online_max_update(*c, z, valid, vj)
+        return streaming.online_max_update(*c, z, valid, vj, log_f=w.log_f)
 
       # The offset is a virtual key with z = 0, in l's column of ones (raw: not yet;
       # streaming.pointwise_finalize adds it once after the partial states are merged).
@@ -210,7 +210,7 @@ def _forward_chunk(q, k, v, bias, mask, scale, cfg: tl.TileConfig, smask: Any = 
       m0 = jnp.full(row_shape, m_start, cd)
       acc0 = jnp.zeros(row_shape + (hv + 1,), cd).at[..., hv].set(off)
       if cfg.sinks:
-        acc0, m0 = streaming.online_max_update(acc0, m0, sink_z, None, sink_v)
+        acc0, m0 = streaming.online_max_update(acc0, m0, sink_z, None, sink_v, log_f=w.log_f)
       lo, hi, k_block = _tile_loop(cfg, kinds, i, 1, tl.k_range(i, cfg), k_step)
       acc, m = lax.fori_loop(lo, hi, k_block, vary((acc0, m0), axes))
       if cfg.raw:
@@ -325,7 +325,7 @@ def _backward_chunk(q, k, v, bias, mask, scale, out, stat, do, cfg: tl.TileConfi
       valid = tl.tile_valid(mask, smask, x0, i, j, cfg, structured)
       row = lambda a: tl.row_block(a, i, cfg)[..., None]  # per-query statistic, broadcast over keys
       dp = jnp.einsum("xqd,xsd->xqs", doi, vj, preferred_element_type=cd)
-      # dz: the cotangent of z = α·s (α = 1 unless online max).
+      # dz: the cotangent of α·s (α = 1 unless online max; of s itself for a log-domain F).
       p, dz = streaming.pointwise_tile_grad(w, z, valid, dp, grad_rows, cfg.num_keys, row=row)
       dv_j = dv_j + jnp.einsum("xqs,xqd->xsd", p.astype(doi.dtype), doi,
                                preferred_element_type=cd)

@@ -283,9 +283,9 @@ def _qk(qi: Array, kj: Array, qk_mult: Array | None) -> Array:
 
 
 def mod_alpha(cfg: TileConfig) -> float:
-  """α of z = α·s for online-max weightings, which a score modification's tiles apply after
-  the modification (without one, :func:`prescale` folds it into q)."""
-  return float(cfg.w.exp_alpha) if getattr(cfg.w, "online_max", False) else 1.0
+  """α of z = α·s for online-max weightings (``w.alpha``), which a score modification's tiles
+  apply after the modification (without one, :func:`prescale` folds it into q)."""
+  return cfg.w.alpha
 
 
 def modded_tile(qi: Array, kj: Array, bias: Array | None, i: Array, j: Array, cfg: TileConfig,
@@ -342,7 +342,7 @@ def prescale(q: Array, scale: Array, cfg: TileConfig) -> tuple[Array, Array | No
   online-max weightings (α = 1 otherwise).
   """
   # Under a score modification α multiplies the modified score (tile_scores), not q.
-  alpha = float(cfg.w.exp_alpha) if cfg.w.online_max and not cfg.score_mod else 1.0
+  alpha = cfg.w.alpha if not cfg.score_mod else 1.0
   c = scale * alpha
   if jnp.dtype(q.dtype).itemsize >= 4:
     return q * c, None, alpha, alpha

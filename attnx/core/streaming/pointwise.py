@@ -264,8 +264,10 @@ def pointwise_tile_grad(w: Any, z: Array, valid: Array | None, dp: Array,
   r0, r1, delta = rows
   if w.online_max and w.log_f is not None:
     hi, lo = r0 if isinstance(r0, tuple) else (r0, None)
-    r, slope = w.log_f.shifted(z, row(hi), row(ops.exp(hi)), ops.exp, _unit(ops))
-    p = r if lo is None else r * row(ops.exp(-lo))
+    # Exponentials of the tile's rows only (row() may slice them from every row's statistic).
+    hi = row(hi)
+    r, slope = w.log_f.shifted(z, hi, ops.exp(hi), ops.exp, _unit(ops))
+    p = r if lo is None else r * ops.exp(-row(lo))
     dz = p * (dp - row(delta)) * slope
     if valid is not None:  # after the products: a masked key's score may be anything
       p, dz = jnp.where(valid, p, 0.0), jnp.where(valid, dz, 0.0)

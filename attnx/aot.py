@@ -22,8 +22,8 @@ How (all private or semi-private JAX APIs, wrapped here and nowhere else):
   registered late where the discovery already ran and the check failed. Per-kernel figures
   come from XLA's dump of each compile (``xla_dump_to`` as a per-compile option, a fresh
   directory each time): the thunk sequence (grid, threads, dynamic shared memory), the
-  optimized HLO (Triton's ``num_warps``/``num_stages``) and the PTX, run through ``ptxas -v``
-  (registers, spills, stack, static shared memory).
+  optimized HLO (Triton's ``num_warps``/``num_stages``) and the PTX (``xla_dump_emitter_re``),
+  run through ``ptxas -v`` (registers, spills, stack, static shared memory).
 * TPU: ``libtpu`` (the version JAX pins for its ``tpu`` extra) makes a compile-only topology
   (``jax.experimental.topologies``). Per-kernel scoped VMEM is the ``used_scoped_memory_configs``
   that the TPU compiler writes into each Mosaic custom call (dumped HLO after codegen); the
@@ -63,6 +63,8 @@ from typing import Any, Literal
 
 import jax
 
+from attnx import _compat
+
 __all__ = ["TARGETS", "AotUnavailable", "CompileReport", "KernelReport", "Target", "available",
            "compile_for", "device", "find_ptxas", "require", "toolchain_versions"]
 
@@ -79,6 +81,7 @@ class Target:
     platform: ``"cuda"`` or ``"tpu"`` (JAX's lowering platform).
     description: the chip in words.
     device_kind: what JAX calls the compile-only device.
+    gpu_kind: GPU: the name JAX's Triton lowering knows the chip by (its compute capability).
     cores: streaming multiprocessors (GPU) or TensorCores per chip (TPU).
     arch: the GPU's ``ptxas`` architecture (``sm_90a``, ``sm_80``); None on a TPU.
     smem_per_block: GPU: the most shared memory one block may use (opt-in limit), bytes.
@@ -105,6 +108,7 @@ class Target:
   scoped_vmem_default: int | None = None
   spec: str | None = None
   topology: str | None = None
+  gpu_kind: str | None = None
 
 
 _MIB = 1 << 20
@@ -113,10 +117,12 @@ _MIB = 1 << 20
 TARGETS: Mapping[str, Target] = {t.name: t for t in (
     Target("h100", "cuda", "NVIDIA H100 SXM 80GB (Hopper)", "NVIDIA H100 80GB HBM3", cores=132,
            arch="sm_90a", smem_per_block=232448, smem_per_core=233472,
-           registers_per_core=65536, max_registers_per_thread=255, spec="h100_sxm.txtpb"),
+           registers_per_core=65536, max_registers_per_thread=255, spec="h100_sxm.txtpb",
+           gpu_kind="NVIDIA H100"),
     Target("a100", "cuda", "NVIDIA A100 SXM4 80GB (Ampere)", "NVIDIA A100-SXM4-80GB", cores=108,
            arch="sm_80", smem_per_block=166912, smem_per_core=167936,
-           registers_per_core=65536, max_registers_per_thread=255, spec="a100_sxm_80.txtpb"),
+           registers_per_core=65536, max_registers_per_thread=255, spec="a100_sxm_80.txtpb",
+           gpu_kind="NVIDIA A100"),
     Target("v5e", "tpu", "TPU v5e (v5 lite)", "TPU v5 lite", cores=1, vmem_bytes=128 * _MIB,
            scoped_vmem_default=16 * _MIB, topology="v5e:2x2"),
     Target("v6e", "tpu", "TPU v6e (Trillium)", "TPU v6 lite", cores=1, vmem_bytes=128 * _MIB,
@@ -743,6 +749,10 @@ def compile_for(fn: Callable[..., Any], *args: Any, target: str = "h100",
   notes: list[str] = []
   options = dict(_PRODUCTION_OPTIONS)
   if t.platform == "cuda":
+    # The PTX in the dump: XLA wrote it unasked up to jaxlib 0.10; from 0.11 only what this
+    # matches ("ptx": the PTX alone; ".*" adds Triton's pass-by-pass IR, tens of MB and ≈ 25 s
+    # per whole-row program). The flag exists in both.
+    options["xla_dump_emitter_re"] = "ptx"
     ptxas = ptxas or find_ptxas()
     if ptxas:  # XLA uses <dir>/bin/ptxas and <dir>/nvvm/libdevice: a CUDA layout only
       root = os.path.dirname(os.path.dirname(os.path.realpath(ptxas)))
@@ -760,7 +770,11 @@ def compile_for(fn: Callable[..., Any], *args: Any, target: str = "h100",
   t0 = time.perf_counter()
   try:
     jitted = fn if hasattr(fn, "trace") else jax.jit(fn)
-    traced = jitted.trace(*_place(args, dev), **_place(kwargs, dev))
+    # Triton kernels are traced for this GPU (jax >= 0.11 reads it from the abstract mesh).
+    chip = (_compat.triton_lowering_target(t.gpu_kind) if t.platform == "cuda"
+            else contextlib.nullcontext())
+    with chip:
+      traced = jitted.trace(*_place(args, dev), **_place(kwargs, dev))
     pallas = _pallas_calls(traced.jaxpr, t.platform)
     lowered = traced.lower(lowering_platforms=(t.platform,))
   except Exception as e:  # noqa: BLE001 - a report, not a crash

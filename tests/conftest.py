@@ -32,6 +32,8 @@ import subprocess
 import sys
 import tempfile
 
+import pytest
+
 _FAST = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true",
          "--xla_cpu_use_fusion_emitters=false", "--xla_cpu_parallel_codegen_split_count=1")
 
@@ -71,3 +73,21 @@ if _CACHE_ENV not in os.environ:
 def pytest_sessionfinish(session):
   if _OWN_CACHE and not hasattr(session.config, "workerinput"):  # the controller cleans up
     shutil.rmtree(_OWN_CACHE, ignore_errors=True)
+
+
+# --- Cases split between the two ends of the supported JAX range (tests/support/legs.py) ---
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by the marks added here
+def pytest_collection_modifyitems(config, items):
+  from support import legs  # noqa: PLC0415 - this directory is on sys.path (rootdir conftest)
+
+  groups: dict[str, list] = {}
+  for item in items:
+    if item.get_closest_marker("split_by_jax") and not item.get_closest_marker("exhaustive"):
+      groups.setdefault(item.nodeid.split("[", 1)[0], []).append(item)
+  for cases in groups.values():
+    mine = legs.this_end(it.nodeid for it in cases)
+    for item in cases:
+      if item.nodeid not in mine:
+        item.add_marker(pytest.mark.exhaustive)

@@ -130,6 +130,7 @@ _EXH = pytest.mark.exhaustive
     ("--config=experiments/compare_weightings.py:nope",
      r"^FATAL: unknown preset 'nope' for compare_weightings; valid presets: default, tiny, .*\n$"),
 ])
+@pytest.mark.split_by_jax
 def test_bad_flags_fail_fast_naming_key_and_choices(env, flags, expected):
   t0 = time.time()
   proc = _launch(env, TINY, *flags.split(), "--workdir=/nonexistent/should_not_be_created",
@@ -146,6 +147,7 @@ def test_bad_flags_fail_fast_naming_key_and_choices(env, flags, expected):
 @pytest.mark.parametrize("dry_run", [False, True], ids=["run", "dry_run"])
 @pytest.mark.parametrize("key, suggestion", [("num_step", "num_steps"),
                                              ("model.num_layer", "model.num_layers")])
+@pytest.mark.split_by_jax
 def test_misspelt_config_key_is_one_fatal_line_with_the_closest_key(env, tmp_path, key,
                                                                     suggestion, dry_run):
   workdir = tmp_path / "not_created"
@@ -234,6 +236,7 @@ def _unwritable_dir(tmp_path) -> str:
     ("--config=experiments/_common.py", r"experiments/_common\.py .* is not an experiment: it "
                                         r"defines no get_config or run"),
 ])
+@pytest.mark.split_by_jax
 def test_launch_time_mistakes_are_one_fatal_line_and_status_2(env, tmp_path, flags, expected):
   file = tmp_path / "a_file"
   file.write_text("not a directory")

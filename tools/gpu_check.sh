@@ -15,8 +15,8 @@
 #      tests/core/test_platforms.py), in DEVICE_TEST_WORKERS pytest-xdist workers (default 6),
 #      and after them a short training run with implementation="pallas" (compare_weightings:quick, digits).
 # Beside both, on the other cores (pinned, niced): the CPU test suite (JAX_PLATFORMS=cpu) under
-# the machine's own JAX and, if .whl-newest/ holds it, under the newest JAX release, to learn
-# whether a newer JAX than pyproject.toml admits passes it (CPU_SUITE=0 skips them;
+# the machine's own JAX and, if .whl-newest/ holds it, under the newest JAX release (the top of
+# the supported range, which CI tests on the CPU too) (CPU_SUITE=0 skips them;
 # CPU_SUITE_WORKERS each, default 5; CPU_SUITE_TIMEOUT seconds, default 420).
 # Every other step is bounded by `timeout` (STEP_TIMEOUT seconds, default 240) so that one hung
 # step cannot eat a lent machine's time. Writes OUT/gpu_check.md (date, chip, driver, JAX

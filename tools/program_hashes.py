@@ -2,13 +2,21 @@
 
     python tools/program_hashes.py --out before.json            # on the code before
     python tools/program_hashes.py --out after.json --compare before.json   # after
+    python tools/program_hashes.py --out now.json --compare baseline   # against the baseline
 
-``tools/program_hashes_baseline.json`` is the corpus of the code right after the GPU tile
-table's timed dQ/dK/dV tiles (jax 0.10.2 with the ``aot`` extra installed, JAX_PLATFORMS=cpu),
-in the middle of the ``attnx.core`` reshaping: that commit differed from the one before in the
-11 Pallas programs lowered for ``cuda`` whose backward reads those tiles, and in nothing else.
-Sum-normalized sigmoid's 40 programs joined it when that weighting moved to the log-domain
-online max (2026-11-28); the other 580 were identical to the corpus before.
+The lowered programs differ across XLA versions, so hashes compare only when made with the
+same JAX: ``--compare`` refuses a file made with another. ``tools/program_hashes_baseline.json``
+holds one corpus per JAX version (``--compare baseline`` picks the installed one's;
+``--update-baseline`` writes it), each made with JAX_PLATFORMS=cpu:
+
+* jax 0.10.2 (with the ``aot`` extra installed): the code right after the GPU tile table's
+  timed dQ/dK/dV tiles, in the middle of the ``attnx.core`` reshaping (2026-11-27): it differed
+  from the code before in the 11 Pallas programs lowered for ``cuda`` whose backward reads those
+  tiles, and in nothing else. Sum-normalized sigmoid's 40 programs joined it when that
+  weighting moved to the log-domain online max (2026-11-28); the other 580 were identical to
+  the corpus before.
+* jax 0.12.0.1 (Python 3.13, no ``aot`` extra): the code that admitted jax 0.12 (2026-11-29),
+  whose 0.10.2 corpus equals the one above.
 
 Each case is traced and lowered to StableHLO (forward, and forward+backward as the gradient
 of a fixed random cotangent), on this machine's CPU — and, for the Pallas kernels, lowered for
@@ -20,9 +28,8 @@ the Pallas kernels' serialized IR embeds file:line locations that no text substi
 reach: a line moved in a kernel's file would change its hash). Anything else that differs — an
 operation, a shape, a constant, the order of operations, a kernel's serialized IR — is
 reported. ``--compare`` exits 1 when any
-hash differs or a case is missing, and lists them. Compare runs made with the same JAX and the
-same installed plugins (the ``aot`` extra's CUDA plugin takes part in lowering for ``cuda``);
-two runs of the same code give the same hashes.
+hash differs or a case is missing, and lists them, and 2 when it has no hashes of this JAX.
+Compare runs made with the same JAX; two runs of the same code give the same hashes.
 
 The corpus covers what the kernels branch on: every implementation (dense, blocked, Pallas in
 the interpreter, Pallas lowered for each chip), one weighting per streaming family and
@@ -33,6 +40,7 @@ and an ``attnx.nn.GPT`` training step.
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import os
@@ -78,6 +86,9 @@ def normalize(text: str) -> str:
 
 
 def digest(fn, args, platforms=None) -> str:
+  """The hash of ``fn(*args)`` lowered (for ``platforms``); ``args`` may be a function that
+  makes them, so that a case ``--only`` leaves out costs nothing."""
+  args = args() if callable(args) else args
   traced = jax.jit(fn).trace(*args)
   lowered = traced.lower(lowering_platforms=platforms) if platforms else traced.lower()
   return hashlib.sha256(normalize(lowered.as_text()).encode()).hexdigest()[:16]
@@ -109,7 +120,7 @@ def attention_cases():
            "blocked_default": dict(implementation="blocked"),
            "pallas_interpret": dict(implementation=core.Pallas(interpret=True))}
   for shape_name, shape in shapes.items():
-    q, k, v, mask, bias = _qkv(*shape)
+    qkv = functools.cache(lambda shape=shape: _qkv(*shape))
     for w in WEIGHTINGS if shape_name == "self" else T_NE_S_WEIGHTINGS:
       score = "neg_sq_dist" if w == "gaussian" else "scaled_dot"
       for impl_name, impl in impls.items():
@@ -118,30 +129,31 @@ def attention_cases():
             if impl_name == "blocked_default" and extras == "mask_bias":
               continue
             kw = dict(impl, weighting=w, score=score, is_causal=causal)
-            if extras == "mask_bias":
-              kw.update(mask=mask, bias=bias)
-            call = lambda q_, k_, v_, kw=kw: core.attention(q_, k_, v_, **kw)
+            masked = extras == "mask_bias"
+            call = lambda q_, k_, v_, kw=kw, masked=masked, qkv=qkv: core.attention(
+                q_, k_, v_, **kw, **(dict(mask=qkv()[3], bias=qkv()[4]) if masked else {}))
             fwd, grad = _fwd_and_grad(call)
             name = f"attention/{shape_name}/{w}/{impl_name}/causal={causal}/{extras}"
-            yield name + "/fwd", fwd, (q, k, v), None
-            yield name + "/fwd+bwd", grad, (q, k, v), None
+            args = lambda qkv=qkv: qkv()[:3]
+            yield name + "/fwd", fwd, args, None
+            yield name + "/fwd+bwd", grad, args, None
   # The Pallas kernels as each chip gets them (bf16, H = 64, causal GQA).
-  q, k, v, mask, bias = _qkv(1, 128, 128, 4, 2, 64, jnp.bfloat16)
+  args = functools.cache(lambda: _qkv(1, 128, 128, 4, 2, 64, jnp.bfloat16)[:3])
   for w in WEIGHTINGS:
     score = "neg_sq_dist" if w == "gaussian" else "scaled_dot"
     call = lambda q_, k_, v_, w=w, score=score: core.attention(
         q_, k_, v_, weighting=w, score=score, is_causal=True, implementation="pallas")
     fwd, grad = _fwd_and_grad(call)
     for plat in ("cuda", "tpu"):
-      yield f"pallas/{plat}/{w}/fwd", fwd, (q, k, v), (plat,)
-      yield f"pallas/{plat}/{w}/fwd+bwd", grad, (q, k, v), (plat,)
+      yield f"pallas/{plat}/{w}/fwd", fwd, args, (plat,)
+      yield f"pallas/{plat}/{w}/fwd+bwd", grad, args, (plat,)
 
 
 def ring_cases():
   """ring_attention over 8 fake CPU devices: contiguous and zigzag, causal, GQA."""
   mesh = jax.make_mesh((8,), ("sp",), axis_types=(jax.sharding.AxisType.Auto,))
   spec = jax.sharding.PartitionSpec(None, "sp")
-  q, k, v, _, _ = _qkv(1, 256, 256, 4, 2, 16)
+  args = functools.cache(lambda: _qkv(1, 256, 256, 4, 2, 16)[:3])
   for w in ("softmax", "relu", "sigmoid:normalization=none", "sigmoid", "ssmax", "softpick",
             "stick_breaking"):
     for layout in ("contiguous", "zigzag"):
@@ -153,8 +165,8 @@ def ring_cases():
                              check_vma=False)
         fwd, grad = _fwd_and_grad(call)
         name = f"ring/{w}/{layout}/{impl}"
-        yield name + "/fwd", fwd, (q, k, v), None
-        yield name + "/fwd+bwd", grad, (q, k, v), None
+        yield name + "/fwd", fwd, args, None
+        yield name + "/fwd+bwd", grad, args, None
 
 
 def gpt_cases():
@@ -164,14 +176,14 @@ def gpt_cases():
     for attention in ("softmax", {"weighting": "entmax15"}):
       model = attnx_nn.GPT(vocab_size=32, num_layers=2, num_heads=4, hidden_dim=64,
                            mlp_dim=128, max_len=64, attention=attention, implementation=impl)
-      params = model.init(jax.random.PRNGKey(0), tokens)
 
       def loss(params, tokens, model=model):
         logits = model.apply(params, tokens)
         return -jnp.mean(jax.nn.log_softmax(logits)[..., 0])
 
       name = attention if isinstance(attention, str) else attention["weighting"]
-      yield f"gpt/{impl}/{name}/train_step", jax.value_and_grad(loss), (params, tokens), None
+      args = lambda model=model: (model.init(jax.random.PRNGKey(0), tokens), tokens)
+      yield f"gpt/{impl}/{name}/train_step", jax.value_and_grad(loss), args, None
 
 
 def corpus(only: str | None = None) -> dict[str, str]:
@@ -196,21 +208,50 @@ def compare(new: dict[str, str], old: dict[str, str]) -> list[str]:
   return lines
 
 
+BASELINE = os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                        "program_hashes_baseline.json")
+
+
+def _load(path: str) -> dict[str, dict]:
+  """{jax version: {"hashes": ...}} of a baseline, or of one run's file."""
+  with open(path) as f:
+    data = json.load(f)
+  return {data["jax"]: data} if "jax" in data else data
+
+
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--out", required=True, help="where to write the hashes (JSON)")
-  p.add_argument("--compare", help="a JSON of hashes from before the change")
+  p.add_argument("--compare", help="a JSON of hashes from before the change, made with this "
+                 "JAX; 'baseline': the installed JAX's corpus in " + os.path.basename(BASELINE))
   p.add_argument("--only", help="a regular expression: hash only the cases it finds")
+  p.add_argument("--update-baseline", action="store_true",
+                 help="write this JAX's corpus into the baseline (the other versions' stay)")
   a = p.parse_args(argv)
   hashes = corpus(a.only)
+  run = {"jax": jax.__version__, "hashes": hashes}
   with open(a.out, "w") as f:
-    json.dump({"jax": jax.__version__, "hashes": hashes}, f, indent=1, sort_keys=True)
+    json.dump(run, f, indent=1, sort_keys=True)
   errors = sum(v.startswith("error") for v in hashes.values())
-  print(f"{len(hashes)} programs hashed ({errors} failed to lower) -> {a.out}")
+  print(f"{len(hashes)} programs hashed with jax {jax.__version__} ({errors} failed to lower) "
+        f"-> {a.out}")
+  if a.update_baseline:
+    if a.only:
+      p.error("--update-baseline needs the whole corpus (no --only)")
+    base = _load(BASELINE) if os.path.exists(BASELINE) else {}
+    base[jax.__version__] = run
+    with open(BASELINE, "w") as f:
+      json.dump(base, f, indent=1, sort_keys=True)
+    print(f"baseline for jax {jax.__version__} written ({sorted(base)} in {BASELINE})")
   if not a.compare:
     return 0
-  with open(a.compare) as f:
-    old = json.load(f)["hashes"]
+  versions = _load(BASELINE if a.compare == "baseline" else a.compare)
+  if jax.__version__ not in versions:
+    print(f"no hashes made with jax {jax.__version__} in {a.compare} (it has "
+          f"{sorted(versions)}): programs lowered by another XLA differ, so they cannot be "
+          "compared; hash the code before with this JAX", file=sys.stderr)
+    return 2
+  old = versions[jax.__version__]["hashes"]
   if a.only:
     old = {k: v for k, v in old.items() if re.search(a.only, k)}
   diff = compare(hashes, old)

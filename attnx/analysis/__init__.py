@@ -13,6 +13,7 @@ attnx.analysis sits above attnx.train (docs/architecture.md) and imports it: the
 :mod:`attnx.analysis.evaluators` when this package is imported.
 """
 
+from attnx import _flax  # noqa: F401  (first: a flax too old for this jax says so)
 from attnx.analysis import evaluators as _evaluators  # noqa: F401  (registers "attention_stats")
 from attnx.analysis.report import (
     layer_weights,

@@ -5,6 +5,7 @@ chosen by name; models take an ``attention`` dict (see :func:`attention_spec`), 
 be swapped for ReLU, sigmoid, sparsemax, a kernel or a learned metric by changing one string.
 """
 
+from attnx import _flax  # noqa: F401  (first: a flax too old for this jax says so)
 from attnx.nn.additive import AdditiveAttention, LuongAttention
 from attnx.nn.attention import MultiHeadAttention
 from attnx.nn.channel_spatial import CBAM, SmallCNN, SqueezeExcite

@@ -15,6 +15,7 @@
   :func:`attnx.train.fit` (Flax's bridge) and the linen model with the same parameters.
 """
 
+from attnx import _flax  # noqa: F401  (first: a flax too old for this jax says so)
 from attnx.nnx.attention import MultiHeadAttention
 from attnx.nnx.bridge import is_nnx, linen_twin, to_linen
 from attnx.nnx.gpt import GPT, gpt_from_spec

@@ -11,6 +11,8 @@ results.json + PNG plots (`markdown_table`, `plot_curves`).
 
 import os as _os
 
+from attnx import _flax  # noqa: F401  (first: a flax too old for this jax says so)
+
 _os.environ.setdefault("MPLBACKEND", "Agg")  # reports are written headless
 
 # Submodules used as namespaces: train.verdict.compare, train.experiment.run_comparison, ...

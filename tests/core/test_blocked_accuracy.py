@@ -85,15 +85,37 @@ def test_blocked_dv_as_accurate_as_dense_on_tokamax_case(blocked):
   assert ratio <= 1.1, f"dV RMS error {ratio:.3f}× dense's"
 
 
+def _dq_through_rounded_out(q, k, v, g, out):
+  """dQ in float64 from the exact P and dP but D = Σ_h dO·O of a computed (rounded) output.
+
+  The flash backward's D reads the forward's float32 output; autodiff through dense softmax
+  does not. This dQ's distance from the exact one is what O's rounding alone costs: jax 0.12's
+  XLA:CPU rounds the output ≈ 20 % further than jax 0.10.2's (dense and blocked alike), and
+  blocked's dQ follows."""
+  q, k, v, g, out = (np.asarray(x, np.float64) for x in (q, k, v, g, out))
+  s = np.einsum("btnh,bsnh->bnts", q, k) / np.sqrt(H)
+  p = np.exp(s - s.max(-1, keepdims=True))
+  p /= p.sum(-1, keepdims=True)
+  dp = np.einsum("btnh,bsnh->bnts", g, v)
+  ds = p * (dp - np.einsum("btnh,btnh->bnt", g, out)[..., None]) / np.sqrt(H)
+  return np.einsum("bnts,bsnh->btnh", ds, k)
+
+
 def test_blocked_dq_dk_out_near_dense_on_tokamax_case():
   # Not the issue's subject, but the same causes: the fix brought dQ from 2.6× dense's max
-  # error to 1.2× and dK from 1.3× to 1.0× (seed 0); the output was already as dense's.
+  # error to 1.2× and dK from 1.3× to 1.0× (seed 0, jax 0.10.2); the output was already as
+  # dense's. dQ's floor is the larger of dense's error and what the rounded output passes
+  # through D (seeds 0 and 1: 0.9-1.1× dense's on jax 0.10.2's XLA:CPU, 1.35-1.45× on 0.12's).
   q, k, v, g = _case(0)
   ref = _reference(q, k, v, g)
   err = _errors("blocked", q, k, v, g, ref)
   dense = _errors("dense", q, k, v, g, ref)
-  for name, e, d in zip(("out", "dq", "dk"), err[:3], dense[:3], strict=False):
-    assert e.max() <= 1.5 * d.max(), f"{name}: {e.max():.3g} against dense's {d.max():.3g}"
+  out = np.asarray(core.attention(q, k, v, implementation="blocked"))
+  floors = {"out": dense[0].max(), "dk": dense[2].max(),
+            "dq": max(dense[1].max(), np.abs(_dq_through_rounded_out(q, k, v, g, out)
+                                             - ref[1]).max())}
+  for name, e in zip(("out", "dq", "dk"), err[:3], strict=False):
+    assert e.max() <= 1.5 * floors[name], f"{name}: {e.max():.3g} against {floors[name]:.3g}"
 
 
 def test_split_lse_carries_the_rounding_of_lse():

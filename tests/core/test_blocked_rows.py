@@ -157,6 +157,7 @@ def _check_grad(got, want, tol, what=""):
 
 
 @pytest.mark.parametrize("case,name", CASE_NAMES)
+@pytest.mark.split_by_jax
 def test_blocked_matches_dense(case, name):
   (ob, gb), (od, gd) = _case(case, name)
   value_tol, grad_tol = LOOSE.get(name, (VALUE_TOL, GRAD_TOL))

@@ -78,6 +78,7 @@ def test_issue_example_dense():
 
 @pytest.mark.parametrize("weighting", WEIGHTINGS)
 @pytest.mark.parametrize("implementation", ["dense", "blocked"])
+@pytest.mark.split_by_jax
 def test_attention_under_debug_flags(implementation, weighting):
   for name, kwargs in CASES.items():
     want = _value_and_grad(implementation, weighting, kwargs)

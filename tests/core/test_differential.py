@@ -429,6 +429,7 @@ _EXHAUSTIVE_BRANCHES |= {133, 134, 136, 138}
 @pytest.mark.parametrize("case", [
     pytest.param(c, marks=pytest.mark.exhaustive) if c.seed in _EXHAUSTIVE_BRANCHES else c
     for c in BRANCH_CASES], ids=lambda c: f"branch{c.seed}")
+@pytest.mark.split_by_jax
 def test_branch_case(case):
   _assert_passes(case)
 

@@ -51,6 +51,7 @@ def _with_grad(attn, t):
 @pytest.mark.parametrize("weighting", ["softmax", "relu", "sparsemax", "stick_breaking",
                                        "ssmax"])
 @pytest.mark.parametrize("implementation", ["dense", "blocked"])
+@pytest.mark.split_by_jax
 def test_symbolic_batch(implementation, weighting, is_causal):
   t = 64
   # A mask and a bias broadcast over the batch (and, for the mask, the heads).

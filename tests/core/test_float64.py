@@ -173,6 +173,7 @@ POINTWISE_CASES = [("softmax", {}), ("softmax", {"is_causal": True}), ("softmax"
 
 
 @pytest.mark.parametrize("weighting,kw", POINTWISE_CASES)
+@pytest.mark.split_by_jax
 def test_blocked_pointwise_computes_in_float64(weighting, kw):
   with jax.enable_x64(True):
     q, k, v, g = _inputs()
@@ -192,6 +193,7 @@ def test_blocked_pointwise_computes_in_float64(weighting, kw):
 
 @pytest.mark.parametrize("weighting", ["ssmax", "sparsemax", "stick_breaking"])
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "zerobias"])
+@pytest.mark.split_by_jax
 def test_blocked_whole_row_computes_in_float64(weighting, bias):
   # A (zero) bias sends SSMax through the whole-row kernel (attnx.core.kernels.xla.rows) instead of
   # the pointwise kernel's softmax of (c_i·q_i)·k; the other two always run it.
@@ -255,6 +257,7 @@ def test_automatic_choice_computes_in_float64(t, chosen):
 
 
 @pytest.mark.parametrize("weighting", ["softmax", "ssmax", "stick_breaking"])
+@pytest.mark.split_by_jax
 def test_ring_blocked_steps_compute_in_float64(weighting):
   # A ring of one device: its blocked steps, merges and carries in float64.
   from jax.sharding import PartitionSpec as P  # noqa: PLC0415

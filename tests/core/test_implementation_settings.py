@@ -195,6 +195,7 @@ def _ring(**kw):
 @pytest.mark.parametrize("weighting", ["softmax", "stick_breaking"])
 @pytest.mark.parametrize("impl", [core.Blocked(block_q=16, block_k=16),
                                   core.Pallas(interpret=True, block_q=16)])
+@pytest.mark.split_by_jax
 def test_ring_runs_the_object(weighting, impl):
   q, k, v = _qkv(t=32, s=32)
   out = _ring(weighting=weighting, is_causal=True, implementation=impl)(q, k, v)

@@ -57,6 +57,7 @@ def test_each_mask_is_its_formula(t, s):
 
 
 @pytest.mark.parametrize("bq, bk", [(8, 16), (5, 7), (16, 8), (1, 1)])
+@pytest.mark.split_by_jax
 def test_tile_metadata_never_skips_a_valid_pair(bq, bk):
   """some = False only for tiles without a valid pair; every = True only where all are."""
   t, s = 37, 45
@@ -122,6 +123,7 @@ JAX_NN_CASES = [
 
 @pytest.mark.parametrize("kw", JAX_NN_CASES)
 @pytest.mark.parametrize("implementation", ["dense", "blocked", "pallas"])
+@pytest.mark.split_by_jax
 def test_jax_nn_keywords_equal_jax_nn(kw, implementation):
   b, t, n, h = 3, 40, 4, 16
   kq, kk, kv = jax.random.split(jax.random.key(0), 3)
@@ -187,6 +189,7 @@ _IMPLEMENTATIONS = ("dense", core.Blocked(block_q=8, block_k=8),
 @pytest.mark.parametrize("weighting", ["softmax", "sigmoid:normalization=none",
                                        "relu:normalization=length", "ssmax", "stick_breaking"])
 @pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.split_by_jax
 def test_packed_documents_attend_alone(weighting, causal):
   """Three packed documents give each document what it gets attended on its own (the dense
   implementation), values and gradients, in every implementation: also for the weightings
@@ -304,6 +307,7 @@ def _sampled(cases, in_ci):
                          ids=lambda c: (
     f"{c['mask_name']}-{c['weighting']}-t{c['t']}s{c['s']}-c{int(c['causal'])}-"
     f"{c['bq']}x{c['bk']}-b{int(c['bias'])}m{int(c['dense_mask'])}"))
+@pytest.mark.split_by_jax
 def test_blocked_kernel_against_float64(case):
   t, s = case["t"], case["s"]
   keys = jax.random.split(jax.random.key(case["seed"]), 6)

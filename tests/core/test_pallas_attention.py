@@ -155,6 +155,7 @@ def _case_id(c):
 
 
 @pytest.mark.parametrize("backend,dtype,case", CASES, ids=[_case_id(c) for c in CASES])
+@pytest.mark.split_by_jax
 def test_matches_dense_values_and_gradients(backend, dtype, case):
   case = dict(case)
   if isinstance(case["weighting"], str):

@@ -173,6 +173,7 @@ def _check_grad(got, want, tol, what=""):
 
 
 @pytest.mark.parametrize("case,name,backend", MATRIX)
+@pytest.mark.split_by_jax
 def test_pallas_matches_dense(case, name, backend):
   out, grads = _pallas(case, name, backend)
   want_out, want_grads = _dense(case, name)

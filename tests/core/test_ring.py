@@ -391,7 +391,7 @@ def test_pallas_ring_lowers_for_gpu_and_tpu(platform, weighting):
                               layout="zigzag", implementation="pallas", pallas_backend=backend)
     return jnp.sum(out.astype(jnp.float32))
 
-  mesh = jax.make_mesh((1,), ("sp",), axis_types=(jax.sharding.AxisType.Auto,))
+  mesh = lowering.chip_mesh(platform, (1,), ("sp",))
   grads = jax.shard_map(jax.grad(loss, (0, 1, 2)), mesh=mesh, in_specs=(P(None, "sp"),) * 3,
                         out_specs=(P(None, "sp"),) * 3, check_vma=False)
   text = jax.jit(grads).trace(x, kv, kv).lower(lowering_platforms=(platform,)).as_text()
@@ -410,7 +410,9 @@ def test_pallas_ring_alibi_lowers(backend):
   # the kernels).
   x = jax.ShapeDtypeStruct((1, 64, 4, 64), jnp.bfloat16)
   kv = jax.ShapeDtypeStruct((1, 64, 2, 64), jnp.bfloat16)
-  mesh = jax.make_mesh((1,), ("sp",), axis_types=(jax.sharding.AxisType.Auto,))
+  platform, target = {"gpu": ("cuda", "__gpu$xla.gpu.triton"),
+                      "tpu": ("tpu", "tpu_custom_call")}[backend]
+  mesh = lowering.chip_mesh(platform, (1,), ("sp",))
 
   def loss(q, k, v, slopes):
     out = ring.ring_attention(q, k, v, axis_name="sp", is_causal=True, layout="zigzag",
@@ -421,8 +423,6 @@ def test_pallas_ring_alibi_lowers(backend):
   grads = jax.shard_map(jax.grad(loss, (0, 3)), mesh=mesh, in_specs=(P(None, "sp"),) * 3 + (P(),),
                         out_specs=(P(None, "sp"), P()), check_vma=False)
   traced = lambda: jax.jit(grads).trace(x, kv, kv, jax.ShapeDtypeStruct((4,), jnp.float32))
-  platform, target = {"gpu": ("cuda", "__gpu$xla.gpu.triton"),
-                      "tpu": ("tpu", "tpu_custom_call")}[backend]
   text = traced().lower(lowering_platforms=(platform,)).as_text()
   assert set(re.findall(r"custom_call @([\w.$]+)", text)) == {target}
 

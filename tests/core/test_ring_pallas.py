@@ -226,6 +226,7 @@ CASES = {
 
 
 @pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.split_by_jax
 def test_mixed_pallas_and_xla_blocks_equal_float64_reference(name):
   _check(CASES[name])
 

@@ -323,6 +323,7 @@ def test_sinks_are_gpt_oss_extra_logit(impl):
     # denominator offset (softmax_plus_one: the offset's key and the sink both start the row).
     *[pytest.param(PALLAS, w, id=f"pallas-{w}") for w in ("sigmoid", "relu",
                                                            "softmax_plus_one")]])
+@pytest.mark.split_by_jax
 def test_a_sink_is_one_more_key_of_zero_value(impl, weighting):
   """For every family that takes them, sinks equal the same attention (dense) with one more
   key of zero vector and zero value whose bias column holds sinks[h] — SSMax counts it,
@@ -510,6 +511,7 @@ _SIN_LOSS = lambda f: lambda *a: jnp.sum(jnp.sin(3.0 * f(*a)))  # noqa: E731
 @pytest.mark.parametrize(("weighting", "causal"), [
     ("softmax", True), ("sigmoid", False), ("relu", True), ("softmax_plus_one", False)])
 @pytest.mark.parametrize("backend", ["gpu", "tpu"])
+@pytest.mark.split_by_jax
 def test_pallas_alibi_equals_float64_dense(backend, weighting, causal):
   """ALiBi in the Pallas kernels (Triton and Mosaic, interpreted): GQA (each query head its
   own slope, G = 2), T and S not multiples of the tiles, key lengths (and query lengths when
@@ -633,6 +635,7 @@ _ROW_CAP_CASES = [("ssmax", True, True), ("softpick", False, True),
 @pytest.mark.parametrize(("weighting", "causal", "lengths"), _ROW_CAP_CASES,
                          ids=[c[0] for c in _ROW_CAP_CASES])
 @pytest.mark.parametrize("backend", ["gpu", "tpu"])
+@pytest.mark.split_by_jax
 def test_pallas_whole_row_soft_cap_equals_float64_dense(backend, weighting, causal, lengths):
   """logits_soft_cap in the whole-row kernels (Triton and Mosaic, interpreted): GQA (G = 2),
   T and S not multiples of the tiles, causal or not, query and key lengths, a learned bias
@@ -728,6 +731,7 @@ _ROW_SINK_CASES = [("ssmax", True, True, None), ("softpick", False, True, 1.5),
 @pytest.mark.parametrize(("weighting", "causal", "lengths", "cap"), _ROW_SINK_CASES,
                          ids=[c[0] for c in _ROW_SINK_CASES])
 @pytest.mark.parametrize("backend", ["gpu", "tpu"])
+@pytest.mark.split_by_jax
 def test_pallas_whole_row_sinks_equal_float64_dense(backend, weighting, causal, lengths, cap):
   """Attention sinks in the whole-row kernels (Triton and Mosaic, interpreted): a virtual key
   of score sinks[h] and zero value folded into each row's threshold passes and starting state
@@ -830,6 +834,7 @@ _ROW_ALIBI_CASES = [("ssmax", True, 1.5), ("softpick", False, None),
 @pytest.mark.parametrize(("weighting", "causal", "cap"), _ROW_ALIBI_CASES,
                          ids=[c[0] for c in _ROW_ALIBI_CASES])
 @pytest.mark.parametrize("backend", ["gpu", "tpu"])
+@pytest.mark.split_by_jax
 def test_pallas_whole_row_alibi_equals_float64_dense(backend, weighting, causal, cap):
   """ALiBi in the whole-row kernels (Triton and Mosaic, interpreted), with a cap in three
   families: GQA (each query head its own slope, G = 2), T and S not multiples of the tiles,
@@ -999,6 +1004,7 @@ _REL_CASES = [("softmax", True, _CLIPPED, 2.0, False), ("sigmoid", False, _FULL,
     pytest.param(*c, id=f"{c[0]}-L{c[2]}",
                  marks=[pytest.mark.exhaustive] if c[0] in ("relu", "sparsemax") else [])
     for c in _REL_CASES])
+@pytest.mark.split_by_jax
 def test_pallas_relative_table_equals_float64_dense(weighting, causal, length, cap, sinks):
   """A relative table in the Triton kernels (interpreted), pointwise and whole-row F: GQA
   (G = 2), T ≠ S, neither a multiple of the 16×16 tiles, key lengths (and query lengths when

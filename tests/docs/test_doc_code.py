@@ -53,6 +53,7 @@ def test_python_blocks_of_the_page_run_in_order(page, tmp_path):
 
 
 @pytest.mark.parametrize("page", PAGES)
+@pytest.mark.split_by_jax
 def test_shell_blocks_of_the_page_run(page, tmp_path):
   todo = [b for b in doc_blocks.blocks(page)
           if b.lang in ("bash", "sh", "shell") and b.no_run is None]

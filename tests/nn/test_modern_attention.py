@@ -84,6 +84,7 @@ def _packed():
 
 @pytest.mark.parametrize("positions", ["learned", "rotary", "alibi", "none"])
 @pytest.mark.parametrize("attention", ["softmax", "sigmoid", "stick_breaking", "ssmax_learned"])
+@pytest.mark.split_by_jax
 def test_gpt_on_packed_documents_equals_each_document_alone(positions, attention):
   """A packed row with segment ids and restarting positions gives every document the logits
   it gets alone, and changing one document changes no logit of another."""

@@ -122,6 +122,7 @@ CASES = {
 
 
 @pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.split_by_jax
 def test_every_weighting_runs_forward_and_backward(name):
   case = CASES[name]
 

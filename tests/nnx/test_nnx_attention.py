@@ -145,6 +145,7 @@ def _linen_params(module):
 
 
 @pytest.mark.parametrize("case", sorted(OPTION_CASES))
+@pytest.mark.split_by_jax
 def test_every_option_equals_the_linen_module_with_the_same_parameters(case):
   kw = OPTION_CASES[case]
   ours = anx.MultiHeadAttention(in_features=16, **{"num_heads": 4, **kw}, rngs=nnx.Rngs(1))

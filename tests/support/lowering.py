@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 
+import jax
 import jax.numpy as jnp
 
 from attnx.core.kernels.pallas import tiles as pa
@@ -26,3 +27,18 @@ def custom_calls(text: str, target: str, expected: set[str]) -> None:
   assert calls.count(target) == len(expected) and set(calls) == {target}, (calls, expected)
   names = set(re.findall(r"attnx_pallas_(?:rows_)?(fwd|dq|dkv|dk|dv)\b", text))
   assert names == expected, (names, expected)
+
+
+#: The device a program lowered for ``cuda`` or ``tpu`` from this host is traced for.
+CHIPS = {"cuda": jax.sharding.AbstractDevice("NVIDIA H100", None, "gpu"),
+         "tpu": jax.sharding.AbstractDevice("TPU v5 lite", 1, "tpu")}
+
+
+def chip_mesh(platform: str, axis_sizes: tuple[int, ...],
+              axis_names: tuple[str, ...]) -> jax.sharding.AbstractMesh:
+  """A mesh of abstract devices of the chip that a ``jax.shard_map`` program traced on this
+  CPU host is lowered for: jax >= 0.11 lowers a Triton kernel for the GPU of the mesh it was
+  traced in, which a mesh of this host's CPUs does not name (attnx._compat)."""
+  return jax.sharding.AbstractMesh(
+      axis_sizes, axis_names, axis_types=(jax.sharding.AxisType.Auto,) * len(axis_names),
+      abstract_device=CHIPS[platform])

@@ -121,6 +121,7 @@ def _assert_same(result: train.FitResult, ref: train.FitResult) -> None:
 
 
 @pytest.mark.parametrize("damage", DAMAGES, ids=lambda f: f.__name__.strip("_"))
+@pytest.mark.split_by_jax
 def test_damaged_latest_checkpoint_falls_back_to_the_previous_one(reference, tmp_path, damage,
                                                                    capsys, caplog, unraisables):
   wd, ckpt_dir = _copy(reference, tmp_path)

@@ -60,6 +60,7 @@ def test_every_weighting_but_linear_attention_trains_on_packed_rows():
 
 
 @pytest.mark.parametrize("weighting", PACKABLE)
+@pytest.mark.split_by_jax
 def test_a_model_trained_on_packed_rows_sees_nothing_of_another_document(weighting):
   rows = _rows()
   model = _model(weighting)

@@ -182,7 +182,19 @@ def rel_tile(cfg: KernelConfig, load, r0, c0, bq: int, bk: int):
   w = rel_width(bq, bk)
   start, e = rel_window(cfg, r0, c0, bq)
   x = jnp.broadcast_to(load(pl.multiple_of(start, LANES), w), (bq, w))
-  return pltpu.roll(x, w - e, 1, stride=1, stride_axis=0)[:, :bk]
+  return _roll_rows(x, w - e)[:, :bk]
+
+
+def _roll_rows(x, shift):
+  """Row r of x [rows, W] rotated by shift + r lanes: one strided rotate where ``shift`` is a
+  Python int; where it is traced (query tiles that are not multiples of 128), a rotate of every
+  row by ``shift``, then the strided one by the row alone. Mosaic took a strided rotate by a
+  traced amount in libtpu 0.0.42 (jax 0.10.2) and refuses it from 0.0.50 (jax 0.12: "strided
+  dynamic rotation along the two last dimensions is unsupported"); rotates add, so both forms
+  give the same lanes on either."""
+  if isinstance(shift, int):
+    return pltpu.roll(x, shift, 1, stride=1, stride_axis=0)
+  return pltpu.roll(pltpu.roll(x, shift, 1), 0, 1, stride=1, stride_axis=0)
 
 
 def _reverse_rows(x):
@@ -203,7 +215,7 @@ def rel_diag_sums(cfg: KernelConfig, dz, r0, c0):
   w = rel_width(bq, bk)
   start, e = rel_window(cfg, r0, c0, bq)
   x = jnp.concatenate([_reverse_rows(dz), jnp.zeros((bq, w - bk), jnp.float32)], axis=1)
-  y = pltpu.roll(x, e - bq + 1, 1, stride=1, stride_axis=0)
+  y = _roll_rows(x, e - bq + 1)
   return pl.multiple_of(start, LANES), jnp.sum(y, axis=0, keepdims=True)
 
 

@@ -13,7 +13,9 @@ for a TPU ("Compiler params for platform gpu cannot be used for tpu lowering"). 
 here lowers each branch for its own platforms only (JAX's per-platform lowering rules), and
 carries its derivative as a custom VJP whose forward and backward are again chosen per
 platform. JAX internals it relies on (registering lowering and batching rules) stay in this
-module.
+module. The Triton kernels of the GPU branch lower for the GPU the caller named with
+``jax.sharding.use_abstract_mesh`` (an ``AbstractDevice``), the host's GPU, or else an H100
+(:func:`attnx.core.kernels.pallas.triton.pallas_call`).
 
 A branch that cannot run on its platform (its code raises ValueError while traced) becomes
 :func:`unlowerable`: the program still traces, and lowering it for that platform raises the

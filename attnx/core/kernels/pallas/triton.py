@@ -36,6 +36,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from attnx import _compat
 from attnx.core import streaming
 from attnx.core.contract import finite
 from attnx.core.kernels.pallas import masking
@@ -63,8 +64,27 @@ Array = jax.Array
 OPS = streaming.Ops(exp2=True, ones_column=False)
 
 __all__ = ["OPS", "backward", "bias_specs", "dkv_passes", "forward", "head_chunks", "load_chunks",
-           "load_chunks3", "mod_args", "rel_grad_out", "rel_tile", "scatter_add", "smask_operands",
-           "smask_view", "store_chunks", "zero_tiles"]
+           "load_chunks3", "mod_args", "pallas_call", "rel_grad_out", "rel_tile", "scatter_add",
+           "smask_operands", "smask_view", "store_chunks", "zero_tiles"]
+
+
+def pallas_call(kernel: Callable[..., None], *, interpret: bool,
+                **kwargs: Any) -> Callable[..., Any]:
+  """``pl.pallas_call`` for a Triton kernel, traced knowing the GPU it will be lowered for.
+
+  jax >= 0.11 lowers a Triton kernel for the GPU of the abstract mesh it was traced in; on a
+  host without a GPU (lowering for ``cuda`` from a CPU, ``jax.export`` for two platforms) that
+  is the ``AbstractDevice`` the caller named with ``jax.sharding.use_abstract_mesh``, else an
+  H100, as jax 0.10 lowered (:func:`attnx._compat.triton_lowering_target`).
+  """
+  call = pl.pallas_call(kernel, interpret=interpret, **kwargs)
+  if interpret:
+    return call
+
+  def traced(*args: Any) -> Any:
+    with _compat.triton_lowering_target():
+      return call(*args)
+  return traced
 
 
 def head_chunks(size: int) -> tuple[tuple[int, int], ...]:
@@ -279,7 +299,7 @@ def forward(cfg: KernelConfig, q, k, v, bias, mask, q_len, kv_len, out_dtype, sm
                              has_mask=mask is not None)
   args = ([x for x in (q, k, v, bias, mask) if x is not None] + [q_len, kv_len] + sink_args
           + sm_args)
-  return pl.pallas_call(
+  return pallas_call(
       kernel, grid=(tp // bq, b, n), in_specs=in_specs,
       out_specs=[pl.BlockSpec((None, bq, None, hvp), lambda i, bb, h: (bb, i, h, 0)),
                  pl.BlockSpec((None, None, bq), lambda i, bb, h: (bb, h, i))],
@@ -445,7 +465,7 @@ def dkv_passes(kernel: Callable, cfg: KernelConfig, args: list, in_specs: list, 
 
   def call(want_dk: bool, want_dv: bool, suffix: str) -> list[Array]:
     outs = [out(x) for x, on in ((k, want_dk), (v, want_dv)) if on]
-    return pl.pallas_call(
+    return pallas_call(
         functools.partial(kernel, cfg=cfg, want_dk=want_dk, want_dv=want_dv, **has),
         grid=(sp // bk, b, kh), in_specs=in_specs, out_specs=[o[0] for o in outs],
         out_shape=[o[1] for o in outs], compiler_params=params, interpret=cfg.interpret,
@@ -494,7 +514,7 @@ def backward(cfg: KernelConfig, q, k, v, bias, mask, q_len, kv_len, do, rows, wa
     out_shape.append(jax.ShapeDtypeStruct((b, n, tp), jnp.float32))
   zero_specs, zero_args, aliases = rel_grad_out(cfg, slopes, out_specs, out_shape)
   sm_args, sm_specs = smask_operands(cfg, smask, "dq", bq, cfg.bk_dq)
-  res = pl.pallas_call(
+  res = pallas_call(
       functools.partial(_dq_kernel, cfg=cfg, want_ds=want_ds, **has),
       grid=(tp // bq, b, n), in_specs=zero_specs + in_specs + lens + slope_specs + sm_specs,
       out_specs=out_specs, out_shape=out_shape, compiler_params=dq_params,

@@ -129,7 +129,7 @@ def forward(cfg, q, k, v, rowc, bias, mask, q_len, kv_len, out_dtype, smask=None
     out_shape.append(jax.ShapeDtypeStruct((b, tp, n, hvp), F32))
   args = [x for x in (q, k, v, rowc, bias, mask) if x is not None] + slope_args + [
       q_len, kv_len] + sm_args
-  res = pl.pallas_call(
+  res = triton.pallas_call(
       functools.partial(_fwd_kernel, cfg=cfg, has_bias=bias is not None,
                         has_mask=mask is not None),
       grid=(tp // bq, b, n), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
@@ -298,7 +298,7 @@ def backward(cfg, q, k, v, bias, mask, q_len, kv_len, do, rows, rowc, want_ds, s
   args = [q, k, v, do, *rows] + [x for x in (bias, mask) if x is not None] + slope_args + [
       q_len, kv_len]
   sm_args, sm_specs = triton.smask_operands(cfg, smask, "dq", bq, cfg.bk_dq)
-  res = list(pl.pallas_call(
+  res = list(triton.pallas_call(
       functools.partial(_dq_kernel, cfg=cfg, want_ds=want_ds, **has),
       grid=(tp // bq, b, n), in_specs=zero_specs + in_specs + lens + sm_specs,
       out_specs=out_specs, out_shape=out_shape, compiler_params=dq_params,

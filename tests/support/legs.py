@@ -1,0 +1,31 @@
+"""Which half of a split test's cases this end of the supported JAX range runs.
+
+CI runs the whole suite on the oldest and on the newest supported JAX (``.ci/run``), both within
+its 50 minutes; the newest compiles each program ≈ 2.4× slower on XLA:CPU (its MLIR fusion
+emitters cannot be turned off). A test marked ``split_by_jax`` runs half its cases on each end
+(``tests/conftest.py`` marks the other half ``exhaustive``): a default run takes this end's half,
+``-m exhaustive`` the rest, and CI runs every case once across its two legs. The halves are
+drawn by a hash of each case's id, ranked and alternated, so that they are even and follow no
+one parameter axis. Split: matrices of attnx's own arithmetic (kernels against a float64
+reference, one weighting or draw per case), not tests of a JAX or Flax API's behaviour.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable
+from importlib import metadata
+
+
+def jax_end() -> int:
+  """0 on the oldest end's releases (jax 0.10), 1 on newer ones (read without importing jax,
+  whose flags the conftest sets first)."""
+  release = tuple(int(p) for p in metadata.version("jax").split(".")[:2])
+  return int(release >= (0, 11))
+
+
+def this_end(ids: Iterable[str]) -> set[str]:
+  """The ids (of one test's cases) that this end runs: half of them, the other end the rest."""
+  ranked = sorted(ids, key=lambda i: hashlib.sha256(i.encode()).hexdigest())
+  end = jax_end()
+  return {i for rank, i in enumerate(ranked) if rank % 2 == end}

@@ -183,7 +183,8 @@ class MultiHeadAttention(nnx.Module):
       deterministic: disables attention dropout (default: the module's).
       rngs: the dropout stream (default: the module's; Flax's rule).
       sow_weights: sow the weights [B..., N, T, S] as ``nnx.Intermediate``
-        ``attention_weights`` (dense implementation only).
+        ``attention_weights`` (dense implementation only); read them with
+        ``nnx.capture(module, nnx.Intermediate)`` (Flax deprecates sowing outside it).
       decode: one token per call with the KV cache set up by :meth:`init_cache` (default:
         the module's). Steps past the cache's end leave it as it is and return NaN.
       is_causal: query i attends keys j ≤ i (default: the module's ``is_causal``).

@@ -91,6 +91,12 @@ def _quiet_failed_restore_aftermath() -> None:
   sys.unraisablehook = hook
 
 
+def _dtype(x: Any) -> np.dtype:
+  """An array's dtype, or NumPy's for a Python scalar (a jax.Array is not a dtype-like:
+  np.result_type of one is deprecated from jax 0.12)."""
+  return x.dtype if hasattr(x, "dtype") else np.result_type(x)
+
+
 class Checkpointer:
   """Saves every `every` steps under workdir/checkpoints/<run>, keeps the last `keep`."""
 
@@ -158,7 +164,7 @@ class Checkpointer:
     if target is not None:
       sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
       abstract = jax.tree.map(
-          lambda x: jax.ShapeDtypeStruct(np.shape(x), np.result_type(x), sharding=sharding),
+          lambda x: jax.ShapeDtypeStruct(np.shape(x), _dtype(x), sharding=sharding),
           target)
 
     def read() -> Any:

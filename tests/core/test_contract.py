@@ -213,6 +213,7 @@ class ContractTests:
   # The fixed case, one weighting at a time.
   # ------------------------------------------------------------------------------------------
 
+  @pytest.mark.split_by_jax
   @pytest.mark.parametrize("weighting", WEIGHTING_PARAMS)
   def test_finite_inputs_give_finite_outputs_and_gradients(self, weighting):
     score = cl.default_score(weighting)

@@ -387,6 +387,7 @@ def _skip_run(name, backend, skip, ct=None, patch=None):
         q, k, v, None, ct0 if ct is None else ct))
 
 
+@pytest.mark.split_by_jax
 @pytest.mark.parametrize("name,backend", [
     ("sparsemax", "gpu"), ("entmax15", "tpu"), ("entmax:alpha=1.3", "gpu"),
     pytest.param("sparsemax", "tpu", marks=pytest.mark.exhaustive),

@@ -1,9 +1,10 @@
 """Ring (context-parallel) attention, attnx.core.parallel.ring.
 
-The multi-device checks run once, in a subprocess with 8 fake CPU devices
-(tests/support/ring_check.py): every case of its table against the float64 brute force of the
-differential net. The checks of arguments, of the layout helpers and of the load balance run
-here, on one device (a ring of one).
+The multi-device checks run in a subprocess with 8 fake CPU devices
+(tests/support/ring_check.py): the cases of its table this run selected (half on each end of
+the JAX range, tests/support/legs.py) against the float64 brute force of the differential net.
+The checks of arguments, of the layout helpers and of the load balance run here, on one device
+(a ring of one).
 
 Random draws (tests/support/ring_draws.py), as the differential net does for the other
 implementations: the CI sample (every family × layout × causal once, the rest random; one
@@ -38,33 +39,41 @@ from attnx.core.parallel import layout, ring, steps
 OUT_TOL, GRAD_TOL = 1e-5, 1e-4
 
 
-@functools.lru_cache(maxsize=1)
-def _ring_results() -> dict:
-  return script_result("ring_check.py")
-
-
 VMA = ring_cases.VMA  # ring_check.py runs ring_cases.VMA_CASES with check_vma=True too
 
 
 PALLAS = ring_cases.PALLAS  # ring_check.py runs ring_cases.PALLAS_CASES on the Pallas kernels
 
+TABLE_TEST = "test_ring_equals_float64_reference_on_8_devices"
+# Cases the other tests of the table read, on either end of the JAX range.
+READ_BY_NAME = ("sigmoid_none_causal", "softmax_alibi_sinks_zigzag_gqa", "learned_params",
+                "learned_params" + VMA)
 
-@functools.lru_cache(maxsize=2)
-def _pallas_results(exhaustive: bool = False) -> dict:
-  names = ring_cases.PALLAS_EXHAUSTIVE if exhaustive else ring_cases.PALLAS_CASES
-  return script_result("ring_check.py", *(n + PALLAS for n in names))
+
+@functools.lru_cache(maxsize=4)
+def _table_batch(names: tuple[str, ...]) -> dict:
+  return script_result("ring_check.py", *names)
 
 
+def _table_result(request: pytest.FixtureRequest, name: str) -> dict:
+  """One case of the 8-device table. The cases this run selected (the table test is split by
+  JAX end: this end's half, or what -k / -m chose) run together, in one subprocess for the
+  XLA steps and one for the Pallas kernels (each process pays JAX's start and 8 devices once)."""
+  chosen = {it.callspec.params["name"] for it in request.session.items
+            if getattr(it, "originalname", None) == TABLE_TEST} | set(READ_BY_NAME) | {name}
+  pallas = name.endswith(PALLAS)
+  return _table_batch(tuple(sorted(n for n in chosen if n.endswith(PALLAS) == pallas)))[name]
+
+
+@pytest.mark.split_by_jax
 @pytest.mark.parametrize("name", list(ring_cases.CASES) + [n + VMA for n in ring_cases.VMA_CASES]
                          + [n + PALLAS for n in ring_cases.PALLAS_CASES]
                          + [pytest.param(n + PALLAS, marks=pytest.mark.exhaustive)
                             for n in ring_cases.PALLAS_EXHAUSTIVE])
-def test_ring_equals_float64_reference_on_8_devices(name):
+def test_ring_equals_float64_reference_on_8_devices(name, request):
   # The XLA blocked kernel at every step, or (name + PALLAS) the Pallas kernels, in Pallas'
   # interpreter on these CPU devices.
-  base = name.removesuffix(PALLAS)
-  res = (_pallas_results(base in ring_cases.PALLAS_EXHAUSTIVE) if name.endswith(PALLAS)
-         else _ring_results())[name]
+  res = _table_result(request, name)
   errs = res["errors"]
   assert res["nonzero_out"] > 0.1, res  # the output is not trivially zero
   # Not vacuous: a good share of every array is compared (entries near a kink of F are not;
@@ -83,27 +92,27 @@ def test_ring_equals_float64_reference_on_8_devices(name):
     assert errs[key] <= GRAD_TOL, (name, key, errs)
 
 
-def test_sigmoid_uses_the_global_length():
+def test_sigmoid_uses_the_global_length(request):
   # sigmoid:normalization=none has b = −log S: the answer with the shard's S/P is far off.
-  res = _ring_results()["sigmoid_none_causal"]
+  res = _table_result(request, "sigmoid_none_causal")
   assert res["errors"]["out"] <= OUT_TOL
   assert res["shard_length_error"] > 1e-2, res
 
 
 @pytest.mark.parametrize("name", ["learned_params", "learned_params" + VMA])
-def test_learned_ssmax_s_scale_and_score_parameter_gradients(name):
+def test_learned_ssmax_s_scale_and_score_parameter_gradients(name, request):
   # Replicated parameters: with check_vma=False shard_map's transpose sums their gradients
   # over the devices, with check_vma=True the ring's backward does.
-  res = _ring_results()[name]
+  res = _table_result(request, name)
   assert res["s"] <= GRAD_TOL, res
   assert res["scale"] <= GRAD_TOL, res  # against the float64 reference's central difference
   assert res["bilinear_W"] <= GRAD_TOL, res  # against the float32 dense implementation
 
 
-def test_score_mods_at_global_positions():
+def test_score_mods_at_global_positions(request):
   # The ALiBi case is not vacuous: with the positions local to each step's block (the
   # kernels' own) its output is far from the reference.
-  res = _ring_results()["softmax_alibi_sinks_zigzag_gqa"]
+  res = _table_result(request, "softmax_alibi_sinks_zigzag_gqa")
   assert res["errors"]["out"] <= OUT_TOL
   assert res["local_positions_error"] > 1e-2, res
 
@@ -336,6 +345,7 @@ def _qkv(t=16, n=2, kh=1, h=8):
           jnp.asarray(rng.standard_normal((1, t, kh, h)), jnp.float32))
 
 
+@pytest.mark.split_by_jax
 @pytest.mark.parametrize("weighting,layout", [("softmax", "zigzag"), ("ssmax", "contiguous"),
                                               ("stick_breaking", "zigzag")])
 def test_ring_of_one_equals_attention(weighting, layout):
@@ -636,6 +646,7 @@ def test_ring_attention_is_exported():
 # Memory: the point of the custom VJP.
 # --------------------------------------------------------------------------------------------
 
+@pytest.mark.split_by_jax
 @pytest.mark.slow
 @pytest.mark.parametrize("weighting,causal", [
     ("softmax", True), ("ssmax", True), ("stick_breaking", True), ("softmax", False)])

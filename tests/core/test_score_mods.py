@@ -920,6 +920,7 @@ _MOSAIC_REL_ROWS = [("entmax15", True, "full", None), ("ssmax", False, 9, 1.5),
                     ("softpick", True, 15, None)]
 
 
+@pytest.mark.split_by_jax
 @pytest.mark.parametrize(("weighting", "causal", "length", "cap"), [
     pytest.param(*c, id=c[0], marks=[pytest.mark.exhaustive] if c[0] == "softpick" else [])
     for c in _MOSAIC_REL_ROWS])  # softpick: -m exhaustive (CI time)

@@ -5,6 +5,7 @@ import sys
 import types
 
 import numpy as np
+from support import legs
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
@@ -36,6 +37,7 @@ def test_pair_verdict():
   assert exp._pair_verdict(missing, good, bad, 0.01)[0] is None
 
 
+@legs.experiment_run
 def test_trimmed_tiny_run(tmp_path, monkeypatch):
   monkeypatch.setenv("ATTNX_DATA_DIR", str(tmp_path / "data"))
   monkeypatch.setattr(exp, "RELU", {})  # fewer compiles; the sigmoid pair keeps the shape

@@ -5,6 +5,7 @@ import os
 import sys
 
 import pytest
+from support import legs
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
@@ -55,6 +56,7 @@ def test_bad_score():
     exp.validate_config(c)
 
 
+@legs.experiment_run
 def test_tiny_end_to_end(tmp_path):
   out = exp.run(exp.get_config("tiny"), str(tmp_path))
   assert out["verdict"] is True and out["kernel_summary"]["grows"] is True

@@ -5,6 +5,7 @@ import os
 import sys
 
 import numpy as np
+from support import legs
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
@@ -31,6 +32,7 @@ def test_judge_tracks_least_squares():
   assert exp.judge({"relu": close}, ls, 7, 0.05)[0] is None  # softmax untested
 
 
+@legs.experiment_run
 def test_tiny_preset_end_to_end(tmp_path, monkeypatch):
   monkeypatch.setenv("ATTNX_DATA_DIR", str(tmp_path / "data"))
   c = exp.get_config("tiny")

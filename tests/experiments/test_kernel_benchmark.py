@@ -5,6 +5,7 @@ import os
 import sys
 
 import pytest
+from support import legs
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
@@ -39,6 +40,7 @@ def test_skips_baselines_that_need_too_much_memory():
   assert row["note"].startswith("skipped: needs") and "time ms" not in row
 
 
+@legs.experiment_run
 def test_tiny_end_to_end(tmp_path):
   config = exp.get_config("tiny")
   config.shapes = config.shapes.split(",")[0]  # one of its two shapes: half the compiles

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from support import legs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
@@ -130,6 +131,7 @@ def _spy(monkeypatch, fn):
   return spy
 
 
+@pytest.mark.split_by_jax
 @pytest.mark.parametrize("weighting,kind", [("softmax", "pointwise"),
                                             ("stick_breaking", "whole-row")])
 def test_long_contexts_stream_and_equal_dense_attention(weighting, kind, monkeypatch):
@@ -436,6 +438,7 @@ def test_a_text_file_names_the_task_and_prompts_in_its_own_style(tmp_path, monke
   exp.validate_config(c)
 
 
+@legs.experiment_run
 def test_a_text_file_run_end_to_end(tmp_path, monkeypatch, capsys):
   monkeypatch.setenv("ATTNX_DATA_DIR", str(tmp_path / "data"))
   path = tmp_path / "tiny project.py"
@@ -466,6 +469,7 @@ def test_a_text_file_run_end_to_end(tmp_path, monkeypatch, capsys):
   assert capsys.readouterr().out == fin["samples"]["softmax"] + "\n"
 
 
+@legs.experiment_run
 def test_a_corpus_directory_trains_packed_each_file_a_document(tmp_path, monkeypatch):
   monkeypatch.setenv("ATTNX_DATA_DIR", str(tmp_path / "data"))
   corpus = tmp_path / "project"
@@ -508,6 +512,7 @@ def test_a_corpus_directory_trains_packed_each_file_a_document(tmp_path, monkeyp
     exp.validate_config(c)
 
 
+@legs.experiment_run
 def test_the_positions_study_crosses_weightings_with_positions(tmp_path, monkeypatch):
   monkeypatch.setenv("ATTNX_DATA_DIR", str(tmp_path / "data"))
   c = exp.get_config("positions")

@@ -5,6 +5,7 @@ import os
 import sys
 
 import numpy as np
+from support import legs
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
@@ -56,6 +57,7 @@ def test_judge_fails_when_linear_matches_softmax_or_softmax_never_solves():
   assert held is None and info["reference_width"] == 32 and "cannot certify" in text
 
 
+@legs.experiment_run
 def test_tiny_preset_end_to_end(tmp_path, monkeypatch):
   monkeypatch.setenv("ATTNX_DATA_DIR", str(tmp_path / "data"))
   c = exp.get_config("tiny")

@@ -6,6 +6,7 @@ import sys
 
 import numpy as np
 import pytest
+from support import legs
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
@@ -36,6 +37,7 @@ def test_unknown_regularizer_and_preset():
     exp.get_config("huge")
 
 
+@legs.experiment_run
 def test_tiny_end_to_end(tmp_path):
   out = exp.run(exp.get_config("tiny"), str(tmp_path))
   assert out["max_abs_diff"] < 1e-3

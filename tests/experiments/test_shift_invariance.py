@@ -6,6 +6,7 @@ import sys
 
 import numpy as np
 import pytest
+from support import legs
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
@@ -22,6 +23,7 @@ def test_presets_and_validation():
     exp.validate_config(c)
 
 
+@legs.experiment_run
 def test_tiny_end_to_end(tmp_path):
   out = exp.run(exp.get_config("tiny"), str(tmp_path))
   inv = {r["weighting"]: r for r in out["kernel_invariance"]}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from support import legs
 
 from experiments import train_benchmark as tb
 
@@ -60,6 +61,7 @@ def test_causal_lm_models_compute_the_same_function():
                              atol=1e-4, rtol=1e-4)
 
 
+@legs.experiment_run
 def test_causal_lm_tiny_end_to_end(tmp_path):
   out = tb.run(tb.get_config("causal_lm_tiny"), str(tmp_path))
   assert [r["T"] for r in out["rows"]] == [32, 64]

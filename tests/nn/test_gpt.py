@@ -36,6 +36,7 @@ def greedy_reference(model, params, prompt, n):
   return seq
 
 
+@pytest.mark.split_by_jax
 @pytest.mark.parametrize("attention, positions", [
     ("softmax", "learned"), ("relu", "rotary"), ("sigmoid", "learned"),
     pytest.param("softmax", "rotary", marks=pytest.mark.slow),

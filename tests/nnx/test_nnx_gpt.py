@@ -39,6 +39,7 @@ def _twins(extra, seed=0):
   return model, attnx_nn.GPT(**KW, **extra), params
 
 
+@pytest.mark.split_by_jax
 @pytest.mark.parametrize("case", sorted(CONFIGS))
 def test_logits_and_gradients_equal_the_linen_gpt_with_the_same_weights(case):
   model, linen, params = _twins(CONFIGS[case])
@@ -70,6 +71,7 @@ def test_packing_isolates_documents_in_the_nnx_model():
   assert float(jnp.max(jnp.abs(a[0, 5:] - b[0, 5:]))) > 1e-3
 
 
+@pytest.mark.split_by_jax
 @pytest.mark.parametrize("case", ["learned_softmax", "rotary_relu_untied",
                                   "alibi_windows_cap_sinks_ssmax"])
 def test_decode_equals_the_linen_cache_and_the_full_pass(case):

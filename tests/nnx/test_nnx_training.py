@@ -37,6 +37,7 @@ def _tiny_preset_models(attention):
   return models
 
 
+@pytest.mark.split_by_jax
 @pytest.mark.parametrize("extra", [dict(attention="sigmoid:normalization=none",
                                         positions="rotary"),
                                    dict(attention="ssmax_learned", sinks=True,

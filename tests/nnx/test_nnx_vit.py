@@ -25,6 +25,7 @@ def _nnx(extra, seed=0):
                                rngs=nnx.Rngs(seed))
 
 
+@pytest.mark.split_by_jax
 @pytest.mark.parametrize("case", sorted(CONFIGS))
 def test_logits_and_gradients_equal_the_linen_vit_with_the_same_weights(case):
   model, linen = _nnx(CONFIGS[case]), attnx_nn.VisionTransformer(**KW, **CONFIGS[case])

@@ -7,7 +7,10 @@ emitters cannot be turned off). A test marked ``split_by_jax`` runs half its cas
 ``-m exhaustive`` the rest, and CI runs every case once across its two legs. The halves are
 drawn by a hash of each case's id, ranked and alternated, so that they are even and follow no
 one parameter axis. Split: matrices of attnx's own arithmetic (kernels against a float64
-reference, one weighting or draw per case), not tests of a JAX or Flax API's behaviour.
+reference, one weighting or draw per case), not tests of a JAX or Flax API's behaviour; and, as
+one group (:data:`experiment_run`), the tiny end-to-end runs of the experiments that build on
+the library's tested pieces (each experiment runs on one end; the language-model preset, its
+sequence-parallel run and the default experiment, which launch.py's tests start, on both).
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterable
 from importlib import metadata
+
+import pytest
 
 
 def jax_end() -> int:
@@ -29,3 +34,7 @@ def this_end(ids: Iterable[str]) -> set[str]:
   ranked = sorted(ids, key=lambda i: hashlib.sha256(i.encode()).hexdigest())
   end = jax_end()
   return {i for rank, i in enumerate(ranked) if rank % 2 == end}
+
+
+# The tiny end-to-end run of one experiment: half of these tests run on each end.
+experiment_run = pytest.mark.split_by_jax(group="experiment end-to-end runs")

@@ -63,12 +63,10 @@ if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
 # subprocesses the tests start (all inherit the environment): many tests compile the same
 # programs (the same tiny models, the same kernels), which then compile once (≈ 11 % of the
 # tests/nn time on 2 cores). Fresh per session, so no result depends on an earlier run.
-# Only on the oldest end of the JAX range: jaxlib 0.12.0.1 crashed the process (a segmentation
-# fault in the executable's serialize(), called by jax's cache write) twice in the differential
-# large run (2026-11-29: cases 517 and 599 of 1000, each passing when run again alone).
+# Not on jaxlib 0.12.0.1, whose cache writes can crash (legs.persistent_cache_safe).
 _CACHE_ENV = "JAX_COMPILATION_CACHE_DIR"
 _OWN_CACHE = None
-if _CACHE_ENV not in os.environ and _legs.jax_end() == 0:
+if _CACHE_ENV not in os.environ and _legs.persistent_cache_safe():
   _OWN_CACHE = os.environ[_CACHE_ENV] = tempfile.mkdtemp(prefix="attnx-test-jax-cache-")
   os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
   os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")

@@ -27,7 +27,7 @@ def env(tmp_path_factory):
   e = dict(os.environ)
   e.update(PYTHONPATH=ROOT + os.pathsep + e.get("PYTHONPATH", ""), JAX_PLATFORMS="cpu",
            ATTNX_DATA_DIR=str(base / "data"))
-  if legs.jax_end() == 0:  # not on jaxlib 0.12.0.1, whose cache writes can crash (conftest)
+  if legs.persistent_cache_safe():
     e.update(JAX_COMPILATION_CACHE_DIR=str(base / "jax_cache"),
              JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
   return e

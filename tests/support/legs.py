@@ -29,6 +29,14 @@ def jax_end() -> int:
   return int(release >= (0, 11))
 
 
+def persistent_cache_safe() -> bool:
+  """Whether the suite may write JAX's persistent compilation cache: on the oldest end only.
+  jaxlib 0.12.0.1 crashed the process (a segmentation fault in the executable's serialize(),
+  called by jax's cache write) twice in the differential large run (2026-11-29: cases 517 and
+  599 of 1000, each passing when run again alone)."""
+  return jax_end() == 0
+
+
 def this_end(ids: Iterable[str]) -> set[str]:
   """The ids (of one test's cases) that this end runs: half of them, the other end the rest."""
   ranked = sorted(ids, key=lambda i: hashlib.sha256(i.encode()).hexdigest())

@@ -57,7 +57,7 @@ import tempfile
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from importlib import metadata
 from typing import Any, Literal
 
@@ -213,6 +213,31 @@ class CompileReport:
   def pallas_kernels(self) -> tuple[KernelReport, ...]:
     """The kernels of the program's ``pallas_call`` s."""
     return tuple(k for k in self.kernels if k.kind == "pallas")
+
+  def limit_checks(self, spills_allowed: Collection[str] = ()) -> list[tuple[str, bool]]:
+    """Whether the program fits its chip (:data:`TARGETS`), as ``(statement, met)`` pairs
+    whose statement names the value and the limit (what a report says of a failure): it
+    compiled (``"<category>: <first error line>"``); per Pallas kernel no register spills
+    (except kernels named in ``spills_allowed``, e.g. tiles measured faster with their
+    spills), shared memory within a block's and VMEM within the chip's; on a GPU the
+    registers were measured (a ``ptxas``); there is a Pallas kernel at all."""
+    t = TARGETS[self.target]
+    if not self.ok:
+      return [(f"{self.category}: {(self.error or '').splitlines()[0][:160]}", False)]
+    out = []
+    for k in self.pallas_kernels:
+      out.append((f"{k.name} spills {k.spill_store_bytes} B",
+                  not k.spill_store_bytes or k.name in spills_allowed))
+      out.append((f"{k.name} smem {k.smem_bytes} > {t.smem_per_block}",
+                  not (k.smem_bytes and t.smem_per_block and k.smem_bytes > t.smem_per_block)))
+      # A kernel over its scoped-VMEM limit fails to compile (vmem_oom). The compiler's figure
+      # can exceed the limit the kernel asked for (its internal scratch on top; seen
+      # compiling): what must hold is the chip's VMEM.
+      out.append((f"{k.name} VMEM {k.vmem_bytes} > {t.vmem_bytes}",
+                  not (k.vmem_bytes and t.vmem_bytes and k.vmem_bytes > t.vmem_bytes)))
+    return out + [("registers not measured (no ptxas)", t.platform != "cuda"
+                   or all(k.registers is not None for k in self.pallas_kernels)),
+                  ("no Pallas kernel found", bool(self.pallas_kernels))]
 
   def kernel(self, name: str) -> KernelReport:
     """The kernel called ``name`` (KeyError when none)."""

@@ -14,7 +14,7 @@ import inspect
 
 # The packages whose public names the API reference must cover.
 PACKAGES = ("attnx.core", "attnx.nn", "attnx.nnx", "attnx.data", "attnx.train",
-            "attnx.analysis")
+            "attnx.train.benchmark", "attnx.analysis")
 
 
 def public_names(package: str) -> list[str]:

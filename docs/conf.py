@@ -28,6 +28,8 @@ extensions = [
     "sphinx.ext.autosummary",
     "sphinx.ext.napoleon",
     "sphinx.ext.mathjax",
+    # MathJax from a registry wheel, copied into _static/mathjax: formulas render offline.
+    "sphinx-mathjax-offline",
     "sphinx.ext.viewcode",
     "api_coverage",
 ]

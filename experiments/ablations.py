@@ -5,30 +5,23 @@ says fails, under the same model, budget and seeds:
 
 * Ramapuram et al. 2024, "Theory, Analysis, and Best Practices for Sigmoid Self-Attention"
   (arXiv 2409.04431): unnormalized sigmoid attention σ(s + b) matches softmax when the bias is
-  b = −log n (n keys); without it (b = 0) the early attention norm is too large and training
-  suffers. Variants: ``sigmoid:normalization=none`` (b = −log n, attnx's default for
-  unnormalized sigmoid) and ``sigmoid:normalization=none,bias=0``.
+  b = −log n (n keys, attnx's default); without it (b = 0) training suffers (:data:`SIGMOID`).
 * Wortsman et al. 2023, "Replacing softmax with ReLU in Vision Transformers"
-  (arXiv 2309.08586): ReLU attention matches softmax when divided by the sequence length L;
-  without the 1/L scaling it does not. Variants: ``relu:normalization=length`` (÷ L),
-  ``relu`` (÷ Σ relu, attnx's default) and ``relu:normalization=none``.
+  (arXiv 2309.08586): ReLU attention matches softmax when divided by the sequence length L,
+  not without (:data:`RELU`; ÷ Σ relu is attnx's default).
 * Nakanishi 2025, "Scalable-Softmax Is Superior for Attention" (arXiv 2501.19570): SSMax,
-  softmax of (s · log n) · z, keeps attention focused as the context grows, so a model trained
-  at one length degrades less than softmax at longer ones. Variants: ``ssmax`` and
-  ``softmax``, trained on MQAR at length ``train_len`` and evaluated at every length of
-  ``eval_lens``.
+  softmax of (s · log n) · z, degrades less than softmax at contexts longer than the training
+  length ``train_len`` (evaluated at every length of ``eval_lens``).
 
-Tasks: the sigmoid and ReLU ablations on ``digits`` (the compare_weightings ViT: 2 layers, width
-32, 4 heads, 2×2 patches → 17 tokens); the SSMax ablation on attnx.data's
-``associative_recall`` (4 key-value pairs, queries uniform over the query region so that longer
-sequences put queries farther from the context; a 2-layer causal transformer of width 64 with
+Tasks: sigmoid and ReLU on ``digits`` (the compare_weightings ViT, 17 tokens); SSMax on
+attnx.data's ``associative_recall`` (4 key-value pairs, queries uniform over the query region,
+so longer sequences put them farther from the context; a 2-layer causal transformer with
 sinusoidal positions, which exist at every length).
 
-Verdicts (the shared rule, attnx.train.verdict: 95 % paired t-interval over seeds, margin
-``margin``): sigmoid — held if b = −log n is not worse than softmax and b = 0 is worse than
-b = −log n; ReLU — held if ÷L is not worse than softmax and "none" is worse than ÷L; SSMax —
-held if its accuracy drop from ``train_len`` to the longest evaluation length is smaller than
-softmax's (better on −drop). Inconclusive when the seeds cannot tell.
+Verdicts (kind *claim* of attnx.train.verdict over *paired* comparisons, margin ``margin``):
+sigmoid / ReLU — held if the paper's variant is not worse than softmax and the other one is
+worse than it (:data:`PAIRS`); SSMax — held if its accuracy drop from ``train_len`` to the
+longest length is smaller than softmax's (better on −drop).
 
 Measured (default, 13 min on one shared CPU core): all three inconclusive. digits: softmax
 0.952, sigmoid b = −log n 0.960 and b = 0 0.954, relu ÷L 0.963, ÷Σ 0.947, none 0.957 (3 seeds:
@@ -56,7 +49,7 @@ import numpy as np
 from attnx import data, nn, train
 from attnx.train import config as train_config
 from attnx.train import verdict
-from attnx.train.experiment import Task, TaskResult, Variant, report_task, run_task
+from attnx.train.experiment import Task, TaskResult, Variant, report_task, run_task, with_budget
 
 PRESETS = ("default", "tiny")
 SIGMOID = {"sigmoid b=−log n": "sigmoid:normalization=none",
@@ -64,6 +57,11 @@ SIGMOID = {"sigmoid b=−log n": "sigmoid:normalization=none",
 RELU = {"relu ÷L": "relu:normalization=length", "relu ÷Σ": "relu",
         "relu none": "relu:normalization=none"}
 LENGTH = {"softmax": "softmax", "ssmax": "ssmax"}
+# The digits ablations (the paper's variant, the one it says fails): held if the first is not
+# worse than softmax and the second is worse than the first.
+PAIRS = {"sigmoid": ("sigmoid b=−log n", "sigmoid b=0"), "relu": ("relu ÷L", "relu none")}
+# A study's budget: its sub-config's values replace the global ones (seed, parallel, ... stay).
+_BUDGET = ("num_seeds", "num_steps", "batch_size", "eval_every", "optimizer")
 
 
 def _default() -> ml_collections.ConfigDict:
@@ -117,16 +115,6 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
                          "MQAR examples (config.mqar.data.num_train)")
 
 
-def _sub_config(config: ml_collections.ConfigDict, sub: ml_collections.ConfigDict
-                ) -> ml_collections.ConfigDict:
-  """The run settings of one study: the global ones (seed, parallel, checkpoints, ...) with
-  the study's budget."""
-  c = ml_collections.ConfigDict(config.to_dict())
-  c.update({k: sub[k] for k in ("num_seeds", "num_steps", "batch_size", "eval_every",
-                                "optimizer")})
-  return c
-
-
 def _digits_task(config: ml_collections.ConfigDict) -> Task:
   m = config.digits.model
   return Task(name="digits", dataset="digits", metric="accuracy", margin=config.margin,
@@ -168,21 +156,6 @@ def accuracy_by_length(config: ml_collections.ConfigDict, result: TaskResult
   return out
 
 
-def _pair_verdict(result: TaskResult, good: str, bad: str, margin: float
-                  ) -> tuple[bool | None, str]:
-  """Held if ``good`` is not worse than softmax and ``bad`` is worse than ``good``."""
-  if not {good, bad, "softmax"} <= set(result.fits):
-    return None, f"Not every variant trained ({', '.join(result.failures) or 'none'} failed)."
-  c1 = verdict.compare(result.metric(good), result.metric("softmax"), margin=margin,
-                       a_name=good, b_name="softmax", metric="accuracy")
-  c2 = verdict.compare(result.metric(bad), result.metric(good), margin=margin, a_name=bad,
-                       b_name=good, metric="accuracy")
-  held = (True if c1.not_worse and c2.outcome == "worse"
-          else False if c1.outcome == "worse" or c2.outcome in ("better", "within noise")
-          else None)
-  return held, f"{c1.sentence()}. {c2.sentence()}."
-
-
 def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   """Runs the three ablations, writes the report, returns the numbers."""
   validate_config(config)
@@ -193,31 +166,31 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
             "degrades less than softmax at longer contexts.")
   out: dict[str, Any] = {}
 
-  dc = _sub_config(config, config.digits)
+  dc = with_budget(config, **{k: config.digits[k] for k in _BUDGET})
   variants = [Variant("softmax", nn.attention_spec("softmax"))] + [
       Variant(k, nn.attention_spec(v)) for k, v in {**SIGMOID, **RELU}.items()]
   digits = run_task(dc, workdir, _digits_task(config), variants, "softmax")
   report_task(rep, digits, dc, "softmax", verdict=False)
-  for study, (good, bad) in {"sigmoid": ("sigmoid b=−log n", "sigmoid b=0"),
-                             "relu": ("relu ÷L", "relu none")}.items():
-    held, text = _pair_verdict(digits, good, bad, config.margin)
-    rep.text(verdict.Comparison.rule(config.margin, dc.num_seeds, "accuracy"))
-    rep.verdict(held, f"{study}: {text}")
-    out[study] = {"held": held, "accuracy": {v: digits.metric(v).tolist()
-                                             for v in digits.fits}}
+  for study, (good, bad) in PAIRS.items():
+    claim = digits.claim([(good, "softmax", "not worse"), (bad, good, "worse")])
+    text = claim.text if claim.tested else (
+        f"Not every variant trained ({', '.join(digits.failures) or 'none'} failed).")
+    rep.text(verdict.Comparison.rule(config.margin, dc.num_seeds, "accuracy") + " "
+             + claim.rule())
+    rep.verdict(claim.held, f"{study}: {text}")
+    out[study] = {"held": claim.held, "accuracy": {v: digits.metric(v).tolist()
+                                                   for v in digits.fits}}
 
-  mc = _sub_config(config, config.mqar)
+  mc = with_budget(config, **{k: config.mqar[k] for k in _BUDGET})
   mqar = run_task(mc, workdir, _mqar_task(config),
                   [Variant(k, nn.attention_spec(v)) for k, v in LENGTH.items()], "softmax")
   report_task(rep, mqar, mc, "softmax", verdict=False)
   acc = accuracy_by_length(config, mqar)
   lens = list(config.mqar.eval_lens)
-  rep.table([{"variant": v, **{f"length {n}": train.mean_std(a[n], ".3f") for n in lens}}
-             for v, a in acc.items()],
+  rep.table(train.level_rows(acc, lens, column=lambda n: f"length {n}", fmt=".3f"),
             caption=f"MQAR query accuracy by evaluation length (trained at {lens[0]}; mean ± "
                     f"std over {mc.num_seeds} seeds)")
-  rep.figure(train.plot_curves({v: (np.asarray(lens, float), np.stack([a[n] for n in lens]))
-                                for v, a in acc.items()}, xlabel="evaluation length",
+  rep.figure(train.plot_curves(train.level_curves(acc, lens), xlabel="evaluation length",
                                ylabel="MQAR accuracy", logx=2, band="errorbar"),
              "mqar_accuracy_vs_length", "Accuracy vs evaluation length (trained at "
              f"{lens[0]}).")
@@ -227,8 +200,9 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     c = verdict.compare(-drop["ssmax"], -drop["softmax"], margin=config.margin,
                         a_name="ssmax", b_name="softmax",
                         metric=f"−(accuracy drop {lens[0]} → {lens[-1]})")
-    held = {"better": True, "worse": False, "within noise": False}.get(c.outcome)
-    rep.text(verdict.Comparison.rule(config.margin, mc.num_seeds, "the accuracy drop"))
+    held = verdict.claim([verdict.part(c, "better")]).held  # a smaller drop than softmax's
+    rep.text(verdict.Comparison.rule(config.margin, mc.num_seeds, "the accuracy drop") + " "
+             + verdict.rule("claim"))
     rep.verdict(held, f"ssmax: {c.sentence()} (a smaller drop is better).")
   out["ssmax"] = {"held": held, "accuracy_by_length": {
       v: {n: a[n].tolist() for n in lens} for v, a in acc.items()}}

@@ -3,43 +3,38 @@
 Every weighting trains the same model with the same optimizer, steps, batch size and seeds
 (seeds run in parallel with jax.vmap); only the attention weighting changes. Reported per task:
 test accuracy (or in-context squared error) mean ± std over seeds, time per step, compile time,
-learning curves; plus a summary table across tasks.
+learning curves, a summary table across tasks, and per task the verdict (attnx.train.verdict,
+kind *claim* over *paired* comparisons, margins ``config.margins``): the best alternative is
+not worse than softmax.
 
-Presets (expected results are what we observed with jax 0.10.2 on a 2-core x86 CPU):
-  default  python launch.py
-           digits (real 8x8 images, ViT with 2x2 patches = 16 tokens + CLS), 8 weightings
+Presets, run as ``python launch.py --config=experiments/compare_weightings.py:PRESET`` (results
+as observed with jax 0.10.2 on a 2-core x86 CPU):
+  :default digits (real 8x8 images, ViT with 2x2 patches = 16 tokens + CLS), 8 weightings
            (softmax, relu, relu2, sigmoid, sparsemax, entmax15, linear_elu, metric), 3 seeds,
-           300 steps of batch 32. Measured on 2 cores: 1.5 min wall when the machine is quiet,
-           3.1 min at a load of ≈ 5 from other jobs; compiling the 8 programs is about half
-           of it. Results are deterministic (two runs agreed). Expected test accuracy
+           300 steps of batch 32: 1.5 min wall on 2 quiet cores, 3.1 min at a load of ≈ 5,
+           about half of it compiling; deterministic (two runs agreed). Test accuracy
            ≈ 0.87-0.89 ± 0.02 for softmax, relu, relu2, sigmoid and entmax15; sparsemax
            0.82-0.84, linear_elu and metric ≈ 0.85 (3-6 points lower at this budget).
-  tiny     python launch.py --config=experiments/compare_weightings.py:tiny
-           digits, softmax vs relu, 2 seeds, 40 steps, 1-layer model, checkpoints every 10
-           steps (CI). Measured: 40-70 s wall on the loaded machine, mostly compilation. Test
-           accuracy 0.3-0.5 (chance 0.1): a smoke test, not a result.
-  survey   python launch.py --config=experiments/compare_weightings.py:survey
-           all four tasks at CPU scale (ListOps length ≤ 48, MQAR length 32 with 4 pairs, ICL
+  :tiny    digits, softmax vs relu, 2 seeds, 40 steps, 1-layer model, checkpoints every 10
+           steps (CI): 40-70 s on the loaded machine, mostly compilation; test accuracy
+           0.3-0.5 (chance 0.1): a smoke test, not a result.
+  :survey  all four tasks at CPU scale (ListOps length ≤ 48, MQAR length 32 with 4 pairs, ICL
            d=4 with 16 points), all 13 weightings, 2 seeds, 600 steps of batch 32, and the
-           summary table across tasks. Measured: 18 min wall on 2 cores. Expected: every F
-           within ≈ 2.5 points of softmax on digits (sparsemax lowest), 0.29-0.32 on ListOps,
-           only metric attention solves MQAR at this budget (≈ 0.98 vs ≈ 0.34), ICL error/d
-           ≈ 0.5 (softmax, sigmoid, softplus) to 1.0 (metric).
-  quick    python launch.py --config=experiments/compare_weightings.py:quick
-           digits, softmax/relu/sparsemax/linear_elu, 2 seeds, 200 steps of batch 32.
-           Measured: 71 s wall on 2 cores (one run); expect about twice that under load,
-           as for default.
-  The presets below were not timed or run to completion here; runtimes are estimates from the
-  per-step times above and the results are what the literature leads one to expect.
-  digits   ...:digits   all 13 weightings, 5 seeds, 1000 steps of batch 64 (≈15-30 min).
-  listops  ...:listops  ListOps (max length 128), all weightings, 3 seeds, 2000 steps (hours);
-           LRA-style accuracies are low (LRA reports 0.36 for softmax at length 2000).
-  associative_recall   ...:associative_recall   MQAR, causal model, all weightings, 3 seeds;
-           Arora et al. 2023 find softmax solves it while linear attention needs more state.
-  icl_regression       ...:icl_regression   in-context linear regression (Garg et al. 2022),
-           causal model, all weightings; the error at the last in-context position is compared
-           with least squares (minimum-norm OLS from the preceding pairs), as in their Fig. 2.
-  all      ...:all      all four tasks and all weightings, with the summary table (many hours).
+           summary table across tasks: 18 min on 2 cores. Every F within ≈ 2.5 points of
+           softmax on digits (sparsemax lowest), 0.29-0.32 on ListOps, only metric attention
+           solves MQAR at this budget (≈ 0.98 vs ≈ 0.34), ICL error/d ≈ 0.5 (softmax,
+           sigmoid, softplus) to 1.0 (metric).
+  :quick   digits, softmax/relu/sparsemax/linear_elu, 2 seeds, 200 steps of batch 32: 71 s on
+           2 cores (one run; about twice that under load).
+  Not timed or run to completion here (runtimes estimated from the per-step times above):
+  :digits  all 13 weightings, 5 seeds, 1000 steps of batch 64 (≈15-30 min).
+  :listops ListOps (max length 128), all weightings, 3 seeds, 2000 steps (hours); LRA-style
+           accuracies are low (LRA reports 0.36 for softmax at length 2000).
+  :associative_recall  MQAR, causal model, all weightings, 3 seeds; Arora et al. 2023 find
+           softmax solves it while linear attention needs more state.
+  :icl_regression  in-context linear regression (Garg et al. 2022), causal model, all
+           weightings; the error at the last in-context position against least squares.
+  :all     all four tasks and all weightings, with the summary table (many hours).
 
 Override anything from the command line, e.g. --config.weightings=softmax,relu,sparsemax
 --config.num_seeds=4 --config.num_steps=2000 --config.tasks=digits,associative_recall.
@@ -57,8 +52,6 @@ from attnx.train.config import base_config, check_batch_size, split_list
 from attnx.train.optim import optimizer_config
 from experiments import _common
 
-PRESETS = ("default", "tiny", "quick", "survey", "digits", "listops", "associative_recall",
-           "icl_regression", "all")
 TASKS = ("digits", "listops", "associative_recall", "icl_regression")
 # power at p = 3: its default p = 2 is relu2, already in the list.
 ALL_WEIGHTINGS = ("softmax", "relu", "relu2", "sigmoid", "sigmoid:normalization=none",
@@ -76,13 +69,8 @@ def _default() -> ml_collections.ConfigDict:
   c.experiment = "compare_weightings"
   c.tasks = "digits"  # comma-separated subset of TASKS
   c.weightings = ",".join(DEFAULT_WEIGHTINGS)  # comma-separated attention variants
-  c.num_seeds = 3
-  c.num_steps = 300
-  c.batch_size = 32
-  c.eval_every = 50
-  c.log_every = 10
-  c.checkpoint_every = 100
-  c.keep_checkpoints = 2
+  c.update(dict(num_seeds=3, num_steps=300, batch_size=32, eval_every=50, log_every=10,
+                checkpoint_every=100, keep_checkpoints=2))
   c.max_eval_examples = 1000  # cap on test examples per evaluation (CPU budget)
   # Kernel of the dot/metric attention variants: "" (automatic), dense, blocked or pallas
   # (GPU/TPU; see core.attention). Linear attention has its own kernel.
@@ -159,19 +147,14 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   tasks = split_list(config.tasks)
   if not tasks:
     raise ValueError(f"config.tasks is empty; valid choices: {', '.join(TASKS)}")
-  for t in tasks:
-    if t not in TASKS:
-      raise ValueError(f"config.tasks has unknown task {t!r}; valid choices: {', '.join(TASKS)}")
+  train_config.check_choices(config, "tasks", tasks, TASKS)
   weightings = split_list(config.weightings)
   if not weightings:
     raise ValueError("config.weightings is empty")
   from attnx import core  # lazy: --help/--list stay fast
   from attnx import nn as attnx_nn
-
   impl = config.get("implementation", "")
-  if impl and impl not in core.IMPLEMENTATIONS:
-    raise ValueError(f"config.implementation={impl!r}; valid: '' (automatic), "
-                     f"{', '.join(core.IMPLEMENTATIONS)}")
+  train_config.check_choice(config, "implementation", ("", *core.IMPLEMENTATIONS))  # "": automatic
   for w in weightings:
     try:
       attnx_nn.resolve_attention(_spec(w, impl))
@@ -187,7 +170,6 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     raise ValueError(f"config.model.hidden_dim={m.hidden_dim} must be divisible by "
                      f"config.model.num_heads={m.num_heads}")
   from attnx import data  # sizes and shapes without preparing any data
-
   for t in tasks:
     info = data.get_info(t, **dict(config.data.get(t, {})))
     check_batch_size(config, "batch_size", info.splits["train"], f"task {t!r}")
@@ -196,11 +178,8 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
                        f"{info.input_shape[0]}x{info.input_shape[1]} digits images")
 
 
-# ----------------------------------------------------------------------------------------------
-# Tasks: data + model + loss + evaluation, identical for every weighting.
-
-
 def _tasks(config: ml_collections.ConfigDict) -> list:
+  """The tasks (data, model, loss, evaluation), identical for every weighting."""
   from attnx import data
   from attnx import nn as attnx_nn
   from attnx.train.experiment import Task

@@ -1,50 +1,40 @@
-"""In-context linear regression, Garg-style (Garg et al. 2022).
+"""In-context linear regression (Garg, Tsipras, Liang & Valiant 2022, "What Can Transformers
+Learn In-Context? A Case Study of Simple Function Classes", arXiv 2208.01066, figure 2).
 
-Garg, Tsipras, Liang & Valiant, "What Can Transformers Learn In-Context? A Case Study of Simple
-Function Classes" (arXiv 2208.01066), figure 2: a transformer trained on prompts
-(x_1, w·x_1, ..., x_k, w·x_k, x_query) of random linear functions predicts w·x_query with an
-error that falls with the number of in-context examples k like least squares (the optimal
-estimator), is close to it once k ≥ d, and is far below 3-nearest-neighbour averaging.
-
-Claim under test: the trained softmax transformer's error / d tracks least squares: at the
-in-context positions k ≥ ``match_from`` (default d + 2, past the interpolation peak of
-minimum-norm least squares at k = d), its mean error / d is within ``margin`` of least
-squares', and it falls from k = 0 to the last position. Also run per F: relu and linear
-(elu+1) attention.
+A transformer trained on prompts (x_1, w·x_1, ..., x_k, w·x_k, x_query) of random linear
+functions predicts w·x_query with an error that falls with the number of in-context examples k
+like least squares (the optimal estimator), close to it once k ≥ d and far below
+3-nearest-neighbour averaging. Claim under test: the softmax transformer's error / d tracks
+least squares — verdict (attnx.train.verdict) of kind *claim*: its mean error / d over
+k ≥ ``match_from`` (default d + 2, past minimum-norm least squares' interpolation peak at k = d)
+is not worse than least squares' on the same prompts (*paired*, margin ``margin``), and it
+falls from k = 0 to the last position. relu and linear (elu+1) attention are run and compared
+too.
 
 Setup (scaled down from Garg et al.'s d = 20, 41 points, 12-layer GPT-2 and 500k steps of
 fresh prompts): attnx.data's ``icl_regression`` with d = 5, 20 points per prompt, noiseless,
-100 000 training prompts (a finite set reused for two epochs, not fresh prompts per step)
-and 1000 test prompts; a causal pre-LN transformer (attnx.nn.SequenceRegressor: 3 layers,
-width 64, 4 heads, MLP 128, learned positions) reading the prediction for y_i at x-token i
-(loss "icl_mse"); AdamW with warmup-cosine. No curriculum (Garg et al. grow d and k during
-training; untried here).
+100 000 training prompts (a finite set reused for two epochs) and 1000 test prompts; a causal
+pre-LN transformer (attnx.nn.SequenceRegressor: 3 layers, width 64, 4 heads, MLP 128, learned
+positions) reading the prediction for y_i at x-token i (loss "icl_mse"); AdamW with
+warmup-cosine; no curriculum (Garg et al. grow d and k during training).
 
 Measured (default, 2 seeds, 26 min on one shared CPU core): softmax's error / d falls from
 1.04 at k = 0 to 0.076 at k = 19 (3-nearest neighbours 0.44, least squares 2e-15) — the shape
-of Garg et al.'s curve, but 0.09 above least squares over k ≥ 7, so the claim did not hold at
-this budget; relu 0.24 and linear (elu+1) 0.18 at the last position. The `long` preset
-(softmax, 10 000 steps, 23 min on one core): 0.0062 at k = 19 and 0.019 over k ≥ 7, within
-noise of least squares — held.
+of Garg et al.'s curve, but 0.09 above least squares over k ≥ 7: did not hold at this budget;
+relu 0.24 and linear (elu+1) 0.18 at the last position. ``long`` (softmax, 10 000 steps, 23 min
+on one core): 0.0062 at k = 19 and 0.019 over k ≥ 7, within noise of least squares — held.
 
-Verdict (the shared rule, attnx.train.verdict, 95 % paired t-interval over seeds): per
-weighting, the mean error / d over positions k ≥ match_from is compared with least squares'
-on the same prompts (a constant per seed): "within noise" or "better" → tracks least squares;
-the claim held if softmax tracks it and its error falls with k.
-
-Presets (each the default changed by one small function, see PRESET_FNS):
-  default  python launch.py --config=experiments/icl_regression.py --workdir=runs/icl
-           softmax, relu, linear_elu; 2 seeds; 3000 steps of batch 64 (runtime:
-           docs/results/reproductions.md).
-  long     python launch.py --config=experiments/icl_regression.py:long --workdir=runs/icl_long
-           softmax only, 10 000 steps: the budget question (runtime:
-           docs/results/reproductions.md).
-  tiny     python launch.py --config=experiments/icl_regression.py:tiny --workdir=/tmp/icl
-           softmax only, d = 3, 30 steps: a smoke test.
+Presets (the default changed by one small function each, see PRESET_FNS), run as ``python
+launch.py --config=experiments/icl_regression.py:PRESET --workdir=runs/icl`` (runtimes:
+docs/results/reproductions.md):
+  default  softmax, relu, linear_elu; 2 seeds; 3000 steps of batch 64.
+  long     softmax only, 10 000 steps: the budget question.
+  tiny     softmax only, d = 3, 30 steps: a smoke test.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import ml_collections
@@ -62,18 +52,11 @@ WEIGHTINGS = ("softmax", "relu", "linear_elu")
 
 def _default() -> ml_collections.ConfigDict:
   c = train.base_config()
-  c.experiment = "icl_regression"
-  c.seed = 0
-  c.num_seeds = 2
-  c.weightings = ",".join(WEIGHTINGS)
+  c.update(dict(experiment="icl_regression", seed=0, num_seeds=2,
+                weightings=",".join(WEIGHTINGS), num_steps=3000, batch_size=64, eval_every=500,
+                log_every=100, checkpoint_every=1000, keep_checkpoints=1))
   c.model = ml_collections.ConfigDict(dict(hidden_dim=64, num_layers=3, num_heads=4,
                                            mlp_dim=128))
-  c.num_steps = 3000
-  c.batch_size = 64
-  c.eval_every = 500
-  c.log_every = 100
-  c.checkpoint_every = 1000
-  c.keep_checkpoints = 1
   c.optimizer = train.optimizer_config(name="adamw", learning_rate=1e-3,
                                        schedule="warmup_cosine", warmup_steps=200,
                                        weight_decay=0.0, grad_clip_norm=1.0)
@@ -113,7 +96,7 @@ def match_from(config: ml_collections.ConfigDict) -> int:
 
 def validate_config(config: ml_collections.ConfigDict) -> None:
   """Raises ValueError naming bad keys and the valid choices."""
-  _common.attention_variants(config, "weightings")
+  train.attention_variants(config, "weightings")
   if not 0 <= match_from(config) < config.data.num_points:
     raise ValueError(f"config.match_from={config.match_from} must be < config.data."
                      f"num_points={config.data.num_points} (-1: d + 2).")
@@ -137,59 +120,50 @@ def _task(config: ml_collections.ConfigDict) -> Task:
                           f"{data['num_points']} points per prompt; squared error / d")
 
 
-def judge(curves: dict[str, np.ndarray], least_squares: np.ndarray, start: int,
-          margin: float) -> tuple[bool | None, str, dict[str, str]]:
-  """Per weighting: its per-seed mean error/d over positions ≥ start vs least squares' (the
-  shared rule, lower is better); the claim needs softmax within noise of or better than
-  least squares, with an error that falls from position 0 to the last."""
+def tracks_least_squares(curves: dict[str, np.ndarray], least_squares: np.ndarray, start: int,
+                         margin: float) -> tuple[verdict.Claim, str, dict[str, str]]:
+  """The claim of the module docstring (every weighting compared, softmax's decides); its
+  text and each weighting's outcome. Untested without softmax."""
   ls = float(np.mean(least_squares[start:]))
-  outcomes, parts = {}, []
-  for w, c in curves.items():
-    c = np.asarray(c, float)  # [seeds, k]
-    tail = c[:, start:].mean(1)
-    cmp = verdict.compare(tail, np.full_like(tail, ls), margin=margin, higher_is_better=False,
-                          a_name=w, b_name="least squares",
-                          metric=f"mean error/d at k ≥ {start}")
-    outcomes[w] = cmp.outcome
-    parts.append(cmp.sentence())
-  text = " ".join(p + "." for p in parts)
+  comps = {w: verdict.compare(np.asarray(c, float)[:, start:].mean(1), ls, margin=margin,
+                              higher_is_better=False, a_name=w, b_name="least squares",
+                              metric=f"mean error/d at k ≥ {start}") for w, c in curves.items()}
+  text = " ".join(c.sentence() + "." for c in comps.values())
+  outcomes = {w: c.outcome for w, c in comps.items()}
   if "softmax" not in curves:
-    return None, text + " Softmax was not trained: the claim is untested.", outcomes
+    return verdict.claim([]), text + " Softmax was not trained: the claim is untested.", outcomes
   soft = np.asarray(curves["softmax"], float)
   falls = bool(np.all(soft[:, -1] < soft[:, 0]))
   text += (f" Softmax's error/d {'falls' if falls else 'does not fall'} from k = 0 "
            f"({soft[:, 0].mean():.3g}) to k = {soft.shape[1] - 1} ({soft[:, -1].mean():.3g}).")
-  o = outcomes["softmax"]
-  if o in ("better", "within noise") and falls:
-    return True, text, outcomes
-  if o == "worse" or not falls:
-    return False, text, outcomes
-  return None, text, outcomes
+  claim = verdict.claim([verdict.part(comps["softmax"], "not worse"),
+                         verdict.check("error falls with k", falls)])
+  return claim, text, outcomes
 
 
-def _finish(config: ml_collections.ConfigDict) -> Any:
-  def finish(rep: train.Report, results: dict[str, TaskResult]) -> dict[str, Any]:
-    result = results["icl_regression"]
-    rep.section("Error vs number of in-context examples (Garg et al., figure 2)")
-    base = _common.icl_report(rep, result)
-    curves = {w: np.asarray(r.final_metrics["icl_curve"]) for w, r in result.fits.items()}
-    start = match_from(config)
-    held, text, outcomes = judge(curves, base["least squares"], start, config.margin)
-    rep.text(verdict.Comparison.rule(config.margin, config.num_seeds,
-                                     f"mean error/d at k ≥ {start}"))
-    rep.verdict(held, text)
-    return {"curves": {w: c.tolist() for w, c in curves.items()},
-            "baselines": {n: c.tolist() for n, c in base.items()},
-            "outcomes": outcomes, "held": held}
-
-  return finish
+def _finish(config: ml_collections.ConfigDict, rep: train.Report,
+            results: dict[str, TaskResult]) -> dict[str, Any]:
+  """The figure-2 section and the verdict, after the task's standard report."""
+  result = results["icl_regression"]
+  rep.section("Error vs number of in-context examples (Garg et al., figure 2)")
+  base = _common.icl_report(rep, result)
+  curves = {w: np.asarray(r.final_metrics["icl_curve"]) for w, r in result.fits.items()}
+  start = match_from(config)
+  claim, text, outcomes = tracks_least_squares(curves, base["least squares"], start,
+                                               config.margin)
+  rep.text(verdict.Comparison.rule(config.margin, config.num_seeds,
+                                   f"mean error/d at k ≥ {start}") + " " + claim.rule())
+  rep.verdict(claim.held, text)
+  return {"curves": {w: c.tolist() for w, c in curves.items()},
+          "baselines": {n: c.tolist() for n, c in base.items()},
+          "outcomes": outcomes, "held": claim.held}
 
 
 def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   """Trains every weighting, writes the report, returns the numbers."""
   validate_config(config)
   variants = [Variant(w, nn.attention_spec(w))
-              for w in _common.variant_list(config.weightings)]
+              for w in train.variant_list(config.weightings)]
   d, m = config.data, config.model
   return run_comparison(
       config, workdir, title="In-context linear regression (Garg et al. 2022)",
@@ -202,4 +176,4 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
             f"{config.optimizer.learning_rate:g}; seeds {config.seed}.."
             f"{config.seed + config.num_seeds - 1}.",
       tasks=[_task(config)], variants=variants, reference="softmax", label="weighting",
-      finish=_finish(config))
+      finish=functools.partial(_finish, config))

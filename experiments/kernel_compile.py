@@ -21,12 +21,11 @@ matrix), ``relative`` (the causal GQA shape with the cap and a learned relative-
 covering every distance, [N, 2·T − 1] (``core.relative_table``), differentiated; not in the
 default matrix).
 
-A program passes when it compiles (a kernel over the shared memory a block may have, or over
-its scoped VMEM, fails to), no kernel of it spills registers (GPU) — except a kernel whose GPU
-tiles were chosen by time on a GPU (``tiles.GpuTier.timed``: measured faster than the spill-free
-ones), whose spills the rows still show — and none uses more than the chip's shared memory /
-VMEM. Presets: ``sample`` (CI: every F at H = 128, bf16, causal GQA on h100 and v5e),
-``default`` (the full matrix), ``tiny`` (2 F on h100, for a quick look).
+A program passes when its :func:`claim` holds (attnx.train.verdict, kind *claim*):
+it compiles, no kernel spills registers (GPU; except tiles chosen by time on a GPU,
+``tiles.GpuTier.timed``), none exceeds the chip's shared memory / VMEM. Presets: ``sample``
+(CI: every F at H = 128, bf16, causal GQA on h100 and v5e), ``default`` (the full matrix),
+``tiny`` (2 F on h100, for a quick look).
 
 Needs the compile-only toolchain (``pip install -e ".[aot]"``: JAX's CUDA plugin at jaxlib's
 version, ptxas, libtpu); without it the report says what to install and the run exits 0 with
@@ -40,7 +39,6 @@ Command:
 from __future__ import annotations
 
 import functools
-import json
 import math
 import os
 import sys
@@ -60,6 +58,8 @@ from attnx.core import weightings as wlib  # noqa: E402
 from attnx.core.kernels.common import round_up  # noqa: E402
 from attnx.core.kernels.pallas import tiles as pallas_tiles  # noqa: E402
 from attnx.train import config as train_config  # noqa: E402
+from attnx.train import verdict  # noqa: E402
+from attnx.train.benchmark.cases import case_weighting  # noqa: E402  (distance kernels: −d²)
 
 VARIANTS = ("causal_gqa", "mask_bias", "ragged", "documents", "modded", "relative")
 # The default matrix: the variants every kernel runs.
@@ -113,10 +113,7 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   """Raises ValueError for an unknown target, variant, dtype or weighting."""
   for key, valid in (("targets", tuple(aot.TARGETS)), ("variants", VARIANTS),
                      ("dtypes", ("bfloat16", "float16", "float32"))):
-    bad = [x for x in train.split_list(config[key]) if x not in valid]
-    if bad or not train.split_list(config[key]):
-      raise ValueError(f"config.{key} has invalid entries {bad or '(none)'}; valid: "
-                       f"{', '.join(valid)}")
+    train.check_choices(config, key, train.split_list(config[key]) or ["(none)"], valid)
   for name in weightings(config):
     if not core.api.streams(wlib.get_weighting(name)):
       raise ValueError(f"config.weightings: {name!r} has no Pallas kernel (no streaming form)")
@@ -125,37 +122,31 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
       raise ValueError(f"config.head_dims: bad head size {h!r}")
 
 
-def case_weighting(name: str, head_dim: int) -> tuple[str, str]:
-  """(weighting, score): distance kernels run on neg_sq_dist (the pallas benchmark's rule)."""
-  from experiments.pallas_benchmark import case_weighting as rule  # noqa: PLC0415
-
-  return rule(name, head_dim)
-
-
 def program(weighting: str, dtype: str, head_dim: int, variant: str, config):
-  """(fn, args): the fwd+bwd program of one case (grad of Σ out² w.r.t. q, k, v, bias) and
-  its abstract arguments."""
+  """(fn, args): the fwd+bwd program of one case (grad of Σ out² w.r.t. q, k, v and the
+  variant's learned arguments) and its abstract arguments."""
   b, n, kh, length = (int(config.batch), int(config.num_heads), int(config.num_kv_heads),
                       int(config.length))
   t, s = (1000, 3000) if variant == "ragged" else (length, length)
   name, score = case_weighting(weighting, head_dim)
-  dt = jnp.dtype(dtype)
-  args = [jax.ShapeDtypeStruct((b, t, n, head_dim), dt),
-          jax.ShapeDtypeStruct((b, s, kh, head_dim), dt),
-          jax.ShapeDtypeStruct((b, s, kh, head_dim), dt)]
-  extra: dict[str, Any] = {}
-  if variant == "mask_bias":
-    args.append(jax.ShapeDtypeStruct((1, n, t, s), jnp.float32))
-    extra["mask"] = jnp.arange(s)[None, None, None, :] < s - 17  # key padding
-  if variant == "modded":
-    args.append(jax.ShapeDtypeStruct((n,), jnp.float32))  # ALiBi slopes, learned
-    if problem.sinks_reason(wlib.get_weighting(name)) is None:  # F whose sum a sink enters
-      args.append(jax.ShapeDtypeStruct((n,), jnp.float32))  # sinks, learned
-  if variant == "relative":  # a learned table of every distance
-    args.append(jax.ShapeDtypeStruct((n, 2 * max(t, s) - 1), jnp.float32))
+  sds, f32, dt = jax.ShapeDtypeStruct, jnp.float32, jnp.dtype(dtype)
+  sinks = problem.sinks_reason(wlib.get_weighting(name)) is None  # F whose sum a sink enters
+  learned = {"mask_bias": [sds((1, n, t, s), f32)],  # a per-head bias
+             "modded": [sds((n,), f32)] * (1 + sinks),  # ALiBi slopes (and sinks)
+             "relative": [sds((n, 2 * max(t, s) - 1), f32)]}  # a table of every distance
+  args = [sds((b, t, n, head_dim), dt), *[sds((b, s, kh, head_dim), dt)] * 2,
+          *learned.get(variant, [])]
   differentiated = tuple(range(len(args)))
   if variant == "documents":
-    args.append(jax.ShapeDtypeStruct((b, t), jnp.int32))  # segment ids, not differentiated
+    args.append(sds((b, t), jnp.int32))  # segment ids, not differentiated
+  padding = jnp.arange(s)[None, None, None, :] < s - 17  # mask_bias's key padding (a constant)
+  keywords = {  # attention keywords from the variant's extra arguments
+      "mask_bias": lambda r: dict(bias=r[0], mask=padding),
+      "documents": lambda r: dict(mask=core.masks.segment_ids(r[0])
+                                  & core.masks.sliding_window(512, 0)),
+      "modded": lambda r: dict(logits_soft_cap=30.0, score_mod=core.alibi(r[0]),
+                               sinks=r[1] if len(r) > 1 else None),
+      "relative": lambda r: dict(logits_soft_cap=30.0, score_mod=core.relative_table(r[0]))}
   attend = functools.partial(
       core.attention, weighting=name, score=score,
       is_causal=variant in ("causal_gqa", "documents", "modded", "relative"),
@@ -163,16 +154,7 @@ def program(weighting: str, dtype: str, head_dim: int, variant: str, config):
       implementation="pallas")
 
   def loss(q, k, v, *rest):
-    if variant == "documents":
-      mask = core.masks.segment_ids(rest[0]) & core.masks.sliding_window(512, 0)
-      out = attend(q, k, v, mask=mask)
-    elif variant == "modded":
-      out = attend(q, k, v, logits_soft_cap=30.0, score_mod=core.alibi(rest[0]),
-                   sinks=rest[1] if len(rest) > 1 else None)
-    elif variant == "relative":
-      out = attend(q, k, v, logits_soft_cap=30.0, score_mod=core.relative_table(rest[0]))
-    else:
-      out = attend(q, k, v, *rest, **extra)
+    out = attend(q, k, v, **keywords.get(variant, lambda r: {})(rest))
     return jnp.sum(jnp.square(out.astype(jnp.float32)))
 
   return jax.grad(loss, argnums=differentiated), args
@@ -196,33 +178,25 @@ def kernel_role(kernel_name: str) -> str:
   return "dkv" if role in ("dk", "dv") else role
 
 
-def judge(report: aot.CompileReport, target: aot.Target,
-          timed: frozenset[str] = frozenset()) -> str:
-  """"pass", or what failed: the compile, a spill, shared memory or VMEM over the limit.
+def claim(report: aot.CompileReport, timed: frozenset[str] = frozenset()) -> verdict.Claim:
+  """What a compiled program must meet (kind *claim*, attnx.train.verdict): every limit of its
+  chip (``CompileReport.limit_checks``: it compiles, no spills, shared memory / VMEM within the
+  chip's, registers measured), a spill in a kernel of ``timed`` (GPU tiles chosen by time:
+  :func:`timed_kernels`) being a measured trade, not a failure (the rows still show it)."""
+  allowed = {k.name for k in report.pallas_kernels if kernel_role(k.name) in timed}
+  return verdict.claim(verdict.check(what, met) for what, met in
+                       report.limit_checks(spills_allowed=allowed))
 
-  A spill in a kernel of ``timed`` (GPU tiles chosen by time: :func:`timed_kernels`) is a
-  measured trade, not a failure; the kernels' rows still show it."""
-  if not report.ok:
-    first = (report.error or "").splitlines()[0]
-    if report.category == "trace_error" and "cannot run this" in first:
-      return "n/a: " + first.split("cannot run this: ", 1)[1][:160]  # a documented limit
-    return f"FAIL {report.category}: {first[:160]}"
-  problems = []
-  for k in report.pallas_kernels:
-    if k.spill_store_bytes and kernel_role(k.name) not in timed:
-      problems.append(f"{k.name} spills {k.spill_store_bytes} B")
-    if k.smem_bytes and target.smem_per_block and k.smem_bytes > target.smem_per_block:
-      problems.append(f"{k.name} smem {k.smem_bytes} > {target.smem_per_block}")
-    # A kernel over its scoped-VMEM limit fails to compile (vmem_oom). The compiler's figure
-    # can exceed the limit the kernel asked for (its internal scratch on top; seen compiling):
-    # what must hold is the chip's VMEM.
-    if k.vmem_bytes and target.vmem_bytes and k.vmem_bytes > target.vmem_bytes:
-      problems.append(f"{k.name} VMEM {k.vmem_bytes} > {target.vmem_bytes}")
-  if target.platform == "cuda" and any(k.registers is None for k in report.pallas_kernels):
-    problems.append("registers not measured (no ptxas)")
-  if not report.pallas_kernels:
-    problems.append("no Pallas kernel found")
-  return "FAIL " + "; ".join(problems) if problems else "pass"
+
+def status_cell(report: aot.CompileReport, timed: frozenset[str] = frozenset()) -> str:
+  """A program's status: "pass" when its :func:`claim` holds, else "FAIL " and the refuted
+  parts; "n/a: ..." for a documented limit of ``implementation="pallas"`` ("cannot run
+  this"), a program that is not compiled."""
+  first = (report.error or "").splitlines()[0] if report.error else ""
+  if report.category == "trace_error" and "cannot run this" in first:
+    return "n/a: " + first.split("cannot run this: ", 1)[1][:160]
+  c = claim(report, timed)
+  return "pass" if c.held else "FAIL " + "; ".join(c.refuted())
 
 
 def compile_case(case: dict[str, Any], config) -> tuple[aot.CompileReport, list[dict]]:
@@ -232,7 +206,7 @@ def compile_case(case: dict[str, Any], config) -> tuple[aot.CompileReport, list[
   target = aot.TARGETS[case["target"]]
   timed = (timed_kernels(case["weighting"], case["dtype"], case["H"])
            if target.platform == "cuda" else frozenset())
-  status = judge(report, target, timed)
+  status = status_cell(report, timed)
   base = {key: case[key] for key in ("target", "weighting", "dtype", "H", "variant")}
   rows = []
   for k in report.pallas_kernels or [None]:
@@ -261,6 +235,7 @@ def cases(config) -> list[dict[str, Any]]:
 
 
 def _fmt(v: Any) -> str:
+  """A compile table cell: 1–2 decimals, a grid as 8×2×1, nothing for an unmeasured value."""
   if v is None:
     return ""
   if isinstance(v, float):
@@ -268,12 +243,6 @@ def _fmt(v: Any) -> str:
   if isinstance(v, tuple):
     return "×".join(map(str, v))
   return str(v)
-
-
-def markdown_table(rows: list[dict[str, Any]]) -> str:
-  lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-  lines += ["| " + " | ".join(_fmt(r.get(c)) for c in COLUMNS) + " |" for r in rows]
-  return "\n".join(lines) + "\n"
 
 
 def summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -322,14 +291,13 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
           f"H={case['H']} {case['variant']}: {case_rows[0]['status']} "
           f"({report.compile_seconds:.1f} s)", flush=True)
   elapsed = time.time() - t0
-  table = markdown_table(rows)
+  table = train.markdown_table(rows, COLUMNS, fmt=_fmt)
   with open(os.path.join(workdir, "compile.md"), "w") as f:
     # A title: the table can be copied into docs/kernel_compile/ as a page of the site as is.
     f.write(f"# Compile report: {', '.join(train.split_list(config.targets))}\n\n{table}")
   versions = aot.toolchain_versions()
-  with open(os.path.join(workdir, "compile.json"), "w") as f:
-    json.dump({"rows": rows, "columns": COLUMNS, "elapsed_s": elapsed, "versions": versions,
-               "config": config.to_dict()}, f, indent=1, default=str)
+  rep.save_json("compile.json", {"rows": rows, "columns": COLUMNS, "elapsed_s": elapsed,
+                                 "versions": versions, "config": config})
   per_target = summary(rows)
   failed = sorted({(r["target"], r["weighting"], r["dtype"], r["H"], r["variant"], r["status"])
                    for r in rows if r["status"].startswith("FAIL")})
@@ -337,7 +305,12 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
            + ", ".join(f"{d} {v}" for d, v in versions.items() if v) + ".")
   rep.section("Summary")
   rep.table(per_target)
-  rep.verdict(not failed, "every program passes (compiles, 0 spill bytes outside the timed "
+  programs = {(r["target"], r["weighting"], r["dtype"], r["H"], r["variant"]): r["status"]
+              for r in rows if not r["status"].startswith("n/a")}  # n/a: a documented limit
+  every = verdict.claim(verdict.check(" ".join(map(str, p)), s == "pass")
+                        for p, s in programs.items())
+  rep.text(every.rule())
+  rep.verdict(every.held, "every program passes (compiles, 0 spill bytes outside the timed "
               "GPU tiles, within the chip's memory limits)." if not failed else
               f"{len(failed)} of {len(todo)} programs fail: "
               + "; ".join(" ".join(map(str, f)) for f in failed[:12])

@@ -1,43 +1,32 @@
-"""Metric-attention vs standard self-attention.
+"""Metric-attention vs standard self-attention (Ruan & Zhang, "Towards understanding how
+attention mechanism works in deep learning", arXiv 2412.18288).
 
-Ruan & Zhang, "Towards understanding how attention mechanism works in deep learning"
-(arXiv 2412.18288).
-
-Claim (Ruan & Zhang): attention decomposes into a learnable pseudo-metric and a similarity-based
+Claim: attention decomposes into a learnable pseudo-metric and a similarity-based
 propagation; "metric-attention", which learns the pseudo-metric explicitly, has better
 training efficiency, accuracy and robustness than standard self-attention.
 
 The paper's exact parametrization is not public; attnx.nn.MetricAttention implements the idea
-as a learned Mahalanobis pseudo-metric per head, s_ij = −τ_h‖L_h(x_i − x_j)‖² (see its
-docstring), so this tests that version, not a reproduction. Both variants run in the same
-VisionTransformer (same width, depth, heads, optimizer, steps and seeds); only the attention
-module differs.
+as a learned Mahalanobis pseudo-metric per head, s_ij = −τ_h‖L_h(x_i − x_j)‖², so this tests
+that version, not a reproduction. Both variants run in the same VisionTransformer (same width,
+depth, heads, optimizer, steps and seeds); only the attention module differs.
 
-Measured on ``digits`` (and on catalog image datasets such as mnist when they are prepared
-locally; skipped with a note otherwise): final test accuracy (accuracy), the number of steps
-until test accuracy first reaches a target (training efficiency), and test accuracy with
-Gaussian noise of growing size added to the images, mean ± std over seeds. Robustness is
-judged on the accuracy drop (clean − noisy at the largest noise level), not on the noisy
-accuracy, which would reward a variant for its clean accuracy alone.
+Measured on ``digits`` (and on catalog image datasets such as mnist when prepared locally;
+skipped with a note otherwise), one ``Task`` per dataset (attnx.train.experiment): final test
+accuracy, the steps until test accuracy first reaches a target (efficiency,
+attnx.train.benchmark.steps_to_target), and the accuracy drop from clean images to the largest
+level of Gaussian pixel noise (robustness; the ``"noisy_accuracy"`` evaluator) — not the noisy
+accuracy, which would reward a variant for its clean accuracy alone. Verdict (attnx.train.verdict):
+each variant vs the baseline by the *paired* rule, combined per claim and over the three claims
+by the kind *unanimous* (better only if better on every one, worse if worse on any).
 
-The experiment is declared on the shared path (attnx.train.experiment): one ``Task`` per
-dataset (data, model builder, primary metric, margin, and the ``"noisy_accuracy"`` evaluator
-of attnx.train.evaluators with this config's noise levels), trained per variant with
-attnx.train.fit and compared by attnx.train.verdict; steps to the target come from
-attnx.train.benchmark.steps_to_target.
-
-Presets (each the default changed by one small function, see PRESET_FNS):
-  default
-  python launch.py --config=experiments/metric_attention.py:default --workdir=runs/metric_attention
-           digits (mnist when prepared locally), 3 seeds, 600 steps. Measured on 2 shared CPU
+Presets (the default changed by one small function each, see PRESET_FNS), run as
+``python launch.py --config=experiments/metric_attention.py:PRESET --workdir=runs/ma``:
+  default  digits (mnist when prepared locally), 3 seeds, 600 steps. Measured on 2 shared CPU
            cores (digits only): 46 s quiet, 75–96 s at a load average of ≈ 5.
-  tiny     python launch.py --config=experiments/metric_attention.py:tiny --workdir=/tmp/ma_tiny
-           digits, 2 seeds, 1 layer, 20 steps, noise σ ∈ {0, 0.3}: a smoke test (28–30 s
+  tiny     digits, 2 seeds, 1 layer, 20 steps, noise σ ∈ {0, 0.3}: a smoke test (28–30 s
            measured at load ≈ 5; accuracy 0.36–0.53, claims inconclusive / within noise).
-Expected result: unknown a priori — this is the test. The report says plainly which of the
-three claims held here and by how much relative to the seed-to-seed spread (on digits with the
-default preset: metric attention 0.904 vs softmax 0.929 accuracy, 358 vs 225 steps to 0.9, the
-same accuracy drop under pixel noise — the claims did not hold).
+Expected result: unknown a priori — this is the test (default, digits: metric attention 0.904
+vs softmax 0.929 accuracy, 358 vs 225 steps to 0.9, the same accuracy drop under pixel noise).
 """
 
 from __future__ import annotations
@@ -46,18 +35,13 @@ import time
 from typing import Any
 
 import jax
-import matplotlib
+import ml_collections
+import numpy as np
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import ml_collections  # noqa: E402
-import numpy as np  # noqa: E402
-
-from attnx import data, nn, train  # noqa: E402
-from attnx.train import config as train_config  # noqa: E402
-from attnx.train import experiment  # noqa: E402
-from attnx.train.benchmark import format_steps, steps_to_target  # noqa: E402
-from experiments import _common  # noqa: E402
+from attnx import data, nn, train
+from attnx.train import config as train_config
+from attnx.train import experiment
+from attnx.train.benchmark import format_steps, steps_to_target
 
 PRESETS = ("default", "tiny")
 # Patch sizes giving 16 tokens per image for the datasets we know.
@@ -106,16 +90,10 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
 
 def validate_config(config: ml_collections.ConfigDict) -> None:
   """Raises ValueError naming bad keys and the valid choices."""
-  valid = nn.list_attention_variants()
-  for v in config.variants:
-    try:
-      nn.attention_spec(v)
-    except ValueError:
-      raise ValueError(f"config.variants: unknown variant {v!r}; valid: "
-                       f"{', '.join(valid)}.") from None
+  train.attention_variants(config, "variants")
   if len(config.variants) < 2:
     raise ValueError("config.variants needs at least two variants to compare.")
-  _common.check_choices(config, "datasets", list(config.datasets), tuple(_PATCH))
+  train.check_choices(config, "datasets", list(config.datasets), tuple(_PATCH))
   if not 0 < config.target_accuracy <= 1:
     raise ValueError("config.target_accuracy must be in (0, 1].")
   if min(config.noise_levels) < 0:
@@ -127,24 +105,16 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
                            f"{name!r}{' (config.max_train_examples)' if capped else ''}")
 
 
-def _to_unit_floats(arrays: dict[str, dict[str, np.ndarray]]) -> dict[str, dict[str, np.ndarray]]:
-  """Catalog images come as uint8: pixels to float32 in [0, 1] (attnx's digits already are)."""
-  return {split: {k: (v.astype(np.float32) / 255.0 if k == "inputs" and v.dtype == np.uint8
-                      else v) for k, v in a.items()} for split, a in arrays.items()}
-
-
 def make_task(name: str, config) -> experiment.Task:
-  """The declaration of one dataset's task: the VisionTransformer builder, the primary metric
-  (test accuracy) and its margin; the learning curve is test accuracy on the first 1000 test
-  images every ``eval_every`` steps, the final metrics clean accuracy and the
-  ``"noisy_accuracy"`` evaluator (the same N(0, σ²) pixel-noise draw, from config.seed, for
-  every model) on all of them."""
+  """One dataset's task: the ViT, test accuracy (curve: first 1000 test images every
+  ``eval_every`` steps) and ``"noisy_accuracy"`` (one N(0, σ²) pixel-noise draw, from
+  config.seed, for every model)."""
   num_classes = data.get_info(name).num_classes
   return experiment.Task(
       name=name, dataset=name, metric="accuracy", margin=config.margins.accuracy,
       evaluators=("accuracy", "noisy_accuracy"), curve_evaluators=("accuracy",),
       curve_limit=1000, train_limit=config.max_train_examples,
-      eval_limit=config.max_test_examples, prepare=_to_unit_floats,
+      eval_limit=config.max_test_examples, prepare=experiment.images_to_unit_floats,
       eval_options=dict(noise_levels=tuple(config.noise_levels), noise_seed=config.seed),
       fit_options=dict(optimizer=train.optimizer_config(
                            learning_rate=config.learning_rate,
@@ -157,8 +127,7 @@ def make_task(name: str, config) -> experiment.Task:
 
 
 def run_dataset(task: experiment.Task, arrays: dict, config, workdir: str) -> dict[str, Any]:
-  """Trains every variant on one dataset (attnx.train.experiment.run_task); returns
-  per-variant metrics."""
+  """Trains every variant on one dataset (experiment.run_task); per-variant metrics."""
   variants = [experiment.Variant(v, nn.attention_spec(v)) for v in config.variants]
   result = experiment.run_task(config, workdir, task, variants, config.variants[0], arrays)
   if result.failures:
@@ -182,15 +151,9 @@ def accuracy_drop(r: dict[str, Any], sigma: float) -> np.ndarray:
   return np.asarray(r["accuracy"]) - np.asarray(r["noisy"][sigma])
 
 
-def _outcome(a, b, margin: float) -> str:
-  """Outcome of A vs B (higher is better) by the shared verdict rule (attnx.train.verdict)."""
-  return train.verdict.compare(a, b, margin=margin).outcome
-
-
 def report_dataset(rep: train.Report, name: str, res: dict[str, Any], arrays: dict,
                    config: ml_collections.ConfigDict) -> None:
-  """One dataset's tables (accuracy, steps to target, noise robustness, per noise level) and
-  its figure (learning curves and accuracy vs noise)."""
+  """One dataset's tables (results; accuracy per noise level) and figure (curves)."""
   hi = max(config.noise_levels)
   rows = []
   for v, r in res.items():
@@ -206,17 +169,15 @@ def report_dataset(rep: train.Report, name: str, res: dict[str, Any], arrays: di
            "test images.")
   rep.table(rows, caption=f"{name}: mean ± std over {config.num_seeds} seeds; accuracy drop "
             f"= test accuracy − accuracy at σ={hi:g} (per seed; smaller = more robust)")
-  noise_rows = [{"variant": v, **{f"σ={s:g}": r["noisy"][s] for s in config.noise_levels}}
-                for v, r in res.items()]
-  rep.table(noise_rows, caption="test accuracy under Gaussian pixel noise")
-  fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+  noisy = {v: r["noisy"] for v, r in res.items()}
+  rep.table(train.level_rows(noisy, config.noise_levels),
+            caption="test accuracy under Gaussian pixel noise")
+  fig, axes = train.subplots(2, size=(5, 3.8))
   train.plot_learning_curves({v: r["history"] for v, r in res.items()}, "eval_accuracy",
                              ax=axes[0], ylabel="test accuracy")
   axes[0].axhline(config.target_accuracy, color="gray", ls=":", lw=1)
-  train.plot_curves({v: (config.noise_levels,
-                         np.stack([r["noisy"][s] for s in config.noise_levels]))
-                     for v, r in res.items()},
-                    xlabel="noise σ", ylabel="test accuracy", band="errorbar", ax=axes[1])
+  train.plot_curves(train.level_curves(noisy, config.noise_levels), xlabel="noise σ",
+                    ylabel="test accuracy", band="errorbar", ax=axes[1])
   rep.figure(fig, f"{name}_curves", f"{name}: test accuracy during training (left) and "
              "under input noise (right), mean ± std over seeds.")
 
@@ -224,48 +185,22 @@ def report_dataset(rep: train.Report, name: str, res: dict[str, Any], arrays: di
 def dataset_outcomes(res: dict[str, Any], config: ml_collections.ConfigDict
                      ) -> dict[str, list[str]]:
   """{claim: outcomes} of every non-baseline variant vs the baseline on one dataset, by the
-  shared rule: accuracy, efficiency (fewer steps to the target; never reaching it counts as
-  the full budget + 1) and robustness (a smaller accuracy drop at the largest noise level;
-  untested without noise)."""
+  *paired* rule (higher is better): accuracy, efficiency (fewer steps to the target; never
+  reaching it counts as the full budget + 1) and robustness (a smaller accuracy drop at the
+  largest noise level; untested without noise)."""
   base, hi, mg = config.variants[0], max(config.noise_levels), config.margins
   fill = lambda x: np.where(np.isfinite(x), x, config.num_steps + 1)
+  outcome = lambda a, b, margin: train.verdict.compare(a, b, margin=margin).outcome
   out: dict[str, list[str]] = {"accuracy": [], "efficiency": [], "robustness": []}
   for v in config.variants[1:]:
     a, b = res[v], res[base]
-    out["accuracy"].append(_outcome(a["accuracy"], b["accuracy"], mg.accuracy))
-    out["efficiency"].append(_outcome(-fill(a["steps_to_target"]), -fill(b["steps_to_target"]),
-                                      mg.steps_fraction * config.num_steps))
+    out["accuracy"].append(outcome(a["accuracy"], b["accuracy"], mg.accuracy))
+    out["efficiency"].append(outcome(-fill(a["steps_to_target"]), -fill(b["steps_to_target"]),
+                                     mg.steps_fraction * config.num_steps))
     if hi > 0:  # robustness = a smaller drop; the noisy accuracy alone mixes in clean accuracy
-      out["robustness"].append(_outcome(-accuracy_drop(a, hi), -accuracy_drop(b, hi),
-                                        mg.accuracy))
+      out["robustness"].append(outcome(-accuracy_drop(a, hi), -accuracy_drop(b, hi),
+                                       mg.accuracy))
   return out
-
-
-def claim_verdict(outcomes: list[str]) -> str:
-  """One claim's verdict over every dataset and variant: "better" only if better on every
-  one, "worse" if worse on any, "within noise" if within noise on all, "untested" without
-  outcomes, else "inconclusive"."""
-  if not outcomes:
-    return "untested"
-  if all(o == "better" for o in outcomes):
-    return "better"
-  if any(o == "worse" for o in outcomes):
-    return "worse"
-  if all(o == "within noise" for o in outcomes):
-    return "within noise"
-  return "inconclusive"
-
-
-def claim_held(verdicts: dict[str, str]) -> bool | None:
-  """True when every claim is "better", False when any is "worse", else None (also when all
-  are untested)."""
-  if all(o == "untested" for o in verdicts.values()):
-    return None
-  if all(o == "better" for o in verdicts.values()):
-    return True
-  if any(o == "worse" for o in verdicts.values()):
-    return False
-  return None
 
 
 def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
@@ -304,8 +239,9 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     results["datasets"][name] = {
         v: {"accuracy": r["accuracy"], "noisy": r["noisy"], "steps_to_target":
             r["steps_to_target"], "ms_per_step": r["ms_per_step"]} for v, r in res.items()}
-  results["claims"] = verdicts = {k: claim_verdict(v) for k, v in claims.items()}
-  results["verdict"] = held = claim_held(verdicts)
+  results["claims"] = verdicts = {k: train.verdict.unanimous(v) for k, v in claims.items()}
+  results["verdict"] = held = train.verdict.unanimous_held(verdicts)
+  rep.text(train.verdict.rule("unanimous"))
   rep.verdict(held, f"Metric-attention against {config.variants[0]}: "
               + "; ".join(f"{k}: {o}" for k, o in verdicts.items())
               + ". " + train.verdict.Comparison.rule(config.margins.accuracy, config.num_seeds)
@@ -320,5 +256,5 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
               "unpublished code, on small CPU-sized models.")
   results["seconds"] = time.time() - t0
   results["report"] = rep.write()
-  _common.save_json(workdir, "metric_attention.json", results)
+  rep.save_json("metric_attention.json", results)
   return results

@@ -24,28 +24,14 @@ pre-LN transformer (attnx.nn.SequenceClassifier, per-token logits) with 2 layers
 block (Zoology's MQAR models have none; we kept attnx's standard block). Metric: accuracy of the
 predicted value at the query positions on 1000 held-out examples.
 
-Verdict (the shared rule, attnx.train.verdict, 95 % paired t-interval over seeds):
-(1) softmax "solves" MQAR at width d when the lower end of the 95 % t-interval of its seed
-accuracies is ≥ ``solve_threshold`` (0.99) — reported per d; held if it does at some d ≤ the
-largest width tried; (2) "linear attention needs a larger d": at the smallest width where
-softmax solves it, each linear feature map is *worse* than softmax (margin ``margin``), and
-its accuracy rises with d. Inconclusive when the seeds cannot tell.
-
-Measured (default, 2 seeds, ≈ 52 min on one shared CPU core): softmax 0.997 / 0.998 at
-d = 32 / 64 (every seed ≥ 0.996; 2 seeds cannot certify ≥ 0.99 by the rule, so the verdict is
-inconclusive); every other weighting, linear attention included, stays at 0.23–0.25 at both
-widths (the plateau softmax leaves after ≈ 700 steps). With --config.num_seeds=3
---config.weightings=softmax,linear_elu (20 min on one core): softmax 0.990 / 0.997, certified
-≥ 0.99 at d = 64; linear 0.239 → 0.253 ("better" at d = 64 by 0.015, just past the margin):
-held by the rule, though linear attention never leaves the plateau at these widths: it cannot
-form the previous-token head that recall needs (its smooth kernel cannot single out the
-previous position). The ``conv`` preset (a short causal convolution of width 3 for every F;
-73 min on one busy core) removes that step: softmax 0.999 / 1.000 / 1.000 at d = 32 / 64 /
-128, linear elu+1 0.974 / 0.997 / 0.999 — Zoology's shape (inconclusive with 2 seeds, the gap
-at d = 32 being 0.023 and 0.029) — and FAVOR+ 0.933 / 0.955 / 0.883 (no gain with d). With
---config.num_seeds=3 --config.weightings=softmax,linear_elu --config.widths=32,64 (26 min on
-one core): held — softmax ≥ 0.99 at both widths, linear worse at d = 32 (0.976) and better
-at 64 than at 32 (0.997).
+Verdict (attnx.train.verdict, kind *claim*; see :func:`mqar_claim`): (1) softmax "solves"
+MQAR at width d when the 95 % t-interval of its seed accuracies lies above
+``solve_threshold`` (0.99; kind *unanimous* against the constant) — reported per d; met if it
+does at some d ≤ the largest width tried; (2) "linear attention needs a larger d": at the
+smallest width where softmax solves it, each linear feature map is *worse* than softmax
+(*paired*, margin ``margin``) and its accuracy rises with d. Inconclusive when the seeds
+cannot tell. Measured results (default, ``conv``, 3-seed runs) and what they mean:
+docs/results/reproductions.md, "MQAR vs model width".
 
 Presets (each the default changed by one small function, see PRESET_FNS):
   default  python launch.py --config=experiments/mqar.py --workdir=runs/mqar
@@ -56,11 +42,10 @@ Presets (each the default changed by one small function, see PRESET_FNS):
            identical runs, so a wide run's first columns are the default's results).
   conv     python launch.py --config=experiments/mqar.py:conv --workdir=runs/mqar_conv
            softmax and linear attention (elu+1, FAVOR+) at d ∈ {32, 64, 128} with a short
-           causal convolution of width 3 on the embeddings for every F (``short_conv``; the
-           short convolution of Zoology's gated-convolution models and of Based): it hands
-           every model the previous-token step of recall, which linear attention cannot learn
-           from positions (its smooth kernel cannot single out the previous position), so
-           what remains is the lookup whose capacity grows with the state, Zoology's point.
+           causal convolution of width 3 on the embeddings for every F (``short_conv``, as in
+           Zoology's gated-convolution models and Based): it does the previous-token step of
+           recall that linear attention cannot learn, leaving the lookup whose capacity
+           grows with the state (why: docs/results/reproductions.md).
   tiny     python launch.py --config=experiments/mqar.py:tiny --workdir=/tmp/mqar_tiny
            softmax vs linear_elu, d ∈ {16, 32}, 30 steps: a smoke test (seconds).
 """
@@ -76,30 +61,19 @@ from attnx import analysis, nn, train
 from attnx.train import config as train_config
 from attnx.train import verdict
 from attnx.train.experiment import Task, TaskResult, Variant, run_comparison
-from experiments import _common
 
-PRESETS = ("default", "wide", "conv", "tiny")
 WEIGHTINGS = ("softmax", "linear_elu", "linear_favor", "relu", "sigmoid", "sparsemax")
 LINEAR = ("linear_elu", "linear_favor")
 
 
 def _default() -> ml_collections.ConfigDict:
   c = train.base_config()
-  c.experiment = "mqar"
-  c.seed = 0
-  c.num_seeds = 2
-  c.weightings = ",".join(WEIGHTINGS)
-  c.widths = (32, 64)
-  c.num_layers = 2
-  c.num_heads = 1
-  c.mlp_ratio = 2
-  c.short_conv = 0  # > 0: a depthwise causal convolution of this width on the embeddings
-  c.num_steps = 1200
-  c.batch_size = 64
-  c.eval_every = 300
-  c.log_every = 100
-  c.checkpoint_every = 600
-  c.keep_checkpoints = 1
+  c.update(dict(
+      experiment="mqar", seed=0, num_seeds=2, weightings=",".join(WEIGHTINGS), widths=(32, 64),
+      num_layers=2, num_heads=1, mlp_ratio=2,
+      short_conv=0,  # > 0: a depthwise causal convolution of this width on the embeddings
+      num_steps=1200, batch_size=64, eval_every=300, log_every=100, checkpoint_every=600,
+      keep_checkpoints=1))
   c.optimizer = train.optimizer_config(name="adamw", learning_rate=3e-3,
                                        schedule="warmup_cosine", warmup_steps=60,
                                        weight_decay=0.1, grad_clip_norm=1.0)
@@ -107,9 +81,9 @@ def _default() -> ml_collections.ConfigDict:
   c.data = ml_collections.ConfigDict(dict(
       vocab_size=256, seq_len=64, num_kv_pairs=4, num_queries=4, query_power_a=0.01,
       random_non_queries=True, num_train=20000, num_test=1000))
-  c.solve_threshold = 0.99
-  c.margin = 0.01  # accuracy differences below this count as equal
-  c.stats_examples = 16  # test sequences for the attention statistics (attnx.analysis)
+  c.update(dict(solve_threshold=0.99,
+                margin=0.01,  # accuracy differences below this count as equal
+                stats_examples=16))  # test sequences for the attention statistics (analysis)
   return c
 
 
@@ -131,7 +105,7 @@ def _tiny(c: ml_collections.ConfigDict) -> None:
 
 
 PRESET_FNS = {"default": lambda c: None, "wide": _wide, "conv": _conv, "tiny": _tiny}
-assert tuple(PRESET_FNS) == PRESETS
+PRESETS = tuple(PRESET_FNS)
 
 
 def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
@@ -141,7 +115,7 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
 
 def validate_config(config: ml_collections.ConfigDict) -> None:
   """Raises ValueError naming bad keys and the valid choices."""
-  _common.attention_variants(config, "weightings", reference="softmax")
+  train.attention_variants(config, "weightings", reference="softmax")
   widths = [int(d) for d in config.widths]
   if not widths or min(widths) < 1 or any(d % config.num_heads for d in widths):
     raise ValueError(f"config.widths={tuple(config.widths)} must be ≥ 1 and divisible by "
@@ -166,128 +140,105 @@ def _task(config: ml_collections.ConfigDict, d: int) -> Task:
         mlp_dim=config.mlp_ratio * d, max_len=data["seq_len"], pool="none", is_causal=True,
         short_conv=int(config.short_conv), attention=spec)
 
-  return Task(name=f"d={d}", dataset="associative_recall", data_kwargs=data,
-              build_model=build, metric="accuracy", margin=float(config.margin),
+  return Task(name=f"d={d}", dataset="associative_recall", data_kwargs=data, build_model=build,
+              metric="accuracy", margin=float(config.margin),
               evaluators=("accuracy", "attention_stats"), curve_evaluators=("accuracy",),
               eval_options=dict(stats_examples=int(config.stats_examples)),
               description=f"MQAR, model width d = {d}: accuracy at the query positions")
 
 
-def _accuracy_table(results: dict[str, TaskResult], widths: list[int],
-                    weightings: list[str]) -> dict[str, dict[int, np.ndarray]]:
-  """{weighting: {d: per-seed accuracy}} (NaN for a diverged run)."""
-  out: dict[str, dict[int, np.ndarray]] = {}
-  for w in weightings:
-    out[w] = {}
-    for d in widths:
-      r = results[f"d={d}"]
-      out[w][d] = (r.metric(w) if w in r.fits
-                   else np.full(len(next(iter(r.fits.values())).seeds), np.nan))
-  return out
+def mqar_claim(acc: dict[str, dict[int, np.ndarray]], threshold: float, margin: float
+               ) -> tuple[verdict.Claim, str, dict[str, Any]]:
+  """The claim of the module docstring (kind *claim*) from per-seed accuracies, its text and
+  its numbers.
 
-
-def solved(acc: np.ndarray, threshold: float) -> bool | None:
-  """Whether seed accuracies clear ``threshold``, by the shared rule against the constant
-  threshold (attnx.train.verdict.compare): True if the 95 % t-interval of the mean lies above
-  it, False if below, None otherwise (always None with one seed); a diverged seed never
-  solves."""
-  acc = np.asarray(acc, float)
-  if np.isnan(acc).any():
-    return False
-  outcome = verdict.compare(acc, np.full_like(acc, threshold), margin=1e-9).outcome
-  return {"better": True, "worse": False}.get(outcome)
-
-
-def judge(acc: dict[str, dict[int, np.ndarray]], threshold: float, margin: float
-          ) -> tuple[bool | None, str, dict[str, Any]]:
-  """The two-part verdict of the module docstring from per-seed accuracies.
-
-  (1) softmax solves MQAR at some width (:func:`solved`). (2) At the smallest width where
-  softmax solves it — or, if the seeds cannot certify that, where its mean first reaches the
-  threshold — each linear feature map is *worse* than softmax and *better* at the largest
-  width than at the smallest (it needs a larger d); not worse than softmax refutes it; worse
-  but not improving with d leaves it open (it may need a much larger d or budget).
+  Parts: (1) softmax solves MQAR at some width (kind *any* over the widths: refuted when it
+  solves at none): at width d when its seed accuracies clear ``threshold`` by the kind
+  *unanimous* against the constant
+  (the 95 % t-interval of the mean above it; never with one seed, a diverged seed never).
+  (2) Per linear feature map, at the smallest width where softmax solves it — or, if the
+  seeds cannot certify that, where its mean first reaches the threshold: *worse* than
+  softmax (*paired*; better or within noise refutes it), and *better* at the largest width
+  than at the smallest (it needs a larger d; not improving leaves it open: it may need a much
+  larger d or budget). Without such a width only part (1) is tested.
   """
   widths = sorted(acc["softmax"])
-  solve = {d: solved(acc["softmax"][d], threshold) for d in widths}
+  soft = {d: np.asarray(acc["softmax"][d], float) for d in widths}
+  solve = {d: False if np.isnan(a).any() else verdict.unanimous_held(
+      [verdict.compare(a, threshold, margin=1e-9).outcome])
+           for d, a in soft.items()}
   n = len(acc["softmax"][widths[0]])
   text = [f"Softmax accuracy ≥ {threshold:g} (95 % t-interval over {n} seeds above it): "
           + ", ".join(f"d={d}: {'yes' if s else 'no' if s is False else 'unclear'}"
                       for d, s in solve.items()) + "."]
   first = next((d for d in widths if solve[d]), None)
-  held1 = True if first is not None else (
-      False if all(s is False for s in solve.values()) else None)
+  parts = [verdict.claim([verdict.check(f"d={d}", s) for d, s in solve.items()],
+                        require="any", name="softmax solves")]
   ref = first or next((d for d in widths if np.nanmean(acc["softmax"][d]) >= threshold), None)
   info: dict[str, Any] = {"softmax_solves": solve, "first_solved_width": first,
                           "reference_width": ref}
   if ref is None:
     text.append(f"Softmax's mean accuracy stays below {threshold:g} at every width tried.")
-    return held1, " ".join(text), info
+    return verdict.claim(parts), " ".join(text), info
   if first is None:
     text.append(f"Softmax's mean reaches {threshold:g} at d={ref} (seeds: "
                 f"{', '.join(f'{x:.4f}' for x in acc['softmax'][ref])}), but {n} seeds cannot "
                 "certify it.")
-  parts, outcomes = [], []
+  info["linear"] = []
   for w in (x for x in LINEAR if x in acc):
     c = verdict.compare(acc[w][ref], acc["softmax"][ref], margin=margin, a_name=w,
                         b_name="softmax", metric=f"accuracy at d={ref}")
     grows = verdict.compare(acc[w][widths[-1]], acc[w][widths[0]], margin=margin,
                             a_name=f"{w} at d={widths[-1]}", b_name=f"d={widths[0]}",
                             metric="accuracy")
-    outcomes.append(True if c.outcome == "worse" and grows.outcome == "better" else
-                    False if c.outcome in ("better", "within noise") else None)
-    parts.append(f"{c.sentence()}; {grows.sentence()}")
-  info["linear"] = parts
-  if parts:
-    text.append(f"Linear attention at d={ref}: " + "; ".join(parts) + ".")
-  if held1 is False or False in outcomes:
-    return False, " ".join(text), info
-  if held1 is True and all(o is True for o in outcomes):
-    return True, " ".join(text), info
-  return None, " ".join(text), info
+    parts.append(verdict.claim([verdict.part(c, "worse"),  # only a gain with d counts:
+                                verdict.check("grows", grows.outcome == "better" or None)], name=w))
+    info["linear"].append(f"{c.sentence()}; {grows.sentence()}")
+  if info["linear"]:
+    text.append(f"Linear attention at d={ref}: " + "; ".join(info["linear"]) + ".")
+  return verdict.claim(parts), " ".join(text), info
 
 
-def _finish(config: ml_collections.ConfigDict) -> Any:
+def finish(config: ml_collections.ConfigDict, rep: train.Report,
+           results: dict[str, TaskResult]) -> dict[str, Any]:
+  """run_comparison's ``finish``: accuracy vs width (table, figure), the verdict, and what
+  each F's attention does at each width."""
   widths = [int(d) for d in config.widths]
-  weightings = _common.variant_list(config.weightings)
-
-  def finish(rep: train.Report, results: dict[str, TaskResult]) -> dict[str, Any]:
-    acc = _accuracy_table(results, widths, weightings)
-    rep.section("Accuracy vs model width (Zoology, figure 2)")
-    rows = [{"weighting": w, **{f"d={d}": train.mean_std(acc[w][d], ".3f") for d in widths}}
-            for w in weightings]
-    rep.table(rows, caption=f"MQAR query accuracy, mean ± std over {config.num_seeds} seeds "
-                            f"({config.num_steps} steps)")
-    fig = train.plot_curves(
-        {w: (np.asarray(widths, float), np.stack([acc[w][d] for d in widths]))
-         for w in weightings}, xlabel="model width d", ylabel="MQAR accuracy",
-        band="errorbar", logx=2, marker="o", hline=config.solve_threshold)
-    rep.figure(fig, "mqar_accuracy_vs_width",
-               "Accuracy at the query positions vs model width (mean ± std over seeds), "
-               "one line per weighting, as in Zoology's figure 2.")
-    held, text, info = judge(acc, config.solve_threshold, config.margin)
-    rep.text(verdict.Comparison.rule(config.margin, config.num_seeds, "accuracy"))
-    rep.verdict(held, text)
-    attention = {}
-    for d in widths:  # what the attention of each F does: sinks, sparsity, entropy, kurtosis
-      r = results[f"d={d}"]
-      attention[d] = analysis.report_attention(
-          rep, r.fits, lambda w, r=r: r.task.build_model(nn.attention_spec(w)),
-          r.arrays["eval"]["inputs"], label="weighting", figure=f"attention_heatmap_d{d}",
-          examples=f"the first {config.stats_examples} test sequences, width d = {d} (keys: "
-                   "the causal prefix without padding tokens)",
-          title=f"Attention statistics at d = {d} (attnx.analysis)")
-    return {"accuracy": {w: {d: acc[w][d].tolist() for d in widths} for w in weightings},
-            "held": held, "attention": attention, **info}
-
-  return finish
+  weightings = train.variant_list(config.weightings)
+  nan = lambda r: np.full(len(next(iter(r.fits.values())).seeds), np.nan)  # diverged
+  acc = {w: {d: r.metric(w) if w in r.fits else nan(r) for d in widths
+             for r in [results[f"d={d}"]]} for w in weightings}  # per-seed accuracy
+  rep.section("Accuracy vs model width (Zoology, figure 2)")
+  rep.table(train.level_rows(acc, widths, label="weighting", column=lambda d: f"d={d}",
+                             fmt=".3f"), caption=f"MQAR query accuracy, mean ± std over "
+            f"{config.num_seeds} seeds ({config.num_steps} steps)")
+  fig = train.plot_curves(train.level_curves(acc, widths), xlabel="model width d",
+                          ylabel="MQAR accuracy", band="errorbar", logx=2, marker="o",
+                          hline=config.solve_threshold)
+  rep.figure(fig, "mqar_accuracy_vs_width",
+             "Accuracy at the query positions vs model width (mean ± std over seeds), "
+             "one line per weighting, as in Zoology's figure 2.")
+  claim, text, info = mqar_claim(acc, config.solve_threshold, config.margin)
+  rep.text(verdict.Comparison.rule(config.margin, config.num_seeds, "accuracy"))
+  rep.text(claim.rule())
+  rep.verdict(claim.held, text)
+  attention = {}
+  for d in widths:  # what the attention of each F does: sinks, sparsity, entropy, kurtosis
+    r = results[f"d={d}"]
+    attention[d] = analysis.report_attention(
+        rep, r.fits, lambda w, r=r: r.task.build_model(nn.attention_spec(w)),
+        r.arrays["eval"]["inputs"], label="weighting", figure=f"attention_heatmap_d{d}",
+        examples=f"the first {config.stats_examples} test sequences, width d = {d} (keys: "
+                 "the causal prefix without padding tokens)",
+        title=f"Attention statistics at d = {d} (attnx.analysis)")
+  return {"accuracy": {w: {d: acc[w][d].tolist() for d in widths} for w in weightings},
+          "held": claim.held, "attention": attention, **info}
 
 
 def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   """Trains every weighting at every width, writes the report, returns the numbers."""
   validate_config(config)
-  variants = [Variant(w, nn.attention_spec(w)) for w in _common.variant_list(
-      config.weightings)]
+  variants = [Variant(w, nn.attention_spec(w)) for w in train.variant_list(config.weightings)]
   d = config.data
   return run_comparison(
       config, workdir, title="MQAR vs model width (Arora et al., Zoology)",
@@ -303,4 +254,5 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
             f"{config.optimizer.learning_rate:g} (warmup-cosine); seeds {config.seed}.."
             f"{config.seed + config.num_seeds - 1}.",
       tasks=[_task(config, int(w)) for w in config.widths], variants=variants,
-      reference="softmax", label="weighting", finish=_finish(config))
+      reference="softmax", label="weighting",
+      finish=lambda rep, results: finish(config, rep, results))

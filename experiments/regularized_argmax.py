@@ -24,22 +24,17 @@ softmax (α = 1).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import matplotlib
+import ml_collections
+import numpy as np
+from scipy import optimize
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import ml_collections  # noqa: E402
-import numpy as np  # noqa: E402
-from scipy import optimize  # noqa: E402
-
-from attnx import core, train  # noqa: E402
-from attnx.train import config as train_config  # noqa: E402
-from experiments import _common  # noqa: E402
+from attnx import analysis, core, train
+from attnx.train import config as train_config
+from attnx.train import verdict
 
 REGULARIZERS = ("shannon", "gini", "tsallis")
 
@@ -47,20 +42,14 @@ REGULARIZERS = ("shannon", "gini", "tsallis")
 def _default() -> ml_collections.ConfigDict:
   c = train.base_config()  # seed, num_seeds, parallel, progress, ... (launch.py)
   c.experiment = "regularized_argmax"
-  c.seed = 2
-  c.dim = 6  # length of the score vectors solved numerically
-  c.num_vectors = 20
-  c.score_std = 1.5
-  c.taus = (0.25, 1.0, 4.0)
-  c.tsallis_alphas = (1.25, 1.5, 2.0, 3.0)
-  c.solver_tol = 1e-12
-  # Sparsity sweep (closed forms only, so it can be large).
-  c.sparsity_alphas = (1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 4.0)
-  c.sparsity_taus = (0.1, 0.25, 0.5, 1.0, 2.0, 4.0)
-  c.sparsity_dim = 32
-  c.sparsity_rows = 2000
-  c.simplex_grid = 61
-  c.simplex_alphas = (1.0, 1.5, 2.0)
+  c.update(dict(
+      seed=2, dim=6,  # length of the score vectors solved numerically
+      num_vectors=20, score_std=1.5, taus=(0.25, 1.0, 4.0), tsallis_alphas=(1.25, 1.5, 2.0, 3.0),
+      solver_tol=1e-12,
+      # Sparsity sweep (closed forms only, so it can be large).
+      sparsity_alphas=(1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 4.0),
+      sparsity_taus=(0.1, 0.25, 0.5, 1.0, 2.0, 4.0), sparsity_dim=32, sparsity_rows=2000,
+      simplex_grid=61, simplex_alphas=(1.0, 1.5, 2.0)))
   return c
 
 
@@ -72,9 +61,7 @@ def _tiny(c: ml_collections.ConfigDict) -> None:
                 simplex_grid=21))
 
 
-# Each preset is the default changed by one small function (see the module docstring).
-PRESET_FNS: dict[str, Callable[[ml_collections.ConfigDict], None]] = {
-    "default": lambda c: None, "tiny": _tiny}
+PRESET_FNS = {"default": lambda c: None, "tiny": _tiny}  # each: the default changed by one step
 PRESETS = tuple(PRESET_FNS)
 
 
@@ -141,22 +128,20 @@ def solve_simplex(s: np.ndarray, tau: float, name: str, alpha: float | None = No
   return p / p.sum(), bool(res.success)
 
 
-def closed_form(s: np.ndarray, tau: float, name: str, alpha: float | None = None) -> np.ndarray:
-  """The attnx.core map that the theory says solves the problem."""
-  z = jnp.asarray(s / tau, jnp.float32)
+def _core_map(name: str, alpha: float | None) -> tuple[str, Any]:
+  """(name, function) of the attnx.core map that the theory says solves the problem."""
   if name == "shannon":
-    return np.asarray(core.weights(z, "softmax"), np.float64)
+    return "softmax", lambda z: core.weights(z, "softmax")
   if name == "gini":
-    return np.asarray(core.sparsemax(z), np.float64)
+    return "sparsemax", core.sparsemax
   if alpha == 1.5:
-    return np.asarray(core.entmax15(z), np.float64)
-  return np.asarray(core.entmax_bisect(z, alpha), np.float64)
+    return "entmax15", core.entmax15
+  return f"entmax_bisect(α={alpha:g})", lambda z: core.entmax_bisect(z, alpha)
 
 
-def _core_name(name: str, alpha: float | None) -> str:
-  if name in ("shannon", "gini"):
-    return {"shannon": "softmax", "gini": "sparsemax"}[name]
-  return "entmax15" if alpha == 1.5 else f"entmax_bisect(α={alpha:g})"
+def closed_form(s: np.ndarray, tau: float, name: str, alpha: float | None = None) -> np.ndarray:
+  """The attnx.core map that the theory says solves the problem, at s/τ (float32)."""
+  return np.asarray(_core_map(name, alpha)[1](jnp.asarray(s / tau, jnp.float32)), np.float64)
 
 
 def compare(config: ml_collections.ConfigDict) -> list[dict]:
@@ -178,7 +163,7 @@ def compare(config: ml_collections.ConfigDict) -> list[dict]:
         ok += converged
         zeros.append(np.mean(p_core == 0.0))
       rows.append({"regularizer": name if alpha is None else f"tsallis α={alpha:g}",
-                   "core map": _core_name(name, alpha), "tau": tau,
+                   "core map": _core_map(name, alpha)[0], "tau": tau,
                    "max abs diff (solver vs core)": float(np.max(diffs)),
                    "min objective gap (core − solver)": float(np.min(gaps)),
                    "solver converged": f"{ok}/{len(scores)}",
@@ -201,71 +186,45 @@ def entmax_any(z: jax.Array, alpha: float) -> jax.Array:
   return core.entmax_bisect(z, alpha)
 
 
-def sparsity_table(config: ml_collections.ConfigDict) -> list[dict]:
-  """Fraction of exactly-zero weights of entmax_α(s/τ), s ~ N(0, 1)^dim."""
-  s = jax.random.normal(jax.random.PRNGKey(config.seed), (config.sparsity_rows,
-                                                          config.sparsity_dim))
-  rows = []
-  for alpha in config.sparsity_alphas:
-    row: dict[str, Any] = {"alpha": alpha}
-    for tau in config.sparsity_taus:
-      p = entmax_any(s / tau, alpha)
-      row[f"τ={tau:g}"] = float(jnp.mean(p == 0.0))
-    rows.append(row)
-  return rows
-
-
-def _to_xy(p: np.ndarray) -> np.ndarray:
-  """Barycentric (p1, p2, p3) -> 2-D point in an equilateral triangle."""
-  corners = np.array([[0.0, 0.0], [1.0, 0.0], [0.5, np.sqrt(3) / 2]])
-  return p @ corners
-
-
-def plot_curves(config) -> plt.Figure:
-  """p_1 of s = (t, 0) for several α (the classic 2-D picture)."""
+def plot_p1(config) -> Any:
+  """p₁ of s = (t, 0) for several α (the classic 2-D picture)."""
   t = jnp.linspace(-3, 3, 301)
   z = jnp.stack([t, jnp.zeros_like(t)], -1)
-  fig, ax = plt.subplots(figsize=(5, 3.5))
-  for alpha in sorted(set(config.simplex_alphas) | {1.0, 1.5, 2.0, 4.0}):
-    ax.plot(t, entmax_any(z, alpha)[:, 0], label=f"α={alpha:g}" + (
-        " (softmax)" if alpha == 1 else " (sparsemax)" if alpha == 2 else ""))
-  ax.set_xlabel("t"), ax.set_ylabel("p₁ of s = (t, 0)"), ax.legend(), ax.grid(alpha=0.3)
-  return fig
+  return train.plot_curves({f"α={a:g}" + (" (softmax)" if a == 1 else " (sparsemax)" if a == 2
+                                          else ""): (t, entmax_any(z, a)[:, 0])
+                            for a in sorted(set(config.simplex_alphas) | {1.0, 1.5, 2.0, 4.0})},
+                           xlabel="t", ylabel="p₁ of s = (t, 0)")
 
 
-def plot_simplex(config) -> plt.Figure:
-  """Images of a score grid (s1, s2, 0) in the 2-simplex, colored by support size, plus the
-  path of p as the temperature τ varies for one fixed score vector."""
-  g = np.linspace(-3, 3, config.simplex_grid)
-  s1, s2 = np.meshgrid(g, g)
-  z = jnp.asarray(np.stack([s1.ravel(), s2.ravel(), np.zeros(s1.size)], -1), jnp.float32)
-  taus = np.geomspace(0.05, 20, 200)
-  s_fixed = np.array([1.0, 0.3, -0.5], np.float32)
-  alphas = list(config.simplex_alphas)
-  fig, axes = plt.subplots(1, len(alphas), figsize=(4 * len(alphas), 3.6))
-  tri = _to_xy(np.eye(3))
-  for ax, alpha in zip(np.atleast_1d(axes), alphas, strict=True):
-    p = np.asarray(entmax_any(z, alpha))
-    support = (p > 0).sum(-1)
-    xy = _to_xy(p)
-    sc = ax.scatter(xy[:, 0], xy[:, 1], c=support, s=6, cmap="viridis", vmin=1, vmax=3)
-    path = np.asarray(entmax_any(jnp.asarray(s_fixed[None] / taus[:, None]), alpha))
-    pxy = _to_xy(path)
-    ax.plot(pxy[:, 0], pxy[:, 1], "r-", lw=1.5, label="p(s/τ), τ: 0.05→20")
-    ax.plot(np.r_[tri[:, 0], tri[0, 0]], np.r_[tri[:, 1], tri[0, 1]], "k-", lw=0.8)
-    name = "softmax" if alpha == 1 else "sparsemax" if alpha == 2 else f"{alpha:g}-entmax"
-    ax.set_title(name), ax.set_aspect("equal"), ax.axis("off")
-  fig.colorbar(sc, ax=axes, label="support size", ticks=[1, 2, 3])
-  np.atleast_1d(axes)[0].legend(loc="upper left", fontsize=7)
-  return fig
-
-
-def plot_sparsity(rows: list[dict], config) -> plt.Figure:
-  alphas = [r["alpha"] for r in rows]
-  return train.plot_curves({f"τ={tau:g}": (alphas, [r[f"τ={tau:g}"] for r in rows])
-                            for tau in config.sparsity_taus}, marker="o",
-                           xlabel="α (1 = softmax, 2 = sparsemax)",
-                           ylabel="fraction of zero weights")
+def report_maps(rep: train.Report, config: ml_collections.ConfigDict
+                ) -> tuple[list[dict], bool]:
+  """The maps on the simplex and the sparsity sweep; its rows and whether the sparsity grows
+  with α at every τ."""
+  rep.section("Maps on the simplex")
+  rep.figure(plot_p1(config), "entmax_curves", "p₁ of s = (t, 0) for several α: softmax "
+             "never reaches 0 or 1, α > 1 saturates at finite t.")
+  rep.figure(analysis.plot_simplex({
+      "softmax" if a == 1 else "sparsemax" if a == 2 else f"{a:g}-entmax":
+      lambda z, a=a: entmax_any(z, a) for a in config.simplex_alphas}, grid=config.simplex_grid),
+             "simplex_maps",
+             "Image of the score grid (s1, s2, 0) ∈ [−3, 3]² in the 2-simplex, colored by the "
+             "number of non-zero weights; red: p(s/τ) for s = (1, 0.3, −0.5) as τ goes from "
+             "0.05 (vertex) to 20 (near the center).")
+  rep.section("Sparsity vs α and τ")  # fraction of exactly-zero weights of entmax_α(s/τ)
+  s = jax.random.normal(jax.random.PRNGKey(config.seed), (config.sparsity_rows,
+                                                          config.sparsity_dim))
+  sp = [{"alpha": alpha, **{f"τ={tau:g}": float(jnp.mean(entmax_any(s / tau, alpha) == 0.0))
+                            for tau in config.sparsity_taus}} for alpha in config.sparsity_alphas]
+  rep.table(sp, caption=f"fraction of exactly-zero weights, {config.sparsity_rows} rows of "
+            f"{config.sparsity_dim} N(0,1) scores, p = entmax_α(s/τ)")
+  fig = train.plot_curves({f"τ={t:g}": ([r["alpha"] for r in sp], [r[f"τ={t:g}"] for r in sp])
+                           for t in config.sparsity_taus}, marker="o",
+                          xlabel="α (1 = softmax, 2 = sparsemax)",
+                          ylabel="fraction of zero weights")
+  rep.figure(fig, "sparsity", "Sparsity grows with α and as τ shrinks; softmax (α = 1) is "
+             "never sparse.")
+  return sp, all(all(a[f"τ={t:g}"] <= b[f"τ={t:g}"] + 1e-9 for t in config.sparsity_taus)
+                 for a, b in zip(sp[:-1], sp[1:], strict=True))
 
 
 def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
@@ -277,7 +236,6 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
       config=config,
       claim="argmax_{p∈Δ} ⟨p,s⟩ − τΩ(p) is softmax(s/τ) for Shannon Ω, sparsemax(s/τ) for "
             "Gini Ω and α-entmax(s/τ) for Tsallis-α Ω.")
-  results: dict[str, Any] = {}
   rep.section("Generic solver vs closed forms")
   rep.text(f"{config.num_vectors} score vectors s ~ N(0, {config.score_std}²)^{config.dim}; "
            "SLSQP (float64, bounds p ≥ 0, equality Σp = 1, analytic gradient, "
@@ -285,39 +243,24 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
            "attnx.core's float32 kernels applied to s/τ. A non-negative objective gap means "
            "the closed form is at least as good as the solver's optimum.")
   rows = compare(config)
-  results["comparison"] = rows
   rep.table(rows, caption="solver vs attnx.core (max over score vectors)")
   worst = max(r["max abs diff (solver vs core)"] for r in rows)
   min_gap = min(r["min objective gap (core − solver)"] for r in rows)
-  results["max_abs_diff"] = worst
-  results["min_objective_gap"] = min_gap
-
-  rep.section("Maps on the simplex")
-  rep.figure(plot_curves(config), "entmax_curves", "p₁ of s = (t, 0) for several α: softmax "
-             "never reaches 0 or 1, α > 1 saturates at finite t.")
-  rep.figure(plot_simplex(config), "simplex_maps",
-             "Image of the score grid (s1, s2, 0) ∈ [−3, 3]² in the 2-simplex, colored by the "
-             "number of non-zero weights; red: p(s/τ) for s = (1, 0.3, −0.5) as τ goes from "
-             "0.05 (vertex) to 20 (near the center).")
-  rep.section("Sparsity vs α and τ")
-  sp = sparsity_table(config)
-  results["sparsity"] = sp
-  rep.table(sp, caption=f"fraction of exactly-zero weights, {config.sparsity_rows} rows of "
-            f"{config.sparsity_dim} N(0,1) scores, p = entmax_α(s/τ)")
-  rep.figure(plot_sparsity(sp, config), "sparsity", "Sparsity grows with α and as τ shrinks; "
-             "softmax (α = 1) is never sparse.")
+  sp, monotone = report_maps(rep, config)
+  results: dict[str, Any] = {"comparison": rows, "max_abs_diff": worst,
+                             "min_objective_gap": min_gap, "sparsity": sp,
+                             "sparsity_monotone_in_alpha": monotone}
   softmax_row = next(r for r in sp if r["alpha"] == 1.0) if 1.0 in config.sparsity_alphas else None
-  monotone = all(
-      all(a[f"τ={t:g}"] <= b[f"τ={t:g}"] + 1e-9 for t in config.sparsity_taus)
-      for a, b in zip(sp[:-1], sp[1:], strict=True))
-  results["sparsity_monotone_in_alpha"] = monotone
-  held = worst < 1e-3 and min_gap > -1e-5  # f32 closed forms: gaps of ~1e-7 are rounding
-  rep.verdict(held, f"Largest |p_solver − p_core| = {worst:.2e}, smallest objective gap "
+  # f32 closed forms: differences below 1e-3 and objective gaps of ~1e-7 are rounding
+  claim = verdict.claim([verdict.exact("solver vs core", worst, tol=1e-3),
+                         verdict.check("closed form optimal", min_gap > -1e-5)])
+  rep.text(claim.rule())
+  rep.verdict(claim.held, f"Largest |p_solver − p_core| = {worst:.2e}, smallest objective gap "
               f"{min_gap:.2e} (≥ 0 up to solver tolerance means the closed form is optimal). "
               f"Sparsity is monotone in α: {monotone}; softmax zeros: "
               f"{0.0 if softmax_row is None else max(list(softmax_row.values())[1:]):g}.")
-  results["verdict"] = held
+  results["verdict"] = claim.held
   results["seconds"] = time.time() - t0
   results["report"] = rep.write()
-  _common.save_json(workdir, "regularized_argmax.json", results)
+  rep.save_json("regularized_argmax.json", results)
   return results

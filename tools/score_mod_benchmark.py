@@ -16,13 +16,14 @@ quiet machine.
 from __future__ import annotations
 
 import argparse
-import time
+import functools
 
 import jax
 import jax.numpy as jnp
 
 from attnx import core
 from attnx.core import masks
+from attnx.train import benchmark
 
 ROWS = (("no modification", {}), ("logits_soft_cap=30", dict(cap=30.0)),
         ("ALiBi (learned slopes)", dict(alibi=True)), ("sinks (learned)", dict(sinks=True)),
@@ -46,20 +47,6 @@ def _program(weighting: str, window: int, cap: float | None = None, alibi: bool 
   return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
 
 
-def _best_times(calls: list, rounds: int = 5) -> list[float]:
-  """The best time of each ``(fn, args)`` over ``rounds`` rounds, taken in turn (a slow spell
-  of a shared machine then slows every row, not one)."""
-  for fn, args in calls:
-    jax.block_until_ready(fn(*args))
-  best = [float("inf")] * len(calls)
-  for _ in range(rounds):
-    for i, (fn, args) in enumerate(calls):
-      start = time.perf_counter()
-      jax.block_until_ready(fn(*args))
-      best[i] = min(best[i], time.perf_counter() - start)
-  return best
-
-
 def main() -> None:
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--length", type=int, default=None, help="T (default 16384; --memory 65536)")
@@ -79,13 +66,17 @@ def main() -> None:
     if a.memory:
       spec = jax.ShapeDtypeStruct(shape, jnp.float32)
       for name, fn in programs:
-        stats = fn.lower(spec, spec, spec, jax.ShapeDtypeStruct((heads,), jnp.float32)
-                         ).compile().memory_analysis()
-        print(f"  {weighting:8s} {name:24s} {stats.temp_size_in_bytes / 2 ** 30:7.3f} GiB "
-              f"scratch", flush=True)
+        mem = benchmark.program_memory(fn.lower(
+            spec, spec, spec, jax.ShapeDtypeStruct((heads,), jnp.float32)).compile())
+        print(f"  {weighting:8s} {name:24s} {mem.scratch / 2 ** 30:7.3f} GiB scratch",
+              flush=True)
       continue
     args = (*(jax.random.normal(key, shape) for key in keys), core.alibi_slopes(heads))
-    times = _best_times([(fn, args) for _, fn in programs])
+    for _, fn in programs:  # compiled and run once before the timed rounds
+      jax.block_until_ready(fn(*args))
+    # The best of five rounds, the rows in turn: a slow spell slows every row, not one.
+    times = benchmark.time_round_robin([functools.partial(fn, *args) for _, fn in programs], 5,
+                                       statistic=min)
     for (name, _), seconds in zip(programs, times, strict=True):
       print(f"  {weighting:8s} {name:24s} {seconds * 1e3:9.1f} ms {seconds / times[0]:6.2f}x",
             flush=True)

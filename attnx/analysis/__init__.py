@@ -15,9 +15,11 @@ attnx.analysis sits above attnx.train (docs/architecture.md) and imports it: the
 
 from attnx import _flax  # noqa: F401  (first: a flax too old for this jax says so)
 from attnx.analysis import evaluators as _evaluators  # noqa: F401  (registers "attention_stats")
+from attnx.analysis import invariance, language_model  # namespaces: invariance.shift_table, ...
 from attnx.analysis.report import (
     layer_weights,
     loss_rows,
+    plot_simplex,
     plot_weights,
     report_attention,
     report_length,
@@ -43,5 +45,6 @@ __all__ = [
     "HEAD_STATS", "HIDDEN_STATS", "SINK_THRESHOLD", "SMALL_WEIGHT", "Probe", "attention_kernel",
     "attention_statistics", "dense_model", "has_weights", "hidden_statistics", "kurtosis",
     "layer_weights", "loss_rows", "plot_weights", "probe", "report_attention", "report_length",
-    "statistics", "statistics_rows",
+    "statistics", "statistics_rows", "plot_simplex",
+    "language_model", "invariance",
 ]

@@ -5,7 +5,8 @@
 table per head and a heat map of one layer's weights (:func:`plot_weights`).
 :func:`report_length` does the same for the ``"loss_by_length"`` evaluator: loss at each
 evaluation length, the kernel each length runs, the verdicts on the loss increase and the
-plot of loss vs length.
+plot of loss vs length. :func:`plot_simplex` shows where weightings map three scores on the
+simplex.
 """
 
 from __future__ import annotations
@@ -75,6 +76,40 @@ def plot_weights(weights: Mapping[str, Any], *, title: str = "head") -> Any:
         ax.set_title(f"{title} {h}", fontsize=8)
       if h == 0:
         ax.set_ylabel(name, fontsize=7)
+  return fig
+
+
+def plot_simplex(maps: Mapping[str, Callable[[Any], Any]], *, grid: int = 61,
+                 extent: float = 3.0, path_scores: Sequence[float] = (1.0, 0.3, -0.5),
+                 taus: tuple[float, float] = (0.05, 20.0)) -> Any:
+  """Where weightings put three scores on the 2-simplex, one panel per map (titled by its key;
+  a map takes scores [..., 3] to weights [..., 3]): the images of the grid of scores
+  (s1, s2, 0) ∈ [−extent, extent]² (``grid`` points a side) colored by support size (the
+  number of non-zero weights; sparse maps reach the edges and vertices), and in red the path of
+  p(s/τ) for the fixed ``path_scores`` as τ goes from ``taus[0]`` (near a vertex) to
+  ``taus[1]`` (near the centre). Returns the Figure."""
+  if not maps or grid < 2 or len(path_scores) != 3:
+    raise ValueError(f"plot_simplex needs maps, grid >= 2 and three path scores; got "
+                     f"{len(maps)} maps, grid={grid}, path_scores={tuple(path_scores)}")
+  import jax.numpy as jnp  # noqa: PLC0415
+
+  corners = np.array([[0.0, 0.0], [1.0, 0.0], [0.5, np.sqrt(3) / 2]])  # p -> p @ corners
+  g = np.linspace(-extent, extent, grid)
+  s1, s2 = np.meshgrid(g, g)
+  z = jnp.asarray(np.stack([s1.ravel(), s2.ravel(), np.zeros(s1.size)], -1), jnp.float32)
+  tau = np.geomspace(taus[0], taus[1], 200)
+  s_fixed = np.asarray(path_scores, np.float32)
+  fig, axes = report.subplots(len(maps), size=(4, 3.6))
+  for ax, (name, fn) in zip(np.atleast_1d(axes), maps.items(), strict=True):
+    p = np.asarray(fn(z))
+    xy = p @ corners
+    sc = ax.scatter(xy[:, 0], xy[:, 1], c=(p > 0).sum(-1), s=6, cmap="viridis", vmin=1, vmax=3)
+    path = np.asarray(fn(jnp.asarray(s_fixed[None] / tau[:, None]))) @ corners
+    ax.plot(path[:, 0], path[:, 1], "r-", lw=1.5, label=f"p(s/τ), τ: {taus[0]:g}→{taus[1]:g}")
+    ax.plot(corners[[0, 1, 2, 0], 0], corners[[0, 1, 2, 0], 1], "k-", lw=0.8)
+    ax.set_title(name), ax.set_aspect("equal"), ax.axis("off")
+  fig.colorbar(sc, ax=axes, label="support size", ticks=[1, 2, 3])
+  np.atleast_1d(axes)[0].legend(loc="upper left", fontsize=7)
   return fig
 
 

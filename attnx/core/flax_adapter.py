@@ -75,6 +75,10 @@ def flax_attention_fn(weighting: Any = "softmax", score: Any = "scaled_dot", *,
     arrays, e.g. ``{"s": s}`` for ``ssmax``, with gradients (an NNX module passes its
     ``nnx.Param``).
 
+  One result differs from Flax's by design: a query whose every key is masked (a padded
+  position) gets a zero row, attnx's edge-case contract for every implementation, where Flax's
+  softmax averages every value; every other query matches.
+
   Any other keyword is a ``TypeError`` naming it. Dropout and sowing need the weights, so they
   are not available with ``implementation="blocked"`` or ``"pallas"`` (a ValueError at call
   time). ``implementation`` is an implementation object with its kernel settings

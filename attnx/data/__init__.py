@@ -31,6 +31,7 @@ array_record format; otherwise `DatasetNotFoundError` explains how to get them.
 """
 
 from attnx.constants import IGNORE_INDEX
+from attnx.data import char_lm  # a namespace: char_lm.token_stream, ...
 from attnx.data._base import DatasetInfo
 from attnx.data.associative_recall import make_associative_recall
 from attnx.data.catalog import DatasetNotFoundError
@@ -46,6 +47,7 @@ from attnx.data.loader import (
   list_datasets,
   load,
   load_arrays,
+  load_by_level,
 )
 from attnx.data.noisy_clusters import class_centers, make_noisy_clusters
 from attnx.data.nw_regression import make_nw_regression
@@ -54,6 +56,7 @@ from attnx.data.synthetic_translation import make_synthetic_translation
 
 __all__ = [
   "BUILDERS",
+  "char_lm",
   "IGNORE_INDEX",
   "PACKINGS",
   "DatasetInfo",
@@ -68,6 +71,7 @@ __all__ = [
   "list_datasets",
   "load",
   "load_arrays",
+  "load_by_level",
   "make_associative_recall",
   "make_copy_reverse_sort",
   "make_icl_regression",

@@ -340,3 +340,33 @@ def load_arrays(
   if len(source) == 0:
     raise ValueError(f"Split {split!r} of {name!r} is empty.")
   return _read_all(source, post)
+
+
+def load_by_level(name: str, key: str, levels: Sequence[float], *, train_level: float,
+                  num_train: int, num_test: int, data_dir: str | os.PathLike | None = None,
+                  **config_kwargs: Any) -> dict[str, dict[str, np.ndarray]]:
+  """Training arrays of dataset ``name`` at ``key = train_level`` and evaluation arrays at
+  every level of ``levels`` (one prepared config per level, :func:`load_arrays`):
+  ``{"train": {inputs, targets}, "eval": {inputs_by_level [levels, N, ...], targets}}`` — the
+  input of the ``"accuracy_by_level"`` / ``"weight_tv_by_level"`` evaluators. E.g.
+  ``load_by_level("noisy_clusters", "global_noise", [0, 1, 3], train_level=0, num_train=512,
+  num_test=128)``: the test split's draws of noisy_clusters do not depend on the level, so
+  every level has the same clean objects and direction g; only the size of g changes.
+  ``config_kwargs``: the builder's other fields (seed, num_classes, dim, ...).
+
+  Raises:
+    ValueError: without levels, or if the levels' evaluation sets do not share their targets
+      (a dataset whose draws change with ``key``).
+  """
+  if not levels:
+    raise ValueError("load_by_level needs at least one evaluation level")
+  train = load_arrays(name, "train", data_dir=data_dir, **config_kwargs,
+                      **{key: train_level}, num_train=num_train, num_test=0)
+  evals = [load_arrays(name, "test", data_dir=data_dir, **config_kwargs, **{key: float(x)},
+                       num_train=0, num_test=num_test) for x in levels]
+  if not all(np.array_equal(e["targets"], evals[0]["targets"]) for e in evals):
+    raise ValueError(f"load_by_level: {name}'s evaluation sets at the levels of {key!r} do not "
+                     "share their samples")
+  return {"train": {k: train[k] for k in ("inputs", "targets")},
+          "eval": {"inputs_by_level": np.stack([e["inputs"] for e in evals]),
+                   "targets": evals[0]["targets"]}}

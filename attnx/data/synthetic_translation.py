@@ -222,6 +222,22 @@ def decode(ids: Sequence[int] | np.ndarray, vocab: Sequence[str] = TARGET_VOCAB)
   return words
 
 
+def example_arrays(sentences: Sequence[str]) -> tuple[np.ndarray, np.ndarray, list[list[str]],
+                                                      list[list[str]]]:
+  """Model inputs for hand-picked source sentences (e.g. "i love you"): source ids [B, L],
+  teacher-forcing decoder inputs [B, L] of their translations, and the source and target
+  words with ``"<eos>"`` (the axes of an alignment heat map)."""
+  src, tgt_in, src_words, tgt_words = [], [], [], []
+  for s in sentences:
+    words = s.split()
+    tw, _ = translate(words)
+    src.append(encode(words, SOURCE_IDS))
+    tgt_in.append(shift_right(encode(tw, TARGET_IDS)[None])[0])
+    src_words.append(words + ["<eos>"])
+    tgt_words.append(tw + ["<eos>"])
+  return np.stack(src), np.stack(tgt_in), src_words, tgt_words
+
+
 def make_synthetic_translation(
   n: int, seed: int, *, p_pronoun: float = 0.3, p_adjective: float = 0.5
 ) -> dict[str, np.ndarray]:

@@ -4,7 +4,8 @@ Martínez-Ramón, Ajith & Kurup's slides on attention, eq. 4-5; d2l §11.2.
 
 g(x) = Σ_i y_i K(x, x_i) / Σ_j K(x, x_j): the query is x, the keys are the training inputs and
 the values the training targets. The kernel is fixed, has a learned bandwidth, or is the
-slides' learnable form K = exp(−((x − x_i) w)² / 2).
+slides' learnable form K = exp(−((x − x_i) w)² / 2). A learned bandwidth is fitted on the
+training set alone by :func:`leave_one_out_mse`.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import chex
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from attnx import core
 
@@ -89,3 +91,22 @@ class NadarayaWatsonRegressor(nn.Module, kw_only=True):
     chex.assert_shape(pred, xq.shape[:1] + y.shape[1:])
     pred = pred.astype(dtype)
     return (pred, w) if return_weights else pred
+
+
+def leave_one_out_mse(model: NadarayaWatsonRegressor, params: Any, x_train: Array,
+                      y_train: Array) -> Array:
+  """Mean squared error of predicting each training point from the other n − 1 (a vmap over
+  the points, each with its own key set): the criterion that fits a learned bandwidth or
+  ``w`` on the training set alone. With the point itself among the keys the loss would be
+  minimized by h → 0 (every point predicts itself), the classic interpolation trap.
+
+  ``x_train [n]|[n, D]``, ``y_train [n]|[n, Dy]``, n ≥ 2; ``params``: ``model``'s.
+  """
+  x, y = jnp.asarray(x_train), jnp.asarray(y_train)
+  n = x.shape[0]
+  if n < 2:
+    raise ValueError(f"leave_one_out_mse needs at least 2 training points, got {n}.")
+  others = np.array([[j for j in range(n) if j != i] for i in range(n)])  # [n, n − 1]
+  pred = jax.vmap(lambda q, k, v: model.apply({"params": params}, q[None], k, v)[0])(
+      x, x[others], y[others])
+  return jnp.mean(jnp.square(pred - y))

@@ -16,7 +16,7 @@ from attnx import _flax  # noqa: F401  (first: a flax too old for this jax says 
 _os.environ.setdefault("MPLBACKEND", "Agg")  # reports are written headless
 
 # Submodules used as namespaces: train.verdict.compare, train.experiment.run_comparison, ...
-from attnx.train import benchmark, evaluators, experiment, verdict  # noqa: E402, I001
+from attnx.train import benchmark, evaluators, experiment, sampling, verdict  # noqa: E402, I001
 from attnx.train.actions import (  # noqa: E402
     Action,
     CheckFinite,
@@ -34,14 +34,17 @@ from attnx.train.checkpoint import (  # noqa: E402
 )
 from attnx.train.config import (  # noqa: E402
     FitConfig,
+    attention_variants,
     base_config,
     check_batch_size,
     check_choice,
+    check_choices,
     format_experiments,
     list_experiments,
     load_module,
     split_list,
     validate,
+    variant_list,
 )
 from attnx.train.data import (  # noqa: E402
     PIPELINES,
@@ -73,6 +76,7 @@ from attnx.train.optim import (  # noqa: E402
     SCHEDULES,
     make_optimizer,
     make_schedule,
+    minimize,
     optimizer_config,
 )
 from attnx.train.parallel import (  # noqa: E402
@@ -87,8 +91,11 @@ from attnx.train.report import (  # noqa: E402
     Report,
     environment,
     jsonable,
+    level_curves,
+    level_rows,
     markdown_table,
     mean_std,
+    plot_alignments,
     plot_curves,
     plot_learning_curves,
     subplots,
@@ -97,7 +104,7 @@ from attnx.train.report import (  # noqa: E402
 from attnx.train.step import init_state, make_apply_fn, make_step, seed_step  # noqa: E402
 
 __all__ = [
-    "benchmark", "evaluators", "experiment", "verdict",
+    "benchmark", "evaluators", "experiment", "sampling", "verdict",
     "IGNORE_INDEX", "LOSSES", "METRICS", "OPTIMIZERS", "PARALLEL_MODES", "PIPELINES", "SCHEDULES",
     "SEQUENCE_AXIS",
     "Action", "CheckFinite", "Checkpoint", "CheckpointDamagedError", "CheckpointMismatchError",
@@ -108,7 +115,9 @@ __all__ = [
     "from_sums", "get_loss", "grain_stream", "init_state", "is_main_process", "jsonable",
     "list_checkpointed_runs", "list_experiments", "load_checkpoint",
     "load_module", "loader", "make_apply_fn", "make_optimizer", "make_schedule", "make_step",
+    "attention_variants", "check_choices", "minimize", "variant_list",
     "markdown_table", "mean_std", "mse", "nonfinite_runs", "optimizer_config", "plot_curves",
     "plot_learning_curves", "process_rows", "reduce_sums", "run_fingerprint", "seed_step",
     "softmax_xent", "split_list", "subplots", "summary_rows", "validate",
+    "level_curves", "level_rows", "plot_alignments",
 ]

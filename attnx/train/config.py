@@ -205,6 +205,49 @@ def check_choice(config: ml_collections.ConfigDict, key: str, choices: Sequence[
       raise ValueError(f"config.{key}={v!r} is invalid; valid choices: {', '.join(choices)}")
 
 
+def check_choices(config: ml_collections.ConfigDict, key: str, values: Sequence[Any],
+                  valid: Sequence[Any]) -> None:
+  """Raises ValueError naming ``config.<key>`` and the valid choices if any of ``values`` (the
+  entries of that key, or names derived from them) is not in ``valid``."""
+  bad = [v for v in values if v not in valid]
+  if bad:
+    raise ValueError(f"config.{key} has invalid entries {bad}; valid choices: "
+                     f"{', '.join(map(str, valid))}.")
+
+
+def variant_list(value: Any) -> list[str]:
+  """Attention variants from 'a,b:k=v,k2=v2,c' (or a sequence): an item ``k=v`` without a
+  ``:`` continues the previous variant's parameters, so
+  ``"softmax,sigmoid:normalization=none,bias=0"`` is two variants."""
+  out: list[str] = []
+  for item in split_list(value):
+    if out and ":" in out[-1] and ":" not in item and "=" in item:
+      out[-1] += "," + item
+    else:
+      out.append(item)
+  return out
+
+
+def attention_variants(config: ml_collections.ConfigDict, key: str = "weightings",
+                       reference: str | None = None) -> list[str]:
+  """The attention variants named in ``config[key]`` (:func:`variant_list`), each checked with
+  :func:`attnx.nn.attention_spec` (name and parameters); a ValueError names the key and the
+  valid names, or the missing ``reference``."""
+  from attnx import nn  # noqa: PLC0415  (the model library, only where variants are named)
+
+  names = variant_list(config[key])
+  if not names:
+    raise ValueError(f"config.{key} is empty; valid: {', '.join(nn.list_attention_variants())}.")
+  for name in names:
+    try:
+      nn.attention_spec(name)
+    except ValueError as e:
+      raise ValueError(f"config.{key}: {e}") from None
+  if reference is not None and reference not in names:
+    raise ValueError(f"config.{key} must include {reference} (the reference).")
+  return names
+
+
 def validate(config: ml_collections.ConfigDict, module: ModuleType | None = None) -> None:
   """Generic checks, then the experiment module's `validate_config(config)` if it has one."""
   if "parallel" in config:
@@ -366,10 +409,69 @@ def load_module(path: str) -> ModuleType:
   return module
 
 
+# The nodes of an expression `list_experiments` evaluates: literals, names bound to literals,
+# comparisons, comprehensions and tuple()/list() of them; nothing that runs the module's code.
+_STATIC_NODES = (ast.Expression, ast.Constant, ast.Name, ast.Load, ast.Store, ast.Tuple, ast.List,
+                 ast.Set, ast.Dict, ast.DictComp, ast.ListComp, ast.SetComp, ast.comprehension,
+                 ast.Compare, ast.BoolOp, ast.UnaryOp, ast.cmpop, ast.boolop, ast.unaryop,
+                 ast.JoinedStr, ast.FormattedValue, ast.Call)
+_STATIC_CALLS = {"tuple": tuple, "list": list}
+
+
+class _DictKeys(ast.NodeTransformer):
+  """A dict of functions (``PRESET_FNS``) with every value replaced by None: its keys remain,
+  also those of a ``**{name: fn(name) for name in NAMES if ...}`` entry."""
+
+  def visit_Dict(self, node: ast.Dict) -> ast.Dict:
+    return ast.Dict(keys=node.keys, values=[self.visit(v) if k is None else ast.Constant(None)
+                                            for k, v in zip(node.keys, node.values, strict=True)])
+
+  def visit_DictComp(self, node: ast.DictComp) -> ast.DictComp:
+    return ast.DictComp(key=node.key, value=ast.Constant(None), generators=node.generators)
+
+
+def _static(node: ast.expr, names: Mapping[str, Any]) -> Any:
+  """The value of ``node`` if it is a constant expression over ``names`` (module-level names
+  already read), else None; never calls anything but tuple() and list()."""
+  for n in ast.walk(node):
+    if not isinstance(n, _STATIC_NODES) or (isinstance(n, ast.Call) and (
+        getattr(n.func, "id", None) not in _STATIC_CALLS or n.keywords)):
+      return None
+  expr = ast.fix_missing_locations(ast.Expression(node))
+  try:
+    return eval(compile(expr, "<presets>", "eval"),  # noqa: S307  (checked above)
+                {"__builtins__": dict(_STATIC_CALLS), **names})
+  except Exception:  # noqa: BLE001  (a name bound to something else: not readable)
+    return None
+
+
+def _preset_names(tree: ast.Module) -> list[str]:
+  """The names in a module's ``PRESETS``, read without importing or running it: a literal, or
+  ``tuple(PRESET_FNS)`` of a dict of preset functions whose keys are constant expressions
+  (also ``**{t: fn(t) for t in TASKS if ...}`` over a literal ``TASKS``). The last assignment
+  that can be read wins ([] when none can)."""
+  names: dict[str, Any] = {}
+  presets: list[str] = []
+  for n in tree.body:
+    if isinstance(n, ast.Assign):
+      targets, value = n.targets, n.value
+    elif isinstance(n, ast.AnnAssign) and n.value is not None:
+      targets, value = [n.target], n.value
+    else:
+      continue
+    for name in (t.id for t in targets if isinstance(t, ast.Name)):
+      if name == "PRESET_FNS":
+        value = _DictKeys().visit(value)
+      names[name] = _static(value, names)
+      if name == "PRESETS" and isinstance(names[name], tuple | list):
+        presets = [str(p) for p in names[name]]
+  return presets
+
+
 def list_experiments(directory: str) -> list[dict[str, Any]]:
   """Experiments in `directory` (files defining get_config), read with `ast`, not imported.
 
-  Returns [{"name", "path", "summary", "presets": [(preset, first docstring line)]}].
+  Returns [{"name", "path", "summary", "presets": [preset names]}] (see `_preset_names`).
   """
   out = []
   if not os.path.isdir(directory):
@@ -386,17 +488,9 @@ def list_experiments(directory: str) -> list[dict[str, Any]]:
     if not any(isinstance(n, ast.FunctionDef) and n.name == "get_config" for n in tree.body):
       continue
     doc = ast.get_docstring(tree) or ""
-    presets: list[str] = []
-    for n in tree.body:
-      if isinstance(n, ast.Assign) and any(getattr(t, "id", None) == "PRESETS"
-                                           for t in n.targets):
-        try:
-          presets = list(ast.literal_eval(n.value))
-        except ValueError:
-          pass
     out.append({"name": fname[:-3], "path": path,
                 "summary": doc.strip().splitlines()[0] if doc.strip() else "",
-                "presets": presets})
+                "presets": _preset_names(tree)})
   return out
 
 

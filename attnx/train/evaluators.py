@@ -259,6 +259,17 @@ def _greedy_decode(model: Any, arrays: Mapping[str, np.ndarray], task: Any) -> E
   return eval_fn
 
 
+def alignment_weights(model: Any, params_stacked: Any, src: Any, tgt_in: Any) -> np.ndarray:
+  """[seeds, B, T, S] teacher-forced attention weights of an encoder-decoder that returns them
+  (``model.apply(..., return_alignment=True)``, e.g. attnx.nn.RNNSeq2Seq), one row per seed
+  of ``params_stacked``: the matrices the ``"alignment"`` evaluator scores, for heat maps."""
+  import jax
+
+  fn = jax.jit(jax.vmap(lambda p: model.apply({"params": p}, src, tgt_in,
+                                              return_alignment=True)[1]))
+  return np.asarray(fn(params_stacked))
+
+
 @register_evaluator("alignment")
 def _alignment(model: Any, arrays: Mapping[str, np.ndarray], task: Any) -> EvalFn:
   import jax

@@ -119,6 +119,24 @@ class TaskResult:
   def metric(self, variant: str, name: str | None = None) -> np.ndarray:
     return np.asarray(self.fits[variant].final_metrics[name or self.task.metric])
 
+  def compare(self, a: str, b: str) -> verdict_lib.Comparison:
+    """Variant ``a`` vs ``b`` on the task's primary metric by the *paired* rule, with the
+    task's margin and orientation."""
+    task = self.task
+    return verdict_lib.compare(self.metric(a), self.metric(b), margin=task.margin,
+                               higher_is_better=task.higher_is_better, a_name=a, b_name=b,
+                               metric=task.metric)
+
+  def claim(self, requirements: Sequence[tuple[str, str, str]]) -> verdict_lib.Claim:
+    """A claim (kind *claim*) over comparisons of this task's variants: each ``(a, b,
+    required outcome)`` (e.g. ``("relu ÷L", "softmax", "not worse")``); untested (no parts)
+    when a named variant did not train."""
+    names = {n for a, b, _ in requirements for n in (a, b)}
+    if not names <= set(self.fits):
+      return verdict_lib.claim([])
+    return verdict_lib.claim(verdict_lib.part(self.compare(a, b), require)
+                             for a, b, require in requirements)
+
 
 def load_task_arrays(task: Task) -> dict[str, dict[str, np.ndarray]]:
   """{"train": arrays, "eval": arrays} of a task through :func:`attnx.data.load_arrays`."""
@@ -138,9 +156,29 @@ def load_task_arrays(task: Task) -> dict[str, dict[str, np.ndarray]]:
   return {split: {k: a[k] for k in task.keys if k in a} for split, a in arrays.items()}
 
 
+def images_to_unit_floats(arrays: dict[str, dict[str, np.ndarray]]
+                          ) -> dict[str, dict[str, np.ndarray]]:
+  """A ``Task.prepare``: uint8 images (the catalog's) to float32 pixels in [0, 1]; float
+  inputs (attnx's digits) and every other array stay as they are."""
+  return {split: {k: (v.astype(np.float32) / 255.0 if k == "inputs" and v.dtype == np.uint8
+                      else v) for k, v in a.items()} for split, a in arrays.items()}
+
+
 def run_name(task: str, variant: str) -> str:
   """A file-system-safe run name (checkpoints, logs) for a (task, variant) pair."""
   return f"{task}-{re.sub(r'[^A-Za-z0-9_.-]+', '_', variant)}"
+
+
+def with_budget(config: ml_collections.ConfigDict, **budget: Any) -> ml_collections.ConfigDict:
+  """A copy of ``config`` with a study's budget (``num_steps``, ``batch_size``, ``optimizer``,
+  ``eval_every``, ...) set at the top level, where :func:`train_variant`
+  (``FitConfig.from_config``) reads it: for experiments that keep a study's budget in a
+  sub-config (``config.train``, ``config.digits``)."""
+  c = config.copy_and_resolve_references()
+  with c.unlocked():
+    for key, value in budget.items():
+      c[key] = value
+  return c
 
 
 def train_variant(config: ml_collections.ConfigDict, workdir: str, task: Task,
@@ -198,23 +236,19 @@ def run_task(config: ml_collections.ConfigDict, workdir: str, task: Task,
     fits[v.name] = res
     msg = ", ".join(f"{k}={mean_std(x)}" for k, x in _scalar_metrics(res).items())
     _say(f"[{task.name}] {v.name}: {msg}; {1e3 * res.seconds_per_step:.2f} ms/step")
-  comparisons = {}
+  result = TaskResult(task, arrays, fits, failures, {})
   if reference in fits:
-    for name, res in fits.items():
-      if name != reference:
-        comparisons[name] = verdict_lib.compare(
-            res.final_metrics[task.metric], fits[reference].final_metrics[task.metric],
-            margin=task.margin, higher_is_better=task.higher_is_better, a_name=name,
-            b_name=reference, metric=task.metric)
-  return TaskResult(task, arrays, fits, failures, comparisons)
+    result.comparisons.update({name: result.compare(name, reference)
+                               for name in fits if name != reference})
+  return result
 
 
 def report_task(rep: Report, result: TaskResult, config: ml_collections.ConfigDict,
                 reference: str | None, label: str = "variant",
                 verdict: bool = True) -> bool | None:
   """Table, learning curves and (``verdict``) the verdict of one task; returns the claim's
-  outcome there: the best alternative is not worse than the reference (None: inconclusive or
-  no reference)."""
+  outcome there (kind *claim*): the best alternative is not worse than the reference (None:
+  inconclusive or no reference)."""
   import matplotlib.pyplot as plt
 
   task = result.task
@@ -256,9 +290,11 @@ def report_task(rep: Report, result: TaskResult, config: ml_collections.ConfigDi
   scores = {w: result.metric(w) for w in result.comparisons}
   top = verdict_lib.best(scores, task.higher_is_better)
   c = result.comparisons[top]
-  rep.text(verdict_lib.Comparison.rule(task.margin, c.n, task.metric))
-  rep.verdict(c.not_worse, f"on {task.name}, the best alternative is {c.sentence()}.")
-  return c.not_worse
+  held = verdict_lib.claim([verdict_lib.part(c, "not worse")]).held
+  rep.text(verdict_lib.Comparison.rule(task.margin, c.n, task.metric) + " "
+           + verdict_lib.rule("claim") + " Here: the best alternative is not worse.")
+  rep.verdict(held, f"on {task.name}, the best alternative is {c.sentence()}.")
+  return held
 
 
 def report_verdicts(rep: Report, result: TaskResult, num_seeds: int, reference: str,

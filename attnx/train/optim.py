@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
+import jax
 import ml_collections
 import optax
 
@@ -76,6 +78,31 @@ def make_optimizer(cfg: ml_collections.ConfigDict | optax.GradientTransformation
   if clip > 0:
     tx = optax.chain(optax.clip_by_global_norm(clip), tx)
   return tx
+
+
+def minimize(loss_fn: Callable[[Any], jax.Array], params: Any,
+             optimizer: optax.GradientTransformation, num_steps: int) -> tuple[Any, list[float]]:
+  """``num_steps`` full-batch steps of ``optimizer`` on ``loss_fn(params)``, one jitted step
+  each; returns the final parameters and the loss before each step.
+
+  For small problems without a data stream or seeds (a bandwidth, a temperature fitted to a
+  fixed set); models trained on batches use :func:`attnx.train.fit`.
+  """
+  if int(num_steps) < 0:
+    raise ValueError(f"minimize: num_steps must be >= 0, got {num_steps}")
+  state = optimizer.init(params)
+
+  @jax.jit
+  def step(params: Any, state: Any) -> tuple[Any, Any, jax.Array]:
+    loss, grads = jax.value_and_grad(loss_fn)(params)
+    updates, state = optimizer.update(grads, state)
+    return optax.apply_updates(params, updates), state, loss
+
+  losses = []
+  for _ in range(int(num_steps)):
+    params, state, loss = step(params, state)
+    losses.append(float(loss))
+  return params, losses
 
 
 def validate_optimizer_config(cfg: ml_collections.ConfigDict, prefix: str = "optimizer") -> None:

@@ -344,6 +344,49 @@ def plot_learning_curves(histories: dict[str, list[dict]], metric: str = "loss",
                      ax=ax)
 
 
+def level_rows(values: Mapping[str, Mapping[Any, Any]], levels: Sequence[Any], *,
+               label: str = "variant", column: Callable[[Any], str] = lambda x: f"σ={x:g}",
+               fmt: str | None = None) -> list[dict[str, Any]]:
+  """Table rows {label: name, column(level): per-seed values} of a metric measured at several
+  levels (noise sizes, evaluation lengths) per variant: ``values`` {name: {level: [seeds]}}.
+  Cells are the arrays (formatted 'mean ± std' by the table) or, with ``fmt``, the
+  `mean_std` strings."""
+  return [{label: name, **{column(x): (mean_std(v[x], fmt) if fmt else np.asarray(v[x]))
+                           for x in levels}} for name, v in values.items()]
+
+
+def level_curves(values: Mapping[str, Mapping[Any, Any]], levels: Sequence[Any]
+                 ) -> dict[str, Curve]:
+  """`plot_curves` input {name: (levels, values [levels, seeds])} from {name: {level:
+  [seeds]}}: a metric vs a level per variant (see `level_rows` for its table)."""
+  x = np.asarray(levels, np.float64)
+  return {name: (x, np.stack([np.asarray(v[level]) for level in levels]))
+          for name, v in values.items()}
+
+
+def plot_alignments(weights: Mapping[str, Any], sources: Sequence[Sequence[str]],
+                    targets: Sequence[Sequence[str]]) -> Any:
+  """Heat maps of attention weights between words: one row of panels per model, one column
+  per example; ``weights`` {model: [examples, T, S]}, ``sources``/``targets`` the words of
+  each example (columns / rows of its panel, cropped to their lengths). Returns the Figure."""
+  plt = _pyplot()
+  rows, cols = len(weights), len(sources)
+  if rows == 0 or cols == 0 or len(targets) != cols:
+    raise ValueError(f"plot_alignments needs ≥ 1 model and as many targets as sources; got "
+                     f"{rows} models, {cols} sources, {len(targets)} targets")
+  fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 2.9 * rows), squeeze=False)
+  for r, (name, al) in enumerate(weights.items()):
+    for c, (sw, tw) in enumerate(zip(sources, targets, strict=True)):
+      ax = axes[r, c]
+      ax.imshow(np.asarray(al)[c, :len(tw), :len(sw)], cmap="Greys", vmin=0, vmax=1)
+      ax.set_xticks(range(len(sw)), sw, rotation=60, fontsize=7)
+      ax.set_yticks(range(len(tw)), tw, fontsize=7)
+      if c == 0:
+        ax.set_ylabel(name, fontsize=9)
+  fig.tight_layout()
+  return fig
+
+
 def summary_rows(results: dict[str, Any], metrics: Sequence[str]) -> list[dict]:
   """Rows {run, <metric>: 'mean ± std', s/step, compile s} from {label: FitResult}."""
   rows = []

@@ -1,7 +1,27 @@
-"""The one rule by which every attnx experiment decides "A beats B", "within noise" or
-"inconclusive" from per-seed results.
+"""The rules by which every attnx experiment turns its results into a verdict.
 
-The rule (stated in every report that uses it, see :meth:`Comparison.rule`):
+One comparison of two variants over seeds follows the **paired** rule below; a claim that
+rests on several comparisons or on deterministic values follows one of the other named kinds
+(:data:`KINDS`, documented on docs/results/index.md, "Verdict rules"):
+
+* **paired** — :func:`compare` → :class:`Comparison`: A vs B, better / worse / within noise /
+  inconclusive (below).
+* **claim** — :func:`claim` → :class:`Claim`: several parts, each a comparison with a required
+  outcome (:func:`part`, :data:`REQUIREMENTS`), an exact check (:func:`exact`, :func:`check`)
+  or a claim itself; held when every part is met, not held when any part is refuted,
+  inconclusive otherwise.
+* **all or none** — ``claim(parts, require="all or none")``: one statement checked at several
+  points (e.g. noise levels): held at every point, not held at none, inconclusive when mixed.
+* **any** — ``claim(parts, require="any")``: one statement that needs one point (e.g. "solves
+  the task at some width"): held when met at some point, not held when refuted at every one.
+* **unanimous** — :func:`unanimous` / :func:`unanimous_held`: the outcome of several
+  comparisons together (better only if better on every one, worse if worse on any).
+* **exact** — :func:`exact`: deterministic values (closed forms, kernels) against a tolerance;
+  no seeds, so never inconclusive.
+
+Each report names its kind with :func:`rule` (and, for comparisons, :meth:`Comparison.rule`).
+
+The paired rule (stated in every report that uses it, see :meth:`Comparison.rule`):
 
 1. Pair the runs by seed (seed i of A and seed i of B share initialization and data order)
    and orient the differences so that positive means "A is better":
@@ -25,7 +45,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -140,14 +160,16 @@ class Comparison:
             f"whole interval is inside ±{margin:g}, and *inconclusive* otherwise.")
 
 
-def compare(a: Sequence[float] | np.ndarray, b: Sequence[float] | np.ndarray, *,
+def compare(a: Sequence[float] | np.ndarray, b: Sequence[float] | np.ndarray | float, *,
             margin: float, higher_is_better: bool = True, a_name: str = "A",
             b_name: str = "B", metric: str = "metric",
             deterministic: bool = False) -> Comparison:
   """Compares per-seed results ``a`` and ``b`` (same seeds, same order) by the module's rule.
 
   Args:
-    a, b: one value per seed; paired by position, so they must have the same length.
+    a, b: one value per seed; paired by position, so they must have the same length. ``b``
+      may be a scalar: a reference without seed noise (chance, a closed form, a threshold),
+      the same for every seed.
     margin: δ > 0, the difference below which A and B count as equal in practice.
     higher_is_better: orientation of the metric (False for losses and errors).
     a_name, b_name, metric: labels for the sentence and table row.
@@ -158,6 +180,8 @@ def compare(a: Sequence[float] | np.ndarray, b: Sequence[float] | np.ndarray, *,
     ValueError: for unequal lengths, no values, non-finite values or margin ≤ 0.
   """
   a_arr, b_arr = np.asarray(a, np.float64).ravel(), np.asarray(b, np.float64).ravel()
+  if np.ndim(b) == 0:
+    b_arr = np.full_like(a_arr, b_arr[0])
   if a_arr.shape != b_arr.shape or a_arr.size == 0:
     raise ValueError(f"compare needs one value per seed for both, paired; got {a_arr.size} "
                      f"values for {a_name!r} and {b_arr.size} for {b_name!r}")
@@ -209,3 +233,195 @@ def tied_best(results: dict[str, Sequence[float]], *, margin: float,
   return [k for k in order if k == top or compare(
       results[k], results[top], margin=margin, higher_is_better=higher_is_better,
       deterministic=deterministic).outcome != "worse"]
+
+
+# ------------------------------------------------------------------------------------------
+# Verdicts over several results: the named kinds.
+# ------------------------------------------------------------------------------------------
+
+KINDS: dict[str, str] = {
+    "paired": "A vs B over seeds: the 95 % paired t-interval of the difference against a "
+              "margin δ gives better / worse (excludes 0, not inside ±δ), within noise (inside "
+              "±δ) or inconclusive.",
+    "claim": "several parts, each a paired comparison with a required outcome, an exact check "
+             "or a claim itself: held when every part is met, not held when any part is "
+             "refuted (a decided outcome other than the required one), inconclusive "
+             "otherwise; untested without parts.",
+    "all or none": "one statement checked at several points (e.g. noise levels): held when "
+                   "it is met at every point, not held when it is met at none, inconclusive "
+                   "when mixed or undecided; untested without points.",
+    "any": "one statement that needs a single point (e.g. \"solves the task at some width\"): "
+           "held when it is met at some point, not held when it is refuted at every point, "
+           "inconclusive otherwise; untested without points.",
+    "unanimous": "several comparisons taken together: better only if better on every one, "
+                 "worse if worse on any, within noise if within noise on all, inconclusive "
+                 "otherwise (untested without comparisons); the claim \"better\" holds when "
+                 "better and fails when worse.",
+    "exact": "deterministic values (closed forms, kernels, float32 rounding): met when "
+             "|value − reference| < tol (\"equal\") or > tol (\"differ\"); a non-finite "
+             "value is never met; no seeds, so never inconclusive.",
+}
+
+# Required outcome of a compared part -> (outcomes that meet it, outcomes that refute it);
+# "inconclusive" leaves every requirement undecided.
+REQUIREMENTS: dict[str, tuple[frozenset[str], frozenset[str]]] = {
+    "better": (frozenset({"better"}), frozenset({"worse", "within noise"})),
+    "not worse": (frozenset({"better", "within noise"}), frozenset({"worse"})),
+    "worse": (frozenset({"worse"}), frozenset({"better", "within noise"})),
+    "within noise": (frozenset({"within noise"}), frozenset({"better", "worse"})),
+}
+CLAIM_KINDS = ("claim", "all or none", "any")
+
+
+def rule(kind: str) -> str:
+  """The named kind's rule in one sentence, for a report: "Verdict rule *claim*
+  (attnx.train.verdict): ..." (the seed count and margins of the comparisons underneath are
+  stated by :meth:`Comparison.rule`)."""
+  if kind not in KINDS:
+    raise ValueError(f"unknown verdict kind {kind!r}; valid: {', '.join(KINDS)}")
+  return f"Verdict rule *{kind}* (attnx.train.verdict): {KINDS[kind]}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Part:
+  """One part of a claim: met (True), refuted (False) or undecided (None), with a name and
+  the sentence that reports it."""
+
+  name: str
+  met: bool | None
+  text: str = ""
+  tested: bool = True
+
+
+def part(c: Comparison, require: str, name: str | None = None) -> Part:
+  """A paired comparison as a claim part that needs the outcome ``require`` (a key of
+  :data:`REQUIREMENTS`): met by it, refuted by a decided other outcome, undecided when
+  inconclusive. ``name`` defaults to A's name; the text is the comparison's sentence."""
+  if require not in REQUIREMENTS:
+    raise ValueError(f"unknown requirement {require!r}; valid: {', '.join(REQUIREMENTS)}")
+  meets, refutes = REQUIREMENTS[require]
+  met = True if c.outcome in meets else False if c.outcome in refutes else None
+  return Part(c.a if name is None else name, met, c.sentence())
+
+
+def check(name: str, met: bool | None, text: str = "") -> Part:
+  """A deterministic statement as a claim part (e.g. "the error falls with k" on every seed);
+  None: not decidable here."""
+  return Part(name, None if met is None else bool(met), text)
+
+
+def within_tolerance(value: float, tol: float, reference: float = 0.0,
+                     expect: str = "equal") -> bool:
+  """The *exact* kind's test: ``|value − reference| < tol`` (``expect="equal"``) or
+  ``> tol`` (``"differ"``); a non-finite value meets neither."""
+  if expect not in ("equal", "differ"):
+    raise ValueError(f"expect must be 'equal' or 'differ', got {expect!r}")
+  if not tol >= 0:
+    raise ValueError(f"tolerance must be ≥ 0, got {tol}")
+  d = abs(float(value) - float(reference))
+  if not math.isfinite(d):
+    return False
+  return d < tol if expect == "equal" else d > tol
+
+
+def exact(name: str, value: float, reference: float = 0.0, *, tol: float,
+          expect: str = "equal", text: str = "") -> Part:
+  """A deterministic value as a claim part (kind *exact*): met by :func:`within_tolerance`,
+  refuted otherwise (never undecided: there is no seed noise)."""
+  return Part(name, within_tolerance(value, tol, reference, expect), text)
+
+
+@dataclasses.dataclass(frozen=True)
+class Claim:
+  """A verdict over several parts (kind *claim*, *all or none* or *any*, see :data:`KINDS`). A
+  claim is itself a part (``met`` is ``held``), so claims nest; an untested claim (no tested
+  parts) is left out of the claim above it."""
+
+  parts: tuple[Part, ...]
+  kind: str = "claim"
+  name: str = ""
+
+  @property
+  def tested(self) -> bool:
+    """Whether any part was tested (a claim without parts is *untested*)."""
+    return any(p.tested for p in self.parts)
+
+  @property
+  def held(self) -> bool | None:
+    """True (held), False (not held) or None (inconclusive or untested), by the kind's rule."""
+    states = [p.met for p in self.parts if p.tested]
+    if not states:
+      return None
+    if self.kind == "all or none":
+      return True if all(states) else False if all(s is False for s in states) else None
+    if self.kind == "any":
+      return True if True in states else False if all(s is False for s in states) else None
+    return False if False in states else True if all(states) else None
+
+  @property
+  def met(self) -> bool | None:
+    return self.held
+
+  @property
+  def text(self) -> str:
+    """The parts' sentences, each ending with a full stop."""
+    return " ".join(p.text + "." for p in self.parts if p.text)
+
+  def refuted(self) -> list[str]:
+    """Names of the parts that are refuted."""
+    return [p.name for p in self.parts if p.tested and p.met is False]
+
+  def undecided(self) -> list[str]:
+    """Names of the parts that are undecided."""
+    return [p.name for p in self.parts if p.tested and p.met is None]
+
+  def say(self, held: str, not_held: str, inconclusive: str, untested: str = "") -> str:
+    """The sentence for this claim's state; ``{refuted}`` and ``{undecided}`` in it are
+    replaced by the comma-separated names of those parts."""
+    text = (untested if not self.tested else
+            {True: held, False: not_held, None: inconclusive}[self.held])
+    return text.format(refuted=", ".join(self.refuted()),
+                       undecided=", ".join(self.undecided()))
+
+  def rule(self) -> str:
+    """This claim's rule for a report (:func:`rule` of its kind)."""
+    return rule(self.kind)
+
+
+def claim(parts: Iterable[Part | Claim], require: str = "all", name: str = "") -> Claim:
+  """A claim over ``parts`` (:class:`Part`, e.g. from :func:`part`, :func:`exact`,
+  :func:`check`, or nested :class:`Claim`): ``require="all"`` is the kind *claim* (held when
+  every part is met, not held when any is refuted, inconclusive otherwise), ``"all or none"``
+  the kind *all or none* (held when met at every part, not held when at none), ``"any"`` the
+  kind *any* (held when met at some part, not held when refuted at every one)."""
+  kinds = {"all": "claim", "all or none": "all or none", "any": "any"}
+  if require not in kinds:
+    raise ValueError(f"unknown claim requirement {require!r}; valid: {', '.join(kinds)}")
+  return Claim(tuple(parts), kinds[require], name)
+
+
+def unanimous(outcomes: Iterable[str]) -> str:
+  """The outcome of several comparisons together (kind *unanimous*): "better" only if better
+  on every one, "worse" if worse on any, "within noise" if within noise on all, "untested"
+  without outcomes, else "inconclusive". Also combines such combined outcomes."""
+  outcomes = list(outcomes)
+  bad = [o for o in outcomes if o not in OUTCOMES + ("untested",)]
+  if bad:
+    raise ValueError(f"unanimous: unknown outcomes {bad}; valid: {', '.join(OUTCOMES)}, "
+                     "untested")
+  if not outcomes:
+    return "untested"
+  if all(o == "better" for o in outcomes):
+    return "better"
+  if any(o == "worse" for o in outcomes):
+    return "worse"
+  if all(o == "within noise" for o in outcomes):
+    return "within noise"
+  return "inconclusive"
+
+
+def unanimous_held(outcomes: Iterable[str] | Mapping[str, str]) -> bool | None:
+  """Whether the claim "better" holds over ``outcomes`` by the kind *unanimous*: True when
+  :func:`unanimous` gives "better", False when "worse", else None (also when untested)."""
+  values = outcomes.values() if isinstance(outcomes, Mapping) else outcomes
+  return {"better": True, "worse": False}.get(unanimous(values))

@@ -54,6 +54,21 @@ def test_plot_weights_one_panel_per_head_and_variant():
   assert axes[3].texts[0].get_text() == "n/a (linear)"
 
 
+def test_plot_simplex_one_panel_per_map_coloured_by_support():
+  from attnx import core
+
+  maps = {"softmax": lambda z: jax.nn.softmax(z, -1), "sparsemax": core.sparsemax}
+  fig = analysis.plot_simplex(maps, grid=5)
+  panels = [ax for ax in fig.axes if ax.get_title()]
+  assert [ax.get_title() for ax in panels] == ["softmax", "sparsemax"]
+  supports = [ax.collections[0].get_array() for ax in panels]
+  assert set(np.asarray(supports[0])) == {3}  # softmax never leaves the interior
+  assert {1, 2} <= set(np.asarray(supports[1]))  # sparsemax reaches edges and vertices
+  assert panels[0].get_legend_handles_labels()[1] == ["p(s/τ), τ: 0.05→20"]
+  with pytest.raises(ValueError, match="three path scores"):
+    analysis.plot_simplex(maps, path_scores=(1.0, 0.0))
+
+
 def test_loss_rows_of_a_task_result():
   fit = lambda loss: types.SimpleNamespace(
       final_metrics={"loss": np.array(loss), "accuracy": np.array([0.5, 0.7])},

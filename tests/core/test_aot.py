@@ -99,6 +99,30 @@ def test_version_specifiers():
   assert aot._matches("1.2", "==1.2") and not aot._matches("1.2.1", "==1.2")
 
 
+def test_limit_checks_name_each_limit_exceeded():
+  k = aot.KernelReport("attnx_pallas_dkv", "pallas", registers=255, spill_store_bytes=24,
+                       spill_load_bytes=24, smem_bytes=300_000)
+  ok = aot.CompileReport("h100", True, "ok", None, 1.0, 0.1, kernels=(k,))
+  failed = lambda report, **kw: [s for s, met in report.limit_checks(**kw) if not met]
+  assert failed(ok) == ["attnx_pallas_dkv spills 24 B", "attnx_pallas_dkv smem 300000 > 232448"]
+  assert failed(ok, spills_allowed={"attnx_pallas_dkv"}) == [
+      "attnx_pallas_dkv smem 300000 > 232448"]  # an allowed spill; the size still counts
+  clean = aot.CompileReport("h100", True, "ok", None, 1.0, 0.1, kernels=(
+      aot.KernelReport("attnx_pallas_fwd", "pallas", registers=200, spill_store_bytes=0,
+                       smem_bytes=1024),))
+  assert failed(clean) == [] and len(clean.limit_checks()) == 5
+  bad = aot.CompileReport("h100", False, "smem_overflow", "RESOURCE_EXHAUSTED: Shared memory\nx",
+                          1.0, 0.1)
+  assert bad.limit_checks() == [("smem_overflow: RESOURCE_EXHAUSTED: Shared memory", False)]
+  unmeasured = aot.CompileReport("h100", True, "ok", None, 1.0, 0.1, kernels=(
+      aot.KernelReport("attnx_pallas_fwd", "pallas", smem_bytes=1024),))
+  assert failed(unmeasured) == ["registers not measured (no ptxas)"]
+  assert failed(aot.CompileReport("v5e", True, "ok", None, 1.0, 0.1)) == ["no Pallas kernel found"]
+  big = aot.CompileReport("v5e", True, "ok", None, 1.0, 0.1, kernels=(
+      aot.KernelReport("attnx_pallas_fwd", "pallas", vmem_bytes=200 << 20),))
+  assert failed(big) == [f"attnx_pallas_fwd VMEM {200 << 20} > {128 << 20}"]
+
+
 def test_errors_are_categorized():
   assert aot._category("RESOURCE_EXHAUSTED: Shared memory size limit exceeded: requested "
                        "524288, available: 232448") == "smem_overflow"

@@ -189,3 +189,19 @@ def test_bad_load_arguments(data_dir):
     D.load("listops", batch_size=0, data_dir=data_dir, config="tiny")
   with pytest.raises(ValueError, match="num_epochs"):
     D.load("listops", batch_size=2, num_epochs=0, data_dir=data_dir, config="tiny")
+
+
+def test_load_by_level_shares_samples_across_levels():
+  params = dict(num_classes=3, classes_per_sample=2, num_objects=4, dim=8, seed=0)
+  out = D.load_by_level("noisy_clusters", "global_noise", [0.0, 2.0], train_level=0.0,
+                        num_train=6, num_test=5, **params)
+  by_level = out["eval"]["inputs_by_level"]
+  assert by_level.shape[:2] == (2, 5) and out["eval"]["targets"].shape[0] == 5
+  assert not np.array_equal(by_level[0], by_level[1])  # the global noise grows
+  zero = D.load_arrays("noisy_clusters", "test", global_noise=0.0, num_train=0, num_test=5,
+                       **params)
+  np.testing.assert_array_equal(by_level[0], zero["inputs"])  # each level as load_arrays reads it
+  assert out["train"]["inputs"].shape[0] == 6
+  with pytest.raises(ValueError, match="at least one"):
+    D.load_by_level("noisy_clusters", "global_noise", [], train_level=0.0, num_train=6,
+                    num_test=5, **params)

@@ -1,5 +1,6 @@
 """attnx.data.paths: the data dirs, below the builders and the loader (which re-export them);
-no builder imports the loader, so attnx.data has no import cycle."""
+no builder imports the loader, so attnx.data has no import cycle (char_lm, which reads the
+text datasets through the loader, sits above it)."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ def test_loader_and_package_re_export_the_same_functions():
 
 
 def test_no_module_below_the_loader_imports_it():
-  above = {"__init__.py", "loader.py"}
+  above = {"__init__.py", "loader.py", "char_lm.py"}  # char_lm reads datasets through the loader
   for name in sorted(os.listdir(DATA)):
     if not name.endswith(".py") or name in above:
       continue

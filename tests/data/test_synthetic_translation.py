@@ -37,3 +37,11 @@ def test_synthetic_translation_examples():
   for _ in range(500):  # the sampler agrees with the independent rule-based translator
     src, tgt, align = st.make_sentence(rng)
     assert st.translate(src) == (tgt, align)
+
+
+def test_example_arrays_for_hand_picked_sentences():
+  src, tgt_in, sw, tw = st.example_arrays(["i love you"])
+  assert sw == [["i", "love", "you", "<eos>"]] and tw == [["je", "te", "aime", "<eos>"]]
+  assert src.shape == tgt_in.shape == (1, st.SEQ_LEN)
+  assert st.decode(src[0], st.SOURCE_VOCAB) == ["i", "love", "you"]
+  assert tgt_in[0, 0] == st.BOS_ID  # teacher forcing: the target shifted right

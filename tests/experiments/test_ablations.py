@@ -1,4 +1,4 @@
-"""experiments/ablations.py: the pair verdicts, and a trimmed tiny run end to end."""
+"""experiments/ablations.py: the pair claims, and a trimmed tiny run end to end."""
 
 import os
 import sys
@@ -9,32 +9,38 @@ from support import legs
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
+from attnx.train.experiment import TaskResult  # noqa: E402
 from experiments import ablations as exp  # noqa: E402
 
 
 def _result(**acc):
+  """A TaskResult of the digits task with these per-seed accuracies."""
   fits = {k: types.SimpleNamespace(final_metrics={"accuracy": np.asarray(v)})
           for k, v in acc.items()}
-  r = types.SimpleNamespace(fits=fits, failures={})
-  r.metric = lambda name: fits[name].final_metrics["accuracy"]
-  return r
+  return TaskResult(exp._digits_task(exp.get_config("tiny")), {}, fits, {}, {})
 
 
-def test_pair_verdict():
-  good, bad = "sigmoid b=−log n", "sigmoid b=0"
+def _held(result, pair):
+  good, bad = exp.PAIRS[pair]
+  return result.claim([(good, "softmax", "not worse"), (bad, good, "worse")]).held
+
+
+def test_pair_claims():
+  good, bad = exp.PAIRS["sigmoid"]
   held = _result(softmax=[0.9, 0.91, 0.92], **{good: [0.9, 0.912, 0.918],
                                                bad: [0.5, 0.55, 0.52]})
-  assert exp._pair_verdict(held, good, bad, 0.01)[0] is True
+  assert _held(held, "sigmoid") is True
   # The "bad" variant is as good: the ablation shows nothing is needed.
   same = _result(softmax=[0.9, 0.91, 0.92], **{good: [0.9, 0.912, 0.918],
                                                bad: [0.9, 0.911, 0.919]})
-  assert exp._pair_verdict(same, good, bad, 0.01)[0] is False
+  assert _held(same, "sigmoid") is False
   # The "good" variant is worse than softmax.
   worse = _result(softmax=[0.9, 0.91, 0.92], **{good: [0.7, 0.71, 0.72],
                                                 bad: [0.5, 0.55, 0.52]})
-  assert exp._pair_verdict(worse, good, bad, 0.01)[0] is False
+  assert _held(worse, "sigmoid") is False
   missing = _result(softmax=[0.9, 0.91])
-  assert exp._pair_verdict(missing, good, bad, 0.01)[0] is None
+  assert _held(missing, "sigmoid") is None and not missing.claim(
+      [(good, "softmax", "not worse")]).tested
 
 
 @legs.experiment_run

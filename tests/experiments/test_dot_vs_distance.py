@@ -28,25 +28,28 @@ def _row(spread, f, vs, diff, tv):
           "mean TV": tv}
 
 
-def test_kernel_summary_derives_each_statement():
+def test_kernel_claim_derives_each_statement():
   rows = exp.kernel_level(exp.get_config("tiny"))
-  ks = exp.kernel_summary(rows)
+  claim, ks = exp.kernel_claim(rows)
   assert ks["exact"] and ks["grows"] and ks["non_exp_differ"] and ks["held"] is True
+  assert claim.held is True and claim.kind == "claim"
   good = [_row(0.0, "softmax", "softmax(2 q·k)", 1e-7, 1e-7),
           _row(0.3, "softmax", "softmax(2 q·k)", 0.5, 0.3),
           _row(0.0, "sigmoid", "sigmoid(2 q·k)", 0.6, 0.2)]
-  assert exp.kernel_summary(good)["held"] is True
+  assert exp.kernel_claim(good)[1]["held"] is True
   # TV that does not grow with the spread, or a non-exp F that coincides: not held.
   flat = [good[0], _row(0.3, "softmax", "softmax(2 q·k)", 1e-7, 1e-7), good[2]]
-  assert exp.kernel_summary(flat)["grows"] is False and exp.kernel_summary(flat)["held"] is False
+  claim, ks = exp.kernel_claim(flat)
+  assert ks["grows"] is False and ks["held"] is False and claim.refuted() == ["growth"]
   same = good[:2] + [_row(0.0, "sigmoid", "sigmoid(2 q·k)", 1e-7, 1e-7)]
-  assert exp.kernel_summary(same)["held"] is False
-  assert "Not every non-exp F differs" in exp._kernel_text(exp.kernel_summary(same))
+  claim, ks = exp.kernel_claim(same)
+  assert ks["held"] is False and "Not every non-exp F differs" in claim.text
   # Nothing measured for a statement: untested (None), not vacuously true.
-  ks = exp.kernel_summary(good[:1])
+  claim, ks = exp.kernel_claim(good[:1])
   assert ks["grows"] is None and ks["non_exp_differ"] is None and ks["held"] is True
-  assert "untested" in exp._kernel_text(ks)
-  assert exp.kernel_summary(good[1:])["held"] is None  # no spread-0 row
+  assert "untested" in claim.text
+  claim, ks = exp.kernel_claim(good[1:])  # no spread-0 row: the identity, hence the claim
+  assert ks["held"] is None and not claim.tested and "Spread 0 was not measured" in claim.text
 
 
 def test_bad_score():

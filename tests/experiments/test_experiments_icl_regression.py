@@ -1,4 +1,4 @@
-"""experiments/icl_regression.py: the verdict against least squares, and the tiny preset."""
+"""experiments/icl_regression.py: the claim against least squares, and the tiny preset."""
 
 import json
 import os
@@ -19,17 +19,18 @@ def test_match_from_defaults_to_d_plus_2():
   assert exp.match_from(c) == 1
 
 
-def test_judge_tracks_least_squares():
+def test_claim_tracks_least_squares():
   k = np.arange(10)
   ls = np.where(k < 5, 1.0 - k / 5, 0.0)  # least squares: 0 from k = d = 5 on
   close = np.stack([ls + 0.01, ls + 0.012])
-  held, text, outcomes = exp.judge({"softmax": close}, ls, 7, 0.05)
-  assert held is True and outcomes["softmax"] == "within noise" and "falls" in text
+  claim, text, outcomes = exp.tracks_least_squares({"softmax": close}, ls, 7, 0.05)
+  assert claim.held is True and outcomes["softmax"] == "within noise" and "falls" in text
   far = np.stack([ls + 0.5, ls + 0.52])
-  assert exp.judge({"softmax": far}, ls, 7, 0.05)[0] is False
+  assert exp.tracks_least_squares({"softmax": far}, ls, 7, 0.05)[0].held is False
   flat = np.full((2, 10), 0.01)  # close to least squares at the end but never falls
-  assert exp.judge({"softmax": flat}, ls, 7, 0.05)[0] is False
-  assert exp.judge({"relu": close}, ls, 7, 0.05)[0] is None  # softmax untested
+  assert exp.tracks_least_squares({"softmax": flat}, ls, 7, 0.05)[0].held is False
+  untested = exp.tracks_least_squares({"relu": close}, ls, 7, 0.05)[0]
+  assert untested.held is None and not untested.tested
 
 
 @legs.experiment_run

@@ -16,13 +16,13 @@ from experiments import nadaraya_watson as exp  # noqa: E402
 def test_dataset_matches_the_slides(tmp_path, monkeypatch):
   monkeypatch.setenv("ATTNX_DATA_DIR", str(tmp_path))
   c = exp.get_config("tiny")
-  x, y = exp.make_dataset(c, 0)
+  x, y = exp.load(c, "train", 0)
   assert x.shape == (100,) and np.all(np.diff(x) >= 0) and 0 <= x.min() and x.max() <= 4
   # Residuals are the unit-variance noise around 2 sin x + x.
   assert 0.7 < np.std(y - (2 * np.sin(x) + x)) < 1.3
-  x1, _ = exp.make_dataset(c, 1)
+  x1, _ = exp.load(c, "train", 1)
   assert not np.allclose(x, x1)  # independent training sets
-  grid, f = exp.test_set(c)
+  grid, f = exp.load(c, "test")
   np.testing.assert_allclose(grid, np.linspace(0, c.x_max, c.num_test), rtol=1e-6)
   np.testing.assert_allclose(f, 2 * np.sin(grid) + grid, rtol=1e-5)
 

@@ -9,11 +9,12 @@ from support import legs
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
+from attnx.train import benchmark as bench  # noqa: E402
 from experiments import kernel_benchmark as exp  # noqa: E402
 
 
 def test_presets_and_validation():
-  assert set(exp.PRESETS) == {"default", "quick", "tiny", "rows", "masks"}
+  assert set(exp.PRESETS) == {"default", "quick", "tiny", "rows", "masks", "mask_costs"}
   assert exp.get_config("masks").masks == "window,documents"
   assert exp.get_config().experiment == "kernel_benchmark"
   assert len(exp.get_config("quick").shapes.split(",")) == 3
@@ -30,14 +31,6 @@ def test_presets_and_validation():
     c[key] = value
     with pytest.raises(ValueError, match=match):
       exp.validate_config(c)
-
-
-def test_skips_baselines_that_need_too_much_memory():
-  c = exp.get_config("tiny")
-  c.dense_max_gib = 1e-9
-  row = exp.run_case(dict(shape=(1, 64, 1, 8), impl="jax.nn (xla)", weighting="softmax",
-                          mode="fwd"), None, c, 1.0, {})
-  assert row["note"].startswith("skipped: needs") and "time ms" not in row
 
 
 @legs.experiment_run
@@ -62,14 +55,14 @@ def test_tiny_end_to_end(tmp_path):
                      if r["shape"] == shape and r["mode"] == mode and r["causal"] == causal
                      and not r["mask"])
         want = [(b, "softmax", "scaled_dot") for b in exp.BASELINES]
-        want += [("attnx blocked", *exp.case_weighting(w, head_dim)) for w in weightings]
+        want += [("attnx blocked", *bench.cases.case_weighting(w, head_dim)) for w in weightings]
         want += [(impl, w, "scaled_dot") for w in config.row_weightings.split(",")
                  for impl in ("attnx blocked", "attnx dense")]
         assert got == sorted(want), (shape, mode, causal)
-      for mask in exp.MASKS:  # causal + each structured mask: the blocked cases
+      for mask in config.masks.split(","):  # causal + each structured mask: blocked cases
         got = sorted(r["weighting"] for r in rows if r["shape"] == shape
                      and r["mode"] == mode and r["mask"] == mask and r["causal"])
-        assert got == sorted([exp.case_weighting(w, head_dim)[0] for w in weightings]
+        assert got == sorted([bench.cases.case_weighting(w, head_dim)[0] for w in weightings]
                              + config.row_weightings.split(",")), (shape, mode, mask)
   for r in rows:
     assert "note" not in r, r
@@ -98,18 +91,13 @@ def test_tiny_end_to_end(tmp_path):
     assert r["peak MiB"] >= r["scratch MiB"]
 
 
-def test_distance_kernels_run_on_a_distance_score_with_a_matched_bandwidth():
-  assert exp.case_weighting("relu", 64) == ("relu", "scaled_dot")
-  assert exp.case_weighting("triangular", 64) == ("triangular:h=11.3", "neg_sq_dist")
-  assert exp.case_weighting("boxcar:h=2", 64) == ("boxcar:h=2", "neg_sq_dist")
-  assert exp.case_weighting("gaussian:normalization=none", 8) == (
-      "gaussian:normalization=none,h=4", "neg_sq_dist")
+def test_distance_kernels_are_timed_against_their_own_softmax():
   rows = [dict(shape="s", mode="fwd", impl="attnx blocked", weighting=w, score=sc,
                **{"time ms": ms})
           for w, sc, ms in (("softmax", "scaled_dot", 10.0), ("relu", "scaled_dot", 12.0),
                             ("gaussian:h=8", "neg_sq_dist", 20.0),
                             ("boxcar:h=8", "neg_sq_dist", 10.0))]
-  exp._add_ratios(rows)
+  bench.ratios.add_ratios(rows, exp.ratios())
   assert [r["time / softmax"] for r in rows] == [1.0, 1.2, 1.0, 0.5]
 
 
@@ -132,7 +120,7 @@ def test_targets_compare_measurements_with_the_issue_thresholds():
       _row(t, "fwd+bwd", "attnx blocked", "relu", **{"time / softmax": 1.1}),
       _row(long, "fwd+bwd", "attnx blocked", "softmax", **{"peak MiB": 60.0}),
   ]
-  goals = exp.targets(rows)
+  goals = bench.targets.check(exp.TARGETS, rows)
   assert len(goals) == 8, goals
 
   def met(*words):
@@ -160,33 +148,53 @@ def test_causal_rows_get_their_full_twin_ratio_and_target():
                               ("1x256x4x64", "fwd", False, 1.0),
                               ("1x256x4x64", "fwd", True, 0.9))]
   rows.append(_row("1x1024x4x64", "fwd", blk, "relu", causal=True, **{"time ms": 11.0}))
-  exp._add_ratios(rows)
+  bench.ratios.add_ratios(rows, exp.ratios())
   assert [r.get("causal / full") for r in rows] == [None, 0.55, None, 0.7, None, 0.9, None]
   assert rows[-1]["time / softmax"] == 2.0  # against causal softmax, not full softmax
-  goals = {g["target"]: g["met"] for g in exp.targets(rows)}
+  goals = {g["target"]: g["met"] for g in bench.targets.check(exp.TARGETS, rows)}
   assert goals == {"blocked softmax causal / full ≤ 0.6 at 1x1024x4x64 (fwd)": "yes",
                    "blocked softmax causal / full ≤ 0.6 at 1x1024x4x64 (fwd+bwd)": "**no**"}
 
 
 def test_masked_rows_count_their_pairs_and_meet_the_mask_target_by_the_rule():
-  c = exp.get_config("tiny")
-  c.update(dict(mask_window=5, mask_documents=3))
-  for mask in ("", *exp.MASKS):  # the pair counts are the references' valid pairs
-    assert exp.attended_pairs(mask, 12, True, c) == exp._valid(mask, 12, 12, True, c).sum()
-  assert exp.attended_pairs("", 12, False, c) == 144 and exp._valid("", 12, 12, False, c) is None
   t, blk = exp.MASK_TARGET_SHAPE, "attnx blocked"
-  n = int(t.split("x")[1])
-  pairs = {m: exp.attended_pairs(m, n, True, exp.get_config("masks")) for m in ("", *exp.MASKS)}
+  c = exp.get_config("masks")
+  pairs = {m: bench.cases.attended_pairs(bench.cases.seq_len(t), True, **bench.cases.mask_sizes(
+      m, c.mask_window, c.mask_documents)) for m in ("", *exp.MASKS)}
   rows = [_row(t, "fwd+bwd", blk, "softmax", causal=True, mask="", **{"time ms": 100.0}),
           _row(t, "fwd+bwd", blk, "softmax", causal=True, mask="window",
                **{"time ms": 100.0 * 1.2 * pairs["window"] / pairs[""]}),
           _row(t, "fwd+bwd", blk, "softmax", causal=True, mask="documents",
                **{"time ms": 100.0 * 2.0 * pairs["documents"] / pairs[""]})]
-  exp._add_ratios(rows, exp.get_config("masks"))
+  bench.ratios.add_ratios(rows, exp.ratios(c))
   assert [round(r.get("per pair / causal", 0), 6) for r in rows] == [0, 1.2, 2.0]
-  goals = {g["target"]: g["met"] for g in exp.targets(rows)}
+  goals = {g["target"]: g["met"] for g in bench.targets.check(exp.TARGETS, rows)}
   assert goals == {
       f"softmax causal + window: fwd+bwd time per attended pair ≤ 1.3× plain causal at {t}":
           "yes",
       f"softmax causal + documents: fwd+bwd time per attended pair ≤ 1.3× plain causal at {t}":
           "**no**"}
+
+
+def test_mask_costs_compare_every_row_per_pair_with_long_plain_causal():
+  c = exp.get_config("mask_costs")
+  exp.validate_config(c)
+  cases = exp.cases(c)
+  assert {(x["shape"], x["mask"]) for x in cases if x.get("mask")} >= {
+      ((1, 16384, 2, 64), m) for m in ("window", "documents", "dense_window")}
+  long, blk = c.pair_reference, "attnx blocked"
+  rows = [_row(long, "fwd+bwd", blk, "softmax", causal=True, mask="", **{"time ms": 100.0}),
+          _row(long, "fwd+bwd", blk, "softmax", causal=True, mask="dense_window",
+               **{"time ms": 100.0}),
+          _row("16x1024x2x64", "fwd+bwd", blk, "softmax", causal=True, mask="",
+               **{"time ms": 10.0}),
+          _row("32x512x2x64", "fwd+bwd", blk, "softmax", causal=False, mask="",
+               **{"time ms": 10.0})]
+  bench.ratios.add_ratios(rows, exp.ratios(c))
+  causal_pairs = 16384 * 16385 / 2
+  assert [r["per pair / causal"] for r in rows] == pytest.approx([
+      1.0, causal_pairs / bench.cases.attended_pairs(16384, window=512),
+      (10 / (16 * 1024 * 1025 / 2)) / (100 / causal_pairs),
+      (10 / (32 * 512 * 512)) / (100 / causal_pairs)])
+  # The structured-mask target judges the structured masks only.
+  assert [g["target"].split(":")[0] for g in bench.targets.check(exp.TARGETS, rows)] == []

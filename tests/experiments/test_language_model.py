@@ -1,4 +1,4 @@
-"""experiments/language_model.py: bits per character and the verdict, the length-generalization
+"""experiments/language_model.py: the loss verdict, the length-generalization
 windows and verdicts, the long-context evaluation through the streaming kernels (against dense
 attention), the config checks, the tiny preset end to end (report, JSON, figures, attention
 statistics per layer and head, sample.py printing text from a trained model), and a user's own
@@ -22,15 +22,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, ROOT)
 
 from attnx import analysis  # noqa: E402
+from attnx.data import char_lm  # noqa: E402
 from attnx.train import evaluators, verdict  # noqa: E402
 from attnx.train.data import loader  # noqa: E402
 from attnx.train.evaluate import evaluate  # noqa: E402
 from experiments import language_model as exp  # noqa: E402
 
 
-def test_bits_per_char_and_the_loss_verdict():
-  assert np.allclose(exp.bits_per_char([math.log(2), 2 * math.log(2)]), [1.0, 2.0])
-  assert float(exp.bits_per_char(exp.NANOGPT_VAL_LOSS)) == pytest.approx(2.7123, abs=1e-4)
+def test_the_loss_verdict():
   soft = np.array([1.90, 1.91, 1.92])
   # Lower is better: a loss 0.1 nats above softmax in every seed is "worse", one within a few
   # thousandths "within noise" (margin 0.02), and two seeds that disagree "inconclusive".
@@ -231,8 +230,6 @@ def test_config_checks_and_positions():
   exp.validate_config(survey)  # every weighting and special variant builds a GPT
   names = survey.weightings.split(",")
   assert {"linear_elu", "linear_favor", "metric", "softpick", "stick_breaking"} <= set(names)
-  assert exp.positions_for(exp.nn.attention_spec("linear_elu"), "rotary") == "learned"
-  assert exp.positions_for(exp.nn.attention_spec("metric"), "rotary") == "rotary"
   d = exp.get_config()
   assert tuple(d.context_multipliers) == (1, 2, 4, 16, 64) and d.length_windows >= 64 * 4
   assert tuple(d.length_verdicts) == (16, 64)
@@ -290,7 +287,7 @@ def test_tiny_preset_end_to_end(tmp_path, monkeypatch, capsys):
     np.testing.assert_allclose(m["accuracy"], generic["accuracy"], rtol=1e-6)
     # ... and the 1× entry of the length table is the loss on the shared first
     # length_windows windows, the text that 2× and 4× cut longer (a separate pass here).
-    shared = evaluators.context_windows(exp.token_stream("validation", exp.TINY_TEXT),
+    shared = evaluators.context_windows(char_lm.token_stream("validation", exp.TINY_TEXT),
                                         c.model.context, (1, 4),
                                         c.length_windows * c.model.context)
     assert [len(shared[k]["inputs"]) for k in (1, 4)] == [4, 1]
@@ -354,16 +351,12 @@ def test_tiny_preset_end_to_end(tmp_path, monkeypatch, capsys):
 
 
 def test_ablations_preset_keeps_parameters_with_their_variant():
-  from attnx import nn
-  from experiments import _common
+  from attnx import nn, train
 
   c = exp.get_config("ablations")
-  names = _common.variant_list(c.weightings)
+  names = train.variant_list(c.weightings)
   assert names == list(exp.ABLATIONS) and len(names) == 6
   assert nn.attention_spec(names[2])["weighting"] == "sigmoid:normalization=none,bias=0"
-  assert _common.variant_list("softmax, relu:normalization=none ,bias=1,ssmax") == [
-      "softmax", "relu:normalization=none,bias=1", "ssmax"]
-  assert _common.variant_list("bias=0,softmax") == ["bias=0", "softmax"]  # nothing to continue
   c.weightings = "softmax,sigmoid:normalization=none,bogus=1"
   with pytest.raises(ValueError, match="config.weightings"):
     exp.validate_config(c)
@@ -428,7 +421,8 @@ def test_a_text_file_names_the_task_and_prompts_in_its_own_style(tmp_path, monke
   c.update(dict(text_file=str(path)))
   c.sample.prompt = ""  # the tiny preset's "ROMEO:" off: the text's own
   assert exp.task_name(str(path)) == "tiny_project_char" and exp.task_name(None) == exp.TASK
-  val = "".join(exp.vocabulary(str(path))[i] for i in exp.token_stream("validation", str(path)))
+  val = "".join(char_lm.vocabulary(str(path))[i]
+                for i in char_lm.token_stream("validation", str(path)))
   prompt = exp.sample_prompt(c)
   # The first complete non-blank line of the validation text, cut at 20 characters.
   first = next(line for line in val.split("\n")[1:] if line.strip())
@@ -482,11 +476,12 @@ def test_a_corpus_directory_trains_packed_each_file_a_document(tmp_path, monkeyp
   c.model.context = 64
   c.sample.update(prompt="def g(", num_tokens=8)
   exp.validate_config(c)
-  rows = exp.packed_rows(c)
+  text_file = exp.data_kwargs(c)["text_file"]
+  rows = char_lm.packed_rows(text_file, c.model.context, c.packing)
   # Every file is a document: 60 of them, none longer than 38 characters, packed several to a
   # row of 64; the rows rebuild the files' training parts exactly, one segment each.
   assert rows["segment_ids"].max() >= 2 and len(rows["inputs"]) < 60
-  vocab = exp.vocabulary(exp.data_kwargs(c)["text_file"])
+  vocab = char_lm.vocabulary(text_file)
   pieces = sorted("".join(vocab[t] for t in rows["inputs"][r][rows["segment_ids"][r] == s])
                   + vocab[rows["targets"][r][rows["segment_ids"][r] == s][-1]]
                   for r in range(len(rows["inputs"])) for s in set(rows["segment_ids"][r]) - {0})

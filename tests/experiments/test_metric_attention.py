@@ -49,13 +49,6 @@ def test_tiny_end_to_end(tmp_path):
   assert (tmp_path / "digits_curves.png").exists()
 
 
-def test_outcome_is_the_shared_rule():
-  assert exp._outcome([0.9, 0.92, 0.91], [0.5, 0.51, 0.505], 0.01) == "better"
-  assert exp._outcome([0.5, 0.51, 0.505], [0.9, 0.92, 0.91], 0.01) == "worse"
-  assert exp._outcome([0.5, 0.7], [0.6, 0.62], 0.01) == "inconclusive"
-  assert exp._outcome([0.6, 0.62, 0.61], [0.601, 0.618, 0.612], 0.01) == "within noise"
-
-
 def test_accuracy_drop():
   r = {"accuracy": np.array([0.9, 0.8]), "noisy": {0.0: np.array([0.9, 0.8]),
                                                    0.3: np.array([0.5, 0.7])}}
@@ -63,8 +56,8 @@ def test_accuracy_drop():
   # A less accurate variant that loses less under noise is the more robust one.
   low = {"accuracy": np.array([0.6, 0.6]), "noisy": {0.3: np.array([0.55, 0.56])}}
   high = {"accuracy": np.array([0.9, 0.9]), "noisy": {0.3: np.array([0.6, 0.61])}}
-  assert exp._outcome(-exp.accuracy_drop(low, 0.3), -exp.accuracy_drop(high, 0.3),
-                      0.01) == "better"
+  assert exp.train.verdict.compare(-exp.accuracy_drop(low, 0.3), -exp.accuracy_drop(high, 0.3),
+                                   margin=0.01).outcome == "better"
 
 
 def test_task_declaration():
@@ -77,10 +70,14 @@ def test_task_declaration():
   assert task.margin == c.margins.accuracy
 
 
-def test_catalog_images_become_unit_floats():
-  arrays = {"train": {"inputs": np.array([[0, 255]], np.uint8), "targets": np.array([1])},
-            "eval": {"inputs": np.array([[0.5, 1.0]], np.float32), "targets": np.array([0])}}
-  out = exp._to_unit_floats(arrays)
-  np.testing.assert_array_equal(out["train"]["inputs"], [[0.0, 1.0]])
-  assert out["train"]["inputs"].dtype == np.float32
-  np.testing.assert_array_equal(out["eval"]["inputs"], [[0.5, 1.0]])  # floats untouched
+def test_dataset_outcomes_per_claim():
+  c = exp.get_config("tiny")
+  r = lambda acc, steps, noisy: {"accuracy": np.array(acc), "steps_to_target": np.array(steps),
+                                 "noisy": {0.3: np.array(noisy)}}
+  res = {"softmax": r([0.5, 0.51, 0.52], [10.0, 10.0, 10.0], [0.4, 0.41, 0.42]),
+         "metric": r([0.9, 0.92, 0.91], [np.nan, np.nan, np.nan], [0.8, 0.82, 0.81])}
+  out = exp.dataset_outcomes(res, c)
+  # Never reaching the target counts as the budget + 1 steps: worse on efficiency.
+  assert out == {"accuracy": ["better"], "efficiency": ["worse"], "robustness": ["within noise"]}
+  assert exp.train.verdict.unanimous_held(
+      {k: exp.train.verdict.unanimous(v) for k, v in out.items()}) is False

@@ -1,4 +1,4 @@
-"""experiments/mqar.py: the solve rule, the two-part verdict, and the tiny preset end to end."""
+"""experiments/mqar.py: the solve rule, the two-part claim, and the tiny preset end to end."""
 
 import json
 import os
@@ -12,13 +12,17 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 from experiments import mqar as exp  # noqa: E402
 
 
-def test_solved_uses_the_t_interval():
-  assert exp.solved([0.999, 0.998, 0.999], 0.99) is True
-  assert exp.solved([0.5, 0.6, 0.55], 0.99) is False
-  assert exp.solved([0.5, 0.6], 0.99) is None  # 2 seeds: t = 12.7 leaves it open
-  assert exp.solved([0.999, 0.95], 0.99) is None  # the seeds straddle the threshold
-  assert exp.solved([0.995], 0.99) is None  # one seed: always inconclusive
-  assert exp.solved([np.nan, 1.0], 0.99) is False  # a diverged seed never solves
+def _solves(*accs):
+  """Softmax's per-width "solves" of mqar_claim for the given seed accuracies."""
+  acc = {"softmax": {16 * (i + 1): np.asarray(a, float) for i, a in enumerate(accs)}}
+  return list(exp.mqar_claim(acc, 0.99, 0.01)[2]["softmax_solves"].values())
+
+
+def test_softmax_solves_by_the_t_interval():
+  assert _solves([0.999, 0.998, 0.999], [0.5, 0.6, 0.55]) == [True, False]
+  assert _solves([0.5, 0.6], [0.999, 0.95]) == [None, None]  # 2 seeds: t = 12.7; straddles
+  assert _solves([0.995]) == [None]  # one seed: always inconclusive
+  assert _solves([np.nan, 1.0]) == [False]  # a diverged seed never solves
 
 
 def _acc(**per_width):
@@ -26,35 +30,35 @@ def _acc(**per_width):
           for w, vals in per_width.items()}
 
 
-def test_judge_the_zoology_shape_holds():
+def test_claim_the_zoology_shape_holds():
   acc = _acc(softmax=[[0.6, 0.62], [0.999, 0.998], [1.0, 1.0]],
              linear_elu=[[0.2, 0.21], [0.4, 0.41], [0.8, 0.82]])
-  held, text, info = exp.judge(acc, 0.99, 0.01)
-  assert held is True and info["first_solved_width"] == 64
+  claim, text, info = exp.mqar_claim(acc, 0.99, 0.01)
+  assert claim.held is True and info["first_solved_width"] == 64
   assert "d=32: no" in text and "d=64: yes" in text
   assert "linear_elu at d=128 vs d=32 (accuracy ↑): better" in text
 
 
-def test_judge_fails_when_linear_matches_softmax_or_softmax_never_solves():
+def test_claim_fails_when_linear_matches_softmax_or_softmax_never_solves():
   same = _acc(softmax=[[0.999, 0.999], [1.0, 1.0], [1.0, 1.0]],
               linear_elu=[[0.999, 0.999], [1.0, 1.0], [1.0, 1.0]])
-  assert exp.judge(same, 0.99, 0.01)[0] is False  # within noise, not worse
+  assert exp.mqar_claim(same, 0.99, 0.01)[0].held is False  # within noise, not worse
   never = _acc(softmax=[[0.3, 0.301], [0.4, 0.401], [0.5, 0.501]],
                linear_elu=[[0.2, 0.21], [0.3, 0.31], [0.4, 0.41]])
-  held, text, _ = exp.judge(never, 0.99, 0.01)
-  assert held is False and "stays below" in text
+  claim, text, _ = exp.mqar_claim(never, 0.99, 0.01)
+  assert claim.held is False and "stays below" in text
   # Softmax solves, linear is worse but does not improve with d: open, not refuted.
   flat = _acc(softmax=[[0.999, 0.998], [1.0, 1.0], [1.0, 1.0]],
               linear_elu=[[0.24, 0.241], [0.25, 0.25], [0.24, 0.242]])
-  assert exp.judge(flat, 0.99, 0.01)[0] is None
+  assert exp.mqar_claim(flat, 0.99, 0.01)[0].held is None
   unclear = _acc(softmax=[[0.999, 0.9], [0.999, 0.9], [0.999, 0.9]],
                  linear_elu=[[0.2, 0.21], [0.3, 0.31], [0.4, 0.41]])
-  assert exp.judge(unclear, 0.99, 0.01)[0] is None
+  assert exp.mqar_claim(unclear, 0.99, 0.01)[0].held is None
   # Means above the threshold that 2 seeds cannot certify: the linear part is still judged.
   close = _acc(softmax=[[0.997, 0.992], [0.999, 0.993], [1.0, 0.991]],
                linear_elu=[[0.2, 0.21], [0.3, 0.31], [0.5, 0.51]])
-  held, text, info = exp.judge(close, 0.99, 0.01)
-  assert held is None and info["reference_width"] == 32 and "cannot certify" in text
+  claim, text, info = exp.mqar_claim(close, 0.99, 0.01)
+  assert claim.held is None and info["reference_width"] == 32 and "cannot certify" in text
 
 
 @legs.experiment_run

@@ -10,6 +10,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from attnx import core  # noqa: E402
+from attnx.train import benchmark as bench  # noqa: E402
 from experiments import pallas_benchmark as exp  # noqa: E402
 
 
@@ -36,7 +37,7 @@ def test_presets_and_validation():
 def test_cases_ratios_and_targets():
   c = exp.get_config("tiny")
   c.shapes = "1x1024x2x128,1x4096x2x128"
-  cases = exp._cases(c)
+  cases = exp.cases(c)
   assert len(cases) == 2 * 2 * (len(exp.BASELINES) + 3 + 1)  # + stick_breaking
   assert {x["check_error"] for x in cases if x["shape"][1] == 1024 and x["impl"] == exp.OURS} == {
       True}
@@ -48,14 +49,11 @@ def test_cases_ratios_and_targets():
                   ("stick_breaking", 20.0)):  # a whole-row weighting: no target
       rows.append({"shape": shape, "impl": exp.OURS, "weighting": w, "mode": "fwd",
                    "TFLOP/s": tf})
-  exp._add_ratios(rows)
+  bench.ratios.add_ratios(rows, exp.ratios(c))
   assert rows[1]["vs cuDNN softmax"] == pytest.approx(0.8) and "vs JAX flash" not in rows[1]
   (goal,) = exp.targets(rows, c)  # only T ≥ 4096
   assert "1x4096x2x128" in goal["target"] and "gaussian" in goal["target"]
   assert goal["measured"] == "55%" and goal["met"] == "**no**"
-  assert exp.case_weighting("triangular", 128) == ("triangular:h=16", "neg_sq_dist")
-  assert exp._flops((1, 1024, 2, 128), "fwd+bwd", True) == pytest.approx(
-      4 * 2 * 1024**2 * 128 * 0.5 * 3.5)
 
 
 @pytest.mark.skipif(exp.accelerator() is not None, reason="measures on an accelerator")
@@ -71,13 +69,13 @@ def test_cpu_exits_cleanly_with_a_report(tmp_path, capsys):
 def test_blocked_baseline_runs_every_weighting_measured():
   c = exp.get_config("tiny")
   c.baselines = "cudnn,attnx blocked"
-  cases = exp._cases(c)
+  cases = exp.cases(c)
   blocked = {x["weighting"] for x in cases if x["impl"] == exp.BLOCKED}
   assert blocked == {x["weighting"] for x in cases if x["impl"] == exp.OURS}
   assert {x["impl"] for x in cases if x["weighting"] == "softmax"} == {"cudnn", exp.OURS,
                                                                          exp.BLOCKED}
   q = jax.random.normal(jax.random.PRNGKey(0), (1, 40, 2, 16))
-  fn = exp._attn_fn(exp.BLOCKED, "stick_breaking", c, "gpu", 16)
+  fn = exp.attention_fn(exp.BLOCKED, "stick_breaking", c, "gpu", 16)
   want = core.attention(q, q, q, weighting="stick_breaking", scale=0.25, implementation="dense")
   np.testing.assert_allclose(fn(q, q, q), want, atol=1e-5)
 
@@ -86,7 +84,7 @@ def test_masked_rows_compare_with_plain_causal():
   c = exp.get_config("tiny")
   c.masks = "window,documents"
   c.mask_window, c.mask_documents = 16, 4
-  cases = [x for x in exp._cases(c) if x.get("mask")]
+  cases = [x for x in exp.cases(c) if x.get("mask")]
   # Per mask weighting and mode: the plain causal row and one per mask, errors on masked rows.
   assert {(x["weighting"], x["mask"]) for x in cases} == {
       (w, m) for w in ("softmax", "stick_breaking") for m in ("causal", "window", "documents")}
@@ -95,7 +93,7 @@ def test_masked_rows_compare_with_plain_causal():
   rows = [{"shape": "1x64x2x16", "impl": exp.OURS, "weighting": "softmax", "mode": "fwd",
            "mask": m, "time ms": ms} for m, ms in (("causal", 2.0), ("window", 0.5),
                                                   ("documents", 1.0))]
-  exp._add_mask_ratios(rows, c)
+  bench.ratios.add_ratios(rows, exp.ratios(c))
   causal_pp = 2.0 / (64 * 65 / 2)
   window_pairs = 16 * 17 / 2 + (64 - 16) * 16
   assert "per pair / causal" not in rows[0]
@@ -103,7 +101,7 @@ def test_masked_rows_compare_with_plain_causal():
   assert rows[2]["per pair / causal"] == pytest.approx(1.0 / (4 * 16 * 17 / 2) / causal_pp)
   # The masked function is the public path with the Pallas kernels: equal to dense.
   q = jax.random.normal(jax.random.PRNGKey(1), (1, 64, 2, 16))
-  fn = exp._attn_fn(exp.OURS, "softmax", c, "gpu", 16, "documents", 64)
+  fn = exp.attention_fn(exp.OURS, "softmax", c, "gpu", 16, "documents", 64)
   ids = np.repeat(np.arange(4), 16)[None]
   with pytest.raises(ValueError, match="GPU or TPU"):  # a CPU host: the kernels need one
     jax.jit(fn).lower(q, q, q)

@@ -1,4 +1,5 @@
-"""shift_invariance: kernel-level table (softmax invariant, relu not) and tiny end to end."""
+"""shift_invariance: presets, the tiny run end to end (kernel table: softmax invariant, relu
+not), the training task's declaration."""
 
 import json
 import os
@@ -60,70 +61,6 @@ def test_tiny_end_to_end(tmp_path):
   assert (tmp_path / "accuracy_vs_global_noise.png").exists()
 
 
-def _kernel_rows(invariant, g_const):
-  names = ["softmax", "exp", "gaussian", "softmax_plus_one", "relu"]
-  inv = [{"weighting": n, "invariant": n in invariant} for n in names]
-  inv.append({"weighting": "sparsemax (row normalizer)", "invariant": True})
-  return inv, [{"weighting": n, "g(M) constant": n in g_const} for n in names]
-
-
-def test_kernel_summary_compares_sets():
-  exp_family = {"softmax", "exp", "gaussian"}
-  ks = exp.kernel_summary(*_kernel_rows(exp_family, exp_family | {"softmax_plus_one"}))
-  assert ks["held"] is True and ks["predicted"] == sorted(exp_family)
-  assert "only the exp family" in exp._kernel_verdict(ks)
-  # The offset case found invariant, or an exp-family member not invariant: not held, and the
-  # "only exp" sentence is not printed.
-  for invariant in (exp_family | {"softmax_plus_one"}, {"softmax", "exp"}):
-    ks = exp.kernel_summary(*_kernel_rows(invariant, exp_family | {"softmax_plus_one"}))
-    assert ks["held"] is False and "only the exp family" not in exp._kernel_verdict(ks)
-  ks = exp.kernel_summary(*_kernel_rows(exp_family | {"relu"}, exp_family))
-  assert ks["held"] is False and ks["invariant_outside_family"] == ["relu"]
-
-
-def _fake_training(tv, acc, scores=None):
-  """tr dict as training_level returns it, from {label: {σ: per-seed values}}."""
-  as_arrays = lambda d: {k: {s: np.asarray(v) for s, v in x.items()} for k, x in d.items()}
-  return {"weight_tv": as_arrays(tv), "accuracy": as_arrays(acc),
-          "scores": scores or {k: "dot" for k in tv}}
-
-
-def test_training_summary_every_sigma_and_ties(tmp_path):
-  tv = {"softmax": {0: [0, 0], 1: [0.10, 0.11], 4: [0.50, 0.52]},
-        "softmax_plus_one": {0: [0, 0], 1: [0.10, 0.11], 4: [0.50, 0.51]},
-        "sigmoid": {0: [0, 0], 1: [0.30, 0.31], 4: [0.35, 0.35]}}
-  acc = {"softmax": {0: [0.9, 0.9], 1: [0.8, 0.8], 4: [0.3, 0.3]},
-         "softmax_plus_one": {0: [0.9, 0.9], 1: [0.8, 0.8], 4: [0.3, 0.3]},
-         "sigmoid": {0: [0.7, 0.7], 1: [0.5, 0.5], 4: [0.2, 0.2]}}
-  s = exp.training_summary(_fake_training(tv, acc), [0, 1, 4])
-  # σ = 1: softmax (tied with softmax_plus_one) moves least; σ = 4: sigmoid (saturated) does.
-  assert [p["tv_ok"] for p in s["per_sigma"]] == [True, False]
-  assert s["per_sigma"][1]["tv_ranking"][0] == "sigmoid"
-  assert s["per_sigma"][0]["acc_best"] == ["softmax", "softmax_plus_one"]
-  assert s["held"] is None and "not at σ = 4" in exp._training_verdict(s)
-  c = exp.get_config("default")
-  c.train.eval_global_noise = (0, 1, 4)
-  tr = {**_fake_training(tv, acc), "histories": {k: [] for k in tv}}
-  rep = exp.train.Report("t", str(tmp_path), config=c)
-  exp._training_report(rep, c, tr)
-  text = rep.markdown()
-  assert ("softmax_plus_one ties with softmax in accuracy at σ = 1, 4 and in weight change "
-          "at σ = 1:") in text
-  assert text.count("softmax_plus_one ties with softmax") == 1
-  assert "distance score" not in text and "−β‖x_i − x_j‖²" not in text
-  # softmax_plus_one is not an exp-family win on its own.
-  only_plus_one = {k: v for k, v in acc.items() if k != "softmax"}
-  s = exp.training_summary(_fake_training({k: tv[k] for k in only_plus_one}, only_plus_one),
-                           [0, 1, 4])
-  assert s["exp_family_trained"] == [] and s["held"] is None
-  # One dot-product F (the distance model does not count): nothing to compare.
-  s = exp.training_summary(_fake_training(
-      {"softmax": tv["softmax"], "gaussian (neg_sq_dist)": tv["sigmoid"]},
-      {"softmax": acc["softmax"], "gaussian (neg_sq_dist)": acc["sigmoid"]},
-      {"softmax": "dot", "gaussian (neg_sq_dist)": "neg_sq_dist"}), [0, 1, 4])
-  assert s["comparable"] is False and s["held"] is None
-
-
 def test_noisy_task_declares_evaluators_and_levels(tmp_path, monkeypatch):
   from attnx.data._base import split_seed
   from attnx.data.noisy_clusters import make_noisy_clusters
@@ -142,7 +79,7 @@ def test_noisy_task_declares_evaluators_and_levels(tmp_path, monkeypatch):
   assert np.abs(step).max() > 0.5
   for i, sigma in enumerate(tc.eval_global_noise):  # read through attnx.data's builder
     ref = make_noisy_clusters(tc.num_eval, split_seed(c.seed, "test"),
-                              **exp._cluster_params(tc, sigma))
+                              **exp._cluster_params(tc), global_noise=sigma)
     np.testing.assert_array_equal(x[i], ref["inputs"])
     np.testing.assert_array_equal(arrays["eval"]["targets"], ref["targets"])
   budget = exp._budget(c)

@@ -79,28 +79,30 @@ def results_text(path) -> str:
   return (path / "report.md").read_text()
 
 
-def test_judge_needs_both_halves_and_learning():
+def test_claim_needs_both_halves_and_learning():
   # Per-seed results, compared by the shared rule (attnx.train.verdict).
+  held = lambda *args: exp.attention_claim(*args)[0].held
   seq = {"bahdanau": [0.8, 0.82], "none": [0.1, 0.11]}
   bleu = {"bahdanau": [0.9, 0.91], "none": [0.2, 0.22]}
-  assert exp.judge(seq, bleu, {"bahdanau": [0.6, 0.62]}, 0.17)[0] is True
+  assert held(seq, bleu, {"bahdanau": [0.6, 0.62]}, 0.17) is True
   # Better translations but alignments at chance: the "interpretable alignment" half fails.
-  held, text = exp.judge(seq, bleu, {"bahdanau": [0.17, 0.172]}, 0.17)
-  assert held is False and "not clearly above chance" in text
+  claim, text = exp.attention_claim(seq, bleu, {"bahdanau": [0.17, 0.172]}, 0.17)
+  assert claim.held is False and "not clearly above chance for bahdanau" in text
   assert "Verdict rule (attnx.train.verdict)" in text
   worse = {"bahdanau": [0.1, 0.1], "none": [0.2, 0.21]}
-  assert exp.judge(worse, bleu, {"bahdanau": [0.6, 0.62]}, 0.17)[0] is False
+  assert held(worse, bleu, {"bahdanau": [0.6, 0.62]}, 0.17) is False
   # Seeds that disagree: the interval straddles 0 and reaches beyond the margin.
   noisy = {"bahdanau": [0.8, 0.1], "none": [0.1, 0.2]}
-  held, text = exp.judge(noisy, bleu, {"bahdanau": [0.6, 0.62]}, 0.17)
-  assert held is None and "cannot tell" in text
+  claim, text = exp.attention_claim(noisy, bleu, {"bahdanau": [0.6, 0.62]}, 0.17)
+  assert claim.held is None and "cannot tell" in text
   # Nothing learned anywhere: inconclusive, not "did not hold".
   zeros = {"bahdanau": [0.0, 0.0], "none": [0.0, 0.0]}
-  held, text = exp.judge(zeros, zeros, {"bahdanau": [0.16, 0.16]}, 0.17)
-  assert held is None and "inconclusive" in text
+  claim, text = exp.attention_claim(zeros, zeros, {"bahdanau": [0.16, 0.16]}, 0.17)
+  assert claim.held is None and not claim.tested and "inconclusive" in text
   # Without "none" only the alignment half is tested.
-  assert exp.judge({"bahdanau": [0.8, 0.8]}, {"bahdanau": [0.9, 0.9]},
-                   {"bahdanau": [0.6, 0.61]}, 0.17)[0] is True
+  claim, text = exp.attention_claim({"bahdanau": [0.8, 0.8]}, {"bahdanau": [0.9, 0.9]},
+                                    {"bahdanau": [0.6, 0.61]}, 0.17)
+  assert claim.held is True and "improvement is untested" in text
 
 
 def test_task_declaration():

@@ -59,3 +59,21 @@ def test_nadaraya_watson_dtypes_and_shape_checks():
     model.init(KEY, xq, xt, yt[:-1])
   with pytest.raises(AssertionError, match="shape suffix"):  # same feature dim
     model.init(KEY, np.ones((3, 2)), np.ones((20, 3)), yt)
+
+
+def test_leave_one_out_mse_predicts_each_point_from_the_others():
+  _, xt, yt = _nw_data()
+  xt, yt = xt[:6], yt[:6]
+  model = an.NadarayaWatsonRegressor(bandwidth=0.7, mode="learned_bandwidth")
+  params = model.init(KEY, xt[:1], xt, yt)["params"]
+  fixed = an.NadarayaWatsonRegressor(bandwidth=0.7)
+  want = np.mean([(float(fixed.apply({}, xt[i:i + 1], np.delete(xt, i, 0),
+                                     np.delete(yt, i, 0))[0]) - float(yt[i])) ** 2
+                  for i in range(6)])
+  loss = an.leave_one_out_mse(model, params, xt, yt)
+  np.testing.assert_allclose(float(loss), want, rtol=1e-5)
+  # Unlike the in-sample loss, it does not fall to 0 as h -> 0 (each point is left out).
+  small = {"log_bandwidth": jnp.log(1e-3)}
+  assert float(an.leave_one_out_mse(model, small, xt, yt)) > 0.1 * float(np.var(yt))
+  with pytest.raises(ValueError, match="at least 2"):
+    an.leave_one_out_mse(model, params, xt[:1], yt[:1])

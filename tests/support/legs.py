@@ -31,9 +31,11 @@ def jax_end() -> int:
 
 def persistent_cache_safe() -> bool:
   """Whether the suite may write JAX's persistent compilation cache: on the oldest end only.
-  jaxlib 0.12.0.1 crashed the process (a segmentation fault in the executable's serialize(),
-  called by jax's cache write) twice in the differential large run (2026-11-29: cases 517 and
-  599 of 1000, each passing when run again alone)."""
+  jaxlib 0.12.0.1 crashes a process now and then inside XLA:CPU: twice in each differential
+  large run of 1000 cases (2026-11-29; cases 517 and 599 with the cache on, one of them in the
+  executable's serialize() for the cache write; 602 and 690 with it off, an abort and a
+  segmentation fault while compiling), each case passing when run again alone. With the cache
+  off one crash site fewer, and no leg's results depend on it."""
   return jax_end() == 0
 
 

@@ -1,8 +1,10 @@
 """attnx.train.benchmark: timing against a fake clock (calls, order, medians), XLA's memory
-estimate, GFLOP/s, the benchmark number format in a hand-written table, steps to a target."""
+estimate, GFLOP/s, the benchmark number format in a hand-written table, the saved files, steps
+to a target."""
 
 from __future__ import annotations
 
+import json
 import types
 
 import jax
@@ -52,6 +54,8 @@ def test_time_round_robin_calls_each_function_repeats_times_in_turn(clock):
   medians = benchmark.time_round_robin(fns, 3, long_run_s=1.0, first_seconds=[0.5, 4.0, 0.5])
   assert clock.calls == ["a", "b", "c", "a", "c", "a", "c"]
   assert medians == [2.0, 5.0, 2.0]
+  fns = [clock.fn("a", [3.0, 1.0, 2.0])]
+  assert benchmark.time_round_robin(fns, 3, statistic=min) == [1.0]
 
 
 def test_time_round_robin_runs_at_least_one_round_and_checks_its_arguments(clock):
@@ -60,6 +64,24 @@ def test_time_round_robin_runs_at_least_one_round_and_checks_its_arguments(clock
   with pytest.raises(ValueError, match="2 functions but 1 first_seconds"):
     benchmark.time_round_robin([clock.fn("a", []), clock.fn("b", [])], 2, first_seconds=[0.0])
   assert clock.calls == ["a"]  # nothing ran
+
+
+def test_time_repeated_and_named_steps(clock):
+  assert benchmark.time_repeated(clock.fn("a", [9.0, 1.0, 3.0, 2.0]), 3, warmup=1) == 2.0
+  assert clock.calls == ["a"] * 4
+  steps = {"x": (lambda k: clock.fn("x", [0.5, 0.25])(), (0,)),
+           "y": (lambda k: clock.fn("y", [1.0])(), (0,))}
+  ms = benchmark.time_round_robin_ms(steps, 1)
+  assert ms == {"x": 500.0, "y": 1000.0} and clock.calls[4:] == ["x", "y"]
+
+
+def test_save_writes_the_table_and_the_rows(tmp_path):
+  path = benchmark.save(str(tmp_path), {"rows": [{"a": 1.0, "shape": (1, 2)}]}, "| a |\n")
+  assert json.loads((tmp_path / "benchmark.json").read_text()) == {
+      "rows": [{"a": 1.0, "shape": [1, 2]}]} and path.endswith("benchmark.json")
+  assert (tmp_path / "benchmark.md").read_text() == "| a |\n"
+  benchmark.save(str(tmp_path), {"x": type})  # what JSON cannot hold: its str
+  assert json.loads((tmp_path / "benchmark.json").read_text()) == {"x": "<class 'type'>"}
 
 
 def test_gflops_and_matmul_rate():

@@ -117,6 +117,49 @@ def test_config_helpers(tmp_path):
   assert "exp_a: Does A beat B?" in train.format_experiments(str(tmp_path))
 
 
+def test_variant_lists_and_choices_name_the_key():
+  assert train.variant_list("softmax, relu:normalization=none ,bias=1,ssmax") == [
+      "softmax", "relu:normalization=none,bias=1", "ssmax"]
+  assert train.variant_list("bias=0,softmax") == ["bias=0", "softmax"]  # nothing to continue
+  c = ml_collections.ConfigDict(dict(weightings="softmax,sigmoid:normalization=none,bias=1"))
+  assert train.attention_variants(c, reference="softmax") == [
+      "softmax", "sigmoid:normalization=none,bias=1"]
+  for value, match in (("softmax,relux", r"config\.weightings: .*relux"),
+                       ("relu", "must include softmax"), ("", "config.weightings is empty")):
+    c.weightings = value
+    with pytest.raises(ValueError, match=match):
+      train.attention_variants(c, reference="softmax")
+  train.check_choices(c, "kernels", ["gaussian"], ("gaussian", "boxcar"))
+  with pytest.raises(ValueError, match=r"config\.kernels has invalid entries \['cosine'\]; "
+                                       r"valid choices: gaussian, boxcar"):
+    train.check_choices(c, "kernels", ["gaussian", "cosine"], ("gaussian", "boxcar"))
+
+def test_list_experiments_reads_presets_from_a_preset_fns_dict(tmp_path):
+  """``PRESETS = tuple(PRESET_FNS)`` is not a literal: the keys of the PRESET_FNS dict name the
+  presets (as `python launch.py --list` shows them), also keys from a comprehension over a
+  literal; the last readable assignment of PRESETS wins, and an unreadable one (a name never
+  bound to a literal) leaves an earlier literal in place."""
+  (tmp_path / "exp_b.py").write_text(
+      '"""B."""\nPRESET_FNS: dict = {"default": lambda c: None, "tiny": _tiny}\n'
+      "PRESETS = tuple(PRESET_FNS)\ndef get_config(preset=None):\n  pass\n")
+  (tmp_path / "exp_c.py").write_text(
+      '"""C."""\nPRESETS = ("default", "wide")\n'
+      'PRESET_FNS = {"default": f, **{t: g(t) for t in TASKS}}\nPRESETS = tuple(PRESET_FNS)\n'
+      "def get_config(preset=None):\n  pass\n")
+  (tmp_path / "exp_d.py").write_text(
+      '"""D."""\nPRESETS = tuple(OTHER)\ndef get_config(preset=None):\n  pass\n')
+  (tmp_path / "exp_e.py").write_text(  # keys from a comprehension over a literal: read too
+      '"""E."""\nTASKS = ("a", "b", "c")\nPRESET_FNS = {"default": f, **{t: g(t) for t in '
+      'TASKS if t != "b"}, "all": g(",".join(TASKS))}\nPRESETS = tuple(PRESET_FNS)\n'
+      "def get_config(preset=None):\n  pass\n")
+  (tmp_path / "exp_f.py").write_text(  # never runs the module's code: a call is not read
+      '"""F."""\nPRESETS = tuple(open("/etc/passwd"))\ndef get_config(preset=None):\n  pass\n')
+  exps = {e["name"]: e["presets"] for e in train.list_experiments(str(tmp_path))}
+  assert exps == {"exp_b": ["default", "tiny"], "exp_c": ["default", "wide"], "exp_d": [],
+                  "exp_e": ["default", "a", "c", "all"], "exp_f": []}
+  assert "presets: default, tiny" in train.format_experiments(str(tmp_path))
+
+
 def _experiment_config() -> ml_collections.ConfigDict:
   c = train.base_config()
   c.update(num_steps=40, eval_every=20, keep_checkpoints=2, batch_size=32, weightings="softmax",

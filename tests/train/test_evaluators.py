@@ -170,6 +170,11 @@ def test_alignment_matches_direct_computation():
           mass += a[b, i, gold[b, i]]
     np.testing.assert_allclose(out["alignment_accuracy"][s], hits / count, rtol=1e-6)
     np.testing.assert_allclose(out["gold_mass"][s], mass / count, rtol=1e-5)
+  # The weights themselves, per seed, for heat maps.
+  weights = evaluators.alignment_weights(model, _stack(*ps), src, tgt_in)
+  assert weights.shape == (2, n, t, t)
+  np.testing.assert_allclose(weights[1], model.apply({"params": ps[1]}, src, tgt_in,
+                                                     return_alignment=True)[1], rtol=1e-5)
 
 
 class _Averaging(nn.Module):

@@ -132,3 +132,39 @@ def test_the_documented_minimal_experiment_runs_through_launch(tmp_path):
   assert set(final["digits"]) == {"softmax", "relu"}
   assert len(final["digits"]["relu"]["accuracy"]) == 2
   assert "Verdict rule" in open(tmp_path / "wd" / "report.md").read()
+
+
+def _result(**metric) -> experiment.TaskResult:
+  """A TaskResult of ``_task()`` whose variants have these per-seed accuracies."""
+  fits = {k: type("Fit", (), {"final_metrics": {"accuracy": np.asarray(v)}})()
+          for k, v in metric.items()}
+  return experiment.TaskResult(_task(), {}, fits, {}, {})
+
+
+def test_task_result_compare_and_claim():
+  r = _result(a=[0.9, 0.91, 0.92], b=[0.5, 0.52, 0.51], c=[0.9, 0.911, 0.919])
+  c = r.compare("a", "b")
+  assert (c.a, c.b, c.metric, c.margin, c.outcome) == ("a", "b", "accuracy", 0.01, "better")
+  assert r.claim([("a", "b", "better"), ("c", "a", "not worse")]).held is True
+  assert r.claim([("a", "b", "better"), ("c", "a", "better")]).held is False  # c ≈ a
+  missing = r.claim([("a", "z", "better")])
+  assert missing.held is None and not missing.tested
+
+
+def test_with_budget_sets_the_study_budget_on_a_copy():
+  c = _config()
+  c.study = ml_collections.ConfigDict(dict(num_steps=7, batch_size=4))
+  b = experiment.with_budget(c, num_steps=c.study.num_steps, batch_size=4, eval_every=0,
+                             optimizer=train.optimizer_config(name="sgd", learning_rate=0.1))
+  assert (b.num_steps, b.batch_size, b.eval_every, b.optimizer.name) == (7, 4, 0, "sgd")
+  assert (c.num_steps, c.batch_size, c.optimizer.name) == (30, 32, "adam")  # untouched
+
+
+def test_images_to_unit_floats():
+  arrays = {"train": {"inputs": np.array([[0, 255]], np.uint8), "targets": np.array([1])},
+            "eval": {"inputs": np.array([[0.5, 1.0]], np.float32), "targets": np.array([0])}}
+  out = experiment.images_to_unit_floats(arrays)
+  np.testing.assert_array_equal(out["train"]["inputs"], [[0.0, 1.0]])
+  assert out["train"]["inputs"].dtype == np.float32
+  np.testing.assert_array_equal(out["eval"]["inputs"], [[0.5, 1.0]])  # floats untouched
+  np.testing.assert_array_equal(out["train"]["targets"], [1])

@@ -23,3 +23,17 @@ def test_optimizer_config_rejects_unknown_keywords():
                                       r"learning_rate"):
     train.optimizer_config(lr=0.1, foo=1)
   assert train.optimizer_config(learning_rate=0.1).learning_rate == 0.1
+
+
+def test_minimize_follows_the_loss_and_returns_the_final_parameters():
+  import jax.numpy as jnp
+  import optax
+
+  params, losses = train.minimize(lambda p: jnp.sum((p["x"] - 3.0) ** 2),
+                                  {"x": jnp.zeros(2)}, optax.sgd(0.25), num_steps=5)
+  # Each step halves the distance to 3: losses 18, 4.5, 1.125, ... (before each step).
+  assert losses == pytest.approx([18.0 / 4 ** i for i in range(5)])
+  assert params["x"] == pytest.approx([3.0 - 3.0 / 2 ** 5] * 2)
+  assert train.minimize(lambda p: p ** 2, 1.0, optax.sgd(0.1), 0) == (1.0, [])
+  with pytest.raises(ValueError, match="num_steps must be >= 0"):
+    train.minimize(lambda p: p ** 2, 1.0, optax.sgd(0.1), -1)

@@ -15,6 +15,7 @@ from support.train_stand_ins import TinyMLP
 from attnx import nn, train
 from attnx.constants import IGNORE_INDEX
 from attnx.data import packing
+from attnx.nn import lm
 from experiments import language_model
 
 VOCAB, L = 23, 16
@@ -45,7 +46,7 @@ def _two_document_row(rows: dict[str, np.ndarray]) -> int:
                             & (rows["segment_ids"] > 0).all(1))[0])
 
 
-PACKABLE = [w for w in language_model.WEIGHTINGS if language_model.packable(w)]
+PACKABLE = [w for w in language_model.WEIGHTINGS if lm.takes_segments(w)]
 
 
 def test_every_weighting_but_linear_attention_trains_on_packed_rows():

@@ -126,3 +126,26 @@ def test_plots_are_headless_unless_the_session_chose_a_backend(chosen):
   out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                        check=True).stdout.split()[-1]
   assert out == (chosen or "agg")
+
+
+def test_level_rows_and_curves():
+  values = {"a": {0.0: np.array([0.9, 0.8]), 0.5: np.array([0.7, 0.6])},
+            "b": {0.0: np.array([1.0, 1.0]), 0.5: np.array([0.5, 0.5])}}
+  rows = train.level_rows(values, [0.0, 0.5], label="F")
+  assert list(rows[0]) == ["F", "σ=0", "σ=0.5"] and rows[1]["F"] == "b"
+  np.testing.assert_array_equal(rows[0]["σ=0.5"], [0.7, 0.6])
+  text = train.level_rows(values, [0.5], column=lambda n: f"length {n}", fmt=".2f")
+  assert text == [{"variant": "a", "length 0.5": "0.65 ± 0.05"},
+                  {"variant": "b", "length 0.5": "0.50 ± 0.00"}]
+  curves = train.level_curves(values, [0.0, 0.5])
+  x, y = curves["a"]
+  np.testing.assert_array_equal(x, [0.0, 0.5])
+  assert y.shape == (2, 2) and y[1, 0] == 0.7  # [levels, seeds]
+
+
+def test_plot_alignments_one_panel_per_model_and_example():
+  w = {"m1": np.full((2, 3, 3), 1 / 3), "m2": np.eye(3)[None].repeat(2, 0)}
+  fig = train.plot_alignments(w, [["a", "b"], ["c", "d", "e"]], [["x"], ["y", "z"]])
+  assert len(fig.axes) == 4 and fig.axes[0].get_ylabel() == "m1"
+  with pytest.raises(ValueError, match="targets"):
+    train.plot_alignments(w, [["a"]], [])

@@ -108,3 +108,134 @@ def test_seeds_needed_and_lean_of_an_inconclusive_comparison():
   e = verdict.compare([1.0, 1.001], [1.0, 0.9995], margin=0.01, higher_is_better=False)
   assert e.outcome == "inconclusive" and e.seeds_needed() == 3
   assert "one seed gives no spread" in verdict.compare([1.0], [1.1], margin=0.01).lean()
+
+
+# ------------------------------------------------------------------------------------------
+# The named kinds over several results.
+
+
+def _c(outcome_values, margin=0.01):
+  """A comparison with a chosen outcome (3 seeds, higher is better)."""
+  a, b = outcome_values
+  return verdict.compare(a, b, margin=margin, a_name="x", b_name="y")
+
+
+BETTER = _c(([0.90, 0.915, 0.92], [0.85, 0.86, 0.87]))
+WORSE = _c(([0.85, 0.86, 0.87], [0.90, 0.915, 0.92]))
+EQUAL = _c(([0.900, 0.910, 0.920], [0.901, 0.909, 0.921]))
+OPEN = _c(([0.90, 0.80, 0.95], [0.85, 0.88, 0.86]))
+
+
+def test_the_comparisons_used_below_have_their_outcomes():
+  assert [c.outcome for c in (BETTER, WORSE, EQUAL, OPEN)] == [
+      "better", "worse", "within noise", "inconclusive"]
+
+
+@pytest.mark.parametrize("require,expected", [
+    ("better", (True, False, False, None)), ("not worse", (True, False, True, None)),
+    ("worse", (False, True, False, None)), ("within noise", (False, False, True, None))])
+def test_part_requirements(require, expected):
+  got = tuple(verdict.part(c, require).met for c in (BETTER, WORSE, EQUAL, OPEN))
+  assert got == expected
+  p = verdict.part(BETTER, require, name="n")
+  assert p.name == "n" and p.text == BETTER.sentence()
+  with pytest.raises(ValueError, match="requirement"):
+    verdict.part(BETTER, "greater")
+
+
+def test_claim_all_held_refuted_inconclusive_untested():
+  met, refuted, open_ = (verdict.part(BETTER, "better"), verdict.part(EQUAL, "better"),
+                         verdict.part(OPEN, "better"))
+  assert verdict.claim([met, verdict.part(EQUAL, "not worse")]).held is True
+  assert verdict.claim([met, open_, refuted]).held is False  # any refuted part refutes
+  c = verdict.claim([met, open_])
+  assert c.held is None and c.undecided() == ["x"] and c.refuted() == []
+  empty = verdict.claim([])
+  assert empty.held is None and not empty.tested
+  # Nested: an untested sub-claim is left out, a decided one counts as a part.
+  assert verdict.claim([verdict.claim([met]), verdict.claim([])]).held is True
+  assert verdict.claim([verdict.claim([met, refuted]), met]).held is False
+  assert c.rule().startswith("Verdict rule *claim*")
+  with pytest.raises(ValueError, match="requirement"):
+    verdict.claim([met], require="most")
+
+
+def test_claim_all_or_none():
+  yes, no, open_ = (verdict.check("a", True), verdict.check("b", False),
+                    verdict.check("c", None))
+  assert verdict.claim([yes, yes], require="all or none").held is True
+  assert verdict.claim([no, no], require="all or none").held is False
+  assert verdict.claim([yes, no], require="all or none").held is None  # mixed
+  assert verdict.claim([no, open_], require="all or none").held is None
+  assert verdict.claim([], require="all or none").held is None
+  assert verdict.claim([yes], require="all or none").kind == "all or none"
+
+
+def test_claim_any():
+  yes, no, open_ = (verdict.check("a", True), verdict.check("b", False),
+                    verdict.check("c", None))
+  assert verdict.claim([no, open_, yes], require="any").held is True  # one point is enough
+  assert verdict.claim([no, no], require="any").held is False  # refuted at every point
+  assert verdict.claim([no, open_], require="any").held is None
+  assert verdict.claim([], require="any").held is None and not verdict.claim([]).tested
+  assert verdict.claim([yes], require="any").rule().startswith("Verdict rule *any*")
+
+
+def test_claim_text_and_say():
+  c = verdict.claim([verdict.part(BETTER, "better", "p"), verdict.part(EQUAL, "better", "q"),
+                     verdict.part(OPEN, "better", "r")])
+  assert c.text == f"{BETTER.sentence()}. {EQUAL.sentence()}. {OPEN.sentence()}."
+  assert c.say("all", "not for {refuted}", "open for {undecided}") == "not for q"
+  assert verdict.claim([]).say("a", "b", "c", "untested") == "untested"
+  assert verdict.claim([verdict.part(OPEN, "better", "r")]).say(
+      "a", "b", "open for {undecided}") == "open for r"
+
+
+@pytest.mark.parametrize("value,reference,tol,expect,met", [
+    (5e-7, 0.0, 1e-5, "equal", True), (2e-5, 0.0, 1e-5, "equal", False),
+    (1e-5, 0.0, 1e-5, "equal", False),  # strict: at the tolerance is not within it
+    (0.9999999, 1.0, 1e-6, "equal", True), (math.nan, 0.0, 1e-5, "equal", False),
+    (math.inf, 0.0, 1e-5, "differ", False), (0.3, 0.0, 1e-3, "differ", True),
+    (1e-4, 0.0, 1e-3, "differ", False)])
+def test_exact(value, reference, tol, expect, met):
+  assert verdict.within_tolerance(value, tol, reference, expect) is met
+  p = verdict.exact("e", value, reference, tol=tol, expect=expect)
+  assert p.met is met and p.tested  # deterministic: never undecided
+
+
+def test_exact_bad_input():
+  with pytest.raises(ValueError, match="expect"):
+    verdict.within_tolerance(0.0, 1e-5, expect="close")
+  with pytest.raises(ValueError, match="tolerance"):
+    verdict.exact("e", 0.0, tol=-1.0)
+
+
+@pytest.mark.parametrize("outcomes,combined,held", [
+    (["better", "better"], "better", True),
+    (["better", "worse", "inconclusive"], "worse", False),
+    (["within noise", "within noise"], "within noise", None),
+    (["better", "within noise"], "inconclusive", None),
+    (["better", "untested"], "inconclusive", None),
+    ([], "untested", None)])
+def test_unanimous(outcomes, combined, held):
+  assert verdict.unanimous(outcomes) == combined
+  assert verdict.unanimous_held(outcomes) is held
+  assert verdict.unanimous_held(dict(enumerate(outcomes))) is held
+
+
+def test_unanimous_bad_outcome_and_rule_names():
+  with pytest.raises(ValueError, match="unknown outcomes"):
+    verdict.unanimous(["greater"])
+  assert set(verdict.KINDS) == {"paired", "claim", "all or none", "any", "unanimous",
+                                "exact"}
+  for kind in verdict.KINDS:
+    assert verdict.rule(kind).startswith(f"Verdict rule *{kind}* (attnx.train.verdict): ")
+  with pytest.raises(ValueError, match="unknown verdict kind"):
+    verdict.rule("majority")
+
+
+def test_a_scalar_b_is_a_reference_without_seed_noise():
+  a = [0.6, 0.62, 0.61]
+  assert verdict.compare(a, 0.17, margin=0.1) == verdict.compare(a, [0.17] * 3, margin=0.1)
+  with pytest.raises(ValueError):
+    verdict.compare(a, [0.17], margin=0.1)  # a one-element list is one seed, not a constant

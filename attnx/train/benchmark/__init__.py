@@ -1,18 +1,37 @@
 """Measuring cost: wall time and memory of compiled programs, a machine's matmul rate, the
-steps a training run needs to reach a target, and the number format of benchmark tables.
+steps a training run needs to reach a target, the number format of benchmark tables — and, in
+its submodules, the machinery of the attention benchmarks.
 
-Benchmarks (``experiments/kernel_benchmark.py``) declare their cases and time them with
-:func:`time_call` (one run, e.g. the first, which is also checked) and
+Every benchmark times with :func:`time_call` (one run, e.g. the first, which is also checked),
 :func:`time_round_robin` (repeated runs of several programs, interleaved so that load from
-other processes spreads over all of them), read XLA's memory estimate with
-:func:`program_memory`, express speed as :func:`gflops` and as a fraction of
-:func:`matmul_rate`, and write their tables with :func:`attnx.train.markdown_table` and
+other processes spreads over all of them; :func:`time_round_robin_ms` for named steps) or
+:func:`time_repeated` (one program, after warm-up runs), reads XLA's memory estimate with
+:func:`program_memory`, expresses speed as :func:`gflops` and as a fraction of
+:func:`matmul_rate`, and writes its tables with :func:`attnx.train.markdown_table` and
 ``fmt=``:func:`format_number`. Training efficiency (``experiments/metric_attention.py``) is
 :func:`steps_to_target` of a fit's history, written with :func:`format_steps`.
+
+The attention benchmarks (``experiments/kernel_benchmark.py``, ``pallas_benchmark.py``,
+``train_benchmark.py``) declare their cases, baselines, ratio and target tables and report;
+the how is here:
+
+* :mod:`~attnx.train.benchmark.cases`: shapes, weightings (distance kernels on their score),
+  structured masks and the pairs they attend, FLOPs, inputs;
+* :mod:`~attnx.train.benchmark.programs`: the functions timed (attnx's, other libraries'
+  baselines) and their forward or gradient programs;
+* :mod:`~attnx.train.benchmark.references`: float64 references and error measures;
+* :mod:`~attnx.train.benchmark.runner`: the CPU kernel benchmark's measurement of its cases;
+* :mod:`~attnx.train.benchmark.ratios` and :mod:`~attnx.train.benchmark.targets`: ratio
+  columns and target tables as data;
+* :mod:`~attnx.train.benchmark.plots`: figures of the rows against the sequence length;
+* :mod:`~attnx.train.benchmark.training`: training steps of language models to time side by side.
 """
 
 from __future__ import annotations
 
+import functools
+import json
+import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
@@ -22,6 +41,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from attnx.train.report import mean_std
+
+__all__ = ["time_call", "time_round_robin", "time_round_robin_ms", "time_repeated", "matmul_rate",
+           "gflops", "ProgramMemory", "program_memory", "format_number", "save",
+           "steps_to_target", "format_steps", "cases", "programs", "references", "runner",
+           "ratios", "targets", "plots", "training"]
 
 
 def time_call(fn: Callable[[], Any]) -> tuple[Any, float]:
@@ -35,8 +59,10 @@ def time_call(fn: Callable[[], Any]) -> tuple[Any, float]:
 
 def time_round_robin(fns: Sequence[Callable[[], Any]], repeats: int, *,
                      long_run_s: float = float("inf"),
-                     first_seconds: Sequence[float] | None = None) -> list[float]:
-  """Median wall time in seconds of each ``fn()`` (until its result is ready).
+                     first_seconds: Sequence[float] | None = None,
+                     statistic: Callable[[Sequence[float]], float] = np.median) -> list[float]:
+  """Median wall time in seconds of each ``fn()`` (until its result is ready), or another
+  ``statistic`` of its times (``min``: the best run, what a quiet machine gives).
 
   The functions run round-robin, ``max(repeats, 1)`` rounds of one call each, so that load
   from other processes spreads over all of them. A function whose ``first_seconds`` (the time
@@ -52,7 +78,24 @@ def time_round_robin(fns: Sequence[Callable[[], Any]], repeats: int, *,
       if r > 0 and first[i] > float(long_run_s):
         continue
       times[i].append(time_call(fn)[1])
-  return [float(np.median(ts)) for ts in times]
+  return [float(statistic(ts)) for ts in times]
+
+
+def time_round_robin_ms(steps: Mapping[str, tuple[Callable[..., Any], Sequence[Any]]],
+                        repeats: int) -> dict[str, float]:
+  """{name: median milliseconds} of compiled steps ``fn(*args)`` (``steps``: {name: (fn,
+  args)}), timed by :func:`time_round_robin`."""
+  calls = [functools.partial(fn, *args) for fn, args in steps.values()]
+  secs = time_round_robin(calls, int(repeats))
+  return {name: 1e3 * t for name, t in zip(steps, secs, strict=True)}
+
+
+def time_repeated(fn: Callable[[], Any], repeats: int, warmup: int = 0) -> float:
+  """Median wall time in seconds of ``max(repeats, 1)`` calls of ``fn()`` in a row, after
+  ``warmup`` untimed ones."""
+  for _ in range(max(int(warmup), 0)):
+    jax.block_until_ready(fn())
+  return float(np.median([time_call(fn)[1] for _ in range(max(int(repeats), 1))]))
 
 
 def matmul_rate(n: int, repeats: int = 5) -> float:
@@ -91,42 +134,6 @@ def program_memory(compiled: Any) -> ProgramMemory:
                        + float(mem.output_size_in_bytes))
 
 
-def mask_sizes(mask: str, window: int, documents: int) -> dict[str, int | None]:
-  """The sizes of a masked benchmark row named ``mask`` (``"window"``, ``"documents"``, or
-  anything else: none), as keywords of :func:`mask_keywords` and :func:`attended_pairs`."""
-  return dict(window=int(window) if mask == "window" else None,
-              documents=int(documents) if mask == "documents" else None)
-
-
-def mask_keywords(t: int, window: int | None = None,
-                  documents: int | None = None) -> dict[str, Any]:
-  """``attnx.core.attention``'s keywords of a masked benchmark row (with ``is_causal=True``):
-  a causal ``window`` of keys (``local_window_size=(window − 1, 0)``), or ``documents``
-  packed documents of equal length (``segment_ids`` [1, T]); the pairs they attend are
-  :func:`attended_pairs`'."""
-  if window is not None:
-    return dict(local_window_size=(window - 1, 0))
-  if documents is not None:
-    return dict(segment_ids=jnp.repeat(jnp.arange(documents, dtype=jnp.int32),
-                                       t // documents)[None])
-  return {}
-
-
-def attended_pairs(t: int, causal: bool = True, window: int | None = None,
-                   documents: int | None = None) -> int:
-  """The (query, key) pairs a row of T positions attends, the unit of the masked benchmarks'
-  time per pair: T² (full), T(T+1)/2 (causal), and for causal attention the pairs within a
-  ``window`` of the last keys up to the query, or within each of ``documents`` packed
-  documents of equal length."""
-  if window is not None:
-    w = min(window, t)
-    return w * (w + 1) // 2 + (t - w) * w
-  if documents is not None:
-    n = t // documents
-    return documents * n * (n + 1) // 2
-  return t * (t + 1) // 2 if causal else t * t
-
-
 def format_number(v: Any) -> str:
   """A benchmark table cell: floats to 3 significant digits (no decimals from 100 on,
   ``1.2e-03`` / ``1.2e+05`` below 0.01 and from 1e5), non-finite floats and everything else
@@ -138,6 +145,19 @@ def format_number(v: Any) -> str:
       return f"{v:.1e}"
     return f"{v:.3g}" if abs(v) < 100 else f"{v:.0f}"
   return str(v)
+
+
+def save(workdir: str, payload: Mapping[str, Any], table: str | None = None) -> str:
+  """Writes a benchmark's ``table`` (Markdown) to ``<workdir>/benchmark.md`` if given and
+  ``payload`` to ``<workdir>/benchmark.json`` (values JSON cannot hold as their str);
+  returns the JSON's path."""
+  if table is not None:
+    with open(os.path.join(workdir, "benchmark.md"), "w") as f:
+      f.write(table)
+  path = os.path.join(workdir, "benchmark.json")
+  with open(path, "w") as f:
+    json.dump(payload, f, indent=1, default=str)
+  return path
 
 
 def steps_to_target(history: Sequence[Mapping[str, Any]], target: float, num_seeds: int,
@@ -164,3 +184,16 @@ def format_steps(steps: Any) -> str:
     return "not reached"
   s = mean_std(steps[reached], ".0f")
   return s if reached.all() else f"{s} ({reached.sum()}/{len(steps)} seeds reached)"
+
+
+# The attention benchmarks' machinery (below the timing above, which it uses).
+from attnx.train.benchmark import (  # noqa: E402  (namespaces: benchmark.cases, ...)
+    cases,
+    plots,
+    programs,
+    ratios,
+    references,
+    runner,
+    targets,
+    training,
+)

@@ -41,7 +41,7 @@ import numpy as np
 
 from attnx import nn as attnx_nn
 from attnx import train
-from attnx.train import benchmark
+from attnx.train import benchmark, verdict
 from attnx.train import config as train_config
 from attnx.train.benchmark.targets import Target
 
@@ -234,7 +234,8 @@ def _run_nnx_gpt(config, workdir: str) -> dict[str, Any]:
       f"{n.num_layers}-layer GPT, width {n.hidden_dim}, context {n.context}, batch "
       f"{n.batch_size}, {n.attention}, RoPE, float32; median of {n.repeats} steps, the two "
       "models timed round-robin from the same parameters (so the first losses agree)."))
-  rep.verdict(row["nnx / linen"] <= NNX_TARGET,
+  rep.text(verdict.rule("exact"))
+  rep.verdict(verdict.within_tolerance(row["nnx / linen"], NNX_TARGET),
               f"NNX / linen = {row['nnx / linen']:.3f} (target ≤ {NNX_TARGET}).")
   path = rep.write()
   print(json.dumps(row, indent=1))
@@ -284,7 +285,8 @@ def _run_all(config, workdir: str) -> dict[str, Any]:
        "compile s": s["vmap_compile_s"] / s["sequential_compile_s"]}],
       caption=f"{s['num_steps']} steps, batch {config.batch_size}; wall includes init, "
               "compilation and data")
-  rep.verdict(s["ratio_wall"] <= 0.5,
+  rep.text(verdict.rule("exact"))
+  rep.verdict(verdict.within_tolerance(s["ratio_wall"], 0.5),
               f"vmap/sequential wall-time ratio {s['ratio_wall']:.2f} (training only "
               f"{s['ratio_train']:.2f}).")
   rep.section("Data parallelism (fake CPU devices share the same cores)")
@@ -292,10 +294,11 @@ def _run_all(config, workdir: str) -> dict[str, Any]:
               "compile s": d[mode]["compile_s"], "final train loss": d[mode]["final_train_loss"]}
              for label, d in result["devices"].items() for mode in MODES])
   spread, n = loss_spread(result["devices"])
-  rep.verdict(spread <= 1e-4,
+  rep.verdict(verdict.within_tolerance(spread, 1e-4),
               f"The final train losses of the {n} runs (processes x parallel modes) differ by at "
               f"most {spread:.1e}" + (": data parallelism computes the same update."
-                                      if spread <= 1e-4 else ", more than 1e-4."))
+                                      if verdict.within_tolerance(spread, 1e-4)
+                                      else ", more than 1e-4."))
   path = rep.write()
   print(json.dumps(result, indent=1))
   return {"report": path}

@@ -253,10 +253,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   rep = _report(config, workdir)
   rep.text(f"Devices: {jax.devices()}; total benchmark time {elapsed:.0f} s.")
   goals = targets(rows, config)
-  bench.targets.add_to_report(rep, goals)
-  rep.section("Results")
-  rep.text(table)
-  return {"report": rep.write(), "rows": rows, "targets": goals}
+  return {"report": bench.targets.write_results(rep, goals, table), "rows": rows,
+          "targets": goals}
 
 
 if __name__ == "__main__":

@@ -106,3 +106,26 @@ def test_command_line(workdir):
                         capture_output=True, text=True, cwd=ROOT, timeout=300)
   assert proc.returncode == 0, proc.stderr
   assert proc.stdout.startswith("ab") and len(proc.stdout) == len("ab") + 5 + 1
+
+
+def test_prompts_of_different_lengths_and_the_paged_cache(workdir, capsys):
+  """A batch of prompts of different lengths decodes as each prompt alone (greedy), and the
+  paged KV cache, the contiguous one and recomputation give the same text (sampled)."""
+  wd, model, res = workdir
+  prompts = ("--prompt=ab", "--prompt=c:dae", "--prompt=g")
+  base = (f"--workdir={wd}", *prompts, "--num_tokens=3")
+  code, greedy, err = run(capsys, *base, "--temperature=0", "--page_size=3")
+  assert code == 0, err
+  texts = greedy[:-1].split("\n" + "-" * 40 + "\n")  # print() ends with one newline
+  params = jax.tree.map(lambda x: x[0], res.params)
+  for text, prompt in zip(texts, ("ab", "c:dae", "g"), strict=True):
+    ids = np.asarray([[VOCAB.index(c) for c in prompt]])
+    want = generate(model.clone(dropout_rate=0.0), params, ids, 3, rng=jax.random.PRNGKey(0),
+                    temperature=0.0)
+    assert text == "".join(VOCAB[i] for i in np.asarray(want)[0])
+  sampled = (*base, "--temperature=1.5", "--seed=3", "--num_samples=2")
+  outs = [run(capsys, *sampled, *extra)[1] for extra in
+          (("--page_size=2",), ("--use_cache=true",), ("--use_cache=false",))]
+  assert outs[0] == outs[1] == outs[2] and len(outs[0].split("-" * 40)) == 6
+  code, _, err = run(capsys, *base, "--page_size=2", "--use_cache=false")
+  assert code == 2 and "--page_size must be >= 1 and needs the KV cache" in err

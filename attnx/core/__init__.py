@@ -24,6 +24,7 @@ from attnx.core.implementations import (
     Implementation,
     Pallas,
     Problem,
+    SplitKV,
     get_implementation,
     list_implementations,
 )
@@ -36,7 +37,9 @@ from attnx.core.linear import (
     linear_attention,
 )
 from attnx.core.nadaraya_watson import nadaraya_watson
+from attnx.core.paged import append_to_pages, paged_attention
 from attnx.core.parallel.ring import ring_attention, ring_work, zigzag_permute, zigzag_unpermute
+from attnx.core.residuals import EntmaxResidual, merge_attention, residual_kind
 from attnx.core.score_mods import ScoreMod, alibi, alibi_slopes, relative_table, soft_cap
 from attnx.core.scores import (
     Score,
@@ -67,7 +70,8 @@ from attnx.core.weightings.simplex import entmax15, entmax_bisect, sparsemax
 __all__ = [
     "BLOCKED_MIN_SCORES", "IMPLEMENTATIONS", "ROW_BLOCKED_MIN_SCORES", "Blocked", "Dense",
     "Explanation", "Implementation", "LogF", "Pallas", "PallasVerification", "Pointwise",
-    "Problem",
+    "EntmaxResidual", "Problem", "SplitKV", "append_to_pages", "merge_attention",
+    "paged_attention", "residual_kind",
     "RowNormalizer", "Score", "ScoreMod",
     "additive", "alibi", "alibi_slopes", "attention", "attention_weights", "bilinear",
     "blocked_attention", "causal_mask",

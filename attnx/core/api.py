@@ -48,6 +48,7 @@ import jax.numpy as jnp
 from attnx.core import implementations as impl_lib
 from attnx.core import masks as masks_lib
 from attnx.core import problem as problem_lib
+from attnx.core import residuals as residuals_lib
 from attnx.core.contract import nonfinite_inputs
 from attnx.core.implementations import (
   BLOCKED_MIN_SCORES,
@@ -254,7 +255,8 @@ def attention(query: Array, key: Array, value: Array, bias: Array | None = None,
               local_window_size: int | tuple[int, int] | None = None,
               segment_ids: Any = None, logits_soft_cap: float | None = None,
               score_mod: Any = None, score_mod_params: Any = None,
-              sinks: Array | None = None) -> Array | tuple[Array, Array]:
+              sinks: Array | None = None, return_residual: bool = False,
+              normalize_output: bool = True) -> Array | tuple[Array, Any]:
   """Attention with a pluggable score s and weighting F, optional dropout on the weights.
 
   Args:
@@ -332,6 +334,16 @@ def attention(query: Array, key: Array, value: Array, bias: Array | None = None,
       and SSMax counts it. For the weightings that divide by a sum over the row's keys
       (pointwise F with ``normalization="sum"``, SSMax, softpick, sparsemax, α-entmax); a
       ValueError for the others.
+    return_residual: also return the row state that merges attention over disjoint key
+      chunks (:func:`attnx.core.merge_attention`): for softmax the log-sum-exp
+      ``[batch..., T, N]``, as ``jax.nn.dot_product_attention(..., return_residual=True)``;
+      for the other weightings what :mod:`attnx.core.residuals` documents (a log normalizer,
+      stick-breaking's log survival, entmax's threshold). Differentiable. Runs on the
+      ``split_kv`` and ``dense`` implementations (the automatic choice picks one).
+    normalize_output: False returns the numerator Σ_j F_ij v_j (float32) instead of the
+      output (tokamax's flag), which is the output times the residual's normalizer
+      (:func:`attnx.core.residuals.unnormalize`); for softmax in float32 it overflows where
+      the log-sum-exp passes ~88: merge normalized outputs with their residuals instead.
 
   Dropout and ``return_weights`` need the weights themselves, so they run the dense
   implementation (``implementation=None`` picks it); ``implementation="blocked"``, which never
@@ -339,7 +351,8 @@ def attention(query: Array, key: Array, value: Array, bias: Array | None = None,
 
   Returns:
     ``[batch..., T, N, Hv]`` in the query's dtype (math is float32 for bf16/f16 inputs), or
-    ``(output, weights)`` with ``return_weights``.
+    ``(output, weights)`` with ``return_weights``, ``(output, residual)`` with
+    ``return_residual``.
 
   Edge cases (the same in every implementation; :mod:`attnx.core.contract`):
 
@@ -406,11 +419,15 @@ def attention(query: Array, key: Array, value: Array, bias: Array | None = None,
       weighting_params=weighting_params, query_seq_lengths=query_seq_lengths,
       key_value_seq_lengths=key_value_seq_lengths, local_window_size=local_window_size,
       segment_ids=segment_ids, logits_soft_cap=logits_soft_cap, score_mod=score_mod,
-      score_mod_params=score_mod_params, sinks=sinks)
+      score_mod_params=score_mod_params, sinks=sinks, return_residual=return_residual,
+      normalize_output=normalize_output)
   impl = _select(problem, chosen)
   if problem.empty:  # no query, or no key: every row has no valid key
     p = problem
-    out = jnp.zeros((*p.batch, p.t, p.num_heads, p.value_head_dim), p.dtype)
+    dtype = p.dtype if p.normalize_output else jnp.promote_types(p.dtype, jnp.float32)
+    out = jnp.zeros((*p.batch, p.t, p.num_heads, p.value_head_dim), dtype)
+    if p.return_residual:
+      return out, residuals_lib.empty_residual(p.weighting, (*p.batch, p.t, p.num_heads))
     return ((out, jnp.zeros((*p.batch, p.num_heads, p.t, p.s), jnp.float32))
             if p.return_weights else out)
   return impl(problem, inputs)

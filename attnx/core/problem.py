@@ -17,6 +17,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from attnx.core import masks as masks_lib
@@ -24,12 +25,20 @@ from attnx.core import params as params_lib
 from attnx.core import score_mods as score_mods_lib
 from attnx.core import scores as scores_lib
 from attnx.core import weightings as weightings_lib
-from attnx.core.implementations import Implementation, Inputs, Problem, get_implementation
+from attnx.core.implementations import (
+  DECODE_MAX_QUERIES,
+  DECODE_MIN_KEYS,
+  Implementation,
+  Inputs,
+  Problem,
+  get_implementation,
+)
 from attnx.core.implementations.blocked import min_scores
 
 Array = jax.Array
 
-__all__ = ["check_compatible", "check_implementation", "check_inputs", "check_score_params",
+__all__ = ["check_compatible", "check_flag", "check_implementation", "check_inputs",
+           "check_score_params",
            "check_weighting_params", "choose_implementation", "describe", "dropout_active",
            "check_sinks", "plan", "prepare", "resolve", "score_modification", "sinks_reason"]
 
@@ -182,13 +191,15 @@ def resolve(weighting: Any, score: Any, scale: float | Array | None,
 
 def choose_implementation(implementation: str | Implementation | None, w: Any,
                           sc: scores_lib.Score, t: int, s: int) -> str:
-  """The name ``implementation`` checked, or for None the automatic choice between dense and
-  blocked for T×S scores (the answer on a CPU), from the weighting and score alone: for
-  callers that decide before they have arrays (the differential test net)."""
+  """The name ``implementation`` checked, or for None the automatic choice between dense,
+  split-KV and blocked for T×S scores (the answer on a CPU), from the weighting and score
+  alone: for callers that decide before they have arrays (the differential test net)."""
   check_implementation(implementation, w, sc)
   if implementation is not None:
     return get_implementation(implementation).name
   blocked_ok = get_implementation("blocked").supports_config(w, sc) is None
+  if blocked_ok and t <= DECODE_MAX_QUERIES and s >= DECODE_MIN_KEYS:
+    return "split_kv"
   return "blocked" if blocked_ok and t * s >= min_scores(w) else "dense"
 
 
@@ -281,7 +292,8 @@ def describe(q: Array, k: Array, v: Array, bias: Array | None, mask: Array | Non
              sc: scores_lib.Score, params: dict[str, Any], *, is_causal: bool,
              dropout_rate: float, broadcast_dropout: bool, return_weights: bool,
              has_structured_mask: bool = False, has_score_mod: bool = False,
-             has_sinks: bool = False, score_mod_kind: str | None = None) -> Problem:
+             has_sinks: bool = False, score_mod_kind: str | None = None,
+             return_residual: bool = False, normalize_output: bool = True) -> Problem:
   """The static description of a checked call (shapes and dtypes only: works on tracers)."""
   stream_dtype = stream_head_dim = None
   if sc.to_dot is not None:  # what the streaming kernels will see, without computing it
@@ -298,7 +310,8 @@ def describe(q: Array, k: Array, v: Array, bias: Array | None, mask: Array | Non
       score_mod_kind=score_mod_kind,
       dropout_rate=dropout_rate,
       broadcast_dropout=bool(broadcast_dropout), return_weights=bool(return_weights),
-      platform=jax.default_backend())
+      platform=jax.default_backend(), return_residual=return_residual,
+      normalize_output=normalize_output)
 
 
 def plan(query: Array, key: Array, value: Array, bias: Array | None = None,
@@ -312,11 +325,17 @@ def plan(query: Array, key: Array, value: Array, bias: Array | None = None,
           local_window_size: int | tuple[int, int] | None = None,
           segment_ids: Any = None, logits_soft_cap: float | None = None,
           score_mod: Any = None, score_mod_params: Any = None,
-          sinks: Array | None = None) -> tuple[Problem, Inputs]:
+          sinks: Array | None = None, return_residual: bool = False,
+          normalize_output: bool = True) -> tuple[Problem, Inputs]:
   """Checks the arguments of :func:`attention` (which documents them) that describe the
   problem; the call's Problem and Inputs. The implementation and its settings are the
   dispatcher's (:mod:`attnx.core.api`)."""
   dropout = dropout_active(dropout_rate, deterministic)
+  return_residual = check_flag("return_residual", return_residual)
+  normalize_output = check_flag("normalize_output", normalize_output)
+  if return_weights and return_residual:
+    raise ValueError("return_weights and return_residual cannot both be True: ask for the "
+                     "weights (dense) or for the residual, in two calls.")
   if dropout and dropout_rng is None:
     raise ValueError(f"attention dropout (dropout_rate={dropout_rate}, deterministic=False) "
                      "needs dropout_rng, a PRNG key; pass deterministic=True to turn it off.")
@@ -332,11 +351,21 @@ def plan(query: Array, key: Array, value: Array, bias: Array | None = None,
                      score_mod_kind=score_mods_lib.kind(mod),
                      has_sinks=sinks is not None,
                      dropout_rate=float(dropout_rate) if dropout else 0.0,
-                     broadcast_dropout=broadcast_dropout, return_weights=return_weights)
+                     broadcast_dropout=broadcast_dropout, return_weights=return_weights,
+                     return_residual=return_residual, normalize_output=normalize_output)
   inputs = Inputs(query=q, key=k, value=v, bias=bias, mask=mask, scale=scale,
                   score_params=params, weighting_params=wparams, dropout_rng=dropout_rng,
                   structured_mask=structured, score_mod=mod, sinks=sinks)
   return problem, inputs
+
+
+def check_flag(name: str, value: Any) -> bool:
+  """A Python bool argument that fixes the program (``return_residual``,
+  ``normalize_output``); ValueError for anything else (an array would be traced)."""
+  if not isinstance(value, bool | np.bool_):
+    raise ValueError(f"{name} must be a Python bool (it fixes what attention returns), got "
+                     f"{value!r}.")
+  return bool(value)
 
 
 def sinks_reason(w: Any) -> str | None:

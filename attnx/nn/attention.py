@@ -85,6 +85,12 @@ class MultiHeadAttention(nn.Module, kw_only=True):
       attends keys i − w … i + w; with ``is_causal`` the w keys before it and itself) or a
       pair ``(left, right)``; None attends every key. Evaluated per tile by the streaming
       kernels (:func:`attnx.core.masks.sliding_window`); the KV cache honours it.
+    cache_page_size: with ``decode=True``, keep the KV cache in pages of this many positions
+      (:func:`attnx.core.paged_attention`'s layout: a pool ``k_pages``/``v_pages``
+      [B·P, page_size, K, H], a ``page_table`` [B, P] and ``cache_index``) instead of one
+      [B, max_length, K, H] array; None (default): the contiguous cache. One batch dim. It
+      holds whole pages, P = ⌈max_length / page_size⌉ of them: steps past P·page_size are
+      NaN (the contiguous cache's end is max_length).
     logits_soft_cap: c > 0: scores become c·tanh(s/c) before F (Gemma 2).
     sinks: a learned attention sink per head (param ``sinks`` [N], initialized at 0): a
       virtual key of zero value every query attends (gpt-oss); for the weightings with a sum
@@ -132,6 +138,7 @@ class MultiHeadAttention(nn.Module, kw_only=True):
   sequence_axis: str | None = None
   sequence_layout: str = "contiguous"
   sliding_window: int | tuple[int, int] | None = None
+  cache_page_size: int | None = None
   logits_soft_cap: float | None = None
   sinks: bool = False
   alibi: bool = False
@@ -218,7 +225,7 @@ class MultiHeadAttention(nn.Module, kw_only=True):
         key = ln(name="key_ln")(key)
       score, score_params, scale = self.score, self._score_params(head_dim), self.scale
     value = dense(features=(kv_heads, head_dim), name="value")(inputs_kv)
-    decoding = decode and self.has_variable("cache", "cached_key")  # not the call that sets up
+    decoding = decode and self._cache_ready()  # not the call that sets up
     step_position = self.get_variable("cache", "cache_index") if decoding else None
     if self.rotary:
       query, key = ops.rotate(self, query, key, 0 if step_position is None else step_position,
@@ -286,13 +293,20 @@ class MultiHeadAttention(nn.Module, kw_only=True):
       log_tau = jnp.full((self.num_heads,), init_log_tau)
     return ops.metric_features(zq, zk, log_tau)
 
+  def _cache_ready(self) -> bool:
+    return (self.has_variable("cache", "cached_key")
+            or self.has_variable("cache", "k_pages"))
+
   def _update_cache(self, query, key, value, mask, is_causal):
     """Linen-MHA-style KV cache (:func:`attention_ops.cache_step`): write this step's k/v,
-    mask positions not yet generated.
+    mask positions not yet generated; with ``cache_page_size``, a paged cache
+    (:func:`attention_ops.paged_cache_step`).
 
     Returns key, value, mask, is_causal and ``in_range`` (None at init, else a traced bool:
     whether this step had a cache slot).
     """
+    if self.cache_page_size is not None:
+      return self._update_paged_cache(query, key, value, mask, is_causal)
     initialized = self.has_variable("cache", "cached_key")
     cached_key = self.variable("cache", "cached_key", jnp.zeros, key.shape, key.dtype)
     cached_value = self.variable("cache", "cached_value", jnp.zeros, value.shape, value.dtype)
@@ -303,3 +317,15 @@ class MultiHeadAttention(nn.Module, kw_only=True):
         cached_key.value, cached_value.value, cache_index.value, query, key, value, mask,
         self.sliding_window)
     return cached_key.value, cached_value.value, mask, False, in_range
+
+  def _update_paged_cache(self, query, key, value, mask, is_causal):
+    initialized = self.has_variable("cache", "k_pages")
+    empty = ops.paged_cache_init(key.shape, self.cache_page_size, key.dtype)
+    cache = {name: self.variable("cache", name, lambda x=x: x) for name, x in empty.items()}
+    if not initialized:  # init call with the full-length input: plain forward pass
+      return key, value, mask, is_causal, None
+    (cache["k_pages"].value, cache["v_pages"].value, cache["cache_index"].value, key, value,
+     mask, in_range) = ops.paged_cache_step(
+        cache["k_pages"].value, cache["v_pages"].value, cache["page_table"].value,
+        cache["cache_index"].value, query, key, value, mask, self.sliding_window)
+    return key, value, mask, False, in_range

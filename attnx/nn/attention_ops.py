@@ -255,6 +255,58 @@ def cache_step(cached_key: Array, cached_value: Array, index: Array, query: Arra
   return *new, mask, in_range
 
 
+def paged_cache_init(key_shape: tuple[int, ...], page_size: int, dtype: Any
+                     ) -> dict[str, Array]:
+  """The empty paged KV cache for keys of ``key_shape`` [B, max_length, K, H]: a pool of
+  B·P pages of ``page_size`` positions (P = ⌈max_length / page_size⌉) per key and value, the
+  page table [B, P] (sequence b owns pages b·P … b·P + P − 1: a serving stack would hand pages
+  out as sequences grow; attention reads any table) and the shared step index."""
+  if len(key_shape) != 4:
+    raise ValueError(f"a paged KV cache takes one batch dim: keys [B, max_length, K, H], got "
+                     f"{key_shape}.")
+  if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size < 1:
+    raise ValueError(f"cache_page_size must be a positive int, got {page_size!r}.")
+  b, max_length, kv_heads, head_dim = key_shape
+  pages = -(-max_length // page_size)
+  pool = (b * pages, page_size, kv_heads, head_dim)
+  return {"k_pages": jnp.zeros(pool, dtype), "v_pages": jnp.zeros(pool, dtype),
+          "page_table": jnp.arange(b * pages, dtype=jnp.int32).reshape(b, pages),
+          "cache_index": jnp.array(0, jnp.int32)}
+
+
+def paged_cache_step(k_pages: Array, v_pages: Array, page_table: Array, index: Array,
+                     query: Array, key: Array, value: Array, mask: Array | None,
+                     sliding_window: Any) -> tuple[Array, ...]:
+  """One decoding step of a paged KV cache (:func:`paged_cache_init`): writes this step's
+  key and value [B, 1, K, H] at position ``index`` of every sequence
+  (:func:`attnx.core.append_to_pages`) and returns (new k pages, new v pages, index + 1, the
+  sequences' keys and values gathered in position order [B, P·page_size, K, H], the mask of
+  the positions generated so far (and inside the window) ``&`` ``mask``, ``in_range``). Past
+  the cache's end nothing is written and the caller turns the output to NaN, as
+  :func:`cache_step`."""
+  b, pages = page_table.shape
+  capacity = pages * k_pages.shape[1]
+  if query.shape[-3] != 1 or key.shape != (b, 1) + k_pages.shape[2:]:
+    raise ValueError(f"decode=True feeds one position at a time: expected key shape "
+                     f"{(b, 1) + k_pages.shape[2:]} for the paged cache, got query "
+                     f"{query.shape}, key {key.shape}.")
+  in_range = index < capacity
+  lengths = jnp.full((b,), jnp.minimum(index, capacity - 1), jnp.int32)
+  new_k, new_v, _ = core.append_to_pages(k_pages, v_pages, page_table, lengths, key[:, 0],
+                                          value[:, 0])
+  k_pages = jnp.where(in_range, new_k, k_pages)
+  v_pages = jnp.where(in_range, new_v, v_pages)
+  keys = core.paged.gather_pages(k_pages, page_table)
+  values = core.paged.gather_pages(v_pages, page_table)
+  seen = jnp.arange(capacity) <= index
+  if sliding_window is not None:
+    left = sliding_window if isinstance(sliding_window, int) else sliding_window[0]
+    seen = seen & (jnp.arange(capacity) >= index - left)
+  step = jnp.broadcast_to(seen, (b, 1, 1, capacity))
+  mask = step if mask is None else jnp.logical_and(mask, step)
+  return k_pages, v_pages, index + 1, keys, values, mask, in_range
+
+
 def modifications(opts: Any, step_position: Array | None, slopes: Array | None = None,
                   sinks: Array | None = None, *, causal: bool | None = None) -> dict[str, Any]:
   """``core.attention``'s keywords for the window, the cap, ALiBi and the sinks. ``slopes``

@@ -99,6 +99,9 @@ class GPT(nn.Module, kw_only=True):
       rotary) are the global positions of the local tokens; elsewhere the model runs on the
       whole sequence it is given. See :class:`~attnx.nn.MultiHeadAttention`.
     sequence_layout: ``"contiguous"`` or ``"zigzag"`` (the causal load balance).
+    cache_page_size: ``decode=True`` keeps each layer's KV cache in pages of this many
+      positions (:class:`~attnx.nn.MultiHeadAttention`'s ``cache_page_size``); None: one
+      contiguous array. :func:`generate` sets it from its own ``cache_page_size``.
     dtype, param_dtype: as in flax.
 
   Example:
@@ -132,6 +135,7 @@ class GPT(nn.Module, kw_only=True):
   implementation: str | None = None
   sequence_axis: str | None = None
   sequence_layout: str = "contiguous"
+  cache_page_size: int | None = None
   dtype: Any = None
   param_dtype: Any = jnp.float32
 
@@ -234,13 +238,23 @@ def _sample_logits(logits: Array, key: Array, temperature: Array, top_k: int | N
   return jnp.where(temperature > 0, sampled, greedy).astype(jnp.int32)
 
 
+def _empty_cache_leaf(path: Any, shape: Any) -> Array:
+  """The value a cache variable starts from (without running the init call): zeros, and a
+  paged cache's page table giving sequence b pages b·P … b·P + P − 1
+  (:func:`attnx.nn.attention_ops.paged_cache_init`)."""
+  if getattr(path[-1], "key", None) == "page_table":
+    b, pages = shape.shape
+    return jnp.arange(b * pages, dtype=shape.dtype).reshape(b, pages)
+  return jnp.zeros(shape.shape, shape.dtype)
+
+
 @functools.partial(jax.jit, static_argnames=("model", "prompt_len", "top_k"))
 def _generate_cached(model: GPT, variables: dict, buf: Array, rng: Array, temperature: Array,
-                     *, prompt_len: int, top_k: int | None) -> Array:
+                     lengths: Array, *, prompt_len: int, top_k: int | None) -> Array:
   total = buf.shape[1]
   shapes = jax.eval_shape(
       lambda: model.apply(variables, buf, decode=True, mutable=["cache"])[1]["cache"])
-  cache = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+  cache = jax.tree_util.tree_map_with_path(_empty_cache_leaf, shapes)
 
   def step(t, carry):
     cache, buf = carry
@@ -249,7 +263,7 @@ def _generate_cached(model: GPT, variables: dict, buf: Array, rng: Array, temper
                               mutable=["cache"])
     nxt = _sample_logits(logits[:, -1], jax.random.fold_in(rng, t), temperature, top_k)
     keep = jax.lax.dynamic_slice_in_dim(buf, t + 1, 1, axis=1)[:, 0]
-    nxt = jnp.where(t + 1 < prompt_len, keep, nxt)
+    nxt = jnp.where(t + 1 < lengths, keep, nxt)  # each row's own prompt first
     buf = jax.lax.dynamic_update_slice_in_dim(buf, nxt[:, None], t + 1, axis=1)
     return upd["cache"], buf
 
@@ -258,8 +272,8 @@ def _generate_cached(model: GPT, variables: dict, buf: Array, rng: Array, temper
 
 @functools.partial(jax.jit, static_argnames=("model", "prompt_len", "top_k", "window"))
 def _generate_recompute(model: GPT, variables: dict, buf: Array, rng: Array,
-                        temperature: Array, *, prompt_len: int, top_k: int | None,
-                        window: int) -> Array:
+                        temperature: Array, lengths: Array, *, prompt_len: int,
+                        top_k: int | None, window: int) -> Array:
   total = buf.shape[1]
 
   def step(t, buf):
@@ -270,6 +284,8 @@ def _generate_recompute(model: GPT, variables: dict, buf: Array, rng: Array,
     logits = model.apply(variables, x)
     last = jax.lax.dynamic_index_in_dim(logits, t - 1 - start, axis=1, keepdims=False)
     nxt = _sample_logits(last, jax.random.fold_in(rng, t - 1), temperature, top_k)
+    keep = jax.lax.dynamic_slice_in_dim(buf, t, 1, axis=1)[:, 0]
+    nxt = jnp.where(t < lengths, keep, nxt)  # each row's own prompt first
     return jax.lax.dynamic_update_slice_in_dim(buf, nxt[:, None], t, axis=1)
 
   return jax.lax.fori_loop(prompt_len, total, step, buf)
@@ -278,7 +294,8 @@ def _generate_recompute(model: GPT, variables: dict, buf: Array, rng: Array,
 def generate(model: GPT, params: Any, prompt: Array | np.ndarray, num_new_tokens: int, *,
              rng: Array, temperature: float = 1.0, top_k: int | None = None,
              use_cache: bool | None = None, context: int | None = None,
-             extra_variables: Mapping[str, Any] | None = None) -> Array:
+             extra_variables: Mapping[str, Any] | None = None,
+             prompt_lengths: Any = None, cache_page_size: int | None = None) -> Array:
   """Samples ``num_new_tokens`` continuations of ``prompt``: ``[B, T0] -> [B, T0 + n]`` int32.
 
   One jitted loop (compiled once per model, shapes and ``top_k``). Token t is drawn with the
@@ -302,6 +319,13 @@ def generate(model: GPT, params: Any, prompt: Array | np.ndarray, num_new_tokens
       positions cannot exceed ``max_len``.
     extra_variables: non-trained collections, e.g. ``{"favor": ...}`` for FAVOR+ (what
       ``attnx.train.fit`` returns as ``extra_variables``).
+    prompt_lengths: int ``[B]``: a batch of prompts of different lengths, each row of
+      ``prompt`` its prompt followed by padding (any ids); row b keeps its first
+      ``prompt_lengths[b]`` tokens and samples the rest, so it ends with
+      ``T0 + n − prompt_lengths[b]`` new tokens. None: every row's prompt is all T0 tokens.
+    cache_page_size: with the KV cache, keep it in pages of this many positions
+      (:func:`attnx.core.paged_attention`'s layout) instead of one array per layer; the text
+      is the same.
   """
   prompt = jnp.asarray(prompt, jnp.int32)
   if prompt.ndim != 2 or prompt.shape[1] < 1:
@@ -317,6 +341,14 @@ def generate(model: GPT, params: Any, prompt: Array | np.ndarray, num_new_tokens
     raise ValueError(f"generate: temperature must be >= 0, got {temperature}.")
   prompt_len = prompt.shape[1]
   total = prompt_len + n
+  lengths = np.full((prompt.shape[0],), prompt_len, np.int32)
+  if prompt_lengths is not None:
+    lengths = np.asarray(prompt_lengths)
+    if (lengths.shape != (prompt.shape[0],) or not np.issubdtype(lengths.dtype, np.integer)
+        or lengths.min(initial=1) < 1 or lengths.max(initial=1) > prompt_len):
+      raise ValueError(f"generate: prompt_lengths must be int [B] = [{prompt.shape[0]}] in "
+                       f"[1, {prompt_len}], got {prompt_lengths!r}.")
+    lengths = lengths.astype(np.int32)
   if model.positions == "learned" and prompt_len > model.max_len:
     raise ValueError(f"generate: prompt length {prompt_len} exceeds max_len={model.max_len} of "
                      "the learned position embedding; give a shorter prompt.")
@@ -343,15 +375,24 @@ def generate(model: GPT, params: Any, prompt: Array | np.ndarray, num_new_tokens
                      f"{model.max_len}); the KV cache cannot slide (use_cache=None crops the "
                      "context to the latest tokens instead, or pass a larger context for "
                      "rotary positions).")
+  if cache_page_size is not None:
+    if use_cache is False:
+      raise ValueError("generate: cache_page_size sets how the KV cache is stored; it needs "
+                       "use_cache=True or None.")
+    if not model.supports_kv_cache:
+      raise ValueError(f"generate: attention {model.attention!r} keeps no KV cache, paged or "
+                       "not.")
+    model = model.clone(cache_page_size=int(cache_page_size))
   variables = _variables(params, extra_variables)
   buf = jnp.zeros((prompt.shape[0], total), jnp.int32).at[:, :prompt_len].set(prompt)
   temp = jnp.asarray(temperature, jnp.float32)
   k = None if top_k is None else int(top_k)
   if use_cache:
-    return _generate_cached(model, variables, buf, rng, temp, prompt_len=prompt_len, top_k=k)
+    return _generate_cached(model, variables, buf, rng, temp, jnp.asarray(lengths),
+                            prompt_len=prompt_len, top_k=k)
   window = min(total, ctx)
-  return _generate_recompute(model, variables, buf, rng, temp, prompt_len=prompt_len, top_k=k,
-                             window=window)
+  return _generate_recompute(model, variables, buf, rng, temp, jnp.asarray(lengths),
+                             prompt_len=int(lengths.min()), top_k=k, window=window)
 
 
 # --- model files ------------------------------------------------------------------------------

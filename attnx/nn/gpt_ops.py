@@ -109,6 +109,8 @@ def block_attention(opts: Any, layer: int = 0) -> dict[str, Any]:
     spec["logits_soft_cap"] = float(opts.logits_soft_cap)
   if opts.sinks:
     spec["sinks"] = True
+  if getattr(opts, "cache_page_size", None) is not None:
+    spec["cache_page_size"] = int(opts.cache_page_size)
   if opts.implementation is not None:
     spec["implementation"] = opts.implementation
   if opts.sequence_axis is not None:

@@ -165,6 +165,10 @@ class MultiHeadAttention(nnx.Module):
     self.cached_key: nnx.Cache | None = nnx.data(None)
     self.cached_value: nnx.Cache | None = nnx.data(None)
     self.cache_index: nnx.Cache | None = nnx.data(None)
+    # A paged cache instead (init_cache(..., page_size=P)).
+    self.k_pages: nnx.Cache | None = nnx.data(None)
+    self.v_pages: nnx.Cache | None = nnx.data(None)
+    self.page_table: nnx.Cache | None = nnx.data(None)
 
   def __call__(self, inputs_q: Array, inputs_k: Array | None = None,
                inputs_v: Array | None = None, *, mask: Array | None = None,
@@ -230,7 +234,7 @@ class MultiHeadAttention(nnx.Module):
     value = self.value(inputs_v)
 
     decode = self.decode if decode is None else decode
-    if decode and self.cached_key is None:
+    if decode and self.cached_key is None and self.k_pages is None:
       raise ValueError(f"{where}: decode=True needs the KV cache: call init_cache(shape) "
                        "first (shape [B..., max_length, in_features]).")
     step_position = self.cache_index[...] if decode else None
@@ -242,7 +246,13 @@ class MultiHeadAttention(nnx.Module):
     causal = opts.is_causal if is_causal is None else bool(is_causal)
     mask = _util.as_bool_mask(mask)
     in_range, attend_causal = None, causal
-    if decode:
+    if decode and self.k_pages is not None:
+      (self.k_pages[...], self.v_pages[...], self.cache_index[...], key, value, mask,
+       in_range) = ops.paged_cache_step(self.k_pages[...], self.v_pages[...],
+                                        self.page_table[...], step_position, query, key, value,
+                                        mask, opts.sliding_window)
+      attend_causal = False
+    elif decode:
       (self.cached_key[...], self.cached_value[...], self.cache_index[...], mask,
        in_range) = ops.cache_step(self.cached_key[...], self.cached_value[...], step_position,
                                   query, key, value, mask, opts.sliding_window)
@@ -282,10 +292,22 @@ class MultiHeadAttention(nnx.Module):
                        "(the module was made with keep_rngs=False).")
     return stream()
 
-  def init_cache(self, input_shape: tuple[int, ...], dtype: Any = jnp.float32) -> None:
+  def init_cache(self, input_shape: tuple[int, ...], dtype: Any = jnp.float32,
+                 page_size: int | None = None) -> None:
     """Sets up the KV cache for decoding (Flax's method): ``input_shape`` is
-    ``[B..., max_length, in_features]``; the cache holds ``[B..., max_length, K, H]``."""
+    ``[B..., max_length, in_features]``; the cache holds ``[B..., max_length, K, H]``. With
+    ``page_size``, a paged cache instead (:func:`attnx.core.paged_attention`'s layout:
+    ``k_pages``/``v_pages`` [B·P, page_size, K, H], ``page_table`` [B, P], one batch dim);
+    the outputs are the same."""
     cache_shape = (*input_shape[:-1], self.num_kv_heads, self.head_dim)
+    if page_size is not None:
+      paged = ops.paged_cache_init(cache_shape, page_size, dtype)
+      self.cached_key = self.cached_value = None
+      self.k_pages, self.v_pages = nnx.Cache(paged["k_pages"]), nnx.Cache(paged["v_pages"])
+      self.page_table = nnx.Cache(paged["page_table"])
+      self.cache_index = nnx.Cache(paged["cache_index"])
+      return
+    self.k_pages = self.v_pages = self.page_table = None
     self.cached_key = nnx.Cache(jnp.zeros(cache_shape, dtype))
     self.cached_value = nnx.Cache(jnp.zeros(cache_shape, dtype))
     self.cache_index = nnx.Cache(jnp.array(0, dtype=jnp.int32))

@@ -133,12 +133,14 @@ class GPT(nnx.Module):
     x = self.ln_final(x)
     return self.embed.attend(x) if opts.tie_embeddings else self.lm_head(x)
 
-  def init_cache(self, batch_size: int, max_length: int, dtype: Any = jnp.float32) -> None:
+  def init_cache(self, batch_size: int, max_length: int, dtype: Any = jnp.float32,
+                 page_size: int | None = None) -> None:
     """Sets up every layer's KV cache for ``decode=True``: ``max_length`` positions of
-    ``batch_size`` sequences."""
+    ``batch_size`` sequences (with ``page_size``, in pages of that many positions:
+    :meth:`attnx.nnx.MultiHeadAttention.init_cache`)."""
     shape = (batch_size, max_length, self.options.hidden_dim)
     for block in self.blocks:
-      block.attention.init_cache(shape, dtype)
+      block.attention.init_cache(shape, dtype, page_size=page_size)
     if self.options.positions == "learned":
       self.position = nnx.Cache(jnp.array(0, jnp.int32))
 

@@ -135,20 +135,34 @@ def encode_prompt(prompt: str, vocab: Sequence[str]) -> np.ndarray:
   return np.asarray([table[c] for c in prompt], np.int32)
 
 
-def sample_text(model: nn.GPT, params: Any, vocab: Sequence[str], prompt: str,
+def sample_text(model: nn.GPT, params: Any, vocab: Sequence[str], prompt: str | Sequence[str],
                 num_tokens: int, *,
                 seed: int = 0, temperature: float = 1.0, top_k: int | None = None,
                 num_samples: int = 1, use_cache: bool | None = None,
-                context: int | None = None, extra_variables: Any = None) -> list[str]:
-  """``num_samples`` texts: the prompt and ``num_tokens`` sampled characters each."""
+                context: int | None = None, extra_variables: Any = None,
+                page_size: int | None = None) -> list[str]:
+  """``num_samples`` texts per prompt: the prompt and ``num_tokens`` sampled characters each.
+
+  ``prompt`` may be a list of prompts of different lengths: they are decoded together, one
+  batch (each its own length, :func:`attnx.nn.generate`'s ``prompt_lengths``), and the texts
+  come prompt by prompt. ``page_size``: a paged KV cache (pages of that many positions)
+  instead of a contiguous one; the texts are the same."""
   from attnx.nn.gpt import generate  # noqa: PLC0415
 
-  ids = encode_prompt(prompt, vocab)
-  batch = np.tile(ids[None], (num_samples, 1))
-  out = generate(model, params, batch, num_tokens, rng=jax.random.PRNGKey(seed),
+  prompts = [prompt] if isinstance(prompt, str) else list(prompt)
+  if not prompts:
+    raise SampleError("give at least one prompt.")
+  encoded = [encode_prompt(p, vocab) for p in prompts]
+  longest = max(len(ids) for ids in encoded)
+  rows = [np.pad(ids, (0, longest - len(ids))) for ids in encoded for _ in range(num_samples)]
+  lengths = np.asarray([len(ids) for ids in encoded for _ in range(num_samples)], np.int32)
+  out = generate(model, params, np.stack(rows), num_tokens, rng=jax.random.PRNGKey(seed),
                  temperature=temperature, top_k=top_k, use_cache=use_cache, context=context,
-                 extra_variables=extra_variables)
-  return ["".join(vocab[int(i)] for i in row) for row in np.asarray(out)]
+                 extra_variables=extra_variables,
+                 prompt_lengths=None if len(set(lengths.tolist())) == 1 else lengths,
+                 cache_page_size=page_size)
+  return ["".join(vocab[int(i)] for i in row[:length + num_tokens])
+          for row, length in zip(np.asarray(out), lengths, strict=True)]
 
 
 # --- the training side: model files and the report's samples ------------------------------------

@@ -519,13 +519,13 @@ SUPPORT_CASES = [
 class ImplementationObjects(parameterized.TestCase):
 
   def test_list_implementations_is_the_dispatch_order(self):
-    assert core.list_implementations() == ["pallas", "blocked", "dense"]
+    assert core.list_implementations() == ["pallas", "split_kv", "blocked", "dense"]
     assert sorted(core.list_implementations()) == sorted(core.IMPLEMENTATIONS)
     for name in core.list_implementations():
       impl = core.get_implementation(name)
       assert isinstance(impl, core.Implementation) and impl.name == name
     with pytest.raises(ValueError, match=r"Unknown implementation 'flash'; valid: dense, "
-                                         r"blocked, pallas, an implementation object "
+                                         r"blocked, split_kv, pallas, an implementation object "
                                          r"\(core\.Dense\(\), .*\) or None \(automatic\)"):
       core.get_implementation("flash")
     with pytest.raises(ValueError, match="Unknown implementation 'flash'"):

@@ -14,11 +14,13 @@ Two samples (machinery in tests/support/differential.py, reference in tests/supp
   score, f32/bf16 — each run on :data:`INSTANCES` independent random inputs (data, masks,
   padding lengths), which reuse its compiled programs. ``ATTNX_DIFF_KIND=row`` (or
   ``pointwise``) draws the weighting from one family only, for a kernel change that touches
-  only that family's kernels.
+  only that family's kernels; ``ATTNX_DIFF_IMPLS=split_kv,auto`` runs only those
+  implementations of each case.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 
@@ -394,12 +396,36 @@ BRANCH_CASES = (
       mask="rows", block_q=32, block_k=32),
     C(seed=149, t=1000, s=1000, b=2, n=4, kh=2, weighting="sigmoid",
       score_mod="alibi", causal=True, mask="padding", pallas="none"),
+    # Split-KV decoding (the automatic choice for T ≤ 8 against S ≥ 1024: chunks merged by each
+    # family's rule) with the residual of every implementation that returns one: softmax GQA
+    # (4 query heads packed per KV head) under key lengths with sinks; stick-breaking (merged
+    # in key order) under a window; entmax15 (its threshold over the whole row, sinks a key of
+    # it) with a cap; SSMax (c_i from the whole row's count) and softpick (ε counted once);
+    # T = 3 causal sigmoid with ALiBi; S = 1531 (a prime: one chunk).
+    C(seed=150, t=1, s=2048, b=2, n=8, kh=2, h=16, hv=16, structured="lengths", sinks=True,
+      residual=True, pallas="none"),
+    C(seed=151, t=1, s=1536, b=2, n=4, kh=2, weighting="stick_breaking", structured="window",
+      residual=True, pallas="none"),
+    C(seed=152, t=2, s=1200, n=4, kh=1, weighting="entmax15", sinks=True, score_mod="cap",
+      residual=True, pallas="none"),
+    C(seed=153, t=1, s=1100, b=3, n=2, weighting="ssmax", mask="padding", bias="x1x1",
+      residual=True, pallas="none"),
+    C(seed=154, t=4, s=1024, n=2, weighting="softpick", sinks=True, mask="random",
+      residual=True, pallas="none"),
+    C(seed=155, t=3, s=1531, b=2, n=4, kh=2, weighting="sigmoid", causal=True,
+      score_mod="alibi", residual=True, pallas="none"),
+    C(seed=156, t=1, s=1024, n=2, weighting="relu:normalization=length", mask="padding",
+      residual=True, pallas="none"),
+    C(seed=157, t=2, s=1024, n=2, weighting="sparsemax", dtype="bfloat16", residual=True,
+      pallas="none"),
 )
 CI_RANDOM = 4
 INSTANCES = 5  # random inputs per configuration in the large run (compiling dominates a case)
 _FIRST = int(os.environ.get("ATTNX_DIFF_FIRST", "0"))
 _COUNT = int(os.environ.get("ATTNX_DIFF_CASES", "5000"))
 _KIND = os.environ.get("ATTNX_DIFF_KIND") or None  # "pointwise" or "row": one family only
+# "split_kv,auto" (say): only these implementations of each case, for a change to one of them.
+_ONLY = tuple(x for x in os.environ.get("ATTNX_DIFF_IMPLS", "").split(",") if x) or None
 
 
 def _assert_passes(case: diff.Case, instances: int = 1) -> None:
@@ -410,7 +436,10 @@ def _assert_passes(case: diff.Case, instances: int = 1) -> None:
 @pytest.mark.differential
 @pytest.mark.parametrize("seed", range(_FIRST, _FIRST + -(-_COUNT // INSTANCES)))
 def test_random_case(seed):
-  _assert_passes(diff.draw(seed, _KIND), INSTANCES)
+  case = diff.draw(seed, _KIND)
+  if _ONLY is not None:
+    case = dataclasses.replace(case, only=_ONLY)
+  _assert_passes(case, INSTANCES)
 
 
 # Whole-row branch cases that repeat a family/backend/branch the CI sample already reaches

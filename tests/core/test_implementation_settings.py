@@ -44,10 +44,11 @@ def test_names_stand_for_objects_with_defaults():
   assert core.get_implementation("dense") == core.Dense()
   assert core.get_implementation("blocked") == core.Blocked()
   assert core.get_implementation("pallas") == core.Pallas()
+  assert core.get_implementation("split_kv") == core.SplitKV()
   obj = core.Pallas(block_q=64, interpret=True)
   assert core.get_implementation(obj) is obj
   assert [type(i) for i in core.implementations.dispatch_order()] == [
-      core.Pallas, core.Blocked, core.Dense]
+      core.Pallas, core.SplitKV, core.Blocked, core.Dense]
   assert repr(core.Blocked(block_q=32)) == "Blocked(block_q=32, block_k=None)"
 
 

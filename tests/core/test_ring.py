@@ -519,8 +519,9 @@ def test_entmax_family_refused_with_the_alternative(weighting):
                                              "'pallas' (or core.Blocked(...), core.Pallas(...)), "
                                              "got 'dense'.")),
     (dict(implementation=core.Dense()), r"implementation must be None, .*got 'dense'\."),
-    (dict(implementation="foo"), r"Unknown implementation 'foo'; valid: dense, blocked, pallas, "
-                                 r"an implementation object .* or None \(automatic\)\."),
+    (dict(implementation="foo"), r"Unknown implementation 'foo'; valid: dense, blocked, "
+                                 r"split_kv, pallas, an implementation object .* or None "
+                                 r"\(automatic\)\."),
     (dict(score="additive"), "not a dot product"),
     (dict(block_q=0), "block_q must be a positive int"),  # deprecated: refused before it warns
     (dict(kv_head_block=3), "kv_head_block must be a positive int dividing the 2 kv heads"),

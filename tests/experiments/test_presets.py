@@ -22,7 +22,7 @@ def _module(name: str):
 def test_every_experiment_is_covered():
   assert {"compare_weightings", "shift_invariance", "dot_vs_distance", "metric_attention",
           "translation", "nadaraya_watson", "regularized_argmax", "kernel_benchmark",
-          "train_benchmark"} <= set(EXPERIMENTS)
+          "train_benchmark", "decode_benchmark"} <= set(EXPERIMENTS)
 
 
 @pytest.mark.parametrize("name", EXPERIMENTS)

@@ -77,6 +77,39 @@ def test_kv_cache_decoding_equals_full_causal_pass():
   chex.assert_trees_all_equal(mut["cache"]["cached_key"], cache["cached_key"])
 
 
+def test_paged_kv_cache_decodes_as_the_contiguous_one():
+  """cache_page_size: the same steps from pages (page 3 does not divide the 4 positions: the
+  last page is part used), the window honoured; the cache holds whole pages (6 positions), and
+  a step past them is NaN."""
+  for window in (None, 1):
+    kw = dict(num_heads=4, qkv_features=8, num_kv_heads=2, is_causal=True, weighting="relu",
+              sliding_window=window)
+    plain, paged = MultiHeadAttention(**kw), MultiHeadAttention(**kw, cache_page_size=3)
+    variables = plain.init(KEY, X, decode=True)
+    cache = paged.init(KEY, X, decode=True)["cache"]
+    assert cache["k_pages"].shape == (4, 3, 2, 2) and cache["page_table"].tolist() == [[0, 1],
+                                                                                       [2, 3]]
+    ref_cache = variables["cache"]
+    for t in range(X.shape[1]):
+      x = X[:, t:t + 1]
+      ref, mut = plain.apply({"params": variables["params"], "cache": ref_cache}, x,
+                             decode=True, mutable=["cache"])
+      got, mut_p = paged.apply({"params": variables["params"], "cache": cache}, x, decode=True,
+                               mutable=["cache"])
+      ref_cache, cache = mut["cache"], mut_p["cache"]
+      chex.assert_trees_all_close(got, ref, atol=1e-6)
+    for t in range(3):  # positions 4 and 5 fill the last page; the 7th step has no slot
+      got, mut_p = paged.apply({"params": variables["params"], "cache": cache}, X[:, :1],
+                               decode=True, mutable=["cache"])
+      assert bool(jnp.all(jnp.isnan(got))) == (t == 2)
+      if t == 2:
+        chex.assert_trees_all_equal(mut_p["cache"]["k_pages"], cache["k_pages"])
+      cache = mut_p["cache"]
+  with pytest.raises(ValueError, match="cache_page_size must be a positive int"):
+    MultiHeadAttention(num_heads=2, is_causal=True, cache_page_size=0).init(KEY, X,
+                                                                            decode=True)
+
+
 def test_kv_cache_rejects_multi_token_step():
   model = MultiHeadAttention(num_heads=2, is_causal=True)
   variables = model.init(KEY, X, decode=True)

@@ -123,6 +123,28 @@ def test_generate_seeded_and_greedy_is_argmax_of_full_forward(positions):
   assert ((a >= 0) & (a < V)).all()
 
 
+@pytest.mark.parametrize("attention", ["softmax", "stick_breaking"])
+def test_generate_prompts_of_different_lengths_with_a_paged_cache(attention):
+  """A right-padded batch of prompts of different lengths gives each prompt's own greedy
+  continuation, with the contiguous cache, a paged one and recomputation alike."""
+  model = tiny(attention=attention, positions="rotary")
+  params = init(model)["params"]
+  lengths = np.asarray([2, 5, 3])
+  prompts = jax.random.randint(jax.random.PRNGKey(7), (3, 5), 0, V)
+  key = jax.random.PRNGKey(0)
+  outs = [generate(model, params, prompts, 3, rng=key, temperature=0.0, prompt_lengths=lengths,
+                   **kw) for kw in (dict(), dict(cache_page_size=3), dict(use_cache=False))]
+  chex.assert_trees_all_equal(outs[0], outs[1])
+  chex.assert_trees_all_equal(outs[0], outs[2])
+  for i, n in enumerate(lengths):
+    alone = generate(model, params, prompts[i:i + 1, :n], 8 - n, rng=key, temperature=0.0)
+    np.testing.assert_array_equal(outs[0][i], alone[0])
+  with pytest.raises(ValueError, match="prompt_lengths must be int"):
+    generate(model, params, prompts, 3, rng=key, prompt_lengths=np.asarray([0, 5, 3]))
+  with pytest.raises(ValueError, match="needs use_cache=True or None"):
+    generate(model, params, prompts, 3, rng=key, use_cache=False, cache_page_size=2)
+
+
 def test_generate_without_kv_cache_recomputes():
   model = tiny(attention="linear_elu")
   assert not model.supports_kv_cache

@@ -88,6 +88,16 @@ def test_decode_equals_the_linen_cache_and_the_full_pass(case):
     chex.assert_trees_all_close(step[:, 0], full[:, t], atol=1e-5)
 
 
+def test_paged_cache_decodes_as_the_contiguous_one():
+  model, linen, params = _twins(CONFIGS["alibi_windows_cap_sinks_ssmax"])
+  full = model(TOKENS)
+  model.init_cache(TOKENS.shape[0], TOKENS.shape[1], page_size=3)
+  assert model.blocks[0].attention.cached_key is None
+  for t in range(TOKENS.shape[1]):
+    step = model(TOKENS[:, t:t + 1], decode=True)
+    chex.assert_trees_all_close(step[:, 0], full[:, t], atol=1e-5)
+
+
 def test_a_linen_checkpoint_loads_into_the_nnx_model_and_back():
   linen = attnx_nn.GPT(**KW, positions="rotary", attention="entmax15")
   params = linen.init(jax.random.key(3), TOKENS)["params"]

@@ -53,7 +53,10 @@ MASKS = ("none", "padding", "random", "rows", "columns")
 ON_GPU = jax.default_backend() == "gpu"
 PALLAS_MAX_LEN = 4096 if ON_GPU else 160  # Pallas' interpreter is slow: short sequences only
 PALLAS_MAX_HEADS = 64 if ON_GPU else 8  # B·N
-IMPLEMENTATIONS = ("dense", "blocked", "auto", "pallas", "pallas_tpu")
+IMPLEMENTATIONS = ("dense", "blocked", "split_kv", "auto", "pallas", "pallas_tpu")
+# Split-KV (decoding) runs the cases with at most this many query rows; its scores are
+# [T, S] per head, as dense's.
+SPLIT_KV_MAX_T = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,15 +103,20 @@ class Case:
   # The relative table's length L ("table", "fn"): 0 for 2·max(T, S) − 1 (every distance its
   # own column); an odd L below that clips the farther distances to its ends.
   table_len: int = 0
+  # Also compare the residual (return_residual=True) of the implementations that return one
+  # with support.reference.residual64.
+  residual: bool = False
 
   def implementations(self) -> list[str]:
     """The implementations this case runs; on a CPU the automatic choice replaces the
     dense or blocked call it is identical to."""
     w = wlib.get_weighting(self.weighting)
     streaming = api.streams(w) and self.score != "additive"
-    auto_picks = ("blocked" if streaming and problem.choose_implementation(
-        None, w, core.get_score(self.score), self.t, self.s) == "blocked" else "dense")
+    auto_picks = (problem.choose_implementation(None, w, core.get_score(self.score), self.t,
+                                                self.s) if streaming else "dense")
     out = ["dense"] + (["blocked"] if streaming else [])
+    if streaming and (self.t <= SPLIT_KV_MAX_T or auto_picks == "split_kv"):
+      out.append("split_kv")
     if self.block_q is None and self.block_k is None or auto_picks == "dense":
       out[out.index(auto_picks)] = "auto"
     else:
@@ -259,6 +267,9 @@ def draw(seed: int, kind: str | None = None) -> Case:
           table_len=int(side.integers(1, width // 2)) * 2 + 1 if clip else 0)
   if rng.random() < 0.3 and problem.sinks_reason(w) is None:
     case = dataclasses.replace(case, sinks=True)
+  # From a stream of its own: the draws above stay those of the seed before residuals.
+  if np.random.default_rng([31, seed]).random() < 0.3:
+    case = dataclasses.replace(case, residual=True)
   return case
 
 
@@ -454,7 +465,7 @@ def rejects(case: Case, impl: str) -> bool:
   """Whether the implementation must refuse the case's tiles with a ValueError."""
   tiles = [x for x in (case.block_q, case.block_k) if x is not None]
   if any(x < 1 for x in tiles):
-    return impl != "dense"
+    return impl not in ("dense", "split_kv")  # no tiles
   if impl == "pallas":
     return any(x < pallas_lib.GPU_MIN_BLOCK or x & (x - 1) for x in tiles)
   if impl == "pallas_tpu":
@@ -463,7 +474,7 @@ def rejects(case: Case, impl: str) -> bool:
   return False
 
 
-def _call(case: Case, impl: str, scalar_params: tuple):
+def _call(case: Case, impl: str, scalar_params: tuple, return_residual: bool = False):
   """fn(q, k, v, bias, mask, array_params) -> output of implementation ``impl``.
 
   The blocked and Pallas implementations get the case's tiles on their objects (a tile below 1
@@ -472,6 +483,8 @@ def _call(case: Case, impl: str, scalar_params: tuple):
   expects their DeprecationWarning."""
   tiles = dict(block_q=case.block_q, block_k=case.block_k)
   kw = dict(weighting=case.weighting, is_causal=case.causal)
+  if return_residual:
+    kw["return_residual"] = True
   if impl == "pallas_tpu":
     w = wlib.get_weighting(case.weighting)
     scale = case.scale
@@ -532,6 +545,33 @@ def _program(config: Case, impl: str, scalar_params: tuple):
     return out, vjp(ct)
 
   return both
+
+
+RESIDUAL_IMPLS = ("dense", "split_kv", "auto")  # the implementations that return residuals
+
+
+@functools.lru_cache(maxsize=16)
+def _residual_program(config: Case, impl: str, scalar_params: tuple):
+  fn = _call(config, impl, scalar_params, return_residual=True)
+  return jax.jit(fn)
+
+
+def run_residual(case: Case, impl: str, arrs) -> np.ndarray:
+  """The residual [B, T, N] of one implementation (entmax: its threshold), float64."""
+  sp = arrs["score_params"]
+  scalars = tuple(sorted((k, v) for k, v in sp.items() if np.isscalar(v)))
+  params = {k: jnp.asarray(v) for k, v in sp.items() if not np.isscalar(v)}
+  config = dataclasses.replace(case, seed=0, only=None, pallas="both")
+  if soft_cap(case) is not None:
+    config = dataclasses.replace(config, seed=case.seed)
+  args = [jnp.asarray(arrs[x]) if arrs[x] is not None else None
+          for x in ("q", "k", "v", "bias", "mask")]
+  if arrs["structured"] is not None:
+    args[4] = arrs["structured"]
+  mp = {k: jnp.asarray(v) for k, v in arrs["mod_params"].items()}
+  _, res = _residual_program(config, impl, scalars)(*args, params, mp)
+  res = res.threshold if isinstance(res, core.EntmaxResidual) else res
+  return np.asarray(res, np.float64)
 
 
 def run_impl(case: Case, impl: str, arrs) -> tuple[np.ndarray, dict[str, np.ndarray]]:
@@ -677,11 +717,38 @@ def _check_instance(case: Case, instance: int) -> list[str]:
     errs = {"out": _error(out, want["out"], keeps["out"], scales["out"])}
     for name, g in grads.items():
       errs[name] = _error(g, want[name], keeps[name], scales.get(name))
+    if case.residual and impl in RESIDUAL_IMPLS:
+      errs["residual"] = _residual_error(case, impl, arrs, ref, keeps["out"])
     bad = {k: e for k, e in errs.items() if not e <= (tol if k == "out" else 2 * tol)}
     if bad:
       failures.append(f"{impl}: " + ", ".join(f"{k} error {e:.3g}" for k, e in bad.items())
                       + f" (tolerance {tol:g}, grads {2 * tol:g})")
   return failures
+
+
+def _residual_error(case: Case, impl: str, arrs, ref, keep) -> float:
+  """max |got − want| / max(1, max |want|) of the residual over the rows that are not on a
+  kink (``keep``: [B, T, N, 1] or None); rows without weight must be −∞ in both (entmax: a
+  NaN threshold in the reference, any value in attnx's)."""
+  try:
+    got = run_residual(case, impl, arrs)
+  except Exception:  # noqa: BLE001 - a crash is a failure of the case
+    return math.inf
+  row_keys = None
+  if arrs["structured"] is not None:
+    row_keys = ref_lib.sequence_keys64(arrs["structured"], case.b, case.t, case.s)
+  want = ref_lib.residual64(case.weighting, ref.scores, ref.valid,
+                            arrs["mod_params"].get("sinks"), row_keys, case.s)
+  if got.shape != want.shape:
+    return math.inf
+  rows = np.ones(want.shape, bool) if keep is None else np.broadcast_to(keep[..., 0], want.shape)
+  dead = ~np.isfinite(want)
+  if np.any(got[dead & rows] != want[dead & rows]) and not np.all(np.isnan(want[dead])):
+    return math.inf
+  live = rows & ~dead
+  if not live.any():
+    return 0.0
+  return float(np.max(np.abs(got[live] - want[live])) / max(1.0, np.max(np.abs(want[live]))))
 
 
 def timed_check(case: Case, instances: int = 1) -> tuple[list[str], float]:

@@ -462,3 +462,87 @@ def _kinks(z, valid, w, num_keys: int, delta: float, name: str, wparams: dict[st
   slope = ds > 1e-3 * dref
   jump = fs > 1e-3 * fref + 4 * delta * jnp.maximum(jnp.abs(d_lo), jnp.abs(d_hi))
   return slope & valid, jump & valid
+
+
+# --------------------------------------------------------------------------------------------
+# Residuals (attnx.core.residuals), from the definitions.
+# --------------------------------------------------------------------------------------------
+
+def residual64(weighting: str, z: np.ndarray, valid: np.ndarray, sinks=None, row_keys=None,
+               num_keys: int | None = None) -> np.ndarray:
+  """The residual of float64 scores z [B, N, T, S] (``valid`` broadcastable; ``sinks`` [N] or
+  None; ``row_keys`` [B, T]: F's n per row where F counts its sequence's keys), [B, T, N]:
+  log Σ F (with the sink, the offset, softpick's ε), log n, 0, stick-breaking's
+  Σ log(1 − σ(z)), or entmax's τ in score units (bisection, 200 halvings). Computed in numpy
+  (and F in float64), from the definitions, not from attnx's streaming code."""
+  w = wlib.get_weighting(weighting)
+  valid = np.broadcast_to(np.asarray(valid), z.shape)
+  z = np.where(valid, np.asarray(z, np.float64), 0.0)
+  s_len = z.shape[-1] if num_keys is None else num_keys
+  srow = None if sinks is None else np.broadcast_to(
+      np.asarray(sinks, np.float64)[None, :, None], z.shape[:-1])
+  out = _residual64(w, z, valid, srow, row_keys, s_len)
+  return np.moveaxis(out, 1, 2)
+
+
+def _residual64(w, z, valid, srow, row_keys, s_len):
+  with jax.enable_x64(True), np.errstate(divide="ignore", over="ignore"):
+    if isinstance(w, wlib.Pointwise):
+      if w.normalization == "none":
+        return np.zeros(z.shape[:-1])
+      if w.normalization == "length":
+        return np.log(valid.sum(-1).astype(np.float64))
+
+      def f_of(x, n_for_rows):
+        return np.asarray(w.fn(jnp.asarray(x, f64), n_for_rows), np.float64)
+
+      if w.exp_alpha is not None and w.online_max:  # log-sum-exp, shifted by the row's max
+        e = np.where(valid, w.exp_alpha * z, -np.inf)
+        parts = [e]
+        if srow is not None:
+          parts.append(w.exp_alpha * srow[..., None])
+        if w.denominator_offset:
+          parts.append(np.full(z.shape[:-1] + (1,), np.log(w.denominator_offset)))
+        e = np.concatenate(parts, -1)
+        m = np.max(e, -1, keepdims=True)
+        m = np.where(np.isfinite(m), m, 0.0)
+        return np.log(np.sum(np.exp(e - m), -1)) + m[..., 0]
+      if row_keys is not None and w.sequence_shift is not None:
+        n_rows = np.asarray(row_keys)[:, None, :, None]
+        f = sum(np.where(n_rows == n, f_of(z, int(n)), 0.0) for n in np.unique(row_keys))
+      else:
+        f = f_of(z, s_len)
+      total = np.where(valid, f, 0.0).sum(-1) + float(w.denominator_offset)
+      if srow is not None:
+        total = total + f_of(srow, s_len)
+      return np.log(total)
+    rs = w.stream
+    if rs.family == "stick_breaking":
+      return np.sum(np.where(valid, -np.logaddexp(0.0, z), 0.0), -1)
+    if rs.family == "ssmax":
+      cnt = valid.sum(-1) + (0 if srow is None else 1)
+      c = rs.s * np.log(np.maximum(cnt, 1))
+      e = np.where(valid, c[..., None] * z, -np.inf)
+      if srow is not None:
+        e = np.concatenate([e, (c * srow)[..., None]], -1)
+      m = np.max(e, -1, keepdims=True)
+      m = np.where(np.isfinite(m), m, 0.0)
+      return np.log(np.sum(np.exp(e - m), -1)) + m[..., 0]
+    if rs.family == "softpick":
+      d = np.where(valid, np.abs(np.expm1(z)), 0.0).sum(-1) + rs.eps
+      if srow is not None:
+        d = d + np.abs(np.expm1(srow))
+      return np.log(d)
+    a, sc = rs.alpha, rs.scale
+    zz = np.where(valid, z, -np.inf)
+    if srow is not None:
+      zz = np.concatenate([zz, srow[..., None]], -1)
+    top = np.max(zz, -1)
+    empty = ~np.isfinite(top)
+    top = np.where(empty, 0.0, top)
+    lo, hi = top - 1.0 / ((a - 1) * sc), top
+    for _ in range(200):
+      mid = (lo + hi) / 2
+      mass = np.sum(np.maximum((a - 1) * sc * (zz - mid[..., None]), 0.0) ** (1 / (a - 1)), -1)
+      lo, hi = np.where(mass >= 1, mid, lo), np.where(mass >= 1, hi, mid)
+    return np.where(empty, np.nan, (lo + hi) / 2)

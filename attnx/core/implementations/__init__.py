@@ -8,6 +8,8 @@ and whether the automatic choice should take it (``declines(problem)``):
   Mosaic on a TPU;
 * :class:`Blocked` (``"blocked"``, :mod:`.blocked`) — flash-style key tiles in XLA, any
   backend, O(T) memory;
+* :class:`SplitKV` (``"split_kv"``, :mod:`.split_kv`) — decoding: a few query rows against a
+  long cache, the keys in chunks merged by the family's rule; residuals;
 * :class:`Dense` (``"dense"``, :mod:`.dense`) — materializes the weights; runs every problem.
 
 An implementation object carries its kernel settings (``Pallas(block_q=64, interpret=True)``);
@@ -39,22 +41,24 @@ from attnx.core.implementations.blocked import (
 )
 from attnx.core.implementations.dense import Dense
 from attnx.core.implementations.pallas import Pallas
+from attnx.core.implementations.split_kv import DECODE_MAX_QUERIES, DECODE_MIN_KEYS, SplitKV
 
 # The earlier names of the classes (before they carried settings).
 BlockedImplementation, DenseImplementation, PallasImplementation = Blocked, Dense, Pallas
 
 # The automatic choice's order: the most specialized (fastest where it runs) first.
-_ORDER: tuple[Implementation, ...] = (Pallas(), Blocked(), Dense())
+_ORDER: tuple[Implementation, ...] = (Pallas(), SplitKV(), Blocked(), Dense())
 _BY_NAME = {impl.name: impl for impl in _ORDER}
 # The names from the simplest to the most specialized (error messages, attnx.core's tuple).
-NAMES: tuple[str, ...] = ("dense", "blocked", "pallas")
+NAMES: tuple[str, ...] = ("dense", "blocked", "split_kv", "pallas")
 # The kernel settings that attention()/ring_attention()/flax_attention_fn still take as
 # keywords for one release (deprecated: they belong to the implementation objects).
 LEGACY_SETTINGS: dict[str, Any] = {"block_q": None, "block_k": None, "interpret": False}
 
-__all__ = ["BLOCKED_MIN_SCORES", "LEGACY_SETTINGS", "NAMES", "ROW_BLOCKED_MIN_SCORES",
+__all__ = ["BLOCKED_MIN_SCORES", "DECODE_MAX_QUERIES", "DECODE_MIN_KEYS", "LEGACY_SETTINGS",
+           "NAMES", "ROW_BLOCKED_MIN_SCORES",
            "Blocked", "BlockedImplementation", "Dense", "DenseImplementation", "Implementation",
-           "Inputs", "Pallas", "PallasImplementation", "Problem", "RingProblem",
+           "Inputs", "Pallas", "PallasImplementation", "Problem", "RingProblem", "SplitKV",
            "check_tile_size", "configure", "dispatch_order", "get_implementation",
            "legacy_settings", "list_implementations", "streams"]
 
@@ -79,7 +83,7 @@ def get_implementation(implementation: str | Implementation) -> Implementation:
   if impl is None:
     raise ValueError(f"Unknown implementation {implementation!r}; valid: {', '.join(NAMES)}, "
                      "an implementation object (core.Dense(), core.Blocked(...), "
-                     "core.Pallas(...)) or None (automatic).")
+                     "core.SplitKV(...), core.Pallas(...)) or None (automatic).")
   return impl
 
 

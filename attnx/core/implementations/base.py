@@ -64,6 +64,9 @@ class Problem:
     dropout_rate: the dropout rate on the weights when dropout applies, else 0.0.
     broadcast_dropout: one dropout mask shared by the batch and head dims.
     return_weights: whether the weights are returned too.
+    return_residual: whether the residual (:mod:`attnx.core.residuals`) is returned too.
+    normalize_output: False: the output is the numerator Σ_j F_ij v_j, not divided by the
+      row's normalizer (:func:`attnx.core.residuals.unnormalize`).
     platform: the JAX platform the call runs on (``jax.default_backend()``: "cpu", "gpu",
       "tpu").
 
@@ -94,6 +97,8 @@ class Problem:
   broadcast_dropout: bool = True
   return_weights: bool = False
   platform: str = "cpu"
+  return_residual: bool = False
+  normalize_output: bool = True
 
   @property
   def has_score_mod_fn(self) -> bool:
@@ -301,6 +306,17 @@ def needs_weights_reason(name: str, problem: Problem) -> str | None:
   needs = "dropout on the weights" if problem.dropout else "return_weights=True"
   return (f"{needs} needs the [T, S] weights, which implementation={name!r} never forms; use "
           "implementation='dense' (or None, which picks it).")
+
+
+def row_state_reason(name: str, problem: Problem) -> str | None:
+  """Why a fused kernel (``name``) does not return what ``problem`` asks besides the
+  output: its row statistics stay inside its custom VJP, so ``return_residual=True`` and
+  ``normalize_output=False`` run on the implementations that form the row state in XLA."""
+  if not (problem.return_residual or not problem.normalize_output):
+    return None
+  return (f"return_residual / normalize_output=False: implementation={name!r} keeps its row "
+          "statistics inside its kernels; use implementation='split_kv' (short queries, "
+          "long caches), 'dense' or None, which picks one (docs/guides/residuals.md).")
 
 
 def static_dims_reason(name: str, problem: Problem) -> str | None:

@@ -29,6 +29,7 @@ from attnx.core.implementations.base import (
   RingProblem,
   check_tile_size,
   needs_weights_reason,
+  row_state_reason,
   run_streaming,
   static_dims_reason,
   streaming_config_reason,
@@ -92,7 +93,8 @@ class Blocked(Implementation):
   def supports(self, problem: Problem) -> str | None:
     return (self.supports_config(problem.weighting, problem.score)
             or needs_weights_reason(self.name, problem)
-            or static_dims_reason(self.name, problem))
+            or static_dims_reason(self.name, problem)
+            or row_state_reason(self.name, problem))
 
   def declines(self, problem: Problem) -> str | None:
     return small_problem_reason(problem)

@@ -120,8 +120,8 @@ class Dense(Implementation):
   name: ClassVar[str] = "dense"
 
   def supports(self, problem: Problem) -> str | None:
-    del problem  # every weighting, score, dropout and return_weights
-    return None
+    from attnx.core.implementations.split_kv import residual_reason
+    return residual_reason(self.name, problem)  # else every weighting, score, dropout, …
 
   def __call__(self, problem: Problem, inputs: Inputs) -> Array | tuple[Array, Array]:
     p = problem
@@ -136,6 +136,11 @@ class Dense(Implementation):
       rows = {name: x.reshape(x.shape + (1, 1)) if x.ndim else x
               for name, x in inputs.weighting_params.items()}
       w = dataclasses.replace(w, fn=w.bind(rows))
+    if p.return_residual or not p.normalize_output:
+      from attnx.core.implementations.split_kv import solve_rows
+      flat = lambda x: x.reshape((-1,) + x.shape[len(p.batch):])
+      return solve_rows(p, inputs, flat(scores), flat(repeat_kv(v, p.num_heads)), p.num_heads,
+                        1, modify=lambda z: z)
     probs = weights_with_sinks(scores, w, valid, inputs.sinks)
     used = (drop_weights(probs, inputs.dropout_rng, p.dropout_rate, p.broadcast_dropout,
                          k.ndim) if p.dropout else probs)

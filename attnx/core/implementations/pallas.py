@@ -37,15 +37,16 @@ import jax
 from attnx.core import masks as masks_lib
 from attnx.core import scores as scores_lib
 from attnx.core.implementations.base import (
-    Implementation,
-    Inputs,
-    Problem,
-    RingProblem,
-    check_tile_size,
-    needs_weights_reason,
-    run_streaming,
-    static_dims_reason,
-    streaming_config_reason,
+  Implementation,
+  Inputs,
+  Problem,
+  RingProblem,
+  check_tile_size,
+  needs_weights_reason,
+  row_state_reason,
+  run_streaming,
+  static_dims_reason,
+  streaming_config_reason,
 )
 from attnx.core.implementations.blocked import small_problem_reason
 from attnx.core.kernels import pallas as pallas_lib
@@ -114,7 +115,8 @@ class Pallas(Implementation):
   def supports(self, problem: Problem) -> str | None:
     reason = (self.supports_config(problem.weighting, problem.score)
               or needs_weights_reason(self.name, problem)
-              or static_dims_reason(self.name, problem))
+              or static_dims_reason(self.name, problem)
+              or row_state_reason(self.name, problem))
     if reason is not None:
       return reason
     reason = _modification_reason(problem)

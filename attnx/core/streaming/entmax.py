@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from attnx.core.streaming.family import Family, GradCarry
-from attnx.core.streaming.ops import F32, XLA, Array, Ops, masked, pv, safe_div
+from attnx.core.streaming.ops import F32, XLA, Array, Ops, masked, safe_div
 
 if TYPE_CHECKING:
   from attnx.core.streaming.rowstream import RowStream
@@ -226,10 +226,10 @@ def update(rs: RowStream, st: EntmaxState, z: Array, valid: Array, v: Array, th:
   r = jnp.maximum(entmax_x(z, valid, rs, th.m) - th.tau[..., None], 0.0)
   p, u = _powers(r, rs.alpha)
   if not ops.concat_pv:
-    return EntmaxState(st.acc + pv(p, v), st.acc_u + pv(u, v), st.p_sum + jnp.sum(p, axis=-1),
-                       st.u_sum + jnp.sum(u, axis=-1))
+    return EntmaxState(st.acc + ops.pv(p, v), st.acc_u + ops.pv(u, v),
+                       st.p_sum + jnp.sum(p, axis=-1), st.u_sum + jnp.sum(u, axis=-1))
   rows = p.shape[-2]
-  both = pv(jnp.concatenate([p, u], axis=-2), v)  # one matmul for Σp·v and Σu·v
+  both = ops.pv(jnp.concatenate([p, u], axis=-2), v)  # one matmul for Σp·v and Σu·v
   return EntmaxState(st.acc + both[..., :rows, :], st.acc_u + both[..., rows:, :],
                      st.p_sum + jnp.sum(p, axis=-1), st.u_sum + jnp.sum(u, axis=-1))
 

@@ -50,6 +50,8 @@ class Ops:
     lanes: the pointwise rules' row statistics are [..., rows] (0), or [rows, lanes]
       replicated over the lanes (Mosaic: 1-D vectors and [rows, 1] columns lay out badly on
       the TPU's (8, 128) vregs); :meth:`row_max`, :meth:`row_sum` and :meth:`spread` follow.
+    matmul: the P·V product of :meth:`pv` where V keeps another layout than [..., keys, Hv]
+      (None: :func:`pv`).
   """
 
   cumsum_matmul: bool = False
@@ -60,6 +62,13 @@ class Ops:
   exp2: bool = False
   ones_column: bool = True
   lanes: int = 0
+  matmul: Any = None
+
+  def pv(self, p: Array, v: Any) -> Array:
+    """Σ_j p_ij v_j of a tile's weights p [..., rows, keys]: :func:`pv` on v [..., keys, Hv],
+    or :attr:`matmul` (p, v) where v comes in the layout of a kernel that keeps it as stored
+    (the split-KV decoding kernel: v [B, C, L, K, Hv], never transposed)."""
+    return pv(p, v) if self.matmul is None else self.matmul(p, v)
 
   def exp(self, x: Array) -> Array:
     """The online max's exponential: eˣ, or 2ˣ when the scores are in base-2 units."""

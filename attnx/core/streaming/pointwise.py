@@ -29,7 +29,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from attnx.core.streaming.ops import LOG2E, XLA, Array, Ops, pv
+from attnx.core.streaming.ops import LOG2E, XLA, Array, Ops
 
 
 def _rows_times(acc: Any, r: Array, ops: Ops) -> Any:
@@ -109,7 +109,7 @@ def online_max_update(acc: Any, m: Array, z: Array, valid: Array | None, v: Any,
     p = log_f.shifted(z, ops.spread(m_use, n), ops.spread(ops.exp(m_use), n), ops.exp,
                       _unit(ops))[0]
   corr = ops.exp(m - m_use)
-  acc = jax.tree.map(lambda a, vc: a * ops.spread(corr, a.shape[-1]) + pv(p, vc), acc, v)
+  acc = jax.tree.map(lambda a, vc: a * ops.spread(corr, a.shape[-1]) + ops.pv(p, vc), acc, v)
   if ops.ones_column:
     return acc, m_new
   return acc, m_new, l * corr + ops.row_sum(p)
@@ -125,7 +125,7 @@ def pointwise_update(w: Any, acc: Any, l: Array, s: Array, valid: Array | None, 
   else:
     # F never sees masked scores, so they cannot produce NaN/inf (or their gradients).
     f = jnp.where(valid, w.fn(jnp.where(valid, s, 0.0), num_keys), 0.0)
-  acc = jax.tree.map(lambda a, vc: a + pv(f, vc), acc, v)  # a ones column accumulates Σ F
+  acc = jax.tree.map(lambda a, vc: a + ops.pv(f, vc), acc, v)  # a ones column accumulates Σ F
   if w.divides_by_sum and not ops.ones_column:
     l = l + ops.row_sum(f)
   elif w.divides_by_length and valid is not None:

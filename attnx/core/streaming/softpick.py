@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from attnx.core.streaming.family import Family, GradCarry
-from attnx.core.streaming.ops import F32, XLA, Array, Ops, masked, pv, safe_div
+from attnx.core.streaming.ops import F32, XLA, Array, Ops, masked, safe_div
 from attnx.core.streaming.running_max import MaxState, max_init, max_merge
 
 if TYPE_CHECKING:
@@ -41,7 +41,7 @@ def _softpick_d(z: Array, valid: Array, m: Array) -> Array:
   return jnp.where(valid, scaled_expm1(zv, jnp.exp(zv - mm), jnp.exp(-mm)), 0.0)
 
 
-def _pv_split(p: Array, v: Array) -> Array:
+def _pv_split(p: Array, v: Array, ops: Ops = XLA) -> Array:
   """Σ_j p_ij v_j with p kept to ~2⁻¹⁶ when v is 16-bit: p = hi + lo, both in v's dtype.
 
   Softpick's backward takes δ_i = dO_i·O_i for Σ_j p_ij dP_ij and multiplies it by
@@ -54,10 +54,10 @@ def _pv_split(p: Array, v: Array) -> Array:
   :func:`pv` (p is not rounded).
   """
   if jnp.dtype(v.dtype).itemsize >= 4:
-    return pv(p, v)
+    return ops.pv(p, v)
   hi = p.astype(v.dtype)
   lo = (p - hi.astype(F32)).astype(v.dtype)
-  return pv(hi, v) + pv(lo, v)
+  return ops.pv(hi, v) + ops.pv(lo, v)
 
 
 
@@ -70,7 +70,7 @@ def update(rs: RowStream, st: MaxState, z: Array, valid: Array, v: Array, ctx: A
   m_new = jnp.maximum(st.m, jnp.max(masked(z, valid, -jnp.inf), axis=-1))  # m starts at 0
   d = _softpick_d(z, valid, m_new)
   corr = jnp.exp(st.m - m_new)
-  return MaxState(st.acc * corr[..., None] + _pv_split(jax.nn.relu(d), v),
+  return MaxState(st.acc * corr[..., None] + _pv_split(jax.nn.relu(d), v, ops),
                   st.l * corr + jnp.sum(jnp.abs(d), axis=-1), m_new)
 
 

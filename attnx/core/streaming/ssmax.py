@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 import jax.numpy as jnp
 
 from attnx.core.streaming.family import Family, GradCarry
-from attnx.core.streaming.ops import F32, XLA, Array, Ops, masked, pv, safe_div
+from attnx.core.streaming.ops import F32, XLA, Array, Ops, masked, safe_div
 from attnx.core.streaming.running_max import MaxState, max_init, max_merge
 
 if TYPE_CHECKING:
@@ -26,7 +26,7 @@ def update(rs: RowStream, st: MaxState, z: Array, valid: Array, v: Array, c: Arr
   m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # nothing valid yet: no shift
   p = jnp.exp(y - m_use[..., None])
   corr = jnp.exp(st.m - m_use)
-  return MaxState(st.acc * corr[..., None] + pv(p, v), st.l * corr + jnp.sum(p, axis=-1), m_new)
+  return MaxState(st.acc * corr[..., None] + ops.pv(p, v), st.l * corr + jnp.sum(p, axis=-1), m_new)
 
 
 def merge(rs: RowStream, a: MaxState, b: MaxState) -> MaxState:

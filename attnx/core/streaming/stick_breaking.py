@@ -12,7 +12,7 @@ from jax import lax
 
 from attnx.core.softplus import log_sigmoid_pair
 from attnx.core.streaming.family import Family, GradCarry
-from attnx.core.streaming.ops import F32, XLA, Array, Ops, masked, pv
+from attnx.core.streaming.ops import F32, XLA, Array, Ops, masked
 
 if TYPE_CHECKING:
   from attnx.core.streaming.rowstream import RowStream
@@ -61,7 +61,7 @@ def init(rs: RowStream, rows: tuple[int, ...], hv: int, dtype: Any = F32) -> Sti
 def update(rs: RowStream, st: StickState, z: Array, valid: Array, v: Array, ctx: Any,
            ops: Ops = XLA) -> StickState:
   a, b, _ = _stick_weights(z, valid, st.log_rest, ops)
-  return StickState(st.acc + pv(a, v), st.log_rest + jnp.sum(b, axis=-1))
+  return StickState(st.acc + ops.pv(a, v), st.log_rest + jnp.sum(b, axis=-1))
 
 
 def merge(rs: RowStream, later: StickState, earlier: StickState) -> StickState:

@@ -142,6 +142,15 @@ def summary(goals: Sequence[Mapping[str, str]], count: bool = True) -> tuple[boo
   return claim.held, f"{head}missed: " + "; ".join(missed) + "."
 
 
+def write_results(rep: Any, goals: Sequence[Mapping[str, str]], table: str) -> str:
+  """The end of a benchmark's report: the "Targets" section (:func:`add_to_report`), then a
+  "Results" section with ``table``; writes ``rep`` and returns its path."""
+  add_to_report(rep, goals)
+  rep.section("Results")
+  rep.text(table)
+  return rep.write()
+
+
 def add_to_report(rep: Any, goals: Sequence[Mapping[str, str]], count: bool = True) -> None:
   """A "Targets" section in ``rep`` (an ``attnx.train.Report``): the table and its verdict
   (:func:`summary`); nothing when no target was checked."""

@@ -164,9 +164,14 @@ def _split(s: int, parts: int, rng: np.random.Generator) -> list[tuple[int, int]
   return list(zip(edges[:-1], edges[1:], strict=True))
 
 
+# Every mergeable F at two chunk counts, every count from 2 to 8 reached.
+MERGE_CASES = [(w, parts) for i, w in enumerate(MERGEABLE)
+               for parts in ((2, 5) if i % 2 else (3, 8))] + [("softmax", 4), ("softmax", 6),
+                                                               ("stick_breaking", 7)]
+
+
 @pytest.mark.split_by_jax
-@pytest.mark.parametrize("w", MERGEABLE)
-@pytest.mark.parametrize("parts", [2, 3, 5, 8])
+@pytest.mark.parametrize("w, parts", MERGE_CASES)
 def test_merge_of_chunks_is_the_whole_call(w, parts):
   rng = np.random.default_rng([parts, len(w)])
   q, k, v = _qkv(t=3, s=29, seed=parts)
@@ -193,8 +198,9 @@ def test_merge_of_chunks_is_the_whole_call(w, parts):
 
   chex.assert_trees_all_close(merged(q, k, v, sinks), whole(q, k, v, sinks), atol=3e-6)
   argnums = (0, 1, 2) if sinks is None else (0, 1, 2, 3)
-  g_whole = jax.grad(lambda *a: jnp.sum(whole(*a) * ct), argnums)(q, k, v, sinks)
-  g_merged = jax.grad(lambda *a: jnp.sum(merged(*a) * ct), argnums)(q, k, v, sinks)
+  grads = lambda fn: jax.jit(jax.grad(lambda *a: jnp.sum(fn(*a) * ct), argnums))
+  g_whole = grads(whole)(q, k, v, sinks)
+  g_merged = grads(merged)(q, k, v, sinks)
   chex.assert_trees_all_close(g_merged, g_whole, atol=2e-5, rtol=1e-4)
 
 
@@ -308,7 +314,7 @@ def test_chunk_count_divides_the_keys():
     assert s % c == 0
 
 
-@pytest.mark.parametrize("w", ("softmax", "stick_breaking", "entmax15", "sigmoid"))
+@pytest.mark.parametrize("w", ("softmax", "stick_breaking", "entmax15"))
 def test_paged_attention_equals_contiguous(w):
   r = np.random.default_rng(13)
   b, n, kh, h, page, pages, pool = 3, 4, 2, 8, 8, 5, 20

@@ -40,8 +40,7 @@ def chunk_count(s: int, num_chunks: int | None) -> int:
   """The number of chunks C for S keys: the divisor of S nearest ``num_chunks`` (default:
   chunks of about 1024 keys, at most 64), so that K and V are cut without a copy."""
   want = max(1, min(64, s // 1024)) if num_chunks is None else max(1, min(int(num_chunks), s))
-  divisors = [d for d in range(1, s + 1) if s % d == 0] if s < 1 << 16 else _divisors(s)
-  return min(divisors, key=lambda d: (abs(math.log(d / want)), -d))
+  return min(_divisors(s), key=lambda d: (abs(math.log(d / want)), -d))
 
 
 def _divisors(s: int) -> list[int]:

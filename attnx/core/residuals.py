@@ -161,7 +161,9 @@ def merge_attention(parts: Sequence[tuple[Array, Any]], *, weighting: Any = "sof
     raise ValueError("merge_attention needs at least one (out, residual) part.")
   rs = getattr(w, "stream", None)
   if rs is not None and (rs.needs_row_scale or rs.needs_threshold):
-    what = ("SSMax scales the scores by s·log n, n the valid keys of the whole row"
+    what = ("SSMax scales the scores by s·log n, n the valid keys of the whole row (count n "
+            "over the chunks first, then merge softmax parts of (s·log n)·q: the guide's "
+            "recipe)"
             if rs.needs_row_scale else
             "sparsemax/entmax weigh every key against one threshold τ that depends on every key "
             "of the row")

@@ -24,7 +24,10 @@ WEIGHTINGS = ("softmax", "softmax:alpha=2", "sigmoid", "relu", "power:p=3", "sof
 MERGEABLE = ("softmax", "softmax:alpha=2", "sigmoid", "relu", "power:p=3", "softmax_plus_one",
              "relu:normalization=length", "relu:normalization=none", "softpick",
              "stick_breaking")
-IMPLS = ("dense", core.SplitKV(num_chunks=3), "split_kv")
+PALLAS = core.Pallas(interpret=True, block_q=16, block_k=16)
+IMPLS = ("dense", core.SplitKV(num_chunks=3), core.Blocked(block_q=8, block_k=8), PALLAS)
+RESIDUAL_GRAD_IMPLS = ("dense", core.SplitKV(num_chunks=2), core.Blocked(block_q=8, block_k=8),
+                       PALLAS)
 
 
 def _qkv(b=2, t=3, s=24, n=4, k=2, h=8, hv=8, seed=0, scale=1.0):
@@ -33,6 +36,10 @@ def _qkv(b=2, t=3, s=24, n=4, k=2, h=8, hv=8, seed=0, scale=1.0):
   kk = jnp.asarray(r.standard_normal((b, s, k, h)) * scale, jnp.float32)
   v = jnp.asarray(r.standard_normal((b, s, k, hv)), jnp.float32)
   return q, kk, v
+
+
+def _threshold(w: str) -> bool:
+  return residuals.residual_kind(core.get_weighting(w)) == "threshold"
 
 
 def _takes_sinks(w: str) -> bool:
@@ -65,6 +72,8 @@ def _scores64(q, k, causal=False, mask=None, cap=None):
 @pytest.mark.parametrize("impl", IMPLS, ids=lambda i: getattr(i, "name", i) + (
     f"{i.num_chunks}" if isinstance(i, core.SplitKV) else ""))
 def test_residual_matches_float64(w, impl):
+  if impl is PALLAS and _threshold(w):
+    pytest.skip("refused: test_residual_arguments_are_checked")
   q, k, v = _qkv(t=3, s=24, seed=1)
   mask = np.random.default_rng(2).random((2, 1, 3, 24)) < 0.7
   mask[1, 0, 2] = False  # one fully masked row
@@ -132,6 +141,66 @@ def test_residual_gradient_is_the_log_sum_exps():
   want = jax.grad(lse, (0, 1))(q, k)
   for impl in ("dense", "split_kv"):
     chex.assert_trees_all_close(jax.grad(ours, (0, 1))(q, k, impl), want, atol=2e-6)
+
+
+def _residual_score_grad64(w: str, z: np.ndarray, valid: np.ndarray,
+                           ct: np.ndarray) -> np.ndarray:
+  """d(Σ ct·r)/dz [B, T, N, S] of the residual r of float64 scores z, from the definitions:
+  autodiff (float64) of log Σ F, SSMax's lse, softpick's log Σ|e^z − 1| + ε, stick-breaking's
+  Σ log(1 − σ(z)); the closed form u/Σu (u = p^{2−α}) of entmax's threshold (implicit
+  function theorem on Σp = 1), its τ from support.reference.residual64."""
+  wt = core.get_weighting(w)
+  rs = getattr(wt, "stream", None)
+  ct = ct[..., None]
+  with jax.enable_x64(True):
+    zz, ok = jnp.asarray(z, jnp.float64), jnp.asarray(valid)
+    if rs is not None and rs.needs_threshold:
+      tau = ref_lib.residual64(w, np.moveaxis(z, 2, 1), np.moveaxis(valid, 2, 1))[..., None]
+      x = np.where(valid, (rs.alpha - 1) * rs.scale * (z - tau), 0.0)  # NaN τ: no key
+      u = np.where(x > 0, np.maximum(x, 0.0) ** ((2 - rs.alpha) / (rs.alpha - 1)), 0.0)
+      total = u.sum(-1, keepdims=True)
+      return np.where(total > 0, ct * u / np.where(total > 0, total, 1.0), 0.0)
+    if isinstance(wt, core.Pointwise):
+      if wt.normalization != "sum":
+        return np.zeros(z.shape)
+      r = lambda z: jnp.log(jnp.sum(jnp.where(ok, wt.fn(z, z.shape[-1]), 0.0), -1)
+                            + wt.denominator_offset)
+    elif rs.family == "ssmax":
+      c = rs.s * jnp.log(jnp.maximum(ok.sum(-1, keepdims=True), 1))
+      r = lambda z: jax.nn.logsumexp(jnp.where(ok, c * z, -jnp.inf), -1)
+    elif rs.family == "softpick":
+      r = lambda z: jnp.log(jnp.sum(jnp.where(ok, jnp.abs(jnp.expm1(z)), 0.0), -1) + rs.eps)
+    else:  # stick-breaking
+      r = lambda z: jnp.sum(jnp.where(ok, -jax.nn.softplus(z), 0.0), -1)
+    return np.asarray(jax.grad(lambda z: jnp.sum(r(z) * ct[..., 0]))(zz))
+
+
+@pytest.mark.split_by_jax
+@pytest.mark.parametrize("w", WEIGHTINGS)
+def test_residual_gradient_matches_float64(w):
+  """Every implementation's residual differentiates to the float64 definition's: keys that
+  are the unit vectors make q the scores (scale 1), so d r/dq is d r/dz, key by key."""
+  rng = np.random.default_rng(12)
+  b, t, n, kh, s = 2, 5, 4, 2, 12
+  q = jnp.asarray(rng.standard_normal((b, t, n, s)) * 1.5, jnp.float32)
+  k = jnp.broadcast_to(jnp.eye(s, dtype=jnp.float32)[None, :, None], (b, s, kh, s))
+  v = jnp.asarray(rng.standard_normal((b, s, kh, 4)), jnp.float32)
+  mask = rng.random((b, 1, t, s)) < 0.75
+  mask[1, 0, 3] = False  # a row without keys
+  ct = rng.standard_normal((b, t, n))
+  valid = np.moveaxis(np.broadcast_to(mask, (b, n, t, s)), 1, 2)
+  want = _residual_score_grad64(w, np.asarray(q, np.float64), valid, ct)
+
+  for impl in RESIDUAL_GRAD_IMPLS:
+    if impl is PALLAS and _threshold(w):
+      continue  # refused: test_pallas_refuses_threshold_residuals
+    def loss(q, impl=impl):
+      _, r = core.attention(q, k, v, mask=jnp.asarray(mask), weighting=w, scale=1.0,
+                            implementation=impl, return_residual=True)
+      r = r.threshold if isinstance(r, core.EntmaxResidual) else r
+      return jnp.sum(jnp.where(jnp.isfinite(r), r, 0.0) * ct)
+    got = np.asarray(jax.jit(jax.grad(loss))(q))
+    np.testing.assert_allclose(got, want, atol=3e-5, rtol=1e-4, err_msg=str(impl))
 
 
 @pytest.mark.split_by_jax
@@ -214,6 +283,21 @@ def test_merged_residual_is_the_whole_calls():
     np.testing.assert_allclose(res, whole, atol=2e-6)
 
 
+def test_ssmax_merges_as_softmax_with_the_whole_rows_count():
+  """SSMax's two steps over key chunks (docs/guides/residuals.md): count each row's valid keys
+  over every chunk, then softmax parts of c·q (c = s·log n) merge into SSMax attention."""
+  q, k, v = _qkv(t=3, s=30, seed=15)
+  mask = jnp.asarray(np.random.default_rng(16).random((2, 1, 3, 30)) < 0.7)
+  s = 0.8
+  want = core.attention(q, k, v, mask=mask, weighting="ssmax", weighting_params={"s": s},
+                        implementation="dense", return_residual=True)
+  n = jnp.sum(jnp.broadcast_to(mask, (2, 4, 3, 30)), -1)  # step 1: Σ over chunks of counts
+  c = s * jnp.log(jnp.maximum(n, 1)).transpose(0, 2, 1)[..., None]  # [B, T, N, 1]
+  parts = [core.attention(c * q, k[:, a:b], v[:, a:b], mask=mask[..., a:b],
+                          return_residual=True) for a, b in ((0, 11), (11, 12), (12, 30))]
+  chex.assert_trees_all_close(core.merge_attention(parts), want, atol=2e-6)
+
+
 def test_merge_refuses_what_cannot_be_merged():
   q, k, v = _qkv(t=1, s=8)
   part = core.attention(q, k, v, weighting="softmax", return_residual=True)
@@ -236,13 +320,74 @@ def test_residual_arguments_are_checked():
     core.attention(q, k, v, return_residual=jnp.bool_(True))
   with pytest.raises(ValueError, match="cannot both be True"):
     core.attention(q, k, v, return_residual=True, return_weights=True)
-  for impl in ("blocked", core.Pallas(interpret=True)):
-    with pytest.raises(ValueError, match="keeps its row statistics inside its kernels"):
-      core.attention(q, k, v, return_residual=True, implementation=impl)
+  with pytest.raises(ValueError, match="returns no residual for 'sparsemax'"):
+    core.attention(q, k, v, weighting="sparsemax", return_residual=True, implementation=PALLAS)
   # The automatic choice runs it (split-KV for short queries, dense otherwise).
   assert core.explain(q, k, v, return_residual=True).chosen == "split_kv"
   q2 = jnp.zeros((2, 40, 4, 8))
   assert core.explain(q2, k, v, return_residual=True).chosen == "dense"
+  q3, k3 = jnp.zeros((1, 1024, 2, 8)), jnp.zeros((1, 1024, 2, 8))  # streams: blocked, O(T)
+  for w in ("softmax", "entmax15"):
+    assert core.explain(q3, k3, k3, weighting=w, return_residual=True).chosen == "blocked"
+
+
+@pytest.mark.parametrize("w", ("softmax", "stick_breaking"))
+def test_pallas_residual_lowers_for_gpu_and_tpu(w):
+  """core.attention(implementation="pallas", return_residual=True) as a user on a GPU or TPU
+  runs it: the platform's kernels (by_platform), forward and backward, lowered for both."""
+  from support import lowering
+  q, k, v = _qkv(t=128, s=128, n=2, k=2, h=64, hv=64)
+
+  def loss(q, k, v):
+    out, res = core.attention(q, k, v, weighting=w, implementation="pallas", is_causal=True,
+                              return_residual=True)
+    return jnp.sum(out.astype(jnp.float32) ** 2) + jnp.sum(jnp.sin(res))
+
+  for platform, target in (("cuda", "__gpu$xla.gpu.triton"), ("tpu", "tpu_custom_call")):
+    text = jax.jit(jax.grad(loss, (0, 1, 2))).trace(q, k, v).lower(
+        lowering_platforms=(platform,)).as_text()
+    family = None if w == "softmax" else w
+    lowering.custom_calls(text, target, lowering.expected_kernels(platform, "float32", 64, 64,
+                                                                  family))
+
+
+@pytest.mark.split_by_jax
+@pytest.mark.parametrize("w, layout, impl", [
+    ("sigmoid", "zigzag", "blocked"), ("ssmax", "contiguous", "blocked"),
+    ("stick_breaking", "contiguous", PALLAS), ("stick_breaking", "zigzag", "blocked")])
+def test_ring_residual_is_attentions(w, layout, impl):
+  """ring_attention(return_residual=True): the residual and the gradients through it (its
+  cotangent enters as a value column of zeros) equal attention's (the ring's table checks
+  the residual against float64 on 8 devices: tests/core/test_ring.py)."""
+  from jax.sharding import PartitionSpec as P
+  n = jax.device_count()
+  mesh = jax.make_mesh((n,), ("sp",), axis_types=(jax.sharding.AxisType.Auto,))
+  q, k, v = _qkv(b=2, t=16 * n, s=16 * n, n=4, k=2, seed=13)
+  rng = np.random.default_rng(14)
+  ct, ct_r = (jnp.asarray(rng.standard_normal(x), jnp.float32)
+              for x in ((2, 16 * n, 4, 8), (2, 16 * n, 4)))
+  perm = ((lambda x: core.zigzag_permute(x, n, axis=1)) if layout == "zigzag"
+          else (lambda x: x))
+
+  def ring(q, k, v):
+    return jax.shard_map(
+        lambda q, k, v: core.ring_attention(q, k, v, axis_name="sp", weighting=w,
+                                            is_causal=True, layout=layout,
+                                            implementation=impl, return_residual=True),
+        mesh=mesh, in_specs=P(None, "sp"), out_specs=P(None, "sp"), check_vma=False)(
+            perm(q), perm(k), perm(v))
+
+  def whole(q, k, v):
+    out, r = core.attention(q, k, v, weighting=w, is_causal=True, implementation="dense",
+                            return_residual=True)
+    return perm(out), perm(r)
+
+  def loss(fn):
+    return lambda *a: (jnp.sum(fn(*a)[0] * perm(ct)) + jnp.sum(fn(*a)[1] * perm(ct_r)))
+
+  chex.assert_trees_all_close(ring(q, k, v), whole(q, k, v), atol=2e-5)
+  chex.assert_trees_all_close(jax.grad(loss(ring), (0, 1, 2))(q, k, v),
+                              jax.grad(loss(whole), (0, 1, 2))(q, k, v), atol=5e-5, rtol=1e-4)
 
 
 def test_empty_key_sequence_residuals():

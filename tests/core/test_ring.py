@@ -86,6 +86,7 @@ def test_ring_equals_float64_reference_on_8_devices(name, request):
   expected = {"out", "q", "k", "v"} | ({"bias"} if case.bias else set())
   # A score modification's parameters and the sinks (replicated): their gradients too.
   expected |= {f"mod_{p}" for p in differential.mod_params(case)}
+  expected |= {"residual"}  # the ring's return_residual, against support.reference.residual64
   assert set(errs) == expected, errs
   assert errs["out"] <= OUT_TOL, (name, errs)
   for key in expected - {"out"}:

@@ -90,8 +90,11 @@ def _on_axes4(fn, x):
   return x
 
 
-def run_ring(case: diff.Case, layout: str, arrs: dict, check_vma: bool = False, **extra):
-  """(out, grads) of the ring on the case's global arrays, in the natural order."""
+def run_ring(case: diff.Case, layout: str, arrs: dict, check_vma: bool = False,
+             residual: bool = False, **extra):
+  """(out, grads) of the ring on the case's global arrays, in the natural order; with
+  ``residual`` (out, grads, residual): the ring returns its residual too (return_residual,
+  whose cotangent is then zero: the gradients go through the residual's backward)."""
   mesh = _mesh()
   fwd, back = _layout_fns(layout)
   put = lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec))
@@ -111,26 +114,35 @@ def run_ring(case: diff.Case, layout: str, arrs: dict, check_vma: bool = False, 
     return ring.ring_attention(q, k, v, bias, mask if structured is None else structured,
                                axis_name=AXIS, weighting=case.weighting,
                                score=case.score, score_params=arrs["score_params"] or None,
-                               scale=case.scale, is_causal=case.causal, layout=layout, **extra,
+                               scale=case.scale, is_causal=case.causal, layout=layout,
+                               return_residual=residual, **extra,
                                **(diff.score_mod_keywords(case, mods[0]) if mods else {}))
 
   if mp:
     specs += (P(),)
-  sm = jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=P(None, AXIS),
-                     check_vma=check_vma)
+  sm_both = jax.shard_map(local, mesh=mesh, in_specs=specs,
+                          out_specs=(P(None, AXIS),) * 2 if residual else P(None, AXIS),
+                          check_vma=check_vma)
+  sm = (lambda *a: sm_both(*a)[0]) if residual else sm_both
   mods = (mp,) if mp else ()
   loss = lambda q, k, v, b, *m: jnp.sum(sm(q, k, v, b, mask_d, *m).astype(jnp.float32) * ct)
   argnums = (0, 1, 2) if bias is None else (0, 1, 2, 3)
   if mp:
     argnums += (4,)
-  out, vjp = jax.jit(lambda q, k, v, b, *m: (sm(q, k, v, b, mask_d, *m),
+  out, vjp = jax.jit(lambda q, k, v, b, *m: (sm_both(q, k, v, b, mask_d, *m),
                                              jax.grad(loss, argnums)(q, k, v, b, *m)))(
       q, k, v, bias_d, *mods)
+  res = None
+  if residual:
+    out, res = out
+    res = back(res, 1)
   grads = dict(zip(("q", "k", "v"), (back(g, 1) for g in vjp[:3]), strict=True))
   if bias is not None:
     grads["bias"] = _on_axes4(back, np.asarray(vjp[3]))
   if mp:
     grads.update({f"mod_{name}": np.asarray(g, np.float64) for name, g in vjp[-1].items()})
+  if residual:
+    return back(out, 1), grads, res
   return back(out, 1), grads
 
 
@@ -140,14 +152,16 @@ def check_case(name: str, check_vma: bool = False, pallas: bool = False) -> dict
   start = time.perf_counter()
   arrs, ref, want, scales = diff._reference(case)
   keeps = diff._keeps(case, ref)
-  out, grads = run_ring(case, layout, arrs, check_vma=check_vma,
-                        kv_head_block=PASSES.get(name), **kernel)
+  out, grads, residual = run_ring(case, layout, arrs, check_vma=check_vma, residual=True,
+                                  kv_head_block=PASSES.get(name), **kernel)
   errs = {"out": diff._error(out, want["out"], keeps["out"], scales["out"])}
   for key, g in grads.items():
     errs[key] = diff._error(g, want[key], keeps[key], scales.get(key))
   # The share of each array's entries compared (the rest touch a kink of F).
   kept = {key: 1.0 if keeps[key] is None else
           float(np.mean(np.broadcast_to(keeps[key], np.shape(want[key])))) for key in errs}
+  errs["residual"] = diff.residual_error(case, residual, arrs, ref, keeps["out"])
+  kept["residual"] = kept["out"]
   res = {"errors": errs, "kept": kept, "seconds": time.perf_counter() - start,
          "nonzero_out": float(np.max(np.abs(want["out"])))}
   if name == "sigmoid_none_causal":

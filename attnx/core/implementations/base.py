@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from attnx.core import masks as masks_lib
+from attnx.core import residuals as residuals_lib
 from attnx.core import scores as scores_lib
 from attnx.core import weightings as weightings_lib
 from attnx.core.contract import nonfinite_inputs
@@ -99,6 +100,12 @@ class Problem:
   platform: str = "cpu"
   return_residual: bool = False
   normalize_output: bool = True
+
+  @property
+  def wants_residual(self) -> bool:
+    """Whether the call needs the row state besides the output (``return_residual`` or
+    ``normalize_output=False``)."""
+    return self.return_residual or not self.normalize_output
 
   @property
   def has_score_mod_fn(self) -> bool:
@@ -308,11 +315,37 @@ def needs_weights_reason(name: str, problem: Problem) -> str | None:
           "implementation='dense' (or None, which picks it).")
 
 
+def residual_reason(name: str, problem: Problem) -> str | None:
+  """Why ``problem``'s ``return_residual``/``normalize_output=False`` cannot be given: the
+  weighting has no row state, or the weights are asked for too."""
+  if not problem.wants_residual:
+    return None
+  try:
+    residuals_lib.residual_kind(problem.weighting)
+  except ValueError as e:
+    return str(e)
+  if problem.return_weights or problem.dropout:
+    return (f"return_residual / normalize_output=False (implementation={name!r}) do not combine "
+            "with return_weights or dropout on the weights.")
+  return None
+
+
+def with_residual(problem: Problem, out: Array, residual: Any) -> Any:
+  """What :meth:`Implementation.__call__` returns from the output [batch..., T, N, Hv] and the
+  public residual (:mod:`attnx.core.residuals`): the output in the problem's dtype, or
+  unnormalized (``normalize_output=False``, float32), with the residual where asked."""
+  if not problem.normalize_output:
+    out = residuals_lib.unnormalize(problem.weighting, out, residual)
+  else:
+    out = out.astype(problem.dtype)
+  return (out, residual) if problem.return_residual else out
+
+
 def row_state_reason(name: str, problem: Problem) -> str | None:
   """Why a fused kernel (``name``) does not return what ``problem`` asks besides the
   output: its row statistics stay inside its custom VJP, so ``return_residual=True`` and
   ``normalize_output=False`` run on the implementations that form the row state in XLA."""
-  if not (problem.return_residual or not problem.normalize_output):
+  if not problem.wants_residual:
     return None
   return (f"return_residual / normalize_output=False: implementation={name!r} keeps its row "
           "statistics inside its kernels; use implementation='split_kv' (short queries, "
@@ -378,8 +411,14 @@ def run_streaming(problem: Problem, inputs: Inputs, kernel: Callable[..., Array]
   qd, kd = problem.score.to_dot(query, key, **inputs.score_params)
   compute = jnp.result_type(qd.dtype, kd.dtype, value.dtype)
   flat = lambda x: x.astype(compute).reshape((-1,) + x.shape[len(batch):])
+  if problem.wants_residual:
+    extra["return_residual"] = True
   out = kernel(flat(qd), flat(kd), flat(value), weighting=problem.weighting,
                scale=inputs.scale, bias=to_4d(bias, batch),
                mask=to_4d(mask, batch), is_causal=problem.is_causal,
                block_q=block_sizes[0], block_k=block_sizes[1], **extra)
-  return out.reshape(batch + out.shape[1:]).astype(problem.dtype)
+  unflat = lambda x: x.reshape(batch + x.shape[1:])
+  if problem.wants_residual:
+    out, residual = out
+    return with_residual(problem, unflat(out), jax.tree.map(unflat, residual))
+  return unflat(out).astype(problem.dtype)

@@ -29,7 +29,7 @@ from attnx.core.implementations.base import (
   RingProblem,
   check_tile_size,
   needs_weights_reason,
-  row_state_reason,
+  residual_reason,
   run_streaming,
   static_dims_reason,
   streaming_config_reason,
@@ -94,7 +94,7 @@ class Blocked(Implementation):
     return (self.supports_config(problem.weighting, problem.score)
             or needs_weights_reason(self.name, problem)
             or static_dims_reason(self.name, problem)
-            or row_state_reason(self.name, problem))
+            or residual_reason(self.name, problem))
 
   def declines(self, problem: Problem) -> str | None:
     return small_problem_reason(problem)

@@ -19,7 +19,7 @@ from attnx.core import masks as masks_lib
 from attnx.core import scores as scores_lib
 from attnx.core import weightings as weightings_lib
 from attnx.core.contract import finite, nonfinite_inputs
-from attnx.core.implementations.base import Implementation, Inputs, Problem
+from attnx.core.implementations.base import Implementation, Inputs, Problem, residual_reason
 
 Array = jax.Array
 
@@ -120,7 +120,6 @@ class Dense(Implementation):
   name: ClassVar[str] = "dense"
 
   def supports(self, problem: Problem) -> str | None:
-    from attnx.core.implementations.split_kv import residual_reason
     return residual_reason(self.name, problem)  # else every weighting, score, dropout, …
 
   def __call__(self, problem: Problem, inputs: Inputs) -> Array | tuple[Array, Array]:
@@ -136,7 +135,7 @@ class Dense(Implementation):
       rows = {name: x.reshape(x.shape + (1, 1)) if x.ndim else x
               for name, x in inputs.weighting_params.items()}
       w = dataclasses.replace(w, fn=w.bind(rows))
-    if p.return_residual or not p.normalize_output:
+    if p.wants_residual:
       from attnx.core.implementations.split_kv import solve_rows
       flat = lambda x: x.reshape((-1,) + x.shape[len(p.batch):])
       return solve_rows(p, inputs, flat(scores), flat(repeat_kv(v, p.num_heads)), p.num_heads,

@@ -43,7 +43,7 @@ from attnx.core.implementations.base import (
   RingProblem,
   check_tile_size,
   needs_weights_reason,
-  row_state_reason,
+  residual_reason,
   run_streaming,
   static_dims_reason,
   streaming_config_reason,
@@ -52,8 +52,17 @@ from attnx.core.implementations.blocked import small_problem_reason
 from attnx.core.kernels import pallas as pallas_lib
 from attnx.core.kernels.pallas import block as pallas_block
 from attnx.core.kernels.pallas import masking as pallas_masking
+from attnx.core.kernels.pallas import wrapper as pallas_wrapper
 
 Array = jax.Array
+
+
+def _residual_reason(problem: Problem) -> str | None:
+  """Why the kernels cannot return ``problem``'s residual (sparsemax/entmax), else None."""
+  rs = getattr(problem.weighting, "stream", None)
+  if problem.wants_residual and rs is not None and rs.needs_threshold:
+    return pallas_wrapper.residual_reason(problem.weighting)
+  return None
 
 
 def _modification_reason(problem: Problem) -> str | None:
@@ -116,7 +125,8 @@ class Pallas(Implementation):
     reason = (self.supports_config(problem.weighting, problem.score)
               or needs_weights_reason(self.name, problem)
               or static_dims_reason(self.name, problem)
-              or row_state_reason(self.name, problem))
+              or residual_reason(self.name, problem)
+              or _residual_reason(problem))
     if reason is not None:
       return reason
     reason = _modification_reason(problem)
@@ -166,7 +176,7 @@ class Pallas(Implementation):
         be, problem.weighting, problem.stream_dtype, problem.stream_head_dim,
         value_head_dim=problem.value_head_dim)
 
-  def __call__(self, problem: Problem, inputs: Inputs) -> Array:
+  def __call__(self, problem: Problem, inputs: Inputs) -> Any:
     # backend=None: Triton or Mosaic by the platform the program is lowered for.
     backend = self._backends(problem)[0] if self.interpret else None
     kernel = functools.partial(

@@ -27,9 +27,11 @@ from attnx.core.implementations.base import (
   Inputs,
   Problem,
   needs_weights_reason,
+  residual_reason,
   static_dims_reason,
   streaming_config_reason,
   to_4d,
+  with_residual,
 )
 from attnx.core.kernels.xla import decode
 
@@ -39,21 +41,6 @@ Array = jax.Array
 DECODE_MAX_QUERIES = 8
 # ... against at least this many keys (shorter caches: dense is as fast).
 DECODE_MIN_KEYS = 1024
-
-
-def residual_reason(name: str, problem: Problem) -> str | None:
-  """Why ``problem``'s ``return_residual``/``normalize_output=False`` cannot be given: the
-  weighting has no row state, or the weights are asked for too."""
-  if not (problem.return_residual or not problem.normalize_output):
-    return None
-  try:
-    residuals_lib.residual_kind(problem.weighting)
-  except ValueError as e:
-    return str(e)
-  if problem.return_weights or problem.dropout:
-    return (f"return_residual / normalize_output=False (implementation={name!r}) do not combine "
-            "with return_weights or dropout on the weights.")
-  return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,8 +74,7 @@ class SplitKV(Implementation):
     if problem.t > DECODE_MAX_QUERIES:
       return (f"{problem.t} query rows: split-KV is for decoding (T ≤ {DECODE_MAX_QUERIES}); its "
               "scores are [T, S] per head.")
-    if problem.s < DECODE_MIN_KEYS and not (problem.return_residual
-                                            or not problem.normalize_output):
+    if problem.s < DECODE_MIN_KEYS and not problem.wants_residual:
       return f"{problem.s} keys: below {DECODE_MIN_KEYS} the dense implementation is as fast."
     return None
 
@@ -148,15 +134,11 @@ def solve_rows(p: Problem, inputs: Inputs, z: Array, v: Array, kv_heads: int,
   heads = lambda x: jnp.moveaxis(decode.rows_to_heads(x, t), 1, 2)  # [B, T, N, ...]
   unflat = lambda x: x.reshape(p.batch + x.shape[1:])
   out = unflat(heads(st.out))
-  if not (p.return_residual or not p.normalize_output):
+  if not p.wants_residual:
     return out.astype(p.dtype)
   residual = jax.tree.map(lambda x: unflat(heads(x)),
                           residuals_lib.from_stats(p.weighting, st.stats))
-  if not p.normalize_output:
-    out = residuals_lib.unnormalize(p.weighting, out, residual)
-  else:
-    out = out.astype(p.dtype)
-  return (out, residual) if p.return_residual else out
+  return with_residual(p, out, residual)
 
 
-__all__ = ["DECODE_MAX_QUERIES", "DECODE_MIN_KEYS", "SplitKV", "residual_reason", "solve_rows"]
+__all__ = ["DECODE_MAX_QUERIES", "DECODE_MIN_KEYS", "SplitKV", "solve_rows"]

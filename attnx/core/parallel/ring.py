@@ -88,6 +88,7 @@ from jax import lax
 from attnx.core import implementations as impl_lib
 from attnx.core import masks, score_mods, streaming
 from attnx.core import problem as problem_lib
+from attnx.core import residuals as residuals_lib
 from attnx.core import scores as scores_lib
 from attnx.core.contract import compute_dtype, nonfinite_inputs
 from attnx.core.implementations import Implementation, RingProblem
@@ -324,12 +325,30 @@ def _kv_heads_per_pass(block: int | None, b: int, kv_heads: int, g: int, length:
   return max(fits, default=1)
 
 
-def _make_ring(rc: steps.RingConfig, passes: int):
+def _residual_sign(w: Any) -> float:
+  """How the residual's cotangent g enters δ (δ + sign·g): −1 for a log normalizer that
+  depends on the scores (a sum of F, SSMax, softpick), +1 for stick-breaking's log survival,
+  0 where nothing does (``"length"``, ``"none"``)."""
+  kind = residuals_lib.residual_kind(w)
+  if kind == "log_survival":
+    return 1.0
+  if kind == "log_normalizer" and getattr(w, "normalization", "sum") != "length":
+    return -1.0
+  return 0.0
+
+
+def _make_ring(rc: steps.RingConfig, passes: int, residual: bool = False):
   """A custom-VJP function (q [B, t, N, H], k/v [B, s, K, H|Hv], bias/mask [Bb, Nb, Tb, Sb],
   row scales [B, N, t], scale) -> O [B, t, N, Hv] of the local shards (see the module
   docstring for why the backward is not autodiff). ``rc`` describes one pass: its kv heads
   ``rc.head_dims[1]``, of ``passes`` passes that run one after another (``lax.scan``), each a
-  whole ring over its heads, so that every ring buffer holds only the pass' heads."""
+  whole ring over its heads, so that every ring buffer holds only the pass' heads.
+
+  ``residual``: it returns (O, the rows' residual [B, t, N], :mod:`attnx.core.residuals`,
+  from the statistics the passes save anyway) and takes the residual's cotangent g into the
+  backward as one more value column: V gains a column of zeros whose output column is 1 and
+  whose dO column is ∓g, which leaves every dP as it is and makes δ = dO·O into δ ∓ g — the
+  fold of :func:`attnx.core.streaming.residual_delta` — in every step kernel unchanged."""
 
   forward = ((lambda rc, q, k, v, bias, mask, rsc, scale, mod=None, sinks=None:
               stick_zigzag.forward(rc, q, k, v, bias, mask, scale, mod))
@@ -367,15 +386,41 @@ def _make_ring(rc: steps.RingConfig, passes: int):
       return out, jax.tree.map(lambda x: x[None], saved)
     return lax.scan(one, out, jnp.arange(passes))
 
+  def public_residual(saved):
+    """The residual [B, t, N] from the passes' row statistics ([passes, X, G, t] each)."""
+    heads = lambda x: (x.reshape(passes, b, hq, rc.t).transpose(1, 3, 0, 2)
+                       .reshape(b, rc.t, passes * hq))
+    return residuals_lib.from_stats(rc.w, tuple(heads(x) for x in saved[0]))
+
   @jax.custom_vjp
   def ring(qd, kd, vd, bias4, mask4, rsc, scale, mod, sinks):
-    return run(qd, kd, vd, bias4, mask4, rsc, scale, mod, sinks)[0]
+    out, saved = run(qd, kd, vd, bias4, mask4, rsc, scale, mod, sinks)
+    return (out, public_residual(saved)) if residual else out
 
   def fwd(qd, kd, vd, bias4, mask4, rsc, scale, mod, sinks):
     out, saved = run(qd, kd, vd, bias4, mask4, rsc, scale, mod, sinks)
-    return out, (qd, kd, vd, bias4, mask4, rsc, scale, mod, sinks, out, saved)
+    primal = (out, public_residual(saved)) if residual else out
+    return primal, (qd, kd, vd, bias4, mask4, rsc, scale, mod, sinks, out, saved)
 
-  def bwd(res, do):
+  sign = _residual_sign(rc.w) if residual else 0.0
+
+  def bwd(res, ct):
+    if not residual:
+      return grads(res, ct)
+    do, dres = ct
+    if sign == 0.0:  # the normalizer (n, or none) does not depend on the scores
+      return grads(res, do)
+    # One more value column: zeros in V, ones in O, sign·g in dO (see the docstring).
+    qd, kd, vd, bias4, mask4, rsc, scale, mod, sinks, out, (stats, extra, o32) = res
+    col = lambda x, c: jnp.concatenate([x, jnp.full(x.shape[:-1] + (1,), c, x.dtype)], -1)
+    extra = jax.tree.map(lambda x: col(x, 0.0) if x.ndim == 5 else x, extra)
+    saved = (stats, extra, None if o32 is None else col(o32, 1.0))
+    do = jnp.concatenate([do, (sign * dres)[..., None].astype(do.dtype)], -1)
+    g = grads((qd, kd, col(vd, 0.0), bias4, mask4, rsc, scale, mod, sinks, col(out, 1.0),
+               saved), do)
+    return g[:2] + (g[2][..., :-1],) + g[3:]
+
+  def grads(res, do):
     qd, kd, vd, bias4, mask4, rsc, scale, mod, sinks, out, saved = res
     head_bias = bias4 is not None and bias4.shape[1] != 1
     with_mods = mod is not None or sinks is not None
@@ -570,7 +615,8 @@ def ring_attention(q: Array, k: Array, v: Array, bias: Array | None = None,
                    implementation: str | Implementation | None = None,
                    pallas_backend: str | None = None, interpret: bool = False,
                    logits_soft_cap: float | None = None, score_mod: Any = None,
-                   score_mod_params: Any = None, sinks: Array | None = None) -> Array:
+                   score_mod_params: Any = None, sinks: Array | None = None,
+                   return_residual: bool = False) -> Array | tuple[Array, Array]:
   """Attention over a sequence sharded along mesh axis ``axis_name``: call it inside
   ``jax.shard_map`` (``check_vma`` either way) on the local shards.
 
@@ -639,10 +685,15 @@ def ring_attention(q: Array, k: Array, v: Array, bias: Array | None = None,
       function (an explicit ``implementation="pallas"`` raises a ValueError naming it);
       with any of them the automatic choice takes the XLA steps (Pallas' self-check does not
       cover them).
+    return_residual: also return the local rows' residual ``[batch..., T/P, N]`` over the
+      whole sequence (:mod:`attnx.core.residuals`: for softmax the log-sum-exp, as
+      :func:`attnx.core.attention` returns it), with a gradient: one ring's output merges
+      with attention over more keys (a cache, another sequence axis) by
+      :func:`attnx.core.merge_attention`.
 
   Returns:
     The local output ``[batch..., T/P, N, Hv]`` in q's dtype: the rows of the global attention
-    this device holds.
+    this device holds (with ``return_residual``: and their residual).
 
   Raises:
     ValueError: outside a map over ``axis_name``, an unknown
@@ -675,6 +726,7 @@ def ring_attention(q: Array, k: Array, v: Array, bias: Array | None = None,
   """
   p = steps.axis_size(axis_name)
   ring_layout.check_layout(layout)
+  return_residual = problem_lib.check_flag("return_residual", return_residual)
   settings = impl_lib.legacy_settings("ring_attention", block_q=block_q, block_k=block_k,
                                       interpret=interpret)
   chosen = impl_lib.configure(implementation, settings, "ring_attention")
@@ -739,7 +791,9 @@ def ring_attention(q: Array, k: Array, v: Array, bias: Array | None = None,
   rc = dataclasses.replace(rc, head_dims=(b, kc, g), block_q=block_q, block_k=block_k,
                            kernel=impl.ring_kernel(ring))
   if t == 0 or s == 0:
-    return jnp.zeros(batch + (t, n, v.shape[-1]), q.dtype)
+    out = jnp.zeros(batch + (t, n, v.shape[-1]), q.dtype)
+    return ((out, residuals_lib.empty_residual(w, batch + (t, n), compute_dtype(q.dtype)))
+            if return_residual else out)
   steps.check_tiles(rc)
 
   query, key, value = q, k, v
@@ -759,9 +813,13 @@ def ring_attention(q: Array, k: Array, v: Array, bias: Array | None = None,
     if sinks is not None:  # the sink is one more key of every row
       counts = counts + 1
     rsc = streaming.row_scale(w.stream, counts, sv, rc.dtype)
-  out = _make_ring(rc, kv_heads // kc)(qd, kd, value, bias4, mask4, rsc,
-                                       jnp.asarray(scale, rc.dtype), mod, sinks)
-  return out.reshape(batch + out.shape[1:]).astype(q.dtype)
+  out = _make_ring(rc, kv_heads // kc, return_residual)(qd, kd, value, bias4, mask4, rsc,
+                                                        jnp.asarray(scale, rc.dtype), mod, sinks)
+  if not return_residual:
+    return out.reshape(batch + out.shape[1:]).astype(q.dtype)
+  out, residual = out
+  return (out.reshape(batch + out.shape[1:]).astype(q.dtype),
+          residual.reshape(batch + residual.shape[1:]))
 
 
 def check_supported(weighting: Any = "softmax", score: Any = "scaled_dot",

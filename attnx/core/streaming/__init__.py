@@ -66,6 +66,7 @@ from attnx.core.streaming.rowstream import (
     get_family,
     init,
     merge,
+    residual_delta,
     tile_grad,
     update,
 )
@@ -80,4 +81,4 @@ __all__ = ["F32", "FAMILIES", "LOG2E", "MAX_THRESHOLD_PASSES", "MAX_THRESHOLD_PA
            "max_threshold_passes", "merge", "online_max_bound", "online_max_shifted",
            "online_max_start", "online_max_update", "pointwise_empty", "pointwise_finalize",
            "pointwise_grad_rows", "pointwise_merge", "pointwise_tile_grad", "pointwise_update",
-           "pv", "row_scale", "tile_grad", "update"]
+           "pv", "residual_delta", "row_scale", "tile_grad", "update"]

@@ -7,6 +7,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import jax.numpy as jnp
+
 from attnx.core.streaming import entmax, softpick, ssmax, stick_breaking
 from attnx.core.streaming.family import Family, GradCarry
 from attnx.core.streaming.ops import F32, XLA, Array, Ops
@@ -150,5 +152,29 @@ def tile_grad(rs: RowStream, z: Array, valid: Array, dp: Array, stats: tuple[Arr
   return rs.rules.tile_grad(rs, z, valid, dp, stats, delta, carry, ctx, ops, weights_dtype)
 
 
-__all__ = ["FAMILIES", "RowStream", "finalize", "get_family", "init", "merge", "tile_grad",
-           "update"]
+def residual_delta(rs: RowStream, stats: tuple[Array, ...], dstats: tuple[Array, ...],
+                   u_sum: Array | None = None) -> Array:
+  """What joins each row's δ when the row statistics of :func:`finalize` (the residual,
+  :mod:`attnx.core.residuals`) get the cotangents ``dstats``: their score gradient has the
+  form of :func:`tile_grad`'s δ term, so the kernels' backward carries it in δ.
+
+  SSMax, softpick: lse's dz_j is the −δ term's factor (p_j, e_j·sign): −g. Stick-breaking:
+  d log L/dz_j = −σ(z_j) = −β_j, the factor of δ: +g. Sparsemax/entmax: the threshold
+  θ = m + τ has dθ/dz_j = (α−1)·scale·u_j/Σu (implicit, Σp = 1), and the δ term's factor is
+  scale·u_j: −g_τ·(α−1)/Σu, ``u_sum`` the forward's Σu per row (Σp's cotangent is left out:
+  Σp does not move with z at the threshold).
+  """
+  if rs.reverse:
+    return dstats[0]
+  if not rs.needs_threshold:
+    return -dstats[0]
+  _, _, norm = stats
+  if rs.renormalize:  # tile_grad's u is of p̂ = p/Σp: u·(1/Σp)^{2−α}
+    inv = jnp.where(norm > 0, 1.0 / jnp.where(norm > 0, norm, 1.0), 0.0)
+    u_sum = u_sum * jnp.exp((2.0 - rs.alpha) * jnp.log(jnp.where(norm > 0, inv, 1.0)))
+  ok = u_sum > 0
+  return -jnp.where(ok, dstats[1] * (rs.alpha - 1.0) / jnp.where(ok, u_sum, 1.0), 0.0)
+
+
+__all__ = ["FAMILIES", "RowStream", "finalize", "get_family", "init", "merge",
+           "residual_delta", "tile_grad", "update"]

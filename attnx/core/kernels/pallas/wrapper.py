@@ -45,7 +45,9 @@ import jax
 import jax.numpy as jnp
 
 from attnx.core import masks as masks_lib
+from attnx.core import residuals as residuals_lib
 from attnx.core import score_mods
+from attnx.core import streaming as st
 from attnx.core.contract import finite, nonfinite_inputs
 from attnx.core.kernels.common import round_up, sum_to
 from attnx.core.kernels.pallas import (
@@ -139,21 +141,49 @@ def _values(tree: Any) -> Any:
                       is_leaf=lambda x: isinstance(x, jax.custom_derivatives.CustomVJPPrimal))
 
 
+def log_normalizer(cfg: KernelConfig, stat: Array) -> Array:
+  """The rows' log normalizer [B, N, Tp] in natural units (the residual of
+  :mod:`attnx.core.residuals`) from a pointwise kernel's row statistic: the online max's
+  log2-sum-exp (:data:`.common.ROW_OPS`) times ln 2, −∞ where a row has no weight (+∞);
+  log l, log n; 0 for ``"none"``."""
+  w = cfg.w
+  if w.online_max:
+    return jnp.where(stat == jnp.inf, -jnp.inf, stat * math.log(2.0))
+  if w.unnormalized:
+    return jnp.zeros_like(stat)
+  return jnp.log(stat)
+
+
+def _split_ct(ct: Any, residual: bool) -> tuple[Any, Any]:
+  """(dO, d residual) of a kernel's cotangent; a symbolic zero dO becomes zeros where the
+  residual has a cotangent (the backward still runs for it)."""
+  if not residual:
+    return ct, None
+  do, dres = ct
+  if isinstance(dres, jax.custom_derivatives.SymbolicZero):
+    return do, None
+  if isinstance(do, jax.custom_derivatives.SymbolicZero):
+    do = jnp.zeros(do.shape, do.dtype)
+  return do, dres
+
+
 @functools.lru_cache(maxsize=512)
-def _make_kernel(cfg: KernelConfig) -> Callable[..., Array]:
+def _make_kernel(cfg: KernelConfig, residual: bool = False) -> Callable[..., Array]:
   """A custom-VJP function (q, k, v, bias, mask, q_len, kv_len, smask, sinks[, mod]) -> O
   of padded arrays (``smask``: a structured mask's operands, or None; ``sinks``: [N] when
   ``cfg.sinks``, else None; ``mod``: the score modification's operand when
   ``cfg.mod_operand``, ALiBi's slopes [N] or a relative table's ext [N, Lx]). d sinks is
   computed here, outside the kernels, from the saved row statistic and δ
   (:func:`.common.sink_grad`); d slopes from the dQ kernel's per-row sums, d ext from its
-  per-tile sums."""
+  per-tile sums. ``residual``: it returns (O, :func:`log_normalizer` [B, N, Tp]) and takes
+  the latter's cotangent, folded into δ (d lse/dz is the −δ term's factor)."""
   if cfg.mod_operand:
-    return _make_mod_kernel(cfg)
+    return _make_mod_kernel(cfg, residual)
 
   @jax.custom_vjp
   def attn(q, k, v, bias, mask, q_len, kv_len, smask, sinks):
-    return forward(cfg, q, k, v, bias, mask, q_len, kv_len, smask=smask, sinks=sinks)[0]
+    o, stat = forward(cfg, q, k, v, bias, mask, q_len, kv_len, smask=smask, sinks=sinks)
+    return (o, log_normalizer(cfg, stat)) if residual else o
 
   def fwd(q, k, v, bias, mask, q_len, kv_len, smask, sinks):
     # symbolic_zeros: each array arrives as CustomVJPPrimal(value, perturbed); dS is only
@@ -164,13 +194,15 @@ def _make_kernel(cfg: KernelConfig) -> Callable[..., Array]:
     sinks = None if sinks is None else sinks.value
     o, stat = forward(cfg, *vals, smask=smask, sinks=sinks)
     marker = jnp.zeros((), jnp.float32) if want_ds else None
-    return o, (*vals, smask, sinks, o, stat, marker)
+    out = (o, log_normalizer(cfg, stat)) if residual else o
+    return out, (*vals, smask, sinks, o, stat, marker)
 
-  def bwd(res, do):
+  def bwd(res, ct):
     q, k, v, bias, mask, q_len, kv_len, smask, sinks, o, stat, marker = res
+    do, dres = _split_ct(ct, residual)
     if isinstance(do, jax.custom_derivatives.SymbolicZero):
       return (None,) * 9
-    rows = grad_rows(cfg, stat, o, do)
+    rows = _fold_residual(cfg, grad_rows(cfg, stat, o, do), dres)
     dq, dk, dv, ds = backward(cfg, q, k, v, bias, mask, q_len, kv_len, do, rows,
                               want_ds=marker is not None, smask=smask)
     dbias = None if ds is None else sum_to(ds, bias.shape).astype(bias.dtype)
@@ -181,15 +213,24 @@ def _make_kernel(cfg: KernelConfig) -> Callable[..., Array]:
   return attn
 
 
-def _make_mod_kernel(cfg: KernelConfig) -> Callable[..., Array]:
+def _fold_residual(cfg: KernelConfig, rows: list[Array], dres: Array | None) -> list[Array]:
+  """The backward's row values (r0, r1, δ) with the log normalizer's cotangent ``dres``
+  folded into δ (δ − dres) where the normalizer depends on the scores (a sum of F)."""
+  if dres is None or not (cfg.w.online_max or cfg.w.divides_by_sum):
+    return rows
+  return [rows[0], rows[1], rows[2] - dres.astype(rows[2].dtype)]
+
+
+def _make_mod_kernel(cfg: KernelConfig, residual: bool = False) -> Callable[..., Array]:
   """:func:`_make_kernel`'s function with the score modification's operand (ALiBi's slopes
   [N], a relative table's ext [N, Lx]) as its last argument (a separate custom VJP, so that
   the programs without one keep theirs op for op)."""
 
   @jax.custom_vjp
   def attn(q, k, v, bias, mask, q_len, kv_len, smask, sinks, mod):
-    return forward(cfg, q, k, v, bias, mask, q_len, kv_len, smask=smask, sinks=sinks,
-                   slopes=mod)[0]
+    o, stat = forward(cfg, q, k, v, bias, mask, q_len, kv_len, smask=smask, sinks=sinks,
+                      slopes=mod)
+    return (o, log_normalizer(cfg, stat)) if residual else o
 
   def fwd(q, k, v, bias, mask, q_len, kv_len, smask, sinks, mod):
     want_ds = bias is not None and bias.perturbed
@@ -199,13 +240,15 @@ def _make_mod_kernel(cfg: KernelConfig) -> Callable[..., Array]:
     mod = mod.value
     o, stat = forward(cfg, *vals, smask=smask, sinks=sinks, slopes=mod)
     marker = jnp.zeros((), jnp.float32) if want_ds else None
-    return o, (*vals, smask, sinks, mod, o, stat, marker)
+    out = (o, log_normalizer(cfg, stat)) if residual else o
+    return out, (*vals, smask, sinks, mod, o, stat, marker)
 
-  def bwd(res, do):
+  def bwd(res, ct):
     q, k, v, bias, mask, q_len, kv_len, smask, sinks, mod, o, stat, marker = res
+    do, dres = _split_ct(ct, residual)
     if isinstance(do, jax.custom_derivatives.SymbolicZero):
       return (None,) * 10
-    rows = grad_rows(cfg, stat, o, do)
+    rows = _fold_residual(cfg, grad_rows(cfg, stat, o, do), dres)
     dq, dk, dv, ds, dmod = backward(cfg, q, k, v, bias, mask, q_len, kv_len, do, rows,
                                     want_ds=marker is not None, smask=smask, slopes=mod)
     dbias = None if ds is None else sum_to(ds, bias.shape).astype(bias.dtype)
@@ -217,23 +260,30 @@ def _make_mod_kernel(cfg: KernelConfig) -> Callable[..., Array]:
 
 
 @functools.lru_cache(maxsize=512)
-def _make_row_kernel(cfg: KernelConfig):
+def _make_row_kernel(cfg: KernelConfig, residual: bool = False):
   """A custom-VJP function (q, k, v, bias, mask, q_len, kv_len, rowc, smask, slopes, sinks) -> O
   of padded arrays (rowc: SSMax's per-row scale [B, N, Tp], None for the other families; smask:
   a structured mask's operands, or None; slopes: the score modification's operand when
   ``cfg.mod_operand`` (ALiBi's slopes [N], d slopes from the dQ kernel's per-row sums; a
   relative table's ext [N, Lx], d ext from the dQ kernel), else None; sinks: [N] when
   ``cfg.sinks``, else None, d sinks and the sink's term of SSMax's dc computed here, outside
-  the kernels, from the saved row statistics and δ: :func:`.rows.sink_grad_rows`)."""
+  the kernels, from the saved row statistics and δ: :func:`.rows.sink_grad_rows`).
+  ``residual`` (not sparsemax/entmax, whose threshold's gradient needs Σu, which these
+  kernels do not keep): it returns (O, the family's one row statistic [B, N, Tp]: the log
+  normalizer, stick-breaking's log survival) and folds the latter's cotangent into δ
+  (:func:`attnx.core.streaming.residual_delta`)."""
   rs = cfg.w.stream
+  if residual and rs.num_stats != 1:
+    raise ValueError(f"the Pallas kernels return no residual for {cfg.w.name!r}")
   if rs.suffix_carries and cfg.bk_dq != cfg.bk_dkv:
     raise ValueError(f"stick-breaking's dQ and dK/dV key tiles must agree (its carries are "
                      f"per key tile), got {cfg.bk_dq} and {cfg.bk_dkv}")
 
   @jax.custom_vjp
   def attn(q, k, v, bias, mask, q_len, kv_len, rowc, smask, slopes, sinks):
-    return row_forward(cfg, q, k, v, rowc, bias, mask, q_len, kv_len, smask=smask,
-                       slopes=slopes, sinks=sinks)[0]
+    o, stats, _ = row_forward(cfg, q, k, v, rowc, bias, mask, q_len, kv_len, smask=smask,
+                              slopes=slopes, sinks=sinks)
+    return (o, stats[0]) if residual else o
 
   def fwd(q, k, v, bias, mask, q_len, kv_len, rowc, smask, slopes, sinks):
     want_ds = bias is not None and bias.perturbed
@@ -246,14 +296,18 @@ def _make_row_kernel(cfg: KernelConfig):
     o, stats, smean = row_forward(cfg, q_, k_, v_, rowc_, bias_, mask_, ql, kl, out_dtype=F32,
                                   smask=smask, slopes=slopes, sinks=sinks)
     marker = jnp.zeros((), F32) if want_ds else None
-    return o.astype(q_.dtype), (*vals, smask, slopes, sinks, o, stats, smean, marker)
+    out = (o.astype(q_.dtype), stats[0]) if residual else o.astype(q_.dtype)
+    return out, (*vals, smask, slopes, sinks, o, stats, smean, marker)
 
-  def bwd(res, do):
+  def bwd(res, ct):
     q, k, v, bias, mask, q_len, kv_len, rowc, smask, slopes, sinks, o, stats, smean, marker = res
+    do, dres = _split_ct(ct, residual)
     if isinstance(do, jax.custom_derivatives.SymbolicZero):
       return (None,) * 11
     ref = smean if rs.saves_support_mean else o
     delta = jnp.sum(do.astype(F32) * ref, axis=-1).transpose(0, 2, 1)
+    if dres is not None:
+      delta = delta + st.residual_delta(rs, tuple(stats), (dres.astype(F32),))
     dq, dk, dv, ds, dc, *dslopes = row_backward(
         cfg, q, k, v, bias, mask, q_len, kv_len, do, (*stats, delta), rowc,
         want_ds=marker is not None, smask=smask, slopes=slopes)
@@ -318,7 +372,8 @@ def pallas_attention(q: Array, k: Array, v: Array, *, weighting: Any,
                      block_k: int | None = None, backend: str | None = None,
                      interpret: bool = False, ssmax_s: Array | float | None = None,
                      skip_zero_tiles: bool = True, structured_mask: Any = None,
-                     score_mod: Any = None, sinks: Array | None = None) -> Array:
+                     score_mod: Any = None, sinks: Array | None = None,
+                     return_residual: bool = False) -> Array | tuple[Array, Array]:
   """Fused attention out_i = Σ_j w_ij v_j for a pointwise weighting F, or a whole-row weighting
   with a streaming family (SSMax, softpick, stick-breaking, sparsemax, entmax: the kernels of
   :mod:`attnx.core.kernels.pallas.rows`), as Pallas kernels.
@@ -372,10 +427,14 @@ def pallas_attention(q: Array, k: Array, v: Array, *, weighting: Any,
       ``sinks[h]`` and zero value, folded into the row's starting state (whole-row: and its
       threshold passes; SSMax's n_i counts it); gets a gradient (computed outside the
       kernels).
+    return_residual: also return the rows' residual [B, T, N] float32
+      (:mod:`attnx.core.residuals`: the log normalizer, stick-breaking's log survival), with
+      a gradient; not for sparsemax/entmax (ValueError: their threshold's gradient needs Σu
+      per row, which these kernels do not keep).
 
   Returns:
-    [B, T, N, Hv] in q's dtype, equal up to float rounding to
-    ``blocked_attention(q, k, v, weighting=..., ...)`` (float32 accumulation).
+    [B, T, N, Hv] in q's dtype (with ``return_residual``: and the residual), equal up to float
+    rounding to ``blocked_attention(q, k, v, weighting=..., ...)`` (float32 accumulation).
 
   Raises:
     ValueError: for an unsupported combination (see :func:`tiles.supported`; the message names the
@@ -384,13 +443,16 @@ def pallas_attention(q: Array, k: Array, v: Array, *, weighting: Any,
   cap = _soft_cap(weighting, score_mod, sinks)
   alibi = None if score_mod is None else score_mod.linear_bias
   relative = score_mod is not None and score_mod.relative
+  rows = not isinstance(weighting, Pointwise)
+  if return_residual and rows and getattr(weighting, "stream", None) is not None and (
+      weighting.stream.num_stats != 1):
+    raise ValueError(residual_reason(weighting))
   if backend is None and not interpret:
     return _per_platform(
         q, k, v, weighting=weighting, scale=scale, bias=bias, mask=mask, is_causal=is_causal,
         q_lengths=q_lengths, kv_lengths=kv_lengths, block_q=block_q, block_k=block_k,
         ssmax_s=ssmax_s, skip_zero_tiles=skip_zero_tiles, structured_mask=structured_mask,
-        score_mod=score_mod, sinks=sinks)
-  rows = not isinstance(weighting, Pointwise)
+        score_mod=score_mod, sinks=sinks, return_residual=return_residual)
   if not isinstance(skip_zero_tiles, bool):
     raise ValueError(f"skip_zero_tiles must be a bool, got {skip_zero_tiles!r}")
   if rows and not streams(weighting):
@@ -442,7 +504,8 @@ def pallas_attention(q: Array, k: Array, v: Array, *, weighting: Any,
       raise ValueError(f"ALiBi's slopes must be a float array [N] = [{n}], got shape "
                        f"{slopes.shape} and dtype {slopes.dtype}")
   if q.size == 0 or s == 0:  # no query, or no key (every row has no valid key)
-    return jnp.zeros((b, t, n, hv), q.dtype)
+    out = jnp.zeros((b, t, n, hv), q.dtype)
+    return (out, residuals_lib.empty_residual(weighting, (b, t, n))) if return_residual else out
 
   rowc = None
   if rows and weighting.stream.needs_row_scale:  # SSMax's c_i = s·log n_i, from the raw masks
@@ -472,12 +535,25 @@ def pallas_attention(q: Array, k: Array, v: Array, *, weighting: Any,
   if rows:
     if rowc is not None:
       rowc = pad_to(rowc, {2: cfg.tp})
-    out = _make_row_kernel(cfg)(q, k, v, bias4, mask4, q_len, kv_len, rowc, smask, slopes,
-                                sinks)
+    out = _make_row_kernel(cfg, return_residual)(q, k, v, bias4, mask4, q_len, kv_len, rowc,
+                                                 smask, slopes, sinks)
   else:
     extra = () if slopes is None else (slopes,)
-    out = _make_kernel(cfg)(q, k, v, bias4, mask4, q_len, kv_len, smask, sinks, *extra)
-  return out[:, :t, :, :hv]
+    out = _make_kernel(cfg, return_residual)(q, k, v, bias4, mask4, q_len, kv_len, smask, sinks,
+                                             *extra)
+  if not return_residual:
+    return out[:, :t, :, :hv]
+  out, stat = out
+  residual = stat[:, :, :t].transpose(0, 2, 1)  # a pointwise F's is the log normalizer
+  return out[:, :t, :, :hv], (residuals_lib.from_stats(weighting, (residual,)) if rows
+                              else residual)
+
+
+def residual_reason(weighting: Any) -> str:
+  """Why the Pallas kernels return no residual for a sparsemax/entmax ``weighting``."""
+  return (f"implementation='pallas' returns no residual for {weighting.name!r}: the gradient of "
+          "its threshold τ needs Σu per row, which the Pallas kernels do not keep; use "
+          "implementation='blocked' (or None, which picks it).")
 
 
 def _soft_cap(weighting: Any, score_mod: Any, sinks: Any) -> float | None:
@@ -602,16 +678,27 @@ def _per_platform(q: Array, k: Array, v: Array, **kwargs: Any) -> Array:
     arrays["score_mod"] = mod
   static = {n: x for n, x in kwargs.items() if n not in arrays}
 
-  def kernel(backend: str) -> Callable[..., Array]:
-    return lambda q, k, v, arrays: pallas_attention(q, k, v, backend=backend, **static,
-                                                    **arrays)
+  residual = static.get("return_residual", False)
 
-  return platforms.by_platform(
+  def kernel(backend: str) -> Callable[..., Array]:
+    def run(q, k, v, arrays):
+      out = pallas_attention(q, k, v, backend=backend, **static, **arrays)
+      if residual:  # one array leaves by_platform: the residual as a last column
+        out, res = out
+        out = jnp.concatenate([out.astype(F32), res[..., None].astype(F32)], axis=-1)
+      return out
+    return run
+
+  hv = v.shape[-1]
+  out = platforms.by_platform(
       q, k, v, arrays, gpu=kernel("gpu"), tpu=kernel("tpu"),
-      out=jax.ShapeDtypeStruct((*q.shape[:3], v.shape[-1]), q.dtype),
+      out=jax.ShapeDtypeStruct((*q.shape[:3], hv + residual), F32 if residual else q.dtype),
       other=("implementation='pallas' needs a GPU or TPU; this program is being lowered or run "
              "for a platform with neither (the CPU host, unless lowered with "
              "lowering_platforms=('cuda',) or ('tpu',)). Use implementation="
              "core.Pallas(interpret=True) (here: interpret=True) to run the kernels in Pallas' "
              "interpreter (slow; for testing), or implementation='blocked' (the XLA "
              "flash-style kernel) on a CPU."))
+  if not residual:
+    return out
+  return out[..., :hv].astype(q.dtype), out[..., hv]

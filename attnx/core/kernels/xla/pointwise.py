@@ -158,11 +158,59 @@ def finite_residual(tree: Any) -> Any:
   return jax.tree.map(one, tree)
 
 
-def _make_kernel(cfg: tl.TileConfig):
-  """A custom-VJP function of internal-layout arrays (q, k, v, bias, mask, scale) -> O; with
-  ``cfg.structured`` it takes the bound structured mask as a seventh argument."""
+def log_normalizer(w: Pointwise, stat: Array) -> Array:
+  """The rows' log normalizer (the residual of :mod:`attnx.core.residuals`) from the forward's
+  finite row statistic: lse = hi + lo (−∞ for a row without weight, whose hi
+  :func:`finite_residual` made the largest finite number), log l, log n; 0 for
+  ``"none"``."""
+  if w.online_max:
+    hi, lo = (stat[..., 0], stat[..., 1]) if stat.ndim == 4 else (stat, 0.0)
+    return jnp.where(hi >= jnp.finfo(hi.dtype).max, -jnp.inf, hi + lo)
+  if w.unnormalized:
+    return jnp.zeros_like(stat)
+  return jnp.log(stat)
+
+
+def _custom_kernel(cfg: tl.TileConfig, forward, backward, num_args: int, cotangents,
+                   residual: bool):
+  """The custom-VJP kernel over ``forward`` (args -> (O, stat), jitted) and ``backward``
+  (``backward(*args[:6], out, stat, do, **extra, dres=...)``), whose first ``num_args``
+  arguments are the kernel's and the rest keyword arguments of the backward; ``cotangents``
+  turns the backward's results into the arguments' cotangents. ``residual``: the kernel
+  returns (O, log normalizer [X, G, Tp]) and takes the latter's cotangent (the normalizer
+  of ``"length"`` and ``"none"`` has no gradient)."""
+  extra_names = ("smask", "mod", "sinks")[:num_args - 6]
+  grads_residual = cfg.w.online_max or cfg.w.divides_by_sum
+
+  @jax.custom_vjp
+  def kernel(*args):
+    out, stat = forward(*args)
+    out = out.astype(args[0].dtype)
+    return (out, log_normalizer(cfg.w, stat)) if residual else out
+
+  def fwd(*args):
+    out, stat = forward(*args)
+    y = out.astype(args[0].dtype)
+    return ((y, log_normalizer(cfg.w, stat)) if residual else y), (*args, out, stat)
+
+  def bwd(res, ct):
+    do, dres = ct if residual else (ct, None)
+    args, out, stat = res[:num_args], res[num_args], res[num_args + 1]
+    kw = dict(zip(extra_names, args[6:], strict=True))
+    if residual and grads_residual:
+      kw["dres"] = dres
+    return cotangents(args, backward(*args[:6], out, stat, do, **kw))
+
+  kernel.defvjp(fwd, bwd)
+  return kernel
+
+
+def _make_kernel(cfg: tl.TileConfig, residual: bool = False):
+  """A custom-VJP function of internal-layout arrays (q, k, v, bias, mask, scale) -> O (with
+  ``residual``: (O, log normalizer)); with ``cfg.structured`` it takes the bound structured
+  mask as a seventh argument."""
   if cfg.structured or cfg.score_mod or cfg.sinks:
-    return _make_structured_kernel(cfg)
+    return _make_structured_kernel(cfg, residual)
 
   causal_or_plain = triangle.causal_forward if cfg.is_causal else sweep.forward
 
@@ -173,22 +221,8 @@ def _make_kernel(cfg: tl.TileConfig):
 
   backward = jax.jit(functools.partial(
       triangle.causal_backward if cfg.is_causal else sweep.backward, cfg=cfg))
-
-  @jax.custom_vjp
-  def kernel(q, k, v, bias, mask, scale):
-    return forward(q, k, v, bias, mask, scale)[0].astype(q.dtype)
-
-  def fwd(q, k, v, bias, mask, scale):
-    out, stat = forward(q, k, v, bias, mask, scale)
-    return out.astype(q.dtype), (q, k, v, bias, mask, scale, out, stat)
-
-  def bwd(res, do):
-    q, k, v, bias, mask, scale, out, stat = res
-    dq, dk, dv, dbias, dscale = backward(q, k, v, bias, mask, scale, out, stat, do)
-    return _cotangents(q, k, v, bias, scale, dq, dk, dv, dbias, dscale)
-
-  kernel.defvjp(fwd, bwd)
-  return kernel
+  return _custom_kernel(cfg, forward, backward, 6,
+                        lambda args, grads: _cotangents(*args[:4], args[5], *grads), residual)
 
 
 def _cotangents(q, k, v, bias, scale, dq, dk, dv, dbias, dscale):
@@ -198,7 +232,7 @@ def _cotangents(q, k, v, bias, scale, dq, dk, dv, dbias, dscale):
           dscale.astype(scale.dtype))
 
 
-def _make_structured_kernel(cfg: tl.TileConfig):
+def _make_structured_kernel(cfg: tl.TileConfig, residual: bool = False):
   """:func:`_make_kernel` with a structured mask (a pytree of index arrays: no cotangent) as a
   seventh argument, a score modification (a :class:`~attnx.core.score_mods.ScoreMod`, whose
   parameters get gradients) as an eighth and attention sinks [N] as a ninth; None where the
@@ -211,30 +245,21 @@ def _make_structured_kernel(cfg: tl.TileConfig):
 
   backward = jax.jit(functools.partial(sweep.backward, cfg=cfg))
 
-  @jax.custom_vjp
-  def kernel(q, k, v, bias, mask, scale, smask, mod, sinks):
-    return forward(q, k, v, bias, mask, scale, smask, mod, sinks)[0].astype(q.dtype)
-
-  def fwd(q, k, v, bias, mask, scale, smask, mod, sinks):
-    out, stat = forward(q, k, v, bias, mask, scale, smask, mod, sinks)
-    return out.astype(q.dtype), (q, k, v, bias, mask, scale, out, stat, smask, mod, sinks)
-
-  def bwd(res, do):
-    q, k, v, bias, mask, scale, out, stat, smask, mod, sinks = res
-    dq, dk, dv, dbias, dscale, *extra = backward(q, k, v, bias, mask, scale, out, stat, do,
-                                                 smask=smask, mod=mod, sinks=sinks)
+  def cotangents(args, grads):
+    q, k, v, bias, _, scale, _, mod, sinks = args
+    dq, dk, dv, dbias, dscale, *extra = grads
     dmod, dsinks = tl.extra_cotangents(cfg, extra, mod, sinks)
     return (*_cotangents(q, k, v, bias, scale, dq, dk, dv, dbias, dscale), None, dmod, dsinks)
 
-  kernel.defvjp(fwd, bwd)
-  return kernel
+  return _custom_kernel(cfg, forward, backward, 9, cotangents, residual)
 
 
 def blocked_attention(q: Array, k: Array, v: Array, *, weighting: Pointwise, scale: float | Array,
                       bias: Array | None = None, mask: Array | None = None,
                       is_causal: bool = False, block_q: int | None = None,
                       block_k: int | None = None, structured_mask: Any = None,
-                      score_mod: Any = None, sinks: Array | None = None) -> Array:
+                      score_mod: Any = None, sinks: Array | None = None,
+                      return_residual: bool = False) -> Array | tuple[Array, Array]:
   """Memory-efficient attention out_i = Σ_j w_ij v_j for a pointwise weighting F.
 
   Args:
@@ -258,11 +283,14 @@ def blocked_attention(q: Array, k: Array, v: Array, *, weighting: Pointwise, sca
       gradients. The causal triangle then runs as tiles under a causal structured mask.
     sinks: attention sinks [N] (``normalization="sum"`` only): a virtual key of score
       ``sinks[h]`` and zero value in every row of head h; gets a gradient.
+    return_residual: also return each row's log normalizer [B, T, N] (the residual of
+      :mod:`attnx.core.residuals`: log Σ F with the sinks and offset, log n, 0 for
+      ``"none"``; −∞ for a row without weight), in the compute dtype, with a gradient.
 
   Returns:
-    [B, T, N, Hv] in q's dtype; equal (up to float rounding) to
-    ``pointwise_weights(s, weighting, where=valid) @ v`` with float32 accumulation (float64
-    for float64 inputs: :func:`attnx.core.contract.compute_dtype`).
+    [B, T, N, Hv] in q's dtype (with ``return_residual``: and the residual); equal (up to
+    float rounding) to ``pointwise_weights(s, weighting, where=valid) @ v`` with float32
+    accumulation (float64 for float64 inputs: :func:`attnx.core.contract.compute_dtype`).
   """
   if not isinstance(weighting, Pointwise):
     raise TypeError(f"blocked_attention needs a Pointwise weighting, got {type(weighting)}")
@@ -270,8 +298,13 @@ def blocked_attention(q: Array, k: Array, v: Array, *, weighting: Pointwise, sca
   b, t, n, h = q.shape
   _, s, kv_heads, _ = k.shape
   if q.size == 0 or s == 0:  # no query, or no key (every row has no valid key)
-    return jnp.zeros((b, t, n, v.shape[-1]), q.dtype)
-  kw = dict(weighting=weighting, scale=scale, block_q=block_q, block_k=block_k, num_keys=s)
+    out = jnp.zeros((b, t, n, v.shape[-1]), q.dtype)
+    if not return_residual:
+      return out
+    empty = 0.0 if weighting.unnormalized else -jnp.inf
+    return out, jnp.full((b, t, n), empty, compute_dtype(q.dtype))
+  kw = dict(weighting=weighting, scale=scale, block_q=block_q, block_k=block_k, num_keys=s,
+            residual=return_residual)
   if structured_mask is not None or score_mod is not None or sinks is not None:
     # The tiles of the mask, not the causal triangle's pieces (whose positions are not the
     # tile's: a score modification reads them).
@@ -288,7 +321,7 @@ def blocked_attention(q: Array, k: Array, v: Array, *, weighting: Pointwise, sca
                    is_causal=True, **kw)
     rest = _blocked(q[:, s:], k, v, bias=_part4(bias, 2, s, t), mask=_part4(mask, 2, s, t),
                     is_causal=False, **kw)
-    return jnp.concatenate([top, rest], axis=1)
+    return jax.tree.map(lambda a, b: jnp.concatenate([a, b], axis=1), top, rest)
   return _blocked(q, k, v, bias=bias, mask=mask, is_causal=is_causal, **kw)
 
 
@@ -349,7 +382,7 @@ def mask_tile_counts(structured_mask: Any, weighting: Pointwise, b: int, t: int,
 
 
 def _blocked(q, k, v, *, weighting, scale, bias, mask, is_causal, block_q, block_k, num_keys,
-             structured=None, score_mod=None, sinks=None):
+             structured=None, score_mod=None, sinks=None, residual=False):
   """:func:`blocked_attention` on checked, non-empty inputs; causal ones have T = S."""
   b, t, n, h = q.shape
   _, s, kv_heads, _ = k.shape
@@ -381,6 +414,10 @@ def _blocked(q, k, v, *, weighting, scale, bias, mask, is_causal, block_q, block
   if cfg.structured or cfg.score_mod or cfg.sinks:
     args += (structured, score_mod,
              None if sinks is None else jnp.asarray(sinks, compute_dtype(q.dtype)))
-  out = _make_kernel(cfg)(*args)
+  out = _make_kernel(cfg, residual)(*args)
+  if residual:
+    out, res = out
+    return (out[:, :, :t].reshape(b, n, t, -1).transpose(0, 2, 1, 3),
+            res[:, :, :t].reshape(b, n, t).transpose(0, 2, 1))
   return out[:, :, :t].reshape(b, n, t, -1).transpose(0, 2, 1, 3)
 

@@ -35,6 +35,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from attnx.core import masks
+from attnx.core import residuals as residuals_lib
 from attnx.core import streaming as st
 from attnx.core.contract import compute_dtype, finite, nonfinite_inputs
 from attnx.core.kernels import common
@@ -186,6 +187,16 @@ def _sink_tile(sinks: Array, x0: Any, cfg: tl.TileConfig, cd: Any,
   return z, jnp.ones(z.shape, bool), jnp.zeros((z.shape[0], 1, hv), cd)
 
 
+def _keeps_u_sum(cfg: tl.TileConfig) -> bool:
+  """Whether the forward keeps entmax's Σu per row as one more statistic (for the residual's
+  gradient: :func:`attnx.core.streaming.residual_delta`)."""
+  return cfg.residual and cfg.w.stream.needs_threshold
+
+
+def _num_stats(cfg: tl.TileConfig) -> int:
+  return cfg.w.stream.num_stats + int(_keeps_u_sum(cfg))
+
+
 def _forward_chunk(q, k, v, bias, mask, row_scales, scale, cfg: tl.TileConfig, skip: bool,
                    smask: Any = None, x0: Any = 0, mod: Any = None, sinks: Any = None):
   """(O [x, G, Tp, Hv], row statistics, Σu·v/Σu or None, max threshold passes, zero tiles) of
@@ -228,13 +239,15 @@ def _forward_chunk(q, k, v, bias, mask, row_scales, scale, cfg: tl.TileConfig, s
     state = _fold(tile, lo, hi, lambda c, z, ok, vj: st.update(rs, c, z, ok, vj, ctx),
                   st.init(rs, rows, hv, cd), rs.reverse, zero, row_kinds, sink)
     o, row_stats, sm = st.finalize(rs, state, ctx)
+    if _keeps_u_sum(cfg):
+      row_stats += (state.u_sum,)
     put = lambda buf, a: tl.put_row_block(buf, a, i, cfg)
     stats = tuple(put(buf, a) for buf, a in zip(stats, row_stats, strict=True))
     return (put(out, o), stats, support_mean if sm is None else put(support_mean, sm), passes,
             zero_table)
 
   init = (jnp.zeros((x, g, tp, hv), cd), tuple(jnp.zeros((x, g, tp), cd)
-                                             for _ in range(rs.num_stats)),
+                                             for _ in range(_num_stats(cfg))),
           jnp.zeros((x, g, tp, hv), cd) if rs.saves_support_mean else None, jnp.int32(0),
           jnp.zeros((cfg.num_q_blocks, cfg.num_k_blocks), bool) if skip else None)
   return lax.fori_loop(0, cfg.num_q_blocks, q_block, init)
@@ -243,7 +256,7 @@ def _forward_chunk(q, k, v, bias, mask, row_scales, scale, cfg: tl.TileConfig, s
 def _backward_chunk(q, k, v, bias, mask, row_scales, scale, out, stats, support_mean, do,
                     zero, cfg: tl.TileConfig, carry0: tuple[Array, Array] | None = None,
                     both_carries: bool = False, smask: Any = None, x0: Any = 0,
-                    mod: Any = None, sinks: Any = None):
+                    mod: Any = None, sinks: Any = None, ddelta: Any = None):
   """(dq, dk, dv, dbias, drow_scales, dscale) of a chunk (first row ``x0``; ``smask`` as in
   :func:`_forward_chunk`: its skipped tiles add nothing to any gradient or grad carry).
 
@@ -253,7 +266,8 @@ def _backward_chunk(q, k, v, bias, mask, row_scales, scale, out, stats, support_
   ``carry0``: the per-row grad carries ([X, G, Tp] each, :class:`attnx.core.streaming.
   GradCarry`) left by key blocks of the same rows visited before this chunk's keys (ring
   attention; default zeros); ``both_carries``: return (carry_a, carry_b) in the place of
-  drow_scales, for the next block.
+  drow_scales, for the next block. ``ddelta``: None, or what joins δ for the residual's
+  cotangent (:func:`attnx.core.streaming.residual_delta`).
   """
   rs = cfg.w.stream
   tl.check_tiling(q, k, cfg)
@@ -263,6 +277,8 @@ def _backward_chunk(q, k, v, bias, mask, row_scales, scale, out, stats, support_
   # dS·K and dSᵀ·Q take finite copies (attnx.core.contract): 0·NaN at masked pairs.
   q_f, k_f = finite(q), finite(k)
   delta = jnp.sum(do.astype(cd) * (support_mean if rs.saves_support_mean else out), axis=-1)
+  if ddelta is not None:
+    delta = delta + ddelta
   bias_shape = bias.shape if cfg.has_bias else None
   axes = sweep.manual_axes(q, k, v, bias, mask, row_scales, out, do)
   block_rows = lambda a, i: tl.row_block(a, i, cfg)
@@ -435,21 +451,22 @@ def _forward(q, k, v, bias, mask, row_scales, scale, cfg: tl.TileConfig, skip: b
   if skip and rs.needs_threshold:
     zero0 = jnp.zeros((num_chunks, cfg.num_q_blocks, cfg.num_k_blocks), bool)
   init = (jnp.zeros((x, g, tp, hv), cd), tuple(jnp.zeros((x, g, tp), cd)
-                                             for _ in range(rs.num_stats)),
+                                             for _ in range(_num_stats(cfg))),
           jnp.zeros((x, g, tp, hv), cd) if rs.saves_support_mean else None, jnp.int32(0),
           zero0)
   return lax.fori_loop(0, num_chunks, chunk, init)
 
 
 def _backward(q, k, v, bias, mask, row_scales, scale, out, stats, support_mean, do, zero,
-              cfg: tl.TileConfig, smask: Any = None, mod: Any = None, sinks: Any = None):
+              cfg: tl.TileConfig, smask: Any = None, mod: Any = None, sinks: Any = None,
+              ddelta: Any = None):
   x = q.shape[0]
   cd = compute_dtype(q.dtype)
   chunk_cfg = dataclasses.replace(cfg, head_dims=cfg.chunk_head_dims())
   if cfg.heads_in_chunk == x:
     return _backward_chunk(q, k, v, bias, mask, row_scales, scale, out, stats, support_mean, do,
                            None if zero is None else zero[0], chunk_cfg, smask=smask, mod=mod,
-                           sinks=sinks)
+                           sinks=sinks, ddelta=ddelta)
   rows = lambda a, c: None if a is None else tl.chunk_rows(a, c, cfg)
 
   def chunk(c, carry):
@@ -459,7 +476,7 @@ def _backward(q, k, v, bias, mask, row_scales, scale, out, stats, support_mean, 
         tl.chunk_bias(mask, c, cfg), rows(row_scales, c), scale, rows(out, c),
         tuple(rows(a, c) for a in stats), rows(support_mean, c), rows(do, c),
         None if zero is None else zero[c], chunk_cfg, smask=smask, x0=c * cfg.heads_in_chunk,
-        mod=mod, sinks=sinks)
+        mod=mod, sinks=sinks, ddelta=rows(ddelta, c))
     put = lambda buf, a: lax.dynamic_update_slice_in_dim(buf, a, c * cfg.heads_in_chunk, 0)
     if cfg.has_bias:
       starts, sizes = tl.chunk_bias_window(bias, c, cfg)
@@ -553,22 +570,37 @@ def _make_kernel(cfg: tl.TileConfig, skip: bool):
 
   backward = jax.jit(functools.partial(_backward, cfg=cfg))
 
+  rs = cfg.w.stream
+  n = rs.num_stats
+
+  def primal(out, stats, dtype):
+    out = out.astype(dtype)
+    if not cfg.residual:
+      return out
+    big = lambda a: jnp.where(a >= jnp.finfo(a.dtype).max, jnp.inf, a)  # finite_residual's +∞
+    return out, tuple(big(a) for a in stats[:n])
+
   @jax.custom_vjp
   def kernel(q, k, v, bias, mask, row_scales, scale, smask, mod, sinks):
-    return forward(q, k, v, bias, mask, row_scales, scale, smask, mod, sinks)[0].astype(q.dtype)
+    out, stats, _, _ = forward(q, k, v, bias, mask, row_scales, scale, smask, mod, sinks)
+    return primal(out, stats, q.dtype)
 
   def fwd(q, k, v, bias, mask, row_scales, scale, smask, mod, sinks):
     out, stats, support_mean, zero = forward(q, k, v, bias, mask, row_scales, scale, smask, mod,
                                              sinks)
-    return out.astype(q.dtype), (q, k, v, bias, mask, row_scales, scale, out, stats,
-                                 support_mean, zero, smask, mod, sinks)
+    return primal(out, stats, q.dtype), (q, k, v, bias, mask, row_scales, scale, out, stats,
+                                         support_mean, zero, smask, mod, sinks)
 
-  def bwd(res, do):
+  def bwd(res, ct):
     (q, k, v, bias, mask, row_scales, scale, out, stats, support_mean, zero, smask, mod,
      sinks) = res
+    do, ddelta = ct, None
+    if cfg.residual:
+      do, dstats = ct
+      ddelta = st.residual_delta(rs, stats[:n], dstats, stats[n] if n < len(stats) else None)
     dq, dk, dv, dbias, drow_scales, dscale, *extra = backward(
-        q, k, v, bias, mask, row_scales, scale, out, stats, support_mean, do, zero,
-        smask=smask, mod=mod, sinks=sinks)
+        q, k, v, bias, mask, row_scales, scale, out, stats[:n], support_mean, do, zero,
+        smask=smask, mod=mod, sinks=sinks, ddelta=ddelta)
     dmod, dsinks = tl.extra_cotangents(cfg, extra, mod, sinks)
     return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype),
             None if bias is None else dbias.astype(bias.dtype), None,
@@ -656,7 +688,7 @@ def _ssmax_row_scales(q, k, bias, mask, rs: st.RowStream, is_causal: bool, ssmax
 
 
 def _ssmax_as_softmax(q, k, v, mask, weighting, scale, block_q, block_k, ssmax_s,
-                      structured: Any = None) -> Array:
+                      structured: Any = None, return_residual: bool = False) -> Any:
   """SSMax without a bias, in float32 or float64: softmax of (c_i·q_i)·k, the pointwise kernel
   (:func:`attnx.core.kernels.xla.pointwise.blocked_attention`) on the rows of q scaled by c_i =
   s·log n_i.
@@ -681,7 +713,7 @@ def _ssmax_as_softmax(q, k, v, mask, weighting, scale, block_q, block_k, ssmax_s
   q_scaled = c_fixed * q + (c - c_fixed) * finite(q)  # the value c·q; dc from the finite copy
   return bl.blocked_attention(q_scaled, k, v, weighting=get_weighting("softmax"), scale=scale,
                               mask=mask, block_q=block_q, block_k=block_k,
-                              structured_mask=structured)
+                              structured_mask=structured, return_residual=return_residual)
 
 
 def _runs_as_softmax(weighting: RowNormalizer, has_bias: bool, dtype: Any,
@@ -783,7 +815,8 @@ def blocked_row_attention(q: Array, k: Array, v: Array, *, weighting: RowNormali
                           block_q: int | None = None, block_k: int | None = None,
                           ssmax_s: Array | float | None = None,
                           skip_zero_tiles: bool = True, structured_mask: Any = None,
-                          score_mod: Any = None, sinks: Array | None = None) -> Array:
+                          score_mod: Any = None, sinks: Array | None = None,
+                          return_residual: bool = False) -> Array | tuple[Array, Any]:
   """Memory-efficient attention for a whole-row weighting (its ``stream`` family).
 
   Args:
@@ -817,15 +850,21 @@ def blocked_row_attention(q: Array, k: Array, v: Array, *, weighting: RowNormali
     sinks: attention sinks [N] (not stick-breaking): a virtual key of score ``sinks[h]`` and
       zero value in every row of head h, in every pass (SSMax scales its score and counts
       it, entmax's threshold sees it); gets a gradient.
+    return_residual: also return the family's residual ([B, T, N] rows: the log normalizer,
+      stick-breaking's log survival, entmax's :class:`~attnx.core.residuals.EntmaxResidual`,
+      :mod:`attnx.core.residuals`), with a gradient.
 
   Returns:
-    [B, T, N, Hv] in q's dtype, equal up to float rounding to the dense weights' product with
-    v (float32 accumulation; float64 for float64 inputs).
+    [B, T, N, Hv] in q's dtype (with ``return_residual``: and the residual), equal up to float
+    rounding to the dense weights' product with v (float32 accumulation; float64 for float64
+    inputs).
   """
   _check_only(q, k, v, mask, weighting, block_q, block_k)
   b, t, n, _ = q.shape
   if q.size == 0 or k.shape[1] == 0:  # no query, or no key (every row has no valid key)
-    return jnp.zeros((b, t, n, v.shape[-1]), q.dtype)
+    out = jnp.zeros((b, t, n, v.shape[-1]), q.dtype)
+    return ((out, residuals_lib.empty_residual(weighting, (b, t, n), compute_dtype(q.dtype)))
+            if return_residual else out)
   if not isinstance(skip_zero_tiles, bool):
     raise ValueError(f"skip_zero_tiles must be a bool, got {skip_zero_tiles!r}")
   if structured_mask is not None:  # the tiles of the mask, not the causal ones
@@ -834,11 +873,16 @@ def blocked_row_attention(q: Array, k: Array, v: Array, *, weighting: RowNormali
   if (score_mod is None and sinks is None
       and _runs_as_softmax(weighting, bias is not None, q.dtype, is_causal)):
     return _ssmax_as_softmax(q, k, v, mask, weighting, scale, block_q, block_k, ssmax_s,
-                             structured_mask)
+                             structured_mask, return_residual)
   arrays, cfg = _inputs(q, k, v, bias, mask, scale, weighting, is_causal, block_q, block_k,
                         ssmax_s, structured_mask, score_mod, sinks)
-  out = _make_kernel(cfg, skip_zero_tiles)(*arrays)
-  return out[:, :, :t].reshape(b, n, t, -1).transpose(0, 2, 1, 3)
+  out = _make_kernel(dataclasses.replace(cfg, residual=return_residual), skip_zero_tiles)(*arrays)
+  if not return_residual:
+    return out[:, :, :t].reshape(b, n, t, -1).transpose(0, 2, 1, 3)
+  out, stats = out
+  rows = lambda a: a[:, :, :t].reshape(b, n, t).transpose(0, 2, 1)
+  return (out[:, :, :t].reshape(b, n, t, -1).transpose(0, 2, 1, 3),
+          residuals_lib.from_stats(weighting, tuple(rows(a) for a in stats)))
 
 
 def _check_only(q, k, v, mask, weighting, block_q, block_k) -> None:

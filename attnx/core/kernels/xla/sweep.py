@@ -251,15 +251,17 @@ def _forward_chunk(q, k, v, bias, mask, scale, cfg: tl.TileConfig, smask: Any = 
 
 
 def backward(q, k, v, bias, mask, scale, out, stat, do, cfg: tl.TileConfig,
-              smask: Any = None, mod: Any = None, sinks: Any = None):
+              smask: Any = None, mod: Any = None, sinks: Any = None, dres: Any = None):
   """(dq, dk, dv, dbias, dscale), chunk by chunk; chunks may share a broadcast bias slice.
   Then, with a score modification (``cfg.score_mod``), the cotangent of ``mod`` (its
-  parameters' gradients, summed over every tile), and with sinks (``cfg.sinks``) d sinks."""
+  parameters' gradients, summed over every tile), and with sinks (``cfg.sinks``) d sinks.
+  ``dres``: None, or the cotangent [X, G, Tp] of the rows' log normalizer (the residual,
+  :mod:`attnx.core.residuals`), whose score gradient P ∘ dres joins dS as δ − dres."""
   x = q.shape[0]
   chunk_cfg = dataclasses.replace(cfg, head_dims=cfg.chunk_head_dims())
   if cfg.heads_in_chunk == x:
     return _backward_chunk(q, k, v, bias, mask, scale, out, stat, do, chunk_cfg, smask, 0, mod,
-                           sinks)
+                           sinks, dres)
   cd = compute_dtype(q.dtype)
 
   def chunk(c, carry):
@@ -267,7 +269,8 @@ def backward(q, k, v, bias, mask, scale, out, stat, do, cfg: tl.TileConfig,
     rows = lambda a: tl.chunk_rows(a, c, cfg)
     dq_c, dk_c, dv_c, dbias_c, dscale_c, *dmod_c = _backward_chunk(
         rows(q), rows(k), rows(v), tl.chunk_bias(bias, c, cfg), tl.chunk_bias(mask, c, cfg), scale,
-        rows(out), rows(stat), rows(do), chunk_cfg, smask, c * cfg.heads_in_chunk, mod, sinks)
+        rows(out), rows(stat), rows(do), chunk_cfg, smask, c * cfg.heads_in_chunk, mod, sinks,
+        None if dres is None else rows(dres))
     put = lambda buf, a: lax.dynamic_update_slice_in_dim(buf, a, c * cfg.heads_in_chunk, 0)
     if cfg.has_bias:
       starts, sizes = tl.chunk_bias_window(bias, c, cfg)
@@ -287,7 +290,8 @@ def backward(q, k, v, bias, mask, scale, out, stat, do, cfg: tl.TileConfig,
 
 
 def _backward_chunk(q, k, v, bias, mask, scale, out, stat, do, cfg: tl.TileConfig,
-                    smask: Any = None, x0: Any = 0, mod: Any = None, sinks: Any = None):
+                    smask: Any = None, x0: Any = 0, mod: Any = None, sinks: Any = None,
+                    dres: Any = None):
   """One chunk of :func:`backward`."""
   w = cfg.w
   tl.check_tiling(q, k, cfg)
@@ -298,6 +302,8 @@ def _backward_chunk(q, k, v, bias, mask, scale, out, stat, do, cfg: tl.TileConfi
   q_f, k_f = finite(q), finite(k)
   # D_i = dO_i·O_i = Σ_j w_ij dP_ij (also correct with a denominator offset).
   delta = jnp.sum(do.astype(cd) * out, axis=-1)
+  if dres is not None:  # d lse/dz = P, as −δ's term: fold it into δ
+    delta = delta - dres.astype(cd)
   grad_rows = streaming.pointwise_grad_rows(w, stat, delta)
   bias_shape = bias.shape if cfg.has_bias else None
   axes = manual_axes(q, k, v, bias, mask, out, do)

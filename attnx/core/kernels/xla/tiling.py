@@ -67,6 +67,9 @@ class TileConfig:
   # Attention sinks: a virtual key of score sinks[h] and zero value in every row, folded into
   # each row's state before its keys; the kernels take sinks [N] (with a gradient).
   sinks: bool = False
+  # The caller asks for the residual: the whole-row forward also returns entmax's Σu per row,
+  # which the residual's gradient needs (attnx.core.streaming.residual_delta).
+  residual: bool = False
 
   @property
   def num_keys(self) -> int:

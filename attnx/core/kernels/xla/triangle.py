@@ -199,8 +199,10 @@ def causal_forward(q, k, v, bias, mask, scale, cfg: tl.TileConfig):
   return streaming.pointwise_finalize(cfg.w, acc, st, split_lse=True)
 
 
-def causal_backward(q, k, v, bias, mask, scale, out, stat, do, cfg: tl.TileConfig):
-  """The causal backward: the plain backward of every piece with the rows' final statistic."""
+def causal_backward(q, k, v, bias, mask, scale, out, stat, do, cfg: tl.TileConfig,
+                    dres: Array | None = None):
+  """The causal backward: the plain backward of every piece with the rows' final statistic
+  (``dres``: the cotangent of the rows' log normalizer, as :func:`.sweep.backward`'s)."""
   p, d = cfg.num_diag_tiles, cfg.bq
   cd = compute_dtype(q.dtype)
 
@@ -209,9 +211,11 @@ def causal_backward(q, k, v, bias, mask, scale, out, stat, do, cfg: tl.TileConfi
     qp = lambda a: _q_part(a, m, parts, side, rp)
     kp = lambda a: _k_part(a, m, parts, side, cp)
     (dq, dk, dv, db, ds), unflat, how = _pieces(
-        lambda q, k, v, b, mk, o, st, g: sweep.backward(q, k, v, b, mk, scale, o, st, g, c), c, m,
+        lambda q, k, v, b, mk, o, st, g, *r: sweep.backward(q, k, v, b, mk, scale, o, st, g, c,
+                                                            dres=r[0] if r else None), c, m,
         qp(q), kp(k), kp(v), _pick_blocks(bias, m, parts, side, rp, cp),
-        _pick_blocks(mask, m, parts, side, rp, cp), qp(out), qp(stat), qp(do))
+        _pick_blocks(mask, m, parts, side, rp, cp), qp(out), qp(stat), qp(do),
+        *(() if dres is None else (qp(dres),)))
     return (unflat(dq), unflat(dk), unflat(dv), None if db is None else _unfold_pieces(db, how, m),
             ds)
 

@@ -339,7 +339,7 @@ def attention(query: Array, key: Array, value: Array, bias: Array | None = None,
       ``[batch..., T, N]``, as ``jax.nn.dot_product_attention(..., return_residual=True)``;
       for the other weightings what :mod:`attnx.core.residuals` documents (a log normalizer,
       stick-breaking's log survival, entmax's threshold). Differentiable. Runs on the
-      dense, split-KV, blocked and Pallas implementations (Pallas: not for sparsemax/entmax).
+      dense, split-KV, blocked and Pallas implementations (and ``ring_attention``).
     normalize_output: False returns the numerator Σ_j F_ij v_j (float32) instead of the
       output (tokamax's flag), which is the output times the residual's normalizer
       (:func:`attnx.core.residuals.unnormalize`); for softmax in float32 it overflows where

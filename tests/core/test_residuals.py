@@ -38,10 +38,6 @@ def _qkv(b=2, t=3, s=24, n=4, k=2, h=8, hv=8, seed=0, scale=1.0):
   return q, kk, v
 
 
-def _threshold(w: str) -> bool:
-  return residuals.residual_kind(core.get_weighting(w)) == "threshold"
-
-
 def _takes_sinks(w: str) -> bool:
   return core.problem.sinks_reason(core.get_weighting(w)) is None
 
@@ -72,8 +68,6 @@ def _scores64(q, k, causal=False, mask=None, cap=None):
 @pytest.mark.parametrize("impl", IMPLS, ids=lambda i: getattr(i, "name", i) + (
     f"{i.num_chunks}" if isinstance(i, core.SplitKV) else ""))
 def test_residual_matches_float64(w, impl):
-  if impl is PALLAS and _threshold(w):
-    pytest.skip("refused: test_residual_arguments_are_checked")
   q, k, v = _qkv(t=3, s=24, seed=1)
   mask = np.random.default_rng(2).random((2, 1, 3, 24)) < 0.7
   mask[1, 0, 2] = False  # one fully masked row
@@ -192,8 +186,6 @@ def test_residual_gradient_matches_float64(w):
   want = _residual_score_grad64(w, np.asarray(q, np.float64), valid, ct)
 
   for impl in RESIDUAL_GRAD_IMPLS:
-    if impl is PALLAS and _threshold(w):
-      continue  # refused: test_pallas_refuses_threshold_residuals
     def loss(q, impl=impl):
       _, r = core.attention(q, k, v, mask=jnp.asarray(mask), weighting=w, scale=1.0,
                             implementation=impl, return_residual=True)
@@ -320,8 +312,6 @@ def test_residual_arguments_are_checked():
     core.attention(q, k, v, return_residual=jnp.bool_(True))
   with pytest.raises(ValueError, match="cannot both be True"):
     core.attention(q, k, v, return_residual=True, return_weights=True)
-  with pytest.raises(ValueError, match="returns no residual for 'sparsemax'"):
-    core.attention(q, k, v, weighting="sparsemax", return_residual=True, implementation=PALLAS)
   # The automatic choice runs it (split-KV for short queries, dense otherwise).
   assert core.explain(q, k, v, return_residual=True).chosen == "split_kv"
   q2 = jnp.zeros((2, 40, 4, 8))
@@ -331,7 +321,7 @@ def test_residual_arguments_are_checked():
     assert core.explain(q3, k3, k3, weighting=w, return_residual=True).chosen == "blocked"
 
 
-@pytest.mark.parametrize("w", ("softmax", "stick_breaking"))
+@pytest.mark.parametrize("w", ("softmax", "stick_breaking", "entmax15"))
 def test_pallas_residual_lowers_for_gpu_and_tpu(w):
   """core.attention(implementation="pallas", return_residual=True) as a user on a GPU or TPU
   runs it: the platform's kernels (by_platform), forward and backward, lowered for both."""
@@ -341,6 +331,7 @@ def test_pallas_residual_lowers_for_gpu_and_tpu(w):
   def loss(q, k, v):
     out, res = core.attention(q, k, v, weighting=w, implementation="pallas", is_causal=True,
                               return_residual=True)
+    res = res.threshold if isinstance(res, core.EntmaxResidual) else res
     return jnp.sum(out.astype(jnp.float32) ** 2) + jnp.sum(jnp.sin(res))
 
   for platform, target in (("cuda", "__gpu$xla.gpu.triton"), ("tpu", "tpu_custom_call")):

@@ -29,7 +29,7 @@ import numpy as np
 import pytest
 
 from attnx import core
-from attnx.core import api, problem, residuals
+from attnx.core import api, problem
 from attnx.core import weightings as wlib
 from attnx.core.kernels import pallas as pallas_lib
 from attnx.core.kernels.pallas import tiles as pallas_tiles
@@ -547,8 +547,7 @@ def _program(config: Case, impl: str, scalar_params: tuple):
   return both
 
 
-# The implementations that return residuals (Pallas: but sparsemax/entmax's, which it refuses).
-RESIDUAL_IMPLS = ("dense", "blocked", "split_kv", "auto", "pallas")
+RESIDUAL_IMPLS = ("dense", "blocked", "split_kv", "auto", "pallas")  # they return residuals
 
 
 @functools.lru_cache(maxsize=16)
@@ -718,9 +717,7 @@ def _check_instance(case: Case, instance: int) -> list[str]:
     errs = {"out": _error(out, want["out"], keeps["out"], scales["out"])}
     for name, g in grads.items():
       errs[name] = _error(g, want[name], keeps[name], scales.get(name))
-    if case.residual and impl in RESIDUAL_IMPLS and not (
-        impl == "pallas" and residuals.residual_kind(wlib.get_weighting(case.weighting))
-        == "threshold"):
+    if case.residual and impl in RESIDUAL_IMPLS:
       errs["residual"] = _residual_error(case, impl, arrs, ref, keeps["out"])
     bad = {k: e for k, e in errs.items() if not e <= (tol if k == "out" else 2 * tol)}
     if bad:

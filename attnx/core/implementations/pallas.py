@@ -52,17 +52,8 @@ from attnx.core.implementations.blocked import small_problem_reason
 from attnx.core.kernels import pallas as pallas_lib
 from attnx.core.kernels.pallas import block as pallas_block
 from attnx.core.kernels.pallas import masking as pallas_masking
-from attnx.core.kernels.pallas import wrapper as pallas_wrapper
 
 Array = jax.Array
-
-
-def _residual_reason(problem: Problem) -> str | None:
-  """Why the kernels cannot return ``problem``'s residual (sparsemax/entmax), else None."""
-  rs = getattr(problem.weighting, "stream", None)
-  if problem.wants_residual and rs is not None and rs.needs_threshold:
-    return pallas_wrapper.residual_reason(problem.weighting)
-  return None
 
 
 def _modification_reason(problem: Problem) -> str | None:
@@ -125,8 +116,7 @@ class Pallas(Implementation):
     reason = (self.supports_config(problem.weighting, problem.score)
               or needs_weights_reason(self.name, problem)
               or static_dims_reason(self.name, problem)
-              or residual_reason(self.name, problem)
-              or _residual_reason(problem))
+              or residual_reason(self.name, problem))
     if reason is not None:
       return reason
     reason = _modification_reason(problem)

@@ -79,6 +79,9 @@ class KernelConfig:
   two_pass_dkv: bool = False
   # Sparsemax/entmax: skip the work of key tiles whose every weight is zero (:mod:`.rows`).
   skip_zero_tiles: bool = True
+  # Sparsemax/entmax: the forward also writes Σu per row (u = p^{2−α}), which the gradient of
+  # the residual's threshold needs (attnx.core.streaming.residual_delta).
+  keep_u_sum: bool = False
   # A structured mask's static plan (:class:`.masking.MaskPlan`), or None.
   smask: Any = None
   # logits_soft_cap c (s = c·tanh(scale·q·k / c) before the bias, :func:`tile_scores`), or

@@ -109,13 +109,16 @@ def _fwd_kernel(*refs, cfg, has_bias, has_mask):
   span = kv_span(cfg, i, bq, bk, q_len, kv_len, sm)
   rowc = None if r["rowc"] is None else _lane0(r["rowc"][...])
   sink = None if r["sinks"] is None else r["sinks"][pl.program_id(1)]  # SMEM [N]
-  o, stats, smean = forward_rows(cfg, OPS, tile, lambda c0: v_ref[ds(c0), :], span, rowc, bq,
+  o, stats, smean, usum = forward_rows(cfg, OPS, tile, lambda c0: v_ref[ds(c0), :], span, rowc,
+                                        bq,
                                   v_ref.shape[-1], sink)
   r["o"][...] = o.astype(r["o"].dtype)
   for ref, x in zip(stat_refs_of(r, cfg), stats, strict=True):
     ref[...] = _to_lanes(x)
   if smean is not None:
     r["smean"][...] = smean
+  if usum is not None:
+    r["usum"][...] = _to_lanes(usum)
 
 
 def _bias_spec(x, bq_or_t: int, bk_or_s: int, lead: int | None, index) -> list:
@@ -178,6 +181,9 @@ def _forward(cfg, q, k, v, rowc, bias, mask, q_len, kv_len, out_dtype, smask=Non
   if rs.saves_support_mean:
     out_specs.append(orow)
     out_shape.append(jax.ShapeDtypeStruct((b, n, tp, hv), F32))
+  if cfg.keep_u_sum:
+    out_specs.append(lanes)
+    out_shape.append(jax.ShapeDtypeStruct((b, n, tp, LANES), F32))
   args = [x for x in (q, k, v, None if rowc is None else mosaic.to_lanes_all(rowc), bias, mask)
           if x is not None] + ([slopes.astype(F32)] if cfg.alibi else []) + (
               [rev] if cfg.relative else []) + ([sinks.astype(F32)] if cfg.sinks else [])
@@ -195,7 +201,8 @@ def _forward(cfg, q, k, v, rowc, bias, mask, q_len, kv_len, out_dtype, smask=Non
       interpret=cfg.interpret, name="attnx_pallas_rows_fwd")(q_len, kv_len, *sm_pre, *args,
                                                              *sm_ids)
   o, stats = res[0], tuple(x[..., 0] for x in res[1:1 + rs.num_stats])
-  return o, stats, (res[-1] if rs.saves_support_mean else None)
+  smean = res[1 + rs.num_stats] if rs.saves_support_mean else None
+  return o, stats + ((res[-1][..., 0],) if cfg.keep_u_sum else ()), smean
 
 
 # --------------------------------------------------------------------------------------------

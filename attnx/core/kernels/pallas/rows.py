@@ -199,7 +199,8 @@ def sink_tile(sink, bq: int, bk: int, hv: int):
 
 
 def forward_rows(cfg, ops, tile, load_v, span, rowc, bq: int, hv: int, sink=None):
-  """(O, row statistics, Σu·v/Σu or None) of one query tile: threshold passes (entmax), then
+  """(O, row statistics, Σu·v/Σu or None, Σu with ``cfg.keep_u_sum`` or None) of one query
+  tile: threshold passes (entmax), then
   one pass over the key tiles [lo, hi) of ``span`` (last first for stick-breaking).
 
   ``sink`` (with ``cfg.sinks``: the query head's sink, a scalar): one more key of every row,
@@ -236,7 +237,8 @@ def forward_rows(cfg, ops, tile, load_v, span, rowc, bq: int, hv: int, sink=None
   if sk is not None:
     state = st.update(rs, state, *sk, ctx, ops)
   state = lax.fori_loop(0, count, body, state)
-  return st.finalize(rs, state, ctx)
+  o, stats, smean = st.finalize(rs, state, ctx)
+  return o, stats, smean, (state.u_sum if cfg.keep_u_sum else None)
 
 
 def sink_grad_rows(cfg, sinks, stats, delta, rowc):
@@ -389,7 +391,7 @@ def fwd_names(cfg, has_bias, has_mask, lens_first: bool):
          ("sinks", cfg.sinks)] + _ids(cfg, lens_first)
   lens = _lens(cfg, lens_first)
   outs = [("o", True)] + [(f"stat{n}", True) for n in range(rs.num_stats)] + [
-      ("smean", rs.saves_support_mean)]
+      ("smean", rs.saves_support_mean), ("usum", cfg.keep_u_sum)]
   return (lens + ins if lens_first else ins + lens) + outs
 
 

@@ -91,13 +91,16 @@ def _fwd_kernel(*refs, cfg, has_bias, has_mask):
   span = kv_span(cfg, i, bq, bk, q_len, kv_len, sm)
   rowc = None if r["rowc"] is None else r["rowc"][...]
   sink = None if r["sinks"] is None else r["sinks"][0]  # [1]: the query head's sink
-  o, stats, smean = forward_rows(cfg, OPS, tile, lambda c0: v_ref[pl.ds(c0, bk), :], span, rowc,
+  o, stats, smean, usum = forward_rows(cfg, OPS, tile, lambda c0: v_ref[pl.ds(c0, bk), :], span,
+                                        rowc,
                                   bq, v_ref.shape[-1], sink)
   r["o"][...] = o.astype(r["o"].dtype)
   for ref, x in zip(stat_refs_of(r, cfg), stats, strict=True):
     ref[...] = x
   if smean is not None:
     r["smean"][...] = smean
+  if usum is not None:
+    r["usum"][...] = usum
 
 
 def forward(cfg, q, k, v, rowc, bias, mask, q_len, kv_len, out_dtype, smask=None, slopes=None,
@@ -127,6 +130,9 @@ def forward(cfg, q, k, v, rowc, bias, mask, q_len, kv_len, out_dtype, smask=None
   if rs.saves_support_mean:
     out_specs.append(orow)
     out_shape.append(jax.ShapeDtypeStruct((b, tp, n, hvp), F32))
+  if cfg.keep_u_sum:
+    out_specs.append(rowvec)
+    out_shape.append(jax.ShapeDtypeStruct((b, n, tp), F32))
   args = [x for x in (q, k, v, rowc, bias, mask) if x is not None] + slope_args + [
       q_len, kv_len] + sm_args
   res = triton.pallas_call(
@@ -136,7 +142,8 @@ def forward(cfg, q, k, v, rowc, bias, mask, q_len, kv_len, out_dtype, smask=None
       compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
       interpret=cfg.interpret, name="attnx_pallas_rows_fwd")(*args)
   o, stats = res[0], tuple(res[1:1 + rs.num_stats])
-  return o, stats, (res[-1] if rs.saves_support_mean else None)
+  smean = res[1 + rs.num_stats] if rs.saves_support_mean else None
+  return o, stats + ((res[-1],) if cfg.keep_u_sum else ()), smean
 
 
 # --------------------------------------------------------------------------------------------

@@ -160,11 +160,14 @@ def _split_ct(ct: Any, residual: bool) -> tuple[Any, Any]:
   if not residual:
     return ct, None
   do, dres = ct
-  if isinstance(dres, jax.custom_derivatives.SymbolicZero):
+  zero = lambda x: isinstance(x, jax.custom_derivatives.SymbolicZero)
+  leaves = dres if isinstance(dres, tuple) else (dres,)
+  if all(zero(x) for x in leaves):
     return do, None
-  if isinstance(do, jax.custom_derivatives.SymbolicZero):
+  leaves = tuple(jnp.zeros(x.shape, x.dtype) if zero(x) else x for x in leaves)
+  if zero(do):
     do = jnp.zeros(do.shape, do.dtype)
-  return do, dres
+  return do, leaves if isinstance(dres, tuple) else leaves[0]
 
 
 @functools.lru_cache(maxsize=512)
@@ -268,13 +271,14 @@ def _make_row_kernel(cfg: KernelConfig, residual: bool = False):
   relative table's ext [N, Lx], d ext from the dQ kernel), else None; sinks: [N] when
   ``cfg.sinks``, else None, d sinks and the sink's term of SSMax's dc computed here, outside
   the kernels, from the saved row statistics and δ: :func:`.rows.sink_grad_rows`).
-  ``residual`` (not sparsemax/entmax, whose threshold's gradient needs Σu, which these
-  kernels do not keep): it returns (O, the family's one row statistic [B, N, Tp]: the log
-  normalizer, stick-breaking's log survival) and folds the latter's cotangent into δ
-  (:func:`attnx.core.streaming.residual_delta`)."""
+  ``residual``: it returns (O, the family's row statistics, each [B, N, Tp]: the log
+  normalizer, stick-breaking's log survival, entmax's (m, τ, Σp)) and folds their cotangent
+  into δ (:func:`attnx.core.streaming.residual_delta`; entmax's needs Σu per row, which the
+  forward then writes too: ``cfg.keep_u_sum``)."""
   rs = cfg.w.stream
-  if residual and rs.num_stats != 1:
-    raise ValueError(f"the Pallas kernels return no residual for {cfg.w.name!r}")
+  n = rs.num_stats
+  if residual and rs.needs_threshold and not cfg.keep_u_sum:
+    raise ValueError("a sparsemax/entmax residual needs cfg.keep_u_sum")
   if rs.suffix_carries and cfg.bk_dq != cfg.bk_dkv:
     raise ValueError(f"stick-breaking's dQ and dK/dV key tiles must agree (its carries are "
                      f"per key tile), got {cfg.bk_dq} and {cfg.bk_dkv}")
@@ -283,7 +287,7 @@ def _make_row_kernel(cfg: KernelConfig, residual: bool = False):
   def attn(q, k, v, bias, mask, q_len, kv_len, rowc, smask, slopes, sinks):
     o, stats, _ = row_forward(cfg, q, k, v, rowc, bias, mask, q_len, kv_len, smask=smask,
                               slopes=slopes, sinks=sinks)
-    return (o, stats[0]) if residual else o
+    return (o, tuple(stats[:n])) if residual else o
 
   def fwd(q, k, v, bias, mask, q_len, kv_len, rowc, smask, slopes, sinks):
     want_ds = bias is not None and bias.perturbed
@@ -296,7 +300,7 @@ def _make_row_kernel(cfg: KernelConfig, residual: bool = False):
     o, stats, smean = row_forward(cfg, q_, k_, v_, rowc_, bias_, mask_, ql, kl, out_dtype=F32,
                                   smask=smask, slopes=slopes, sinks=sinks)
     marker = jnp.zeros((), F32) if want_ds else None
-    out = (o.astype(q_.dtype), stats[0]) if residual else o.astype(q_.dtype)
+    out = (o.astype(q_.dtype), tuple(stats[:n])) if residual else o.astype(q_.dtype)
     return out, (*vals, smask, slopes, sinks, o, stats, smean, marker)
 
   def bwd(res, ct):
@@ -307,7 +311,9 @@ def _make_row_kernel(cfg: KernelConfig, residual: bool = False):
     ref = smean if rs.saves_support_mean else o
     delta = jnp.sum(do.astype(F32) * ref, axis=-1).transpose(0, 2, 1)
     if dres is not None:
-      delta = delta + st.residual_delta(rs, tuple(stats), (dres.astype(F32),))
+      delta = delta + st.residual_delta(rs, tuple(stats[:n]), tuple(x.astype(F32) for x in dres),
+                                        stats[n] if len(stats) > n else None)
+    stats = stats[:n]
     dq, dk, dv, ds, dc, *dslopes = row_backward(
         cfg, q, k, v, bias, mask, q_len, kv_len, do, (*stats, delta), rowc,
         want_ds=marker is not None, smask=smask, slopes=slopes)
@@ -428,9 +434,9 @@ def pallas_attention(q: Array, k: Array, v: Array, *, weighting: Any,
       threshold passes; SSMax's n_i counts it); gets a gradient (computed outside the
       kernels).
     return_residual: also return the rows' residual [B, T, N] float32
-      (:mod:`attnx.core.residuals`: the log normalizer, stick-breaking's log survival), with
-      a gradient; not for sparsemax/entmax (ValueError: their threshold's gradient needs Σu
-      per row, which these kernels do not keep).
+      (:mod:`attnx.core.residuals`: the log normalizer, stick-breaking's log survival,
+      entmax's threshold and weight total), with a gradient (entmax: the forward then also
+      writes Σu per row, which the threshold's gradient needs).
 
   Returns:
     [B, T, N, Hv] in q's dtype (with ``return_residual``: and the residual), equal up to float
@@ -444,9 +450,6 @@ def pallas_attention(q: Array, k: Array, v: Array, *, weighting: Any,
   alibi = None if score_mod is None else score_mod.linear_bias
   relative = score_mod is not None and score_mod.relative
   rows = not isinstance(weighting, Pointwise)
-  if return_residual and rows and getattr(weighting, "stream", None) is not None and (
-      weighting.stream.num_stats != 1):
-    raise ValueError(residual_reason(weighting))
   if backend is None and not interpret:
     return _per_platform(
         q, k, v, weighting=weighting, scale=scale, bias=bias, mask=mask, is_causal=is_causal,
@@ -518,6 +521,8 @@ def pallas_attention(q: Array, k: Array, v: Array, *, weighting: Any,
       q, k, v, bias4, mask4, weighting=weighting, scale=scale, backend=be, interpret=interpret,
       blocks=blocks, launch=launch, is_causal=is_causal, q_bound=q_lengths is not None,
       kv_bound=kv_lengths is not None, skip_zero_tiles=skip_zero_tiles)
+  if return_residual and rows and weighting.stream.needs_threshold:
+    cfg = dataclasses.replace(cfg, keep_u_sum=True)  # entmax's residual gradient needs Σu
   if cap is not None or sinks is not None or alibi is not None:
     # tiles of the plain kernels otherwise, op for op
     cfg = dataclasses.replace(cfg, cap=cap, sinks=sinks is not None, alibi=alibi)
@@ -543,17 +548,11 @@ def pallas_attention(q: Array, k: Array, v: Array, *, weighting: Any,
                                              *extra)
   if not return_residual:
     return out[:, :t, :, :hv]
-  out, stat = out
-  residual = stat[:, :, :t].transpose(0, 2, 1)  # a pointwise F's is the log normalizer
-  return out[:, :t, :, :hv], (residuals_lib.from_stats(weighting, (residual,)) if rows
-                              else residual)
-
-
-def residual_reason(weighting: Any) -> str:
-  """Why the Pallas kernels return no residual for a sparsemax/entmax ``weighting``."""
-  return (f"implementation='pallas' returns no residual for {weighting.name!r}: the gradient of "
-          "its threshold τ needs Σu per row, which the Pallas kernels do not keep; use "
-          "implementation='blocked' (or None, which picks it).")
+  out, stats = out
+  if not rows:  # a pointwise F's statistic is its log normalizer already
+    return out[:, :t, :, :hv], stats[:, :, :t].transpose(0, 2, 1)
+  stats = tuple(x[:, :, :t].transpose(0, 2, 1) for x in stats)
+  return out[:, :t, :, :hv], residuals_lib.from_stats(weighting, stats)
 
 
 def _soft_cap(weighting: Any, score_mod: Any, sinks: Any) -> float | None:
@@ -683,16 +682,21 @@ def _per_platform(q: Array, k: Array, v: Array, **kwargs: Any) -> Array:
   def kernel(backend: str) -> Callable[..., Array]:
     def run(q, k, v, arrays):
       out = pallas_attention(q, k, v, backend=backend, **static, **arrays)
-      if residual:  # one array leaves by_platform: the residual as a last column
+      if residual:  # one array leaves by_platform: the residual's arrays as last columns
         out, res = out
-        out = jnp.concatenate([out.astype(F32), res[..., None].astype(F32)], axis=-1)
+        out = jnp.concatenate([out.astype(F32)] + [x[..., None].astype(F32)
+                                                   for x in jax.tree.leaves(res)], axis=-1)
       return out
     return run
 
   hv = v.shape[-1]
+  w = static["weighting"]
+  extra = 0
+  if residual:
+    extra = len(jax.tree.leaves(residuals_lib.empty_residual(w, (1,))))
   out = platforms.by_platform(
       q, k, v, arrays, gpu=kernel("gpu"), tpu=kernel("tpu"),
-      out=jax.ShapeDtypeStruct((*q.shape[:3], hv + residual), F32 if residual else q.dtype),
+      out=jax.ShapeDtypeStruct((*q.shape[:3], hv + extra), F32 if residual else q.dtype),
       other=("implementation='pallas' needs a GPU or TPU; this program is being lowered or run "
              "for a platform with neither (the CPU host, unless lowered with "
              "lowering_platforms=('cuda',) or ('tpu',)). Use implementation="
@@ -701,4 +705,6 @@ def _per_platform(q: Array, k: Array, v: Array, **kwargs: Any) -> Array:
              "flash-style kernel) on a CPU."))
   if not residual:
     return out
-  return out[..., :hv].astype(q.dtype), out[..., hv]
+  tree = jax.tree.structure(residuals_lib.empty_residual(w, (1,)))
+  return out[..., :hv].astype(q.dtype), jax.tree.unflatten(
+      tree, [out[..., hv + i] for i in range(extra)])

@@ -344,7 +344,7 @@ def test_pallas_residual_lowers_for_gpu_and_tpu(w):
 
 @pytest.mark.split_by_jax
 @pytest.mark.parametrize("w, layout, impl", [
-    ("sigmoid", "zigzag", "blocked"), ("ssmax", "contiguous", "blocked"),
+    ("sigmoid", "contiguous", "blocked"), ("ssmax", "contiguous", "blocked"),
     ("stick_breaking", "contiguous", PALLAS), ("stick_breaking", "zigzag", "blocked")])
 def test_ring_residual_is_attentions(w, layout, impl):
   """ring_attention(return_residual=True): the residual and the gradients through it (its
@@ -373,12 +373,13 @@ def test_ring_residual_is_attentions(w, layout, impl):
                             return_residual=True)
     return perm(out), perm(r)
 
-  def loss(fn):
-    return lambda *a: (jnp.sum(fn(*a)[0] * perm(ct)) + jnp.sum(fn(*a)[1] * perm(ct_r)))
+  def run(fn):  # (out, residual) and the gradients of Σ ct·out + Σ ct_r·residual, one trace
+    outs, vjp = jax.vjp(fn, q, k, v)
+    return outs, vjp((perm(ct), perm(ct_r)))
 
-  chex.assert_trees_all_close(ring(q, k, v), whole(q, k, v), atol=2e-5)
-  chex.assert_trees_all_close(jax.grad(loss(ring), (0, 1, 2))(q, k, v),
-                              jax.grad(loss(whole), (0, 1, 2))(q, k, v), atol=5e-5, rtol=1e-4)
+  (got, got_grads), (want, want_grads) = run(ring), run(whole)
+  chex.assert_trees_all_close(got, want, atol=2e-5)
+  chex.assert_trees_all_close(got_grads, want_grads, atol=5e-5, rtol=1e-4)
 
 
 def test_empty_key_sequence_residuals():

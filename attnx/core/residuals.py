@@ -203,6 +203,21 @@ def merge_attention(parts: Sequence[tuple[Array, Any]], *, weighting: Any = "sof
   return safe_div(st.acc, denom).astype(dtype), lse
 
 
+def cotangent_sign(w: Any) -> float:
+  """How the cotangent g of a one-array residual enters the kernels' backward row term δ
+  (δ + sign·g; :func:`attnx.core.streaming.residual_delta` for the whole-row families): −1
+  for a log normalizer that depends on the scores (a sum of F, SSMax, softpick), +1 for
+  stick-breaking's log survival, 0 where nothing does (``"length"``, ``"none"``).
+  ValueError for sparsemax/entmax, whose residual is two arrays."""
+  if isinstance(w, weightings_lib.Pointwise):
+    return -1.0 if (w.online_max or w.divides_by_sum) else 0.0
+  rs = w.stream
+  if rs.needs_threshold:
+    raise ValueError(f"{w.name!r}'s residual is a threshold and a total: "
+                     "attnx.core.streaming.residual_delta folds its cotangent")
+  return 1.0 if rs.reverse else -1.0
+
+
 def row_term(w: Any) -> float:
   """The constant every row's normalizer holds besides its keys' sum: softmax_plus_one's
   offset (a virtual key of score 0), softpick's ε; 0 for the others."""
@@ -212,5 +227,5 @@ def row_term(w: Any) -> float:
   return float(sum(getattr(rs, name) for name in rs.rules.row_terms)) if rs is not None else 0.0
 
 
-__all__ = ["KINDS", "EntmaxResidual", "empty_residual", "from_stats", "merge_attention",
-           "normalizer", "residual_kind", "row_term", "unnormalize"]
+__all__ = ["KINDS", "EntmaxResidual", "cotangent_sign", "empty_residual", "from_stats",
+           "merge_attention", "normalizer", "residual_kind", "row_term", "unnormalize"]

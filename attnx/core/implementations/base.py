@@ -330,6 +330,16 @@ def residual_reason(name: str, problem: Problem) -> str | None:
   return None
 
 
+def streaming_reason(impl: Implementation, problem: Problem) -> str | None:
+  """What every streaming implementation (blocked, split-KV, Pallas) checks first: its
+  weighting and score (:meth:`Implementation.supports_config`), the weights it never forms,
+  static dims, the residual."""
+  return (impl.supports_config(problem.weighting, problem.score)
+          or needs_weights_reason(impl.name, problem)
+          or static_dims_reason(impl.name, problem)
+          or residual_reason(impl.name, problem))
+
+
 def with_residual(problem: Problem, out: Array, residual: Any) -> Any:
   """What :meth:`Implementation.__call__` returns from the output [batch..., T, N, Hv] and the
   public residual (:mod:`attnx.core.residuals`): the output in the problem's dtype, or

@@ -28,11 +28,9 @@ from attnx.core.implementations.base import (
   Problem,
   RingProblem,
   check_tile_size,
-  needs_weights_reason,
-  residual_reason,
   run_streaming,
-  static_dims_reason,
   streaming_config_reason,
+  streaming_reason,
 )
 from attnx.core.kernels.xla import block as xla_block
 from attnx.core.kernels.xla import rows as blocked_rows
@@ -91,10 +89,7 @@ class Blocked(Implementation):
     return streaming_config_reason(self.name, weighting, score)
 
   def supports(self, problem: Problem) -> str | None:
-    return (self.supports_config(problem.weighting, problem.score)
-            or needs_weights_reason(self.name, problem)
-            or static_dims_reason(self.name, problem)
-            or residual_reason(self.name, problem))
+    return streaming_reason(self, problem)
 
   def declines(self, problem: Problem) -> str | None:
     return small_problem_reason(problem)

@@ -42,11 +42,9 @@ from attnx.core.implementations.base import (
   Problem,
   RingProblem,
   check_tile_size,
-  needs_weights_reason,
-  residual_reason,
   run_streaming,
-  static_dims_reason,
   streaming_config_reason,
+  streaming_reason,
 )
 from attnx.core.implementations.blocked import small_problem_reason
 from attnx.core.kernels import pallas as pallas_lib
@@ -113,10 +111,7 @@ class Pallas(Implementation):
     return streaming_config_reason(self.name, weighting, score)
 
   def supports(self, problem: Problem) -> str | None:
-    reason = (self.supports_config(problem.weighting, problem.score)
-              or needs_weights_reason(self.name, problem)
-              or static_dims_reason(self.name, problem)
-              or residual_reason(self.name, problem))
+    reason = streaming_reason(self, problem)
     if reason is not None:
       return reason
     reason = _modification_reason(problem)

@@ -26,10 +26,8 @@ from attnx.core.implementations.base import (
   Implementation,
   Inputs,
   Problem,
-  needs_weights_reason,
-  residual_reason,
-  static_dims_reason,
   streaming_config_reason,
+  streaming_reason,
   to_4d,
   with_residual,
 )
@@ -65,10 +63,7 @@ class SplitKV(Implementation):
     return streaming_config_reason(self.name, weighting, score)
 
   def supports(self, problem: Problem) -> str | None:
-    return (self.supports_config(problem.weighting, problem.score)
-            or needs_weights_reason(self.name, problem)
-            or static_dims_reason(self.name, problem)
-            or residual_reason(self.name, problem))
+    return streaming_reason(self, problem)
 
   def declines(self, problem: Problem) -> str | None:
     if problem.t > DECODE_MAX_QUERIES:

@@ -325,18 +325,6 @@ def _kv_heads_per_pass(block: int | None, b: int, kv_heads: int, g: int, length:
   return max(fits, default=1)
 
 
-def _residual_sign(w: Any) -> float:
-  """How the residual's cotangent g enters δ (δ + sign·g): −1 for a log normalizer that
-  depends on the scores (a sum of F, SSMax, softpick), +1 for stick-breaking's log survival,
-  0 where nothing does (``"length"``, ``"none"``)."""
-  kind = residuals_lib.residual_kind(w)
-  if kind == "log_survival":
-    return 1.0
-  if kind == "log_normalizer" and getattr(w, "normalization", "sum") != "length":
-    return -1.0
-  return 0.0
-
-
 def _make_ring(rc: steps.RingConfig, passes: int, residual: bool = False):
   """A custom-VJP function (q [B, t, N, H], k/v [B, s, K, H|Hv], bias/mask [Bb, Nb, Tb, Sb],
   row scales [B, N, t], scale) -> O [B, t, N, Hv] of the local shards (see the module
@@ -402,7 +390,7 @@ def _make_ring(rc: steps.RingConfig, passes: int, residual: bool = False):
     primal = (out, public_residual(saved)) if residual else out
     return primal, (qd, kd, vd, bias4, mask4, rsc, scale, mod, sinks, out, saved)
 
-  sign = _residual_sign(rc.w) if residual else 0.0
+  sign = residuals_lib.cotangent_sign(rc.w) if residual else 0.0
 
   def bwd(res, ct):
     if not residual:

@@ -219,9 +219,10 @@ def _make_kernel(cfg: KernelConfig, residual: bool = False) -> Callable[..., Arr
 def _fold_residual(cfg: KernelConfig, rows: list[Array], dres: Array | None) -> list[Array]:
   """The backward's row values (r0, r1, δ) with the log normalizer's cotangent ``dres``
   folded into δ (δ − dres) where the normalizer depends on the scores (a sum of F)."""
-  if dres is None or not (cfg.w.online_max or cfg.w.divides_by_sum):
+  sign = 0.0 if dres is None else residuals_lib.cotangent_sign(cfg.w)
+  if not sign:
     return rows
-  return [rows[0], rows[1], rows[2] - dres.astype(rows[2].dtype)]
+  return [rows[0], rows[1], rows[2] + sign * dres.astype(rows[2].dtype)]
 
 
 def _make_mod_kernel(cfg: KernelConfig, residual: bool = False) -> Callable[..., Array]:

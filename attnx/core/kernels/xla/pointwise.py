@@ -52,7 +52,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from attnx.core import masks
+from attnx.core import masks, residuals
 from attnx.core.contract import compute_dtype, nonfinite_inputs
 from attnx.core.kernels import common
 from attnx.core.kernels.xla import sizes, sweep, triangle
@@ -180,7 +180,6 @@ def _custom_kernel(cfg: tl.TileConfig, forward, backward, num_args: int, cotange
   returns (O, log normalizer [X, G, Tp]) and takes the latter's cotangent (the normalizer
   of ``"length"`` and ``"none"`` has no gradient)."""
   extra_names = ("smask", "mod", "sinks")[:num_args - 6]
-  grads_residual = cfg.w.online_max or cfg.w.divides_by_sum
 
   @jax.custom_vjp
   def kernel(*args):
@@ -197,7 +196,7 @@ def _custom_kernel(cfg: tl.TileConfig, forward, backward, num_args: int, cotange
     do, dres = ct if residual else (ct, None)
     args, out, stat = res[:num_args], res[num_args], res[num_args + 1]
     kw = dict(zip(extra_names, args[6:], strict=True))
-    if residual and grads_residual:
+    if residual and residuals.cotangent_sign(cfg.w):  # −1: δ − dres
       kw["dres"] = dres
     return cotangents(args, backward(*args[:6], out, stat, do, **kw))
 

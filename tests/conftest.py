@@ -48,16 +48,33 @@ def _xla_accepts(flags: list[str]) -> bool:
   return subprocess.run(probe, env=env, capture_output=True, timeout=120).returncode == 0
 
 
-def _fast_flags() -> str:
+def _fast_flags(level: int) -> str:
   base = os.environ.get("XLA_FLAGS", "").split()
-  if _xla_accepts(base + list(_FAST)):
-    return " ".join(base + list(_FAST))
-  return " ".join(base + [f for f in _FAST if _xla_accepts(base + [f])])
+  fast = [f"--xla_backend_optimization_level={level}", *_FAST[1:]]
+  if _xla_accepts(base + fast):
+    return " ".join(base + fast)
+  return " ".join(base + [f for f in fast if _xla_accepts(base + [f])])
 
 
-# The controller decides once; xdist workers and test subprocesses inherit its XLA_FLAGS.
-if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = _fast_flags()
+def _optimization_level(markexpr: str) -> int:
+  """0 for the suite; 1 for the differential net's large run (``-m differential``).
+
+  jaxlib 0.12.0.1's XLA:CPU computes one blocked 1.3-entmax case wrong at level 0 only
+  (configuration 4053 of the net: one row's output sums to 2 instead of 1): its optimized HLO and
+  buffer assignment are the same at every level, so the difference is XLA's LLVM code at level
+  0, not the program attnx builds; the default level (what users run), 1 and 2 are right, and
+  so is level 0 on jax 0.10.2 (docs/development.md). The large run draws every kernel's
+  branches at random, so it runs at level 1 (≈ 20 % slower than 0); the suite's hand-written
+  cases pass at level 0 on both ends.
+  """
+  return int("differential" in markexpr and "not differential" not in markexpr)
+
+
+def pytest_configure(config):
+  # The controller decides once, before xdist starts its workers (which, like the tests'
+  # subprocesses, inherit XLA_FLAGS) and before JAX initializes a backend.
+  if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = _fast_flags(_optimization_level(config.getoption("markexpr")))
 
 # One persistent compilation cache per test session, shared by the xdist workers and the
 # subprocesses the tests start (all inherit the environment): many tests compile the same

@@ -5,7 +5,7 @@
 Imports only jax/numpy; every function works under jit, vmap, grad and shard_map.
 """
 
-from attnx.core import masks, score_mods
+from attnx.core import masks, score_mods, thresholds
 from attnx.core.api import (
     BLOCKED_MIN_SCORES,
     IMPLEMENTATIONS,
@@ -39,7 +39,7 @@ from attnx.core.linear import (
 from attnx.core.nadaraya_watson import nadaraya_watson
 from attnx.core.paged import append_to_pages, paged_attention
 from attnx.core.parallel.ring import ring_attention, ring_work, zigzag_permute, zigzag_unpermute
-from attnx.core.residuals import EntmaxResidual, merge_attention, residual_kind
+from attnx.core.residuals import EntmaxResidual, SharedThreshold, merge_attention, residual_kind
 from attnx.core.score_mods import ScoreMod, alibi, alibi_slopes, relative_table, soft_cap
 from attnx.core.scores import (
     Score,
@@ -52,6 +52,15 @@ from attnx.core.scores import (
     metric,
     neg_sq_dist,
     scaled_dot,
+)
+from attnx.core.thresholds import (
+    ThresholdStats,
+    ThresholdSums,
+    combine_threshold_stats,
+    solve_threshold,
+    threshold_stats,
+    threshold_sums,
+    thresholded_attention,
 )
 from attnx.core.weightings import (
     LogF,
@@ -70,8 +79,10 @@ from attnx.core.weightings.simplex import entmax15, entmax_bisect, sparsemax
 __all__ = [
     "BLOCKED_MIN_SCORES", "IMPLEMENTATIONS", "ROW_BLOCKED_MIN_SCORES", "Blocked", "Dense",
     "Explanation", "Implementation", "LogF", "Pallas", "PallasVerification", "Pointwise",
-    "EntmaxResidual", "Problem", "SplitKV", "append_to_pages", "merge_attention",
-    "paged_attention", "residual_kind",
+    "EntmaxResidual", "Problem", "SharedThreshold", "SplitKV", "ThresholdStats",
+    "ThresholdSums", "append_to_pages", "combine_threshold_stats", "merge_attention",
+    "paged_attention", "residual_kind", "solve_threshold", "threshold_stats", "threshold_sums",
+    "thresholded_attention", "thresholds",
     "RowNormalizer", "Score", "ScoreMod",
     "additive", "alibi", "alibi_slopes", "attention", "attention_weights", "bilinear",
     "blocked_attention", "causal_mask",

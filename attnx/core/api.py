@@ -40,6 +40,7 @@ module call :func:`attention`.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from typing import Any
 
 import jax
@@ -59,6 +60,7 @@ from attnx.core.implementations import (
   list_implementations,
   streams,
 )
+from attnx.core.implementations import split_kv as split_kv_lib
 from attnx.core.implementations.dense import (
   causal_mask,
   combined_mask,
@@ -105,21 +107,37 @@ def attention_weights(query: Array, key: Array, bias: Array | None = None,
      [0.5   0.5   0.   ]
      [0.333 0.333 0.333]]
   """
+  scores, valid, w, sinks = scores_and_valid(**locals())
+  if scores.size == 0:
+    return scores
+  return weights_with_sinks(scores, w, valid, sinks)
+
+
+def scores_and_valid(query: Array, key: Array, bias: Array | None = None,
+                     mask: Array | None = None, **kwargs: Any
+                     ) -> tuple[Array, Array | None, Any, Any]:
+  """(scores [batch..., N, T, S] float32, the valid mask broadcastable to them or None, the
+  resolved weighting, the checked sinks) for :func:`attention_weights`' arguments
+  (``kwargs``: its keywords; an unknown one raises TypeError): the dense scores every dense
+  path of :mod:`attnx.core` forms (zeros of that shape when T or S is 0)."""
+  a = inspect.signature(attention_weights).bind(query, key, bias, mask, **kwargs)
+  a.apply_defaults()
+  o = a.arguments
   q, k = jnp.asarray(query), jnp.asarray(key)
   q, k, _, bias, mask, w, sc, params, scale, structured = problem_lib.prepare(
-      q, k, k, bias, mask, weighting, score, scale, score_params,
-      dict(query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
-           local_window_size=local_window_size, segment_ids=segment_ids))
+      q, k, k, bias, mask, o["weighting"], o["score"], o["scale"], o["score_params"],
+      {n: o[n] for n in ("query_seq_lengths", "key_value_seq_lengths", "local_window_size",
+                         "segment_ids")})
   (t, n), s = q.shape[-3:-1], k.shape[-3]
   mask = masks_lib.combine(mask, structured, q.shape[:-3], n, t, s)
-  mod = problem_lib.score_modification(logits_soft_cap, score_mod, score_mod_params, q)
-  sinks = problem_lib.check_sinks(sinks, w, n, q.dtype)
+  mod = problem_lib.score_modification(o["logits_soft_cap"], o["score_mod"],
+                                       o["score_mod_params"], q)
+  sinks = problem_lib.check_sinks(o["sinks"], w, n, q.dtype)
   if q.size == 0 or s == 0:
-    return jnp.zeros((*q.shape[:-3], n, t, s), jnp.float32)
+    return jnp.zeros((*q.shape[:-3], n, t, s), jnp.float32), None, w, sinks
   q, k, _, bias = nonfinite_inputs(q, k, None, bias)
   scores = dense_scores(q, repeat_kv(k, n), bias, sc, params, scale, mod)
-  valid = combined_mask(mask, is_causal, t, s)
-  return weights_with_sinks(scores, w, valid, sinks)
+  return scores, combined_mask(mask, o["is_causal"], t, s), w, sinks
 
 
 def _walk(problem: Problem, order: tuple[Implementation, ...]) -> tuple[Implementation,
@@ -427,6 +445,8 @@ def attention(query: Array, key: Array, value: Array, bias: Array | None = None,
     dtype = p.dtype if p.normalize_output else jnp.promote_types(p.dtype, jnp.float32)
     out = jnp.zeros((*p.batch, p.t, p.num_heads, p.value_head_dim), dtype)
     if p.return_residual:
+      if inputs.sinks is not None and p.t:  # the sink is the rows' one key
+        return split_kv_lib.sink_only_rows(p, inputs)
       return out, residuals_lib.empty_residual(p.weighting, (*p.batch, p.t, p.num_heads))
     return ((out, jnp.zeros((*p.batch, p.num_heads, p.t, p.s), jnp.float32))
             if p.return_weights else out)

@@ -39,11 +39,10 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from attnx.core import streaming
 from attnx.core import weightings as weightings_lib
-from attnx.core.streaming.ops import safe_div
-from attnx.core.streaming.running_max import MaxState, max_merge
+from attnx.core.streaming.running_max import MaxState
 from attnx.core.streaming.stick_breaking import StickState
-from attnx.core.streaming.stick_breaking import merge as stick_merge
 
 Array = jax.Array
 
@@ -55,6 +54,17 @@ class EntmaxResidual(NamedTuple):
   (p_j = [(α−1)·scale·(z_j − τ)]₊^{1/(α−1)}), and ``total``, Σ_j p_j over the call's keys
   (1 where a row has a valid key; the output was divided by it for the renormalized
   bisection variant)."""
+
+  threshold: Array
+  total: Array
+
+
+class SharedThreshold(NamedTuple):
+  """The residual of one chunk's part of sparsemax / entmax attention computed at the whole
+  row's threshold (:func:`attnx.core.thresholds.thresholded_attention`, the protocol's third
+  step): ``threshold`` τ [batch..., T, N] as in :class:`EntmaxResidual`, ``total`` Σ p over the
+  chunk's keys. Parts with it merge (:func:`merge_attention`); parts of attention over a chunk
+  alone (each at its own threshold) do not."""
 
   threshold: Array
   total: Array
@@ -155,18 +165,21 @@ def merge_attention(parts: Sequence[tuple[Array, Any]], *, weighting: Any = "sof
       every key of the row).
   """
   w = weightings_lib.get_weighting(weighting) if not _resolved(weighting) else weighting
-  kind = residual_kind(w)
+  residual_kind(w)  # ValueError for a weighting without a row state
   parts = list(parts)
   if not parts:
     raise ValueError("merge_attention needs at least one (out, residual) part.")
   rs = getattr(w, "stream", None)
-  if rs is not None and (rs.needs_row_scale or rs.needs_threshold):
+  shared = rs is not None and rs.needs_threshold and all(
+      isinstance(r, SharedThreshold) for _, r in parts)
+  if rs is not None and (rs.needs_row_scale or rs.needs_threshold) and not shared:
     what = ("SSMax scales the scores by s·log n, n the valid keys of the whole row (count n "
             "over the chunks first, then merge softmax parts of (s·log n)·q: the guide's "
             "recipe)"
             if rs.needs_row_scale else
             "sparsemax/entmax weigh every key against one threshold τ that depends on every key "
-            "of the row")
+            "of the row (compute the parts at the whole row's threshold with the protocol of "
+            "attnx.core.thresholds, whose parts merge)")
     raise ValueError(
         f"merge_attention cannot merge parts of weighting {w.name!r}: {what}, so attention over "
         "one chunk of keys is not a part of attention over all of them. Gather the keys (or "
@@ -177,30 +190,105 @@ def merge_attention(parts: Sequence[tuple[Array, Any]], *, weighting: Any = "sof
     if o.shape != shape:
       raise ValueError(f"merge_attention: part {i}'s output has shape {o.shape}, part 0's "
                        f"{shape}; the parts must share queries, heads and Hv.")
+  if shared:
+    return _merge_shared(w, parts)
+  return merge_parts(w, parts)
+
+
+def _merge_shared(w: Any, parts: list[tuple[Array, SharedThreshold]]
+                  ) -> tuple[Array, SharedThreshold]:
+  """Parts at one threshold: their numerators and totals add up (the entmax family's merge,
+  a sum, given the threshold). Thresholds that differ (when concrete) raise."""
+  tau = parts[0][1].threshold
+  for i, (_, r) in enumerate(parts[1:], 1):
+    if not (isinstance(r.threshold, jax.core.Tracer) or isinstance(tau, jax.core.Tracer)):
+      if not bool(jnp.all((r.threshold == tau) | (jnp.isnan(r.threshold) & jnp.isnan(tau)))):
+        raise ValueError(f"merge_attention: part {i}'s threshold differs from part 0's; parts "
+                         "of one row must share the threshold solve_threshold found.")
+  dtype = parts[0][0].dtype
+  num = sum(unnormalize(w, o, r) for o, r in parts)
+  total = sum(r.total.astype(num.dtype) for _, r in parts)
+  d = normalizer(w, EntmaxResidual(tau, total)).astype(num.dtype)[..., None]
+  out = jnp.where(d == 0, 0.0, num / jnp.where(d == 0, 1.0, d))  # a row without weight: 0
+  return out.astype(dtype), SharedThreshold(tau, total)
+
+
+def merge_parts(w: Any, parts: Sequence[tuple[Array, Any]]) -> tuple[Array, Any]:
+  """The merge rule behind :func:`merge_attention`, without its checks: each part becomes the
+  raw streaming state of its family (:func:`to_state`), the states merge with the family's own
+  rule — :func:`attnx.core.streaming.pointwise_merge` or :func:`attnx.core.streaming.merge`,
+  the one the tile loops, split-KV and the ring use — and the result is finalized once.
+
+  Ring attention merges its steps with it. It also merges SSMax parts computed with the whole
+  row's scale (the ring's are), which :func:`merge_attention` refuses from users.
+  ``w``: a resolved weighting; ``parts`` in key order for stick-breaking.
+  """
   dtype = parts[0][0].dtype
   cd = jnp.promote_types(dtype, jnp.float32)
-  outs = [o.astype(cd) for o, _ in parts]
-  res = [jax.tree.map(lambda x: x.astype(cd), r) for _, r in parts]
-  if kind == "unnormalized":
-    return sum(outs[1:], outs[0]).astype(dtype), jnp.zeros(shape[:-1], cd)
+  states = [to_state(w, o.astype(cd), jax.tree.map(lambda x: x.astype(cd), r))
+            for o, r in parts]
+  pointwise = isinstance(w, weightings_lib.Pointwise)
+  rule = ((lambda a, b: streaming.pointwise_merge(w, a, b)) if pointwise
+          else (lambda a, b: streaming.merge(w.stream, a, b)))
+  if not pointwise and w.stream.reverse:  # the later keys first (streaming.merge's order)
+    state = states[-1]
+    for st in reversed(states[:-1]):
+      state = rule(state, st)
+  else:
+    state = states[0]
+    for st in states[1:]:
+      state = rule(state, st)
+  if pointwise:
+    out, stat = streaming.pointwise_finalize(w, *state)
+    stats = (stat,)
+  else:
+    out, stats, _ = streaming.finalize(w.stream, state, None)
+  return out.astype(dtype), from_stats(w, stats)
+
+
+def to_state(w: Any, out: Array, residual: Any) -> Any:
+  """The raw streaming state (XLA spelling, :mod:`attnx.core.streaming`) of a part ``(out,
+  residual)``: what the family's kernels would hold after that part's keys, in units of its
+  normalizer. Log normalizer r: running max m = r and the keys' share 1 − c·e^{−r} of the
+  normalizer (c the row term :func:`row_term`, which the family's finalize adds back once);
+  a row without weight (r = −∞) is an empty state."""
+  kind = residual_kind(w)
   if kind == "log_survival":
-    st = StickState(outs[-1], res[-1])
-    for o, r in zip(reversed(outs[:-1]), reversed(res[:-1]), strict=True):
-      st = stick_merge(rs, st, StickState(o, r))  # st holds the later keys
-    return st.acc.astype(dtype), st.log_rest
-  # A normalized output with its log normalizer r is a running-max state with m = r and
-  # l = 1 − c·e^{−r}: its keys' share of the normalizer, c the whole row's term (the offset,
-  # softpick's ε), added back once at the end as the family's finalize does.
+    return StickState(out, residual)
+  if kind == "threshold":
+    raise ValueError(f"{w.name!r}: a threshold part has no streaming state of its own")
+  if isinstance(w, weightings_lib.Pointwise) and not w.online_max:
+    if kind == "unnormalized":
+      return out, jnp.zeros(out.shape[:-1], out.dtype)
+    n = jnp.exp(residual)  # the part's normalizer: Σ F (+ offset) or the key count
+    if w.divides_by_sum:  # Σ F rides in a last column; the offset is finalize's
+      acc = jnp.concatenate([out * n[..., None], (n - row_term(w))[..., None]], -1)
+      return acc, jnp.zeros_like(n)
+    return out * n[..., None], n
+  empty = residual == -jnp.inf
   c = row_term(w)
-  state = lambda o, r: MaxState(o, -jnp.expm1(jnp.log(c) - r) if c else jnp.ones_like(r), r)
-  st = state(outs[0], res[0])
-  for o, r in zip(outs[1:], res[1:], strict=True):
-    st = max_merge(st, state(o, r))
-  m = jnp.where(st.m == -jnp.inf, 0.0, st.m)
-  denom = st.l + c * jnp.exp(-m) if c else st.l
-  empty = denom == 0
-  lse = jnp.where(empty, -jnp.inf, m + jnp.log(jnp.where(empty, 1.0, denom)))
-  return safe_div(st.acc, denom).astype(dtype), lse
+  share = -jnp.expm1(jnp.log(c) - residual) if c else jnp.ones_like(residual)
+  share = jnp.where(empty, 0.0, share)
+  acc = jnp.where(empty[..., None], 0.0, out)
+  if isinstance(w, weightings_lib.Pointwise):  # the online max: Σ F in a last column
+    return jnp.concatenate([acc, share[..., None]], -1), residual
+  return MaxState(acc, share, residual)
+
+
+def to_stats(w: Any, residual: Any) -> tuple[Array, ...]:
+  """The row statistics a kernel's backward reads (:func:`attnx.core.streaming.finalize`,
+  :func:`attnx.core.streaming.pointwise_finalize`) from a one-array residual: the inverse of
+  :func:`from_stats`."""
+  kind = residual_kind(w)
+  if kind == "threshold":
+    raise ValueError(f"{w.name!r}: a threshold residual does not hold the backward's statistics")
+  if kind == "log_survival":
+    return (residual,)
+  if kind == "unnormalized":
+    return (jnp.ones_like(residual),)
+  if isinstance(w, weightings_lib.Pointwise) and not w.online_max:
+    return (jnp.exp(residual),)
+  return (jnp.where(residual == -jnp.inf, jnp.inf, residual),)
 
 
 def cotangent_sign(w: Any) -> float:
@@ -227,5 +315,6 @@ def row_term(w: Any) -> float:
   return float(sum(getattr(rs, name) for name in rs.rules.row_terms)) if rs is not None else 0.0
 
 
-__all__ = ["KINDS", "EntmaxResidual", "cotangent_sign", "empty_residual", "from_stats",
-           "merge_attention", "normalizer", "residual_kind", "row_term", "unnormalize"]
+__all__ = ["KINDS", "EntmaxResidual", "SharedThreshold", "cotangent_sign", "empty_residual",
+           "from_stats", "merge_attention", "merge_parts", "normalizer", "residual_kind",
+           "row_term", "to_state", "to_stats", "unnormalize"]

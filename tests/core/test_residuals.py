@@ -393,6 +393,27 @@ def test_empty_key_sequence_residuals():
   assert isinstance(res, core.EntmaxResidual) and np.all(res.total == 0)
 
 
+@pytest.mark.parametrize("w", ["softmax", "sigmoid", "softpick", "ssmax", "softmax_plus_one",
+                               "relu"])
+def test_no_keys_but_a_sink_has_the_sinks_residual(w):
+  """S = 0 with sinks: the sink is each row's one key (value 0), so the output is 0 and the
+  residual that of the sink alone (float64 definition), in every implementation — not an
+  empty row's −∞ (differential configuration 788 found it)."""
+  q = jnp.asarray(np.random.default_rng(1).standard_normal((2, 3, 4, 8)), jnp.float32)
+  k, v = jnp.zeros((2, 0, 2, 8)), jnp.zeros((2, 0, 2, 5))
+  sinks = jnp.asarray([0.5, -1.0, 2.0, 0.0])
+  want = ref_lib.residual64(w, np.zeros((2, 4, 3, 0)), np.zeros((1, 1, 1, 0), bool), sinks,
+                            num_keys=0)
+  for impl in ("dense", "blocked", "split_kv", None):
+    out, res = core.attention(q, k, v, weighting=w, sinks=sinks, implementation=impl,
+                              return_residual=True)
+    assert out.shape == (2, 3, 4, 5) and not np.any(out)
+    np.testing.assert_allclose(res, want, atol=1e-6, err_msg=f"{impl}")
+  grad = jax.grad(lambda s: jnp.sum(core.attention(q, k, v, weighting=w, sinks=s,
+                                                   return_residual=True)[1]))(sinks)
+  assert np.all(np.isfinite(grad))
+
+
 # --------------------------------------------------------------------------------------------
 # Split-KV decoding and paged attention
 # --------------------------------------------------------------------------------------------

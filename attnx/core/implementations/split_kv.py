@@ -13,6 +13,7 @@ with the same row code (:func:`solve_rows`).
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -119,13 +120,20 @@ def solve_rows(p: Problem, inputs: Inputs, z: Array, v: Array, kv_heads: int,
   if valid is None:
     valid = jnp.ones((1, 1, 1, 1), bool)
   valid = decode.heads_to_rows(jnp.broadcast_to(valid, (valid.shape[0], n, t, s)), kv_heads)
+  return _solve(p, inputs, z, valid, v, kv_heads, num_chunks)
+
+
+def _solve(p: Problem, inputs: Inputs, z: Array, valid: Array, v: Array, kv_heads: int,
+           num_chunks: int, num_keys: int | None = None) -> Any:
+  """:func:`decode.row_attention` with the call's sinks and SSMax s, in the call's layout."""
+  t, n = p.t, p.num_heads
   sinks = None if inputs.sinks is None else _per_row(inputs.sinks, t, kv_heads)
   kw = p.weighting.kernel_args(inputs.weighting_params) if inputs.weighting_params else {}
   ssmax_s = kw.get("ssmax_s")
   if ssmax_s is not None:
     ssmax_s = _per_row(jnp.broadcast_to(jnp.asarray(ssmax_s, z.dtype), (n,)), t, kv_heads)
   st = decode.row_attention(z, valid, v, p.weighting, num_chunks=num_chunks, sinks=sinks,
-                            ssmax_s=ssmax_s)
+                            ssmax_s=ssmax_s, num_keys=num_keys)
   heads = lambda x: jnp.moveaxis(decode.rows_to_heads(x, t), 1, 2)  # [B, T, N, ...]
   unflat = lambda x: x.reshape(p.batch + x.shape[1:])
   out = unflat(heads(st.out))
@@ -136,4 +144,16 @@ def solve_rows(p: Problem, inputs: Inputs, z: Array, v: Array, kv_heads: int,
   return with_residual(p, out, residual)
 
 
-__all__ = ["DECODE_MAX_QUERIES", "DECODE_MIN_KEYS", "SplitKV", "solve_rows"]
+def sink_only_rows(p: Problem, inputs: Inputs) -> Any:
+  """What a call without keys (S = 0) but with sinks returns: rows that saw only the sink, a
+  key of zero value — output 0, and the residual of that one key (not an empty row's). One
+  masked key stands in for the missing ones; F still reads n = 0 keys."""
+  b = math.prod(p.batch)
+  kh = p.num_kv_heads
+  cd = compute_dtype(jnp.dtype(p.dtype))
+  z = jnp.zeros((b, kh, p.t * (p.num_heads // kh), 1), cd)
+  v = jnp.zeros((b, 1, kh, p.value_head_dim), cd)
+  return _solve(p, inputs, z, jnp.zeros((1, 1, 1, 1), bool), v, kh, 1, num_keys=0)
+
+
+__all__ = ["DECODE_MAX_QUERIES", "DECODE_MIN_KEYS", "SplitKV", "sink_only_rows", "solve_rows"]

@@ -7,7 +7,10 @@ Attention with Blockwise Transformers", arXiv 2310.01889; Brandon et al. 2023, "
 Attention", arXiv 2311.09431 for the load balance of causal rings): at step r device i holds
 the shard of device (i − r) mod P, runs attnx's blocked kernel on its queries against it (the
 transfer of the next shard is issued before, so that XLA may overlap the two) and merges the
-partial row states, exactly, with the streaming module's rules (:mod:`attnx.core.streaming`):
+step's part — its output and residual, :mod:`attnx.core.residuals` — into the device's, exactly,
+with the public merge (:func:`attnx.core.residuals.merge_parts`, the rule of
+:func:`attnx.core.merge_attention`), which runs the streaming module's rules
+(:mod:`attnx.core.streaming`):
 
 * pointwise F with the online max (softmax-like): rescale by e^{m_a − m} and add
   (:func:`~attnx.core.streaming.pointwise_merge`); ``"sum"``, ``"length"`` and ``"none"``:
@@ -20,7 +23,7 @@ partial row states, exactly, with the streaming module's rules (:mod:`attnx.core
   apart, in opposite directions, so that every chunk still arrives before the earlier chunks
   of its run (five runs; see "Stick-breaking in the zigzag layout" below).
 
-After the last step the state is normalized once. What depends on the length of the row uses
+What depends on the length of the row uses
 the whole (global) sequence, never the shard's: F sees the global key count S = P·S_local
 (sigmoid's default b = −log S), ``"length"`` counts the valid keys of every shard (the merged
 count), SSMax's n_i is the row's count of valid keys over all shards (found before the ring:
@@ -130,29 +133,23 @@ def _forward(rc: steps.RingConfig, q, k, v, bias, mask, rsc, scale, mod=None, si
     smod = steps.step_mod(rc, mod, src)
     run = lambda kind: (lambda: steps.kind_state(rc, ring_layout.PIECES[kind], q, kv, b, m,
                                                  rsc, scale, hv, smod))
-    part = steps.switch(rc, i, src, run, mask=m)
+    part = steps.part(rc, steps.switch(rc, i, src, run, mask=m))
     if not two_runs:
-      return after, steps.merge(rc, low, part), high
+      return after, steps.merge_parts(rc, low, part), high
     # Shards i, i−1, …, 0 and then P−1, …, i+1 each come before the previous one: two runs,
-    # each merged behind the state of the keys after it.
+    # each merged behind the part of the keys after it.
     later = src > i
     acc = steps.select(later, high, low)
-    merged = steps.merge(rc, acc, part)
+    merged = steps.merge_parts(rc, acc, part)
     return after, steps.select(later, low, merged), steps.select(later, merged, high)
 
-  first = (steps.empty(rc, rows, hv) if sinks is None
-           else steps.sink_state(rc, sinks, rows, hv, rsc))
-  init = (steps.travelling_arrays(rc, k, v, bias, mask), first, steps.empty(rc, rows, hv))
+  first = steps.part(rc, steps.empty(rc, rows, hv) if sinks is None
+                     else steps.sink_state(rc, sinks, rows, hv, rsc))
+  init = (steps.travelling_arrays(rc, k, v, bias, mask), first,
+          steps.part(rc, steps.empty(rc, rows, hv)))
   _, low, high = lax.fori_loop(0, p, body, init)
-  if two_runs:
-    state = steps.merge(rc, high, low)
-    out, stats, _ = streaming.finalize(rc.w.stream, state, None)
-    return out, stats, (high.acc, high.log_rest)
-  if rc.pointwise:
-    out, stat = streaming.pointwise_finalize(rc.w, *low)
-    return out, (stat,), None
-  out, stats, _ = streaming.finalize(rc.w.stream, low, None)
-  return out, stats, None
+  out, res = steps.merge_parts(rc, high, low) if two_runs else low
+  return out, residuals_lib.to_stats(rc.w, res), high if two_runs else None
 
 
 def _backward(rc: steps.RingConfig, res, do, mod=None, sinks=None):

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from attnx.core import score_mods, streaming
+from attnx.core import residuals, score_mods, streaming
 from attnx.core.kernels import common
 from attnx.core.kernels.xla import block as xla_block
 from attnx.core.kernels.xla import pointwise as bl
@@ -440,6 +440,22 @@ def merge(rc: RingConfig, a: Any, b: Any) -> Any:
   return streaming.merge(rc.w.stream, a, b)
 
 
+def part(rc: RingConfig, state: Any) -> tuple[Array, Any]:
+  """A raw state's public part ``(out, residual)`` (:mod:`attnx.core.residuals`): the form in
+  which the ring merges its steps, with the public merge rule (:func:`merge_parts`)."""
+  if rc.pointwise:
+    out, stat = streaming.pointwise_finalize(rc.w, *state)
+    return out, residuals.from_stats(rc.w, (stat,))
+  out, stats, _ = streaming.finalize(rc.w.stream, state, None)
+  return out, residuals.from_stats(rc.w, stats)
+
+
+def merge_parts(rc: RingConfig, a: tuple[Array, Any], b: tuple[Array, Any]) -> tuple[Array, Any]:
+  """a ∪ b of two parts by :func:`attnx.core.residuals.merge_parts`, the rule behind
+  :func:`attnx.core.merge_attention`; for stick-breaking ``a`` holds the later keys."""
+  return residuals.merge_parts(rc.w, [b, a] if rc.reverse else [a, b])
+
+
 def block_state(rc: RingConfig, q, kv, bias, mask, rsc, scale, r0, r1, k0, k1, causal,
                 kw: dict):
   """The raw state of local rows [r0, r1) against keys [k0, k1) of the visiting shard
@@ -585,11 +601,11 @@ def start_carries(rc: RingConfig, extra: Any, do: Array) -> Any:
   # global weights are a run's own times e^{L of the later runs}.
   a = b = zeros(rc, do.shape[:3])
   carries = []
-  for st in extra + (None,):
+  for part in extra + (None,):
     carries.append((a, b))
-    if st is not None:
-      b = b + jnp.exp(a) * jnp.sum(do * st.acc, axis=-1)
-      a = a + st.log_rest
+    if part is not None:  # (O, log survival) of a run
+      b = b + jnp.exp(a) * jnp.sum(do * part[0], axis=-1)
+      a = a + part[1]
   return tuple(carries)
 
 

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from attnx.core import streaming
+from attnx.core import residuals
 from attnx.core.parallel import layout as ring_layout
 from attnx.core.parallel import steps
 
@@ -91,7 +91,7 @@ def forward(rc: steps.RingConfig, q, k, v, bias, mask, scale, mod=None):
   p, hv, c = rc.p, v.shape[-1], rc.s // 2
   i = lax.axis_index(rc.axis)
   rows = q.shape[:2] + (rc.t,)
-  merge = lambda acc, new: steps.merge(rc, acc, new)  # acc holds the later keys
+  merge = lambda acc, new: steps.merge_parts(rc, acc, new)  # acc holds the later keys
 
   def visit(half, src, off, table):
     kv, b, m = _half_inputs(rc, half, bias, mask, src, off)
@@ -106,20 +106,20 @@ def forward(rc: steps.RingConfig, q, k, v, bias, mask, scale, mod=None):
     after_l = lax.ppermute(low, rc.axis, steps.perm(p)) if p > 1 else low
     after_h = lax.ppermute(high, rc.axis, _reverse_perm(p)) if p > 1 else high
     runs = _runs_update(runs, ("L1", "L2"), (src_l > i).astype(jnp.int32),
-                        visit(low, src_l, 0, _LOW_PIECES), merge)
+                        steps.part(rc, visit(low, src_l, 0, _LOW_PIECES)), merge)
     runs = _runs_update(runs, ("H0", "H2", "H3"), _high_run(i, src_h),
-                        visit(high, src_h, c, _HIGH_PIECES), merge)
+                        steps.part(rc, visit(high, src_h, c, _HIGH_PIECES)), merge)
     return after_l, after_h, runs
 
   travel = steps.travelling_arrays(rc, k, v, bias, mask)
   init = (_half(rc, travel, 0, c), _half(rc, travel, c, c),
-          {name: steps.empty(rc, rows, hv) for name in _RUNS})
+          {name: steps.part(rc, steps.empty(rc, rows, hv)) for name in _RUNS})
   _, _, runs = lax.fori_loop(0, p, body, init)
-  state = runs["L1"]
+  part = runs["L1"]
   for name in ("L2", "H2", "H0", "H3"):
-    state = steps.merge(rc, runs[name], state)
-  out, stats, _ = streaming.finalize(rc.w.stream, state, None)
-  return out, stats, tuple(runs[name] for name in _RUNS[:-1])
+    part = steps.merge_parts(rc, runs[name], part)
+  out, res = part
+  return out, residuals.to_stats(rc.w, res), tuple(runs[name] for name in _RUNS[:-1])
 
 
 def backward(rc: steps.RingConfig, res, do, mod=None):

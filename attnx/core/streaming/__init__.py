@@ -38,12 +38,14 @@ from attnx.core.streaming.entmax import (
     MAX_THRESHOLD_PASSES_F64,
     EntmaxState,
     Threshold,
+    entmax_powers,
     entmax_threshold,
     entmax_tile_max,
     entmax_x,
     entmax_zero_tile,
     entmax_zero_tiles,
     max_threshold_passes,
+    threshold_sums_fold,
 )
 from attnx.core.streaming.family import Family, GradCarry
 from attnx.core.streaming.ops import F32, LOG2E, XLA, Array, Ops, pv
@@ -76,9 +78,10 @@ from attnx.core.streaming.stick_breaking import StickState
 
 __all__ = ["F32", "FAMILIES", "LOG2E", "MAX_THRESHOLD_PASSES", "MAX_THRESHOLD_PASSES_F64", "XLA",
            "Array", "EntmaxState", "Family", "GradCarry", "MaxState", "Ops", "RowStream",
-           "StickState", "Threshold", "entmax_threshold", "entmax_tile_max", "entmax_x",
+           "StickState", "Threshold", "entmax_powers", "entmax_threshold", "entmax_tile_max",
+           "entmax_x",
            "entmax_zero_tile", "entmax_zero_tiles", "finalize", "get_family", "init",
            "max_threshold_passes", "merge", "online_max_bound", "online_max_shifted",
            "online_max_start", "online_max_update", "pointwise_empty", "pointwise_finalize",
            "pointwise_grad_rows", "pointwise_merge", "pointwise_tile_grad", "pointwise_update",
-           "pv", "residual_delta", "row_scale", "tile_grad", "update"]
+           "pv", "residual_delta", "row_scale", "threshold_sums_fold", "tile_grad", "update"]

@@ -62,6 +62,12 @@ def _powers(r: Array, alpha: float) -> tuple[Array, Array]:
   return (jnp.where(pos, jnp.exp(q * log_r), 0.0), jnp.where(pos, jnp.exp((q - 1.0) * log_r), 0.0))
 
 
+def entmax_powers(r: Array, alpha: float) -> tuple[Array, Array]:
+  """(p, u) = (r^q, r^{q−1}), q = 1/(α−1), of the shifted scores r = [x − τ]₊ ≥ 0: the weights
+  at a threshold and Newton's slope terms; safe to differentiate at r = 0."""
+  return _powers(r, alpha)
+
+
 def entmax_x(z: Array, valid: Array, rs: RowStream, m: Array | None = None) -> Array:
   """x = (α−1)·scale·z on valid keys (−∞ elsewhere), minus the row max m if given."""
   x = ((rs.alpha - 1.0) * rs.scale) * masked(z, valid)
@@ -98,6 +104,22 @@ def entmax_zero_tile(z: Array, valid: Array, m: Array, tau: Array, rs: RowStream
   if ops.all_rows:
     return jnp.all(gap <= 0.0)
   return jnp.max(jnp.where(gap <= 0.0, 0.0, 1.0)) == 0.0  # no boolean reductions (Triton)
+
+
+def threshold_sums_fold(rs: RowStream, m: Array, tau: Array, dtype: Any = F32):
+  """``fn(carry, z, valid) -> carry``: adds a tile's sums at threshold ``tau`` (shifted by the
+  row max ``m``) to the carry (Σp, Σ r^{q−1}, the support's size): what each pass of
+  :func:`entmax_threshold` folds over the key tiles (its Newton step reads them)."""
+  alpha = rs.alpha
+
+  def fn(c, z, valid):
+    r = jnp.maximum(entmax_x(z, valid, rs, m) - tau[..., None], 0.0)
+    p, u = _powers(r, alpha)
+    s1 = r if alpha == 1.5 else u  # Newton's f' / (−q): Σ r^{q−1}
+    return (c[0] + jnp.sum(p, axis=-1), c[1] + jnp.sum(s1, axis=-1),
+            c[2] + jnp.sum((r > 0).astype(dtype), axis=-1))
+
+  return fn
 
 
 def entmax_threshold(tile_pass, rows: tuple[int, ...], rs: RowStream,
@@ -145,12 +167,7 @@ def entmax_threshold(tile_pass, rows: tuple[int, ...], rs: RowStream,
   tau0 = lo if alpha <= 2.0 else hi
 
   def sums_fn(tau):
-    def fn(c, z, valid):
-      r = jnp.maximum(entmax_x(z, valid, rs, m) - tau[..., None], 0.0)
-      p, u = _powers(r, alpha)
-      s1 = r if alpha == 1.5 else u  # Newton's f' / (−q): Σ r^{q−1}
-      return (c[0] + jnp.sum(p, axis=-1), c[1] + jnp.sum(s1, axis=-1),
-              c[2] + jnp.sum((r > 0).astype(dtype), axis=-1))
+    fn = threshold_sums_fold(rs, m, tau, dtype)
     zero = jnp.zeros(rows, dtype)
     if sums_pass is not None:
       return sums_pass(fn, (zero, zero, zero), m, tau)
@@ -268,6 +285,7 @@ FAMILY = Family("entmax", init, update, merge, finalize, tile_grad, num_stats=3,
                 needs_threshold=True, saves_support_mean=True)
 
 __all__ = ["FAMILY", "MAX_THRESHOLD_PASSES", "MAX_THRESHOLD_PASSES_F64", "EntmaxState",
-           "Threshold", "entmax_threshold", "entmax_tile_max", "entmax_x", "entmax_zero_tile",
+           "Threshold", "entmax_powers", "entmax_threshold", "entmax_tile_max", "entmax_x",
+           "entmax_zero_tile",
            "entmax_zero_tiles", "finalize", "init", "max_threshold_passes", "merge",
-           "tile_grad", "update"]
+           "threshold_sums_fold", "tile_grad", "update"]

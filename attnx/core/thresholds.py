@@ -75,7 +75,7 @@ def _stream(weighting: Any) -> Any:
 
 def _scores(q, k, bias, mask, weighting, kwargs) -> tuple[Array, Array, Any]:
   """[batch..., N, T, S] scores and the valid mask (all True where None) of one chunk."""
-  if "sinks" in kwargs:
+  if kwargs.get("sinks") is not None:
     raise ValueError("the threshold protocol takes no sinks: a sink is a key of the whole row, "
                      "which no chunk's statistics hold; call attnx.core.attention over the row.")
   z, valid, w, _ = scores_and_valid(q, k, bias, mask, weighting=weighting, **kwargs)

@@ -5,8 +5,10 @@ before split-KV (dense: the [N, S] scores, K and V repeated per query head), of 
 (``attnx.core.SplitKV``: the cache in chunks merged by the family's rule, K and V read as
 stored) and of a paged cache (``attnx.core.paged_attention``: the cache in shuffled pages of a
 pool, gathered per call), next to the time of reading K and V once (a sum over both: the
-memory bound of a decoding step). The report's "Targets" table checks the decoding issue's
-targets at the 32k cache (:data:`TARGETS`).
+memory bound of a decoding step). On a GPU or TPU also split-KV and the paged cache on the
+Pallas kernels (flash-decoding) and the share of the chip's memory bandwidth they reach. The
+report's "Targets" table checks the decoding issue's targets at the 32k cache
+(:data:`TARGETS`; the bandwidth one only where a GPU ran the ``gpu`` preset).
 
 This file declares the shapes, weightings and targets; the measurement is
 attnx.train.benchmark.decoding's.
@@ -14,7 +16,8 @@ attnx.train.benchmark.decoding's.
 Command:
   python launch.py --config=experiments/decode_benchmark.py:default --workdir=runs/decode
   python experiments/decode_benchmark.py --preset=tiny --workdir=/tmp/decode
-Expected runtime on 2 CPU cores: tiny < 30 s, default ≈ 5 min.
+  python experiments/decode_benchmark.py --preset=gpu --workdir=runs/decode_gpu   (a GPU)
+Expected runtime on 2 CPU cores: tiny < 30 s, default ≈ 5 min; gpu preset ≈ 2 min on a GPU.
 """
 
 from __future__ import annotations
@@ -64,8 +67,14 @@ def _tiny(c: ml_collections.ConfigDict) -> None:
                 batch=2, page_size=128))
 
 
+def _gpu(c: ml_collections.ConfigDict) -> None:
+  """python experiments/decode_benchmark.py --preset=gpu (a GPU, ≈ 2 min): the issue's shape
+  in bfloat16, the Pallas paths beside the XLA ones, the HBM share of each."""
+  c.update(dict(dtype="bfloat16", repeats=20, cache_lengths="4096,32768,65536"))
+
+
 PRESET_FNS: dict[str, Callable[[ml_collections.ConfigDict], None]] = {
-    "default": lambda c: None, "tiny": _tiny}
+    "default": lambda c: None, "tiny": _tiny, "gpu": _gpu}
 PRESETS = tuple(PRESET_FNS)
 
 
@@ -97,6 +106,10 @@ TARGETS = (
            dict(S=TARGET_S, weighting=lambda w: w in ("softmax", "sigmoid")), "{:.2f}×"),
     Target("{weighting}: split-KV ≥ {bound}× faster than before at S = {S}", "before / split",
            ">=", 3.0, dict(S=TARGET_S), "{:.1f}×"),
+    # Rows with an HBM share come from a GPU/TPU only (decoding.hbm_bytes_per_s).
+    Target("{weighting}: split-KV on the Pallas kernels reads K, V at ≥ {bound:.0%} of the "
+           "chip's memory bandwidth at S = {S}", "split-KV (Pallas) HBM share", ">=", 0.6,
+           dict(S=TARGET_S, weighting="softmax"), "{:.0%}"),
 )
 
 TITLE = "Decoding benchmark: a token against a KV cache"

@@ -8,7 +8,9 @@
 #      softmax and JAX's Pallas flash; target: every pointwise F >= 60 % of cuDNN softmax at
 #      T >= 4k; and softmax / stick-breaking under a causal window and packed documents, per
 #      attended pair vs plain causal; and those masked rows again at T = 16 384, the Masks
-#      guide's 1.3x rule; BENCHMARK=0 skips both), then tools/gpu_tile_sweep.py (the forward, dQ and dK/dV
+#      guide's 1.3x rule; the decoding benchmark's gpu preset: split-KV on the Pallas kernels
+#      and its share of HBM bandwidth, target >= 60 % for softmax at a 32k cache in bf16;
+#      BENCHMARK=0 skips them), then tools/gpu_tile_sweep.py (the forward, dQ and dK/dV
 #      tiles timed; SWEEP=0 skips it, SWEEP_BUDGET seconds, default 150);
 #   2. then: the Pallas tests with compiled kernels, no interpreter
 #      (tests/core/test_pallas_device.py: every streaming weighting vs a float64 brute force;
@@ -159,6 +161,10 @@ if [ "${BENCHMARK:-1}" != 0 ]; then  # the Masks guide's 1.3x rule at its own T 
     --config.shapes=1x16384x16x128 --config.weightings=softmax --config.row_weightings= \
     --config.baselines=cudnn --config.modes=fwd+bwd --workdir="$out/mask_benchmark"
 fi
+if [ "${BENCHMARK:-1}" != 0 ]; then  # decoding: split-KV on the Pallas kernels, its HBM share
+  step decode_benchmark $pin_gpu "$py" experiments/decode_benchmark.py --preset=gpu \
+    --workdir="$out/decode_benchmark"
+fi
 if [ "${SWEEP:-1}" != 0 ]; then
   step tile_sweep $pin_gpu "$py" tools/gpu_tile_sweep.py --out="$out/tile_sweep" \
     --weightings="${SWEEP_WEIGHTINGS:-softmax,sigmoid,relu,power,ssmax,sparsemax}" \
@@ -186,6 +192,11 @@ if [ -f "$out/mask_benchmark/report.md" ]; then
     grep -E '^\| shape \| impl' "$out/mask_benchmark/report.md" | head -1
     echo "|---|---|---|---|---|---|---|---|---|---|---|---|"
     grep -E '^\| 1x16384.*\| (causal|window|documents) \|' "$out/mask_benchmark/report.md"; } \
+    >> "$summary"
+fi
+if [ -f "$out/decode_benchmark/report.md" ]; then
+  { echo; echo "## Decoding (bf16, B = 4, N = 8 over K = 2, H = 64)"; echo;
+    sed -n '/^## Targets/,/^## Results/p' "$out/decode_benchmark/report.md" | sed '$d'; } \
     >> "$summary"
 fi
 if [ -f "$out/tile_sweep/tile_sweep.md" ]; then

@@ -418,6 +418,32 @@ BRANCH_CASES = (
       residual=True, pallas="none"),
     C(seed=157, t=2, s=1024, n=2, weighting="sparsemax", dtype="bfloat16", residual=True,
       pallas="none"),
+    # Split-KV on the Pallas kernels (kernels/pallas/split.py: the chunks a batch axis of the
+    # GPU kernels, interpreted; merged with the family's rule; positions made dense first):
+    # every family that splits at lengths in the thousands, none a power of two but one —
+    # softmax GQA under key lengths with sinks (8 chunks); stick-breaking (chunks merged in key
+    # order; −|q − k|² scores keep β small, so that every chunk holds weight; XLA's split-KV
+    # too); SSMax (the whole row's c_i given to every chunk) with a bias;
+    # softpick (ε once) with sinks; sigmoid with ALiBi (dense bias) over a prime S (ragged last
+    # tile); "length" (chunk counts added); softmax_plus_one in bf16 with a relative table
+    # (the offset once); more chunks asked than tiles (a chunk per tile).
+    C(seed=160, t=1, s=2000, b=2, n=8, kh=2, h=16, hv=16, structured="lengths", sinks=True,
+      residual=True, block_k=64, splits=8, only=("pallas_split",)),
+    C(seed=161, t=2, s=1500, n=4, kh=2, weighting="stick_breaking", score="neg_sq_dist",
+      magnitude=0.3, mask="padding", residual=True, block_k=64, splits=4,
+      only=("pallas_split", "split_kv")),
+    C(seed=162, t=1, s=1100, b=3, n=2, weighting="ssmax", mask="padding", bias="x1x1",
+      residual=True, block_k=32, splits=3, only=("pallas_split",)),
+    C(seed=163, t=4, s=1024, n=2, weighting="softpick", sinks=True, mask="random",
+      residual=True, block_k=64, splits=4, only=("pallas_split",)),
+    C(seed=164, t=3, s=1531, b=2, n=4, kh=2, weighting="sigmoid", mask="padding",
+      score_mod="alibi", residual=True, block_k=64, splits=4, only=("pallas_split",)),
+    C(seed=165, t=1, s=1030, n=2, weighting="relu:normalization=length", mask="padding",
+      residual=True, block_k=16, splits=5, only=("pallas_split",)),
+    C(seed=166, t=2, s=1030, n=2, weighting="softmax_plus_one", dtype="bfloat16",
+      score_mod="table", residual=True, block_k=32, splits=8, only=("pallas_split",)),
+    C(seed=167, t=1, s=300, n=2, score_mod="cap", causal=True, block_k=16, splits=64,
+      only=("pallas_split",)),
 )
 CI_RANDOM = 4
 INSTANCES = 5  # random inputs per configuration in the large run (compiling dominates a case)

@@ -15,7 +15,8 @@ from experiments import decode_benchmark as exp  # noqa: E402
 
 
 def test_presets_and_validation():
-  assert set(exp.PRESETS) == {"default", "tiny"}
+  assert set(exp.PRESETS) == {"default", "tiny", "gpu"}
+  assert exp.get_config("gpu").dtype == "bfloat16"
   c = exp.get_config()
   assert [int(x) for x in c.cache_lengths.split(",")] == [1024, 4096, 16384, 32768, 65536]
   assert (c.batch, c.num_heads, c.kv_heads, c.head_dim) == (4, 8, 2, 64)
@@ -38,6 +39,28 @@ def test_targets_read_the_rows():
   assert met["softmax: split-KV token ≤ 5.0× reading K, V once at S = 32768"] == "yes"
   assert met["sigmoid: split-KV token ≤ 5.0× reading K, V once at S = 32768"] == "**no**"
   assert met["sigmoid: split-KV ≥ 3.0× faster than before at S = 32768"] == "**no**"
+  # The bandwidth target reads the Pallas path's HBM share (rows of a GPU only).
+  rows[0]["split-KV (Pallas) HBM share"] = 0.55
+  goals = bench.targets.check(exp.TARGETS, rows)
+  line = [g for g in goals if "memory bandwidth" in g["target"]]
+  assert [(g["measured"], g["met"]) for g in line] == [("55%", "**no**")]
+
+
+def test_hbm_table_and_the_pallas_paths():
+  class Dev:
+    def __init__(self, kind):
+      self.device_kind = kind
+  assert decoding.hbm_bytes_per_s(Dev("NVIDIA H100 80GB HBM3")) == 3.35e12
+  assert decoding.hbm_bytes_per_s(Dev("NVIDIA H100 PCIe")) == 2.0e12
+  assert decoding.hbm_bytes_per_s(Dev("NVIDIA H200")) == 4.8e12
+  assert decoding.hbm_bytes_per_s(Dev("cpu")) is None
+  # The Pallas paths lower for a GPU (they run where one is; here: lowered only).
+  import jax  # noqa: PLC0415
+  args = decoding._inputs(2, 2048, 4, 2, 16, 256, "float32", 0)
+  progs = decoding._programs("softmax", 8, pallas=True)
+  for name in decoding.PALLAS_PATHS:
+    text = jax.jit(progs[name]).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "triton" in text.lower(), name
 
 
 def test_tiny_preset_runs(tmp_path):

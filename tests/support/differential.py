@@ -32,6 +32,7 @@ from attnx import core
 from attnx.core import api, problem
 from attnx.core import weightings as wlib
 from attnx.core.kernels import pallas as pallas_lib
+from attnx.core.kernels.pallas import split as pallas_split
 from attnx.core.kernels.pallas import tiles as pallas_tiles
 from support import reference as ref_lib
 
@@ -53,7 +54,7 @@ MASKS = ("none", "padding", "random", "rows", "columns")
 ON_GPU = jax.default_backend() == "gpu"
 PALLAS_MAX_LEN = 4096 if ON_GPU else 160  # Pallas' interpreter is slow: short sequences only
 PALLAS_MAX_HEADS = 64 if ON_GPU else 8  # B·N
-IMPLEMENTATIONS = ("dense", "blocked", "split_kv", "auto", "pallas", "pallas_tpu")
+IMPLEMENTATIONS = ("dense", "blocked", "split_kv", "auto", "pallas", "pallas_tpu", "pallas_split")
 # Split-KV (decoding) runs the cases with at most this many query rows; its scores are
 # [T, S] per head, as dense's.
 SPLIT_KV_MAX_T = 64
@@ -106,6 +107,10 @@ class Case:
   # Also compare the residual (return_residual=True) of the implementations that return one
   # with support.reference.residual64.
   residual: bool = False
+  # Split-KV on the Pallas kernels ("pallas_split": core.Pallas(num_splits=splits), key tiles
+  # of 16 unless the case has its own): 0 runs no such implementation. Cases that set it run
+  # it at any length (interpreted on a CPU: slow; the drawn ones are short).
+  splits: int = 0
 
   def implementations(self) -> list[str]:
     """The implementations this case runs; on a CPU the automatic choice replaces the
@@ -128,6 +133,9 @@ class Case:
       out.append("pallas")
       if self.score in ("dot", "scaled_dot") and self.pallas == "both" and not ON_GPU:
         out.append("pallas_tpu")
+    if (self.splits and streaming and pallas_runs_modification(self)
+        and pallas_split.reason(w) is None):
+      out.append("pallas_split")
     return [i for i in out if self.only is None or i in self.only]
 
   def label(self) -> str:
@@ -270,6 +278,11 @@ def draw(seed: int, kind: str | None = None) -> Case:
   # From a stream of its own: the draws above stay those of the seed before residuals.
   if np.random.default_rng([31, seed]).random() < 0.3:
     case = dataclasses.replace(case, residual=True)
+  # Split-KV on the Pallas kernels for half the cases that run Pallas (and whose F splits),
+  # from a stream of its own likewise.
+  side = np.random.default_rng([37, seed])
+  if pallas != "none" and pallas_split.reason(w) is None and side.random() < 0.5:
+    case = dataclasses.replace(case, splits=int(side.choice((2, 3, 4, 8))))
   return case
 
 
@@ -466,7 +479,7 @@ def rejects(case: Case, impl: str) -> bool:
   tiles = [x for x in (case.block_q, case.block_k) if x is not None]
   if any(x < 1 for x in tiles):
     return impl not in ("dense", "split_kv")  # no tiles
-  if impl == "pallas":
+  if impl in ("pallas", "pallas_split"):
     return any(x < pallas_lib.GPU_MIN_BLOCK or x & (x - 1) for x in tiles)
   if impl == "pallas_tpu":
     return ((case.block_q is not None and case.block_q % pallas_tiles.q_align("tpu", case.dtype))
@@ -519,6 +532,10 @@ def _call(case: Case, impl: str, scalar_params: tuple, return_residual: bool = F
     implementation = core.Blocked(**tiles)
   elif impl == "pallas":
     implementation = core.Pallas(**tiles, interpret=not ON_GPU)
+  elif impl == "pallas_split":
+    implementation = core.Pallas(block_q=case.block_q,
+                                 block_k=16 if case.block_k is None else case.block_k,
+                                 interpret=not ON_GPU, num_splits=case.splits)
   else:
     implementation = impl
 
@@ -547,7 +564,8 @@ def _program(config: Case, impl: str, scalar_params: tuple):
   return both
 
 
-RESIDUAL_IMPLS = ("dense", "blocked", "split_kv", "auto", "pallas")  # they return residuals
+# They return residuals.
+RESIDUAL_IMPLS = ("dense", "blocked", "split_kv", "auto", "pallas", "pallas_split")
 
 
 @functools.lru_cache(maxsize=16)

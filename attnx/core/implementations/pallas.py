@@ -47,9 +47,11 @@ from attnx.core.implementations.base import (
   streaming_reason,
 )
 from attnx.core.implementations.blocked import small_problem_reason
+from attnx.core.implementations.split_kv import DECODE_MAX_QUERIES, DECODE_MIN_KEYS
 from attnx.core.kernels import pallas as pallas_lib
 from attnx.core.kernels.pallas import block as pallas_block
 from attnx.core.kernels.pallas import masking as pallas_masking
+from attnx.core.kernels.pallas import split as pallas_split
 
 Array = jax.Array
 
@@ -85,18 +87,38 @@ class Pallas(Implementation):
       :mod:`attnx.core.kernels.pallas.tiles`); checked against the backend's rules.
     interpret: run the kernels in Pallas' interpreter (any machine, the only way on a CPU;
       slow, for tests).
+    num_splits: split-KV decoding (flash-decoding, :mod:`attnx.core.kernels.pallas.split`):
+      the forward cuts the keys into about this many chunks that run side by side and merge
+      after. None (default): for decoding shapes (T ≤ ``DECODE_MAX_QUERIES`` query rows against
+      S ≥ ``DECODE_MIN_KEYS`` keys) chunks of about 1024 keys, at most 64, for every F but
+      sparsemax/entmax (which run unsplit); 1: never; C > 1: about C chunks for every call
+      (sparsemax/entmax refused).
   """
 
   name: ClassVar[str] = "pallas"
   block_q: int | None = None
   block_k: int | None = None
   interpret: bool = False
+  num_splits: int | None = None
 
   def __post_init__(self):
     for field in ("block_q", "block_k"):
       object.__setattr__(self, field, check_tile_size(field, getattr(self, field)))
     if not isinstance(self.interpret, bool):
       raise ValueError(f"interpret must be True or False, got {self.interpret!r}.")
+    n = self.num_splits
+    if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
+      raise ValueError(f"Pallas(num_splits=...) must be a positive int or None, got {n!r}.")
+
+  def splits(self, problem: Problem) -> int:
+    """How many key chunks the forward asks for (1: no split): ``num_splits``, or with None
+    chunks of about 1024 keys for a decoding shape whose F splits."""
+    if self.num_splits is not None:
+      return self.num_splits
+    decoding = problem.t <= DECODE_MAX_QUERIES and problem.s >= DECODE_MIN_KEYS
+    if not decoding or pallas_split.reason(problem.weighting) is not None:
+      return 1
+    return max(1, min(64, problem.s // 1024))
 
   def _backends(self, problem: Problem) -> tuple[str, ...]:
     """The kernel families ("gpu", "tpu") that must be able to run ``problem``: the host's,
@@ -114,6 +136,9 @@ class Pallas(Implementation):
     reason = streaming_reason(self, problem)
     if reason is not None:
       return reason
+    if (self.num_splits or 1) > 1 and pallas_split.reason(problem.weighting) is not None:
+      return (f"core.Pallas(num_splits={self.num_splits}) cannot split this call's keys: "
+              f"{pallas_split.reason(problem.weighting)}.")
     reason = _modification_reason(problem)
     if reason is not None:
       return reason
@@ -164,8 +189,10 @@ class Pallas(Implementation):
   def __call__(self, problem: Problem, inputs: Inputs) -> Any:
     # backend=None: Triton or Mosaic by the platform the program is lowered for.
     backend = self._backends(problem)[0] if self.interpret else None
+    splits = self.splits(problem)
     kernel = functools.partial(
         pallas_lib.pallas_attention, backend=backend, interpret=self.interpret,
+        **({} if splits == 1 else {"num_splits": splits}),
         **problem.weighting.kernel_args(inputs.weighting_params))
     # The kernels loop over the tiles a structured mask may attend and evaluate it per tile.
     return run_streaming(problem, inputs, kernel, self.block_sizes, structured_kernel=True)

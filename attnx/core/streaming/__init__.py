@@ -33,6 +33,7 @@ languages: the primitives Triton and Mosaic lack, base-2 exponents, where Σ F a
 the layout of the row statistics, so that every backend runs the same tile math.
 """
 
+from attnx.core.streaming.chunks import fold, pointwise_sink, row_sink
 from attnx.core.streaming.entmax import (
     MAX_THRESHOLD_PASSES,
     MAX_THRESHOLD_PASSES_F64,
@@ -80,8 +81,9 @@ __all__ = ["F32", "FAMILIES", "LOG2E", "MAX_THRESHOLD_PASSES", "MAX_THRESHOLD_PA
            "Array", "EntmaxState", "Family", "GradCarry", "MaxState", "Ops", "RowStream",
            "StickState", "Threshold", "entmax_powers", "entmax_threshold", "entmax_tile_max",
            "entmax_x",
-           "entmax_zero_tile", "entmax_zero_tiles", "finalize", "get_family", "init",
+           "entmax_zero_tile", "entmax_zero_tiles", "finalize", "fold", "get_family", "init",
            "max_threshold_passes", "merge", "online_max_bound", "online_max_shifted",
            "online_max_start", "online_max_update", "pointwise_empty", "pointwise_finalize",
            "pointwise_grad_rows", "pointwise_merge", "pointwise_tile_grad", "pointwise_update",
-           "pv", "residual_delta", "row_scale", "threshold_sums_fold", "tile_grad", "update"]
+           "pointwise_sink", "pv", "residual_delta", "row_scale", "row_sink",
+           "threshold_sums_fold", "tile_grad", "update"]

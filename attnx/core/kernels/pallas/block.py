@@ -14,19 +14,9 @@ kernels (:mod:`attnx.core.kernels.pallas`, through :mod:`.wrapper`'s entry point
 tiles (the cfg's tiles are the XLA kernel's; Pallas has its own rules, and pads the block).
 
 The Pallas forward returns a *normalized* block (O, row statistic); its raw state is recovered
-exactly from them, so that states of Pallas and XLA blocks merge with the streaming rules
-(:func:`attnx.core.streaming.pointwise_merge`, :func:`~attnx.core.streaming.merge`) and are
-normalized once:
-
-* online max (softmax-like): m = lse (the kernel's log2-sum-exp times ln 2), l = 1, acc = O;
-* ``"sum"``: l = the normalizer Σ F, acc = O·l (Σ F rides in acc's last column, as in XLA);
-* ``"length"``: acc = O·n with n the block's valid-key count; ``"none"``: acc = O;
-* SSMax: the online max's rule on its c_i-scaled scores (m = lse, l = 1, acc = O);
-* softpick: e^{lse} = Σ|eᶻ − 1|, so m = max(lse, 0), l = e^{lse − m}, acc = O·l;
-* stick-breaking: O and L = Σ log(1 − β) are the raw state already.
-
-A row whose every key is masked in the block (lse = +∞, or a normalizer of 0) becomes an empty
-state: it may have keys in other blocks. The denominator offset (softmax_plus_one) and softpick's
+exactly from them (:mod:`.states`), so that states of Pallas and XLA blocks merge with the
+streaming rules (:func:`attnx.core.streaming.pointwise_merge`, :func:`~attnx.core.streaming.merge`)
+and are normalized once. The denominator offset (softmax_plus_one) and softpick's
 ε belong to the whole row, so the block's kernel runs without them (a weighting with offset 0,
 ε = 0) and :func:`~attnx.core.streaming.pointwise_finalize` / ``finalize`` add them once after the
 merge, as for the XLA states. F sees ``cfg.num_keys`` keys (sigmoid's default b = −log n of the
@@ -64,6 +54,7 @@ from attnx.core import streaming
 from attnx.core.kernels import common
 from attnx.core.kernels.pallas import tiles, wrapper
 from attnx.core.kernels.pallas.common import KernelConfig, grad_rows
+from attnx.core.kernels.pallas.states import block_weighting, pointwise_state, row_state
 from attnx.core.kernels.xla import tiling as tl
 from attnx.core.weightings import Pointwise, get_weighting
 
@@ -316,11 +307,6 @@ def _empty_grads(q, k, v, bias):
 # Pointwise F.
 # --------------------------------------------------------------------------------------------
 
-def _no_offset(w: Pointwise) -> Pointwise:
-  """F without the denominator offset: the offset is the row's, added once after the merge."""
-  return dataclasses.replace(w, denominator_offset=0.0) if w.denominator_offset else w
-
-
 def raw_block_state(q: Array, k: Array, v: Array, bias: Array | None, mask: Array | None,
                     scale: Array, cfg: tl.TileConfig, *, backend: str, interpret: bool = False,
                     block_q: int | None = None,
@@ -333,25 +319,12 @@ def raw_block_state(q: Array, k: Array, v: Array, bias: Array | None, mask: Arra
   s, hv = k.shape[1], v.shape[-1]
   if t == 0 or s == 0:
     return streaming.pointwise_empty(w, (x, g, t), hv, F32)
-  blk = _block(q, k, v, bias, mask, scale, cfg, _no_offset(w), backend, interpret, block_q,
+  blk = _block(q, k, v, bias, mask, scale, cfg, block_weighting(w), backend, interpret, block_q,
                block_k, mod)
   o, stat = wrapper.forward(blk.cfg, blk.q, blk.k, blk.v, blk.bias, blk.mask, blk.q_len,
                             blk.kv_len, out_dtype=F32, slopes=blk.ext)
-  o, stat = _xgtd(o, blk, hv), _xgt(stat, blk)
-  if w.online_max:  # m = lse (natural units of α·s), l = 1
-    empty = stat == jnp.inf
-    acc = jnp.concatenate([o, jnp.ones(o.shape[:-1] + (1,), F32)], axis=-1)
-    return jnp.where(empty[..., None], 0.0, acc), jnp.where(empty, -jnp.inf, stat * LN2)
-  zero = jnp.zeros(stat.shape, F32)
-  if w.unnormalized:
-    return o, zero
-  acc = o * stat[..., None]  # the kernel's normalizer (0 for an empty row, whose O is 0)
-  if w.divides_by_sum:
-    return jnp.concatenate([acc, stat[..., None]], axis=-1), zero
-  # "length": the kernel counted the valid keys unless no key could be invalid (then it
-  # divided by F's key count, the whole problem's): every key of the block counts.
   counted = blk.cfg.needs_valid(mask is not None)
-  return acc, stat if counted else jnp.full(stat.shape, float(s), F32)
+  return pointwise_state(w, _xgtd(o, blk, hv), _xgt(stat, blk), counted, s)
 
 
 def block_grads(q: Array, k: Array, v: Array, bias: Array | None, mask: Array | None,
@@ -364,7 +337,7 @@ def block_grads(q: Array, k: Array, v: Array, bias: Array | None, mask: Array | 
   w = cfg.w
   if q.shape[2] == 0 or k.shape[1] == 0:
     return _empty_grads(q, k, v, bias) + _mod_grad(mod)
-  blk = _block(q, k, v, bias, mask, scale, cfg, _no_offset(w), backend, interpret, block_q,
+  blk = _block(q, k, v, bias, mask, scale, cfg, block_weighting(w), backend, interpret, block_q,
                block_k, mod)
   if w.online_max:  # the kernels' statistic is a log2-sum-exp
     stat = stat * (1.0 / LN2)
@@ -390,8 +363,7 @@ def _row_weighting(w: Any) -> Any:
   rs = getattr(w, "stream", None)
   if rs is None or rs.needs_threshold:
     raise ValueError(f"the Pallas ring step cannot run this: {supported(w, 'gpu')}.")
-  block = rs.block_stream
-  return w if block is rs else dataclasses.replace(w, stream=block)
+  return block_weighting(w)
 
 
 def _row_forward(blk: _Block, row_scales: Array | None) -> tuple[Array, Array]:
@@ -419,17 +391,7 @@ def raw_row_block_state(q: Array, k: Array, v: Array, bias: Array | None, mask: 
     return streaming.init(rs, (x, g, t), hv)
   blk = _block(q, k, v, bias, mask, scale, cfg, kw, backend, interpret, block_q, block_k, mod)
   o, lse = _row_forward(blk, row_scales)
-  if rs.output_is_state:  # stick-breaking's (Σ A·v, L)
-    return streaming.StickState(o, lse)
-  empty = lse == jnp.inf  # no valid key in the block (softpick: or no weight)
-  zero = jnp.zeros(lse.shape, F32)
-  if rs.max_start == -jnp.inf:  # an online max with no floor (SSMax): m = lse, l = 1
-    return streaming.MaxState(jnp.where(empty[..., None], 0.0, o), jnp.where(empty, 0.0, 1.0),
-                              jnp.where(empty, -jnp.inf, lse))
-  # m never below its start (softpick: e^{lse} = Σ|eᶻ − 1|, ε = 0, m ≥ 0); l = e^{lse − m}.
-  m = jnp.where(empty, rs.max_start, jnp.maximum(lse, rs.max_start))
-  l = jnp.where(empty, zero, jnp.exp(lse - m))
-  return streaming.MaxState(o * l[..., None], l, m)
+  return row_state(rs, o, lse)
 
 
 def row_block_grads(q: Array, k: Array, v: Array, bias: Array | None, mask: Array | None,

@@ -100,6 +100,9 @@ class KernelConfig:
   # d ext [N, Lx] float32 in d slopes' slot. False: no operand, no op.
   relative: bool = False
   rel_offset: int = 0
+  # Split-KV (decoding): the forward runs the keys as this many chunks side by side, merged
+  # after (:mod:`.split`); 1: one pass over every key. The backward is the same either way.
+  kv_splits: int = 1
 
   @property
   def mod_operand(self) -> bool:

@@ -55,6 +55,7 @@ from attnx.core.kernels.pallas import (
     mosaic,
     mosaic_rows,
     platforms,
+    split,
     tiles,
     triton,
     triton_rows,
@@ -89,6 +90,8 @@ def forward(cfg: KernelConfig, q, k, v, bias, mask, q_len, kv_len,
   :func:`.common.relative_ext`).
   """
   out_dtype = q.dtype if out_dtype is None else out_dtype
+  if cfg.kv_splits > 1:
+    return split.forward(cfg, forward, q, k, v, bias, mask, q_len, kv_len, out_dtype, sinks)
   kernels = triton if cfg.backend == "gpu" else mosaic
   return kernels.forward(cfg, q, k, v, bias, mask, q_len, kv_len, out_dtype, smask, sinks,
                          slopes)
@@ -115,6 +118,9 @@ def row_forward(cfg: KernelConfig, q, k, v, rowc, bias, mask, q_len, kv_len, out
   ``slopes`` ALiBi's [N] or a relative table's ext [N, Lx] when ``cfg.mod_operand``;
   ``sinks`` [N] when ``cfg.sinks`` (the statistics then count them)."""
   out_dtype = q.dtype if out_dtype is None else out_dtype
+  if cfg.kv_splits > 1:
+    return split.row_forward(cfg, row_forward, q, k, v, rowc, bias, mask, q_len, kv_len,
+                             out_dtype, sinks)
   kernels = triton_rows if cfg.backend == "gpu" else mosaic_rows
   return kernels.forward(cfg, q, k, v, rowc, bias, mask, q_len, kv_len, out_dtype, smask,
                          slopes, sinks=sinks)
@@ -380,7 +386,8 @@ def pallas_attention(q: Array, k: Array, v: Array, *, weighting: Any,
                      interpret: bool = False, ssmax_s: Array | float | None = None,
                      skip_zero_tiles: bool = True, structured_mask: Any = None,
                      score_mod: Any = None, sinks: Array | None = None,
-                     return_residual: bool = False) -> Array | tuple[Array, Array]:
+                     return_residual: bool = False,
+                     num_splits: int = 1) -> Array | tuple[Array, Array]:
   """Fused attention out_i = Σ_j w_ij v_j for a pointwise weighting F, or a whole-row weighting
   with a streaming family (SSMax, softpick, stick-breaking, sparsemax, entmax: the kernels of
   :mod:`attnx.core.kernels.pallas.rows`), as Pallas kernels.
@@ -438,6 +445,12 @@ def pallas_attention(q: Array, k: Array, v: Array, *, weighting: Any,
       (:mod:`attnx.core.residuals`: the log normalizer, stick-breaking's log survival,
       entmax's threshold and weight total), with a gradient (entmax: the forward then also
       writes Σu per row, which the threshold's gradient needs).
+    num_splits: split-KV (flash-decoding, :mod:`.split`): the forward cuts the keys into about
+      this many chunks (the divisor of its key tiles nearest it) that run side by side as a
+      batch axis and merge after; 1 (default): one pass over every key per program. For few
+      query rows against many keys. Causality, a structured mask, ALiBi and a relative table
+      then enter as a dense [B|1, N|1, T, S] mask and bias (O(T·S) per head). Sparsemax and
+      entmax cannot be split (ValueError).
 
   Returns:
     [B, T, N, Hv] in q's dtype (with ``return_residual``: and the residual), equal up to float
@@ -456,11 +469,16 @@ def pallas_attention(q: Array, k: Array, v: Array, *, weighting: Any,
         q, k, v, weighting=weighting, scale=scale, bias=bias, mask=mask, is_causal=is_causal,
         q_lengths=q_lengths, kv_lengths=kv_lengths, block_q=block_q, block_k=block_k,
         ssmax_s=ssmax_s, skip_zero_tiles=skip_zero_tiles, structured_mask=structured_mask,
-        score_mod=score_mod, sinks=sinks, return_residual=return_residual)
+        score_mod=score_mod, sinks=sinks, return_residual=return_residual,
+        num_splits=num_splits)
   if not isinstance(skip_zero_tiles, bool):
     raise ValueError(f"skip_zero_tiles must be a bool, got {skip_zero_tiles!r}")
   if rows and not streams(weighting):
     raise ValueError(f"implementation='pallas' cannot run this: {tiles.supported(weighting)}.")
+  if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1:
+    raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
+  if num_splits > 1 and split.reason(weighting):
+    raise ValueError(f"num_splits={num_splits}: {split.reason(weighting)}.")
   q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
   if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
     raise ValueError(f"expected 4-D [B, T, N, H] inputs, got {q.shape}, {k.shape}, {v.shape}")
@@ -485,9 +503,9 @@ def pallas_attention(q: Array, k: Array, v: Array, *, weighting: Any,
     if masking.kernel_reason(structured_mask) is not None:  # evaluated densely instead
       mask = masks_lib.combine(mask, structured_mask, (b,), n, t, s)
       structured_mask = None
+  blocks, launch = tiles.kernel_tiles(be, weighting, t, s, h, hv, q.dtype, block_q, block_k)
   bias4 = _as_4d(bias, (b, n, t, s), "bias")
   mask4 = _as_4d(mask, (b, n, t, s), "mask")
-  blocks, launch = tiles.kernel_tiles(be, weighting, t, s, h, hv, q.dtype, block_q, block_k)
   q_len = _lengths(q_lengths, b, t, "q_lengths")
   kv_len = _lengths(kv_lengths, b, s, "kv_lengths")
   if sinks is not None:
@@ -510,6 +528,16 @@ def pallas_attention(q: Array, k: Array, v: Array, *, weighting: Any,
   if q.size == 0 or s == 0:  # no query, or no key (every row has no valid key)
     out = jnp.zeros((b, t, n, hv), q.dtype)
     return (out, residuals_lib.empty_residual(weighting, (b, t, n))) if return_residual else out
+  splits = 1
+  if num_splits > 1:
+    sp = round_up(s, math.lcm(blocks.block_k, blocks.block_k_dq, blocks.block_k_dkv))
+    splits = split.split_count(sp // blocks.block_k, num_splits)
+  if splits > 1:  # a chunk's kernel sees its own key positions: make positions dense first
+    bias, mask = split.dense_positions((b, t, n, h), s, bias=bias4, mask=mask4,
+                                       is_causal=is_causal, structured_mask=structured_mask,
+                                       score_mod=score_mod)
+    bias4, mask4 = _as_4d(bias, (b, n, t, s), "bias"), _as_4d(mask, (b, n, t, s), "mask")
+    is_causal, structured_mask, alibi, relative, slopes = False, None, None, False, None
 
   rowc = None
   if rows and weighting.stream.needs_row_scale:  # SSMax's c_i = s·log n_i, from the raw masks
@@ -530,6 +558,8 @@ def pallas_attention(q: Array, k: Array, v: Array, *, weighting: Any,
   if relative:  # the table extended to every distance (its gradient folds back by autodiff)
     slopes, off = relative_ext(table, t, s)
     cfg = dataclasses.replace(cfg, relative=True, rel_offset=off)
+  if splits > 1:
+    cfg = dataclasses.replace(cfg, kv_splits=splits)
   smask = None
   if structured_mask is not None:
     plan, smask = masking.prepare(

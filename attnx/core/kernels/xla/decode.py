@@ -230,24 +230,12 @@ def row_attention(z: Array, valid: Array, v: Array, w: Any, *, num_chunks: int =
   stream = rs.block_stream if c > 1 or sinks is not None else rs
   st = streaming.update(stream, streaming.init(stream, (b, kh, c, r), hv, cd), zc, vc_, vch,
                         chunk_ctx, DECODE)
-  st = _fold(lambda a, x: streaming.merge(stream, a, x), st, c, stream.reverse)
+  st = streaming.fold(lambda a, x: streaming.merge(stream, a, x), st, 2, stream.reverse)
   if sinks is not None:
     zs = sinks.astype(cd)[..., None] + jnp.zeros((b, kh, r, 1), cd)
-    sink = streaming.update(stream, streaming.init(stream, (b, kh, r), hv, cd), zs,
-                            jnp.ones(zs.shape, bool), jnp.zeros((b, kh, 1, hv), cd), ctx)
-    st = streaming.merge(stream, st, sink)
+    st = streaming.merge(stream, st, streaming.row_sink(stream, zs, hv, ctx))
   out, stats, _ = streaming.finalize(rs, st, ctx)
   return RowState(out, tuple(stats))
-
-
-def _fold(merge: Any, st: Any, c: int, reverse: bool) -> Any:
-  """The merge of the C chunk states along axis 2 (``reverse``: the later chunk first)."""
-  part = lambda i: jax.tree.map(lambda a: a[:, :, i], st)
-  order = range(c - 1, -1, -1) if reverse else range(c)
-  acc = None
-  for i in order:
-    acc = part(i) if acc is None else merge(acc, part(i))
-  return acc
 
 
 def _pointwise(zc, vc_, vch, w: Pointwise, sinks, hv: int, cd, num_keys: int) -> RowState:
@@ -276,17 +264,10 @@ def _pointwise(zc, vc_, vch, w: Pointwise, sinks, hv: int, cd, num_keys: int) ->
       state = (jnp.concatenate([acc, l[..., None]], -1), jnp.zeros(rows, cd))
     else:
       state = (acc, l)
-  state = _fold(lambda a, x: streaming.pointwise_merge(w, a, x), state, c, False)
+  state = streaming.fold(lambda a, x: streaming.pointwise_merge(w, a, x), state, 2)
   if sinks is not None:  # normalization "sum" only (attnx.core.problem.sinks_reason)
     zs = sinks.astype(cd) + jnp.zeros((b, kh, r), cd)
-    if w.online_max:
-      ex = w.alpha * zs if w.log_f is None else w.log_f.fn(zs)
-      sink = (jnp.concatenate([jnp.zeros((b, kh, r, hv), cd), jnp.ones((b, kh, r, 1), cd)], -1),
-              ex)
-    else:
-      sink = (jnp.concatenate([jnp.zeros((b, kh, r, hv), cd), w.fn(zs, num_keys)[..., None]],
-                              -1), jnp.zeros((b, kh, r), cd))
-    state = streaming.pointwise_merge(w, state, sink)
+    state = streaming.pointwise_merge(w, state, streaming.pointwise_sink(w, zs, hv, num_keys))
   out, stat = streaming.pointwise_finalize(w, *state)
   return RowState(out, (stat,))
 

@@ -4,14 +4,17 @@
 #   tools/gpu_check.sh [OUT]        (OUT: where results go; default runs/gpu_check)
 #
 # Runs, from the repository root, in two phases:
-#   1. the GPU alone: the Pallas benchmark's quick preset at one shape (TFLOP/s per F vs cuDNN
+#   1. the GPU alone: tools/gpu_autotune.py (the kernels' tiles timed on this chip for the
+#      benchmark's shape, every F, causal and not, into OUT/pallas_tiles.json, which every later
+#      step reads; AUTOTUNE=0 skips it), then the Pallas benchmark's quick preset at one shape (TFLOP/s per F vs cuDNN
 #      softmax and JAX's Pallas flash; target: every pointwise F >= 60 % of cuDNN softmax at
 #      T >= 4k; and softmax / stick-breaking under a causal window and packed documents, per
 #      attended pair vs plain causal; and those masked rows again at T = 16 384, the Masks
 #      guide's 1.3x rule; the decoding benchmark's gpu preset: split-KV on the Pallas kernels
 #      and its share of HBM bandwidth, target >= 60 % for softmax at a 32k cache in bf16;
 #      BENCHMARK=0 skips them), then tools/gpu_tile_sweep.py (the forward, dQ and dK/dV
-#      tiles timed; SWEEP=0 skips it, SWEEP_BUDGET seconds, default 150);
+#      tiles timed candidate by candidate, the autotuner's grid with a full report; SWEEP=1 runs
+#      it, SWEEP_BUDGET seconds, default 150);
 #   2. then: the Pallas tests with compiled kernels, no interpreter
 #      (tests/core/test_pallas_device.py: every streaming weighting vs a float64 brute force;
 #      tests/core/test_platforms.py), in DEVICE_TEST_WORKERS pytest-xdist workers (default 6),
@@ -130,7 +133,8 @@ cpu_suite() {
   return $rc
 }
 
-# Phase 1, the GPU alone: the benchmark, then the tile sweep (BENCHMARK=0 / SWEEP=0 skip them).
+# Phase 1, the GPU alone: the tuner, the benchmarks, then the tile sweep if asked (AUTOTUNE=0 /
+# BENCHMARK=0 skip, SWEEP=1 runs).
 # One shape and the F of the table in docs/guides/pallas.md ("Measured on an NVIDIA H100"), so
 # the figures compare with the tiles timed before. The CPU suites run meanwhile on the other
 # cores (pinned there, niced): they use no GPU, and a kernel's time is the GPU's.
@@ -151,6 +155,13 @@ if [ "${CPU_SUITE:-1}" != 0 ]; then
     pids+=($!)
   fi
 fi
+# The tiles tuned on this chip first (AUTOTUNE=0 skips it; AUTOTUNE_BUDGET seconds per F and
+# causality, default 12): the benchmarks below read the cache it writes.
+export ATTNX_TILE_CACHE="${ATTNX_TILE_CACHE:-$PWD/$out/pallas_tiles.json}"
+if [ "${AUTOTUNE:-1}" != 0 ]; then
+  STEP_TIMEOUT=${AUTOTUNE_TIMEOUT:-300} step autotune $pin_gpu "$py" tools/gpu_autotune.py \
+    --shape=4x4096x16x128 --budget="${AUTOTUNE_BUDGET:-12}" --out="$out/autotune"
+fi
 if [ "${BENCHMARK:-1}" != 0 ]; then
   step pallas_benchmark $pin_gpu "$py" launch.py --config=experiments/pallas_benchmark.py:quick \
     --config.shapes=4x4096x16x128 --config.weightings=softmax,relu,sigmoid,power \
@@ -165,7 +176,7 @@ if [ "${BENCHMARK:-1}" != 0 ]; then  # decoding: split-KV on the Pallas kernels,
   step decode_benchmark $pin_gpu "$py" experiments/decode_benchmark.py --preset=gpu \
     --workdir="$out/decode_benchmark"
 fi
-if [ "${SWEEP:-1}" != 0 ]; then
+if [ "${SWEEP:-0}" != 0 ]; then
   step tile_sweep $pin_gpu "$py" tools/gpu_tile_sweep.py --out="$out/tile_sweep" \
     --weightings="${SWEEP_WEIGHTINGS:-softmax,sigmoid,relu,power,ssmax,sparsemax}" \
     --budget="${SWEEP_BUDGET:-150}"
@@ -198,6 +209,9 @@ if [ -f "$out/decode_benchmark/report.md" ]; then
   { echo; echo "## Decoding (bf16, B = 4, N = 8 over K = 2, H = 64)"; echo;
     sed -n '/^## Targets/,/^## Results/p' "$out/decode_benchmark/report.md" | sed '$d'; } \
     >> "$summary"
+fi
+if [ -f "$out/autotune/autotune.md" ]; then
+  { echo; sed 's/^# /## /' "$out/autotune/autotune.md"; } >> "$summary"
 fi
 if [ -f "$out/tile_sweep/tile_sweep.md" ]; then
   { echo; sed 's/^# /## /' "$out/tile_sweep/tile_sweep.md"; } >> "$summary"

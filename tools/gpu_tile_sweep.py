@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import pathlib
 import sys
 import time
@@ -44,15 +45,13 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from attnx.core import weightings as wlib  # noqa: E402
 from attnx.core.kernels.pallas import tiles  # noqa: E402
+from attnx.core.kernels.pallas.autotune import CANDIDATES  # noqa: E402
 from attnx.core.kernels.pallas.wrapper import pallas_attention  # noqa: E402
 
 Tile = tiles.GpuTile
-FWD = [Tile(128, 32, 8), Tile(128, 64, 8), Tile(64, 64, 4), Tile(64, 128, 8), Tile(128, 128, 8),
-       Tile(64, 32, 4)]
-DQ = [Tile(64, 16, 8), Tile(64, 32, 4), Tile(64, 64, 4), Tile(64, 64, 8), Tile(128, 32, 8),
-      Tile(128, 64, 8), Tile(32, 64, 4), Tile(128, 128, 8)]
-DKV = [Tile(32, 64, 8), Tile(64, 64, 4), Tile(64, 64, 8), Tile(32, 128, 8), Tile(64, 128, 8),
-       Tile(128, 64, 8), Tile(128, 128, 8), Tile(16, 64, 4)]
+# The autotuner's candidates (attnx.core.autotune: this sweep, as a library function that caches
+# its winner).
+FWD, DQ, DKV = (list(CANDIDATES[k]) for k in ("fwd", "dq", "dkv"))
 
 
 def _flops(shape: tuple[int, ...], mode: str) -> float:
@@ -142,6 +141,8 @@ def main(argv: list[str] | None = None) -> int:
                  help="largest relative difference from the table tiles' results (bf16)")
   p.add_argument("--interpret", action="store_true", help="CPU smoke test (Pallas interpreter)")
   a = p.parse_args(argv)
+  # The sweep times the table's tiles and its own: tuned ones from the cache would replace both.
+  os.environ["ATTNX_TILE_CACHE"] = "off"
   shape = tuple(int(x) for x in a.shape.split("x"))
   if not a.interpret and jax.default_backend() != "gpu":
     print(f"gpu_tile_sweep: needs a GPU (JAX runs on {jax.default_backend()}); --interpret "

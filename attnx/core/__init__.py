@@ -29,6 +29,7 @@ from attnx.core.implementations import (
     list_implementations,
 )
 from attnx.core.kernels.pallas import PallasVerification, verify_pallas
+from attnx.core.kernels.pallas.autotune import TuneResult, autotune
 from attnx.core.kernels.xla.pointwise import blocked_attention
 from attnx.core.linear import (
     elu_plus_one_features,
@@ -82,7 +83,7 @@ __all__ = [
     "EntmaxResidual", "Problem", "SharedThreshold", "SplitKV", "ThresholdStats",
     "ThresholdSums", "append_to_pages", "combine_threshold_stats", "merge_attention",
     "paged_attention", "residual_kind", "solve_threshold", "threshold_stats", "threshold_sums",
-    "thresholded_attention", "thresholds",
+    "thresholded_attention", "thresholds", "TuneResult", "autotune",
     "RowNormalizer", "Score", "ScoreMod",
     "additive", "alibi", "alibi_slopes", "attention", "attention_weights", "bilinear",
     "blocked_attention", "causal_mask",

@@ -13,12 +13,17 @@ Modules, each importing only those above it:
   arrays per tile inside them;
 * :mod:`.rows` — the whole-row families' tile loops both lowerings share, SSMax's row scale;
 * :mod:`.triton_rows`, :mod:`.mosaic_rows` — the whole-row kernels, one module per lowering;
-* :mod:`.tiles` — backends, what each supports, tile sizes (the GPU's tile tables);
+* :mod:`.tile_cache` — tuned GPU launches: the cache file, a call's signature;
+* :mod:`.tiles` — backends, what each supports, tile sizes (the GPU's tile tables, tuned
+  launches where cached);
 * :mod:`.platforms` — code chosen per lowering platform (:func:`~.platforms.by_platform`);
 * :mod:`.wrapper` — :func:`pallas_attention`: checks, padding, the custom VJPs, the kernels of
   each lowering platform;
 * :mod:`.verify` — the one-time self-check and the automatic choice's policy;
-* :mod:`.block` — ring attention's per-step entry points on these kernels.
+* :mod:`.states` — raw streaming states from the kernels' normalized outputs;
+* :mod:`.split` — split-KV decoding: key chunks as a batch axis of the kernels, merged;
+* :mod:`.block` — ring attention's per-step entry points on these kernels;
+* :mod:`.autotune` — :func:`~.autotune.autotune`: the GPU kernels' launches timed on the chip.
 """
 
 from attnx.core.kernels.pallas.tiles import (

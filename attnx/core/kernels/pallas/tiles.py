@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from attnx.core.kernels.common import round_up
+from attnx.core.kernels.pallas import tile_cache
 from attnx.core.kernels.pallas.rows import streams
 from attnx.core.weightings import Pointwise
 
@@ -33,7 +34,7 @@ TPU_LANES = 128
 __all__ = ["BACKENDS", "GPU_MAX_HEAD_DIM", "GPU_MIN_BLOCK", "TPU_LANES", "TPU_SUBLANES",
            "BlockSizes", "GpuTier", "GpuTile", "GpuTiles", "backend_for_platform",
            "check_block_sizes", "default_block_sizes", "gpu_tier", "gpu_tiles", "kernel_tiles",
-           "pow2", "q_align", "resolve_backend", "supported", "timed_kernels"]
+           "pow2", "q_align", "resolve_backend", "supported", "timed_kernels", "tuned_tiles"]
 
 
 def resolve_backend(backend: str | None = None, interpret: bool = False) -> str:
@@ -272,7 +273,8 @@ def timed_kernels(head_dim: int | None, family: str | None, dtype: Any) -> froze
 
 def default_block_sizes(backend: str, t: int, s: int, dtype: Any = jnp.float32,
                         block_q: int | None = None, block_k: int | None = None, *,
-                        head_dim: int | None = None, family: str | None = None) -> BlockSizes:
+                        head_dim: int | None = None, family: str | None = None,
+                        launch: GpuTiles | None = None) -> BlockSizes:
   """The tiles used for T queries and S keys (``block_q``/``block_k`` override all kernels).
 
   Defaults (queries × keys): GPU by dtype width and head size (``head_dim``, the padded one;
@@ -280,13 +282,15 @@ def default_block_sizes(backend: str, t: int, s: int, dtype: Any = jnp.float32,
   a whole-row weighting's streaming ``family``, the tiles that compiled without register
   spills for an H100 and an A100 (:data:`_GPU_TIERS`); TPU forward 256 × 512, backward
   256 × 256. Every tile is then capped at the (aligned) sequence: GPU at the next power of 2
-  (≥ 16), TPU at T rounded up to 8 (16 for 16-bit dtypes) and S rounded up to 128.
+  (≥ 16), TPU at T rounded up to 8 (16 for 16-bit dtypes) and S rounded up to 128. ``launch``:
+  GPU launches to take the tiles from instead of the table's (tuned ones).
   """
   be = resolve_backend(backend)
   check_block_sizes(be, dtype, block_q=block_q, block_k=block_k)
   sizes = dict(_TPU_DEFAULT)
   if be == "gpu":
-    sizes = dataclasses.asdict(gpu_tiles(head_dim, family, dtype).block_sizes())
+    launch = gpu_tiles(head_dim, family, dtype) if launch is None else launch
+    sizes = dataclasses.asdict(launch.block_sizes())
   for name in sizes:
     given = block_q if name.startswith("block_q") else block_k
     if given is not None:
@@ -299,18 +303,39 @@ def default_block_sizes(backend: str, t: int, s: int, dtype: Any = jnp.float32,
                        for n, v in sizes.items()})
 
 
+def tuned_tiles(weighting: Any, t: int, s: int, h: int, hv: int, dtype: Any, causal: bool,
+                group: int) -> GpuTiles | None:
+  """The GPU launches for this call from the tuner: those it is timing now
+  (:func:`.tile_cache.override`), else the winners :func:`attnx.core.autotune` cached for this
+  signature on this process' GPU (:mod:`.tile_cache`; none on a CPU), else None."""
+  chosen = tile_cache.overriding()
+  if chosen is not None:
+    return chosen
+  raw = tile_cache.lookup(tile_cache.signature(weighting, t, s, h, hv, dtype, causal, group))
+  if raw is None:
+    return None
+  return GpuTiles(*(GpuTile(*raw[k]) for k in tile_cache.KERNELS))
+
+
 def kernel_tiles(be: str, weighting: Any, t: int, s: int, h: int, hv: int, dtype: Any,
-                 block_q: int | None, block_k: int | None) -> tuple[BlockSizes, GpuTiles | None]:
+                 block_q: int | None, block_k: int | None, *, causal: bool = False,
+                 group: int = 1) -> tuple[BlockSizes, GpuTiles | None]:
   """The tiles (:func:`default_block_sizes`, checked) and, on the GPU, the kernels' launches
   (:func:`gpu_tiles`: warps, dK/dV as two passes; None on the TPU) of a T × S problem of head
-  sizes H, Hv."""
+  sizes H, Hv. Without tiles given, a GPU takes tuned launches where there are some
+  (:func:`tuned_tiles`; ``causal`` and the GQA ``group`` are part of their signature)."""
   rows = not isinstance(weighting, Pointwise)
   # The GPU's padded head size (a multiple of 16) picks its tiles.
   family = weighting.stream.family if rows else None
+  launch = None
+  if be == "gpu":
+    if block_q is None and block_k is None:
+      launch = tuned_tiles(weighting, t, s, h, hv, dtype, causal, group)
+    if launch is None:
+      launch = gpu_tiles(round_up(max(h, hv), GPU_MIN_BLOCK), family, dtype)
   blocks = default_block_sizes(be, t, s, dtype, block_q, block_k,
-                               head_dim=round_up(max(h, hv), GPU_MIN_BLOCK), family=family)
-  launch = (gpu_tiles(round_up(max(h, hv), GPU_MIN_BLOCK), family, dtype) if be == "gpu"
-            else None)
+                               head_dim=round_up(max(h, hv), GPU_MIN_BLOCK), family=family,
+                               launch=launch)
   if rows and weighting.stream.suffix_carries:
     # Stick-breaking's dQ pass saves its carries at the dK/dV pass's key tiles.
     blocks = dataclasses.replace(blocks, block_k_dq=blocks.block_k_dkv)

@@ -503,7 +503,8 @@ def pallas_attention(q: Array, k: Array, v: Array, *, weighting: Any,
     if masking.kernel_reason(structured_mask) is not None:  # evaluated densely instead
       mask = masks_lib.combine(mask, structured_mask, (b,), n, t, s)
       structured_mask = None
-  blocks, launch = tiles.kernel_tiles(be, weighting, t, s, h, hv, q.dtype, block_q, block_k)
+  blocks, launch = tiles.kernel_tiles(be, weighting, t, s, h, hv, q.dtype, block_q, block_k,
+                                      causal=is_causal, group=n // kh)
   bias4 = _as_4d(bias, (b, n, t, s), "bias")
   mask4 = _as_4d(mask, (b, n, t, s), "mask")
   q_len = _lengths(q_lengths, b, t, "q_lengths")

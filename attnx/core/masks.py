@@ -399,8 +399,11 @@ class SegmentIds(Mask):
     return (self.q_ids == self.kv_ids) & (self.q_ids >= 0)
 
   def tile_range(self, q0, bq, k0, bk):
-    qs = _ids_at(self.q_ids, jnp.arange(self.q_ids.shape[0])[:, None], q0 + jnp.arange(bq))
-    ks = _ids_at(self.kv_ids, jnp.arange(self.kv_ids.shape[0])[:, None], k0 + jnp.arange(bk))
+    # [B|1, bq] and [B|1, bk] (one row of ids broadcasts over the batch).
+    qs = _ids_at(self.q_ids, jnp.arange(self.q_ids.shape[0])[:, None],
+                 q0 + jnp.arange(bq)).reshape(-1, bq)
+    ks = _ids_at(self.kv_ids, jnp.arange(self.kv_ids.shape[0])[:, None],
+                 k0 + jnp.arange(bk)).reshape(-1, bk)
     qlo, qhi = qs.min(axis=1)[:, None], qs.max(axis=1)[:, None]
     klo, khi = ks.min(axis=1)[:, None], ks.max(axis=1)[:, None]
     some = (qhi >= 0) & (khi >= 0) & (qlo <= khi) & (klo <= qhi)

@@ -517,3 +517,54 @@ def test_ring_of_one_takes_a_structured_mask(layout):
         out_specs=jax.sharding.PartitionSpec(None, "sp"), check_vma=False)
     want = core.attention(q, k, v, mask=mask, weighting=weighting, is_causal=True)
     chex.assert_trees_all_close(ring(q, k, v), want, atol=2e-6)
+
+
+def _attended_tiles(dense: np.ndarray, bq: int, bk: int, tp: int, sp: int) -> np.ndarray:
+  """[B, nq, nk]: whether tile (i, j) holds an attended pair (padded positions attend none)."""
+  b, t, s = dense.shape
+  pad = np.zeros((b, tp, sp), bool)
+  pad[:, :t, :s] = dense
+  return pad.reshape(b, tp // bq, bq, sp // bk, bk).any(axis=(2, 4))
+
+
+_VISIT_MASKS = {
+    "window": lambda rng, b, t, s: masks.sliding_window(int(rng.integers(1, 200)),
+                                                        int(rng.integers(0, 40))),
+    "causal window": lambda rng, b, t, s: masks.causal() & masks.sliding_window(
+        int(rng.integers(1, 300)), 0),
+    "documents": lambda rng, b, t, s: masks.segment_ids(np.sort(
+        rng.integers(0, 6, (b, t)), axis=1).astype(np.int32)),
+    "chunks": lambda rng, b, t, s: masks.chunked_causal(int(rng.integers(16, 200))),
+    "lengths": lambda rng, b, t, s: masks.seq_lengths(
+        rng.integers(1, t + 1, b).astype(np.int32), rng.integers(1, s + 1, b).astype(np.int32)),
+    "prefix": lambda rng, b, t, s: masks.prefix_lm(rng.integers(0, t, b).astype(np.int32)),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(_VISIT_MASKS))
+def test_pallas_kernels_visit_exactly_the_tiles_with_an_attended_pair(kind):
+  """The loops of the Pallas kernels run over the spans of tiles the mask's metadata gives
+  (kernels/pallas/masking.py): forward and dQ the key tiles of each query tile, dK/dV the
+  query tiles of each key tile. For windows, documents, chunks, lengths and prefixes the
+  tiles they visit are exactly those holding an attended pair (counted on the dense mask):
+  none is launched only to be masked out."""
+  from attnx.core.kernels.pallas import masking  # noqa: PLC0415
+
+  rng = np.random.default_rng(sorted(_VISIT_MASKS).index(kind))
+  for _ in range(2):
+    b, t = int(rng.integers(1, 3)), int(rng.integers(100, 700))
+    s = t if kind in ("documents", "prefix") else int(rng.integers(100, 700))
+    mask = _VISIT_MASKS[kind](rng, b, t, s).bind((b,), 2, t, s)
+    dense = np.broadcast_to(np.asarray(masks.materialize(mask, (b,), 2, t, s))[:, 0],
+                            (b, t, s))  # [B, T, S]
+    tiles = {"fwd": (64, 32), "dkv": (16, 128)}  # (dQ's loop is the forward's)
+    tp, sp = -(-t // 128) * 128, -(-s // 128) * 128
+    _, ops = masking.prepare(mask, tiles, tp, sp, t, s)
+    for name, (bq, bk) in tiles.items():
+      want = _attended_tiles(dense, bq, bk, tp, sp)  # [B, nq, nk]
+      lo, hi = (np.broadcast_to(np.asarray(x), (b, x.shape[1])) for x in ops[name])
+      idx = np.arange(want.shape[2] if name != "dkv" else want.shape[1])
+      visit = (idx[None, None] >= lo[..., None]) & (idx[None, None] < hi[..., None])
+      if name == "dkv":  # per key tile, the query tiles: [B, nk, nq] -> [B, nq, nk]
+        visit = visit.transpose(0, 2, 1)
+      np.testing.assert_array_equal(visit, want, err_msg=f"{kind} {name} b={b} t={t} s={s}")

@@ -26,6 +26,7 @@ materializes it instead.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -102,19 +103,60 @@ def kernel_reason(mask: Any) -> str | None:
 # Before the kernels: the plan, the spans and the laid-out leaves.
 # --------------------------------------------------------------------------------------------
 
-def _spans(mask: Any, bq: int, bk: int, nq: int, nk: int, axis: int) -> tuple[Array, Array]:
+def _spans(mask: Any, bq: int, bk: int, nq: int, nk: int, axis: int, t: int | None = None,
+           s: int | None = None) -> tuple[Array, Array]:
   """(lo, hi) int32 [B|1, nq or nk]: the tiles along ``axis`` (1: key tiles of each query
-  tile, 0: query tiles of each key tile) that some pair of some head may attend."""
+  tile, 0: query tiles of each key tile) that some pair of some head may attend, among the
+  real T queries and S keys (``t``, ``s``: rows and keys past them, the kernels' padding,
+  attend nothing, so a tile only they could attend is not visited)."""
   some, _ = mask.block_table(bq, bk, nq, nk)  # [B|1, N|1, nq, nk]
-  some = jnp.any(some, axis=1).astype(jnp.int32)
+  some = jnp.any(some, axis=1)
+  if t is not None and s is not None:
+    some = _real_tiles(mask, some, bq=bq, bk=bk, t=t, s=s)
+  some = some.astype(jnp.int32)
   lo, hi = jax.vmap(lambda k: tile_span(k, axis))(some)
   return lo.astype(jnp.int32), hi.astype(jnp.int32)
 
 
-def prepare(mask: Any, tiles: dict[str, tuple[int, int]], tp: int,
-            sp: int) -> tuple[MaskPlan, dict[str, Any]]:
+@functools.partial(jax.jit, static_argnames=("bq", "bk", "t", "s"))
+def _real_tiles(mask: Any, some: Array, *, bq: int, bk: int, t: int, s: int) -> Array:
+  """``some`` [B|1, nq, nk] of the padded grid restricted to the real positions: tiles past
+  the last real query or key tile attend nothing, and the last real row and column of tiles
+  are asked again at their real extents (:meth:`~attnx.core.masks.Mask.tile_range` of the
+  real rows and keys only: the padded ones would widen the tile's span). Unchanged (no op)
+  when T and S fill whole tiles."""
+  nq, nk = some.shape[-2:]
+  iq, ik = (max(t, 1) - 1) // bq, (max(s, 1) - 1) // bk
+  rq, rk = t - iq * bq, s - ik * bk  # the last real tiles' real rows and keys
+  if iq == nq - 1 and ik == nk - 1 and rq == bq and rk == bk:
+    return some
+  some = some & (jnp.arange(nq) <= iq)[:, None] & (jnp.arange(nk) <= ik)[None, :]
+  heads = lambda x: jnp.any(jnp.asarray(x), axis=-1) if jnp.ndim(x) >= 2 else jnp.asarray(x)
+
+  def at(q0, sq, k0, sk):  # some pair of the tile, [B|1] (any head)
+    some_, _ = mask.tile_range(q0, sq, k0, sk)
+    return heads(jnp.broadcast_to(some_, jnp.broadcast_shapes(jnp.shape(some_), (1, 1))))
+
+  b = some.shape[0]
+  fix = lambda x: jnp.broadcast_to(x, (b,))
+  corner = fix(at(iq * bq, rq, ik * bk, rk))
+  if rq < bq:  # the last real query tile's row (its last real key tile: the corner)
+    row = jax.vmap(lambda k0: fix(at(iq * bq, rq, k0, bk)), out_axes=1)(jnp.arange(ik) * bk)
+    row = jnp.concatenate([row, corner[:, None]], axis=1)
+    some = some.at[:, iq, :ik + 1].set(some[:, iq, :ik + 1] & row)
+  if rk < bk:  # the last real key tile's column
+    col = jax.vmap(lambda q0: fix(at(q0, bq, ik * bk, rk)), out_axes=1)(jnp.arange(iq) * bq)
+    col = jnp.concatenate([col, corner[:, None]], axis=1)
+    some = some.at[:, :iq + 1, ik].set(some[:, :iq + 1, ik] & col)
+  return some
+
+
+def prepare(mask: Any, tiles: dict[str, tuple[int, int]], tp: int, sp: int,
+            t: int | None = None, s: int | None = None) -> tuple[MaskPlan, dict[str, Any]]:
   """The plan and the operands of a bound mask for kernels whose tiles are ``tiles`` (``{"fwd":
-  (bq, bk), "dq": ..., "dkv": ...}``) on sequences padded to ``tp`` queries and ``sp`` keys.
+  (bq, bk), "dq": ..., "dkv": ...}``) on sequences of ``t`` queries and ``s`` keys (default:
+  ``tp``, ``sp``) padded to ``tp`` and ``sp``: the spans hold the tiles with an attended pair
+  among the real positions.
 
   Operands: ``leaves`` (the mask's arrays as int32, ids padded with their last value; padded
   positions are masked by the kernels' bounds anyway) and per kernel kind its spans ``(lo,
@@ -135,7 +177,7 @@ def prepare(mask: Any, tiles: dict[str, tuple[int, int]], tp: int,
     out.append(x)
   spans = {}
   for name, (bq, bk) in tiles.items():
-    spans[name] = _spans(mask, bq, bk, tp // bq, sp // bk, 0 if name == "dkv" else 1)
+    spans[name] = _spans(mask, bq, bk, tp // bq, sp // bk, 0 if name == "dkv" else 1, t, s)
   spans_batched = any(lo.shape[0] > 1 for lo, _ in spans.values())
   if spans_batched:
     b = max(lo.shape[0] for lo, _ in spans.values())
@@ -150,7 +192,7 @@ def tile_counts(mask: Any, bq: int, bk: int, t: int, s: int) -> dict[str, Any]:
   :func:`attnx.core.explain`: the key tiles its loops leave out ("skipped") and those they run,
   each with the elementwise mask ("masked"; these kernels have no unmasked tile kind)."""
   tp, sp = -(-t // bq) * bq, -(-s // bk) * bk
-  lo, hi = (np.asarray(x) for x in _spans(mask, bq, bk, tp // bq, sp // bk, 1))
+  lo, hi = (np.asarray(x) for x in _spans(mask, bq, bk, tp // bq, sp // bk, 1, t, s))
   total = lo.shape[0] * (tp // bq) * (sp // bk)
   run = int((hi - lo).sum()) * (1 if lo.shape[0] else 0)
   return {"tiles": (bq, bk), "skipped": total - run, "unmasked": 0, "masked": run}

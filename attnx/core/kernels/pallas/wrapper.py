@@ -565,7 +565,7 @@ def pallas_attention(q: Array, k: Array, v: Array, *, weighting: Any,
   if structured_mask is not None:
     plan, smask = masking.prepare(
         structured_mask, {"fwd": (cfg.bq, cfg.bk), "dq": (cfg.bq_dq, cfg.bk_dq),
-                          "dkv": (cfg.bq_dkv, cfg.bk_dkv)}, cfg.tp, cfg.sp)
+                          "dkv": (cfg.bq_dkv, cfg.bk_dkv)}, cfg.tp, cfg.sp, t, s)
     cfg = dataclasses.replace(cfg, smask=plan)
     if rows and be == "tpu":
       _check_vmem(cfg, weighting, q.dtype, h, hv, bias4, mask4)

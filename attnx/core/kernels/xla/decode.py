@@ -60,6 +60,10 @@ def packed_scores(q: Array, k: Array, v: Array | None, scale: Any) -> Array:
   g = n // kh
   cd = compute_dtype(q.dtype, k.dtype)
   qr = q.reshape(b, t, kh, g, h).transpose(0, 2, 1, 3, 4).reshape(b, kh, t * g, h).astype(cd)
+  # XLA:CPU of jaxlib 0.10 miscompiles this packing fused into the multiply-reduce (scores off
+  # by O(1) for G > 1 at some S; jaxlib 0.12 is right): the barrier keeps it a separate, tiny
+  # array.
+  qr = jax.lax.optimization_barrier(qr)
   z = _qk(qr, k)  # [B, K, R, S]
   z = jnp.where(jnp.isfinite(z), z, jnp.nan)  # an infinite q or k entry: NaN, not ±∞
   if v is not None:

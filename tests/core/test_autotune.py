@@ -15,6 +15,9 @@ from attnx.core.kernels.pallas import tile_cache, tiles
 from attnx.core.kernels.pallas.tiles import GpuTile
 from attnx.core.weightings import get_weighting
 
+# One end of the JAX range runs each test (what differs between the ends is JAX's, not this).
+pytestmark = pytest.mark.split_by_jax
+
 SHAPE = (1, 32, 2, 16)
 CANDS = {"fwd": (GpuTile(16, 16, 4), GpuTile(32, 16, 4)), "dq": (GpuTile(16, 16, 4),),
          "dkv": (GpuTile(16, 32, 4),)}

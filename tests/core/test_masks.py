@@ -541,6 +541,7 @@ _VISIT_MASKS = {
 }
 
 
+@pytest.mark.split_by_jax
 @pytest.mark.parametrize("kind", sorted(_VISIT_MASKS))
 def test_pallas_kernels_visit_exactly_the_tiles_with_an_attended_pair(kind):
   """The loops of the Pallas kernels run over the spans of tiles the mask's metadata gives

@@ -23,6 +23,9 @@ from attnx import core
 from attnx.core.kernels.pallas import split, wrapper
 from attnx.core.weightings import get_weighting
 
+# One end of the JAX range runs each test (tests/conftest.py).
+pytestmark = pytest.mark.split_by_jax
+
 
 def _branch_cases():
   path = pathlib.Path(__file__).with_name("test_differential.py")

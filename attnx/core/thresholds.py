@@ -159,6 +159,12 @@ def threshold_sums(query: Array, key: Array, bias: Array | None = None,
   return ThresholdSums(*(_rows(x) for x in fold((zero, zero, zero), z, valid)))
 
 
+def _with_support_min(sums: ThresholdSums, init: tuple) -> tuple:
+  """``sums`` as the threshold search's pass returns them: chunks summed together cannot give
+  the support's smallest r, so a fourth entry of −∞ (never "support final") where it asks."""
+  return tuple(sums) + tuple(jnp.full_like(x, -jnp.inf) for x in init[3:])
+
+
 def solve_threshold(stats: ThresholdStats, sums_at: Callable[[Array], ThresholdSums], *,
                     weighting: Any = "sparsemax") -> Array:
   """Step 2: the threshold of every row, from passes over every chunk.
@@ -189,7 +195,8 @@ def solve_threshold(stats: ThresholdStats, sums_at: Callable[[Array], ThresholdS
   def solve(_, tau0):
     th = streaming.entmax_threshold(
         None, rows, rs, row_max=(lax.stop_gradient(m), lax.stop_gradient(stats.count)),
-        sums_pass=lambda fn, init, m_, tau: tuple(sums_at(tau)), dtype=dtype)
+        sums_pass=lambda fn, init, m_, tau: _with_support_min(sums_at(tau), init),
+        dtype=dtype)
     return th.tau
 
   def tangent_solve(g, y):  # f's Jacobian is diagonal (one τ per row)

@@ -447,7 +447,13 @@ def test_pallas_explain_counts_the_tiles_its_loops_visit():
   ids = jnp.repeat(jnp.arange(4, dtype=jnp.int32), t // 4)[None]
   m = core.explain(q, k, v, segment_ids=ids, weighting="entmax15",
                    implementation=pallas).mask_tiles
-  assert (m["skipped"], m["masked"]) == (48, 16)  # 4 documents of 2×2 tiles
+  # 4 documents of 2×2 tiles; the whole-row kernels evaluate the mask on every tile they run
+  assert (m["skipped"], m["unmasked"], m["masked"]) == (48, 0, 16)
+  # the pointwise kernels only on a span's boundary tiles: here none (documents fill tiles)
+  m = core.explain(q, k, v, segment_ids=ids, implementation=pallas).mask_tiles
+  assert (m["skipped"], m["unmasked"], m["masked"]) == (48, 16, 0)
+  m = core.explain(q, k, v, segment_ids=ids, is_causal=True, implementation=pallas).mask_tiles
+  assert (m["skipped"], m["unmasked"], m["masked"]) == (52, 4, 8)  # the diagonal tiles masked
 
 
 def test_pallas_reads_a_mask_mod_that_captures_arrays_materialized():
@@ -563,9 +569,88 @@ def test_pallas_kernels_visit_exactly_the_tiles_with_an_attended_pair(kind):
     _, ops = masking.prepare(mask, tiles, tp, sp, t, s)
     for name, (bq, bk) in tiles.items():
       want = _attended_tiles(dense, bq, bk, tp, sp)  # [B, nq, nk]
-      lo, hi = (np.broadcast_to(np.asarray(x), (b, x.shape[1])) for x in ops[name])
+      lo, hi = (np.broadcast_to(np.asarray(x), (b, x.shape[1])) for x in ops[name][:2])
       idx = np.arange(want.shape[2] if name != "dkv" else want.shape[1])
       visit = (idx[None, None] >= lo[..., None]) & (idx[None, None] < hi[..., None])
       if name == "dkv":  # per key tile, the query tiles: [B, nk, nq] -> [B, nq, nk]
         visit = visit.transpose(0, 2, 1)
       np.testing.assert_array_equal(visit, want, err_msg=f"{kind} {name} b={b} t={t} s={s}")
+
+
+def _every_tiles(dense: np.ndarray, bq: int, bk: int, tp: int, sp: int) -> np.ndarray:
+  """[B, nq, nk]: whether every pair of tile (i, j) attends (a tile holding padding: no)."""
+  b, t, s = dense.shape
+  pad = np.zeros((b, tp, sp), bool)
+  pad[:, :t, :s] = dense
+  return pad.reshape(b, tp // bq, bq, sp // bk, bk).all(axis=(2, 4))
+
+
+def _kernel_runs(cfg, sm_spans, b: int, kind: str, bq: int, bk: int, n: int, q_len, kv_len):
+  """[B, n, other] (visited, unmasked) of each tile's loop as the kernels compute them
+  (common.kv_span/kv_full, or q_span/q_full for dK/dV), from a structured mask's spans."""
+  from attnx.core.kernels.pallas import common, masking  # noqa: PLC0415
+
+  span_fn, full_fn = ((common.q_span, common.q_full) if kind == "dkv"
+                      else (common.kv_span, common.kv_full))
+  other = (cfg.tp // bq) if kind == "dkv" else (cfg.sp // bk)
+  visit = np.zeros((b, n, other), bool)
+  plain = np.zeros((b, n, other), bool)
+  idx = np.arange(other)
+  for bb in range(b):
+    for t in range(n):
+      sm = None
+      if sm_spans is not None:
+        lo, hi, flo, fhi = (np.broadcast_to(np.asarray(x), (b, n))[bb, t] for x in sm_spans)
+        sm = masking.KernelMask(None, bb, lo, hi, flo, fhi, [], [], None, None)
+      span = span_fn(cfg, t, bq, bk, q_len[bb], kv_len[bb], sm)
+      f_lo, f_hi = full_fn(cfg, t, bq, bk, q_len[bb], kv_len[bb], span, False, sm)
+      visit[bb, t] = (idx >= int(span[0])) & (idx < int(span[1]))
+      plain[bb, t] = (idx >= int(f_lo)) & (idx < int(f_hi))
+  return visit, plain
+
+
+@pytest.mark.split_by_jax
+@pytest.mark.parametrize("kind", sorted(_VISIT_MASKS) + ["causal + lengths"])
+def test_pallas_kernels_mask_elementwise_only_the_boundary_tiles(kind):
+  """Of the tiles a Pallas kernel visits, it evaluates the mask per element only on those
+  where some pair does not attend (the boundary tiles: the diagonal of a causal mask, a
+  window's edges, documents' borders, the tile of a length, tiles holding padding); the
+  others, whose every pair attends, run without it (kernels/pallas/common.py: kv_full,
+  q_full). Counted on the dense mask for the forward/dQ loops and the dK/dV loop, at ragged
+  T and S, for the masks' spans and the kernels' own causality and lengths."""
+  import types  # noqa: PLC0415
+
+  from attnx.core.kernels.pallas import masking  # noqa: PLC0415
+
+  rng = np.random.default_rng(100 + (sorted(_VISIT_MASKS) + ["causal + lengths"]).index(kind))
+  for _ in range(2):
+    b, t = int(rng.integers(1, 3)), int(rng.integers(100, 700))
+    s = t if kind in ("documents", "prefix", "causal + lengths") else int(rng.integers(100, 700))
+    tp, sp = -(-t // 128) * 128, -(-s // 128) * 128
+    causal = kind == "causal + lengths"
+    if causal:  # the kernels' own causality and lengths, no mask object
+      q_len, kv_len = rng.integers(1, t + 1, b), rng.integers(1, s + 1, b)
+      dense = np.tril(np.ones((t, s), bool))[None] & (
+          (np.arange(t)[None, :, None] < q_len[:, None, None])
+          & (np.arange(s)[None, None, :] < kv_len[:, None, None]))
+      mask = None
+    else:
+      q_len, kv_len = np.full(b, t), np.full(b, s)
+      mask = _VISIT_MASKS[kind](rng, b, t, s).bind((b,), 2, t, s)
+      dense = np.broadcast_to(np.asarray(masks.materialize(mask, (b,), 2, t, s))[:, 0],
+                              (b, t, s))
+    cfg = types.SimpleNamespace(needs_valid=lambda has_mask: True, is_causal=causal,
+                                q_bound=causal or tp != t, kv_bound=causal or sp != s,
+                                tp=tp, sp=sp)
+    tiles = {"fwd": (64, 32), "dkv": (16, 128)}
+    ops = masking.prepare(mask, tiles, tp, sp, t, s)[1] if mask is not None else {}
+    for name, (bq, bk) in tiles.items():
+      some = _attended_tiles(dense, bq, bk, tp, sp)  # [B, nq, nk]
+      every = _every_tiles(dense, bq, bk, tp, sp)
+      n = tp // bq if name != "dkv" else sp // bk
+      visit, plain = _kernel_runs(cfg, ops.get(name), b, name, bq, bk, n, q_len, kv_len)
+      if name == "dkv":
+        visit, plain = visit.transpose(0, 2, 1), plain.transpose(0, 2, 1)
+      msg = f"{kind} {name} b={b} t={t} s={s}"
+      np.testing.assert_array_equal(visit, some, err_msg=msg)
+      np.testing.assert_array_equal(plain, every, err_msg=msg)

@@ -52,6 +52,7 @@ from attnx.core.kernels import pallas as pallas_lib
 from attnx.core.kernels.pallas import block as pallas_block
 from attnx.core.kernels.pallas import masking as pallas_masking
 from attnx.core.kernels.pallas import split as pallas_split
+from attnx.core.weightings import Pointwise
 
 Array = jax.Array
 
@@ -194,7 +195,8 @@ class Pallas(Implementation):
         pallas_lib.pallas_attention, backend=backend, interpret=self.interpret,
         **({} if splits == 1 else {"num_splits": splits}),
         **problem.weighting.kernel_args(inputs.weighting_params))
-    # The kernels loop over the tiles a structured mask may attend and evaluate it per tile.
+    # The kernels loop over the tiles a structured mask may attend; the pointwise kernels
+    # evaluate it per element on the boundary tiles only, the whole-row ones on every tile.
     return run_streaming(problem, inputs, kernel, self.block_sizes, structured_kernel=True)
 
   def mask_tiles(self, problem: Problem, inputs: Inputs) -> dict[str, Any] | None:
@@ -208,8 +210,9 @@ class Pallas(Implementation):
     if problem.is_causal:
       smask = masks_lib.Causal() & smask
     try:
-      return pallas_masking.tile_counts(smask, blocks.block_q, blocks.block_k, problem.t,
-                                        problem.s)
+      return pallas_masking.tile_counts(
+          smask, blocks.block_q, blocks.block_k, problem.t, problem.s,
+          boundary_only=isinstance(problem.weighting, Pointwise))
     except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError):
       return None  # traced ids or lengths: no count
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -109,17 +110,34 @@ def entmax_zero_tile(z: Array, valid: Array, m: Array, tau: Array, rs: RowStream
 def threshold_sums_fold(rs: RowStream, m: Array, tau: Array, dtype: Any = F32):
   """``fn(carry, z, valid) -> carry``: adds a tile's sums at threshold ``tau`` (shifted by the
   row max ``m``) to the carry (Σp, Σ r^{q−1}, the support's size): what each pass of
-  :func:`entmax_threshold` folds over the key tiles (its Newton step reads them)."""
+  :func:`entmax_threshold` folds over the key tiles (its Newton step reads them). A carry of
+  four also keeps the smallest r > 0 (+∞ for an empty support; its initial value +∞): with it
+  sparsemax and 1.5-entmax see when the support is final (:func:`entmax_threshold`)."""
   alpha = rs.alpha
 
   def fn(c, z, valid):
     r = jnp.maximum(entmax_x(z, valid, rs, m) - tau[..., None], 0.0)
     p, u = _powers(r, alpha)
     s1 = r if alpha == 1.5 else u  # Newton's f' / (−q): Σ r^{q−1}
-    return (c[0] + jnp.sum(p, axis=-1), c[1] + jnp.sum(s1, axis=-1),
-            c[2] + jnp.sum((r > 0).astype(dtype), axis=-1))
+    out = (c[0] + jnp.sum(p, axis=-1), c[1] + jnp.sum(s1, axis=-1),
+           c[2] + jnp.sum((r > 0).astype(dtype), axis=-1))
+    if len(c) == 3:
+      return out
+    return out + (jnp.minimum(c[3], jnp.min(jnp.where(r > 0, r, jnp.inf), axis=-1)),)
 
   return fn
+
+
+def _support_root(sums, alpha: float) -> Array:
+  """δ with Σ_S [r − δ]^q = 1 on the support S of the pass's sums (r > 0 there; sparsemax and
+  1.5-entmax only): the closed form of Peters et al. 2019 given which keys have p > 0."""
+  f_plus1, d, cnt = sums[:3]
+  cnt = jnp.where(cnt > 0, cnt, 1.0)
+  if alpha == 2.0:
+    return (f_plus1 - 1.0) / cnt  # Σ_S (r − δ) = 1 (p = r)
+  # Σ_S (r − δ)² = 1, the smaller root, written without cancellation
+  disc = jnp.maximum(d * d - cnt * (f_plus1 - 1.0), 0.0)
+  return (f_plus1 - 1.0) / jnp.where(d + jnp.sqrt(disc) > 0, d + jnp.sqrt(disc), 1.0)
 
 
 def entmax_threshold(tile_pass, rows: tuple[int, ...], rs: RowStream,
@@ -166,12 +184,20 @@ def entmax_threshold(tile_pass, rows: tuple[int, ...], rs: RowStream,
   hi = -jnp.exp((1.0 - alpha) * jnp.log(jnp.maximum(n, 1.0)))  # −n^{1−α}: Σp ≤ 1 there
   tau0 = lo if alpha <= 2.0 else hi
 
+  # Sparsemax and 1.5-entmax stop as soon as the support is final: the exact root δ on the
+  # pass's support S keeps every key of S in it (its smallest r exceeds δ) and, Newton's τ
+  # rising from below, no key outside S (r = 0 there) joins it, so τ + δ is the threshold.
+  # A pass that does not give the smallest r (a solve summing chunks: ThresholdSums) stops
+  # by the step size alone.
+  closed_form = alpha in (1.5, 2.0)
+
   def sums_fn(tau):
     fn = threshold_sums_fold(rs, m, tau, dtype)
     zero = jnp.zeros(rows, dtype)
+    init = (zero, zero, zero) + ((jnp.full(rows, jnp.inf, dtype),) if closed_form else ())
     if sums_pass is not None:
-      return sums_pass(fn, (zero, zero, zero), m, tau)
-    return tile_pass(fn, (zero, zero, zero))
+      return sums_pass(fn, init, m, tau)
+    return tile_pass(fn, init)
 
   tol = float(jnp.finfo(dtype).eps)  # 2⁻²³ in float32
   max_passes = max_threshold_passes(dtype)
@@ -183,7 +209,7 @@ def entmax_threshold(tile_pass, rows: tuple[int, ...], rs: RowStream,
   stall_guard = alpha > 2.0
 
   def step(tau, lo, hi, sums, dx):
-    f_plus1, d, cnt = sums
+    f_plus1, d = sums[:2]
     f = f_plus1 - 1.0
     lo = jnp.where(f >= 0, tau, lo)
     hi = jnp.where(f <= 0, tau, hi)
@@ -194,7 +220,13 @@ def entmax_threshold(tile_pass, rows: tuple[int, ...], rs: RowStream,
       ok = ok & ((2.0 * dn <= dx) | (dn <= tol))
     new = jnp.where(ok, newton, 0.5 * (lo + hi))
     done = (jnp.abs(new - tau) <= tol) | (f == 0) | empty | jnp.isnan(f)
-    return new, lo, hi, done, jnp.abs(new - tau)
+    if closed_form and len(sums) == 4:
+      delta = _support_root(sums, alpha)
+      exact = (sums[3] > delta) & (delta >= 0) & ~done
+      new, done = jnp.where(exact, tau + delta, new), done | exact
+    else:
+      exact = jnp.zeros_like(done)
+    return new, lo, hi, done, jnp.abs(new - tau), exact
 
   # `done` travels through the loop as 0./1. float32: Mosaic cannot carry a boolean vector
   # through a loop ("failed to legalize operation 'scf.yield'" compiling for a TPU).
@@ -204,32 +236,30 @@ def entmax_threshold(tile_pass, rows: tuple[int, ...], rs: RowStream,
     return (c[0] < max_passes) & (jnp.min(c[4]) == 0.0)
 
   def body(c):
-    it, tau, lo, hi, _, _, dx = c
+    it, tau, lo, hi, _, sums0, dx, exact0 = c
+    exact0 = exact0 > 0  # carried as 0./1. like `done`
     sums = sums_fn(tau)
-    new, lo, hi, done, step_size = step(tau, lo, hi, sums, dx[0] if dx else None)
-    return (it + 1, jnp.where(done, tau, new), lo, hi, done.astype(dtype), sums,
-            (step_size,) if stall_guard else ())
+    new, lo, hi, done, step_size, exact = step(tau, lo, hi, sums, dx[0] if dx else None)
+    tau = jnp.where(exact0, tau, jnp.where(done & ~exact, tau, new))
+    # A row that found its support keeps τ and the sums of that pass (others may run on).
+    sums = jax.tree.map(lambda a, b: jnp.where(exact0, a, b), sums0, sums)
+    return (it + 1, tau, lo, hi, (done | exact0).astype(dtype), sums,
+            (step_size,) if stall_guard else (), (exact0 | exact).astype(dtype))
 
   zero = jnp.zeros(rows, dtype)
-  init = (jnp.int32(1), tau0, lo, hi, zero, (zero, zero, zero),
-          (hi - lo,) if stall_guard else ())
+  sums0 = (zero, zero, zero) + ((jnp.full(rows, jnp.inf, dtype),) if closed_form else ())
+  init = (jnp.int32(1), tau0, lo, hi, zero, sums0, (hi - lo,) if stall_guard else (),
+          zero)
   if ops.threshold_loop == "while":
-    it, tau, _, _, done, sums, _ = lax.while_loop(cond, body, init)
+    it, tau, _, _, done, sums, _, exact = lax.while_loop(cond, body, init)
   else:
-    it, tau, _, _, done, sums, _ = lax.fori_loop(
+    it, tau, _, _, done, sums, _, exact = lax.fori_loop(
         1, max_passes, lambda _, c: lax.cond(cond(c), body, lambda c: c, c), init)
-  if alpha in (1.5, 2.0):
-    # One exact step on the support: the closed form given which keys have p > 0, from the
-    # sums of the last pass, taken at the final τ of every row that converged (no extra pass).
-    f_plus1, d, cnt = sums
-    cnt = jnp.where(cnt > 0, cnt, 1.0)
-    if alpha == 2.0:
-      delta = (f_plus1 - 1.0) / cnt  # Σ_S (r − δ) = 1 (p = r)
-    else:  # Σ_S (r − δ)² = 1, the smaller root, written without cancellation
-      s1 = d
-      disc = jnp.maximum(s1 * s1 - cnt * (f_plus1 - 1.0), 0.0)
-      delta = (f_plus1 - 1.0) / jnp.where(s1 + jnp.sqrt(disc) > 0, s1 + jnp.sqrt(disc), 1.0)
-    tau = jnp.where(empty | (done == 0), tau, tau + delta)
+  if closed_form:
+    # One exact step on the support for the rows that stopped by the step size: the closed
+    # form given which keys have p > 0, from the sums of their last pass (no extra pass).
+    delta = _support_root(sums, alpha)
+    tau = jnp.where(empty | (done == 0) | (exact > 0), tau, tau + delta)
   return Threshold(m, tau, it)
 
 

@@ -116,10 +116,11 @@ def online_max_update(acc: Any, m: Array, z: Array, valid: Array | None, v: Any,
 
 
 def pointwise_update(w: Any, acc: Any, l: Array, s: Array, valid: Array | None, v: Any,
-                     num_keys: int, *, ops: Ops = XLA) -> tuple[Any, Array]:
+                     num_keys: int, *, ops: Ops = XLA, full: bool = False) -> tuple[Any, Array]:
   """One key tile of a pointwise F without a running max: acc += F·V, and the statistic l
   (``st``) += the tile's valid-key count (``"length"``; with ``valid`` None nothing is counted,
-  see :func:`pointwise_finalize`'s ``num_keys``) or Σ F (``"sum"`` without a ones column)."""
+  see :func:`pointwise_finalize`'s ``num_keys``, unless ``full``: a tile of a masked kernel
+  whose every key is valid, counted whole) or Σ F (``"sum"`` without a ones column)."""
   if valid is None:
     f = w.fn(s, num_keys)
   else:
@@ -128,8 +129,9 @@ def pointwise_update(w: Any, acc: Any, l: Array, s: Array, valid: Array | None, 
   acc = jax.tree.map(lambda a, vc: a + ops.pv(f, vc), acc, v)  # a ones column accumulates Σ F
   if w.divides_by_sum and not ops.ones_column:
     l = l + ops.row_sum(f)
-  elif w.divides_by_length and valid is not None:
-    l = l + ops.row_sum(jnp.broadcast_to(valid, f.shape), dtype=l.dtype)
+  elif w.divides_by_length and (valid is not None or full):
+    every = jnp.ones(f.shape, bool) if valid is None else jnp.broadcast_to(valid, f.shape)
+    l = l + ops.row_sum(every, dtype=l.dtype)
   return acc, l
 
 

@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from attnx.core import params as params_lib
 from attnx.core import softplus as softplus_lib
@@ -116,12 +117,23 @@ _TINY = float(jnp.finfo(jnp.float32).tiny)
 def _power_fn(p: float) -> Callable[[Array], Array]:
   """max(s, 0)^p with F(s) = F'(s) = 0 for s < 2^-126 (incl. s = 0 for p < 1) and F(NaN) = NaN.
 
-  ``jnp.power(relu(s), p)`` differentiates to inf·0 = NaN at s ≤ 0 when p < 1.
+  ``jnp.power(relu(s), p)`` differentiates to inf·0 = NaN at s ≤ 0 when p < 1. An integral p
+  is p − 1 multiplications (``lax.integer_pow``, and its derivative p·s^(p−1) likewise);
+  another p is exp2(p·log2 s) on s > 0 (a float ``pow`` is the GPU's slow, edge-case-handling
+  ``powf``: it made ``power`` the slowest pointwise F of the Pallas kernels).
   """
+  whole = float(p).is_integer() and 1 <= p <= _MAX_INTEGER_POWER
+
   def fn(z):
-    zero = z < _TINY  # False for NaN, so NaN reaches jnp.power and propagates
-    return jnp.where(zero, 0.0, jnp.power(jnp.where(zero, 1.0, z), p))
+    zero = z < _TINY  # False for NaN, so NaN reaches the power and propagates
+    x = jnp.where(zero, 1.0, z)
+    y = lax.integer_pow(x, int(p)) if whole else jnp.exp2(p * jnp.log2(x))
+    return jnp.where(zero, 0.0, y)
   return fn
+
+
+# Integral powers up to this run as multiplications (log2(64) + popcount squarings at most).
+_MAX_INTEGER_POWER = 64
 
 
 def power(p: float = 2.0, normalization: str = "sum") -> Pointwise:

@@ -135,7 +135,7 @@ class KernelConfig:
   def num_smask_refs(self) -> int:
     """The refs of a structured mask a GPU kernel gets (:func:`.masking.gpu_operands`)."""
     p = self.smask
-    return 0 if p is None else p.num_scalars + p.num_ids + 2
+    return 0 if p is None else p.num_prefetch + p.num_ids
 
 
 def _cdiv(a, b: int):
@@ -145,8 +145,9 @@ def _cdiv(a, b: int):
 def kv_hi(cfg: KernelConfig, i, bq: int, bk: int, q_len, kv_len):
   """Number of key tiles seen by query tile i (causal: not above the diagonal)."""
   hi = jnp.int32(cfg.sp // bk)
-  if cfg.is_causal:
-    hi = jnp.minimum(hi, lax.div(i * bq + bq + bk - 1, bk))
+  if cfg.is_causal:  # up to the diagonal of the tile's last real row
+    last = i * bq + bq if not cfg.q_bound else jnp.minimum(i * bq + bq, q_len)
+    hi = jnp.minimum(hi, lax.div(last + bk - 1, bk))
   if cfg.kv_bound:
     hi = jnp.minimum(hi, _cdiv(kv_len, bk))
   if cfg.q_bound:
@@ -177,6 +178,82 @@ def q_span(cfg: KernelConfig, j, bq: int, bk: int, q_len, kv_len, sm=None):
   structured mask's span."""
   lo, hi = q_range(cfg, j, bq, bk, q_len, kv_len)
   return (lo, hi) if sm is None else sm.clip(lo, hi)
+
+
+def kv_full(cfg: KernelConfig, i, bq: int, bk: int, q_len, kv_len, span, has_mask: bool,
+            sm=None):
+  """[lo, hi) of the key tiles inside ``span`` (:func:`kv_span`'s) whose every pair query
+  tile i attends: there the kernels skip the elementwise mask. None when no tile needs one
+  (nothing masks: the kernels keep one loop); empty (lo = hi) under a dense mask."""
+  if not cfg.needs_valid(has_mask):
+    return None
+  lo, hi = span
+  if has_mask:
+    return hi, hi
+  f_hi = hi
+  if cfg.is_causal:  # key tile j lies wholly at or below the diagonal of query row i·bq
+    f_hi = jnp.minimum(f_hi, lax.div(i * bq + 1, bk))
+  if cfg.kv_bound:
+    f_hi = jnp.minimum(f_hi, lax.div(kv_len, bk))
+  if cfg.q_bound:
+    f_hi = jnp.where((i + 1) * bq <= q_len, f_hi, lo)
+  f_lo = lo
+  if sm is not None:
+    f_lo, f_hi = sm.clip_full(f_lo, f_hi)
+  return _inside(span, f_lo, f_hi)
+
+
+def q_full(cfg: KernelConfig, j, bq: int, bk: int, q_len, kv_len, span, has_mask: bool,
+           sm=None):
+  """[lo, hi) of the query tiles inside ``span`` (:func:`q_span`'s) that attend every key of
+  key tile j: :func:`kv_full`'s along the other axis."""
+  if not cfg.needs_valid(has_mask):
+    return None
+  lo, hi = span
+  if has_mask:
+    return hi, hi
+  f_lo, f_hi = lo, hi
+  if cfg.is_causal:  # query tile i starts at or below key tile j's last key
+    f_lo = jnp.maximum(f_lo, _cdiv(j * bk + bk - 1, bq))
+  if cfg.q_bound:
+    f_hi = jnp.minimum(f_hi, lax.div(q_len, bq))
+  if cfg.kv_bound:
+    f_hi = jnp.where((j + 1) * bk <= kv_len, f_hi, f_lo)
+  if sm is not None:
+    f_lo, f_hi = sm.clip_full(f_lo, f_hi)
+  return _inside(span, f_lo, f_hi)
+
+
+def _inside(span, f_lo, f_hi):
+  lo, hi = span
+  f_lo = jnp.minimum(jnp.maximum(f_lo, lo), hi)
+  return f_lo, jnp.minimum(jnp.maximum(f_hi, f_lo), hi)
+
+
+def span_loop(span, full, body, carry):
+  """``lax.fori_loop`` of ``body(t, carry, masked)`` over the tiles of ``span``: the boundary
+  tiles before and after the ``full`` run with ``masked=True``, the run itself with
+  ``masked=False`` (no elementwise mask); one loop, every tile masked, when ``full`` is
+  None (:func:`kv_full`)."""
+  lo, hi = span
+  if full is None:
+    return lax.fori_loop(lo, hi, lambda t, c: body(t, c, True), carry)
+  f_lo, f_hi = full
+  carry = lax.fori_loop(lo, f_lo, lambda t, c: body(t, c, True), carry)
+  carry = lax.fori_loop(f_lo, f_hi, lambda t, c: body(t, c, False), carry)
+  return lax.fori_loop(f_hi, hi, lambda t, c: body(t, c, True), carry)
+
+
+def span_when(t, span, full, run) -> None:
+  """:func:`span_loop` where the grid is the loop (the TPU kernels): at grid step ``t``,
+  ``run(True)`` on the boundary tiles of ``span``, ``run(False)`` on the ``full`` run, or
+  ``run(True)`` on every tile of the span when ``full`` is None."""
+  if full is None:
+    pl.when(in_span(t, span))(lambda: run(True))
+    return
+  inner = in_span(t, full)
+  pl.when(in_span(t, span) & jnp.logical_not(inner))(lambda: run(True))
+  pl.when(inner)(lambda: run(False))
 
 
 def in_span(t, span):

@@ -6,7 +6,10 @@ A bound mask reaches a kernel as two things, the mask-to-block metadata apart fr
 * **spans**, computed before the kernels from :meth:`~attnx.core.masks.Mask.block_table`: for
   every query tile the first and one-past-last key tile that some pair of it may attend (the
   forward and dQ kernels loop over those key tiles only), for every key tile the query tiles
-  (the dK/dV kernel's loop); int32 ``[B or 1, tiles]``, the union over heads;
+  (the dK/dV kernel's loop); int32 ``[B or 1, tiles]``, the union over heads; and inside each
+  span the run of tiles whose every pair attends for every head (**full spans**: there the
+  kernels run without the elementwise mask, as splash attention's full blocks and
+  FlexAttention's ``full_kv`` blocks; only the span's boundary tiles evaluate it);
 * **the mask's arrays**, loaded tile by tile: a per-batch leaf (lengths, prefixes) as one
   scalar, a per-position leaf (segment ids) as the tile's slice. Inside the kernel the mask is
   rebuilt from those values and evaluated with :meth:`~attnx.core.masks.Mask.local_mod` on the
@@ -48,6 +51,8 @@ __all__ = ["KernelMask", "MaskPlan", "gpu_operands", "gpu_view", "kernel_reason"
 # The three loops a mask bounds: the forward's and dQ's key tiles per query tile, dK/dV's
 # query tiles per key tile.
 KINDS = ("fwd", "dq", "dkv")
+# The span arrays per kind: (lo, hi) of the visited tiles, (full_lo, full_hi) of the unmasked.
+SPAN_REFS = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +89,11 @@ class MaskPlan:
   def num_ids(self) -> int:
     return len(self.ids)
 
+  @property
+  def num_prefetch(self) -> int:
+    """The scalar-prefetch refs of a TPU kernel (:func:`tpu_prefetch`): scalars, then spans."""
+    return self.num_scalars + SPAN_REFS
+
 
 def kernel_reason(mask: Any) -> str | None:
   """Why a bound mask cannot be evaluated inside a Pallas kernel, or None."""
@@ -104,18 +114,35 @@ def kernel_reason(mask: Any) -> str | None:
 # --------------------------------------------------------------------------------------------
 
 def _spans(mask: Any, bq: int, bk: int, nq: int, nk: int, axis: int, t: int | None = None,
-           s: int | None = None) -> tuple[Array, Array]:
-  """(lo, hi) int32 [B|1, nq or nk]: the tiles along ``axis`` (1: key tiles of each query
-  tile, 0: query tiles of each key tile) that some pair of some head may attend, among the
-  real T queries and S keys (``t``, ``s``: rows and keys past them, the kernels' padding,
-  attend nothing, so a tile only they could attend is not visited)."""
-  some, _ = mask.block_table(bq, bk, nq, nk)  # [B|1, N|1, nq, nk]
-  some = jnp.any(some, axis=1)
+           s: int | None = None) -> tuple[Array, Array, Array, Array]:
+  """(lo, hi, full_lo, full_hi) int32 [B|1, nq or nk]: the tiles along ``axis`` (1: key tiles
+  of each query tile, 0: query tiles of each key tile) that some pair of some head may attend,
+  among the real T queries and S keys (``t``, ``s``: rows and keys past them, the kernels'
+  padding, attend nothing, so a tile only they could attend is not visited), and within them
+  the first run of tiles whose every pair attends for every head (empty: ``full_lo =
+  full_hi``). The full run ignores padding: a kernel bounded by lengths narrows it itself
+  (:func:`attnx.core.kernels.pallas.common.kv_full`)."""
+  some, every = mask.block_table(bq, bk, nq, nk)  # [B|1, N|1, nq, nk]
+  some, every = jnp.any(some, axis=1), jnp.all(every, axis=1)
   if t is not None and s is not None:
     some = _real_tiles(mask, some, bq=bq, bk=bk, t=t, s=s)
-  some = some.astype(jnp.int32)
-  lo, hi = jax.vmap(lambda k: tile_span(k, axis))(some)
-  return lo.astype(jnp.int32), hi.astype(jnp.int32)
+  lo, hi = jax.vmap(lambda k: tile_span(k.astype(jnp.int32), axis))(some)
+  every = jnp.broadcast_to(every, jnp.broadcast_shapes(every.shape, some.shape[:1] + (1, 1)))
+  flo, fhi = jax.vmap(lambda e, lo_, hi_: _full_run(e, axis, lo_, hi_))(every, lo, hi)
+  return tuple(x.astype(jnp.int32) for x in (lo, hi, flo, fhi))
+
+
+def _full_run(every: Array, axis: int, lo: Array, hi: Array) -> tuple[Array, Array]:
+  """The first run [full_lo, full_hi) of True along ``axis`` of a [nq, nk] table, inside
+  [lo, hi) of each tile of the other axis (full_lo = full_hi where there is none)."""
+  n = every.shape[axis]
+  idx = jnp.expand_dims(jnp.arange(n), 1 - axis)
+  inside = (idx >= jnp.expand_dims(lo, axis)) & (idx < jnp.expand_dims(hi, axis))
+  every = every & inside
+  flo = jnp.min(jnp.where(every, idx, n), axis=axis)
+  fhi = jnp.min(jnp.where(~every & (idx >= jnp.expand_dims(flo, axis)), idx, n), axis=axis)
+  flo = jnp.minimum(flo, hi)
+  return flo, jnp.clip(fhi, flo, hi)
 
 
 @functools.partial(jax.jit, static_argnames=("bq", "bk", "t", "s"))
@@ -160,7 +187,7 @@ def prepare(mask: Any, tiles: dict[str, tuple[int, int]], tp: int, sp: int,
 
   Operands: ``leaves`` (the mask's arrays as int32, ids padded with their last value; padded
   positions are masked by the kernels' bounds anyway) and per kernel kind its spans ``(lo,
-  hi)``."""
+  hi, full_lo, full_hi)`` (:func:`_spans`)."""
   leaves, treedef = jax.tree.flatten(mask)
   kinds = mask.leaf_kinds()
   if len(kinds) != len(leaves):
@@ -178,24 +205,31 @@ def prepare(mask: Any, tiles: dict[str, tuple[int, int]], tp: int, sp: int,
   spans = {}
   for name, (bq, bk) in tiles.items():
     spans[name] = _spans(mask, bq, bk, tp // bq, sp // bk, 0 if name == "dkv" else 1, t, s)
-  spans_batched = any(lo.shape[0] > 1 for lo, _ in spans.values())
+  spans_batched = any(v[0].shape[0] > 1 for v in spans.values())
   if spans_batched:
-    b = max(lo.shape[0] for lo, _ in spans.values())
+    b = max(v[0].shape[0] for v in spans.values())
     spans = {k: tuple(jnp.broadcast_to(x, (b, x.shape[1])) for x in v) for k, v in spans.items()}
   plan = MaskPlan(treedef=treedef, kinds=tuple(kinds),
                   batched=tuple(x.shape[0] > 1 for x in out), spans_batched=spans_batched)
   return plan, {"leaves": out, **spans}
 
 
-def tile_counts(mask: Any, bq: int, bk: int, t: int, s: int) -> dict[str, Any]:
+def tile_counts(mask: Any, bq: int, bk: int, t: int, s: int,
+                boundary_only: bool = True) -> dict[str, Any]:
   """How the forward kernel (tiles ``bq`` × ``bk``) meets a bound mask over all its rows, for
-  :func:`attnx.core.explain`: the key tiles its loops leave out ("skipped") and those they run,
-  each with the elementwise mask ("masked"; these kernels have no unmasked tile kind)."""
+  :func:`attnx.core.explain`: the key tiles its loops leave out ("skipped"), those they run
+  without the elementwise mask ("unmasked": the full spans; none with ``boundary_only``
+  False, the whole-row kernels, which evaluate it on every tile they visit) and those they
+  run with it ("masked": the spans' boundary tiles)."""
   tp, sp = -(-t // bq) * bq, -(-s // bk) * bk
-  lo, hi = (np.asarray(x) for x in _spans(mask, bq, bk, tp // bq, sp // bk, 1, t, s))
+  lo, hi, flo, fhi = (np.asarray(x) for x in _spans(mask, bq, bk, tp // bq, sp // bk, 1, t, s))
   total = lo.shape[0] * (tp // bq) * (sp // bk)
-  run = int((hi - lo).sum()) * (1 if lo.shape[0] else 0)
-  return {"tiles": (bq, bk), "skipped": total - run, "unmasked": 0, "masked": run}
+  # The kernels mask the padded rows and keys of the last tiles: those are never full.
+  whole_rows = (np.arange(tp // bq) + 1) * bq <= t
+  full = np.where(whole_rows, np.maximum(np.minimum(fhi, s // bk) - flo, 0), 0)
+  run = int((hi - lo).sum()) if lo.shape[0] else 0
+  full = int(full.sum()) if lo.shape[0] and boundary_only else 0
+  return {"tiles": (bq, bk), "skipped": total - run, "unmasked": full, "masked": run - full}
 
 
 def _batch(batched: bool, bb: Any) -> Any:
@@ -224,6 +258,7 @@ class KernelMask:
     b: the program's flat batch index (``mask_mod``'s ``b``).
     lo, hi: the span of the program's loop (key tiles of its query tile, or query tiles of its
       key tile).
+    full_lo, full_hi: the run of tiles inside it that need no elementwise mask.
     scalars: the per-batch leaves' values at ``b``, in leaf order.
     ids: the per-position leaves' refs, in leaf order.
     q_ids, kv_ids: ``(ref, r0 | c0, shape) -> [bq, bk] int32``: a query leaf's values at rows
@@ -235,6 +270,8 @@ class KernelMask:
   b: Any
   lo: Any
   hi: Any
+  full_lo: Any
+  full_hi: Any
   scalars: list
   ids: list
   q_ids: Callable[..., Array]
@@ -261,6 +298,10 @@ class KernelMask:
     """The kernel's own span [lo, hi) (causal, lengths) narrowed to the mask's."""
     return narrow((self.lo, self.hi), lo, hi)
 
+  def clip_full(self, lo: Any, hi: Any) -> tuple[Any, Any]:
+    """The kernel's own full run [lo, hi) narrowed to the mask's."""
+    return narrow((self.full_lo, self.full_hi), lo, hi)
+
 
 def narrow(span: tuple[Any, Any], lo: Any, hi: Any) -> tuple[Any, Any]:
   """[lo, hi) narrowed to a mask's ``span`` (empty: lo = hi)."""
@@ -273,7 +314,8 @@ def narrow(span: tuple[Any, Any], lo: Any, hi: Any) -> tuple[Any, Any]:
 def gpu_operands(plan: MaskPlan, ops: dict[str, Any], kind: str, bq: int, bk: int, tp: int,
                  sp: int) -> tuple[list[Array], list[pl.BlockSpec]]:
   """The arrays and BlockSpecs of a GPU kernel of ``kind`` (its grid's first axis: query tiles
-  for "fwd"/"dq", key tiles for "dkv"): scalars, ids, then the span (lo, hi)."""
+  for "fwd"/"dq", key tiles for "dkv"): scalars, ids, then the spans (lo, hi, full_lo,
+  full_hi)."""
   scal, ids = _split(plan, ops["leaves"])
   arrays, specs = [], []
   for x, f in scal:
@@ -297,7 +339,7 @@ def gpu_view(plan: MaskPlan, refs: list, kind: str, bq: int, bk: int) -> KernelM
   it = iter(refs)
   scalars = [next(it)[0] for _ in range(plan.num_scalars)]
   ids = [next(it) for _ in range(plan.num_ids)]
-  lo_ref, hi_ref = next(it), next(it)
+  lo, hi, flo, fhi = (next(it)[0] for _ in range(SPAN_REFS))
   q_own, kv_own = kind != "dkv", kind == "dkv"
 
   def q_ids(ref, r0, shape):
@@ -308,14 +350,14 @@ def gpu_view(plan: MaskPlan, refs: list, kind: str, bq: int, bk: int) -> KernelM
     x = ref[...] if kv_own else ref[pl.ds(c0, bk)]
     return jnp.broadcast_to(x[None, :], shape)
 
-  return KernelMask(plan, pl.program_id(1), lo_ref[0], hi_ref[0], scalars, ids, q_ids, kv_ids)
+  return KernelMask(plan, pl.program_id(1), lo, hi, flo, fhi, scalars, ids, q_ids, kv_ids)
 
 
 # TPU (Mosaic): scalars and spans as scalar prefetch, ids in lane-friendly layouts.
 
 def tpu_prefetch(plan: MaskPlan, ops: dict[str, Any], kind: str) -> list[Array]:
   """The scalar-prefetch arrays of a TPU kernel of ``kind`` (after its lengths): the scalars,
-  then the span (lo, hi) flattened to 1-D."""
+  then the spans (lo, hi, full_lo, full_hi) flattened to 1-D."""
   scal, _ = _split(plan, ops["leaves"])
   return [x for x, _ in scal] + [x.reshape(-1) for x in ops[kind]]
 
@@ -328,12 +370,13 @@ def tpu_ids(plan: MaskPlan, ops: dict[str, Any]) -> list[Array]:
           for k, x, _ in ids]
 
 
-def tpu_span(plan: MaskPlan, pre: list, bb: Any, t: Any, n: int) -> tuple[Any, Any]:
+def tpu_span(plan: MaskPlan, pre: list, bb: Any, t: Any, n: int,
+             full: bool = False) -> tuple[Any, Any]:
   """(lo, hi) of tile ``t`` of batch ``bb`` from a kernel's mask prefetch refs (``n`` tiles
-  per batch); usable in index maps."""
-  lo_ref, hi_ref = pre[plan.num_scalars], pre[plan.num_scalars + 1]
+  per batch), or with ``full`` its (full_lo, full_hi); usable in index maps."""
+  first = plan.num_scalars + (2 if full else 0)
   idx = _batch(plan.spans_batched, bb) * n + t
-  return lo_ref[idx], hi_ref[idx]
+  return pre[first][idx], pre[first + 1][idx]
 
 
 def tpu_view(plan: MaskPlan, pre: list, ids: list, bb: Any, t: Any, n: int, bq: int, bk: int,
@@ -344,6 +387,7 @@ def tpu_view(plan: MaskPlan, pre: list, ids: list, bb: Any, t: Any, n: int, bq: 
   the program's tile."""
   scalars = [pre[i][_batch(f, bb)] for i, f in enumerate(plan.scalars)]
   lo, hi = tpu_span(plan, pre, bb, t, n)
+  flo, fhi = tpu_span(plan, pre, bb, t, n, full=True)
 
   def q_ids(ref, r0, shape):
     x = ref[pl.ds(pl.multiple_of(r0, SUBLANES), bq), :] if q_whole else ref[...]
@@ -353,4 +397,4 @@ def tpu_view(plan: MaskPlan, pre: list, ids: list, bb: Any, t: Any, n: int, bq: 
     x = ref[:, pl.ds(pl.multiple_of(c0, LANES), bk)] if kv_whole else ref[...]
     return jnp.broadcast_to(x[:1, :], shape)
 
-  return KernelMask(plan, bb, lo, hi, scalars, ids, q_ids, kv_ids)
+  return KernelMask(plan, bb, lo, hi, flo, fhi, scalars, ids, q_ids, kv_ids)

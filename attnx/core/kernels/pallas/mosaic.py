@@ -36,11 +36,14 @@ from attnx.core.kernels.pallas.common import (
     bwd_tile,
     capped_grad,
     in_span,
+    kv_full,
     kv_hi,
     kv_span,
+    q_full,
     q_range,
     q_span,
     sink_start,
+    span_when,
     tile_scores,
     tile_scores_grad,
     tile_valid,
@@ -68,7 +71,7 @@ def _tile(ref):
 def smask_counts(cfg: KernelConfig) -> tuple[int, int]:
   """(prefetch refs, id refs) of a structured mask in a TPU kernel."""
   p = cfg.smask
-  return (0, 0) if p is None else (p.num_scalars + 2, p.num_ids)
+  return (0, 0) if p is None else (p.num_prefetch, p.num_ids)
 
 
 def smask_view(cfg: KernelConfig, pre: list, ids: list, b, t, n: int, bq: int, bk: int,
@@ -293,8 +296,9 @@ def _fwd_kernel(*refs, cfg: KernelConfig, has_bias: bool, has_mask: bool):
       _, l_sc[...] = sink_start(cfg, None, jnp.zeros(l_sc.shape, jnp.float32),
                                 jnp.broadcast_to(sink_ref[...], l_sc.shape), ops)
 
-  @pl.when(in_span(j, kv_span(cfg, i, bq, bk, q_len, kv_len, sm)))
-  def _run():
+  span = kv_span(cfg, i, bq, bk, q_len, kv_len, sm)
+
+  def _run(masked):
     if slope is not None:
       lin, _ = alibi_tile(cfg, slope, (bq, bk), i * bq, j * bk)
       z = tile_scores(cfg, [q_ref[...]], [k_ref[...]], _tile(bias_ref), lin)
@@ -303,8 +307,8 @@ def _fwd_kernel(*refs, cfg: KernelConfig, has_bias: bool, has_mask: bool):
       z = tile_scores(cfg, [q_ref[...]], [k_ref[...]], _tile(bias_ref), lin)
     else:
       z = tile_scores(cfg, [q_ref[...]], [k_ref[...]], _tile(bias_ref))
-    valid = tile_valid(cfg, (bq, bk), i * bq, j * bk, _tile(mask_ref), q_len, kv_len, sm,
-                       head)
+    valid = None if not masked else tile_valid(
+        cfg, (bq, bk), i * bq, j * bk, _tile(mask_ref), q_len, kv_len, sm, head)
     v = v_ref[...]
     if w.online_max:
       acc_sc[...], m_sc[...], l_sc[...] = streaming.online_max_update(
@@ -312,9 +316,11 @@ def _fwd_kernel(*refs, cfg: KernelConfig, has_bias: bool, has_mask: bool):
     else:
       l = l_sc[...]
       acc_sc[...], l_new = streaming.pointwise_update(w, acc_sc[...], l, z, valid, v, cfg.s,
-                                                      ops=ops)
+                                                      ops=ops, full=not masked)
       if l_new is not l:  # "none", and "length" on unmasked tiles, leave l as it is
         l_sc[...] = l_new
+
+  span_when(j, span, kv_full(cfg, i, bq, bk, q_len, kv_len, span, has_mask, sm), _run)
 
   @pl.when(j == cfg.sp // bk - 1)
   def _finish():
@@ -463,10 +469,10 @@ def _dq_kernel(*refs, cfg: KernelConfig, has_bias: bool, has_mask: bool, want_ds
     def _init_rel():
       drel_ref[...] = jnp.zeros(drel_ref.shape, jnp.float32)
 
-  run = in_span(j, kv_span(cfg, i, bq, bk, q_len, kv_len, sm))
+  span = kv_span(cfg, i, bq, bk, q_len, kv_len, sm)
+  run = in_span(j, span)
 
-  @pl.when(run)
-  def _run():
+  def _run(masked):
     q, k, v, do = q_ref[...], k_ref[...], v_ref[...], do_ref[...]
     if slope is not None:
       lin, dist = alibi_tile(cfg, slope, (bq, bk), i * bq, j * bk)
@@ -476,8 +482,8 @@ def _dq_kernel(*refs, cfg: KernelConfig, has_bias: bool, has_mask: bool, want_ds
       z, dcap = tile_scores_grad(cfg, [q], [k], _tile(bias_ref), lin)
     else:
       z, dcap = tile_scores_grad(cfg, [q], [k], _tile(bias_ref))
-    valid = tile_valid(cfg, (bq, bk), i * bq, j * bk, _tile(mask_ref), q_len, kv_len, sm,
-                       head)
+    valid = None if not masked else tile_valid(
+        cfg, (bq, bk), i * bq, j * bk, _tile(mask_ref), q_len, kv_len, sm, head)
     dp = lax.dot_general(do, v, NT, preferred_element_type=jnp.float32)
     rows = tuple(OPS.spread(r[...], bk) for r in (r0_ref, r1_ref, dl_ref))
     _, dz = bwd_tile(cfg, z, valid, dp, rows, OPS)
@@ -491,6 +497,8 @@ def _dq_kernel(*refs, cfg: KernelConfig, has_bias: bool, has_mask: bool, want_ds
       drel_ref[:, pl.ds(start, sums.shape[1])] += sums * gb if gb != 1.0 else sums
     dz = capped_grad(dz, dcap)  # the cotangent of scale·q·k
     dq_sc[...] += jnp.dot(dz.astype(k.dtype), finite(k), preferred_element_type=jnp.float32)
+
+  span_when(j, span, kv_full(cfg, i, bq, bk, q_len, kv_len, span, has_mask, sm), _run)
 
   if ds_ref is not None:
     @pl.when(jnp.logical_not(run))
@@ -522,15 +530,14 @@ def _dkv_kernel(*refs, cfg: KernelConfig, has_bias: bool, has_mask: bool):
   gq, _ = cfg.grad_mult
   # The query head's (kv head·G + h) ALiBi slope.
   slope = None if slope_ref is None else slope_ref[pl.program_id(1) * cfg.g + h]
-  lo, hi = q_span(cfg, j, bq, bk, q_len, kv_len, sm)
+  span = q_span(cfg, j, bq, bk, q_len, kv_len, sm)
 
   @pl.when((h == 0) & (i == 0))
   def _init():
     dk_sc[...] = jnp.zeros(dk_sc.shape, jnp.float32)
     dv_sc[...] = jnp.zeros(dv_sc.shape, jnp.float32)
 
-  @pl.when((i >= lo) & (i < hi))
-  def _run():
+  def _run(masked):
     q, k, v, do = q_ref[...], k_ref[...], v_ref[...], do_ref[...]
     if slope is not None:
       z, dcap = tile_scores_grad(cfg, [q], [k], _tile(bias_ref),
@@ -540,8 +547,8 @@ def _dkv_kernel(*refs, cfg: KernelConfig, has_bias: bool, has_mask: bool):
                                  rel_tile(cfg, _window_load(rel_ref), i * bq, j * bk, bq, bk))
     else:
       z, dcap = tile_scores_grad(cfg, [q], [k], _tile(bias_ref))
-    valid = tile_valid(cfg, (bq, bk), i * bq, j * bk, _tile(mask_ref), q_len, kv_len, sm,
-                       head)
+    valid = None if not masked else tile_valid(
+        cfg, (bq, bk), i * bq, j * bk, _tile(mask_ref), q_len, kv_len, sm, head)
     dp = lax.dot_general(do, v, NT, preferred_element_type=jnp.float32)
     rows = tuple(OPS.spread(r[...], bk) for r in (r0_ref, r1_ref, dl_ref))
     p, dz = bwd_tile(cfg, z, valid, dp, rows, OPS)
@@ -549,6 +556,8 @@ def _dkv_kernel(*refs, cfg: KernelConfig, has_bias: bool, has_mask: bool):
     # Transposed in float32, then cast (as JAX's TPU flash kernel).
     dv_sc[...] += jnp.dot(p.T.astype(do.dtype), do, preferred_element_type=jnp.float32)
     dk_sc[...] += jnp.dot(dz.T.astype(q.dtype), finite(q), preferred_element_type=jnp.float32)
+
+  span_when(i, span, q_full(cfg, j, bq, bk, q_len, kv_len, span, has_mask, sm), _run)
 
   @pl.when((h == cfg.g - 1) & (i == cfg.tp // bq - 1))
   def _finish():

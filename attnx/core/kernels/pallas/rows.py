@@ -376,7 +376,7 @@ def _lens(cfg, lens_first: bool) -> list:
   :func:`.masking.gpu_operands`'; on the TPU (scalar prefetch, first) its scalars and spans,
   its ids after the inputs (:func:`_ids`)."""
   p = cfg.smask
-  n = 0 if p is None else (p.num_scalars + 2 if lens_first else cfg.num_smask_refs)
+  n = 0 if p is None else (p.num_prefetch if lens_first else cfg.num_smask_refs)
   return [("qlen", True), ("kvlen", True), ("sm", n)]
 
 

@@ -48,11 +48,14 @@ from attnx.core.kernels.pallas.common import (
     bwd_tile,
     capped_grad,
     dot_chunks,
+    kv_full,
     kv_span,
+    q_full,
     q_span,
     ref_cols,
     relative_index,
     sink_start,
+    span_loop,
     tile_scores,
     tile_scores_grad,
     tile_valid,
@@ -203,7 +206,7 @@ def _fwd_kernel(*refs, cfg: KernelConfig, has_bias: bool, has_mask: bool):
   qs = load_chunks(q_ref, slice(None), hc)
   slope = slope_ref[0] if cfg.alibi else None
 
-  def tile(j):
+  def tile(j, masked):
     c0 = j * bk
     rows = pl.ds(c0, bk)
     ks, vs = load_chunks(k_ref, rows, hc), tuple(load_chunks(v_ref, rows, vc))
@@ -214,33 +217,37 @@ def _fwd_kernel(*refs, cfg: KernelConfig, has_bias: bool, has_mask: bool):
       z = tile_scores(cfg, qs, ks, bias_t)
     else:
       z = tile_scores(cfg, qs, ks, bias_t, alibi_tile(cfg, slope, (bq, bk), i * bq, c0)[0])
+    if not masked:  # a tile of the full run: every pair attends
+      return z, vs, None
     mask_t = None if mask_ref is None else ref_cols(mask_ref, c0, bk)
     return z, vs, tile_valid(cfg, (bq, bk), i * bq, c0, mask_t, q_len, kv_len, sm, head)
 
   # The accumulator and V are tuples of head-dim chunks (streaming's rules map over them).
   acc0 = tuple(jnp.zeros((bq, c), jnp.float32) for _, c in vc)
-  lo, hi = kv_span(cfg, i, bq, bk, q_len, kv_len, sm)
+  span = kv_span(cfg, i, bq, bk, q_len, kv_len, sm)
+  full = kv_full(cfg, i, bq, bk, q_len, kv_len, span, mask_ref is not None, sm)
   if w.online_max:
-    def body(j, carry):
+    def body(j, carry, masked):
       acc, m, l = carry
-      z, vs, valid = tile(j)
+      z, vs, valid = tile(j, masked)
       return streaming.online_max_update(acc, m, z, valid, vs, l, ops=ops, log_f=w.log_f)
 
     m0, l0 = streaming.online_max_start(w)  # from the offset's virtual key, if any
     m0, l0 = jnp.full((bq,), m0, jnp.float32), jnp.full((bq,), l0, jnp.float32)
     if sink_ref is not None:
       m0, l0 = sink_start(cfg, m0, l0, jnp.full((bq,), sink_ref[0], jnp.float32), ops)
-    acc, m, l = lax.fori_loop(lo, hi, body, (acc0, m0, l0))
+    acc, m, l = span_loop(span, full, body, (acc0, m0, l0))
     os_, st = streaming.pointwise_finalize(w, acc, m, l, add_offset=False, ops=ops)
   else:
-    def body(j, carry):
-      z, vs, valid = tile(j)
-      return streaming.pointwise_update(w, *carry, z, valid, vs, cfg.s, ops=ops)
+    def body(j, carry, masked):
+      z, vs, valid = tile(j, masked)
+      return streaming.pointwise_update(w, *carry, z, valid, vs, cfg.s, ops=ops,
+                                        full=not masked)
 
     l0 = jnp.zeros((bq,), jnp.float32)
     if sink_ref is not None:
       _, l0 = sink_start(cfg, None, l0, jnp.full((bq,), sink_ref[0], jnp.float32), ops)
-    acc, l = lax.fori_loop(lo, hi, body, (acc0, l0))
+    acc, l = span_loop(span, full, body, (acc0, l0))
     os_, st = streaming.pointwise_finalize(w, acc, l, num_keys=uncounted(cfg, has_mask),
                                            ops=ops)
   store_chunks(o_ref, os_, vc)
@@ -338,7 +345,7 @@ def _dq_kernel(*refs, cfg: KernelConfig, has_bias: bool, has_mask: bool, want_ds
   gq, gb = cfg.grad_mult
   slope = slope_ref[0] if cfg.alibi else None
 
-  def body(j, carry):
+  def body(j, carry, masked):
     dq, dm = carry if slope is not None else (carry, None)
     c0 = j * bk
     rows = pl.ds(c0, bk)
@@ -352,8 +359,10 @@ def _dq_kernel(*refs, cfg: KernelConfig, has_bias: bool, has_mask: bool, want_ds
     else:
       lin, dist = alibi_tile(cfg, slope, (bq, bk), i * bq, c0)
       z, dcap = tile_scores_grad(cfg, qs, ks, bias_t, lin)
-    mask_t = None if mask_ref is None else ref_cols(mask_ref, c0, bk)
-    valid = tile_valid(cfg, (bq, bk), i * bq, c0, mask_t, q_len, kv_len, sm, head)
+    valid = None
+    if masked:
+      mask_t = None if mask_ref is None else ref_cols(mask_ref, c0, bk)
+      valid = tile_valid(cfg, (bq, bk), i * bq, c0, mask_t, q_len, kv_len, sm, head)
     _, dz = bwd_tile(cfg, z, valid, dot_chunks(dos, vs), (r0, r1, delta), OPS)
     if ds_ref is not None:
       ds_ref[:, rows] = dz * gb if gb != 1.0 else dz
@@ -366,12 +375,13 @@ def _dq_kernel(*refs, cfg: KernelConfig, has_bias: bool, has_mask: bool, want_ds
                for a, k in zip(dq, ks, strict=True))
     return dq if slope is None else (dq, dm)
 
-  lo, hi = kv_span(cfg, i, bq, bk, q_len, kv_len, sm)
+  lo, hi = span = kv_span(cfg, i, bq, bk, q_len, kv_len, sm)
+  full = kv_full(cfg, i, bq, bk, q_len, kv_len, span, mask_ref is not None, sm)
   dq0 = tuple(jnp.zeros((bq, c), jnp.float32) for _, c in hc)
   if slope is None:
-    dq = lax.fori_loop(lo, hi, body, dq0)
+    dq = span_loop(span, full, body, dq0)
   else:
-    dq, dm = lax.fori_loop(lo, hi, body, (dq0, jnp.zeros((bq,), jnp.float32)))
+    dq, dm = span_loop(span, full, body, (dq0, jnp.zeros((bq,), jnp.float32)))
     dm_ref[...] = dm * gb if gb != 1.0 else dm
   store_chunks(dq_ref, dq, hc, gq)
   if ds_ref is not None:  # tiles the loop skipped get a zero score cotangent
@@ -411,13 +421,14 @@ def _dkv_kernel(*refs, cfg: KernelConfig, has_bias: bool, has_mask: bool,
   # dV needs the weights only; dP = dO·Vᵀ (and V) only for dK.
   vs = load_chunks(v_ref, slice(None), vc) if want_dk else None
   c0 = j * bk
-  lo, hi = q_span(cfg, j, bq, bk, q_len, kv_len, sm)
+  span = q_span(cfg, j, bq, bk, q_len, kv_len, sm)
+  full = q_full(cfg, j, bq, bk, q_len, kv_len, span, mask_ref is not None, sm)
   gq, _ = cfg.grad_mult
 
   def head(h, carry):
     slope = slope_ref[h] if cfg.alibi else None
 
-    def q_block(i, carry):
+    def q_block(i, carry, masked):
       dk, dv = carry
       r = pl.ds(i * bq, bq)
       qs, dos = load_chunks3(q_ref, r, h, hc), load_chunks3(do_ref, r, h, vc)
@@ -437,12 +448,12 @@ def _dkv_kernel(*refs, cfg: KernelConfig, has_bias: bool, has_mask: bool,
       else:
         z, dcap = tile_scores_grad(cfg, qs, ks, bias_t,
                                    alibi_tile(cfg, slope, (bq, bk), i * bq, c0)[0])
-      valid = tile_valid(cfg, (bq, bk), i * bq, c0, mask_t, q_len, kv_len, sm,
-                         None if sm is None else head0 + h)
+      valid = None if not masked else tile_valid(
+          cfg, (bq, bk), i * bq, c0, mask_t, q_len, kv_len, sm, None if sm is None else head0 + h)
       dp = dot_chunks(dos, vs) if want_dk else jnp.zeros((bq, bk), jnp.float32)
       p, dz = bwd_tile(cfg, z, valid, dp, (r0, r1, delta), OPS)
       return accumulate_dkv((dk, dv), p, capped_grad(dz, dcap), qs, dos)
-    return lax.fori_loop(lo, hi, q_block, carry)
+    return span_loop(span, full, q_block, carry)
 
   init = (tuple(jnp.zeros((bk, c), jnp.float32) for _, c in hc) if want_dk else (),
           tuple(jnp.zeros((bk, c), jnp.float32) for _, c in vc) if want_dv else ())

@@ -225,7 +225,7 @@ def entmax_threshold(tile_pass, rows: tuple[int, ...], rs: RowStream,
       exact = (sums[3] > delta) & (delta >= 0) & ~done
       new, done = jnp.where(exact, tau + delta, new), done | exact
     else:
-      exact = jnp.zeros_like(done)
+      exact = None
     return new, lo, hi, done, jnp.abs(new - tau), exact
 
   # `done` travels through the loop as 0./1. float32: Mosaic cannot carry a boolean vector
@@ -236,6 +236,12 @@ def entmax_threshold(tile_pass, rows: tuple[int, ...], rs: RowStream,
     return (c[0] < max_passes) & (jnp.min(c[4]) == 0.0)
 
   def body(c):
+    if not closed_form:
+      it, tau, lo, hi, _, _, dx = c
+      sums = sums_fn(tau)
+      new, lo, hi, done, step_size, _ = step(tau, lo, hi, sums, dx[0] if dx else None)
+      return (it + 1, jnp.where(done, tau, new), lo, hi, done.astype(dtype), sums,
+              (step_size,) if stall_guard else ())
     it, tau, lo, hi, _, sums0, dx, exact0 = c
     exact0 = exact0 > 0  # carried as 0./1. like `done`
     sums = sums_fn(tau)
@@ -248,18 +254,20 @@ def entmax_threshold(tile_pass, rows: tuple[int, ...], rs: RowStream,
 
   zero = jnp.zeros(rows, dtype)
   sums0 = (zero, zero, zero) + ((jnp.full(rows, jnp.inf, dtype),) if closed_form else ())
-  init = (jnp.int32(1), tau0, lo, hi, zero, sums0, (hi - lo,) if stall_guard else (),
-          zero)
+  init = (jnp.int32(1), tau0, lo, hi, zero, sums0, (hi - lo,) if stall_guard else ())
+  if closed_form:
+    init += (zero,)  # 1. where the support was final (carried as 0./1.)
   if ops.threshold_loop == "while":
-    it, tau, _, _, done, sums, _, exact = lax.while_loop(cond, body, init)
+    out = lax.while_loop(cond, body, init)
   else:
-    it, tau, _, _, done, sums, _, exact = lax.fori_loop(
-        1, max_passes, lambda _, c: lax.cond(cond(c), body, lambda c: c, c), init)
+    out = lax.fori_loop(1, max_passes, lambda _, c: lax.cond(cond(c), body, lambda c: c, c),
+                        init)
+  it, tau, done, sums = out[0], out[1], out[4], out[5]
   if closed_form:
     # One exact step on the support for the rows that stopped by the step size: the closed
     # form given which keys have p > 0, from the sums of their last pass (no extra pass).
     delta = _support_root(sums, alpha)
-    tau = jnp.where(empty | (done == 0) | (exact > 0), tau, tau + delta)
+    tau = jnp.where(empty | (done == 0) | (out[7] > 0), tau, tau + delta)
   return Threshold(m, tau, it)
 
 

@@ -125,6 +125,7 @@ def test_registry_has_the_expected_pointwise_weightings():
   assert expected <= set(POINTWISE)
 
 
+@pytest.mark.split_by_jax
 @pytest.mark.parametrize("name", ALL)
 def test_matches_dense_every_weighting(name):
   (ob, gb), (od, gd) = _all_weightings()[name]
@@ -197,6 +198,7 @@ def _causal_all():
   return jax.device_get(run(q, k, v, bias, mask, ct))
 
 
+@pytest.mark.split_by_jax
 @pytest.mark.parametrize("name", ALL)
 def test_causal_matches_dense_every_weighting(name):
   (ob, gb), (od, gd) = _causal_all()[name]

@@ -501,6 +501,7 @@ def test_banded_branch_cases_have_zero_tiles(case):
   assert 0 < int(skipped.sum()) < int(visited.sum())
 
 
+@pytest.mark.split_by_jax
 @pytest.mark.parametrize("seed", range(CI_RANDOM))
 def test_random_case_ci_sample(seed):
   _assert_passes(diff.draw(1_000_000 + seed))

@@ -472,6 +472,7 @@ def test_chunk_count_divides_the_keys():
     assert s % c == 0
 
 
+@pytest.mark.split_by_jax
 @pytest.mark.parametrize("w", ("softmax", "stick_breaking", "entmax15"))
 def test_paged_attention_equals_contiguous(w):
   r = np.random.default_rng(13)

@@ -895,6 +895,7 @@ def _mosaic_relative_case(seed, weighting, causal, length, **kw):
 _MOSAIC_REL_POINTWISE = [("softmax", True, "full", 2.0, False), ("sigmoid", False, 9, None, True)]
 
 
+@pytest.mark.split_by_jax
 @pytest.mark.parametrize(("weighting", "causal", "length", "cap", "sinks"), [
     pytest.param(*c, id=c[0], marks=[pytest.mark.exhaustive] if c[0] == "sigmoid" else [])
     for c in _MOSAIC_REL_POINTWISE])  # sigmoid's "sum": -m exhaustive (CI time)

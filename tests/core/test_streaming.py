@@ -283,6 +283,27 @@ def test_entmax_threshold_matches_float64_bisection(alpha, scale):
     assert passes < 20, passes
 
 
+@pytest.mark.parametrize("alpha", [2.0, 1.5])
+def test_entmax_threshold_stops_the_pass_its_support_is_final(alpha):
+  """Sparsemax and 1.5-entmax: from τ = −1 (the shifted max at 0) the first sums pass sees
+  the support {0, −0.1} (the other keys lie below −1), whose exact root keeps both keys in it,
+  so the search ends there: the row-max pass and one more, at the closed-form τ (the root of
+  Σ [x − τ]₊^{1/(α−1)} = 1 on the two keys). Searching on until the step is below float32
+  resolution takes a third pass."""
+  rs = streaming.RowStream("entmax", alpha=alpha, scale=1.0 / (alpha - 1.0))
+  z = np.full((2, 64), -5.0, np.float32)
+  z[:, 0], z[:, 1] = 0.0, -0.1  # x = (α − 1)·scale·z = z
+  valid = np.ones(z.shape, bool)
+  th = jax.jit(lambda z, valid: streaming.entmax_threshold(
+      _tile_pass(z, valid, _spans(0, 64, 16)), (2,), rs))(z, valid)
+  if alpha == 2.0:  # (0 − τ) + (−0.1 − τ) = 1
+    want = (-0.1 - 1.0) / 2
+  else:  # (0 − τ)² + (−0.1 − τ)² = 1, the smaller root
+    want = (-0.2 - np.sqrt(0.04 - 8 * (0.01 - 1.0))) / 4
+  np.testing.assert_allclose(np.asarray(th.tau), want, rtol=1e-6)
+  assert int(th.passes) == 2
+
+
 # --------------------------------------------------------------------------------------------
 # Extreme scores.
 # --------------------------------------------------------------------------------------------

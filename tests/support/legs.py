@@ -1,16 +1,19 @@
-"""Which half of a split test's cases this end of the supported JAX range runs.
+"""Which part of a split test's cases this end of the supported JAX range runs.
 
 CI runs the whole suite on the oldest and on the newest supported JAX (``.ci/run``), both within
-its 50 minutes; the newest compiles each program ≈ 2.4× slower on XLA:CPU (its MLIR fusion
-emitters cannot be turned off). A test marked ``split_by_jax`` runs half its cases on each end
-(``tests/conftest.py`` marks the other half ``exhaustive``): a default run takes this end's half,
-``-m exhaustive`` the rest, and CI runs every case once across its two legs. The halves are
-drawn by a hash of each case's id, ranked and alternated, so that they are even and follow no
-one parameter axis. Split: matrices of attnx's own arithmetic (kernels against a float64
-reference, one weighting or draw per case), not tests of a JAX or Flax API's behaviour; and, as
-one group (:data:`experiment_run`), the tiny end-to-end runs of the experiments that build on
-the library's tested pieces (each experiment runs on one end; the language-model preset, its
-sequence-parallel run and the default experiment, which launch.py's tests start, on both).
+its 50 minutes; the newest compiles each program ≈ 1.3–2.8× slower on XLA:CPU (its MLIR fusion
+emitters cannot be turned off). A test marked ``split_by_jax`` runs part of its cases on each
+end (``tests/conftest.py`` marks the others ``exhaustive``): a default run takes this end's
+part, ``-m exhaustive`` the rest, and CI runs every case once across its two legs. The newest
+end takes one case in three, the oldest the other two (:data:`NEWEST_SHARE`): the same cases
+cost the newest end more time. The parts are drawn by a hash of each case's id, ranked and
+dealt in turn, so that they follow no one parameter axis (the differential net's large run,
+``-m differential``, runs every case on the newest end). Split: matrices of attnx's own
+arithmetic (kernels against a float64 reference, one weighting or draw per case), not tests
+of a JAX or Flax API's behaviour; and, as one group (:data:`experiment_run`), the tiny
+end-to-end runs of the experiments that build on the library's tested pieces (each
+experiment runs on one end; the language-model preset, its sequence-parallel run and the
+default experiment, which launch.py's tests start, on both).
 """
 
 from __future__ import annotations
@@ -39,12 +42,19 @@ def persistent_cache_safe() -> bool:
   return jax_end() == 0
 
 
+# Of every NEWEST_SHARE[1] cases of a split test, the newest end runs NEWEST_SHARE[0].
+NEWEST_SHARE = (1, 3)
+
+
 def this_end(ids: Iterable[str]) -> set[str]:
-  """The ids (of one test's cases) that this end runs: half of them, the other end the rest."""
+  """The ids (of one test's cases) that this end runs: one in three on the newest end, the
+  others on the oldest (a test of one case: the oldest)."""
   ranked = sorted(ids, key=lambda i: hashlib.sha256(i.encode()).hexdigest())
-  end = jax_end()
-  return {i for rank, i in enumerate(ranked) if rank % 2 == end}
+  take, every = NEWEST_SHARE
+  newest = jax_end() == 1
+  # Dealt from the second rank on, so that a test of two cases still runs one on each end.
+  return {i for rank, i in enumerate(ranked) if ((rank + every - 1) % every < take) == newest}
 
 
-# The tiny end-to-end run of one experiment: half of these tests run on each end.
+# The tiny end-to-end run of one experiment: these tests are dealt between the ends.
 experiment_run = pytest.mark.split_by_jax(group="experiment end-to-end runs")

@@ -189,7 +189,7 @@ def entmax_threshold(tile_pass, rows: tuple[int, ...], rs: RowStream,
   # rising from below, no key outside S (r = 0 there) joins it, so τ + δ is the threshold.
   # A pass that does not give the smallest r (a solve summing chunks: ThresholdSums) stops
   # by the step size alone.
-  closed_form = alpha in (1.5, 2.0)
+  closed_form = alpha in (1.5, 2.0) and ops.support_stop  # (ops: Triton's row forward, no)
 
   def sums_fn(tau):
     fn = threshold_sums_fold(rs, m, tau, dtype)
@@ -263,11 +263,14 @@ def entmax_threshold(tile_pass, rows: tuple[int, ...], rs: RowStream,
     out = lax.fori_loop(1, max_passes, lambda _, c: lax.cond(cond(c), body, lambda c: c, c),
                         init)
   it, tau, done, sums = out[0], out[1], out[4], out[5]
-  if closed_form:
+  if alpha in (1.5, 2.0):
     # One exact step on the support for the rows that stopped by the step size: the closed
     # form given which keys have p > 0, from the sums of their last pass (no extra pass).
     delta = _support_root(sums, alpha)
-    tau = jnp.where(empty | (done == 0) | (out[7] > 0), tau, tau + delta)
+    keep = empty | (done == 0)
+    if closed_form:  # (those that stopped on their support hold their exact τ already)
+      keep = keep | (out[7] > 0)
+    tau = jnp.where(keep, tau, tau + delta)
   return Threshold(m, tau, it)
 
 

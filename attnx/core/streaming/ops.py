@@ -52,6 +52,9 @@ class Ops:
       the TPU's (8, 128) vregs); :meth:`row_max`, :meth:`row_sum` and :meth:`spread` follow.
     matmul: the P·V product of :meth:`pv` where V keeps another layout than [..., keys, Hv]
       (None: :func:`pv`).
+    support_stop: sparsemax and 1.5-entmax end their threshold search the pass their support
+      is final (True), or by the step size alone (False: the Triton row forward, where the
+      search's larger carry spilled registers when compiled for an H100).
   """
 
   cumsum_matmul: bool = False
@@ -63,6 +66,7 @@ class Ops:
   ones_column: bool = True
   lanes: int = 0
   matmul: Any = None
+  support_stop: bool = True
 
   def pv(self, p: Array, v: Any) -> Array:
     """Σ_j p_ij v_j of a tile's weights p [..., rows, keys]: :func:`pv` on v [..., keys, Hv],

@@ -376,7 +376,10 @@ def _dq_kernel(*refs, cfg: KernelConfig, has_bias: bool, has_mask: bool, want_ds
     return dq if slope is None else (dq, dm)
 
   lo, hi = span = kv_span(cfg, i, bq, bk, q_len, kv_len, sm)
-  full = kv_full(cfg, i, bq, bk, q_len, kv_len, span, mask_ref is not None, sm)
+  # Heads of more than one chunk (the distance kernels' 130 columns) keep one masked loop: the
+  # split loops spilled the dQ kernel's registers (40 B, gaussian, causal GQA, H100, H = 128).
+  full = (None if len(hc) > 1 else
+          kv_full(cfg, i, bq, bk, q_len, kv_len, span, mask_ref is not None, sm))
   dq0 = tuple(jnp.zeros((bq, c), jnp.float32) for _, c in hc)
   if slope is None:
     dq = span_loop(span, full, body, dq0)

@@ -46,7 +46,8 @@ F32 = jnp.float32
 # Triton: no reverse cumsum, concatenation of [..., 1] arrays only, no boolean reductions.
 # The threshold passes run as a fori_loop with skipped passes: the while_loop form lowers, but
 # for α ∉ {1.5, 2} the Triton compiler crashed on it (docs/guides/pallas.md).
-OPS = st.Ops(cumsum_matmul=True, concat_pv=False, all_rows=False, threshold_loop="fori")
+OPS = st.Ops(cumsum_matmul=True, concat_pv=False, all_rows=False, threshold_loop="fori",
+             support_stop=False)
 
 __all__ = ["OPS", "backward", "forward"]
 

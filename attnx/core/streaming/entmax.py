@@ -220,7 +220,7 @@ def entmax_threshold(tile_pass, rows: tuple[int, ...], rs: RowStream,
       ok = ok & ((2.0 * dn <= dx) | (dn <= tol))
     new = jnp.where(ok, newton, 0.5 * (lo + hi))
     done = (jnp.abs(new - tau) <= tol) | (f == 0) | empty | jnp.isnan(f)
-    if closed_form and len(sums) == 4:
+    if closed_form:  # (every pass then gives the smallest r: sums of four)
       delta = _support_root(sums, alpha)
       exact = (sums[3] > delta) & (delta >= 0) & ~done
       new, done = jnp.where(exact, tau + delta, new), done | exact

@@ -3,6 +3,7 @@ formula, the tile metadata against the materialized mask, attention against
 jax.nn.dot_product_attention, the blocked kernel's per-tile evaluation against a float64 dense
 brute force, and the errors of bad input."""
 
+import collections
 import itertools
 
 import chex
@@ -445,15 +446,15 @@ def test_pallas_explain_counts_the_tiles_its_loops_visit():
                    implementation=pallas).mask_tiles
   assert m == {"tiles": (128, 128), "skipped": 64 - 15, "unmasked": 0, "masked": 15}
   ids = jnp.repeat(jnp.arange(4, dtype=jnp.int32), t // 4)[None]
-  m = core.explain(q, k, v, segment_ids=ids, weighting="entmax15",
-                   implementation=pallas).mask_tiles
-  # 4 documents of 2×2 tiles; the whole-row kernels evaluate the mask on every tile they run
-  assert (m["skipped"], m["unmasked"], m["masked"]) == (48, 0, 16)
-  # the pointwise kernels only on a span's boundary tiles: here none (documents fill tiles)
-  m = core.explain(q, k, v, segment_ids=ids, implementation=pallas).mask_tiles
-  assert (m["skipped"], m["unmasked"], m["masked"]) == (48, 16, 0)
-  m = core.explain(q, k, v, segment_ids=ids, is_causal=True, implementation=pallas).mask_tiles
-  assert (m["skipped"], m["unmasked"], m["masked"]) == (52, 4, 8)  # the diagonal tiles masked
+  # 4 documents of 2×2 tiles: the kernels, pointwise and whole-row, evaluate the mask only on
+  # a span's boundary tiles, here none (documents fill tiles)
+  for weighting in ("softmax", "entmax15"):
+    m = core.explain(q, k, v, segment_ids=ids, weighting=weighting,
+                     implementation=pallas).mask_tiles
+    assert (m["skipped"], m["unmasked"], m["masked"]) == (48, 16, 0)
+    m = core.explain(q, k, v, segment_ids=ids, is_causal=True, weighting=weighting,
+                     implementation=pallas).mask_tiles
+    assert (m["skipped"], m["unmasked"], m["masked"]) == (52, 4, 8)  # the diagonal tiles
 
 
 def test_pallas_reads_a_mask_mod_that_captures_arrays_materialized():
@@ -654,3 +655,78 @@ def test_pallas_kernels_mask_elementwise_only_the_boundary_tiles(kind):
       msg = f"{kind} {name} b={b} t={t} s={s}"
       np.testing.assert_array_equal(visit, some, err_msg=msg)
       np.testing.assert_array_equal(plain, every, err_msg=msg)
+
+
+def _loop_mask_work(fn, *args) -> dict[str, list[int]]:
+  """{kernel name: [the iota ops in the body of each of its while loops]} of the Pallas
+  kernels in fn's program: a loop body that evaluates an elementwise causal mask builds the
+  rows' and columns' positions (two iotas) that an unmasked body does not."""
+  from jax.extend import core as jcore  # noqa: PLC0415
+
+  def ops(jaxpr, acc):
+    for e in jaxpr.eqns:
+      acc.append(e.primitive.name)
+      if e.primitive.name != "while":
+        for sub in jcore.jaxprs_in_params(e.params):
+          ops(sub, acc)
+    return acc
+
+  def loops(jaxpr, acc):
+    for e in jaxpr.eqns:
+      if e.primitive.name == "while":
+        acc.append(ops(e.params["body_jaxpr"].jaxpr, []).count("iota"))
+      for sub in jcore.jaxprs_in_params(e.params):
+        loops(sub, acc)
+    return acc
+
+  out = {}
+
+  def kernels(jaxpr):
+    for e in jaxpr.eqns:
+      if e.primitive.name == "pallas_call":
+        name = e.params.get("name_and_src_info", e.params.get("name"))  # (renamed in jax 0.11)
+        out[str(name).split()[0]] = loops(e.params["jaxpr"], [])
+      for sub in jcore.jaxprs_in_params(e.params):
+        kernels(sub)
+
+  kernels(jax.make_jaxpr(fn)(*args).jaxpr)
+  return out
+
+
+@pytest.mark.parametrize("backend,weighting", [
+    ("gpu", "softmax"), *itertools.product(
+        ["gpu", "tpu"], ["softpick", "stick_breaking", "entmax15", "ssmax"])])
+def test_pallas_kernel_loops_run_the_full_tiles_without_the_mask(backend, weighting):
+  """Every loop over tiles of the Pallas kernels (forward, dQ, dK/dV; pointwise and whole-row,
+  the threshold passes too) runs, under a causal mask, as three loops: the boundary tiles
+  before and after with the elementwise mask, the full run between without it, whose body
+  does the work of the unmasked kernel's loop and no more (kernels/pallas/common.py:
+  span_loop). Read from the kernels' programs: fails when a kernel keeps one masked loop.
+  (The pointwise TPU kernels have no loop: their grid is the loop, common.span_when.) The
+  Triton whole-row kernels split the forward's output pass only: the threshold passes and
+  the backward kernels keep one masked loop (split, they spilled registers compiled for an
+  H100: docs/known_limits.md)."""
+  t = 256
+  x = jax.ShapeDtypeStruct((1, t, 2, 16), jnp.float32)
+
+  def work(causal):
+    def loss(q, k, v):
+      return jnp.sum(pallas_lib.pallas_attention(
+          q, k, v, weighting=core.get_weighting(weighting), scale=0.25, is_causal=causal,
+          backend=backend, interpret=True, block_q=64 if backend == "gpu" else 128,
+          block_k=128))
+    return _loop_mask_work(jax.grad(loss, argnums=(0, 1, 2)), x, x, x)
+
+  plain, causal = work(False), work(True)
+  assert plain.keys() == causal.keys() and len(plain) >= 2, (plain, causal)
+  triton_rows = backend == "gpu" and weighting != "softmax"
+  for name, loops in plain.items():
+    masked = causal[name]
+    if triton_rows and not name.endswith("_fwd"):  # one masked loop each
+      assert len(masked) == len(loops) and sum(masked) > sum(loops), (name, loops, masked)
+      continue
+    # each plain loop (Triton whole-row: the output pass, the last) has a counterpart that
+    # evaluates no mask, and two boundary loops that do
+    split = loops[-1:] if triton_rows else loops
+    assert not collections.Counter(split) - collections.Counter(masked), (name, loops, masked)
+    assert len(masked) > len(loops) and max(masked) > max(loops), (name, loops, masked)

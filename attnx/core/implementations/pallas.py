@@ -52,7 +52,6 @@ from attnx.core.kernels import pallas as pallas_lib
 from attnx.core.kernels.pallas import block as pallas_block
 from attnx.core.kernels.pallas import masking as pallas_masking
 from attnx.core.kernels.pallas import split as pallas_split
-from attnx.core.weightings import Pointwise
 
 Array = jax.Array
 
@@ -210,9 +209,8 @@ class Pallas(Implementation):
     if problem.is_causal:
       smask = masks_lib.Causal() & smask
     try:
-      return pallas_masking.tile_counts(
-          smask, blocks.block_q, blocks.block_k, problem.t, problem.s,
-          boundary_only=isinstance(problem.weighting, Pointwise))
+      return pallas_masking.tile_counts(smask, blocks.block_q, blocks.block_k, problem.t,
+                                        problem.s)
     except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError):
       return None  # traced ids or lengths: no count
 

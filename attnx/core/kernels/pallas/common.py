@@ -230,18 +230,22 @@ def _inside(span, f_lo, f_hi):
   return f_lo, jnp.minimum(jnp.maximum(f_hi, f_lo), hi)
 
 
-def span_loop(span, full, body, carry):
+def span_loop(span, full, body, carry, reverse: bool = False):
   """``lax.fori_loop`` of ``body(t, carry, masked)`` over the tiles of ``span``: the boundary
   tiles before and after the ``full`` run with ``masked=True``, the run itself with
   ``masked=False`` (no elementwise mask); one loop, every tile masked, when ``full`` is
-  None (:func:`kv_full`)."""
+  None (:func:`kv_full`). ``reverse``: last tile first (stick-breaking; with ``full``)."""
   lo, hi = span
   if full is None:
     return lax.fori_loop(lo, hi, lambda t, c: body(t, c, True), carry)
   f_lo, f_hi = full
-  carry = lax.fori_loop(lo, f_lo, lambda t, c: body(t, c, True), carry)
-  carry = lax.fori_loop(f_lo, f_hi, lambda t, c: body(t, c, False), carry)
-  return lax.fori_loop(f_hi, hi, lambda t, c: body(t, c, True), carry)
+  runs = ((lo, f_lo, True), (f_lo, f_hi, False), (f_hi, hi, True))
+  for a, b, masked in (runs[::-1] if reverse else runs):
+    if reverse:
+      carry = lax.fori_loop(0, b - a, lambda r, c, b=b, m=masked: body(b - 1 - r, c, m), carry)
+    else:
+      carry = lax.fori_loop(a, b, lambda t, c, m=masked: body(t, c, m), carry)
+  return carry
 
 
 def span_when(t, span, full, run) -> None:

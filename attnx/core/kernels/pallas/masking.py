@@ -214,13 +214,11 @@ def prepare(mask: Any, tiles: dict[str, tuple[int, int]], tp: int, sp: int,
   return plan, {"leaves": out, **spans}
 
 
-def tile_counts(mask: Any, bq: int, bk: int, t: int, s: int,
-                boundary_only: bool = True) -> dict[str, Any]:
+def tile_counts(mask: Any, bq: int, bk: int, t: int, s: int) -> dict[str, Any]:
   """How the forward kernel (tiles ``bq`` × ``bk``) meets a bound mask over all its rows, for
   :func:`attnx.core.explain`: the key tiles its loops leave out ("skipped"), those they run
-  without the elementwise mask ("unmasked": the full spans; none with ``boundary_only``
-  False, the whole-row kernels, which evaluate it on every tile they visit) and those they
-  run with it ("masked": the spans' boundary tiles)."""
+  without the elementwise mask ("unmasked": the full spans) and those they run with it
+  ("masked": the spans' boundary tiles)."""
   tp, sp = -(-t // bq) * bq, -(-s // bk) * bk
   lo, hi, flo, fhi = (np.asarray(x) for x in _spans(mask, bq, bk, tp // bq, sp // bk, 1, t, s))
   total = lo.shape[0] * (tp // bq) * (sp // bk)
@@ -228,7 +226,7 @@ def tile_counts(mask: Any, bq: int, bk: int, t: int, s: int,
   whole_rows = (np.arange(tp // bq) + 1) * bq <= t
   full = np.where(whole_rows, np.maximum(np.minimum(fhi, s // bk) - flo, 0), 0)
   run = int((hi - lo).sum()) if lo.shape[0] else 0
-  full = int(full.sum()) if lo.shape[0] and boundary_only else 0
+  full = int(full.sum()) if lo.shape[0] else 0
   return {"tiles": (bq, bk), "skipped": total - run, "unmasked": full, "masked": run - full}
 
 

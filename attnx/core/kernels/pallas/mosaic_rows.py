@@ -25,9 +25,12 @@ from attnx.core.kernels.pallas.common import (
     KernelConfig,
     bcast_index,
     bnth,
+    kv_full,
     kv_span,
+    q_full,
     q_span,
     ref_cols,
+    span_loop,
 )
 from attnx.core.kernels.pallas.rows import (
     dkv_names,
@@ -107,11 +110,11 @@ def _fwd_kernel(*refs, cfg, has_bias, has_mask):
                   None if sm is None else pl.program_id(1), slope=slope,
                   rel=_rel(cfg, r["slopes"], bq, bk))
   span = kv_span(cfg, i, bq, bk, q_len, kv_len, sm)
+  full = kv_full(cfg, i, bq, bk, q_len, kv_len, span, has_mask, sm)
   rowc = None if r["rowc"] is None else _lane0(r["rowc"][...])
   sink = None if r["sinks"] is None else r["sinks"][pl.program_id(1)]  # SMEM [N]
   o, stats, smean, usum = forward_rows(cfg, OPS, tile, lambda c0: v_ref[ds(c0), :], span, rowc,
-                                        bq,
-                                  v_ref.shape[-1], sink)
+                                       bq, v_ref.shape[-1], sink, full)
   r["o"][...] = o.astype(r["o"].dtype)
   for ref, x in zip(stat_refs_of(r, cfg), stats, strict=True):
     ref[...] = _to_lanes(x)
@@ -255,7 +258,8 @@ def _dq_kernel(*refs, cfg, has_bias, has_mask, want_ds):
 
   dq, dc, (ca, cb), dm = dq_rows(cfg, OPS, tile, qs, lambda c0: [v_ref[ds(c0), :]],
                                  [r["do"][...]], span, stats, _lane0(r["delta"][...]), rowc,
-                                 ds_store, carry_store)
+                                 ds_store, carry_store,
+                                 kv_full(cfg, i, bq, bk, q_len, kv_len, span, has_mask, sm))
   if dm is not None:  # the rows' d slope sums, lanes; summed over rows and batch outside
     r["dslope"][...] = _to_lanes(dm)
   if ca_ref is not None and sm is not None:
@@ -276,7 +280,8 @@ def _dkv_kernel(*refs, cfg, has_bias, has_mask):
   q_len, kv_len = r["qlen"][b], r["kvlen"][b]
   sm = mosaic.smask_view(cfg, r["sm"], r["sm_ids"], b, j, cfg.sp // bk, bq, bk, q_whole=True)
   ks, vs = [r["k"][...]], [r["v"][...]]
-  lo, hi = q_span(cfg, j, bq, bk, q_len, kv_len, sm)
+  span = q_span(cfg, j, bq, bk, q_len, kv_len, sm)
+  full = q_full(cfg, j, bq, bk, q_len, kv_len, span, has_mask, sm)
   head0 = None if sm is None else pl.program_id(1) * cfg.g  # the kv head's first query head
   q_ref, do_ref, bias_ref, mask_ref = r["q"], r["do"], r["bias"], r["mask"]
   stat_refs = stat_refs_of(r, cfg)
@@ -287,7 +292,7 @@ def _dkv_kernel(*refs, cfg, has_bias, has_mask):
     slope = None if slope0 is None else r["slopes"][slope0 + h]
     rel = _rel(cfg, r["slopes"], bq, bk, h)  # the head's row of the reversed table
 
-    def q_block(i, dkv):
+    def q_block(i, dkv, masked):
       rows = pl.ds(pl.multiple_of(i * bq, 8), bq)
       qs, dos = [q_ref[h, rows, :]], [do_ref[h, rows, :]]
       bias_t = mask_t = None
@@ -304,8 +309,8 @@ def _dkv_kernel(*refs, cfg, has_bias, has_mask):
         carry = st.GradCarry(_col(r["ca"][h, rows, :], j), _col(r["cb"][h, rows, :], j))
       return dkv_step(cfg, OPS, dkv, j, i, qs, dos, ks, vs, bias_t, mask_t, q_len, kv_len,
                        stats, _lane0(r["delta"][h, rows, :]), rowc, carry, sm,
-                       None if sm is None else head0 + h, slope, rel)
-    return lax.fori_loop(lo, hi, q_block, carry)
+                       None if sm is None else head0 + h, slope, rel, masked)
+    return span_loop(span, full, q_block, carry)
 
   init = ((jnp.zeros((bk, ks[0].shape[-1]), F32),), (jnp.zeros((bk, vs[0].shape[-1]), F32),))
   dk, dv = lax.fori_loop(0, cfg.g, head, init)

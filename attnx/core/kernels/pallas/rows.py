@@ -59,6 +59,7 @@ from attnx.core.kernels.pallas.common import (
   alibi_tile,
   capped_grad,
   dot_chunks,
+  span_loop,
   tile_scores,
   tile_scores_grad,
   tile_valid,
@@ -144,15 +145,17 @@ def _per_head(rs: st.RowStream, s_param: Array | float | None, n: int) -> Array:
 
 def tile_fn(cfg, i, bq, bk, qs, load_k, bias_cols, mask_cols, q_len, kv_len, sm=None,
             head=None, grad=False, slope=None, rel=None):
-  """tile(j) -> (z [bq, bk] float32, valid [bq, bk] bool, the key tile's head-dim chunks, d,
-  dist) of query tile i and key tile j (``sm``: a structured mask, of query head ``head``);
+  """tile(j, masked=True) -> (z [bq, bk] float32, valid [bq, bk] bool, the key tile's head-dim
+  chunks, d, dist) of query tile i and key tile j (``sm``: a structured mask, of query head
+  ``head``; ``masked`` False: a tile of a full run (:func:`.common.kv_full`), every pair
+  attends and only the keys whose score is −∞ are invalid);
   ``d`` the soft cap's derivative 1 − tanh² (:func:`.common.tile_scores_grad`) when ``grad``
   and ``cfg.cap``, else None (the forward computes z alone); ``dist`` ALiBi's −(i − j) or
   −abs(i − j) (:func:`.common.alibi_tile`, the bias ``slope``·dist added after the cap and
   the bias) when ``cfg.alibi``, else None. With ``cfg.relative``, ``rel(r0, c0)`` is the
   relative table's bias of the tile whose first row is query r0 and first column key c0 (the
   kernel's read of ext at :func:`.common.relative_index`), added likewise."""
-  def tile(j):
+  def tile(j, masked=True):
     c0 = j * bk
     ks = load_k(c0)
     lin = dist = None
@@ -164,7 +167,8 @@ def tile_fn(cfg, i, bq, bk, qs, load_k, bias_cols, mask_cols, q_len, kv_len, sm=
       z, d = tile_scores_grad(cfg, qs, ks, bias_cols(c0), lin)
     else:
       z, d = tile_scores(cfg, qs, ks, bias_cols(c0), lin), None
-    valid = tile_valid(cfg, (bq, bk), i * bq, c0, mask_cols(c0), q_len, kv_len, sm, head)
+    valid = None if not masked else tile_valid(cfg, (bq, bk), i * bq, c0, mask_cols(c0), q_len,
+                                               kv_len, sm, head)
     return z, _scored(z, valid), ks, d, dist
   return tile
 
@@ -179,6 +183,15 @@ def _walk(span, reverse: bool):
   if isinstance(lo, int) and lo == 0:
     return hi, lambda r: r
   return hi - lo, lambda r: lo + r
+
+
+def walk_loop(span, full, reverse: bool, body, carry):
+  """``body(j, carry, masked)`` over the key tiles of ``span`` (:func:`_walk`'s order); with a
+  ``full`` run (:func:`.common.kv_full`), its tiles unmasked (:func:`.common.span_loop`)."""
+  if full is not None:
+    return span_loop(span, full, body, carry, reverse)
+  count, at = _walk(span, reverse)
+  return lax.fori_loop(0, count, lambda r, c: body(at(r), c, True), carry)
 
 
 def _scored(z, valid):
@@ -198,10 +211,13 @@ def sink_tile(sink, bq: int, bk: int, hv: int):
   return z, valid, jnp.zeros((bk, hv), F32)
 
 
-def forward_rows(cfg, ops, tile, load_v, span, rowc, bq: int, hv: int, sink=None):
+def forward_rows(cfg, ops, tile, load_v, span, rowc, bq: int, hv: int, sink=None, full=None,
+                 full_passes: bool = True):
   """(O, row statistics, Σu·v/Σu or None, Σu with ``cfg.keep_u_sum`` or None) of one query
   tile: threshold passes (entmax), then
-  one pass over the key tiles [lo, hi) of ``span`` (last first for stick-breaking).
+  one pass over the key tiles [lo, hi) of ``span`` (last first for stick-breaking); the tiles
+  of the ``full`` run (:func:`.common.kv_full`) without the elementwise mask, in the threshold
+  passes too with ``full_passes`` (else each pass is one masked loop).
 
   ``sink`` (with ``cfg.sinks``: the query head's sink, a scalar): one more key of every row,
   of score ``sink`` and zero value, folded first (:func:`sink_tile`) into the threshold passes'
@@ -211,21 +227,19 @@ def forward_rows(cfg, ops, tile, load_v, span, rowc, bq: int, hv: int, sink=None
   bk = cfg.bk
   rows = (bq,)
   ctx = rowc if rs.needs_row_scale else None
-  count, at = _walk(span, rs.reverse)
   sk = None if sink is None else sink_tile(sink, bq, bk, hv)
   if rs.needs_threshold:
-    lo, hi = span
     def tile_pass(fn, init):
       if sk is not None:  # the sink is a key of every row
         init = fn(init, *sk[:2])
-      return lax.fori_loop(lo, hi, lambda j, c: fn(c, *tile(j)[:2]), init)
+      return span_loop(span, full if full_passes else None,
+                       lambda j, c, masked: fn(c, *tile(j, masked)[:2]), init)
     ctx = st.entmax_threshold(tile_pass, rows, rs, ops)
 
   skip = _skips(cfg)
 
-  def body(r, state):
-    j = at(r)
-    z, valid = tile(j)[:2]
+  def body(j, state, masked):
+    z, valid = tile(j, masked)[:2]
     add = lambda state: st.update(rs, state, z, valid, load_v(j * bk), ctx, ops)
     if not skip:
       return add(state)
@@ -236,7 +250,7 @@ def forward_rows(cfg, ops, tile, load_v, span, rowc, bq: int, hv: int, sink=None
   state = st.init(rs, rows, hv)
   if sk is not None:
     state = st.update(rs, state, *sk, ctx, ops)
-  state = lax.fori_loop(0, count, body, state)
+  state = walk_loop(span, full, rs.reverse, body, state)
   o, stats, smean = st.finalize(rs, state, ctx)
   return o, stats, smean, (state.u_sum if cfg.keep_u_sum else None)
 
@@ -274,27 +288,27 @@ def _zero_grad_tile(cfg, ops, z, valid, stats, do_ok) -> Array:
   return st.entmax_zero_tile(z, valid, stats[0], stats[1], cfg.w.stream, ops) & do_ok
 
 
-def dq_rows(cfg, ops, tile, qs, load_v, dos, span, stats, delta, rowc, ds_store, carry_store):
+def dq_rows(cfg, ops, tile, qs, load_v, dos, span, stats, delta, rowc, ds_store, carry_store,
+            full=None):
   """(dQ in units of z [bq, H chunks], SSMax's dc or None, stick-breaking's carries after
   the loop, and with ALiBi the rows' d slope sums Σ_j dz·dist [bq], else None) of one query
   tile: the key tiles [lo, hi) of ``span``, last first for stick-breaking, whose carries of
   the keys after tile j (the stick L and Σ A·dP) go to ``carry_store(j, L, ΣA·dP)`` for the
   dK/dV pass. Each key tile's score cotangent dS goes to ``ds_store(c0, dS)`` (zeros for a
-  skipped tile): with ``cfg.relative`` the kernel accumulates d ext there."""
+  skipped tile): with ``cfg.relative`` the kernel accumulates d ext there. The tiles of the
+  ``full`` run (:func:`.common.kv_full`) go without the elementwise mask."""
   rs = cfg.w.stream
   bq, bk = cfg.bq_dq, cfg.bk_dq
-  count, at = _walk(span, rs.reverse)
 
   skip = _skips(cfg)
   do_ok = _all_finite(dos) if skip else None
 
   alibi = cfg.alibi is not None
 
-  def body(r, c):
+  def body(j, c, masked):
     dq, ca, cb = c[:3]
-    j = at(r)
     c0 = j * bk
-    z, valid, ks, d, dist = tile(j)
+    z, valid, ks, d, dist = tile(j, masked)
     if rs.suffix_carries:  # the carries of the keys after tile j, for the dK/dV pass
       carry_store(j, ca, cb)
 
@@ -320,17 +334,18 @@ def dq_rows(cfg, ops, tile, qs, load_v, dos, span, stats, delta, rowc, ds_store,
 
   zero = jnp.zeros((bq,), F32)
   dq0 = tuple(jnp.zeros((bq, x.shape[-1]), F32) for x in qs)
-  out = lax.fori_loop(0, count, body, (dq0, zero, zero) + ((zero,) if alibi else ()))
+  out = walk_loop(span, full, rs.reverse, body, (dq0, zero, zero) + ((zero,) if alibi else ()))
   dq, ca, cb = out[:3]
   return dq, ca if rs.needs_row_scale else None, (ca, cb), out[3] if alibi else None
 
 
 def dkv_step(cfg, ops, dkv, j, i, qs, dos, ks, vs, bias_t, mask_t, q_len, kv_len, stats, delta,
-              rowc, carry, sm=None, head=None, slope=None, rel=None):
+              rowc, carry, sm=None, head=None, slope=None, rel=None, masked=True):
   """(dK, dV) after query tile i (rows of one head) against key tile j in the dK/dV pass
   (``()`` for the one not wanted: dV needs the weights only, not dP = dO·Vᵀ nor V); ``slope``
   the head's ALiBi slope when ``cfg.alibi``; ``rel(r0, c0)`` the head's relative-table bias
-  of a tile when ``cfg.relative`` (:func:`tile_fn`)."""
+  of a tile when ``cfg.relative`` (:func:`tile_fn`); ``masked`` False: a tile of a full run
+  (:func:`.common.q_full`), no elementwise mask."""
   rs = cfg.w.stream
   bq, bk = cfg.bq_dkv, cfg.bk_dkv
   lin = None
@@ -339,8 +354,8 @@ def dkv_step(cfg, ops, dkv, j, i, qs, dos, ks, vs, bias_t, mask_t, q_len, kv_len
   elif cfg.relative:
     lin = rel(i * bq, j * bk)
   z, d = tile_scores_grad(cfg, qs, ks, bias_t, lin)  # d: the soft cap's derivative, or None
-  valid = _scored(z, tile_valid(cfg, (bq, bk), i * bq, j * bk, mask_t, q_len, kv_len, sm,
-                                head))
+  valid = _scored(z, None if not masked else tile_valid(cfg, (bq, bk), i * bq, j * bk, mask_t,
+                                                       q_len, kv_len, sm, head))
 
   def grad(dkv):
     dp = dot_chunks(dos, vs) if dkv[0] else jnp.zeros((bq, bk), F32)

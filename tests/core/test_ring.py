@@ -9,8 +9,8 @@ The checks of arguments, of the layout helpers and of the load balance run here,
 Random draws (tests/support/ring_draws.py), as the differential net does for the other
 implementations: the CI sample (every family × layout × causal once, the rest random; one
 global length above 1000 that is no power of two; score modifications and sinks in several
-families) runs in one more subprocess; the large run
-(``-m differential``) runs ``ATTNX_RING_DIFF_CASES`` (default 320) draws from seed
+families; dealt between the ends of the JAX range as the table) runs in one more subprocess;
+the large run (``-m differential``) runs ``ATTNX_RING_DIFF_CASES`` (default 320) draws from seed
 ``ATTNX_RING_DIFF_FIRST`` (default 0) on, in subprocesses of :data:`_LARGE_CHUNK` draws, and
 ``ATTNX_RING_PALLAS_CASES`` (default 80) CI-sized ones with every step on the Pallas kernels;
 ``ATTNX_DIFF_KIND=row`` (or ``pointwise``) draws the weighting from one family only.
@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
-from support import differential, lowering, ring_cases, ring_draws
+from support import differential, legs, lowering, ring_cases, ring_draws
 from support.scripts import script_result
 
 from attnx import core
@@ -150,9 +150,31 @@ def test_case_table_covers_every_streamable_weighting():
 # Random draws: the differential net's random sample for the ring.
 # --------------------------------------------------------------------------------------------
 
-@functools.lru_cache(maxsize=1)
-def _ci_draws() -> dict:
-  return script_result("ring_check.py", "--ci")
+DRAW_TEST = "test_random_draw_equals_float64_reference"
+
+
+@functools.lru_cache(maxsize=2)
+def _ci_batch(indices: tuple[int, ...]) -> dict:
+  return script_result("ring_check.py", "--ci", "--only", ",".join(map(str, indices)))
+
+
+def _ci_draws(request: pytest.FixtureRequest, index: int | None = None) -> dict:
+  """The CI sample's results, by seed, of the draws this run selected (the draw test is split
+  by JAX end: this end's part, or what -k / -m chose; ``index``'s draw too), run together in
+  one subprocess (it pays JAX's start and 8 devices once)."""
+  chosen = {it.callspec.params["index"] for it in request.session.items
+            if getattr(it, "originalname", None) == DRAW_TEST}
+  if index is not None:
+    chosen.add(index)
+  if not chosen:  # the coverage test alone: this end's part of the draws
+    chosen = {i for i in range(ring_draws.CI_DRAWS) if f"{DRAW_TEST}[{i}]" in this_end_draws()}
+  return _ci_batch(tuple(sorted(chosen)))
+
+
+def this_end_draws() -> set[str]:
+  """The draw test's case names (``name[index]``) that this end of the JAX range runs."""
+  return {i.split("::")[-1] for i in legs.this_end(
+      f"tests/core/test_ring.py::{DRAW_TEST}[{i}]" for i in range(ring_draws.CI_DRAWS))}
 
 
 def _failures(results: dict) -> list[str]:
@@ -160,14 +182,15 @@ def _failures(results: dict) -> list[str]:
           for r in results.values() if r["failure"] is not None]
 
 
+@pytest.mark.split_by_jax
 @pytest.mark.parametrize("index", range(ring_draws.CI_DRAWS))
-def test_random_draw_equals_float64_reference(index):
-  res = _ci_draws()[str(ring_draws.CI_FIRST + index)]
+def test_random_draw_equals_float64_reference(index, request):
+  res = _ci_draws(request, index)[str(ring_draws.CI_FIRST + index)]
   assert res["failure"] is None, _failures({index: res})
   assert set(res["errors"]) >= {"out", "q", "k", "v"}, res
 
 
-def test_random_ci_sample_reaches_every_branch():
+def test_random_ci_sample_reaches_every_branch(request):
   # What the CI sample must reach: the draws are seeded, this holds them to it.
   draws = ring_draws.ci_sample()
   cov = ring_draws.coverage(draws)
@@ -188,8 +211,9 @@ def test_random_ci_sample_reaches_every_branch():
   assert len({f for f, mod in cov["family_score_mod"] if mod != "none"}) >= 3
   assert cov["sinks"] == {False, True} and len(cov["family_sinks"]) >= 2
   assert True in cov["learned_s_mod"]
-  # The draws compare something: outputs that are not all zero, most entries kept.
-  res = _ci_draws()
+  # The draws compare something: outputs that are not all zero, most entries kept (of the
+  # draws this run ran: on each end of the JAX range in CI its part of them).
+  res = _ci_draws(request)
   assert sum(r["nonzero_out"] > 0.1 for r in res.values()) >= len(res) - 2
   kept = [{key: x for key, x in r["kept"].items() if not key.startswith("mod_")}
           for r in res.values()]

@@ -363,6 +363,7 @@ def test_ablations_preset_keeps_parameters_with_their_variant():
 
 
 @pytest.mark.slow
+@legs.experiment_run
 def test_sequence_parallel_preset_trains_the_unsharded_losses(tmp_path):
   # The GPT with every training sequence cut over 8 fake CPU devices (zigzag ring attention)
   # against the same run on one device: the logged train and validation losses agree. One of

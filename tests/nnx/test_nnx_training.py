@@ -13,6 +13,7 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
+from support import legs
 
 from attnx import nn as attnx_nn
 from attnx import nnx as anx
@@ -113,6 +114,7 @@ def test_to_linen_and_linen_twin_refuse_what_they_cannot_do():
   assert anx.linen_twin(linen) is linen and not anx.is_nnx(linen)
 
 
+@legs.experiment_run
 def test_the_language_model_tiny_preset_runs_with_model_api_nnx(tmp_path, monkeypatch):
   monkeypatch.setenv("ATTNX_DATA_DIR", str(tmp_path / "data"))
   c = exp.get_config("tiny")

@@ -12,8 +12,9 @@ dealt in turn, so that they follow no one parameter axis (the differential net's
 arithmetic (kernels against a float64 reference, one weighting or draw per case), not tests
 of a JAX or Flax API's behaviour; and, as one group (:data:`experiment_run`), the tiny
 end-to-end runs of the experiments that build on the library's tested pieces (each
-experiment runs on one end; the language-model preset, its sequence-parallel run and the
-default experiment, which launch.py's tests start, on both).
+experiment runs on one end, as do the language-model preset's sequence-parallel run and its
+run with NNX models; the language-model preset and the default experiment, which launch.py's
+tests start, on both).
 """
 
 from __future__ import annotations

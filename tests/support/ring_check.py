@@ -488,9 +488,12 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--kind", default=None)
     parser.add_argument("--pallas", action="store_true")
+    parser.add_argument("--only", default=None, help="with --ci: the draws' indices, a,b,...")
     args = parser.parse_args()
     draws = (ring_draws.ci_sample() if args.ci
              else ring_draws.large_sample(args.seed, args.random, args.kind, args.pallas))
+    if args.only is not None:
+      draws = [draws[int(i)] for i in args.only.split(",")]
     print("RESULT " + json.dumps(run_draws(draws)))
     return
   names = sys.argv[1:] or [*CASES, "learned_params", *VMA_RUNS]

@@ -295,9 +295,12 @@ def _on_pallas_steps(d: RingDraw) -> RingDraw:
 # The CI sample: every family × layout × causal once (16 draws), the rest of each draw random;
 # the first draw long (P = 8, a global length ≥ 1000 that is no power of two), the second
 # SSMax with a learned s, ALiBi and sinks (the reference one head at a time), the fifth
-# unnormalized sigmoid (its F sees the global key count: b = −log S). The others' score
-# modifications and sinks are drawn: a cap, ALiBi, a table, the fn and sinks in several
-# families (tests/core/test_ring.py holds the sample to it).
+# unnormalized sigmoid (its F sees the global key count: b = −log S) with a relative table,
+# the sixth SSMax with sinks. The others' score modifications and sinks are drawn: a cap,
+# ALiBi, a table, the fn and sinks in several families (tests/core/test_ring.py holds the
+# sample to it). CI deals the draws between the ends of the JAX range (tests/support/legs.py):
+# the second and fifth fall to the newest, the sixth to the oldest, so that each end compares
+# the gradients of ALiBi's slopes, a table and the sinks (F without a kink there).
 CI_FIRST = 1_000_000
 CI_DRAWS = len(FAMILIES) * len(LAYOUTS) * 2
 
@@ -311,7 +314,8 @@ def ci_sample() -> list[RingDraw]:
     out.append(draw(CI_FIRST + i, "ci", family=family, layout=layout, causal=causal,
                     long=i == 0, learned=True if i == 1 else None,
                     weighting="sigmoid:normalization=none" if i == 4 else None,
-                    score_mod="alibi" if i == 1 else None, sinks=True if i == 1 else None))
+                    score_mod={1: "alibi", 4: "table"}.get(i),
+                    sinks=True if i in (1, 5) else None))
   return out
 
 

@@ -418,8 +418,10 @@ def pallas_attention(q: Array, k: Array, v: Array, *, weighting: Any,
     skip_zero_tiles: sparsemax/entmax only: in the output pass and the backward, a key tile
       whose scores show every weight of the query tile to be zero (all x ≤ τ) adds nothing and
       its remaining work (powers, P·V; dP, dS·K, Pᵀ·dO, dSᵀ·Q) is left out (AdaSplash's block
-      skipping; the scores are computed to find out). The result is the same bit for bit;
-      False computes every tile (for side-by-side timings). The threshold passes compute
+      skipping; the scores are computed to find out). The skipped tiles add exact zeros: the
+      result is the same bit for bit as where no tile is skipped (up to how the compiler rounds
+      a loop with and without the branch); False computes every tile (for side-by-side
+      timings). The threshold passes compute
       every tile: these kernels keep no table of tile maxima across passes.
     structured_mask: a structured mask (:mod:`attnx.core.masks`) bound to the flat batch
       (:meth:`~attnx.core.masks.Mask.bind` with batch ``(B,)``), and-ed with ``mask``: every
